@@ -149,7 +149,12 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     if "gguf_file" in source_kwargs:
         cached = _dequantized_cache(Path(source) / source_kwargs["gguf_file"]) / "model"
         if not (cached / "config.json").is_file():
-            _save_atomically(AutoModelForCausalLM.from_pretrained(source, **source_kwargs, dtype=torch.float32), cached)
+            dequantized = AutoModelForCausalLM.from_pretrained(source, **source_kwargs, dtype=torch.float32)
+            # The weights are plain fp32 tensors now; drop the GGUF marker that blocks save_pretrained.
+            dequantized.hf_quantizer = None
+            if hasattr(dequantized.config, "quantization_config"):
+                del dequantized.config.quantization_config
+            _save_atomically(dequantized, cached)
         model = AutoModelForCausalLM.from_pretrained(cached, **common)
     else:
         try:

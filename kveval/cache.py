@@ -1,0 +1,434 @@
+"""A KV cache that compresses what it holds, built on transformers' ``Cache`` API.
+
+:class:`CompressedCache` is a ``transformers.Cache`` whose layers
+(:class:`CompressedLayer`) keep, for every sequence of the batch separately,
+a token store (:mod:`kveval.storage`) plus each kept token's original position.
+It plugs into any causal LM through ``model(..., cache=cache)`` when the model
+was loaded with ``attn_implementation="kveval"`` (see :mod:`kveval.attention`).
+
+Life of a sequence
+------------------
+1. The first forward pass is the *prefill*. Keys and values are stored in full
+   precision; each layer's attention function lets the selection policy observe
+   the attention it needs, then the layer *compresses*: the selection policy
+   keeps its budget of tokens (per KV head), and the store encodes them
+   (low-rank, quantized).
+2. Every later forward pass appends tokens, which are encoded as they age out of
+   the full-precision residual; policies with a decode budget evict after each
+   step so the cache never holds more than the budget.
+
+Batches: rows are stored separately and compressed exactly as they would be
+alone; the padded batch given to attention carries a mask built from each
+kept token's original position, so padding and eviction always agree and a
+batch gives the answers of batch size 1. Input padding is declared with
+:meth:`CompressedCache.set_input_mask` (the :mod:`kveval.generation` driver
+does this); padding tokens are never stored.
+
+Hybrid models (Gemma 3): sliding-window layers keep only the model's own
+window, as the model's native cache does. Selection policies apply to
+full-attention layers only, since sliding layers are already bounded and
+evicting inside the window would compound two policies; quantization and
+low-rank structure apply to every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kveval.policies import PolicyStack, ScoringState, parse_policy
+from kveval.storage import DenseStore, QuantizedStore
+
+_PAD_POSITION = 2**62  # slot position of padding in a stacked batch: never visible to any query
+_QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
+
+
+@dataclass
+class RowState:
+    """One sequence in one layer: its store, the original position of every kept token, and policy scores."""
+
+    store: object
+    positions: torch.Tensor  # [kv_heads, tokens], int64
+    attention: torch.Tensor | None = None  # [kv_heads, tokens], accumulated as the policy asks
+    tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
+    compressed: bool = False
+
+
+@dataclass
+class CacheStats:
+    """Measured cache size for one batch.
+
+    Attributes
+    ----------
+    kv_bytes : int
+        Bytes of the K/V storage tensors the cache holds (codes, scales, zero
+        points, full-precision tokens), summed over layers and sequences.
+    nominal_bytes : int
+        Bytes the model's uncompressed cache would hold for the same tokens in
+        the model's dtype (sliding layers: at most their window).
+    index_bytes : int
+        Bookkeeping that compression adds: original positions and policy scores.
+    tokens_seen : list of int
+        Real tokens processed per sequence.
+    kept_tokens : list of list of int
+        Tokens held per layer (outer) and sequence (inner), per KV head.
+    """
+
+    kv_bytes: int
+    nominal_bytes: int
+    index_bytes: int
+    tokens_seen: list[int]
+    kept_tokens: list[list[int]] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        """Measured / uncompressed bytes (0.25 means a quarter of the memory)."""
+        return self.kv_bytes / self.nominal_bytes if self.nominal_bytes else 1.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Measured K/V bytes per processed token, all layers."""
+        return self.kv_bytes / max(1, sum(self.tokens_seen))
+
+    @property
+    def nominal_bytes_per_token(self) -> float:
+        return self.nominal_bytes / max(1, sum(self.tokens_seen))
+
+    def summary(self) -> str:
+        return (f"cache: measured {self.kv_bytes:,} B, uncompressed {self.nominal_bytes:,} B, "
+                f"ratio {self.ratio:.3f} ({1 / self.ratio if self.ratio else float('inf'):.2f}x smaller), "
+                f"{self.bytes_per_token:,.0f} B/token")
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer of a :class:`CompressedCache`; stores each sequence of the batch separately."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "CompressedCache", layer_idx: int, sliding_window: int | None = None):
+        super().__init__()
+        self.cache, self.layer_idx, self.sliding_window = cache, layer_idx, sliding_window
+        self.is_sliding = sliding_window is not None
+        self.selection = None if self.is_sliding else cache.policy.selection
+        self.rows: list[RowState] = []
+        self.columns_seen = 0  # input columns processed, padding included (what DynamicLayer would report)
+        self.contiguous = True  # every row holds every column: the model's own causal mask is exact
+        self._query_positions: torch.Tensor | None = None
+        self._slot_positions: torch.Tensor | None = None
+
+    # --- transformers CacheLayerMixin interface -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        heads = key_states.shape[1]
+        self.rows = [RowState(self.cache.new_store(self.layer_idx, key_states.dtype),
+                              torch.empty(heads, 0, dtype=torch.long, device=self.device))
+                     for _ in range(key_states.shape[0])]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
+        """Store the new tokens and return the padded batch of kept K/V, ``[B, kv_heads, slots, head_dim]``.
+
+        Also places the mask this layer's attention must use in ``kwargs`` (the
+        attention module passes the same dict on to the attention function).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, q_len, _ = key_states.shape
+        real = self.cache.input_real(batch, q_len, key_states.device)
+        positions = self._new_positions(kwargs, real)
+        for b, row in enumerate(self.rows):
+            keep = real[b]
+            if self.is_sliding and row.positions.shape[1]:
+                self._trim_to_window(row, int(positions[b][keep].min()) if keep.any() else None)
+            if keep.any():
+                new_positions = positions[b][keep].unsqueeze(0).expand(heads, -1)
+                row.store.append(key_states[b][:, keep], value_states[b][:, keep])
+                row.positions = torch.cat([row.positions, new_positions], dim=1)
+                row.tokens_seen += int(keep.sum())
+                if row.compressed:
+                    row.store.seal()
+        self.columns_seen += q_len
+        if not bool(real.all()):
+            self.contiguous = False
+        keys, values, slot_positions = self._stacked()
+        self._query_positions = positions
+        self._slot_positions = slot_positions
+        if kwargs is not None:
+            kwargs["kveval_layer"] = self
+            kwargs["kveval_mask"] = None if self.contiguous else self.allowed_mask(positions, heads_of_query=None)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.columns_seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.rows, self.columns_seen, self.contiguous, self.is_initialized = [], 0, True, False
+
+    # --- positions and masks --------------------------------------------------------------------
+    def _new_positions(self, kwargs, real: torch.Tensor) -> torch.Tensor:
+        """Original positions of the incoming tokens, ``[B, q]``: ``position_ids`` if given, else each row's count."""
+        given = None if kwargs is None else kwargs.get("position_ids")
+        if given is not None:
+            return given.to(torch.long).expand(real.shape[0], -1)
+        starts = torch.tensor([row.tokens_seen for row in self.rows], device=real.device)
+        return starts[:, None] + real.long().cumsum(dim=1) - 1
+
+    def _trim_to_window(self, row: RowState, first_new_position: int | None) -> None:
+        """Sliding layers: drop tokens no upcoming query can see (the model's own window)."""
+        if first_new_position is None:
+            return
+        visible = row.positions[0] > first_new_position - self.sliding_window
+        if not bool(visible.all()):
+            index = visible.nonzero().squeeze(1).unsqueeze(0).expand(row.positions.shape[0], -1)
+            self._select(row, index)
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-pad the rows' kept tokens into one batch; padding slots get an invisible position."""
+        kvs = [row.store.keys_values() for row in self.rows]
+        if len(self.rows) == 1:
+            return kvs[0][0][None], kvs[0][1][None], self.rows[0].positions[None]
+        slots = max(k.shape[1] for k, _ in kvs)
+        keys = kvs[0][0].new_zeros(len(self.rows), kvs[0][0].shape[0], slots, kvs[0][0].shape[2])
+        values = kvs[0][1].new_zeros(len(self.rows), kvs[0][1].shape[0], slots, kvs[0][1].shape[2])
+        positions = torch.full((len(self.rows), keys.shape[1], slots), _PAD_POSITION, dtype=torch.long, device=keys.device)
+        for b, ((k, v), row) in enumerate(zip(kvs, self.rows)):
+            n = k.shape[1]
+            if n:
+                keys[b, :, slots - n:], values[b, :, slots - n:] = k, v
+                positions[b, :, slots - n:] = row.positions
+        return keys, values, positions
+
+    def allowed_mask(self, query_positions: torch.Tensor, heads_of_query: int | None) -> torch.Tensor:
+        """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window).
+
+        ``heads`` is 1 when every KV head keeps the same tokens, else the number
+        of query heads (``heads_of_query``) or KV heads (when ``None``).
+        """
+        slots = self._slot_positions
+        if bool((slots == slots[:, :1]).all()):
+            slots = slots[:, :1]
+        key_pos, query_pos = slots[:, :, None, :], query_positions[:, None, :, None]
+        allowed = key_pos <= query_pos
+        if self.is_sliding:
+            allowed &= key_pos > query_pos - self.sliding_window
+        allowed |= ~allowed.any(dim=-1, keepdim=True)  # padding queries: attend somewhere rather than produce NaN
+        if heads_of_query is not None and allowed.shape[1] > 1:
+            allowed = allowed.repeat_interleave(heads_of_query // allowed.shape[1], dim=1)
+        return allowed
+
+    # --- scoring and compression ----------------------------------------------------------------
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        """Called by the attention function once this layer's output is computed."""
+        policy = self.selection
+        needs = policy.attention if policy is not None else "none"
+        if needs != "none" and (needs in ("all", "last") or not all(r.compressed for r in self.rows)):
+            self._observe(query, keys, scaling, needs, getattr(policy, "window", 1))
+        if self.cache.defer_compression:
+            return
+        for b, row in enumerate(self.rows):
+            if not row.compressed:
+                self.compress_row(row, self.cache.protected(b))
+            elif policy is not None and policy.decode_budget is not None and row.store.length > policy.decode_budget:
+                self._evict_to(row, policy.decode_budget, protect_last=1)
+
+    def _observe(self, query, keys, scaling, needs: str, window: int) -> None:
+        """Accumulate, per row, the attention mass each kept token received from the queries the policy asks for."""
+        q_len = query.shape[2]
+        real = self.cache.input_real(query.shape[0], q_len, query.device)
+        if needs == "window":
+            first = max(0, q_len - window)
+        elif needs == "last":
+            first = q_len - 1
+        else:
+            first = 0
+        mass = None
+        for start in range(first, q_len, _QUERY_CHUNK):
+            stop = min(q_len, start + _QUERY_CHUNK)
+            allowed = self.allowed_mask(self._query_positions[:, start:stop], heads_of_query=query.shape[1])
+            groups = query.shape[1] // keys.shape[1]
+            k = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
+            logits = torch.matmul(query[:, :, start:stop].float(), k.float().transpose(-1, -2)) * scaling
+            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+            probs = probs * real[:, None, start:stop, None]  # padding queries contribute nothing
+            part = probs.reshape(probs.shape[0], keys.shape[1], groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
+            mass = part if mass is None else mass + part
+        slots = mass.shape[-1]
+        for b, row in enumerate(self.rows):
+            n = row.store.length
+            row_mass = mass[b, :, slots - n:]
+            if needs == "all" and row.attention is not None:
+                previous = torch.nn.functional.pad(row.attention, (0, n - row.attention.shape[1]))
+                row.attention = previous + row_mass
+            else:
+                row.attention = row_mass
+
+    def scoring_state(self, row: RowState, seed: int) -> ScoringState:
+        keys, _ = row.store.keys_values()
+        return ScoringState(keys=keys, positions=row.positions, attention=row.attention,
+                            layer_idx=self.layer_idx, num_layers=self.cache.num_layers, seed=seed)
+
+    def compress_row(self, row: RowState, protect_last: int = 0, policy=None) -> None:
+        """Prefill compression of one row: keep the selection's budget of context tokens, then seal the store."""
+        policy = policy or self.selection
+        if policy is not None:
+            n = row.store.length
+            candidates = n - min(protect_last, n)
+            keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
+            if keep < candidates:
+                scores = policy.scores(self.scoring_state(row, self.cache.seed_for(self.rows.index(row))))
+                chosen = scores[:, :candidates].topk(keep, dim=1).indices.sort(dim=1).values
+                protected = torch.arange(candidates, n, device=chosen.device).expand(chosen.shape[0], -1)
+                self._select(row, torch.cat([chosen, protected], dim=1))
+        row.store.seal()
+        row.compressed = True
+
+    def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
+        """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always)."""
+        n = row.store.length
+        scores = self.selection.scores(self.scoring_state(row, self.cache.seed_for(self.rows.index(row)))).clone()
+        scores[:, n - protect_last:] = float("inf")
+        index = scores.topk(budget, dim=1).indices.sort(dim=1).values
+        self._select(row, index)
+        row.store.seal()
+
+    def _select(self, row: RowState, index: torch.Tensor) -> None:
+        row.store.select(index)
+        row.positions = row.positions.gather(1, index)
+        if row.attention is not None:
+            row.attention = row.attention.gather(1, index)
+        self.contiguous = False
+
+    # --- measurement ----------------------------------------------------------------------------
+    def nominal_tokens(self, row: RowState) -> int:
+        return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window)
+
+
+class CompressedCache(Cache):
+    """A ``transformers.Cache`` that applies a compression policy and measures what it holds.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        The model the cache serves (its config gives layers, heads, sliding layers, dtype).
+        Load it with ``attn_implementation="kveval"`` (:func:`kveval.models.load_model` does).
+    policy : str or PolicyStack
+        A spec such as ``"snapkv(ratio=0.5)+kivi(bits=4)"``; ``"none"`` keeps everything.
+    seed : int
+        Base seed for the ``random`` control policy (row ``b`` uses ``seed + b``).
+    defer_compression : bool
+        Store the prefill uncompressed with the policy's scores and compress only
+        through :meth:`compressed_copy` (one prefill, many budgets).
+    """
+
+    def __init__(self, model, policy: "str | PolicyStack" = "none", seed: int = 0, defer_compression: bool = False):
+        config = model.config.get_text_config()
+        self.policy = parse_policy(policy)
+        self.num_layers = config.num_hidden_layers
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.seed, self.defer_compression = seed, defer_compression
+        self.model = model
+        if self.policy.quantization is not None:
+            self.policy.quantization.check_head_dim(self.head_dim)
+        self._input_mask: torch.Tensor | None = None
+        self._protect_last: list[int] | None = None
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
+        window = getattr(config, "sliding_window", None)
+        layers = [CompressedLayer(self, i, window if kind == "sliding_attention" and window else None)
+                  for i, kind in enumerate(layer_types)]
+        super().__init__(layers=layers)
+
+    # --- what the driver declares before a forward pass -----------------------------------------
+    def set_input_mask(self, mask: torch.Tensor | None) -> None:
+        """Declare which input tokens of the next forward are real (``[B, q]``, 1 = real, 0 = padding)."""
+        self._input_mask = None if mask is None else mask.bool()
+
+    def set_protected(self, protect_last: list[int] | None) -> None:
+        """Keep the last ``protect_last[b]`` tokens of row ``b``'s prefill out of selection (query-aware mode)."""
+        self._protect_last = protect_last
+
+    def input_real(self, batch: int, q_len: int, device) -> torch.Tensor:
+        if self._input_mask is None:
+            return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        return self._input_mask.to(device)
+
+    def protected(self, b: int) -> int:
+        return 0 if self._protect_last is None else self._protect_last[b]
+
+    def seed_for(self, b: int) -> int:
+        return self.seed + b
+
+    # --- store construction ---------------------------------------------------------------------
+    def new_store(self, layer_idx: int, dtype: torch.dtype):
+        quant = self.policy.quantization
+        inner = DenseStore() if quant is None else QuantizedStore(quant.key_quant, quant.value_quant, quant.residual_tokens, dtype)
+        structure = self.policy.structure
+        return inner if structure is None else structure.wrap_store(inner, self.model, layer_idx)
+
+    # --- one prefill, many budgets ---------------------------------------------------------------
+    def compressed_copy(self, policy: "str | PolicyStack") -> "CompressedCache":
+        """A copy of this deferred, uncompressed cache, compressed with ``policy``.
+
+        ``policy`` must use the same scores as this cache's policy (same selection
+        policy and parameters except ``ratio``/``budget``), so the prefill is run
+        once for many budgets.
+        """
+        import copy
+
+        if not self.defer_compression:
+            raise ValueError("compressed_copy needs a cache built with defer_compression=True")
+        target = parse_policy(policy)
+        clone = copy.copy(self)
+        clone.policy, clone.defer_compression = target, False
+        clone.layers = []
+        for layer in self.layers:
+            new = copy.copy(layer)
+            new.cache = clone
+            new.selection = None if layer.is_sliding else target.selection
+            new.rows = [RowState(copy.deepcopy(r.store), r.positions.clone(),
+                                 None if r.attention is None else r.attention.clone(), r.tokens_seen, False)
+                        for r in layer.rows]
+            for b, row in enumerate(new.rows):
+                new.compress_row(row, clone.protected(b))
+            clone.layers.append(new)
+        return clone
+
+    # --- measurement ----------------------------------------------------------------------------
+    def stats(self, row: int | None = None) -> CacheStats:
+        """Measured and nominal bytes, and kept tokens per layer, for the batch or one of its rows."""
+        kv = index = nominal = 0
+        kept = []
+        for layer in self.layers:
+            rows = layer.rows if row is None else layer.rows[row:row + 1]
+            per_token = 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=getattr(layer, "dtype", torch.float32)).element_size()
+            for r in rows:
+                kv += r.store.nbytes
+                index += r.positions.numel() * r.positions.element_size()
+                if r.attention is not None:
+                    index += r.attention.numel() * r.attention.element_size()
+                nominal += layer.nominal_tokens(r) * per_token
+            kept.append([r.store.length for r in rows])
+        first = self.layers[0].rows if self.layers else []
+        seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
+        return CacheStats(kv, nominal, index, seen, kept)
+
+
+def nominal_bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
+    """Uncompressed K/V bytes per token over all layers: 2 x layers x kv_heads x head_dim x bytes per element."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = torch.empty(0, dtype=dtype or model.dtype).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
+
+__all__ = ["CacheStats", "CompressedCache", "CompressedLayer", "nominal_bytes_per_token"]

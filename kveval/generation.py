@@ -1,0 +1,208 @@
+"""Greedy generation under a compression policy: the one driver every kveval command uses.
+
+A prompt is a *context* and a *question* (token ids). In ``mode="context"``
+(query-agnostic, the default) the context is prefilled and compressed before
+the question is seen, as a cached prefix, a long system prompt or an earlier
+chat turn is in deployment; the question is then appended to the compressed
+cache. In ``mode="query"`` (query-aware) context and question are prefilled
+together; the question's tokens are kept and the context is compressed with
+the question in view.
+
+Batches are left-padded; padding is declared to the cache, which never stores
+it, so every row gets exactly the tokens it would get alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kveval.cache import CacheStats, CompressedCache
+from kveval.policies import PolicyStack, parse_policy
+
+MODES = ("context", "query")
+
+
+@dataclass
+class Prompt:
+    """Token ids of one prompt, split where compression happens in ``context`` mode."""
+
+    context: list[int]
+    question: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.context) + len(self.question)
+
+
+@dataclass
+class GenerationResult:
+    """One row's output.
+
+    Attributes
+    ----------
+    text : str
+        Decoded generation (special tokens removed; stop strings cut).
+    token_ids : list of int
+        Generated ids, EOS excluded.
+    logprobs : list of float
+        Natural-log probability of each generated token under the compressed model.
+    stats : CacheStats
+        Cache size of this row once generation ended.
+    prefill_seconds : float
+        Time to first token of the batch (its prefill forwards).
+    decode_tokens_per_second : float
+        Generated tokens of this row divided by the batch's decode time.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    stats: CacheStats
+    prefill_seconds: float
+    decode_tokens_per_second: float
+
+
+def encode_prompt(tokenizer, text: str, chat: bool | None = None) -> Prompt:
+    """A whole text as the context (chat template applied when the tokenizer has one, unless ``chat=False``)."""
+    if chat is None:
+        chat = tokenizer.chat_template is not None
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return Prompt(list(ids))
+    return Prompt(tokenizer(text)["input_ids"])
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long, device=device)
+            mask[b, width - len(r):] = True
+    return ids, mask
+
+
+def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One left-padded forward pass that appends ``rows[b]`` to row ``b`` of ``cache``.
+
+    ``seen[b]`` (tokens row ``b`` has processed so far) is advanced in place.
+    Returns the logits ``[B, width, vocab]`` and the real-token mask ``[B, width]``.
+    """
+    device = model.device
+    ids, mask = _left_pad(rows, pad_id, device)
+    start = torch.tensor(seen, device=device)[:, None]
+    position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    cache.set_input_mask(mask)
+    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True).logits
+    for b, r in enumerate(rows):
+        seen[b] += len(r)
+    return logits, mask
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack" = "none", max_new_tokens: int = 32,
+             mode: str = "context", batch_size: int = 1, stop: list[str] | None = None, seed: int = 0) -> list[GenerationResult]:
+    """Greedy decoding of ``prompts`` with ``policy`` applied at prefill and during decoding.
+
+    Parameters
+    ----------
+    model, tokenizer
+        From :func:`kveval.models.load_model` (any causal LM loaded with ``attn_implementation="kveval"``).
+    prompts : list of Prompt
+        Token ids; see :func:`encode_prompt` for plain text.
+    policy : str or PolicyStack
+        Compression policy spec.
+    max_new_tokens : int
+        Generation stops at EOS, a stop string, or this many tokens.
+    mode : {"context", "query"}
+        Compress the context before the question is seen, or with it.
+    batch_size : int
+        Rows per forward pass; results do not depend on it.
+    stop : list of str, optional
+        Stop strings; the text is cut before the first one.
+    seed : int
+        Seed of the ``random`` control policy (row ``i`` of the whole list uses ``seed + i``).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; use 'context' (compress before the question) or 'query' (compress with it)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    policy = parse_policy(policy)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    for p in prompts:
+        if limit and p.length + max_new_tokens > limit:
+            raise ValueError(f"prompt of {p.length} tokens + {max_new_tokens} new tokens exceeds the model's {limit} positions; use a shorter context")
+        if not p.context:
+            raise ValueError("a prompt needs at least one context token")
+    results = []
+    for first in range(0, len(prompts), batch_size):
+        results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy, max_new_tokens, mode, stop or [], seed + first)
+    return results
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tokenizer.eos_token_id} | (set(configured) if isinstance(configured, list) else {configured})
+    ids.discard(None)
+    return ids
+
+
+def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed):
+    eos = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cache = CompressedCache(model, policy, seed=seed)
+    batch = len(prompts)
+    seen = [0] * batch
+    started = time.perf_counter()
+    if mode == "query":
+        cache.set_protected([len(p.question) for p in prompts])
+        phases = [[p.context + p.question for p in prompts]]
+    else:
+        phases = [[p.context for p in prompts]]
+        if any(p.question for p in prompts):
+            phases.append([p.question for p in prompts])
+    last_logits = None
+    for rows in phases:
+        logits, mask = forward_rows(model, cache, rows, seen, pad_id)
+        cache.set_protected(None)
+        step_last = logits[:, -1].float()
+        has_token = mask[:, -1:]
+        last_logits = step_last if last_logits is None else torch.where(has_token, step_last, last_logits)
+    prefill_seconds = time.perf_counter() - started
+    tokens = [[] for _ in range(batch)]
+    logprobs = [[] for _ in range(batch)]
+    done = [False] * batch
+    decode_started = time.perf_counter()
+    for step in range(max_new_tokens):
+        log_probs = torch.log_softmax(last_logits, dim=-1)
+        next_ids = log_probs.argmax(dim=-1)
+        for b in range(batch):
+            if done[b]:
+                continue
+            token = int(next_ids[b])
+            if token in eos:
+                done[b] = True
+                continue
+            tokens[b].append(token)
+            logprobs[b].append(float(log_probs[b, token]))
+            if stop and any(s in tokenizer.decode(tokens[b], skip_special_tokens=True) for s in stop):
+                done[b] = True
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits, _ = forward_rows(model, cache, [[int(t)] for t in next_ids], seen, pad_id)
+        last_logits = logits[:, -1].float()
+    decode_seconds = max(time.perf_counter() - decode_started, 1e-9)
+    results = []
+    for b in range(batch):
+        text = tokenizer.decode(tokens[b], skip_special_tokens=True)
+        for s in stop:
+            text = text.split(s)[0]
+        results.append(GenerationResult(text, tokens[b], logprobs[b], cache.stats(row=b), prefill_seconds,
+                                        len(tokens[b]) / decode_seconds))
+    return results

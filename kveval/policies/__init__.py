@@ -1,0 +1,19 @@
+"""Compression policies. Importing this package registers every policy."""
+
+from kveval.policies import none, quant, window  # noqa: F401  (registration)
+from kveval.policies.base import (
+    POLICIES,
+    Policy,
+    PolicyStack,
+    RatioSelectionPolicy,
+    RepresentationPolicy,
+    ScoringState,
+    SelectionPolicy,
+    parse_policy,
+    register_policy,
+)
+
+__all__ = [
+    "POLICIES", "Policy", "PolicyStack", "RatioSelectionPolicy", "RepresentationPolicy",
+    "ScoringState", "SelectionPolicy", "parse_policy", "register_policy",
+]

@@ -1,0 +1,15 @@
+"""The uncompressed baseline."""
+
+from dataclasses import dataclass
+
+from kveval.policies.base import Policy, register_policy
+
+
+@register_policy
+@dataclass
+class NoCompression(Policy):
+    """Keep every token in the model's own dtype; the baseline every run is compared with."""
+
+    name = "none"
+    family = "none"
+    description = "uncompressed baseline: every token, full precision"

@@ -1,0 +1,474 @@
+"""Paired statistics for a candidate run against its baseline, item by item.
+
+Every function takes the *baseline* outcome first and the *candidate* outcome
+second, paired by position (item ``i`` of one array is item ``i`` of the other),
+and reports changes as ``candidate - baseline``: a negative change is a loss.
+
+The functions are pure: no files, no printing, deterministic for a given
+``seed``. They wrap SciPy where SciPy has the test (bootstrap, binomial test,
+Wilcoxon, permutation test, Benjamini-Hochberg) and implement Holm by hand,
+because SciPy has no Holm correction.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy import stats as _st
+
+__all__ = [
+    "Interval",
+    "McNemarResult",
+    "Flips",
+    "NonInferiority",
+    "paired_bootstrap_ci",
+    "mcnemar_exact",
+    "wilcoxon_test",
+    "paired_permutation_test",
+    "flips",
+    "holm",
+    "benjamini_hochberg",
+    "non_inferiority",
+    "is_binary",
+]
+
+ArrayLike = Sequence[float] | np.ndarray
+
+#: Above this many paired items the bootstrap uses the percentile interval instead of BCa.
+BCA_MAX_ITEMS = 10_000
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a confidence interval.
+
+    Attributes
+    ----------
+    estimate : float
+        The statistic on the observed data (mean of ``candidate - baseline``).
+    low, high : float
+        Interval bounds; ``high`` is ``inf`` for a one-sided lower bound.
+    confidence_level : float
+        Coverage of the interval, e.g. 0.95.
+    method : str
+        ``"BCa"``, ``"percentile"`` or ``"degenerate"`` (every paired difference
+        is the same value, so the interval is that value).
+    """
+
+    estimate: float
+    low: float
+    high: float
+    confidence_level: float
+    method: str
+
+
+@dataclass(frozen=True)
+class McNemarResult:
+    """Exact McNemar test on paired right/wrong outcomes.
+
+    Attributes
+    ----------
+    n_regressed : int
+        Items right at baseline and wrong under the candidate.
+    n_improved : int
+        Items wrong at baseline and right under the candidate.
+    pvalue : float
+        Two-sided exact p-value; 1.0 when there are no discordant pairs.
+    """
+
+    n_regressed: int
+    n_improved: int
+    pvalue: float
+
+
+@dataclass(frozen=True)
+class Flips:
+    """How many individual answers changed correctness.
+
+    Attributes
+    ----------
+    n : int
+        Paired items.
+    n_regressed, n_improved : int
+        Right->wrong and wrong->right counts.
+    negative_rate, positive_rate : float
+        The same counts divided by ``n`` (0.0 when ``n`` is 0).
+    """
+
+    n: int
+    n_regressed: int
+    n_improved: int
+    negative_rate: float
+    positive_rate: float
+
+
+@dataclass(frozen=True)
+class NonInferiority:
+    """One-sided non-inferiority check of the mean change against a margin.
+
+    Attributes
+    ----------
+    delta : float
+        Observed mean change ``candidate - baseline``.
+    lower : float
+        One-sided ``1 - alpha`` lower confidence bound of the mean change.
+    margin : float
+        Largest acceptable loss (positive number).
+    alpha : float
+        One-sided error rate of the bound.
+    passed : bool
+        ``lower > -margin``: the loss is shown to be smaller than the margin.
+    """
+
+    delta: float
+    lower: float
+    margin: float
+    alpha: float
+    passed: bool
+
+
+def _paired(baseline: ArrayLike, candidate: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(baseline, dtype=float).ravel()
+    b = np.asarray(candidate, dtype=float).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"paired samples differ in length: {a.size} baseline vs {b.size} candidate")
+    if a.size == 0:
+        raise ValueError("no paired items")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("paired samples contain NaN or infinite values")
+    return a, b
+
+
+def _paired_bool(baseline: ArrayLike, candidate: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(baseline).ravel()
+    b = np.asarray(candidate).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"paired samples differ in length: {a.size} baseline vs {b.size} candidate")
+    return a.astype(bool), b.astype(bool)
+
+
+def _mean_diff(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.mean(b - a, axis=axis)
+
+
+_BOOTSTRAP_TAKES_RNG = "rng" in inspect.signature(_st.bootstrap).parameters
+_PERMUTATION_TAKES_RNG = "rng" in inspect.signature(_st.permutation_test).parameters
+
+
+def _rng_kwargs(seed: int | None, takes_rng: bool) -> dict:
+    # SciPy >= 1.15 takes `rng`; older releases call it `random_state`.
+    gen = np.random.default_rng(seed)
+    return {"rng": gen} if takes_rng else {"random_state": gen}
+
+
+def _batch_for(n: int, n_resamples: int) -> int:
+    # Bound the memory of one vectorized call (resamples x items, and BCa's jackknife).
+    return int(max(1, min(n_resamples, 4_000_000 // max(n, 1))))
+
+
+def paired_bootstrap_ci(
+    baseline: ArrayLike,
+    candidate: ArrayLike,
+    *,
+    confidence_level: float = 0.95,
+    n_resamples: int = 9999,
+    seed: int | None = 0,
+    method: str = "BCa",
+    alternative: str = "two-sided",
+) -> Interval:
+    """Paired bootstrap confidence interval of the mean change ``candidate - baseline``.
+
+    Items are resampled as pairs (``scipy.stats.bootstrap((a, b), stat,
+    paired=True)``), so item difficulty cancels out.
+
+    Parameters
+    ----------
+    baseline, candidate : array_like
+        Per-item scores, paired by position.
+    confidence_level : float, optional
+        Coverage of the interval (default 0.95).
+    n_resamples : int, optional
+        Bootstrap resamples (default 9999).
+    seed : int or None, optional
+        Seed of ``np.random.default_rng``; the same seed gives the same interval.
+    method : {"BCa", "percentile", "basic"}, optional
+        SciPy's interval method. When BCa cannot be computed (few distinct
+        values), the percentile interval is returned instead; above
+        ``BCA_MAX_ITEMS`` items BCa's jackknife (quadratic in the number of
+        items) is skipped for the percentile interval too.
+    alternative : {"two-sided", "greater", "less"}, optional
+        ``"greater"`` gives a one-sided lower bound (``high`` is ``inf``).
+
+    Returns
+    -------
+    Interval
+        Estimate and bounds. When all paired differences are equal the
+        bootstrap distribution is a single point and the interval is
+        ``(d, d)`` (``method="degenerate"``).
+
+    Raises
+    ------
+    ValueError
+        On empty, unequal-length or non-finite input.
+    """
+    a, b = _paired(baseline, candidate)
+    diff = b - a
+    estimate = float(diff.mean())
+    if np.all(diff == diff[0]):
+        low = estimate if alternative != "less" else -math.inf
+        high = estimate if alternative != "greater" else math.inf
+        return Interval(estimate, low, high, confidence_level, "degenerate")
+
+    def run(m: str):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DegenerateDataWarning, RuntimeWarning from BCa on tiny samples
+            res = _st.bootstrap(
+                (a, b),
+                _mean_diff,
+                paired=True,
+                vectorized=True,
+                n_resamples=n_resamples,
+                batch=_batch_for(a.size, n_resamples),
+                confidence_level=confidence_level,
+                alternative=alternative,
+                method=m,
+                **_rng_kwargs(seed, _BOOTSTRAP_TAKES_RNG),
+            )
+        return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+    used = method
+    if method.lower() == "bca" and a.size > BCA_MAX_ITEMS:
+        used = "percentile"
+    low, high = run(used)
+    if used.lower() == "bca" and (math.isnan(low) or math.isnan(high)):
+        low, high = run("percentile")
+        used = "percentile"
+    return Interval(estimate, low, high, confidence_level, used)
+
+
+def mcnemar_exact(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> McNemarResult:
+    """Exact (binomial) McNemar test of paired right/wrong outcomes.
+
+    Only discordant pairs carry information: under the null hypothesis an item
+    that changed is equally likely to have regressed or improved, so the p-value
+    is ``scipy.stats.binomtest(n_regressed, n_regressed + n_improved, 0.5)``.
+
+    Parameters
+    ----------
+    baseline_correct, candidate_correct : array_like of bool
+        Per-item correctness, paired by position.
+
+    Returns
+    -------
+    McNemarResult
+        Discordant counts and the two-sided p-value (1.0 when no item changed),
+        equal to statsmodels' ``mcnemar(table, exact=True)``.
+    """
+    a, b = _paired_bool(baseline_correct, candidate_correct)
+    regressed = int(np.sum(a & ~b))
+    improved = int(np.sum(~a & b))
+    if regressed + improved == 0:
+        return McNemarResult(regressed, improved, 1.0)
+    p = float(_st.binomtest(regressed, regressed + improved, 0.5).pvalue)
+    return McNemarResult(regressed, improved, min(1.0, p))
+
+
+def wilcoxon_test(baseline: ArrayLike, candidate: ArrayLike, *, alternative: str = "two-sided") -> float:
+    """Wilcoxon signed-rank test of paired graded scores.
+
+    Parameters
+    ----------
+    baseline, candidate : array_like
+        Per-item scores, paired by position.
+    alternative : {"two-sided", "greater", "less"}, optional
+        Direction for ``candidate - baseline``.
+
+    Returns
+    -------
+    float
+        ``scipy.stats.wilcoxon(candidate - baseline).pvalue`` (zero differences
+        dropped, SciPy's default); 1.0 when every difference is zero.
+    """
+    a, b = _paired(baseline, candidate)
+    d = b - a
+    if not np.any(d != 0):
+        return 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small-sample / ties notices
+        p = float(_st.wilcoxon(d, alternative=alternative).pvalue)
+    return 1.0 if math.isnan(p) else min(1.0, p)
+
+
+def paired_permutation_test(
+    baseline: ArrayLike,
+    candidate: ArrayLike,
+    *,
+    n_resamples: int = 9999,
+    seed: int | None = 0,
+    alternative: str = "two-sided",
+) -> float:
+    """Paired randomization test of the mean change.
+
+    Within each pair the two outcomes are swapped at random
+    (``scipy.stats.permutation_test(..., permutation_type="samples")``); the
+    test is exact when ``2**n`` is at most ``n_resamples``.
+
+    Parameters
+    ----------
+    baseline, candidate : array_like
+        Per-item scores, paired by position.
+    n_resamples : int, optional
+        Random relabelings (default 9999).
+    seed : int or None, optional
+        Seed of ``np.random.default_rng``.
+    alternative : {"two-sided", "greater", "less"}, optional
+        Direction for the mean of ``candidate - baseline``.
+
+    Returns
+    -------
+    float
+        The p-value; 1.0 when every difference is zero.
+    """
+    a, b = _paired(baseline, candidate)
+    if not np.any(b != a):
+        return 1.0
+    res = _st.permutation_test(
+        (a, b),
+        _mean_diff,
+        permutation_type="samples",
+        vectorized=True,
+        n_resamples=n_resamples,
+        batch=_batch_for(a.size, n_resamples),
+        alternative=alternative,
+        **_rng_kwargs(seed, _PERMUTATION_TAKES_RNG),
+    )
+    return float(min(1.0, res.pvalue))
+
+
+def flips(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> Flips:
+    """Count answers that went right->wrong (negative) and wrong->right (positive).
+
+    A compressed cache can keep the mean score while changing many individual
+    answers; the negative flip rate shows that.
+
+    Parameters
+    ----------
+    baseline_correct, candidate_correct : array_like of bool
+        Per-item correctness, paired by position.
+
+    Returns
+    -------
+    Flips
+    """
+    a, b = _paired_bool(baseline_correct, candidate_correct)
+    n = int(a.size)
+    regressed = int(np.sum(a & ~b))
+    improved = int(np.sum(~a & b))
+    return Flips(n, regressed, improved, regressed / n if n else 0.0, improved / n if n else 0.0)
+
+
+def holm(pvalues: ArrayLike) -> np.ndarray:
+    """Holm step-down adjusted p-values (family-wise error control).
+
+    The ``i``-th smallest of ``m`` p-values is multiplied by ``m - i`` (``i``
+    from 0), then a running maximum keeps the order, and values are capped at 1.
+    Equal to statsmodels ``multipletests(p, method="holm")[1]``.
+
+    Parameters
+    ----------
+    pvalues : array_like
+        Raw p-values (any order).
+
+    Returns
+    -------
+    numpy.ndarray
+        Adjusted p-values in the input order.
+    """
+    p = np.asarray(pvalues, dtype=float).ravel()
+    m = p.size
+    if m == 0:
+        return p.copy()
+    if np.any(np.isnan(p)) or np.any((p < 0) | (p > 1)):
+        raise ValueError("p-values must be in [0, 1]")
+    order = np.argsort(p, kind="mergesort")
+    scaled = p[order] * (m - np.arange(m))
+    adjusted_sorted = np.minimum(np.maximum.accumulate(scaled), 1.0)
+    out = np.empty(m)
+    out[order] = adjusted_sorted
+    return out
+
+
+def benjamini_hochberg(pvalues: ArrayLike) -> np.ndarray:
+    """Benjamini-Hochberg adjusted p-values (false discovery rate).
+
+    Parameters
+    ----------
+    pvalues : array_like
+        Raw p-values (any order).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``scipy.stats.false_discovery_control(p, method="bh")``, input order.
+    """
+    p = np.asarray(pvalues, dtype=float).ravel()
+    if p.size == 0:
+        return p.copy()
+    return np.asarray(_st.false_discovery_control(p, method="bh"), dtype=float)
+
+
+def non_inferiority(
+    baseline: ArrayLike,
+    candidate: ArrayLike,
+    margin: float,
+    *,
+    alpha: float = 0.05,
+    n_resamples: int = 9999,
+    seed: int | None = 0,
+) -> NonInferiority:
+    """Is the candidate no worse than the baseline by more than ``margin``?
+
+    Computes the one-sided ``1 - alpha`` lower confidence bound of the mean
+    change (paired bootstrap, ``alternative="greater"``) and passes when it lies
+    above ``-margin``. Failing means the data cannot rule out a loss of
+    ``margin`` or more (a real loss, or too few items to tell).
+
+    Parameters
+    ----------
+    baseline, candidate : array_like
+        Per-item scores, paired by position.
+    margin : float
+        Largest acceptable loss in score units (>= 0).
+    alpha : float, optional
+        One-sided error rate (default 0.05, a 95% lower bound).
+    n_resamples : int, optional
+        Bootstrap resamples.
+    seed : int or None, optional
+        Seed of ``np.random.default_rng``.
+
+    Returns
+    -------
+    NonInferiority
+    """
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    ci = paired_bootstrap_ci(
+        baseline, candidate, confidence_level=1 - alpha, n_resamples=n_resamples, seed=seed, alternative="greater"
+    )
+    return NonInferiority(ci.estimate, ci.low, float(margin), float(alpha), bool(ci.low > -margin))
+
+
+def is_binary(*arrays: ArrayLike) -> bool:
+    """True when every value of every array is 0 or 1."""
+    for arr in arrays:
+        x = np.asarray(arr, dtype=float)
+        if not np.all((x == 0) | (x == 1)):
+            return False
+    return True
