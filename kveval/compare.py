@@ -87,7 +87,9 @@ def load_run(path: str | os.PathLike | Run, *, metric: str | dict[str, str] | No
         (``samples_*.jsonl`` in it or one level of model folders below), or one
         samples file. A :class:`Run` is returned unchanged.
     metric : str or dict, optional
-        lm-eval only: the metric to score by, for every task or per task name.
+        lm-eval only: the metric to score by. A string applies to every task
+        that reports it (others use the default choice, :data:`LM_EVAL_METRICS`);
+        a dict maps task names to metrics that must exist.
 
     Raises
     ------
@@ -170,8 +172,9 @@ def _read_samples(path: Path, task: str, metric: str | dict[str, str] | None) ->
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         raise ResultFileError(f"{path}: truncated (the last line was cut off mid-write); rerun lm_eval")
-    wanted = metric.get(task) if isinstance(metric, dict) else metric
-    chosen: str | None = wanted
+    # A per-task metric is required to exist; one metric for all tasks applies where the task has it.
+    strict = isinstance(metric, dict) and task in metric
+    chosen: str | None = metric.get(task) if isinstance(metric, dict) else metric
     filters: set[str] = set()
     rows: list[dict] = []
     for number, line in enumerate(text.split("\n"), start=1):
@@ -185,6 +188,8 @@ def _read_samples(path: Path, task: str, metric: str | dict[str, str] | None) ->
         row["_line"] = number
         rows.append(row)
         filters.add(str(row.get("filter", "none")))
+    if chosen is not None and not strict and rows and chosen not in rows[0].get("metrics", []):
+        chosen = None
     records = []
     for row in rows:
         if chosen is None:

@@ -1,0 +1,43 @@
+"""H2O: heavy hitters plus recent tokens."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+
+
+@register_policy
+@dataclass
+class H2OPolicy(RatioSelectionPolicy):
+    """H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs").
+
+    A token's score is the attention it has accumulated from every query so
+    far (prefill and decoding); the ``recent`` most recent tokens are always
+    kept. Scores keep accumulating while decoding, so with ``decode_budget`` the
+    cache keeps the heavy hitters of the whole generation.
+
+    GQA/MQA: attention probabilities are averaged over the query heads that
+    share a KV head, then summed over queries.
+
+    Attributes
+    ----------
+    recent : int
+        Most recent tokens always kept (part of the budget).
+    """
+
+    name = "h2o"
+    description = "H2O: keep tokens with the most accumulated attention plus a recent window"
+    attention = "all"
+    recent: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.recent, int) or self.recent < 0:
+            raise ValueError(f"h2o: recent={self.recent!r} must be a number of tokens >= 0")
+
+    def scores(self, state: ScoringState) -> torch.Tensor:
+        scores = state.attention.clone()
+        newest = state.positions.max(dim=1, keepdim=True).values
+        scores[state.positions > newest - self.recent] = float("inf")
+        return scores

@@ -1,0 +1,23 @@
+"""Key-norm: drop the keys with the largest L2 norm."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+
+
+@register_policy
+@dataclass
+class KnormPolicy(RatioSelectionPolicy):
+    """Key-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression").
+
+    Keys with a low L2 norm attract high attention, so each KV head keeps its
+    lowest-norm keys. Needs no attention scores (works with the fastest attention).
+    """
+
+    name = "knorm"
+    description = "key-norm: drop the keys with the largest L2 norm, per KV head"
+
+    def scores(self, state: ScoringState) -> torch.Tensor:
+        return -state.keys.float().norm(dim=-1)

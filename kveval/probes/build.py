@@ -1,0 +1,251 @@
+"""Assemble a probe context to an exact token budget and plant needles at token depths.
+
+The context has the shape::
+
+    [pad + pad_sep] intro intro_sep <region> outro
+
+where the *region* is the haystack: units (sentences, JSON pairs or needles)
+joined by ``joiner``, with planted needles inserted between units. Its length is
+fitted by binary search on (whole units, then single pad words) against the
+model's tokenizer, so ``len(context_ids) + len(question_ids) <= target`` with a
+gap of a few tokens at most.
+
+Depth is measured in tokens over the region: a needle at depth ``d`` has
+``d * (region tokens without the needle)`` region tokens before it. Non-primary
+needles are placed first (against haystack tokens only); the primary needle is
+placed last against everything, so its depth is exact to within one unit.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kveval.probes.item import PromptFrame, char_spans_to_tokens
+
+
+@dataclass
+class Plant:
+    """A needle to insert into the region.
+
+    Attributes
+    ----------
+    text : str
+        The needle sentence or JSON pair.
+    key, value : str
+        What it states (see :class:`kveval.probes.item.Needle`).
+    depth : float
+        Requested relative depth in [0, 1].
+    primary : bool
+        Placed last, exactly at its depth (the item's reported depth).
+    order : str
+        ``"before"`` or ``"after"``: must stay before/after the primary needle
+        (chains, update streams); ``""`` for no constraint.
+    """
+
+    text: str
+    key: str
+    value: str
+    depth: float
+    primary: bool = False
+    order: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.depth <= 1.0:
+            raise ValueError(f"needle depth {self.depth} is outside [0, 1]")
+        if self.order not in ("", "before", "after"):
+            raise ValueError(f"order must be '', 'before' or 'after', not {self.order!r}")
+
+
+@dataclass
+class Unit:
+    """A haystack unit: plain text, or a needle (``key``/``value`` set) such as a JSON pair."""
+
+    text: str
+    key: str | None = None
+    value: str | None = None
+
+
+@dataclass
+class Layout:
+    """Everything needed to assemble one context (see module docstring)."""
+
+    intro: str
+    units: Callable[[int], Unit]
+    pad_words: Callable[[int], list[str]]
+    plants: list[Plant]
+    intro_sep: str = "\n"
+    joiner: str = " "
+    outro: str = ""
+    pad_at_head: bool = False
+    pad_sep: str = "\n\n"
+
+
+@dataclass
+class Placed:
+    key: str
+    value: str
+    text: str
+    token_span: tuple[int, int]
+    primary: bool
+    depth: float
+
+
+@dataclass
+class Built:
+    """An assembled context with token positions (within the prompt) of its needles."""
+
+    context: str
+    prompt_context: str
+    context_tokens: int
+    region_span: tuple[int, int]
+    placed: list[Placed] = field(default_factory=list)
+
+    def depth_of(self, placed: Placed) -> float:
+        """Region tokens before the needle / region tokens without the needle."""
+        start, end = self.region_span
+        size = (end - start) - (placed.token_span[1] - placed.token_span[0])
+        if size <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (placed.token_span[0] - start) / size))
+
+
+class _Assembler:
+    def __init__(self, layout: Layout, frame: PromptFrame, tokenizer):
+        self.layout = layout
+        self.frame = frame
+        self.tokenizer = tokenizer
+        self._count_cache: dict[str, int] = {}
+        if sum(p.primary for p in layout.plants) != 1:
+            raise ValueError("a layout needs exactly one primary needle")
+
+    def count(self, text: str) -> int:
+        """Approximate tokens of ``text`` inside running text (with a leading space)."""
+        n = self._count_cache.get(text)
+        if n is None:
+            n = len(self.tokenizer(" " + text, add_special_tokens=False)["input_ids"])
+            self._count_cache[text] = n
+        return n
+
+    def assemble(self, k: int, w: int):
+        """Context text with ``k`` whole units and ``w`` pad words; returns (context, needle char spans, region chars)."""
+        lay = self.layout
+        units = [lay.units(i) for i in range(k)]
+        pad = " ".join(lay.pad_words(k)[:w]) if w else ""
+        seq: list[tuple[str, object]] = [(u.text, u) for u in units]
+        if pad and not lay.pad_at_head:
+            seq.append((pad, None))
+        # Non-primary needles against haystack tokens only.
+        cum = [0]
+        for text, _ in seq:
+            cum.append(cum[-1] + self.count(text))
+        slots: dict[int, list[Plant]] = {}
+        for plant in lay.plants:
+            if plant.primary:
+                continue
+            pos = plant.depth * cum[-1]
+            b = bisect.bisect_left(cum, pos)
+            if b > 0 and (b == len(cum) or pos - cum[b - 1] <= cum[b] - pos):
+                b -= 1
+            slots.setdefault(b, []).append(plant)
+        merged: list[tuple[str, object]] = []
+        for b in range(len(seq) + 1):
+            merged.extend((p.text, p) for p in sorted(slots.get(b, []), key=lambda p: p.depth))
+            if b < len(seq):
+                merged.append(seq[b])
+        # Primary needle: nearest gap against everything, within its ordering constraints.
+        primary = next(p for p in lay.plants if p.primary)
+        cum = [0]
+        for text, _ in merged:
+            cum.append(cum[-1] + self.count(text))
+        lo, hi = 0, len(merged)
+        for i, (_, obj) in enumerate(merged):
+            if isinstance(obj, Plant) and obj.order == "before":
+                lo = max(lo, i + 1)
+            if isinstance(obj, Plant) and obj.order == "after":
+                hi = min(hi, i)
+        lo = min(lo, hi)
+        pos = primary.depth * cum[-1]
+        g = min(range(lo, hi + 1), key=lambda j: (abs(cum[j] - pos), j))
+        merged.insert(g, (primary.text, primary))
+
+        head = (pad + lay.pad_sep) if (pad and lay.pad_at_head) else ""
+        head += lay.intro + lay.intro_sep
+        parts, spans, offset = [], [], len(self.frame.head) + len(head)
+        region_start = offset
+        for i, (text, obj) in enumerate(merged):
+            if i:
+                parts.append(lay.joiner)
+                offset += len(lay.joiner)
+            if isinstance(obj, Plant) or (isinstance(obj, Unit) and obj.key is not None):
+                spans.append((offset, offset + len(text), obj))
+            parts.append(text)
+            offset += len(text)
+        context = head + "".join(parts) + lay.outro
+        return context, spans, (region_start, offset)
+
+    def context_tokens(self, k: int, w: int) -> int:
+        context, _, _ = self.assemble(k, w)
+        text = self.frame.head + context
+        special = not (getattr(self.tokenizer, "bos_token", None) and text.startswith(self.tokenizer.bos_token))
+        return len(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def fit(layout: Layout, frame: PromptFrame, tokenizer, budget: int) -> Built:
+    """Assemble the longest context whose prompt-context tokens fit in ``budget``.
+
+    Parameters
+    ----------
+    layout : Layout
+    frame : PromptFrame
+        Chat-template frame of the tokenizer.
+    tokenizer
+    budget : int
+        Tokens available to the context part (target length minus question-part tokens).
+
+    Raises
+    ------
+    ValueError
+        When even an empty haystack (instructions and needles alone) exceeds the budget.
+    """
+    asm = _Assembler(layout, frame, tokenizer)
+    base = asm.context_tokens(0, 0)
+    if base > budget:
+        raise ValueError(f"needles and instructions alone take {base} context tokens, more than the {budget} available; "
+                         f"ask for a longer length or fewer needles")
+    # Estimate the unit count from standalone token counts, then bracket and bisect.
+    total, k_est = base, 0
+    while total <= budget and k_est < 1_000_000:
+        total += asm.count(layout.units(k_est).text) + 0  # joiner tokens are mostly merged into the leading space
+        k_est += 1
+    lo = max(0, k_est - 4 - k_est // 20)
+    if asm.context_tokens(lo, 0) > budget:
+        lo = 0
+    hi = k_est + 4 + k_est // 20
+    while asm.context_tokens(hi, 0) <= budget:
+        lo, hi = hi, hi * 2 + 1
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        if asm.context_tokens(mid, 0) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    k = lo
+    words = layout.pad_words(k)
+    wlo, whi = 0, len(words) + 1
+    while whi - wlo > 1:
+        mid = (wlo + whi) // 2
+        if asm.context_tokens(k, mid) <= budget:
+            wlo = mid
+        else:
+            whi = mid
+    context, spans, (r0, r1) = asm.assemble(k, wlo)
+    prompt_context = frame.head + context
+    token_spans, n_tokens = char_spans_to_tokens(tokenizer, prompt_context, [(a, b) for a, b, _ in spans] + [(r0, r1)])
+    region = token_spans.pop()
+    placed = []
+    for (a, b, obj), span in zip(spans, token_spans):
+        placed.append(Placed(obj.key, obj.value, prompt_context[a:b], span,
+                             bool(getattr(obj, "primary", False)), float(getattr(obj, "depth", -1.0))))
+    return Built(context, prompt_context, n_tokens, region, placed)

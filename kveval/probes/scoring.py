@@ -1,0 +1,243 @@
+"""Score a probe answer and classify how it is wrong (the memory-confusion taxonomy).
+
+Substring recall (RULER) calls an answer right when the gold value appears
+anywhere in it, so a model that recites every value in the context passes. Here
+the answer is parsed into *values* of the item's shape and each value is matched
+against the item's needles.
+
+Values
+------
+A value is a maximal run of the item's value shape in the answer:
+
+``number``
+    a run of digits (thousands separators removed) at least half as long as the gold value;
+``uuid``
+    a run of hex digits and dashes, at least 8 characters, with a digit or a dash;
+``variable``
+    a word of exactly as many uppercase letters as the gold variable names;
+``word``
+    a lowercase word of three or more letters that is not a stopword and does not
+    occur in the question or answer prefix (unless it is a needle value).
+
+Values that occur in the question but are not needle values (the asked key,
+echoed) are ignored. Duplicates count once.
+
+Categories, in order of precedence (the first that applies)
+----------------------------------------------------------
+``empty``
+    no value at all.
+``correct``
+    every gold value present, and no other value (for ``word`` items, non-needle
+    words are ignored: they are prose, not values).
+``over_inclusion``
+    every gold value present *plus* other needles' values (or, except for
+    ``word`` items, other well-formed values). Substring scoring would call it
+    right; ``correct`` is False.
+``stale``
+    a gold value is missing and the answer holds an overwritten (stale) value of the asked key.
+``distractor``
+    a gold value is missing and the answer holds another key's needle value.
+``partial``
+    a gold value is missing and the answer holds a near miss of one (a prefix,
+    suffix or substring of at least half its length, a superstring, or edit
+    similarity >= 0.7; ``detail["near"]`` says how near), or - for multi-value
+    families - some but not all gold values.
+``fabricated``
+    anything else: well-formed values matching no needle. ``detail["in_context"]``
+    says whether the first such value occurs elsewhere in the context (rare:
+    the haystack has no digits).
+
+``score`` is ``|gold & values| / |gold | values|`` over distinct values (Jaccard):
+1 only when correct, the recalled fraction of gold when the answer holds no extra
+values, lower when it does. ``correct`` is ``score == 1``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kveval.probes.item import ProbeItem
+
+CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
+NEAR_SIMILARITY = 0.7
+
+_STOPWORDS = frozenset("""
+a about above after again against all am an and any are as at be because been before being below between both but by
+can cannot could did do does doing down during each few for from further had has have having he her here hers him his
+how i if in into is it its itself just let me more most my no nor not now of off on once only or other our out over own
+same she should so some such than that the their them then there these they this those through to too under until up
+very was we were what when where which while who whom why will with would you your yours yes sorry know unknown none
+answer value values word words number numbers magic special provided text mentioned key keys given question sure
+think believe seems appears also based information context passage above below following hidden memorize quiz
+thank thanks please okay here's it's don't can't i'm there's that's the
+""".split())
+
+
+@dataclass
+class Score:
+    """The verdict on one answer.
+
+    Attributes
+    ----------
+    score : float
+        In [0, 1]: Jaccard overlap of gold values and answer values.
+    correct : bool
+        ``category == "correct"``.
+    category : str
+        One of :data:`CATEGORIES`.
+    recalled : str or None
+        What the model gave instead of (or besides) the gold, as ``"role:value"``
+        pairs joined by commas (``"distractor:8412337"``, ``"stale:1234567"``,
+        ``"partial:84123"``, ``"fabricated:5550000"``); None when correct or empty.
+    detail : dict
+        ``values`` (parsed from the answer), ``found``/``required`` gold counts, and
+        for near misses ``near`` = {gold, value, prefix (shared leading characters),
+        similarity (difflib ratio)}; for fabricated values ``in_context``.
+    """
+
+    score: float
+    correct: bool
+    category: str
+    recalled: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"category {self.category!r} is not one of {', '.join(CATEGORIES)}")
+        if not 0.0 <= self.score <= 1.0:
+            raise ValueError(f"score {self.score} is outside [0, 1]")
+
+
+def _norm(value: str, kind: str) -> str:
+    return value if kind == "variable" else value.lower()
+
+
+def extract_values(answer: str, item: ProbeItem) -> list[str]:
+    """Values of the item's shape in ``answer``, in order, without duplicates (see module docstring)."""
+    kind = item.value_kind
+    gold_len = max(len(g) for g in item.gold)
+    needle_values = {_norm(n.value, kind) for n in item.needles} | {_norm(g, kind) for g in item.gold}
+    if kind == "number":
+        text = re.sub(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))", "", answer)
+        found = [m for m in re.findall(r"\d+", text) if len(m) >= max(2, (gold_len + 1) // 2)]
+    elif kind == "uuid":
+        found = [m.lower().strip("-") for m in re.findall(r"[0-9a-fA-F-]{8,}", answer)]
+        found = [m for m in found if len(m) >= 8 and re.search(r"[0-9-]", m)]
+    elif kind == "variable":
+        found = re.findall(rf"\b[A-Z]{{{gold_len}}}\b", answer)
+    elif kind == "word":
+        banned = set(re.findall(r"[a-z]+", (item.question + " " + item.answer_prefix).lower())) - needle_values
+        found = [w for w in re.findall(r"[a-z]+", answer.lower())
+                 if w in needle_values or (len(w) >= 3 and w not in _STOPWORDS and w not in banned)]
+    else:
+        raise ValueError(f"unknown value kind {kind!r}")
+    question = item.question + " " + item.answer_prefix
+    question = question if kind == "variable" else question.lower()
+    out: list[str] = []
+    for v in found:
+        v = _norm(v, kind)
+        if v not in needle_values and v in question:
+            continue  # an echo of the asked key, not an answer value
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _near(value: str, gold: str) -> dict[str, Any] | None:
+    """How near ``value`` is to ``gold``, or None when it is not a near miss."""
+    prefix = len(_common_prefix(value, gold))
+    similarity = difflib.SequenceMatcher(None, value, gold, autojunk=False).ratio()
+    contained = (value in gold and len(value) * 2 >= len(gold)) or (gold in value)
+    if contained or similarity >= NEAR_SIMILARITY:
+        return {"gold": gold, "value": value, "prefix": prefix, "similarity": round(similarity, 4)}
+    return None
+
+
+def _common_prefix(a: str, b: str) -> str:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return a[:i]
+
+
+def _in_context(value: str, context: str, kind: str) -> bool:
+    hay = context if kind == "variable" else context.lower()
+    return re.search(rf"(?<![0-9A-Za-z]){re.escape(value)}(?![0-9A-Za-z])", hay) is not None
+
+
+def score_answer(item: ProbeItem, answer: str) -> Score:
+    """Score ``answer`` (the model's generated text, after the answer prefix) against ``item``.
+
+    Parameters
+    ----------
+    item : ProbeItem
+    answer : str
+
+    Returns
+    -------
+    Score
+        See the module docstring for the value parsing, the categories and their precedence.
+    """
+    kind = item.value_kind
+    values = extract_values(answer or "", item)
+    gold = [_norm(g, kind) for g in item.gold]
+    gold_set = set(gold)
+    roles: dict[str, str] = {}
+    for n in item.needles:
+        v = _norm(n.value, kind)
+        if v not in gold_set:
+            roles.setdefault(v, n.role)  # a value is stale if it is stale anywhere
+            if n.role == "stale":
+                roles[v] = "stale"
+    found = [g for g in gold if g in values]
+    needle_extras = [v for v in values if v in roles]
+    other = [v for v in values if v not in gold_set and v not in roles]
+    counted_other = [] if kind == "word" else other
+    detail: dict[str, Any] = {"values": values, "found": len(set(found)), "required": len(gold_set)}
+
+    def jaccard(extra: list[str]) -> float:
+        union = gold_set | set(found) | set(extra)
+        return len(set(found)) / len(union) if union else 0.0
+
+    if not values:
+        return Score(0.0, False, "empty", None, detail)
+    if set(found) == gold_set:
+        extras = needle_extras + counted_other
+        if not extras:
+            return Score(1.0, True, "correct", None, detail)
+        recalled = ",".join(f"{roles.get(v, 'fabricated')}:{v}" for v in extras)
+        return Score(jaccard(extras), False, "over_inclusion", recalled, detail)
+
+    missing = [g for g in gold if g not in found]
+    near = None
+    for v in other:
+        for g in missing:
+            near = _near(v, g)
+            if near:
+                break
+        if near:
+            break
+    if near:
+        detail["near"] = near
+    # Every non-gold value counts against the score except a near miss itself.
+    score = jaccard(needle_extras + [v for v in counted_other if not near or v != near["value"]])
+    for role in ("stale", "distractor"):
+        hits = [v for v in needle_extras if roles[v] == role]
+        if hits:
+            return Score(score, False, role, ",".join(f"{role}:{v}" for v in hits), detail)
+    if near or found:
+        return Score(score, False, "partial", f"partial:{near['value']}" if near else None, detail)
+    first = other[0]
+    detail["in_context"] = _in_context(first, item.context, kind)
+    return Score(score, False, "fabricated", ",".join(f"fabricated:{v}" for v in other), detail)
+
+
+def category_metrics(result: Score) -> dict[str, float]:
+    """``score``, ``correct`` and one 0/1 indicator per category (means are rates)."""
+    out = {"score": float(result.score), "correct": float(result.correct)}
+    for cat in CATEGORIES:
+        out[f"cat_{cat}"] = float(result.category == cat)
+    return out

@@ -1,0 +1,248 @@
+"""The compressed cache on tiny random models: exactness, measured bytes, budgets, batching."""
+
+import pytest
+import torch
+from tiny_models import tiny_gemma3, tiny_llama
+from transformers import DynamicCache
+
+from kveval.cache import CompressedCache
+from kveval.generation import Prompt, generate
+from kveval.policies import parse_policy
+
+SELECTION = ["h2o(ratio=0.5)", "snapkv(ratio=0.5,window=4,kernel=3)", "pyramidkv(ratio=0.5,window=4)",
+             "tova(ratio=0.5)", "knorm(ratio=0.5)", "random(ratio=0.5)"]
+
+
+class Tok:
+    """A stand-in tokenizer for random models: ids are text."""
+
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _prefill_and_decode(model, cache, ids, steps):
+    logits = [model(ids, cache=cache, position_ids=torch.arange(ids.shape[1])[None]).logits]
+    nxt = logits[0][:, -1:].argmax(-1)
+    for step in range(steps):
+        out = model(nxt, cache=cache, position_ids=torch.tensor([[ids.shape[1] + step]])).logits
+        logits.append(out)
+        nxt = out[:, -1:].argmax(-1)
+    return logits
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_none_is_identical_to_plain_transformers(make):
+    model, reference = make(), make(attn="sdpa")
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = _prefill_and_decode(model, CompressedCache(model, "none"), ids, 6)
+        theirs = _prefill_and_decode(reference, DynamicCache(config=reference.config), ids, 6)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_int8_close_to_baseline_at_half_the_16bit_bytes():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(ids, cache=CompressedCache(model, "none")).logits
+        cache = CompressedCache(model, "quant(bits=8,group=16)")
+        _prefill_and_decode(model, cache, ids, 1)
+        # Measure a decode step against the quantized prefill.
+        q8 = model(ids[:, :1], cache=cache, position_ids=torch.tensor([[65]])).logits
+        base_cache = CompressedCache(model, "none")
+        _prefill_and_decode(model, base_cache, ids, 1)
+        ref = model(ids[:, :1], cache=base_cache, position_ids=torch.tensor([[65]])).logits
+    assert base.shape[1] == 64
+    assert (q8 - ref).abs().max().item() < 2e-2  # stated tolerance for int8 on this model
+    stats = cache.stats()
+    sixteen_bit = stats.nominal_bytes / 2  # the model is fp32; a 16-bit cache is half of that
+    # 16 int8 codes + fp16 scale + fp16 zero per group of 16: (16 + 4) / 32 of 16-bit.
+    assert stats.kv_bytes == pytest.approx(sixteen_bit * 20 / 32, rel=1e-9)
+
+
+def test_int4_packed_bytes_match_arithmetic_exactly():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(2))
+    cache = CompressedCache(model, "quant(bits=4,group=8)")
+    with torch.no_grad():
+        model(ids, cache=cache)
+    layers, heads, dim, tokens = 2, 2, 16, 100
+    groups = dim // 8
+    per_token_head = 2 * (dim // 2 + groups * (2 + 2))  # K and V: packed nibbles + fp16 scale and zero per group
+    assert cache.stats().kv_bytes == layers * heads * tokens * per_token_head
+
+
+def test_kivi_keys_per_channel_with_residual():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(model, "kivi(bits=2,group=8,residual=10)")
+    with torch.no_grad():
+        model(ids, cache=cache)
+    store = cache.layers[0].rows[0].store
+    # Keys: 40 aged tokens = 5 whole groups of 8 quantized; values: all 40 aged tokens quantized per token.
+    assert [b.tokens for b in store.k.blocks] == [40] and store.k.blocks[0].axis == "channel"
+    assert store.v.blocks[0].axis == "token" and store.k.tail.shape[1] == 10
+    assert store.k.blocks[0].data.numel() == 2 * 40 * 16 // 4  # four 2-bit codes per byte
+
+
+def test_window_holds_exactly_its_size():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(4))
+    cache = CompressedCache(model, "window(64)")
+    with torch.no_grad():
+        _prefill_and_decode(model, cache, ids, 3)
+    assert cache.stats().kept_tokens == [[64], [64]]
+    positions = cache.layers[0].rows[0].positions[0]
+    assert positions.tolist() == list(range(203 - 64, 203))  # original positions kept (RoPE not re-based)
+
+
+def test_streaming_keeps_sinks_and_recent_tokens_with_original_positions():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(5))
+    cache = CompressedCache(model, "streaming(sink=4,window=20)")
+    with torch.no_grad():
+        _prefill_and_decode(model, cache, ids, 5)
+    positions = cache.layers[1].rows[0].positions[0].tolist()
+    assert positions == [0, 1, 2, 3] + list(range(105 - 20, 105))
+
+
+def test_streaming_position_handling_matches_a_cache_that_never_saw_the_gap():
+    """After eviction a new token attends to kept tokens at their true distances (RoPE is applied before caching)."""
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        cache = CompressedCache(model, "streaming(sink=2,window=5)")
+        model(ids, cache=cache, position_ids=torch.arange(30)[None])
+        out = model(ids[:, :1], cache=cache, position_ids=torch.tensor([[30]])).logits
+        # Reference: full cache, but the new token may only see the kept positions.
+        full = CompressedCache(model, "none")
+        model(ids, cache=full, position_ids=torch.arange(30)[None])
+        keep = torch.tensor([0, 1, 25, 26, 27, 28, 29])
+        for layer in full.layers:
+            layer._select(layer.rows[0], keep.expand(layer.rows[0].positions.shape[0], -1))
+        ref = model(ids[:, :1], cache=full, position_ids=torch.tensor([[30]])).logits
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SELECTION)
+def test_ratio_zero_equals_none(spec):
+    model = tiny_llama()
+    prompts = [Prompt(list(range(1, 60)), [3, 4, 5])]
+    zero = spec.replace("ratio=0.5", "ratio=0")
+    assert generate(model, Tok(), prompts, zero, max_new_tokens=8)[0].token_ids == \
+        generate(model, Tok(), prompts, "none", max_new_tokens=8)[0].token_ids
+
+
+@pytest.mark.parametrize("spec", SELECTION)
+def test_kept_tokens_follow_the_budget(spec):
+    model = tiny_llama()
+    cache = CompressedCache(model, spec)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(7)), cache=cache)
+    policy = parse_policy(spec).selection
+    for i, layer in enumerate(cache.layers):
+        row = layer.rows[0]
+        assert row.positions.shape == (2, policy.keep_count(80, i, 2))  # every KV head holds its budget
+        assert (row.positions.diff(dim=1) > 0).all()  # tokens stay in order
+
+
+def test_snapkv_selects_per_kv_head():
+    model = tiny_llama()
+    cache = CompressedCache(model, "snapkv(ratio=0.75,window=4,kernel=1)")
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(8)), cache=cache)
+    positions = cache.layers[1].rows[0].positions
+    assert not torch.equal(positions[0], positions[1])
+
+
+def test_random_is_reproducible_and_seeded():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(9))
+    kept = []
+    for seed in (0, 0, 1):
+        cache = CompressedCache(model, f"random(ratio=0.5,seed={seed})")
+        with torch.no_grad():
+            model(ids, cache=cache)
+        kept.append(cache.layers[0].rows[0].positions)
+    assert torch.equal(kept[0], kept[1]) and not torch.equal(kept[0], kept[2])
+
+
+@pytest.mark.parametrize("spec", ["h2o(ratio=0.5,decode_budget=40)", "tova(ratio=0.5,decode_budget=40)",
+                                  "knorm(ratio=0.5,decode_budget=40)", "random(ratio=0.5,decode_budget=40)", "window(40)"])
+def test_decode_budget_bounds_the_cache_while_generating(spec):
+    model = tiny_llama()
+    result = generate(model, Tok(), [Prompt(list(range(1, 61)))], spec, max_new_tokens=30)[0]
+    assert len(result.token_ids) == 30
+    assert max(max(layer) for layer in result.stats.kept_tokens) == 40
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+@pytest.mark.parametrize("spec", ["none", "window(16)", "streaming(sink=2,window=14)", "kivi(bits=2,group=4,residual=8)",
+                                  "quant(bits=4,group=8)", "snapkv(ratio=0.5,window=4)+kivi(bits=4,group=8,residual=4)"]
+                         + SELECTION + ["h2o(ratio=0.5,decode_budget=30)", "tova(ratio=0.5,decode_budget=30)"])
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_batch_of_four_equals_batch_of_one(make, spec, mode):
+    model = tiny_llama() if make is tiny_llama else tiny_gemma3()
+    g = torch.Generator().manual_seed(10)
+    prompts = [Prompt(torch.randint(1, 128, (n,), generator=g).tolist(), torch.randint(1, 128, (q,), generator=g).tolist())
+               for n, q in [(37, 5), (64, 3), (20, 7), (51, 4)]]
+    one = generate(model, Tok(), prompts, spec, max_new_tokens=10, mode=mode, batch_size=1)
+    four = generate(model, Tok(), prompts, spec, max_new_tokens=10, mode=mode, batch_size=4)
+    assert [r.token_ids for r in one] == [r.token_ids for r in four]
+    assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in four]
+
+
+def test_stacking_selection_and_quantization_shows_both_effects():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 128), generator=torch.Generator().manual_seed(11))
+    measured = {}
+    for spec in ["none", "snapkv(ratio=0.5,window=4)", "kivi(bits=4,group=8,residual=0)", "snapkv(ratio=0.5,window=4)+kivi(bits=4,group=8,residual=0)"]:
+        cache = CompressedCache(model, spec)
+        with torch.no_grad():
+            model(ids, cache=cache)
+        measured[spec] = cache.stats().kv_bytes
+    assert measured["snapkv(ratio=0.5,window=4)"] == measured["none"] / 2
+    stacked = measured["snapkv(ratio=0.5,window=4)+kivi(bits=4,group=8,residual=0)"]
+    assert stacked == pytest.approx(measured["kivi(bits=4,group=8,residual=0)"] / 2, rel=0.01)
+
+
+def test_gemma_sliding_layers_keep_their_window_and_selection_applies_to_full_layers():
+    model = tiny_gemma3(sliding_window=16)
+    cache = CompressedCache(model, "window(8)")
+    with torch.no_grad():
+        _prefill_and_decode(model, cache, torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(12)), 2)
+    kept = [k[0] for k in cache.stats().kept_tokens]
+    assert kept == [16, 16, 16, 8]  # sliding layers: the model's window; full layer: the policy's
+
+
+def test_query_mode_keeps_the_question():
+    model = tiny_llama()
+    prompt = Prompt(list(range(1, 81)), [90, 91, 92, 93, 94, 95])
+    result = generate(model, Tok(), [prompt], "knorm(ratio=0.5)", max_new_tokens=1, mode="query")[0]
+    assert result.stats.kept_tokens[0][0] == 40 + 6
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("bogus(1)", "unknown policy 'bogus'"),
+    ("snapkv(ratio=1.5)", "out of range"),
+    ("window(size=-3)", "positive"),
+    ("quant(bits=3)", "use 2, 4 or 8"),
+    ("quant(k_axis=diagonal)", "k_axis"),
+    ("window(8)+streaming(sink=1,window=2)", "two selection policies"),
+    ("kivi(bits=4)+quant(bits=8)", "two quantization policies"),
+    ("window(size=8", "cannot parse"),
+    ("snapkv(ratio=0.5,speed=3)", "no parameter 'speed'"),
+])
+def test_bad_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_policy(spec)
+
+
+def test_group_that_does_not_divide_head_dim_is_refused():
+    with pytest.raises(ValueError, match="does not divide head_dim=16"):
+        CompressedCache(tiny_llama(), "quant(bits=4,group=5)")

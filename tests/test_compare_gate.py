@@ -1,0 +1,423 @@
+"""Pairing, comparison and the regression gate on fixture run folders."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.multitest import multipletests
+
+from kveval import cli
+from kveval.compare import compare_runs, load_run
+from kveval.gate import GateConfig, evaluate_gate, load_gate_config
+from kveval.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
+
+REPO = Path(__file__).resolve().parent.parent
+GATE_YAML = REPO / "configs" / "gate.yaml"
+WRONG = ["distractor", "fabricated", "empty"]
+
+
+@pytest.fixture(autouse=True)
+def only_our_commands(monkeypatch):
+    """Build the CLI with the analysis subcommands only (the others import torch and models)."""
+    keep = {k: v for k, v in cli.COMMANDS.items() if k in ("compare", "gate", "report")}
+    monkeypatch.setattr(cli, "COMMANDS", keep)
+
+
+def baseline_items(n_niah: int = 40, n_passkey: int = 20) -> list[ItemRecord]:
+    items = []
+    for i in range(n_niah):
+        ok = i % 10 not in (3, 7, 9)  # 70% right at baseline
+        cat = "correct" if ok else WRONG[i % 3]
+        items.append(
+            ItemRecord(
+                id=f"niah_multikey/{i}",
+                hash=hashlib.sha256(f"niah prompt {i}".encode()).hexdigest()[:16],
+                task="niah_multikey",
+                score=1.0 if ok else 0.0,
+                correct=ok,
+                category=cat,
+                answer="1234567" if ok else ("8412337" if cat == "distractor" else ""),
+                gold=["1234567"],
+                recalled="distractor:8412337" if cat == "distractor" else None,
+                length=[500, 1010][i % 2] + (i % 4),
+                depth=[0.0, 0.25, 0.5, 0.75, 1.0][(i // 2) % 5],
+            )
+        )
+    for i in range(n_passkey):
+        ok = i % 5 != 0
+        items.append(
+            ItemRecord(
+                id=f"passkey/{i}",
+                hash=hashlib.sha256(f"passkey prompt {i}".encode()).hexdigest()[:16],
+                task="passkey",
+                score=1.0 if ok else 0.0,
+                correct=ok,
+                category="correct" if ok else "fabricated",
+                answer="42" if ok else "17",
+                gold=["42"],
+                length=700,
+                depth=(i % 5) / 4,
+            )
+        )
+    return items
+
+
+def write_run(path: Path, items: list[ItemRecord], *, policy: str = "none", name: str | None = None, **info) -> Path:
+    family = policy.split("(")[0] if policy != "none" else "none"
+    write_run_info(
+        path,
+        RunInfo(
+            name=name or f"smollm2-135m/{policy}",
+            model=info.pop("model", "smollm2-135m"),
+            policy=policy,
+            family=family,
+            **info,
+        ),
+    )
+    with ItemWriter(path) as w:
+        for it in items:
+            w.write(it)
+    return path
+
+
+def plant_regression(items: list[ItemRecord], share: float = 0.3, task: str = "niah_multikey") -> list[ItemRecord]:
+    """Flip `share` of the task's items from right to a distractor's value."""
+    task_items = [it for it in items if it.task == task]
+    n_flip = int(round(share * len(task_items)))
+    targets = [it.id for it in task_items if it.correct][:n_flip]
+    assert len(targets) == n_flip
+    out = []
+    for it in items:
+        if it.id in targets:
+            it = replace(it, score=0.0, correct=False, category="distractor", answer="8412337", recalled="distractor:8412337")
+        out.append(it)
+    return out
+
+
+@pytest.fixture()
+def runs(tmp_path):
+    base_items = baseline_items()
+    base = write_run(tmp_path / "base", base_items)
+    same = write_run(tmp_path / "same", base_items, policy="snapkv(ratio=0.25)")
+    bad = write_run(tmp_path / "bad", plant_regression(base_items), policy="snapkv(ratio=0.75)", ratio=0.75)
+    return {"base": base, "same": same, "bad": bad, "items": base_items, "tmp": tmp_path}
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def test_compare_planted_regression(runs):
+    rc = compare_runs(runs["base"], runs["bad"], n_resamples=2000)
+    assert rc.n == 60 and rc.task_names == ["niah_multikey", "passkey"]
+    niah = rc.task("niah_multikey")
+    assert niah.n == 40 and niah.n_regressed == 12 and niah.n_improved == 0
+    assert niah.delta == pytest.approx(-0.3)
+    assert niah.ci_low < -0.3 < niah.ci_high < 0
+    assert niah.negative_flip_rate == pytest.approx(0.3)
+    assert niah.mcnemar_p == pytest.approx(mcnemar(np.array([[16, 12], [0, 12]]), exact=True).pvalue, abs=1e-12)
+    assert niah.test == "mcnemar" and niah.pvalue == niah.mcnemar_p
+    raw = [c.pvalue for c in rc.tasks]
+    np.testing.assert_allclose([c.p_holm for c in rc.tasks], multipletests(raw, method="holm")[1], atol=1e-12)
+    np.testing.assert_allclose([c.p_bh for c in rc.tasks], multipletests(raw, method="fdr_bh")[1], atol=1e-12)
+    assert niah.confusion_delta["distractor"] == pytest.approx(0.3)
+    assert niah.confusion_delta["correct"] == pytest.approx(-0.3)
+    assert niah.agreement == pytest.approx(28 / 40)
+    assert {r["category"] for r in niah.regressed} == {"distractor"}
+    assert all(r["recalled"] == "distractor:8412337" for r in niah.regressed)
+    passkey = rc.task("passkey")
+    assert passkey.n_regressed == 0 and passkey.delta == 0 and passkey.pvalue == 1.0
+    # heatmap cells: lengths 500, 502 and 1011, 1013 fall into two buckets; 5 depths
+    niah_cells = [c for c in rc.cells if c.task == "niah_multikey"]
+    assert {c.length for c in niah_cells} == {501, 1012} and len({c.depth for c in niah_cells}) == 5
+    assert sum(c.n for c in niah_cells) == 40
+    lengths, depths, delta, counts = rc.grid()
+    assert counts.sum() == 60 and np.nanmin(delta) < 0
+
+
+def test_compare_cli_table_and_json(runs, capsys, tmp_path):
+    out = tmp_path / "cmp.json"
+    rc = cli.main(["compare", str(runs["base"]), str(runs["bad"]), "--json", str(out), "--resamples", "999"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "niah_multikey" in text and "-0.30" in text and "distractor +30pt" in text
+    data = json.loads(out.read_text())
+    assert data["tasks"][0]["n_regressed"] == 12 and data["cells"] and data["overall"]["n"] == 60
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+def gate_argv(runs, *cands, out=None):
+    argv = ["gate", "--config", str(GATE_YAML), "--baseline", str(runs["base"])]
+    for c in cands:
+        argv += ["--candidate", str(c)]
+    return argv + ["--out", str(out or runs["tmp"] / "gate")]
+
+
+def test_gate_a_a_passes(runs, capsys):
+    code = cli.main(gate_argv(runs, runs["base"], runs["same"]))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    verdicts = [line for line in out.splitlines() if line.startswith(("PASS ", "FAIL ", "ERROR "))]
+    assert len(verdicts) == 2 and all(v.startswith("PASS ") for v in verdicts) and "regressed 0/40" in verdicts[0]
+    assert out.strip().endswith("gate: PASS (exit 0)")
+    res = evaluate_gate(GATE_YAML, runs["base"], [runs["base"]])
+    assert res.exit_code == 0
+    for t in res.candidates[0].tasks:
+        assert t.comparison.n_regressed == 0 and t.comparison.n_improved == 0 and t.comparison.delta == 0
+    junit = ET.parse(runs["tmp"] / "gate" / "gate.xml").getroot()
+    assert junit.get("failures") == "0" and len(junit.findall(".//testcase")) == 4  # 2 candidates x 2 tasks
+
+
+def test_gate_planted_regression_fails(runs, capsys):
+    code = cli.main(gate_argv(runs, runs["same"], runs["bad"]))
+    out = capsys.readouterr().out
+    assert code == 1, out
+    fail = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert len(fail) == 1 and "snapkv(ratio=0.75)" in fail[0]
+    assert "niah_multikey regressed 12/40 items (12 distractor)" in fail[0]
+    assert "delta -0.30" in fail[0] and "McNemar p=" in fail[0] and "Holm" in fail[0]
+    assert "distractor rate rose" in fail[0] and "negative flip rate 30.0%" in fail[0]
+    assert any(line.startswith("PASS smollm2-135m/snapkv(ratio=0.25)") for line in out.splitlines())
+    gate_dir = runs["tmp"] / "gate"
+    junit = ET.parse(gate_dir / "gate.xml").getroot()
+    failures = junit.findall(".//failure")
+    assert len(failures) == 1 and "distractor" in failures[0].get("message")
+    md = (gate_dir / "gate.md").read_text()
+    assert "**FAIL**" in md and "distractor:8412337" in md
+    data = json.loads((gate_dir / "gate.json").read_text())
+    assert data["exit_code"] == 1 and [c["status"] for c in data["candidates"]] == ["PASS", "FAIL"]
+
+
+def test_gate_holm_family_and_config(runs):
+    res = evaluate_gate({"tasks": ["niah_multikey", "passkey"], "margin": {"niah_multikey": 0.5}}, runs["base"], [runs["bad"]])
+    tasks = res.candidates[0].tasks
+    raw = [t.comparison.pvalue for t in tasks]
+    np.testing.assert_allclose([t.comparison.p_holm for t in tasks], multipletests(raw, method="holm")[1], atol=1e-12)
+    assert tasks[0].margin == 0.5 and tasks[1].margin == 0.05
+    # only the significance rule: a task-restricted, lenient gate still fails on the McNemar test
+    lenient = {
+        "tasks": ["niah_multikey"],
+        "require_non_inferiority": False,
+        "max_negative_flip_rate": None,
+        "max_confusion_increase": None,
+    }
+    res = evaluate_gate(lenient, runs["base"], [runs["bad"]])
+    assert res.exit_code == 1 and res.candidates[0].tasks[0].reasons[0].startswith("significant regression")
+    assert evaluate_gate(dict(lenient, tasks=["passkey"]), runs["base"], [runs["bad"]]).exit_code == 0
+    # YAML defaults load and equal the built-in defaults
+    assert load_gate_config(GATE_YAML) == GateConfig()
+
+
+def test_gate_sweep_family(runs):
+    res = evaluate_gate({"family": "sweep"}, runs["base"], [runs["same"], runs["bad"]])
+    fam = [t.comparison for c in res.candidates for t in c.tasks]
+    np.testing.assert_allclose([c.p_holm for c in fam], multipletests([c.pvalue for c in fam], method="holm")[1], atol=1e-12)
+    assert res.exit_code == 1
+
+
+def _one_error_line(capsys, *needles):
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(err) == 1, captured.err
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+def test_gate_truncated_candidate_is_error(runs, capsys):
+    items = runs["bad"] / "items.jsonl"
+    items.write_text(items.read_text() + '{"id": "niah_multikey/99", "hash": "ab')
+    assert cli.main(gate_argv(runs, runs["bad"])) == 2
+    _one_error_line(capsys, "truncated", "items.jsonl")
+
+
+def test_gate_corrupt_candidate_is_error_others_still_judged(runs, capsys):
+    items = runs["bad"] / "items.jsonl"
+    lines = items.read_text().splitlines(keepends=True)
+    lines[5] = "{not json}\n"
+    items.write_text("".join(lines))
+    assert cli.main(gate_argv(runs, runs["same"], runs["bad"])) == 2
+    captured = capsys.readouterr()
+    assert "PASS smollm2-135m/snapkv(ratio=0.25)" in captured.out
+    err = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(err) == 1 and "corrupt item line" in err[0] and ":6:" in err[0]
+    data = json.loads((runs["tmp"] / "gate" / "gate.json").read_text())
+    assert data["exit_code"] == 2 and data["candidates"][1]["status"] == "ERROR"
+    junit = ET.parse(runs["tmp"] / "gate" / "gate.xml").getroot()
+    assert junit.get("errors") == "1" and junit.find(".//error") is not None
+
+
+def test_gate_missing_items_is_error(runs, capsys):
+    cand = write_run(runs["tmp"] / "short", runs["items"][:-3], policy="snapkv(ratio=0.5)")
+    assert cli.main(gate_argv(runs, cand)) == 2
+    _one_error_line(capsys, "unpaired", "3 item(s) only in the baseline", "passkey/17")
+
+
+def test_gate_extra_and_renamed_ids_is_error(runs, capsys):
+    items = list(runs["items"])
+    items[0] = replace(items[0], id="niah_multikey/renamed")
+    cand = write_run(runs["tmp"] / "renamed", items, policy="snapkv(ratio=0.5)")
+    assert cli.main(gate_argv(runs, cand)) == 2
+    _one_error_line(capsys, "1 item(s) only in the baseline (niah_multikey/0)", "1 item(s) only in the candidate")
+
+
+def test_gate_hash_mismatch_is_error(runs, capsys):
+    items = [replace(it, hash="0" * 16) if i in (2, 4) else it for i, it in enumerate(runs["items"])]
+    cand = write_run(runs["tmp"] / "rehashed", items, policy="snapkv(ratio=0.5)")
+    assert cli.main(gate_argv(runs, cand)) == 2
+    _one_error_line(capsys, "2 item(s) have different prompt hashes", "niah_multikey/2, niah_multikey/4")
+
+
+def test_gate_other_model_is_error(runs, capsys):
+    cand = write_run(runs["tmp"] / "gemma", runs["items"], policy="snapkv(ratio=0.5)", model="gemma3-270m")
+    assert cli.main(gate_argv(runs, cand)) == 2
+    _one_error_line(capsys, "different models")
+
+
+def test_gate_missing_baseline_is_error(runs, capsys):
+    argv = ["gate", "--config", str(GATE_YAML), "--baseline", str(runs["tmp"] / "nope"), "--candidate", str(runs["bad"])]
+    assert cli.main(argv) == 2
+    _one_error_line(capsys, "kveval gate: error:", "nope", "no such file")
+
+
+def test_gate_baseline_without_items_is_error(runs, capsys):
+    (runs["base"] / "items.jsonl").unlink()
+    assert cli.main(gate_argv(runs, runs["bad"])) == 2
+    _one_error_line(capsys, "no items file")
+
+
+def test_gate_bad_config_is_error(runs, capsys, tmp_path):
+    cfg = tmp_path / "gate.yaml"
+    cfg.write_text("alpha: 0.05\nmargins: 0.1\n")
+    argv = ["gate", "--config", str(cfg), "--baseline", str(runs["base"]), "--candidate", str(runs["bad"])]
+    assert cli.main(argv) == 2
+    _one_error_line(capsys, "unknown key(s) margins")
+    cfg.write_text("tasks: [niah_multikey, nosuchtask]\n")
+    assert cli.main(argv) == 2
+    _one_error_line(capsys, "nosuchtask", "not in the baseline")
+
+
+def test_load_run_refuses_unknown_folder(tmp_path):
+    with pytest.raises(ResultFileError, match="neither a kveval run folder"):
+        load_run(tmp_path)
+
+
+# ----------------------------------------------------------------------------- lm-eval samples
+
+
+def _sample(doc_id, *, prompt, target, resps, metric_values, flt="none", generation=False):
+    if generation:
+        arguments = {"gen_args_0": {"arg_0": prompt, "arg_1": "{'until': ['\\n']}"}}
+        filtered = [resps[0]]
+        raw = [[r] for r in resps]
+    else:
+        arguments = {f"gen_args_{i}": {"arg_0": prompt, "arg_1": f" choice{i}"} for i in range(len(resps))}
+        raw = [[[str(ll), "False"]] for ll in resps]
+        filtered = [[str(ll), "False"] for ll in resps]
+    row = {
+        "doc_id": doc_id,
+        "doc": {"q": prompt},
+        "target": str(target),
+        "arguments": arguments,
+        "resps": raw,
+        "filtered_resps": filtered,
+        "filter": flt,
+        "metrics": list(metric_values),
+        "doc_hash": hashlib.sha256(prompt.encode()).hexdigest(),
+        "prompt_hash": hashlib.sha256(prompt.encode()).hexdigest(),
+        "target_hash": hashlib.sha256(str(target).encode()).hexdigest(),
+    }
+    row.update(metric_values)
+    return row
+
+
+def write_lm_eval(folder: Path, rows_by_task: dict[str, list[dict]], *, date="2025-01-02T03-04-05.678901", config=None) -> Path:
+    model_dir = folder / "my__model"
+    model_dir.mkdir(parents=True)
+    for task, rows in rows_by_task.items():
+        (model_dir / f"samples_{task}_{date}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (model_dir / f"results_{date}.json").write_text(json.dumps({"results": {}, "config": config or {"model": "hf"}}))
+    return folder
+
+
+def lm_eval_pair(tmp_path, *, cand_hash_break=False, drop_doc=False):
+    # multiple choice: gold index 1 (base), baseline right on docs 0-4, candidate wrong on 1 and 3
+    base_mc, cand_mc, base_gen, cand_gen = [], [], [], []
+    for d in range(6):
+        base_lls = [-3.0, -1.0 - 0.1 * d, -2.5]
+        cand_lls = list(base_lls)
+        if d in (1, 3):
+            cand_lls = [-0.5, -1.5 - 0.1 * d, -2.5]  # gold drops below choice 0
+        base_ok = float(np.argmax(base_lls) == 1)
+        cand_ok = float(np.argmax(cand_lls) == 1)
+        prompt = f"Question {d}?"
+        base_mc.append(_sample(d, prompt=prompt, target=1, resps=base_lls, metric_values={"acc": base_ok, "acc_norm": base_ok}))
+        cand_prompt = prompt + " (changed)" if (cand_hash_break and d == 2) else prompt
+        cand_mc.append(_sample(d, prompt=cand_prompt, target=1, resps=cand_lls, metric_values={"acc": cand_ok, "acc_norm": cand_ok}))
+    for d in range(4):
+        for flt in ("strict-match", "flexible-extract"):
+            prompt = f"Sum {d}+{d}="
+            ans = str(2 * d)
+            cand_ans = "wrong" if (d == 0 and flt == "strict-match") else ans
+            base_gen.append(_sample(d, prompt=prompt, target=ans, resps=[ans], metric_values={"exact_match": 1.0}, flt=flt, generation=True))
+            cand_gen.append(
+                _sample(d, prompt=prompt, target=ans, resps=[cand_ans], metric_values={"exact_match": float(cand_ans == ans)}, flt=flt, generation=True)
+            )
+    if drop_doc:
+        cand_mc = cand_mc[:-1]
+    base = write_lm_eval(tmp_path / "lm_base", {"arc_easy": base_mc, "gsm8k_cot": base_gen})
+    cand = write_lm_eval(
+        tmp_path / "lm_cand",
+        {"arc_easy": cand_mc, "gsm8k_cot": cand_gen},
+        config={"model": "kveval", "model_args": "pretrained=smollm2-135m,policy=snapkv(ratio=0.5)"},
+    )
+    return base, cand
+
+
+def test_lm_eval_samples_pairing(tmp_path):
+    base, cand = lm_eval_pair(tmp_path)
+    rc = compare_runs(base, cand, n_resamples=999)
+    assert rc.source == "lm-eval" and rc.n == 6 + 8
+    assert rc.candidate.policy == "snapkv(ratio=0.5)" and rc.candidate.model == "smollm2-135m"
+    assert rc.baseline.is_baseline
+    assert sorted(rc.task_names) == ["arc_easy", "gsm8k_cot[flexible-extract]", "gsm8k_cot[strict-match]"]
+    arc = rc.task("arc_easy")
+    assert arc.n == 6 and arc.n_regressed == 2 and arc.baseline_score == 1.0 and arc.candidate_score == pytest.approx(4 / 6)
+    assert sorted(r["id"] for r in arc.regressed) == ["arc_easy/1", "arc_easy/3"]
+    assert arc.agreement == pytest.approx(4 / 6)
+    # gold log-probability: -1.0-0.1d -> -1.5-0.1d on docs 1 and 3
+    assert arc.n_logprob == 6 and arc.logprob_delta == pytest.approx(-1.0 / 6)
+    strict = rc.task("gsm8k_cot[strict-match]")
+    assert strict.n == 4 and strict.n_regressed == 1 and strict.regressed[0]["id"] == "gsm8k_cot/0/strict-match"
+    assert rc.task("gsm8k_cot[flexible-extract]").n_regressed == 0
+    assert strict.logprob_delta is None and strict.confusion_delta == {}
+    # score by another metric
+    assert compare_runs(base, cand, metric="acc_norm", n_resamples=999).task("arc_easy").n_regressed == 2
+
+
+def test_lm_eval_prompt_hash_mismatch(tmp_path, capsys):
+    base, cand = lm_eval_pair(tmp_path, cand_hash_break=True)
+    with pytest.raises(ResultFileError, match=r"1 item\(s\) have different prompt hashes \(arc_easy/2\)"):
+        compare_runs(base, cand)
+    assert cli.main(["compare", str(base), str(cand)]) == 2
+    _one_error_line(capsys, "arc_easy/2")
+
+
+def test_lm_eval_unpaired_and_truncated(tmp_path):
+    base, cand = lm_eval_pair(tmp_path, drop_doc=True)
+    with pytest.raises(ResultFileError, match=r"1 item\(s\) only in the baseline \(arc_easy/5\)"):
+        compare_runs(base, cand)
+    f = next((cand / "my__model").glob("samples_arc_easy_*.jsonl"))
+    f.write_text(f.read_text() + '{"doc_id": 7, "prom')
+    with pytest.raises(ResultFileError, match="truncated"):
+        compare_runs(base, cand)
+    with pytest.raises(ResultFileError, match="cannot pair a lm-eval result"):
+        compare_runs(tmp_path / "lm_base", write_run(tmp_path / "kv", baseline_items(4, 0)))

@@ -1,0 +1,162 @@
+"""kveval.stats against SciPy / statsmodels references and brute-force enumeration."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.stats as st
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.multitest import multipletests
+
+from kveval import stats
+
+RNG = np.random.default_rng(12345)
+BASE_BIN = (RNG.random(60) < 0.7).astype(float)
+CAND_BIN = BASE_BIN.copy()
+CAND_BIN[[0, 3, 5, 8, 13, 21, 34]] = 0.0  # some regressions ...
+CAND_BIN[[1, 2]] = 1.0  # ... and maybe improvements
+BASE_GRADED = RNG.random(50)
+CAND_GRADED = np.clip(BASE_GRADED - 0.05 + RNG.normal(0, 0.1, 50), 0, 1)
+
+
+def _mean_diff(a, b, axis=-1):
+    return np.mean(b - a, axis=axis)
+
+
+@pytest.mark.parametrize("a,b", [(BASE_BIN, CAND_BIN), (BASE_GRADED, CAND_GRADED)])
+@pytest.mark.parametrize("method", ["BCa", "percentile"])
+def test_bootstrap_ci_equals_scipy(a, b, method):
+    ci = stats.paired_bootstrap_ci(a, b, seed=7, n_resamples=2000, method=method)
+    ref = st.bootstrap(
+        (a, b), _mean_diff, paired=True, vectorized=True, n_resamples=2000, method=method, rng=np.random.default_rng(7)
+    )
+    assert ci.estimate == pytest.approx(np.mean(b - a), abs=1e-12)
+    assert ci.low == pytest.approx(ref.confidence_interval.low, abs=1e-12)
+    assert ci.high == pytest.approx(ref.confidence_interval.high, abs=1e-12)
+    assert ci.low <= ci.estimate <= ci.high
+    # same seed, same interval; another seed, another one
+    assert stats.paired_bootstrap_ci(a, b, seed=7, n_resamples=2000, method=method) == ci
+
+
+def test_bootstrap_degenerate_and_errors():
+    ci = stats.paired_bootstrap_ci(BASE_BIN, BASE_BIN)
+    assert (ci.estimate, ci.low, ci.high, ci.method) == (0.0, 0.0, 0.0, "degenerate")
+    with pytest.raises(ValueError):
+        stats.paired_bootstrap_ci([1, 0], [1])
+    with pytest.raises(ValueError):
+        stats.paired_bootstrap_ci([], [])
+    with pytest.raises(ValueError):
+        stats.paired_bootstrap_ci([1.0, np.nan], [1.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "table",
+    [[[30, 12], [0, 18]], [[20, 5], [3, 12]], [[10, 1], [9, 5]], [[40, 0], [0, 20]], [[0, 7], [7, 0]], [[3, 25], [18, 4]]],
+)
+def test_mcnemar_equals_statsmodels(table):
+    # table[i][j]: baseline i (0 right, 1 wrong) x candidate j (0 right, 1 wrong)
+    base, cand = [], []
+    for i in range(2):
+        for j in range(2):
+            base += [i == 0] * table[i][j]
+            cand += [j == 0] * table[i][j]
+    res = stats.mcnemar_exact(base, cand)
+    assert (res.n_regressed, res.n_improved) == (table[0][1], table[1][0])
+    assert res.pvalue == pytest.approx(mcnemar(np.array(table), exact=True).pvalue, abs=1e-9)
+    if table[0][1] + table[1][0]:
+        ref = st.binomtest(table[0][1], table[0][1] + table[1][0], 0.5).pvalue
+        assert res.pvalue == pytest.approx(ref, abs=1e-12)
+    else:
+        assert res.pvalue == 1.0
+
+
+def test_wilcoxon_equals_scipy():
+    p = stats.wilcoxon_test(BASE_GRADED, CAND_GRADED)
+    assert p == pytest.approx(st.wilcoxon(CAND_GRADED, BASE_GRADED).pvalue, abs=1e-12)
+    assert stats.wilcoxon_test(BASE_GRADED, BASE_GRADED) == 1.0
+    less = stats.wilcoxon_test(BASE_GRADED, CAND_GRADED, alternative="less")
+    assert less == pytest.approx(st.wilcoxon(CAND_GRADED - BASE_GRADED, alternative="less").pvalue, abs=1e-12)
+
+
+def test_permutation_exact_matches_enumeration():
+    a = np.array([0.2, 0.9, 0.5, 0.4, 0.7, 0.1, 0.8, 0.6, 0.3, 0.55])
+    b = np.array([0.1, 0.7, 0.5, 0.45, 0.2, 0.0, 0.8, 0.3, 0.35, 0.25])
+    d = b - a
+    obs = abs(d.mean())
+    signs = np.array(list(itertools.product([1, -1], repeat=d.size)))
+    ref = np.mean(np.abs((signs * d).mean(axis=1)) >= obs - 1e-12)
+    assert stats.paired_permutation_test(a, b) == pytest.approx(ref, abs=1e-9)
+    assert stats.paired_permutation_test(a, a) == 1.0
+
+
+def test_permutation_random_equals_scipy():
+    p = stats.paired_permutation_test(BASE_GRADED, CAND_GRADED, n_resamples=999, seed=3)
+    ref = st.permutation_test(
+        (BASE_GRADED, CAND_GRADED),
+        _mean_diff,
+        permutation_type="samples",
+        vectorized=True,
+        n_resamples=999,
+        rng=np.random.default_rng(3),
+    ).pvalue
+    assert p == pytest.approx(ref, abs=1e-12)
+
+
+def test_flips():
+    base = [1, 1, 1, 0, 0, 1, 0, 1]
+    cand = [1, 0, 0, 1, 0, 1, 0, 0]
+    f = stats.flips(base, cand)
+    assert (f.n, f.n_regressed, f.n_improved) == (8, 3, 1)
+    assert f.negative_rate == pytest.approx(3 / 8) and f.positive_rate == pytest.approx(1 / 8)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        [0.01, 0.04, 0.03, 0.2, 0.001],
+        [0.5, 0.5, 0.01],
+        [0.0004, 0.9, 0.02, 0.02, 0.049, 1.0],
+        [0.3],
+        list(np.random.default_rng(1).random(25) ** 3),
+    ],
+)
+def test_holm_and_bh_equal_statsmodels(p):
+    np.testing.assert_allclose(stats.holm(p), multipletests(p, method="holm")[1], atol=1e-12)
+    np.testing.assert_allclose(stats.benjamini_hochberg(p), multipletests(p, method="fdr_bh")[1], atol=1e-12)
+    np.testing.assert_allclose(stats.benjamini_hochberg(p), st.false_discovery_control(p), atol=1e-15)
+
+
+def test_holm_edge_cases():
+    assert stats.holm([]).size == 0 and stats.benjamini_hochberg([]).size == 0
+    with pytest.raises(ValueError):
+        stats.holm([0.5, 1.5])
+
+
+def test_non_inferiority():
+    ni = stats.non_inferiority(BASE_BIN, CAND_BIN, 0.05, alpha=0.05, n_resamples=2000, seed=5)
+    ref = st.bootstrap(
+        (BASE_BIN, CAND_BIN),
+        _mean_diff,
+        paired=True,
+        vectorized=True,
+        n_resamples=2000,
+        confidence_level=0.95,
+        alternative="greater",
+        rng=np.random.default_rng(5),
+    )
+    assert ni.lower == pytest.approx(ref.confidence_interval.low, abs=1e-12)
+    assert ni.passed == (ni.lower > -0.05)
+    assert not ni.passed  # 7 regressions in 60 items cannot be shown to be within 5 points
+    assert stats.non_inferiority(BASE_BIN, CAND_BIN, 0.5).passed
+    same = stats.non_inferiority(BASE_BIN, BASE_BIN, 0.0)
+    assert same.lower == 0.0 and same.passed is False  # lower bound must be *above* -margin
+    assert stats.non_inferiority(BASE_BIN, BASE_BIN, 0.01).passed
+    with pytest.raises(ValueError):
+        stats.non_inferiority(BASE_BIN, CAND_BIN, -0.1)
+
+
+def test_is_binary():
+    assert stats.is_binary([0, 1, 1.0], [True, False])
+    assert not stats.is_binary([0, 0.5])
