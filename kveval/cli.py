@@ -37,17 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         return lm_eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kveval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    modules = {}
+    module = None
     for name, (module_name, help_text) in COMMANDS.items():
-        if name == "lm-eval":
-            sub.add_parser(name, help=help_text, add_help=False)
-            continue
-        module = importlib.import_module(module_name)
-        modules[name] = module
-        module.configure(sub.add_parser(name, help=help_text, description=help_text))
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if argv and argv[0] == name:  # import only the command that runs: start-up stays fast
+            module = importlib.import_module(module_name)
+            module.configure(command_parser)
     args = parser.parse_args(argv)
     try:
-        return int(modules[args.command].run(args) or 0)
+        return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("kveval: interrupted; results written so far are kept", file=sys.stderr)
         return 130

@@ -65,16 +65,25 @@ class GenerationResult:
     decode_tokens_per_second: float
 
 
-def encode_prompt(tokenizer, text: str, chat: bool | None = None) -> Prompt:
-    """A whole text as the context (chat template applied when the tokenizer has one, unless ``chat=False``)."""
+def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None = None) -> Prompt:
+    """Tokenize a prompt as context and question.
+
+    The chat template is applied when the tokenizer has one (unless
+    ``chat=False``) to the user message ``context + "\n" + question``; the
+    rendered text is split where the question starts, so the template's head
+    belongs to the context and its tail (the assistant turn) to the question.
+    """
     if chat is None:
         chat = tokenizer.chat_template is not None
+    message = f"{context}\n{question}" if question else context
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return Prompt(list(ids))
-    return Prompt(tokenizer(text)["input_ids"])
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
+    else:
+        rendered = message
+    split = rendered.rindex(question) if question else len(rendered)
+    context_ids = tokenizer(rendered[:split], add_special_tokens=not chat)["input_ids"]
+    question_ids = tokenizer(rendered[split:], add_special_tokens=False)["input_ids"] if split < len(rendered) else []
+    return Prompt(context_ids, question_ids)
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,28 +162,32 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed):
-    eos = _eos_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cache = CompressedCache(model, policy, seed=seed)
-    batch = len(prompts)
-    seen = [0] * batch
-    started = time.perf_counter()
+def _prefill(model, cache: CompressedCache, prompts: list[Prompt], mode: str, pad_id: int):
+    """Run the prompt through ``cache``; return the next-token logits ``[B, vocab]`` and tokens seen per row.
+
+    In ``context`` mode only the contexts are prefilled: the question is appended by :func:`_continue`.
+    """
+    seen = [0] * len(prompts)
     if mode == "query":
         cache.set_protected([len(p.question) for p in prompts])
-        phases = [[p.context + p.question for p in prompts]]
+        rows = [p.context + p.question for p in prompts]
     else:
-        phases = [[p.context for p in prompts]]
-        if any(p.question for p in prompts):
-            phases.append([p.question for p in prompts])
-    last_logits = None
-    for rows in phases:
-        logits, mask = forward_rows(model, cache, rows, seen, pad_id)
-        cache.set_protected(None)
-        step_last = logits[:, -1].float()
-        has_token = mask[:, -1:]
-        last_logits = step_last if last_logits is None else torch.where(has_token, step_last, last_logits)
+        rows = [p.context for p in prompts]
+    logits, _ = forward_rows(model, cache, rows, seen, pad_id)
+    return logits[:, -1].float(), seen
+
+
+def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], mode: str, last_logits, seen,
+              max_new_tokens: int, stop: list[str], started: float) -> list[GenerationResult]:
+    """Append the question (``context`` mode) to the compressed cache, then decode greedily."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    seen = list(seen)
+    if mode == "context" and any(p.question for p in prompts):
+        logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)
+        last_logits = torch.where(mask[:, -1:], logits[:, -1].float(), last_logits)
     prefill_seconds = time.perf_counter() - started
+    eos = _eos_ids(model, tokenizer)
+    batch = len(prompts)
     tokens = [[] for _ in range(batch)]
     logprobs = [[] for _ in range(batch)]
     done = [False] * batch
@@ -206,3 +219,48 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
         results.append(GenerationResult(text, tokens[b], logprobs[b], cache.stats(row=b), prefill_seconds,
                                         len(tokens[b]) / decode_seconds))
     return results
+
+
+def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed):
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cache = CompressedCache(model, policy, seed=seed)
+    started = time.perf_counter()
+    last_logits, seen = _prefill(model, cache, prompts, mode, pad_id)
+    return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
+
+
+def shares_prefill(policies: list[PolicyStack]) -> bool:
+    """Whether ``policies`` differ only in the selection's ratio/budget, so one prefill can serve them all."""
+    def key(p: PolicyStack):
+        sel = p.selection
+        params = None if sel is None else (type(sel), tuple((k, v) for k, v in vars(sel).items() if k not in ("ratio", "budget")))
+        return params, p.structure, p.quantization
+    return len(policies) > 1 and policies[0].selection is not None and len({repr(key(p)) for p in policies}) == 1
+
+
+@torch.no_grad()
+def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: int = 32, mode: str = "context",
+                  batch_size: int = 1, stop: list[str] | None = None, seed: int = 0) -> dict[str, list[GenerationResult]]:
+    """Generate under several policies; one prefill serves all when they differ only in ratio/budget.
+
+    The prefill is stored uncompressed with the policy's scores, and each
+    budget's cache is derived from the same scores
+    (:meth:`CompressedCache.compressed_copy`): results are identical to
+    separate :func:`generate` calls. Returns ``{policy spec: results}``.
+    """
+    stacks = [parse_policy(p) for p in policies]
+    if not shares_prefill(stacks):
+        return {s.spec: generate(model, tokenizer, prompts, s, max_new_tokens, mode, batch_size, stop, seed) for s in stacks}
+    out = {s.spec: [] for s in stacks}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        started = time.perf_counter()
+        deferred = CompressedCache(model, stacks[0], seed=seed + first, defer_compression=True)
+        last_logits, seen = _prefill(model, deferred, batch, mode, pad_id)
+        shared_seconds = time.perf_counter() - started
+        for stack in stacks:
+            own_start = time.perf_counter() - shared_seconds  # each result reports the shared prefill as its own
+            cache = deferred.compressed_copy(stack)
+            out[stack.spec] += _continue(model, tokenizer, cache, batch, mode, last_logits, seen, max_new_tokens, stop or [], own_start)
+    return out

@@ -1,0 +1,170 @@
+"""``kveval eval``: run probe items under one or more policies and write one run folder per policy.
+
+Each run folder holds ``run.json`` and ``items.jsonl`` (see :mod:`kveval.records`).
+Items already in a run's ``items.jsonl`` are skipped, so an interrupted
+evaluation continues where it stopped. Policies that differ only in the
+selection's ratio/budget share one prefill per item
+(:func:`kveval.generation.generate_many`).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from kveval.records import ItemRecord, ItemWriter, RunInfo, iter_items, read_run_info, write_run_info
+
+
+def run_slug(text: str) -> str:
+    """A folder name for a model or policy spec: ``snapkv(ratio=0.5)+kivi(bits=4)`` -> ``snapkv_ratio-0.5+kivi_bits-4``."""
+    text = text.replace("=", "-").replace(",", "_").replace("(", "_").replace(")", "")
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text).strip("_") or "none"
+
+
+def run_dir_for(root: Path, model_name: str, spec: str, mode: str) -> Path:
+    suffix = "" if mode == "context" or spec == "none" else "@query"
+    return Path(root) / "runs" / run_slug(Path(model_name).name) / (run_slug(spec) + suffix)
+
+
+def _record(item, result, score) -> ItemRecord:
+    stats = result.stats
+    return ItemRecord(
+        id=item.id, hash=item.hash, task=item.family, score=score.score, correct=score.correct, category=score.category,
+        answer=result.text, gold=list(item.gold), recalled=score.recalled, length=item.length, depth=item.depth,
+        metrics={"kv_bytes": stats.kv_bytes, "nominal_bytes": stats.nominal_bytes, "index_bytes": stats.index_bytes,
+                 "bytes_per_token": stats.bytes_per_token, "nominal_bytes_per_token": stats.nominal_bytes_per_token,
+                 "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
+                 "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
+                 "group": item.group, "turn": item.turn},
+    )
+
+
+def finalize_run(run_dir: Path) -> RunInfo:
+    """Write the run's measured averages (bytes per token, speed) into ``run.json``."""
+    info = read_run_info(run_dir)
+    records = list(iter_items(run_dir))
+    if records:
+        info.bytes_per_token = statistics.fmean(r.metrics["bytes_per_token"] for r in records)
+        info.nominal_bytes_per_token = statistics.fmean(r.metrics["nominal_bytes_per_token"] for r in records)
+        info.extra.update({
+            "items": len(records),
+            "peak_kv_bytes": max(r.metrics["kv_bytes"] for r in records),
+            "ttft_s_mean": statistics.fmean(r.metrics["ttft_s"] for r in records),
+            "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
+        })
+    write_run_info(run_dir, info)
+    return info
+
+
+def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: Path, model_name: str, mode: str = "context",
+                      batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None) -> list[Path]:
+    """Evaluate ``items`` under every policy; return the run folders (one per policy, same order).
+
+    Parameters
+    ----------
+    progress : tqdm-like, optional
+        ``update(n)`` is called once per finished (item, policy) pair.
+    extra : dict, optional
+        Recorded in each ``run.json`` (e.g. the sweep's config hash).
+    """
+    from kveval.generation import generate_many, shares_prefill
+    from kveval.policies import parse_policy
+    from kveval.probes import encode_item, score_answer
+
+    stacks = [parse_policy(p) for p in policies]
+    dirs = []
+    for stack in stacks:
+        run_dir = run_dir_for(root, model_name, stack.spec, mode)
+        if not (run_dir / "run.json").is_file():
+            info = RunInfo(name=f"{Path(model_name).name}/{stack.spec}" + ("" if mode == "context" or stack.is_none else "@query"),
+                           model=model_name, policy=stack.spec, mode=mode, family=stack.label, ratio=stack.ratio,
+                           extra={**(extra or {}), **_structure_info(stack, model)})
+            write_run_info(run_dir, info)
+        dirs.append(run_dir)
+    groups: list[list[int]] = []
+    for i, stack in enumerate(stacks):  # policies that can share one prefill go together
+        for group in groups:
+            if shares_prefill([stacks[group[0]], stack]):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    for group in groups:
+        writers = {i: ItemWriter(dirs[i]) for i in group}  # opening cuts off a half-written last line
+        done = {i: {r.id for r in iter_items(dirs[i])} for i in group}
+        pending = [item for item in items if any(item.id not in done[i] for i in group)]
+        if progress is not None:
+            progress.update(sum(len(items) - len([it for it in items if it.id not in done[i]]) for i in group))
+        try:
+            for first in range(0, len(pending), batch_size):
+                batch = pending[first:first + batch_size]
+                prompts = [_prompt(tokenizer, item, encode_item) for item in batch]
+                max_new = max(item.max_new_tokens for item in batch)
+                outputs = generate_many(model, tokenizer, prompts, [stacks[i] for i in group], max_new_tokens=max_new,
+                                        mode=mode, batch_size=len(batch), seed=seed)
+                for i in group:
+                    for item, result in zip(batch, outputs[stacks[i].spec]):
+                        if item.id in done[i]:
+                            continue
+                        writers[i].write(_record(item, result, score_answer(item, result.text)))
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            for writer in writers.values():
+                writer.close()
+    for run_dir in dirs:
+        finalize_run(run_dir)
+    return dirs
+
+
+def _prompt(tokenizer, item, encode_item):
+    from kveval.generation import Prompt
+
+    context, question = encode_item(tokenizer, item)
+    return Prompt(context, question)
+
+
+def _structure_info(stack, model) -> dict:
+    """What a structure policy needs recorded (e.g. the low-rank calibration used)."""
+    structure = stack.structure
+    if structure is None or not hasattr(structure, "run_info"):
+        return {}
+    return structure.run_info(model)
+
+
+def configure(parser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--policy", action="append", required=True, help="policy spec; repeat for several")
+    parser.add_argument("--family", action="append", default=None, help="probe family; repeat; default passkey")
+    parser.add_argument("--length", action="append", type=int, default=None, help="prompt length in tokens; repeat")
+    parser.add_argument("--depth", action="append", type=float, default=None, help="needle depth in [0, 1]; repeat")
+    parser.add_argument("--n", type=int, default=10, help="items per family and length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", default="context", choices=["context", "query"])
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--baseline", action="store_true", help="also run policy none")
+    parser.add_argument("--out", required=True, help="folder; runs go to OUT/runs/<model>/<policy>")
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from kveval.models import load_model
+    from kveval.policies import parse_policy
+    from kveval.probes import generate_items
+
+    policies = (["none"] if args.baseline else []) + [parse_policy(p).spec for p in args.policy]
+    model, tokenizer = load_model(args.model)
+    items = []
+    for family in args.family or ["passkey"]:
+        for length in args.length or [512]:
+            items += generate_items(family, tokenizer, length, args.n, depths=args.depth, seed=args.seed)
+    with tqdm(total=len(items) * len(policies), desc="items x policies", unit="item") as bar:
+        dirs = evaluate_policies(model, tokenizer, items, policies, Path(args.out), args.model, args.mode, args.batch_size, args.seed, bar)
+    for run_dir in dirs:
+        info = read_run_info(run_dir)
+        records = list(iter_items(run_dir))
+        accuracy = sum(r.correct for r in records) / max(1, len(records))
+        print(f"{info.policy:<50} accuracy {accuracy:.3f} ({len(records)} items)  {info.bytes_per_token:,.0f} B/token  -> {run_dir}")
+    return 0

@@ -1,0 +1,41 @@
+"""``kveval generate``: one prompt, greedy, under a policy; prints the answer and measured cache bytes."""
+
+from __future__ import annotations
+
+import json
+
+
+def configure(parser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id, folder or .gguf path (default: smollm2-135m)")
+    parser.add_argument("--policy", default="none", help='policy spec, e.g. "snapkv(ratio=0.5)+kivi(bits=4)" (see `kveval policies`)')
+    parser.add_argument("--prompt", required=True, help="the prompt text; '@file.txt' reads it from a file")
+    parser.add_argument("--question", default="", help="text appended after compression (query-agnostic) or with it (--mode query)")
+    parser.add_argument("--mode", default="context", choices=["context", "query"], help="compress before the question is seen (default) or with it")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args) -> int:
+    from kveval.generation import encode_prompt, generate
+    from kveval.models import load_model
+    from kveval.policies import parse_policy
+
+    policy = parse_policy(args.policy)  # fail on a bad spec before loading the model
+    text = open(args.prompt[1:], encoding="utf-8").read() if args.prompt.startswith("@") else args.prompt
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    prompt = encode_prompt(tokenizer, text, args.question, chat=False if args.raw else None)
+    result = generate(model, tokenizer, [prompt], policy, max_new_tokens=args.max_new_tokens, mode=args.mode)[0]
+    stats = result.stats
+    if args.json:
+        print(json.dumps({"policy": policy.spec, "answer": result.text, "tokens": prompt.length, "kv_bytes": stats.kv_bytes,
+                          "nominal_bytes": stats.nominal_bytes, "ratio": stats.ratio, "index_bytes": stats.index_bytes,
+                          "kept_tokens_per_layer": [k[0] for k in stats.kept_tokens], "logprobs": result.logprobs}))
+        return 0
+    print(result.text)
+    print(f"policy {policy.spec} | prompt {prompt.length} tokens | {stats.summary()} | "
+          f"time to first token {result.prefill_seconds:.2f} s, {result.decode_tokens_per_second:.1f} tokens/s")
+    return 0
+
