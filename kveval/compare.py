@@ -124,6 +124,29 @@ def load_kveval_run(path: str | os.PathLike) -> Run:
     return Run(p, info, items, "kveval")
 
 
+def expand_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Run folders from the given paths: a run folder itself, or every ``runs/*/`` (or ``*/``) run of a sweep folder."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            raise ResultFileError(f"{p}: no such run or sweep folder")
+        if p.is_file() or (p / RUN_FILE).is_file() or list(p.glob("samples_*.jsonl")) or list(p.glob("*/samples_*.jsonl")):
+            found = [p]
+        else:
+            # a run folder with items but no run.json is kept, so that loading it reports the problem
+            found = sorted({q.parent for name in (RUN_FILE, ITEMS_FILE) for q in p.glob(f"runs/*/{name}")})
+            found = found or sorted({q.parent for name in (RUN_FILE, ITEMS_FILE) for q in p.glob(f"*/{name}")})
+            if not found:
+                raise ResultFileError(f"{p}: neither a run folder ({RUN_FILE}) nor a sweep folder with runs/*/{RUN_FILE}")
+        for f in found:
+            if all(f.resolve() != o.resolve() for o in out):
+                out.append(f)
+    if not out:
+        raise ResultFileError("no runs given")
+    return out
+
+
 def _samples_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("samples_*.jsonl"))
     if not files:
@@ -893,7 +916,7 @@ def format_table(rc: RunComparison) -> str:
         )
     reg = [r for c in rc.tasks for r in c.regressed]
     if reg:
-        shown = ", ".join(f"{r['id']} ({r['category'] or 'wrong'}{': ' + r['recalled'] if r.get('recalled') else ''})" for r in reg[:8])
+        shown = ", ".join(f"{r['id']} ({r.get('recalled') or r['category'] or 'wrong'})" for r in reg[:8])
         out += f"\n\nregressed items ({len(reg)}): {shown}" + (", ..." if len(reg) > 8 else "")
     return out
 

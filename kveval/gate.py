@@ -35,6 +35,7 @@ from kveval.compare import (
     _clean,
     adjust_pvalues,
     compare_runs,
+    expand_run_dirs,
     fmt_p,
     load_run,
 )
@@ -476,16 +477,88 @@ def evaluate_gate(
             verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc)))
             continue
         verdicts.append(CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc))
-    ok = [v for v in verdicts if v.comparison is not None]
+    result = GateResult(cfg, base.info, str(base.path), gated, verdicts)
+    _judge_all([result], cfg)
+    return result
+
+
+def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
+    """Holm-adjust over the configured family, then apply the rules to every candidate x gated task."""
+    ok = [(r, v) for r in results for v in r.candidates if v.comparison is not None]
     if cfg.family == "sweep":
-        adjust_pvalues([v.comparison.task(t) for v in ok for t in gated])
+        adjust_pvalues([v.comparison.task(t) for r, v in ok for t in r.tasks])
     else:
-        for v in ok:
-            adjust_pvalues([v.comparison.task(t) for t in gated])
-    for v in ok:
-        v.tasks = [_judge(v.comparison.task(t), cfg) for t in gated]
+        for r, v in ok:
+            adjust_pvalues([v.comparison.task(t) for t in r.tasks])
+    for r, v in ok:
+        v.tasks = [_judge(v.comparison.task(t), cfg) for t in r.tasks]
         v.status = FAIL if any(t.status == FAIL for t in v.tasks) else PASS
-    return GateResult(cfg, base.info, str(base.path), gated, verdicts)
+
+
+def group_runs_by_baseline(run_dirs: Sequence[str | os.PathLike]) -> list[tuple[Path, list[Path]]]:
+    """Pair each compressed run of a sweep with its model's baseline run.
+
+    Parameters
+    ----------
+    run_dirs : sequence of paths
+        Run folders, or sweep folders holding ``runs/*/``.
+
+    Returns
+    -------
+    list of (baseline, candidates)
+        One entry per model, in the order models first appear.
+
+    Raises
+    ------
+    ResultFileError
+        An unreadable run, a model with candidates but no baseline, or a model
+        with two baselines: a candidate without its baseline never passes.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for path in expand_run_dirs(run_dirs):
+        info = load_run(path).info
+        g = groups.setdefault(info.model, {"baseline": None, "candidates": []})
+        if info.is_baseline:
+            if g["baseline"] is not None:
+                raise ResultFileError(f"two baseline runs for model {info.model!r}: {g['baseline']} and {path}")
+            g["baseline"] = path
+        else:
+            g["candidates"].append(path)
+    out = []
+    for model, g in groups.items():
+        if g["baseline"] is None:
+            raise ResultFileError(
+                f"no baseline run (policy none) for model {model!r}; its {len(g['candidates'])} run(s) cannot be gated "
+                f"({', '.join(str(c) for c in g['candidates'][:3])})"
+            )
+        if g["candidates"]:
+            out.append((g["baseline"], g["candidates"]))
+    return out
+
+
+def evaluate_sweep(
+    config: str | os.PathLike | dict | GateConfig | None,
+    run_dirs: Sequence[str | os.PathLike],
+    *,
+    metric: str | dict[str, str] | None = None,
+) -> list[GateResult]:
+    """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model).
+
+    The overall exit code is :func:`exit_code` of the returned list. With
+    ``family: sweep`` the Holm family spans every candidate x gated task of
+    every model.
+    """
+    cfg = load_gate_config(config)
+    results = [evaluate_gate(cfg, base, cands, metric=metric) for base, cands in group_runs_by_baseline(run_dirs)]
+    if cfg.family == "sweep" and len(results) > 1:
+        _judge_all(results, cfg)
+    return results
+
+
+def exit_code(results: GateResult | Sequence[GateResult]) -> int:
+    """0 when every candidate passed, 1 when any regressed, 2 when any errored (or there is nothing gated)."""
+    results = [results] if isinstance(results, GateResult) else list(results)
+    return max((r.exit_code for r in results), default=2)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -528,7 +601,7 @@ def to_markdown(result: GateResult) -> str:
         out += ["", "## Regressed items", ""]
         for cv, t in reg:
             items = ", ".join(
-                f"`{r['id']}` ({r['category'] or 'wrong'}{': ' + str(r['recalled']) if r.get('recalled') else ''})"
+                f"`{r['id']}` ({r.get('recalled') or r['category'] or 'wrong'})"
                 for r in t.comparison.regressed[:20]
             )
             more = f" and {len(t.comparison.regressed) - 20} more" if len(t.comparison.regressed) > 20 else ""
@@ -540,13 +613,15 @@ def _md(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def to_junit(result: GateResult) -> str:
+def to_junit(result: GateResult | Sequence[GateResult]) -> str:
     """JUnit XML: one testsuite per candidate, one testcase per candidate x task."""
-    n_fail = sum(1 for c in result.candidates for t in c.tasks if t.status == FAIL)
-    n_err = sum(1 for c in result.candidates if c.status == ERROR)
-    n_tests = sum(len(c.tasks) or 1 for c in result.candidates)
+    results = [result] if isinstance(result, GateResult) else list(result)
+    candidates = [c for r in results for c in r.candidates]
+    n_fail = sum(1 for c in candidates for t in c.tasks if t.status == FAIL)
+    n_err = sum(1 for c in candidates if c.status == ERROR)
+    n_tests = sum(len(c.tasks) or 1 for c in candidates)
     root = ET.Element("testsuites", name="kveval gate", tests=str(n_tests), failures=str(n_fail), errors=str(n_err))
-    for cv in result.candidates:
+    for cv in candidates:
         fails = sum(1 for t in cv.tasks if t.status == FAIL)
         suite = ET.SubElement(
             root,
@@ -577,14 +652,25 @@ def to_junit(result: GateResult) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_gate_outputs(result: GateResult, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write ``gate.md``, ``gate.xml`` (JUnit) and ``gate.json``; return their paths."""
+def write_gate_outputs(result: GateResult | Sequence[GateResult], out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Write ``gate.md``, ``gate.xml`` (JUnit) and ``gate.json``; return their paths.
+
+    Several results (one per model of a sweep) go into the same three files;
+    their ``gate.json`` is ``{"status", "exit_code", "results": [...]}``.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "gate.md", "junit": out / "gate.xml", "json": out / "gate.json"}
-    atomic_write_text(paths["markdown"], to_markdown(result))
+    if isinstance(result, GateResult):
+        md, data = to_markdown(result), result.to_dict()
+    else:
+        results = list(result)
+        code = exit_code(results)
+        md = "\n".join(to_markdown(r).replace("# kveval gate:", f"# kveval gate ({r.baseline.model}):", 1) for r in results)
+        data = {"status": {0: PASS, 1: FAIL, 2: ERROR}[code], "exit_code": code, "results": [r.to_dict() for r in results]}
+    atomic_write_text(paths["markdown"], md)
     atomic_write_text(paths["junit"], to_junit(result))
-    atomic_write_text(paths["json"], json.dumps(result.to_dict(), indent=2))
+    atomic_write_text(paths["json"], json.dumps(data, indent=2))
     return paths
 
 

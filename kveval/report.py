@@ -7,7 +7,7 @@ with its model's baseline item by item (:mod:`kveval.compare`) and writes::
     DIR/leaderboard.md     # one row per model x policy (x ratio); best values in bold
     DIR/leaderboard.csv    # the same numbers, unformatted, plus p-values
     DIR/leaderboard.json
-    DIR/report.html        # table + plots, inline CSS, PNGs embedded as base64
+    DIR/leaderboard.html        # table + plots, inline CSS, PNGs embedded as base64
     DIR/score_vs_compression.png
     DIR/heatmap_<model>.png     # change vs baseline over context length x depth, per policy
     DIR/confusion_<model>.png   # stacked memory-confusion categories per policy
@@ -37,6 +37,7 @@ import numpy as np
 
 from kveval.compare import (
     CATEGORIES,
+    expand_run_dirs,
     OVERALL,
     Run,
     RunComparison,
@@ -46,33 +47,12 @@ from kveval.compare import (
     confusion_rates,
     load_run,
 )
-from kveval.records import RUN_FILE, ResultFileError, atomic_write_text
+from kveval.records import ResultFileError, atomic_write_text
 
 STAR = "\u2605"
 
 
 # ----------------------------------------------------------------------------- collecting runs
-
-
-def expand_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Run folders from the given paths: a run folder itself, or every ``runs/*/`` (or ``*/``) run of a sweep folder."""
-    out: list[Path] = []
-    for raw in paths:
-        p = Path(raw)
-        if not p.exists():
-            raise ResultFileError(f"{p}: no such run or sweep folder")
-        if p.is_file() or (p / RUN_FILE).is_file() or list(p.glob("samples_*.jsonl")) or list(p.glob("*/samples_*.jsonl")):
-            found = [p]
-        else:
-            found = sorted(q.parent for q in p.glob(f"runs/*/{RUN_FILE}")) or sorted(q.parent for q in p.glob(f"*/{RUN_FILE}"))
-            if not found:
-                raise ResultFileError(f"{p}: neither a run folder ({RUN_FILE}) nor a sweep folder with runs/*/{RUN_FILE}")
-        for f in found:
-            if all(f.resolve() != o.resolve() for o in out):
-                out.append(f)
-    if not out:
-        raise ResultFileError("no runs given")
-    return out
 
 
 @dataclass
@@ -94,7 +74,9 @@ class Row:
     @property
     def label(self) -> str:
         i = self.info
-        return i.policy if i.mode == "context" or i.is_baseline else f"{i.policy} [{i.mode}]"
+        if i.is_baseline:
+            return "baseline"
+        return i.policy if i.mode == "context" else f"{i.policy} [{i.mode}]"
 
 
 def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
@@ -102,9 +84,11 @@ def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
     if gate_result is None:
         return None
     if isinstance(gate_result, dict):
-        return gate_result
+        return _flatten_gate(gate_result)
     if hasattr(gate_result, "to_dict"):
         return gate_result.to_dict()
+    if isinstance(gate_result, (list, tuple)):
+        return {"candidates": [c for r in gate_result for c in load_gate_result(r)["candidates"]]}
     p = Path(gate_result)
     if p.is_dir():
         p = p / "gate.json"
@@ -114,8 +98,15 @@ def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
         data = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ResultFileError(f"{p}: corrupt gate result ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("candidates"), list):
+    if not isinstance(data, dict) or not (isinstance(data.get("candidates"), list) or isinstance(data.get("results"), list)):
         raise ResultFileError(f"{p}: not a gate result (no candidates)")
+    return _flatten_gate(data)
+
+
+def _flatten_gate(data: dict[str, Any]) -> dict[str, Any]:
+    """A multi-model ``gate.json`` (``results``: one per baseline) as one list of candidates."""
+    if "results" in data and "candidates" not in data:
+        return dict(data, candidates=[c for r in data["results"] for c in r.get("candidates", [])])
     return data
 
 
@@ -402,6 +393,7 @@ def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
         for r in group:
             if r.info.is_baseline:
                 ax.axhline(r.score, linestyle="--", color="0.3", label=f"baseline ({r.score:.2f})")
+                ax.plot([r.info.compression or 1.0], [r.score], marker="*", markersize=10, color="0.3", linestyle="none")
                 continue
             x, measured = r.info.compression, True
             if x is None and r.info.ratio is not None and r.info.ratio < 1:
@@ -447,13 +439,15 @@ def plot_heatmaps(model: str, group: list[Row], path: Path) -> Path | None:
         ax.set_xticks(range(len(depths)), [("-" if d is None else f"{d:g}") for d in depths])
         ax.set_yticks(range(len(lengths)), [("-" if L is None else str(L)) for L in lengths])
         ax.set_xlabel("needle depth")
-        ax.set_ylabel("context length (tokens)")
+        if k % cols == 0:
+            ax.set_ylabel("context length (tokens)")
         ax.set_title(r.label, fontsize=9)
         for i in range(delta.shape[0]):
             for j in range(delta.shape[1]):
                 if counts[i, j]:
                     v = delta[i, j]
                     ax.text(j, i, f"{v:+.2f}", ha="center", va="center", fontsize=7, color="white" if abs(v) > 0.6 else "black")
+    fig.subplots_adjust(wspace=0.3, hspace=0.45)
     if image is not None:
         fig.colorbar(image, ax=fig.axes, shrink=0.8, label="score change vs baseline")
     fig.suptitle(f"{model}: change vs baseline")
@@ -576,9 +570,11 @@ def build_report(
         Run folders, or sweep folders holding ``runs/*/``.
     out_dir : path
         Output folder (created).
-    gate_result : GateResult, dict, path or None
-        Gate verdicts for the *verdict* column: a :class:`kveval.gate.GateResult`,
-        or the ``gate.json`` written by ``kveval gate --out`` (or its folder).
+    gate_result : GateResult, list of GateResult, dict, path or None
+        Gate verdicts for the *verdict* column: :class:`kveval.gate.GateResult`
+        (one, or one per model from :func:`kveval.gate.evaluate_sweep`), or the
+        ``gate.json`` written by ``kveval gate --out`` / ``write_gate_outputs``
+        (or its folder).
     n_resamples, seed : int
         Bootstrap settings of the change intervals.
 
@@ -605,7 +601,7 @@ def build_report(
         "markdown": out / "leaderboard.md",
         "csv": out / "leaderboard.csv",
         "json": out / "leaderboard.json",
-        "html": out / "report.html",
+        "html": out / "leaderboard.html",
     }
     recs = csv_records(rows, tasks)
     atomic_write_text(paths["markdown"], to_markdown(rows, tasks, gate_lines))

@@ -1,6 +1,6 @@
 """Compression policies. Importing this package registers every policy."""
 
-from kveval.policies import h2o, knorm, none, pyramidkv, quant, random, snapkv, tova, window  # noqa: F401  (registration)
+from kveval.policies import h2o, knorm, lowrank, none, pyramidkv, quant, random, snapkv, tova, window  # noqa: F401  (registration)
 from kveval.policies.base import (
     POLICIES,
     Policy,

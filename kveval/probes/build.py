@@ -11,14 +11,17 @@ model's tokenizer, so ``len(context_ids) + len(question_ids) <= target`` with a
 gap of a few tokens at most.
 
 Depth is measured in tokens over the region: a needle at depth ``d`` has
-``d * (region tokens without the needle)`` region tokens before it. Non-primary
-needles are placed first (against haystack tokens only); the primary needle is
-placed last against everything, so its depth is exact to within one unit.
+``d * (region tokens without the needle)`` region tokens before it. Other
+needles are inserted first, in order of requested depth, each at the unit
+boundary nearest its target counting the needles already inserted (clustered
+needles push each other). The primary needle (the item's depth) goes in last at
+the gap nearest its target among everything, so its depth is exact to within
+one unit or neighbouring needle, unless an ordering constraint (stale values
+before the latest one, chain hops in order) pushes it.
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,7 +41,7 @@ class Plant:
     depth : float
         Requested relative depth in [0, 1].
     primary : bool
-        Placed last, exactly at its depth (the item's reported depth).
+        The needle whose depth is the item's reported depth; placed last, exactly.
     order : str
         ``"before"`` or ``"after"``: must stay before/after the primary needle
         (chains, update streams); ``""`` for no constraint.
@@ -136,29 +139,29 @@ class _Assembler:
         seq: list[tuple[str, object]] = [(u.text, u) for u in units]
         if pad and not lay.pad_at_head:
             seq.append((pad, None))
-        # Non-primary needles against haystack tokens only.
-        cum = [0]
-        for text, _ in seq:
-            cum.append(cum[-1] + self.count(text))
-        slots: dict[int, list[Plant]] = {}
-        for plant in lay.plants:
-            if plant.primary:
-                continue
-            pos = plant.depth * cum[-1]
-            b = bisect.bisect_left(cum, pos)
-            if b > 0 and (b == len(cum) or pos - cum[b - 1] <= cum[b] - pos):
-                b -= 1
-            slots.setdefault(b, []).append(plant)
-        merged: list[tuple[str, object]] = []
-        for b in range(len(seq) + 1):
-            merged.extend((p.text, p) for p in sorted(slots.get(b, []), key=lambda p: p.depth))
-            if b < len(seq):
-                merged.append(seq[b])
-        # Primary needle: nearest gap against everything, within its ordering constraints.
+        # Other needles first: walk the units and insert each (in order of requested depth) at the gap
+        # nearest its target, depth * (region tokens without it), counting needles already inserted.
+        total = sum(self.count(text) for text, _ in seq) + sum(self.count(p.text) for p in lay.plants)
+        rank = {"before": 0, "": 1, "after": 2}
         primary = next(p for p in lay.plants if p.primary)
-        cum = [0]
+        merged: list[tuple[str, object]] = []
+        cum, j = 0, 0
+        for plant in sorted((p for p in lay.plants if not p.primary), key=lambda p: (p.depth, rank[p.order])):
+            target = plant.depth * (total - self.count(plant.text))
+            while j < len(seq):
+                step = self.count(seq[j][0])
+                if abs(cum + step - target) >= abs(cum - target):
+                    break
+                merged.append(seq[j])
+                cum += step
+                j += 1
+            merged.append((plant.text, plant))
+            cum += self.count(plant.text)
+        merged.extend(seq[j:])
+        # The primary needle last, at the gap nearest its target among everything, within its ordering constraints.
+        cum_at = [0]
         for text, _ in merged:
-            cum.append(cum[-1] + self.count(text))
+            cum_at.append(cum_at[-1] + self.count(text))
         lo, hi = 0, len(merged)
         for i, (_, obj) in enumerate(merged):
             if isinstance(obj, Plant) and obj.order == "before":
@@ -166,8 +169,8 @@ class _Assembler:
             if isinstance(obj, Plant) and obj.order == "after":
                 hi = min(hi, i)
         lo = min(lo, hi)
-        pos = primary.depth * cum[-1]
-        g = min(range(lo, hi + 1), key=lambda j: (abs(cum[j] - pos), j))
+        target = primary.depth * cum_at[-1]
+        g = min(range(lo, hi + 1), key=lambda i: (abs(cum_at[i] - target), i))
         merged.insert(g, (primary.text, primary))
 
         head = (pad + lay.pad_sep) if (pad and lay.pad_at_head) else ""
@@ -214,17 +217,26 @@ def fit(layout: Layout, frame: PromptFrame, tokenizer, budget: int) -> Built:
     if base > budget:
         raise ValueError(f"needles and instructions alone take {base} context tokens, more than the {budget} available; "
                          f"ask for a longer length or fewer needles")
-    # Estimate the unit count from standalone token counts, then bracket and bisect.
-    total, k_est = base, 0
-    while total <= budget and k_est < 1_000_000:
-        total += asm.count(layout.units(k_est).text) + 0  # joiner tokens are mostly merged into the leading space
+    # Estimate the unit count from standalone token counts, correct the estimate by one real
+    # measurement, then bracket (galloping) and bisect.
+    cum = [base]
+    while cum[-1] <= budget and len(cum) < 1_000_000:
+        cum.append(cum[-1] + asm.count(layout.units(len(cum) - 1).text))
+    k_est = len(cum) - 2
+    measured = asm.context_tokens(k_est, 0)
+    drift = measured - cum[k_est]
+    while k_est > 0 and cum[k_est] + drift > budget:
+        k_est -= 1
+    while cum[-1] + drift <= budget and len(cum) < 1_000_000:
+        cum.append(cum[-1] + asm.count(layout.units(len(cum) - 1).text))
+    while k_est + 1 < len(cum) and cum[k_est + 1] + drift <= budget:
         k_est += 1
-    lo = max(0, k_est - 4 - k_est // 20)
-    if asm.context_tokens(lo, 0) > budget:
-        lo = 0
-    hi = k_est + 4 + k_est // 20
+    step = 1
+    lo, hi = max(0, k_est), k_est + step
+    while lo > 0 and asm.context_tokens(lo, 0) > budget:
+        lo, hi, step = max(0, lo - 2 * step), lo, step * 2
     while asm.context_tokens(hi, 0) <= budget:
-        lo, hi = hi, hi * 2 + 1
+        lo, hi, step = hi, hi + 2 * step, step * 2
     while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
         mid = (lo + hi) // 2
         if asm.context_tokens(mid, 0) <= budget:

@@ -258,20 +258,27 @@ def variable_tracking(rng: random.Random, depth: float, p: dict[str, Any]) -> Sp
         value = draw.number(5)
         names = [draw.variable() for _ in range(n_vars)]
         chains.append((value, names))
-        if c == 0:
+        # Target chain: its first hop sits at the depth (the rest after it) for depth <= 0.5, its last hop
+        # (the rest before it) above 0.5, so that the primary hop can reach both ends of the context.
+        head = depth <= 0.5
+        if c == 0 and head:
             depths = [depth] + sorted(depth + (1 - depth) * rng.random() for _ in range(n_vars - 1))
+        elif c == 0:
+            depths = sorted(depth * rng.random() for _ in range(n_vars - 1)) + [depth]
         else:
             depths = sorted(rng.random() for _ in range(n_vars))
+        primary_hop = 0 if head else n_vars - 1
         for i, (name, d) in enumerate(zip(names, depths)):
             text = f"VAR {name} = {value}." if i == 0 else f"VAR {name} = VAR {names[i - 1]}."
-            plants.append(Plant(text, value, name, d, primary=(c == 0 and i == 0), order="after" if c == 0 and i else ""))
+            order = "" if c or i == primary_hop else ("after" if i > primary_hop else "before")
+            plants.append(Plant(text, value, name, d, primary=(c == 0 and i == primary_hop), order=order))
     units, pad = _haystack(p["haystack"], rng, draw, None)
     value, names = chains[0]
     layout = Layout("Memorize and track the chain(s) of variable assignment hidden in the following text.", units, pad, plants)
     q = f"Find all variables that are assigned the value {value} in the text above."
     prefix = (f"According to the chain(s) of variable assignment in the text above, {n_vars} variables "
               f"are assigned the value {value}, they are:")
-    return Spec(layout, [Turn(q, prefix, names, names[0], depth)], "variable")
+    return Spec(layout, [Turn(q, prefix, names, names[0] if depth <= 0.5 else names[-1], depth)], "variable")
 
 
 def update_stream(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
@@ -314,7 +321,11 @@ def multi_turn(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
 
     Turn ``t`` asks key ``t``; its question text first lists the earlier turns'
     questions with their gold answers as history. Key 0 sits at the requested
-    depth, the other asked keys and the distractor keys at random depths.
+    depth, the other asked keys and the distractor keys at random depths (an
+    item's ``depth`` is its own key's requested depth; for turns after the first
+    it is random and only approximately met when needles cluster: use
+    ``depth_actual``). Every turn shares ``prompt_context`` (and so
+    ``context_ids``); the context is fitted to the longest, last turn.
     """
     kind = p["value_kind"]
     draw = UniqueDraw(rng)

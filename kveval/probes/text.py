@@ -59,7 +59,7 @@ VALUE_WORDS = (
     "boomerang", "broccoli", "buffalo", "cactus", "canoe", "caramel", "cashew", "catapult", "cello", "chameleon",
     "cinnamon", "clarinet", "coconut", "cricket", "crocodile", "cucumber", "cupcake", "dolphin", "dragonfly", "dumpling",
     "eggplant", "elephant", "emerald", "falafel", "flamingo", "gazelle", "giraffe", "gondola", "gorilla", "guitar",
-    "hamster", "harmonica", "hedgehog", "hippo", "iguana", "jaguar", "jellyfish", "kangaroo", "kayak", "kiwi",
+    "hamster", "harmonica", "hamburger", "hippo", "iguana", "jaguar", "jellyfish", "kangaroo", "kayak", "kiwi",
     "koala", "lemonade", "lobster", "macaroni", "mango", "marmalade", "meerkat", "mushroom", "narwhal", "noodle",
     "octopus", "omelette", "ostrich", "paprika", "papaya", "peacock", "pelican", "penguin", "pepperoni", "piano",
     "pineapple", "pistachio", "platypus", "popcorn", "pretzel", "pumpkin", "raccoon", "radish", "raspberry", "rhubarb",

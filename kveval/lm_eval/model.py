@@ -1,0 +1,536 @@
+"""The ``kveval`` lm-eval model type: Hugging Face causal LMs with a compressed KV cache.
+
+``--model kveval --model_args pretrained=smollm2-135m,policy=snapkv(ratio=0.5)+kivi(bits=4),compress=context``
+
+Model arguments (everything else goes to ``from_pretrained`` through
+:func:`kveval.models.load_model`, or to lm-eval's ``HFLM`` for its own options
+such as ``max_length``, ``add_bos_token``, ``truncation``):
+
+``pretrained``
+    An embedded model (``smollm2-135m``, ``gemma3-270m``), a Hub id, a local
+    folder or a ``.gguf`` file; or, from Python, a model object loaded with
+    ``attn_implementation="kveval"`` (then pass ``tokenizer`` too).
+``policy``
+    A kveval policy spec such as ``snapkv(ratio=0.5)+kivi(bits=4)`` (``none`` by
+    default). It is parsed before the model loads: a bad spec is a ``ValueError``.
+    Commas inside parentheses are fine on the lm-eval 0.4.13 command line (its
+    ``--model_args`` parser splits on top-level commas only); ``;`` may be used
+    instead of ``,`` inside the parentheses where a tool splits on every comma.
+``compress``
+    ``context`` (query-agnostic, default) or ``query`` (query-aware); see below.
+``question_marker``
+    Optional text that starts the question in every prompt (its last
+    occurrence; backslash escapes such as ``\\n\\n`` are decoded). Without it
+    kveval cannot tell context from question in an lm-eval prompt.
+``seed``
+    Base seed of the ``random`` control policy.
+``device``, ``dtype``
+    ``auto`` (default): CUDA + bfloat16 when a GPU is present, else CPU + float32.
+
+What is compressed
+------------------
+A request's prompt (lm-eval's context string, tokenized as ``HFLM`` does) is
+split into *context* ``C`` and *question* ``Q``: ``Q`` starts at
+``question_marker``; without a marker ``Q`` is the prompt's last token in
+``compress=context`` mode and empty in ``compress=query`` mode.
+
+* ``compress=context``: ``C`` is prefilled into a fresh
+  :class:`~kveval.cache.CompressedCache` and compressed at the end of that
+  pass, before ``Q`` is seen; ``Q`` (and, for loglikelihood, the continuation)
+  is then processed against the compressed cache. Every scored or generated
+  token therefore sees only the compressed context. Without a marker the
+  question is inside ``C``, so policies that score tokens with the prefill's
+  last queries (SnapKV and the like) do see it; set ``question_marker`` for
+  strictly query-agnostic compression.
+* ``compress=query``: ``C + Q`` are prefilled together, ``Q`` is kept out of
+  selection and the policy compresses ``C`` with ``Q`` in view. As in deployed
+  query-aware compression (and :func:`kveval.generation.generate`), the first
+  answer token is predicted by that prefill pass, i.e. before compression; later
+  tokens see the compressed cache. A single-token continuation is therefore
+  scored as uncompressed in this mode.
+
+``loglikelihood`` (multiple choice): requests are grouped by their prefill, so
+the choices of one question share ONE compressed prefill; each continuation is
+then scored in one teacher-forced pass on a copy of that cache. Decode-phase
+budgets (``window``, ``streaming``, ``decode_budget=``) and KIVI's residual act
+after each pass, so within the continuation every token sees all earlier
+continuation tokens: for long continuations under such budgets this can differ
+from token-by-token greedy decoding.
+
+``loglikelihood_rolling`` (perplexity tasks): stock ``HFLM`` behaviour,
+uncompressed. lm-eval's rolling windows have a one-token prefix, so there is no
+context to compress; the windows are scored exactly as ``--model hf`` scores
+them, and a warning says so.
+
+``generate_until``: :func:`kveval.generation.generate` (greedy) with the
+compressed cache for prefill and decoding, batched (answers do not depend on the
+batch size), ``until`` stop strings and ``max_gen_toks``. Sampling
+(``do_sample=True``) is refused.
+
+Measured cache bytes (after each loglikelihood prefill, and at the end of each
+generation) are averaged over the requests the model computed and reported by
+:meth:`KVEvalLM.get_model_info`, which lm-eval merges into
+``results["config"]``. Requests answered from lm-eval's ``--use_cache`` are not
+measured; its cache key does not include the model arguments, so give every
+policy its own ``--use_cache`` path.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from importlib import metadata as importlib_metadata
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import lm_eval.models  # noqa: F401  (fills lm-eval's model registry first: registering before breaks get_model("hf"))
+from lm_eval.api.registry import model_registry, register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+import kveval
+from kveval.cache import CompressedCache, nominal_bytes_per_token
+from kveval.generation import MODES, Prompt, generate
+from kveval.policies import PolicyStack, parse_policy
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPE = "kveval"
+
+# HFLM options that still mean something when HFLM receives a loaded model object.
+_HFLM_KEYS = {"max_length", "truncation", "add_bos_token", "prefix_token_id", "logits_cache", "softmax_dtype",
+              "mixed_precision_dtype", "use_fast_tokenizer", "think_end_token", "enable_thinking",
+              "chat_template_args", "backend"}
+# HFLM loading options kveval does not support (it loads the model itself, on one device).
+_UNSUPPORTED = {"parallelize", "peft", "delta", "autogptq", "gptqmodel", "tp_plan", "max_memory_per_gpu",
+                "max_cpu_memory", "offload_folder"}
+
+
+# --- argument handling ---------------------------------------------------------------------------
+
+def split_model_args(text: str) -> list[str]:
+    """Split a ``key=value,key=value`` string on commas outside parentheses, brackets, braces and quotes."""
+    parts, buf, depth, quote = [], [], 0, None
+    for ch in text:
+        if quote is not None:
+            if ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+        elif ch == "," and depth == 0:
+            parts.append("".join(buf))
+            buf = []
+            continue
+        buf.append(ch)
+    parts.append("".join(buf))
+    return [p for p in parts if p.strip()]
+
+
+def parse_model_args(text: str | None) -> dict:
+    """``--model_args`` string to a dict, keeping a policy spec's commas inside its parentheses.
+
+    Values are typed as lm-eval types them (``0.5`` -> float, ``true`` -> bool,
+    quotes -> string). lm-eval's own ``simple_parse_args_string`` splits on
+    every comma, which would cut ``snapkv(ratio=0.5,window=32)`` apart.
+    """
+    from lm_eval.utils import handle_arg_string
+
+    result = {}
+    for item in split_model_args((text or "").strip()):
+        if "=" not in item:
+            raise ValueError(f"model argument {item.strip()!r} is not key=value")
+        key, value = item.split("=", 1)
+        result[key.strip()] = handle_arg_string(value)
+    return result
+
+
+def policy_from_arg(policy) -> PolicyStack:
+    """Parse the ``policy`` model argument (``;`` allowed instead of ``,`` inside parentheses)."""
+    if isinstance(policy, PolicyStack) or policy is None:
+        return parse_policy(policy)
+    if not isinstance(policy, str):
+        raise ValueError(f"policy={policy!r}: give a policy spec string such as 'snapkv(ratio=0.5)+kivi(bits=4)'")
+    return parse_policy(policy.replace(";", ","))
+
+
+def _unescape(text: str) -> str:
+    if "\\" not in text:
+        return text
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib_metadata.version(name)
+    except importlib_metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# --- cache helpers -------------------------------------------------------------------------------
+
+def _forward(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int, keep: int = 0) -> torch.Tensor:
+    """One left-padded forward appending ``rows[b]`` to row ``b`` of ``cache`` (as :func:`kveval.generation.forward_rows`).
+
+    ``keep`` > 0 computes logits for the last ``keep`` columns only (a prefill needs one).
+    """
+    device = model.device
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long, device=device)
+            mask[b, width - len(r):] = True
+    start = torch.tensor(seen, device=device)[:, None]
+    position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    cache.set_input_mask(mask)
+    kwargs = dict(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
+    if keep:
+        kwargs["logits_to_keep"] = keep
+    logits = model(**kwargs).logits
+    for b, r in enumerate(rows):
+        seen[b] += len(r)
+    return logits
+
+
+def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> CompressedCache:
+    """A new cache whose row ``j`` is an independent copy of row ``index[j]`` of ``cache``.
+
+    ``memo`` maps the model (and its modules and parameters) to themselves so
+    that the copy never duplicates weights.
+    """
+    saved = [layer.rows for layer in cache.layers]
+    for layer in cache.layers:
+        layer.rows = []
+    try:
+        clone = copy.deepcopy(cache, dict(memo))
+    finally:
+        for layer, rows in zip(cache.layers, saved):
+            layer.rows = rows
+    for layer, rows in zip(clone.layers, saved):
+        layer.rows = [copy.deepcopy(rows[i], dict(memo)) for i in index]
+    clone.set_input_mask(None)
+    clone.set_protected(None)
+    return clone
+
+
+# --- the model type ------------------------------------------------------------------------------
+
+class KVEvalLM(HFLM):
+    """lm-eval ``HFLM`` whose KV cache is compressed by a kveval policy (see the module docstring)."""
+
+    def __init__(self, pretrained="smollm2-135m", tokenizer=None, policy="none", compress: str = "context",
+                 question_marker: str | None = None, seed: int = 0, device: str | None = "auto",
+                 dtype="auto", batch_size=1, max_batch_size: int | None = 64, trust_remote_code: bool = False,
+                 **kwargs):
+        # Our own arguments first, so a bad spec fails before anything loads.
+        self.policy = policy_from_arg(policy)
+        if compress not in MODES:
+            raise ValueError(f"compress={compress!r}; use 'context' (query-agnostic: compress before the question) "
+                             f"or 'query' (query-aware: compress with the question in view)")
+        self.compress = compress
+        self.question_marker = _unescape(str(question_marker)) if question_marker not in (None, "") else None
+        self.seed = int(seed)
+        unsupported = sorted(k for k in _UNSUPPORTED if kwargs.get(k))
+        if unsupported:
+            raise ValueError(f"model_args {', '.join(unsupported)} are not supported by --model kveval "
+                             f"(it loads the whole model on one device)")
+        for k in _UNSUPPORTED:
+            kwargs.pop(k, None)
+        if "attn_implementation" in kwargs:
+            raise ValueError("attn_implementation is set by kveval (the 'kveval' attention function); remove it from model_args")
+        hflm_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _HFLM_KEYS}
+        for k in ("revision", "subfolder", "gguf_file"):  # meaningful for from_pretrained only when given
+            if kwargs.get(k) in (None, "", "main"):
+                kwargs.pop(k, None)
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            log.warning("kveval: batch_size=%s is not supported; using 1", batch_size)
+            batch_size = 1
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).replace("torch.", "")
+
+        if isinstance(pretrained, str):
+            from kveval.models import load_model
+
+            model, loaded_tokenizer = load_model(pretrained, device=device or "auto", dtype=dtype or "auto",
+                                                 trust_remote_code=trust_remote_code, **kwargs)
+            self.model_name = pretrained
+        else:
+            model, loaded_tokenizer = pretrained, None
+            if kwargs:
+                log.warning("kveval: model_args %s are ignored when a loaded model is passed", sorted(kwargs))
+            self.model_name = getattr(model, "kveval_name", None) or getattr(model.config, "name_or_path", "") or type(model).__name__
+            if tokenizer is None:
+                raise ValueError("pass tokenizer= along with a loaded model")
+        self._ensure_kveval_attention(model)
+        if isinstance(tokenizer, str):
+            from kveval.models import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer)
+        tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        if self.policy.quantization is not None:  # head_dim checks etc. before any request runs
+            CompressedCache(model, self.policy)
+
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_batch_size=max_batch_size,
+                         trust_remote_code=trust_remote_code, **hflm_kwargs)
+        self._memo = {id(model): model}
+        for item in list(model.modules()) + list(model.parameters()) + list(model.buffers()):
+            self._memo[id(item)] = item
+        self._rolling = False
+        self._warned: set[str] = set()
+        self._measured = {"requests": 0, "tokens": 0, "kv_bytes": 0, "index_bytes": 0, "nominal_bytes": 0}
+
+    @staticmethod
+    def _ensure_kveval_attention(model) -> None:
+        from kveval.attention import ATTENTION_NAME, register_attention
+
+        register_attention()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+            return
+        try:
+            model.set_attn_implementation(ATTENTION_NAME)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"the model must use attn_implementation={ATTENTION_NAME!r} (load it with "
+                             f"kveval.models.load_model): {exc}") from exc
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """Like ``LM.create_from_arg_string``, but commas inside a policy spec's parentheses do not split."""
+        args = parse_model_args(arg_string)
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**args, **extra)
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def _int_batch_size(self, override: int | None = None) -> int:
+        size = override if override is not None else self.batch_size
+        try:
+            return max(1, int(size))
+        except (TypeError, ValueError):
+            return 1
+
+    def _question_length(self, text: str | None, tokens: list[int], encode) -> int:
+        """Tokens at the end of ``tokens`` that belong to the question (from ``question_marker`` on)."""
+        if not self.question_marker or not text:
+            return 0
+        pos = text.rfind(self.question_marker)
+        if pos < 0:
+            self._warn_once("marker", "kveval: question_marker %r not found in a prompt; its whole prompt is context",
+                            self.question_marker)
+            return 0
+        head = encode(text[:pos])
+        n = 0
+        for a, b in zip(head, tokens):
+            if a != b:
+                break
+            n += 1
+        return len(tokens) - n
+
+    def _record(self, stats, weight: int = 1) -> None:
+        m = self._measured
+        m["requests"] += weight
+        m["tokens"] += weight * sum(stats.tokens_seen)
+        m["kv_bytes"] += weight * stats.kv_bytes
+        m["index_bytes"] += weight * stats.index_bytes
+        m["nominal_bytes"] += weight * stats.nominal_bytes
+
+    # --- loglikelihood ---------------------------------------------------------------------------
+    def _plan(self, request) -> tuple[tuple[int, ...], int, list[int], list[int]]:
+        """``(prefill tokens, protected tokens, tail tokens, continuation)`` of one loglikelihood request."""
+        request_str, context, continuation = request
+        assert len(context) > 0 and len(continuation) > 0
+        if len(continuation) > self.max_length:
+            raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
+        q = self._question_length(request_str[0] if request_str else None, context, self.tok_encode)
+        total = context + continuation
+        if len(total) > self.max_length + 1:  # left-truncate as HFLM does
+            self._warn_once("truncate", "kveval: context + continuation exceed max_length %d; truncating the context from the left", self.max_length)
+            context = total[-(self.max_length + 1):][:-len(continuation)]
+        q = min(q, len(context) - 1)
+        if self.compress == "context":
+            if q == 0 and len(context) > 1:
+                q = 1  # the prompt's last token is processed after compression, so every score sees the compressed cache
+            split = len(context) - q
+            return tuple(context[:split]), 0, context[split:] + continuation[:-1], continuation
+        return tuple(context), q, continuation[:-1], continuation
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        if self._rolling:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        plans = [self._plan(r) for r in requests]
+        groups: dict[tuple, list[int]] = {}
+        for i, (prefill, protect, _, _) in enumerate(plans):
+            groups.setdefault((prefill, protect), []).append(i)
+        # Longest prefill first (as HFLM sorts), ties broken by the tokens: the order does not depend on the batch size.
+        order = sorted(groups, key=lambda k: (-len(k[0]), k[0], k[1]))
+        batch_size = self._int_batch_size(override_bs)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        pbar = tqdm(total=len(requests), disable=(disable_tqdm or self.rank != 0), desc="Running loglikelihood requests (kveval)")
+        with torch.no_grad():
+            for first in range(0, len(order), batch_size):
+                keys = order[first:first + batch_size]
+                cache = CompressedCache(self.model, self.policy, seed=self.seed + first)
+                cache.set_protected([protect for _, protect in keys])
+                seen = [0] * len(keys)
+                logits = _forward(self.model, cache, [list(prefill) for prefill, _ in keys], seen, pad_id, keep=1)
+                cache.set_protected(None)
+                first_logprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # predicts the token after each prefill
+                for g, key in enumerate(keys):
+                    self._record(cache.stats(row=g), weight=len(groups[key]))
+                members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
+                for start in range(0, len(members), batch_size):
+                    sub = members[start:start + batch_size]
+                    index = [g for g, _ in sub]
+                    if len(members) <= batch_size and index == list(range(len(keys))):
+                        run = cache  # each prefill is used once: no copy needed
+                    else:
+                        run = _fork_rows(cache, index, self._memo)
+                    tails = [plans[i][2] for _, i in sub]
+                    tail_logprobs = None
+                    if any(tails):
+                        tail_seen = [len(keys[g][0]) for g in index]
+                        tail_logprobs = F.log_softmax(_forward(self.model, run, tails, tail_seen, pad_id).float(), dim=-1)
+                    for r, (g, i) in enumerate(sub):
+                        continuation = plans[i][3]
+                        t = len(tails[r])
+                        preds = first_logprobs[g:g + 1]
+                        if t:
+                            preds = torch.cat([preds, tail_logprobs[r, tail_logprobs.shape[1] - t:]], dim=0)
+                        preds = preds[-len(continuation):]
+                        target = torch.tensor(continuation, dtype=torch.long, device=preds.device)
+                        answer = (float(preds.gather(1, target[:, None]).sum()), bool((preds.argmax(dim=-1) == target).all()))
+                        results[i] = answer
+                        request_str = requests[i][0]
+                        if request_str is not None:
+                            self.cache_hook.add_partial("loglikelihood", request_str, answer)
+                        pbar.update(1)
+        pbar.close()
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """Stock ``HFLM`` rolling loglikelihood, uncompressed (its windows have a one-token prefix: nothing to compress)."""
+        self._warn_once("rolling", "kveval: loglikelihood_rolling (perplexity tasks) runs uncompressed, exactly as "
+                        "--model hf: lm-eval's rolling windows have a one-token prefix, so there is no context to compress")
+        self._rolling = True
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._rolling = False
+
+    # --- generation ------------------------------------------------------------------------------
+    def _encode_for_generation(self, text: str) -> list[int]:
+        ids, mask = self.tok_batch_encode([text])  # HFLM's tokenization of generation prompts
+        return ids[0][mask[0].bool()].tolist()
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        args = [req.args for req in requests]
+        results: list[str | None] = [None] * len(args)
+        by_kwargs: dict[str, list[int]] = {}
+        for i, (_, gen_kwargs) in enumerate(args):
+            by_kwargs.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        batch_size = self._int_batch_size()
+        pbar = tqdm(total=len(args), disable=(disable_tqdm or self.rank != 0), desc="Running generate_until requests (kveval)")
+        for indices in by_kwargs.values():
+            gen_kwargs = args[indices[0]][1]
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            if kwargs.pop("do_sample", False):
+                raise ValueError("--model kveval generates greedily; set do_sample=false (and temperature=0) in the task's generation_kwargs")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen_toks = int(kwargs.pop("max_gen_toks"))
+            kwargs.pop("temperature", None)
+            if kwargs:
+                self._warn_once("gen_kwargs", "kveval: generation kwargs %s are ignored (greedy decoding)", sorted(kwargs))
+            max_ctx_len = self.max_length - max_gen_toks
+            if max_ctx_len <= 0:
+                raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for the prompt in max_length={self.max_length}")
+            prompts = {}
+            for i in indices:
+                text = args[i][0]
+                ids = self._encode_for_generation(text)
+                q = self._question_length(text, ids, self._encode_for_generation)
+                if len(ids) > max_ctx_len:
+                    self._warn_once("truncate_gen", "kveval: prompt longer than max_length - max_gen_toks = %d; truncating it from the left", max_ctx_len)
+                    ids = ids[-max_ctx_len:]
+                q = min(q, len(ids) - 1)
+                if self.compress == "context" and q == 0 and len(ids) > 1:
+                    q = 1  # the last prompt token runs against the compressed cache, as in loglikelihood
+                prompts[i] = Prompt(context=ids[:len(ids) - q], question=ids[len(ids) - q:])
+            # Longest prompt first, ties by text: batch composition never changes the order (nor the seeds).
+            ordered = sorted(indices, key=lambda i: (-prompts[i].length, args[i][0]))
+            for start in range(0, len(ordered), batch_size):
+                chunk = ordered[start:start + batch_size]
+                outputs = generate(self.model, self.tokenizer, [prompts[i] for i in chunk], policy=self.policy,
+                                   max_new_tokens=max_gen_toks, mode=self.compress, batch_size=len(chunk),
+                                   stop=until, seed=self.seed + start)
+                for i, out in zip(chunk, outputs):
+                    text = postprocess_generated_text(
+                        generation=out.text, stop=until,
+                        think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None)
+                    results[i] = text
+                    self._record(out.stats)
+                    self.cache_hook.add_partial("generate_until", args[i], text)
+                    pbar.update(1)
+        pbar.close()
+        return results
+
+    # --- reporting -------------------------------------------------------------------------------
+    def cache_summary(self) -> dict:
+        """Measured cache size over the requests computed so far."""
+        m = self._measured
+        return {
+            "kveval_measured_requests": m["requests"],
+            "kveval_measured_tokens": m["tokens"],
+            "kveval_measured_bytes_per_token": m["kv_bytes"] / m["tokens"] if m["tokens"] else None,
+            "kveval_index_bytes_per_token": m["index_bytes"] / m["tokens"] if m["tokens"] else None,
+            "kveval_uncompressed_bytes_per_token_measured": m["nominal_bytes"] / m["tokens"] if m["tokens"] else None,
+            "kveval_measured_ratio": m["kv_bytes"] / m["nominal_bytes"] if m["nominal_bytes"] else None,
+        }
+
+    def get_model_info(self) -> dict:
+        """Merged by lm-eval into ``results["config"]``: policy, mode, measured and nominal cache bytes, versions."""
+        model = self.model
+        info = {
+            "model_name": self.model_name,
+            "model_num_parameters": sum(p.numel() for p in model.parameters()),
+            "model_dtype": str(model.dtype),
+            "kveval_policy": self.policy.spec,
+            "kveval_compress": self.compress,
+            "kveval_question_marker": self.question_marker,
+            "kveval_seed": self.seed,
+            "kveval_nominal_ratio": self.policy.ratio,
+            "kveval_nominal_bytes_per_token": nominal_bytes_per_token(model),
+            "kveval_loglikelihood_rolling": "uncompressed (stock HFLM)",
+            "kveval_version": getattr(kveval, "__version__", "unknown"),
+            "transformers_version": _version("transformers"),
+            "torch_version": torch.__version__,
+            "lm_eval_version": _version("lm_eval"),
+        }
+        info.update(self.cache_summary())
+        return info
+
+
+def register_model_type() -> None:
+    """Register :class:`KVEvalLM` as lm-eval model type ``kveval`` (idempotent)."""
+    current = model_registry._objs.get(MODEL_TYPE) if hasattr(model_registry, "_objs") else None
+    if current is KVEvalLM:
+        return
+    register_model(MODEL_TYPE)(KVEvalLM)
+
+
+register_model_type()
+
+__all__ = ["KVEvalLM", "MODEL_TYPE", "parse_model_args", "policy_from_arg", "register_model_type", "split_model_args"]

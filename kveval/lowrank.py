@@ -1,0 +1,433 @@
+"""Low-rank K/V structure: calibrated per-head bases and the store that keeps only their coefficients.
+
+MLA (DeepSeek-V2) shrinks the KV cache by caching a low-dimensional latent;
+post-training methods (Palu, Eigen Attention, LoRC) approximate this on an
+existing model by projecting K and V onto a few principal directions. Here,
+per layer and KV head, keys and values each get an orthonormal basis
+``B`` (``[head_dim, r]``); a token is stored as its ``r`` coefficients
+``c = x B`` and read back as ``x_hat = c B^T``.
+
+Keys are projected AFTER RoPE
+------------------------------
+Transformers' attention modules rotate the keys before ``cache.update``, so the
+cache (and this store) only ever sees post-RoPE keys. Projecting them there
+needs no modeling-code edit, and the coefficients reconstruct exactly the keys
+attention uses, so the calibration is done on post-RoPE keys too. The cost:
+RoPE rotates each channel pair by a position-dependent angle, which spreads a
+pre-RoPE direction over its rotation plane, so post-RoPE keys are less low-rank
+than pre-RoPE keys (why MLA uses a decoupled RoPE part and Palu/LoRC project
+pre-RoPE). And the basis only covers the angles the calibration positions
+(0 .. ``calib_tokens``) reached: slowly rotating pairs at positions far beyond
+the calibration length may be reconstructed less well. Pre-RoPE projection
+would require re-applying RoPE at read time from stored positions, i.e. a change
+inside the attention module. Values carry no RoPE, so the question does not
+arise for them.
+
+Calibration
+-----------
+One forward pass over a calibration text (``kveval/data/calibration.txt`` by
+default, at most ``calib_tokens`` tokens) with a ``CompressedCache(model,
+"none")``; the stored K/V of every layer (sliding layers included: they hold
+the whole pass after one forward) are read from the cache. Per layer and KV
+head, an *uncentered* PCA: eigendecomposition of ``X^T X / T`` (float64), so a
+token's reconstruction is ``c B^T`` with no mean term. The full
+eigendecomposition is cached on disk under ``cache_dir() / "calibration"``,
+keyed by the model's identity (name, architecture fields, dtype and a hash of a
+few K/V projection weights) and the calibration text's SHA-256, so every rank
+or energy reuses one calibration and a changed text is calibrated again.
+
+Models without a known tokenizer (random test models) are calibrated on the
+text's UTF-8 bytes modulo the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kveval.storage import gather_tokens
+
+CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
+DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+DEFAULT_CALIB_TOKENS = 2048
+_ENERGY_SLACK = 1e-9
+_MEMORY: dict[str, "Calibration"] = {}  # in-process cache, keyed by the on-disk file path
+
+
+# --- calibration text --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibrationText:
+    """A calibration text, its source file and the SHA-256 of the file's bytes."""
+
+    path: Path
+    text: str
+    sha256: str
+    default: bool
+
+    def calibration_id(self, tokens: int) -> str:
+        label = "default" if self.default else self.path.name
+        return f"{label}:sha256={self.sha256[:16]}:tokens={tokens}"
+
+
+def read_calibration_text(path: str | os.PathLike | None = None) -> CalibrationText:
+    """Read the calibration text (``None``: the shipped default, whose leading ``#`` header lines are skipped)."""
+    source = DEFAULT_CALIBRATION if path is None else Path(path).expanduser()
+    raw = source.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if path is None:
+        lines = text.splitlines(keepends=True)
+        while lines and lines[0].startswith("#"):
+            lines.pop(0)
+        text = "".join(lines).lstrip("\n")
+    return CalibrationText(source, text, hashlib.sha256(raw).hexdigest(), path is None)
+
+
+# --- model identity ----------------------------------------------------------------------------
+_ARCH_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "hidden_size", "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta",
+                "rope_scaling", "rope_parameters", "sliding_window", "layer_types", "query_pre_attn_scalar")
+
+
+def model_name(model) -> str:
+    """A readable name: kveval's model name, else the Hub id/folder, else the class name."""
+    name = getattr(model, "kveval_name", None) or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-")[:64] or "model"
+
+
+def model_fingerprint(model) -> str:
+    """Hash of the architecture fields, the dtype and a few K/V projection weights (the first and last two)."""
+    config = model.config.get_text_config()
+    arch = {name: getattr(config, name, None) for name in _ARCH_FIELDS}
+    h = hashlib.sha256(json.dumps([type(model).__name__, str(model.dtype), arch], sort_keys=True, default=str).encode())
+    params = list(model.named_parameters())
+    chosen = [(n, p) for n, p in params if n.endswith(("k_proj.weight", "v_proj.weight"))] or params
+    chosen = chosen[:2] + chosen[-2:] if len(chosen) > 4 else chosen
+    h.update(str(sum(p.numel() for _, p in params)).encode())
+    for name, p in chosen:
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def tokenize_for(model, text: str) -> list[int]:
+    """Token ids of ``text`` for ``model``: ``model.kveval_tokenizer``, kveval's or the Hub tokenizer, else bytes."""
+    tokenizer = getattr(model, "kveval_tokenizer", None)
+    name = getattr(model, "kveval_name", None)
+    if tokenizer is None and name:
+        from kveval.models import load_tokenizer
+
+        tokenizer = load_tokenizer(name)
+    path = getattr(model.config, "_name_or_path", "")
+    if tokenizer is None and path:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"lowrank: cannot load a tokenizer for {path!r} to read the calibration text "
+                             f"({str(exc).splitlines()[0]}); set model.kveval_tokenizer") from exc
+    if tokenizer is None:
+        vocab = model.config.get_text_config().vocab_size
+        return [b % vocab for b in text.encode("utf-8")]
+    return list(tokenizer(text)["input_ids"])
+
+
+# --- calibration -------------------------------------------------------------------------------
+def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward pass with an uncompressed kveval cache; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``."""
+    from kveval.cache import CompressedCache
+
+    cache = CompressedCache(model, "none")
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+    out = []
+    for layer in cache.layers:
+        keys, values = layer.rows[0].store.keys_values()
+        out.append((keys.float().cpu(), values.float().cpu()))
+    return out
+
+
+def uncentered_pca(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues ``[H, D]`` (descending, float64) and eigenvectors ``[H, D, D]`` (columns, float32) of ``x^T x / T``."""
+    x = x.double()
+    second_moment = x.transpose(-1, -2) @ x / max(1, x.shape[1])
+    eigenvalues, eigenvectors = torch.linalg.eigh(second_moment)
+    return eigenvalues.flip(-1).clamp(min=0), eigenvectors.flip(-1).float().contiguous()
+
+
+@dataclass
+class Calibration:
+    """Per layer, the uncentered PCA of post-RoPE keys and of values for every KV head.
+
+    ``spectra[kind][layer]`` is ``(eigenvalues [H, D], eigenvectors [H, D, D])``
+    for ``kind`` in ``"k"``, ``"v"``; eigenvectors are columns, by descending eigenvalue.
+    """
+
+    spectra: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+    tokens: int
+    text_sha256: str
+    model_key: str
+    path: Path | None = None
+    _bases: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.spectra["k"])
+
+    def head_dim(self, layer: int) -> int:
+        return self.spectra["k"][layer][1].shape[-1]
+
+    def num_heads(self, layer: int) -> int:
+        return self.spectra["k"][layer][1].shape[0]
+
+    def energy_ranks(self, kind: str, layer: int, energy: float) -> list[int]:
+        """Per head, the smallest rank whose leading eigenvalues hold ``energy`` of the total."""
+        eigenvalues = self.spectra[kind][layer][0]
+        share = eigenvalues.cumsum(-1) / eigenvalues.sum(-1, keepdim=True).clamp(min=1e-300)
+        reached = share >= energy - _ENERGY_SLACK
+        return [int(row.nonzero()[0]) + 1 if bool(row.any()) else row.numel() for row in reached]
+
+    def energy_kept(self, kind: str, layer: int, ranks: list[int]) -> list[float]:
+        """Fraction of each head's calibration energy that its first ``ranks[h]`` directions hold."""
+        eigenvalues = self.spectra[kind][layer][0]
+        total = eigenvalues.sum(-1).clamp(min=1e-300)
+        return [float(eigenvalues[h, :r].sum() / total[h]) for h, r in enumerate(ranks)]
+
+    def layout(self, layer: int, key_ranks: list[int], value_ranks: list[int], device=None) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """Runs of heads with equal (K, V) ranks and their stacked bases ``[h, D, r]`` (float32, on ``device``).
+
+        Memoized: every store of this layer shares the same basis tensors.
+        """
+        key = (layer, tuple(key_ranks), tuple(value_ranks), str(device))
+        if key not in self._bases:
+            kv, vv = self.spectra["k"][layer][1], self.spectra["v"][layer][1]
+            runs, start, heads = [], 0, len(key_ranks)
+            for h in range(1, heads + 1):
+                if h == heads or (key_ranks[h], value_ranks[h]) != (key_ranks[start], value_ranks[start]):
+                    rk, rv = key_ranks[start], value_ranks[start]
+                    runs.append((slice(start, h), kv[start:h, :, :rk].contiguous().to(device),
+                                 vv[start:h, :, :rv].contiguous().to(device)))
+                    start = h
+            self._bases[key] = runs
+        return self._bases[key]
+
+    def save(self, path: Path) -> None:
+        """Write atomically (temporary file, then rename)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"version": CALIBRATION_VERSION, "tokens": self.tokens, "text_sha256": self.text_sha256,
+                   "model_key": self.model_key,
+                   "spectra": {kind: [[e, v] for e, v in layers] for kind, layers in self.spectra.items()}}
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        os.close(fd)
+        try:
+            torch.save(payload, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    @classmethod
+    def load(cls, path: Path) -> "Calibration | None":
+        """The calibration stored at ``path``, or ``None`` if it is missing, unreadable or of another version."""
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError):
+            return None
+        if not isinstance(payload, dict) or payload.get("version") != CALIBRATION_VERSION:
+            return None
+        spectra = {kind: [(e, v) for e, v in layers] for kind, layers in payload["spectra"].items()}
+        return cls(spectra, payload["tokens"], payload["text_sha256"], payload["model_key"], path)
+
+
+def calibration_path(model, text: CalibrationText, tokens: int) -> tuple[Path, str]:
+    """Where the calibration of ``model`` on ``text`` lives, and the model key used."""
+    from kveval.models import cache_dir
+
+    model_key = model_fingerprint(model)
+    key = hashlib.sha256(f"{CALIBRATION_VERSION}:{model_key}:{text.sha256}:{tokens}".encode()).hexdigest()[:20]
+    return cache_dir() / "calibration" / f"{model_name(model)}-{key}.pt", model_key
+
+
+def calibrate(model, text: CalibrationText, tokens: int, model_key: str = "") -> Calibration:
+    """Run the calibration pass: one forward over at most ``tokens`` tokens of ``text``, PCA per layer and head."""
+    ids = tokenize_for(model, text.text)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    ids = ids[: min(tokens, limit or tokens)]
+    if len(ids) < 2:
+        raise ValueError(f"lowrank: calibration text {text.path} gives {len(ids)} token(s); it needs at least 2")
+    kv = _collect_kv(model, torch.tensor([ids], dtype=torch.long, device=model.device))
+    spectra = {"k": [uncentered_pca(k) for k, _ in kv], "v": [uncentered_pca(v) for _, v in kv]}
+    return Calibration(spectra, len(ids), text.sha256, model_key)
+
+
+def load_or_calibrate(model, text: CalibrationText, tokens: int) -> Calibration:
+    """The cached calibration for ``model`` and ``text`` (memory, then disk), else calibrate and store it."""
+    path, model_key = calibration_path(model, text, tokens)
+    cached = _MEMORY.get(str(path))
+    if cached is None:
+        cached = Calibration.load(path) if path.is_file() else None
+        if cached is not None and (cached.text_sha256 != text.sha256 or cached.model_key != model_key):
+            cached = None
+        if cached is None:
+            cached = calibrate(model, text, tokens, model_key)
+            cached.save(path)
+            cached.path = path
+        _MEMORY[str(path)] = cached
+    return cached
+
+
+def clear_memory_cache() -> None:
+    """Forget calibrations held in this process (the on-disk cache stays)."""
+    _MEMORY.clear()
+
+
+# --- the store ---------------------------------------------------------------------------------
+@dataclass
+class _Part:
+    """Contiguous KV heads with the same K and V ranks, stored in one inner store."""
+
+    heads: slice
+    inner: object
+    key_basis: torch.Tensor  # [h, D, r_k], float32
+    value_basis: torch.Tensor  # [h, D, r_v], float32
+
+
+class LowRankStore:
+    """Keeps each token's K and V as coefficients on per-head bases, in an inner store.
+
+    Like the other stores, tokens arrive in full precision and are encoded at
+    ``seal()`` (the cache seals after the prefill's attention and after every
+    later append): ``append(keys, values)`` holds the ``[H, T, D]`` tensors
+    (post-RoPE keys: the cache receives keys after RoPE), and ``seal()`` projects
+    them onto the bases, ``c = x B``, appending the ``[H, T, r]`` coefficients in
+    the keys' dtype to the inner store (a ``DenseStore``, or a ``QuantizedStore``
+    that then quantizes the coefficients). ``keys_values()`` reconstructs
+    ``c B^T`` (followed by any tokens not sealed yet). Heads whose ranks differ
+    (``energy=``) are kept in separate inner stores. ``nbytes`` is the inner
+    stores' bytes (plus unsealed full-precision tokens): the per-token
+    coefficients only; the bases are per model (see
+    :meth:`kveval.policies.lowrank.LowRankPolicy.basis_bytes`).
+    """
+
+    def __init__(self, parts: list[_Part]):
+        self.parts = parts
+        self.pending_keys: torch.Tensor | None = None  # [H, T, D], appended but not sealed yet
+        self.pending_values: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, inner, layout: list[tuple[slice, torch.Tensor, torch.Tensor]]) -> "LowRankStore":
+        """A store over ``layout`` (from :meth:`Calibration.layout`): the first run of heads uses ``inner``,
+        the others empty copies of it."""
+        if inner.length:
+            raise ValueError("LowRankStore needs an empty inner store")
+        return cls([_Part(heads, inner if i == 0 else copy.deepcopy(inner), kb, vb)
+                    for i, (heads, kb, vb) in enumerate(layout)])
+
+    @property
+    def pending(self) -> int:
+        return 0 if self.pending_keys is None else self.pending_keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.parts[0].inner.length + self.pending
+
+    @staticmethod
+    def _basis_on(part: _Part, device) -> None:
+        if part.key_basis.device != device:
+            part.key_basis, part.value_basis = part.key_basis.to(device), part.value_basis.to(device)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.pending_keys is None:
+            self.pending_keys, self.pending_values = keys, values
+        else:
+            self.pending_keys = torch.cat([self.pending_keys, keys], dim=1)
+            self.pending_values = torch.cat([self.pending_values, values], dim=1)
+
+    def project(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Coefficients ``x B`` of each part, ``[h, T, r]``, in the inputs' dtype."""
+        out = []
+        for part in self.parts:
+            self._basis_on(part, keys.device)
+            out.append((torch.matmul(keys[part.heads].float(), part.key_basis).to(keys.dtype),
+                        torch.matmul(values[part.heads].float(), part.value_basis).to(values.dtype)))
+        return out
+
+    def seal(self) -> None:
+        if self.pending:
+            for part, (ck, cv) in zip(self.parts, self.project(self.pending_keys, self.pending_values)):
+                part.inner.append(ck, cv)
+            self.pending_keys = self.pending_values = None
+        for part in self.parts:
+            part.inner.seal()
+
+    def coefficients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The stored (dequantized) coefficients of each part, ``[h, T, r]`` (sealed tokens only)."""
+        return [part.inner.keys_values() for part in self.parts]
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.parts[0].inner.length:
+            return self.pending_keys, self.pending_values
+        keys, values = [], []
+        for part, (ck, cv) in zip(self.parts, self.coefficients()):
+            keys.append(torch.matmul(ck.float(), part.key_basis.transpose(-1, -2)).to(ck.dtype))
+            values.append(torch.matmul(cv.float(), part.value_basis.transpose(-1, -2)).to(cv.dtype))
+        keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=0)
+        values = values[0] if len(values) == 1 else torch.cat(values, dim=0)
+        if self.pending:
+            keys = torch.cat([keys, self.pending_keys], dim=1)
+            values = torch.cat([values, self.pending_values], dim=1)
+        return keys, values
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.pending and self.parts[0].inner.length:
+            self.seal()  # mixed sealed and unsealed tokens (the cache never selects then): encode first
+        if self.pending:
+            self.pending_keys = gather_tokens(self.pending_keys, index)
+            self.pending_values = gather_tokens(self.pending_values, index)
+        else:
+            for part in self.parts:
+                part.inner.select(index[part.heads])
+
+    @property
+    def nbytes(self) -> int:
+        pending = 0 if self.pending_keys is None else sum(t.numel() * t.element_size() for t in (self.pending_keys, self.pending_values))
+        return sum(part.inner.nbytes for part in self.parts) + pending
+
+    def __deepcopy__(self, memo) -> "LowRankStore":
+        # Bases are per model and read-only: copies share them; coefficients and pending tokens are copied.
+        clone = LowRankStore([_Part(p.heads, copy.deepcopy(p.inner, memo), p.key_basis, p.value_basis) for p in self.parts])
+        if self.pending:
+            clone.pending_keys, clone.pending_values = self.pending_keys.clone(), self.pending_values.clone()
+        return clone
+
+
+def per_token_groups(inner) -> dict[str, int | None]:
+    """For a quantized inner store, the per-token group size of K and V (``None``: not per-token or not quantized)."""
+    from kveval.storage import QuantizedStore
+
+    groups = {"k": None, "v": None}
+    if isinstance(inner, QuantizedStore):
+        for kind, seq in (("k", inner.k), ("v", inner.v)):
+            if seq.quant.axis == "token":
+                groups[kind] = seq.quant.group
+    return groups
+
+
+def round_up(rank: int, multiple: int | None, limit: int) -> int:
+    """``rank`` rounded up to a multiple of ``multiple`` (at most ``limit``)."""
+    if not multiple:
+        return rank
+    return min(limit, math.ceil(rank / multiple) * multiple)
+
+
+__all__ = ["Calibration", "CalibrationText", "LowRankStore", "calibrate", "clear_memory_cache", "load_or_calibrate",
+           "model_fingerprint", "read_calibration_text", "uncentered_pca"]

@@ -1,0 +1,816 @@
+"""KV-cache memory planner (``kveval memory``): bytes per token, per sequence, and what fits on a GPU.
+
+Everything is arithmetic on a model's config; no weights are loaded. A model is
+a named preset (:data:`PRESETS`), a local ``config.json`` (or a folder holding
+one), a Hugging Face Hub id (read with ``transformers.AutoConfig``; offline it
+works only when the config is cached), a ``dict`` or a ``PretrainedConfig``.
+
+What the arithmetic follows
+---------------------------
+* Attention layout: ``num_key_value_heads`` K/V heads (GQA/MQA; default
+  ``num_attention_heads``) of ``head_dim`` (default ``hidden_size //
+  num_attention_heads``), K and V per layer.
+* Sliding-window layers hold at most ``window`` tokens: from ``layer_types``
+  (``"sliding_attention"``; ``"chunked_attention"`` holds ``attention_chunk_size``),
+  else ``sliding_window`` with ``sliding_window_pattern`` (Gemma 2/3 convention:
+  layer ``i`` is full-attention when ``(i + 1) % pattern == 0``; Gemma 3 defaults
+  to 6, Gemma 2 to 2), else ``sliding_window`` alone on every layer (Mistral-7B
+  v0.1); ``use_sliding_window: false`` (Qwen2) switches it off.
+* MLA (DeepSeek-V2/V3: ``kv_lora_rank``): each layer caches one latent of
+  ``kv_lora_rank + qk_rope_head_dim`` values per token, shared by all heads.
+* Policies (``kveval policies``), as :mod:`kveval.cache` stores them:
+
+  - selection keeps ``keep_count(context, layer, num_layers)`` tokens per layer
+    (PyramidKV's budgets differ per layer: the planner sums the layers); with
+    ``new_tokens`` generated, a ``decode_budget`` caps the cache. As in the
+    cache, selection skips the sliding layers of hybrid models (they are
+    bounded already); when every layer slides (Mistral), selection applies and
+    the window caps it;
+  - low-rank structure stores ``k_rank`` + ``v_rank`` coefficients per KV head
+    instead of ``2 x head_dim`` values (``energy=`` ranks need a calibration
+    run: the planner uses ``head_dim``, an upper bound, and says so);
+  - quantization (:mod:`kveval.quantization`, :mod:`kveval.storage`): codes
+    packed ``8 / bits`` per byte, a float16 scale per group plus a float16 zero
+    point unless symmetric (FP8: scale only); per-token groups are ``group``
+    channels of one token, per-channel groups ``group`` tokens of one channel
+    (only whole groups are quantized, the remainder stays in full precision);
+    the ``residual`` most recent tokens stay in the model dtype.
+
+Weights, activations and allocator slack are not part of the cache: ``max_fit``
+subtracts the weights (given, or parameters x bytes per parameter) and keeps a
+``headroom`` fraction of the GPU free for the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------
+# presets: config.json excerpts (the fields the planner reads) of well-known models
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": {
+        "_name_or_path": "meta-llama/Llama-2-7b-hf", "model_type": "llama", "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096, "intermediate_size": 11008,
+        "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "num_parameters": 6_738_415_616,
+    },
+    "llama-3.1-8b": {
+        "_name_or_path": "meta-llama/Llama-3.1-8B", "model_type": "llama", "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "intermediate_size": 14336,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "num_parameters": 8_030_261_248,
+    },
+    "mistral-7b": {
+        "_name_or_path": "mistralai/Mistral-7B-v0.1", "model_type": "mistral", "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "intermediate_size": 14336,
+        "vocab_size": 32000, "max_position_embeddings": 32768, "sliding_window": 4096, "tie_word_embeddings": False,
+        "num_parameters": 7_241_732_096,
+    },
+    "qwen2.5-7b": {
+        "_name_or_path": "Qwen/Qwen2.5-7B", "model_type": "qwen2", "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584, "intermediate_size": 18944,
+        "vocab_size": 152064, "max_position_embeddings": 131072, "sliding_window": 131072,
+        "use_sliding_window": False, "max_window_layers": 28, "tie_word_embeddings": False,
+        "num_parameters": 7_615_616_512,
+    },
+    "gemma-3-27b": {
+        "_name_or_path": "google/gemma-3-27b-pt", "model_type": "gemma3_text", "num_hidden_layers": 62,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "hidden_size": 5376,
+        "intermediate_size": 21504, "vocab_size": 262208, "max_position_embeddings": 131072,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+        "num_parameters": 27_432_406_640,  # with the vision tower, as the Hub lists it
+    },
+    "gemma3-270m": {
+        "_name_or_path": "google/gemma-3-270m", "model_type": "gemma3_text", "num_hidden_layers": 18,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640,
+        "intermediate_size": 2048, "vocab_size": 262144, "max_position_embeddings": 32768,
+        "sliding_window": 512, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+        "num_parameters": 268_098_176,
+    },
+    "smollm2-135m": {
+        "_name_or_path": "HuggingFaceTB/SmolLM2-135M", "model_type": "llama", "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "intermediate_size": 1536,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "num_parameters": 134_515_008,
+    },
+    "deepseek-v3": {
+        "_name_or_path": "deepseek-ai/DeepSeek-V3", "model_type": "deepseek_v3", "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280,
+        "max_position_embeddings": 163840, "n_routed_experts": 256,
+        "num_parameters": 671_026_419_200,  # weights ship in FP8 (1 byte per parameter)
+    },
+}
+
+_ALIASES = {"gemma3-27b": "gemma-3-27b", "gemma-3-270m": "gemma3-270m", "llama2-7b": "llama-2-7b",
+            "llama3.1-8b": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b", "smollm2": "smollm2-135m",
+            "deepseek-v3-671b": "deepseek-v3"}
+
+_GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_.\s]", "", name.lower())
+
+
+_PRESET_KEYS = {_key(n): n for n in PRESETS} | {_key(a): n for a, n in _ALIASES.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the model as the planner sees it
+
+@dataclass
+class ModelSpec:
+    """The cache-relevant shape of a model.
+
+    ``windows[i]`` is the most tokens layer ``i`` holds (``None``: unbounded);
+    ``selection_on_windowed`` says whether selection policies also act on the
+    windowed layers (true only when every layer slides, as in Mistral).
+    ``mla_dim`` is the per-token latent width of MLA layers (``None``: per-head K/V).
+    """
+
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    windows: list[int | None]
+    selection_on_windowed: bool = False
+    mla_dim: int | None = None
+    num_parameters: int | None = None
+    max_position: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def describe(self) -> str:
+        if self.mla_dim is not None:
+            text = f"{self.num_layers} layers, MLA latent {self.mla_dim} values per token and layer"
+        else:
+            text = f"{self.num_layers} layers, {self.kv_heads} KV heads x head_dim {self.head_dim}"
+        sliding = sorted({w for w in self.windows if w is not None})
+        if sliding:
+            n = sum(w is not None for w in self.windows)
+            text += f", {n} sliding (window {', '.join(map(str, sliding))})"
+        return text
+
+
+def _positive_int(value, what: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}: {what}={value!r} must be a positive integer")
+    return value
+
+
+def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
+    """Read a ``config.json``-style dict (multimodal configs: their ``text_config``)."""
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        outer = config
+        config = dict(config["text_config"])
+        config.setdefault("num_parameters", outer.get("num_parameters"))
+    get = config.get
+    layers = get("num_hidden_layers", get("n_layer", get("num_layers")))
+    if layers is None:
+        raise ValueError(f"{name}: config has no num_hidden_layers; is it a decoder language model's config.json?")
+    layers = _positive_int(layers, "num_hidden_layers", name)
+    notes: list[str] = []
+    heads = get("num_attention_heads", get("n_head"))
+    kv_heads = get("num_key_value_heads", get("num_kv_heads"))
+    if kv_heads is None:
+        kv_heads = 1 if get("multi_query") else heads
+    head_dim = get("head_dim")
+    if head_dim is None and heads and get("hidden_size"):
+        head_dim = get("hidden_size") // heads
+    mla_dim = None
+    if get("kv_lora_rank"):
+        rope = get("qk_rope_head_dim") or 0
+        mla_dim = _positive_int(get("kv_lora_rank"), "kv_lora_rank", name) + rope
+        notes.append(f"MLA: each layer caches one latent of kv_lora_rank {get('kv_lora_rank')} + qk_rope_head_dim "
+                     f"{rope} = {mla_dim} values per token, shared by all heads (latent-cache kernels: vLLM, SGLang, "
+                     f"FlashMLA); transformers' eager attention caches decompressed per-head K/V instead")
+        kv_heads, head_dim = 1, mla_dim
+    if heads is None and mla_dim is None:
+        raise ValueError(f"{name}: config has no num_attention_heads")
+    kv_heads = _positive_int(kv_heads, "num_key_value_heads", name)
+    if head_dim is None:
+        raise ValueError(f"{name}: config has neither head_dim nor hidden_size to derive it from")
+    head_dim = _positive_int(head_dim, "head_dim", name)
+
+    windows: list[int | None] = [None] * layers
+    selection_on_windowed = False
+    window = get("sliding_window")
+    layer_types = get("layer_types")
+    model_type = str(get("model_type") or "")
+    if layer_types:
+        if len(layer_types) != layers:
+            raise ValueError(f"{name}: layer_types has {len(layer_types)} entries for {layers} layers")
+        for i, kind in enumerate(layer_types):
+            if kind == "sliding_attention":
+                if not window:
+                    raise ValueError(f"{name}: layer_types has sliding_attention layers but sliding_window is not set")
+                windows[i] = int(window)
+            elif kind == "chunked_attention" and get("attention_chunk_size"):
+                windows[i] = int(get("attention_chunk_size"))
+    elif window and get("use_sliding_window") is False:
+        notes.append(f"sliding_window={window} is ignored: use_sliding_window is false")
+    elif window:
+        pattern = get("sliding_window_pattern")
+        if pattern is None and model_type.startswith("gemma3"):
+            pattern = 6
+        elif pattern is None and model_type.startswith("gemma2"):
+            pattern = 2
+        if pattern and pattern > 1:
+            windows = [None if (i + 1) % pattern == 0 else int(window) for i in range(layers)]
+        elif get("use_sliding_window") and get("max_window_layers") is not None:  # Qwen2 with sliding on
+            windows = [int(window) if i >= get("max_window_layers") else None for i in range(layers)]
+        else:
+            windows = [int(window)] * layers
+            selection_on_windowed = True
+            remark = " (Mistral-7B-v0.1; v0.2 and later set sliding_window to null)" if model_type == "mistral" else ""
+            notes.append(f"every layer attends to a sliding window of {window} tokens{remark}: "
+                         f"each holds at most {window} tokens; selection policies act within it")
+    n_sliding = sum(w is not None for w in windows)
+    if 0 < n_sliding < layers:
+        notes.append(f"hybrid attention: {n_sliding} of {layers} layers slide and hold at most their window "
+                     f"({', '.join(str(w) for w in sorted({w for w in windows if w}))} tokens); selection policies "
+                     f"act on the {layers - n_sliding} full-attention layers only (as kveval's cache does)")
+    return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
+                     head_dim=head_dim, windows=windows, selection_on_windowed=selection_on_windowed,
+                     mla_dim=mla_dim, num_parameters=get("num_parameters") or _estimate_parameters(config),
+                     max_position=get("max_position_embeddings"), notes=notes)
+
+
+def _estimate_parameters(config: dict[str, Any]) -> int | None:
+    """Dense decoder (Llama-like, gated MLP) parameter count, or ``None`` when the config does not allow it."""
+    get = config.get
+    if any(get(k) for k in ("num_local_experts", "n_routed_experts", "num_experts", "kv_lora_rank")):
+        return None  # MoE / MLA: too many variants to guess
+    layers, hidden, heads, inter, vocab = (get("num_hidden_layers"), get("hidden_size"), get("num_attention_heads"),
+                                           get("intermediate_size"), get("vocab_size"))
+    if not all(isinstance(v, int) and v > 0 for v in (layers, hidden, heads, inter, vocab)):
+        return None
+    kv = get("num_key_value_heads") or heads
+    hd = get("head_dim") or hidden // heads
+    attention = 2 * hidden * heads * hd + 2 * hidden * kv * hd
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    embeddings = vocab * hidden * (1 if get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings + hidden
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
+    """A :class:`ModelSpec` from a preset name, ``config.json`` path or folder, Hub id, dict or ``PretrainedConfig``."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        return spec_from_config(model)
+    if not isinstance(model, (str, Path)):
+        if hasattr(model, "to_dict"):  # a transformers PretrainedConfig
+            text = model.get_text_config() if hasattr(model, "get_text_config") else model
+            config = text.to_dict()
+            config.setdefault("_name_or_path", getattr(model, "_name_or_path", "") or type(model).__name__)
+            return spec_from_config(config, config["_name_or_path"])
+        raise ValueError(f"cannot plan for a {type(model).__name__}; give a preset name, a config.json path, a Hub id or a dict")
+    name = str(model).strip()
+    if not name:
+        raise ValueError(f"empty model name; give a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
+    if _key(name) in _PRESET_KEYS:
+        preset = _PRESET_KEYS[_key(name)]
+        spec = spec_from_config(dict(PRESETS[preset]), preset)
+        spec.name = preset
+        return spec
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{name}: folder has no config.json")
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable config.json ({str(exc).splitlines()[0]})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: config.json must hold a JSON object")
+        return spec_from_config(config, str(path))
+    if "/" not in name or name.startswith((".", "/", "~")) or name.endswith(".json"):
+        raise ValueError(f"unknown model {name!r}: not a preset ({', '.join(preset_names())}), an existing "
+                         f"config.json or folder, or a Hub id (owner/name)")
+    try:
+        from transformers import AutoConfig
+
+        try:  # a cached config first: no network round trip (offline, the Hub client retries for ~30 s)
+            config = AutoConfig.from_pretrained(name, local_files_only=True)
+        except OSError:
+            config = AutoConfig.from_pretrained(name)
+    except Exception as exc:  # noqa: BLE001  (offline, not cached, no such repo, gated, unknown architecture)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"cannot read the config of {name!r} ({first[:160]}); fix: download it once with "
+                         f"`huggingface-cli download {name} config.json` (or `hf download ...`) while online, or "
+                         f"pass a local config.json path or a preset") from None
+    return load_model_spec(config)
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan
+
+@dataclass
+class LayerPlan:
+    """One layer for one sequence: its kind, window, tokens held and bytes."""
+
+    index: int
+    kind: str  # "full", "sliding" or "mla"
+    window: int | None
+    tokens: int
+    bytes: int
+
+
+@dataclass
+class MemoryPlan:
+    """KV-cache size of one model under one policy.
+
+    ``bytes_per_token`` is what one stored token costs over all layers in the
+    policy's representation (quantized codes with their amortized scales,
+    low-rank coefficients, MLA latent), before selection, windows and the
+    full-precision residual; ``key_bytes_per_token``/``value_bytes_per_token``
+    split it (MLA: the latent counts as K). ``sequence_bytes`` is the exact
+    cache of one sequence of ``context`` tokens (plus ``new_tokens`` generated),
+    ``total_bytes`` that times ``batch``; ``baseline_*`` are the same without
+    compression. ``layers`` lists every layer for one sequence.
+    """
+
+    model: str
+    policy: str
+    context: int
+    batch: int
+    dtype_bytes: int
+    new_tokens: int
+    bytes_per_token: float
+    key_bytes_per_token: float
+    value_bytes_per_token: float
+    baseline_bytes_per_token: int
+    sequence_bytes: int
+    total_bytes: int
+    baseline_sequence_bytes: int
+    baseline_total_bytes: int
+    layers: list[LayerPlan]
+    notes: list[str]
+
+    @property
+    def compression(self) -> float:
+        """Uncompressed bytes / compressed bytes at this context."""
+        return self.baseline_sequence_bytes / self.sequence_bytes if self.sequence_bytes else math.inf
+
+    @property
+    def bytes_per_context_token(self) -> float:
+        """Effective bytes per token of the sequence (selection, windows and residual included)."""
+        return self.sequence_bytes / (self.context + self.new_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["compression"] = self.compression
+        data["bytes_per_context_token"] = self.bytes_per_context_token
+        return data
+
+
+def _policy_stack(policy):
+    from kveval.policies import parse_policy
+
+    return parse_policy(policy)
+
+
+def _check_int(value, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}={value!r} must be an integer")
+    if value < minimum:
+        raise ValueError(f"{what}={value} must be >= {minimum}")
+    return value
+
+
+@dataclass
+class _Layout:
+    """Per-layer streams: (name, heads, dim, TensorQuant or None) and the residual."""
+
+    streams: list[tuple[str, int, int, Any]]
+    residual: int
+
+
+def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
+    quant = stack.quantization
+    kq = quant.key_quant if quant is not None else None
+    vq = quant.value_quant if quant is not None else None
+    residual = int(getattr(quant, "residual_tokens", 0) or 0) if quant is not None else 0
+    structure = stack.structure
+    if spec.mla_dim is not None:
+        if structure is not None:
+            raise ValueError(f"{structure.spec()}: low-rank structure needs per-head K/V; {spec.name} uses MLA "
+                             f"(already a low-rank latent)")
+        streams = [("latent", 1, spec.mla_dim, kq)]
+        if quant is not None:
+            notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}")
+    else:
+        k_dim = v_dim = spec.head_dim
+        if structure is not None:
+            rank = getattr(structure, "rank", None)
+            k_rank = getattr(structure, "k_rank", None) or rank
+            v_rank = getattr(structure, "v_rank", None) or rank
+            if (k_rank is None or v_rank is None) and getattr(structure, "energy", None) is not None:
+                notes.append(f"{structure.spec()}: energy= ranks come from calibration on the model; "
+                             f"planned at head_dim {spec.head_dim} (an upper bound) where no rank is given")
+            for which, r in (("k", k_rank), ("v", v_rank)):
+                if r is not None and r > spec.head_dim:
+                    raise ValueError(f"{structure.spec()}: {which} rank {r} exceeds head_dim={spec.head_dim}")
+            k_dim, v_dim = k_rank or spec.head_dim, v_rank or spec.head_dim
+        streams = [("k", spec.kv_heads, k_dim, kq), ("v", spec.kv_heads, v_dim, vq)]
+    for which, _, dim, q in streams:
+        if q is not None and q.axis == "token" and dim % q.group:
+            what = "latent width" if which == "latent" else ("rank" if dim != spec.head_dim else "head_dim")
+            raise ValueError(f"{quant.spec()}: {which} group={q.group} does not divide {what}={dim}; "
+                             f"pick a divisor of {dim}")
+    return _Layout(streams, residual)
+
+
+def _scale_bytes(q) -> int:
+    """Bytes of scale (+ zero point) per quantization group."""
+    return 2 if (q.fp8 is not None or q.symmetric) else 4
+
+
+def _stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int) -> int:
+    """Exact bytes of one of K/V (or the MLA latent) holding ``tokens`` tokens in one layer."""
+    if q is None or tokens <= 0:
+        return heads * tokens * dim * dtype_bytes
+    aged = max(0, tokens - residual)
+    if q.axis == "channel":
+        aged = aged // q.group * q.group
+        groups = heads * (aged // q.group) * dim
+    else:
+        groups = heads * aged * (dim // q.group)
+    data = math.ceil(heads * aged * dim * q.bits / 8)
+    return data + groups * _scale_bytes(q) + heads * (tokens - aged) * dim * dtype_bytes
+
+
+def _stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
+    """Amortized bytes of one stored token of one stream (scales of per-channel groups spread over ``group`` tokens)."""
+    if q is None:
+        return heads * dim * dtype_bytes
+    data = heads * dim * q.bits / 8
+    if q.axis == "channel":
+        return data + heads * dim * _scale_bytes(q) / q.group
+    return data + heads * (dim // q.group) * _scale_bytes(q)
+
+
+def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int) -> int:
+    window = spec.windows[i]
+    selection = stack.selection if (window is None or spec.selection_on_windowed) else None
+    if selection is None:
+        tokens = context + new_tokens
+    else:
+        tokens = selection.keep_count(context, i, spec.num_layers) + new_tokens
+        budget = getattr(selection, "decode_budget", None)
+        if new_tokens and budget is not None:
+            tokens = min(tokens, max(int(budget), 1))
+    return tokens if window is None else min(tokens, window)
+
+
+def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
+                     dtype_bytes: int) -> list[LayerPlan]:
+    out = []
+    for i in range(spec.num_layers):
+        tokens = _layer_tokens(spec, stack, i, context, new_tokens)
+        size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes)
+                   for _, heads, dim, q in layout.streams)
+        kind = "mla" if spec.mla_dim is not None else ("full" if spec.windows[i] is None else "sliding")
+        out.append(LayerPlan(i, kind, spec.windows[i], tokens, size))
+    return out
+
+
+def _check_dtype_bytes(dtype_bytes) -> int:
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 1, 2 (fp16/bf16), 4 (fp32) or 8")
+    return dtype_bytes
+
+
+def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0) -> MemoryPlan:
+    """KV-cache bytes of ``batch`` sequences of ``context`` tokens (plus ``new_tokens`` generated) under ``policy``.
+
+    ``model``: preset name, ``config.json`` path or folder, Hub id, dict, ``PretrainedConfig`` or :class:`ModelSpec`.
+    Raises ``ValueError`` (one line) for unknown models, bad numbers or a policy that does not fit the model.
+    """
+    spec = load_model_spec(model)
+    context = _check_int(context, "context", 1)
+    batch = _check_int(batch, "batch", 1)
+    new_tokens = _check_int(new_tokens, "new_tokens", 0)
+    dtype_bytes = _check_dtype_bytes(dtype_bytes)
+    stack = _policy_stack(policy)
+    notes = list(spec.notes)
+    layout = _layout(spec, stack, notes)
+    base_layout = _layout(spec, _policy_stack("none"), [])
+    from kveval.policies import PolicyStack
+
+    layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
+    base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
+    per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * spec.num_layers for _, heads, dim, q in layout.streams]
+    key_pt = per_stream[0]
+    value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
+    base_pt = int(sum(_stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * spec.num_layers)
+    if spec.max_position and context + new_tokens > spec.max_position:
+        notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
+    if layout.residual and stack.quantization is not None:
+        notes.append(f"the {layout.residual} most recent tokens of each layer stay in the model dtype "
+                     f"({dtype_bytes} bytes per value)")
+    seq = sum(layer.bytes for layer in layers)
+    base_seq = sum(layer.bytes for layer in base_layers)
+    return MemoryPlan(model=spec.name, policy=stack.spec, context=context, batch=batch, dtype_bytes=dtype_bytes,
+                      new_tokens=new_tokens, bytes_per_token=key_pt + value_pt, key_bytes_per_token=key_pt,
+                      value_bytes_per_token=value_pt, baseline_bytes_per_token=base_pt, sequence_bytes=seq,
+                      total_bytes=seq * batch, baseline_sequence_bytes=base_seq, baseline_total_bytes=base_seq * batch,
+                      layers=layers, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# what fits
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text, what: str = "size") -> int:
+    """Bytes from ``80GiB``, ``16GB``, ``1.5TiB`` or a plain number of bytes (GB = 10^9, GiB = 2^30)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = _SIZE.match(str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{what}={text!r} is not a size; write e.g. 80GiB, 16GB, 512MiB or a number of bytes")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what}={text!r} must be a positive size")
+    return int(value)
+
+
+def parse_tokens(text, what: str = "context") -> int:
+    """Tokens from ``8192``, ``8k`` (8192) or ``1m`` (1048576)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([kKmM]?)\s*$", str(text))
+    if not match:
+        raise ValueError(f"{what}={text!r} is not a token count; write e.g. 8192 or 8k")
+    value = float(match.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[match.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"{what}={text!r} is not a whole number of tokens")
+    return int(value)
+
+
+def parse_headroom(value) -> float:
+    """A fraction ``0 <= h < 1`` from ``0.1`` or ``"10%"``."""
+    text = str(value).strip()
+    try:
+        h = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"headroom={value!r} is not a number; give a fraction such as 0.1 or a percentage such as 10%") from None
+    if not 0 <= h < 1:
+        raise ValueError(f"headroom={value!r} is out of range; give a fraction 0 <= headroom < 1 (e.g. 0.1) or a percentage (10%)")
+    return h
+
+
+@dataclass
+class FitResult:
+    """The largest ``context`` (at ``batch``) or ``batch`` (at ``context``) whose cache fits.
+
+    ``value`` is that number (0: nothing fits; ``None``: the cache stops growing,
+    any context fits). ``cache_budget_bytes`` = GPU x (1 - headroom) - weights.
+    ``cache_bytes`` is the cache at the answer.
+    """
+
+    solve: str
+    value: int | None
+    context: int | None
+    batch: int
+    gpu_bytes: int
+    headroom: float
+    weights_bytes: int
+    weights_estimated: bool
+    cache_budget_bytes: int
+    cache_bytes: int
+    model: str
+    policy: str
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int, notes: list[str]) -> tuple[int, bool]:
+    if weights is not None:
+        return parse_size(weights, "weights"), False
+    if not spec.num_parameters:
+        raise ValueError(f"cannot estimate the weights of {spec.name} from its config (mixture of experts, MLA or "
+                         f"missing sizes); give them, e.g. --weights 16GB")
+    per_param = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+    if isinstance(per_param, bool) or not isinstance(per_param, (int, float)) or not per_param > 0:
+        raise ValueError(f"weight_bytes_per_param={per_param!r} must be a positive number (2 = fp16/bf16, 1 = int8/fp8, 0.5 = int4)")
+    size = int(math.ceil(spec.num_parameters * per_param))
+    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {per_param:g} bytes = {human_bytes(size)}")
+    return size, True
+
+
+def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batch: int | None = None,
+            policy="none", dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
+            weight_bytes_per_param: float | None = None) -> FitResult:
+    """Largest context (give ``batch`` or nothing: batch 1) or largest batch (give ``context``) that fits.
+
+    Usable cache memory = ``gpu_memory`` x (1 - ``headroom``) - ``weights``.
+    ``gpu_memory``/``weights``: bytes or strings such as ``"80GiB"``/``"16GB"``;
+    without ``weights``, parameters x ``weight_bytes_per_param`` (default
+    ``dtype_bytes``) when the config allows the count. The context answer is the
+    largest length whose cache fits at every length up to it (quantization's
+    full-precision remainder makes the size dip when a group is sealed).
+    """
+    if context is not None and batch is not None:
+        raise ValueError("give context (to find the largest batch) or batch (to find the largest context), not both")
+    spec = load_model_spec(model)
+    gpu = parse_size(gpu_memory, "gpu_memory")
+    h = parse_headroom(headroom)
+    dtype_bytes = _check_dtype_bytes(dtype_bytes)
+    new_tokens = _check_int(new_tokens, "new_tokens", 0)
+    stack = _policy_stack(policy)
+    notes: list[str] = []
+    layout = _layout(spec, stack, notes)
+    weight_bytes, estimated = _weights(spec, weights, weight_bytes_per_param, dtype_bytes, notes)
+    budget = math.floor(gpu * (1 - Fraction(repr(h)))) - weight_bytes  # exact: 0.9 x 80 GiB is a whole number
+    if budget <= 0:
+        notes.append(f"the weights ({human_bytes(weight_bytes)}) leave nothing of {human_bytes(gpu)} less "
+                     f"{h:.0%} headroom for the cache")
+
+    def seq_bytes(n: int) -> int:
+        return sum(layer.bytes for layer in _sequence_layers(spec, stack, layout, n, new_tokens, dtype_bytes))
+
+    common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
+                  cache_budget_bytes=budget, model=spec.name, policy=stack.spec, notes=notes)
+    if context is not None:
+        context = _check_int(context, "context", 1)
+        per_seq = seq_bytes(context)
+        value = max(0, budget // per_seq) if budget > 0 else 0
+        return FitResult("batch", value, context, value, cache_bytes=value * per_seq, **common)
+    batch = _check_int(1 if batch is None else batch, "batch", 1)
+    limit = budget // batch if budget > 0 else -1
+    if seq_bytes(_GIANT) <= limit:
+        notes.append(f"the cache stops growing at {human_bytes(seq_bytes(_GIANT) * batch)} (windows or budgets bound "
+                     f"every layer): any context fits")
+        return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT) * batch, **common)
+    if seq_bytes(1) > limit:
+        return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
+    lo, hi = 1, _GIANT  # seq_bytes(lo) fits, seq_bytes(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if seq_bytes(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    # Sealing a per-channel group makes the size dip: make sure every shorter length fits as well.
+    quant = stack.quantization
+    if quant is not None:
+        span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
+        for n in range(max(1, lo - span), lo + 1):
+            if seq_bytes(n) > limit:
+                lo = n - 1
+                break
+    if spec.max_position and lo + new_tokens > spec.max_position:
+        notes.append(f"the largest context ({lo:,} tokens) is beyond the model's max_position_embeddings ({spec.max_position:,})")
+    return FitResult("context", lo, lo, batch, cache_bytes=seq_bytes(lo) * batch, **common)
+
+
+# ----------------------------------------------------------------------------------------------
+# formatting and the command
+
+def human_bytes(n: float) -> str:
+    """``512 KiB``, ``1.5 GiB``: binary units, at most two decimals."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            text = f"{n:.2f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _layer_groups(layers: list[LayerPlan]) -> list[str]:
+    groups: dict[tuple, list[int]] = {}
+    for layer in layers:
+        groups.setdefault((layer.kind, layer.window, layer.tokens, layer.bytes), []).append(layer.index)
+    if len(groups) > 6:  # per-layer budgets (PyramidKV): a range, not a list
+        tokens = [layer.tokens for layer in layers]
+        sizes = [layer.bytes for layer in layers]
+        return [f"{len(layers)} layers, {min(tokens):,}-{max(tokens):,} tokens, "
+                f"{human_bytes(min(sizes))}-{human_bytes(max(sizes))} each"]
+    out = []
+    for (kind, window, tokens, size), idx in groups.items():
+        label = f"{kind} (window {window:,})" if window else kind
+        out.append(f"{len(idx)} {label}: {tokens:,} tokens, {human_bytes(size)} each")
+    return out
+
+
+def format_plan(p: MemoryPlan, fits: list[FitResult] | None = None, all_layers: bool = False) -> str:
+    kv = (f"K {human_bytes(p.key_bytes_per_token)} + V {human_bytes(p.value_bytes_per_token)}"
+          if p.value_bytes_per_token else "MLA latent")
+    lines = [
+        f"model      {p.model}",
+        f"policy     {p.policy}  (dtype {p.dtype_bytes} bytes)",
+        f"per token  {human_bytes(p.bytes_per_token)} ({kv}); uncompressed {human_bytes(p.baseline_bytes_per_token)}",
+        f"context    {p.context:,} tokens" + (f" + {p.new_tokens:,} generated" if p.new_tokens else "") + f" x batch {p.batch}",
+        f"cache      {human_bytes(p.sequence_bytes)} per sequence, {human_bytes(p.total_bytes)} in total "
+        f"(uncompressed {human_bytes(p.baseline_total_bytes)}, {p.compression:.2f}x)",
+    ]
+    if all_layers:
+        lines += [f"  layer {lay.index:3d}  {lay.kind:7s} {lay.tokens:>10,} tokens  {human_bytes(lay.bytes)}" for lay in p.layers]
+    else:
+        lines += [("layers     " if i == 0 else "           ") + g for i, g in enumerate(_layer_groups(p.layers))]
+    notes = list(p.notes)
+    for fit in fits or []:
+        head, body = _format_fit(fit)
+        if head not in lines:
+            lines.append(head)
+        lines.append(body)
+        notes += [n for n in fit.notes if n not in notes]
+    lines += [("notes      " if i == 0 else "           ") + n for i, n in enumerate(notes)]
+    return "\n".join(lines)
+
+
+def _format_fit(fit: FitResult) -> tuple[str, str]:
+    weights = human_bytes(fit.weights_bytes) + (" estimated" if fit.weights_estimated else "")
+    head = (f"fit        {human_bytes(fit.gpu_bytes)} GPU - {fit.headroom:.0%} headroom - {weights} weights "
+            f"= {human_bytes(max(fit.cache_budget_bytes, 0))} for the cache")
+    if fit.solve == "context":
+        value = "any (bounded cache)" if fit.value is None else f"{fit.value:,} tokens"
+        body = f"           largest context at batch {fit.batch}: {value}"
+    else:
+        body = f"           largest batch at {fit.context:,} tokens: {fit.value:,}"
+    return head, body
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help=f"preset ({', '.join(preset_names())}), config.json path or folder, or Hub id")
+    parser.add_argument("--context", help="context tokens, e.g. 8192 or 8k (k = 1024)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (default 1)")
+    parser.add_argument("--policy", default="none", help="policy spec, e.g. 'snapkv(ratio=0.5)+kivi(bits=2)' (default none)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per cached value: 2 = fp16/bf16 (default), 4 = fp32")
+    parser.add_argument("--new-tokens", default="0", help="tokens generated after the context (default 0)")
+    parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: also report the largest context and batch that fit")
+    parser.add_argument("--weights", help="model weights, e.g. 16GB or bytes (default: parameters x --weight-bytes-per-param)")
+    parser.add_argument("--weight-bytes-per-param", type=float, help="bytes per parameter for the estimate (default --dtype-bytes)")
+    parser.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free for activations etc. (default 0.1; or 10%%)")
+    parser.add_argument("--layers", action="store_true", help="print every layer")
+    parser.add_argument("--list-presets", action="store_true", help="list the named presets and exit")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON (to stdout, or to PATH)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        for name in preset_names():
+            print(f"{name:14s} {load_model_spec(name).describe}")
+        return 0
+    if not args.model:
+        raise ValueError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
+    headroom = parse_headroom(args.headroom)
+    new_tokens = parse_tokens(args.new_tokens, "new_tokens")
+    context = parse_tokens(args.context) if args.context is not None else None
+    if context is None and not args.gpu_memory:
+        raise ValueError("give --context N (e.g. 8k), or --gpu-memory to find the largest context that fits")
+    if context is not None and context < 1:
+        raise ValueError(f"context={context} must be a positive number of tokens")
+    batch = 1 if args.batch is None else args.batch
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1")
+    spec = load_model_spec(args.model)
+    fits: list[FitResult] = []
+    if args.gpu_memory:
+        kwargs = dict(policy=args.policy, dtype_bytes=args.dtype_bytes, headroom=headroom, new_tokens=new_tokens,
+                      weight_bytes_per_param=args.weight_bytes_per_param)
+        fits.append(max_fit(spec, args.gpu_memory, args.weights, batch=batch, **kwargs))
+        if context is not None:
+            fits.append(max_fit(spec, args.gpu_memory, args.weights, context=context, **kwargs))
+    if context is not None:
+        shown = context
+    elif fits[0].value is None:  # bounded cache: show it at the model's full length
+        shown = spec.max_position or max(w for w in spec.windows if w)
+    else:
+        shown = max(fits[0].value, 1)
+    p = plan(spec, shown, batch, args.policy, args.dtype_bytes, new_tokens)
+    if args.json is not None:
+        text = json.dumps({"plan": p.to_dict(), "fit": [f.to_dict() for f in fits]}, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n", encoding="utf-8")
+            print(format_plan(p, fits, args.layers))
+    else:
+        print(format_plan(p, fits, args.layers))
+    return 0

@@ -1,0 +1,184 @@
+"""``kveval sweep CONFIG.yaml``: models x policies x probes, then comparison, leaderboard and gate verdict.
+
+One run folder holds everything::
+
+    <out>/manifest.json           versions, git commit, config and its hash, seeds, device
+    <out>/runs/<model>/<policy>/  run.json + items.jsonl per policy (baseline ``none`` computed once)
+    <out>/report/                 leaderboard.md/.csv/.html and plots
+    <out>/gate/                   gate.md, gate.xml (JUnit), gate.json
+
+Items are appended and flushed one by one; a killed sweep rerun with the same
+config continues where it stopped and ends with the same results as an
+uninterrupted run. The same folder with a different config is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from kveval.records import atomic_write_text
+
+CONFIG_KEYS = {"name", "models", "policies", "mode", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
+PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
+
+
+@dataclass
+class SweepConfig:
+    """A sweep, as read from YAML (paths relative to the YAML file's folder)."""
+
+    name: str
+    models: list[str]
+    policies: list[str]
+    mode: str = "context"
+    families: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [512])
+    depths: list[float] | None = None
+    n: int = 10
+    seed: int = 0
+    family_params: dict = field(default_factory=dict)
+    batch_size: int = 1
+    gate: str | None = None
+    out: str | None = None
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    """Read and validate a sweep YAML; every problem is one ValueError line."""
+    from kveval.policies import parse_policy
+    from kveval.probes import FAMILIES
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such sweep config; see configs/quickstart.yaml for an example")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    unknown = set(raw) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(CONFIG_KEYS))}")
+    probes = raw.get("probes") or {}
+    unknown = set(probes) - PROBE_KEYS
+    if unknown:
+        raise ValueError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
+    policies = [parse_policy(p).spec for p in raw.get("policies") or []]
+    if not policies:
+        raise ValueError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
+    families = probes.get("families") or ["passkey"]
+    for family in families:
+        if family not in FAMILIES:
+            raise ValueError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
+    mode = raw.get("mode", "context")
+    if mode not in ("context", "query"):
+        raise ValueError(f"{path}: mode={mode!r}; use context or query")
+    gate = raw.get("gate")
+    if gate is not None:
+        gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
+    return SweepConfig(
+        name=raw.get("name", path.stem), models=list(raw.get("models") or ["smollm2-135m"]),
+        policies=[p for p in policies if p != "none"], mode=mode, families=list(families),
+        lengths=[int(x) for x in probes.get("lengths") or [512]], depths=probes.get("depths"),
+        n=int(probes.get("n", 10)), seed=int(probes.get("seed", raw.get("seed", 0))), family_params=probes.get("params") or {},
+        batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), raw=raw,
+    )
+
+
+def _manifest(config: SweepConfig, device: str) -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for package in ("kveval", "torch", "transformers", "lm_eval", "scipy", "numpy"):
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            versions[package] = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
+                                timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"name": config.name, "config": config.raw, "config_hash": config.hash, "seed": config.seed, "device": device,
+            "python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
+
+
+def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]:
+    """Run (or resume) a sweep; return its run folders (baseline first for each model)."""
+    import torch
+    from tqdm import tqdm
+
+    from kveval.evaluate import evaluate_policies
+    from kveval.models import load_model, resolve_device_dtype
+    from kveval.probes import generate_items
+
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "manifest.json"
+    if manifest_path.is_file():
+        previous = json.loads(manifest_path.read_text())
+        if previous.get("config_hash") != config.hash:
+            raise ValueError(f"{out} holds a sweep with another config (hash {previous.get('config_hash')}); "
+                             f"pass --out to a new folder, or delete {out} to start over")
+    device, _ = resolve_device_dtype()
+    atomic_write_text(manifest_path, json.dumps(_manifest(config, device), indent=2, sort_keys=True))
+    run_dirs: list[Path] = []
+    for model_name in config.models:
+        model, tokenizer = load_model(model_name)
+        items = []
+        for family in config.families:
+            for length in config.lengths:
+                items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
+                                        **config.family_params.get(family, {}))
+        policies = ["none"] + config.policies
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        with tqdm(total=len(items) * len(policies), desc=f"{Path(model_name).name}: items x policies", unit="item",
+                  disable=quiet) as bar:
+            run_dirs += evaluate_policies(model, tokenizer, items, policies, out, model_name, config.mode, config.batch_size,
+                                          config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+        if torch.cuda.is_available():
+            manifest = json.loads(manifest_path.read_text())
+            manifest.setdefault("cuda_peak_allocated_bytes", {})[model_name] = torch.cuda.max_memory_allocated()
+            atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+        del model
+    return run_dirs
+
+
+def summarize(out: Path, run_dirs: list[Path], gate_config: str | None) -> int:
+    """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code."""
+    from kveval.gate import evaluate_sweep, exit_code, write_gate_outputs
+    from kveval.report import build_report
+
+    results = evaluate_sweep(gate_config, run_dirs)
+    write_gate_outputs(results, out / "gate")
+    build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json")
+    print()
+    print((out / "report" / "leaderboard.md").read_text())
+    print((out / "gate" / "gate.md").read_text())
+    code = exit_code(results)
+    print(f"gate verdict: {'PASS' if code == 0 else 'FAIL' if code == 1 else 'ERROR'}  |  leaderboard: {out / 'report' / 'leaderboard.html'}")
+    return code
+
+
+def configure(parser) -> None:
+    parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
+    parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the gate finds a regression (for CI)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    config = load_config(args.config)
+    out = Path(args.out or config.out or Path("runs") / config.name)
+    run_dirs = run_sweep(config, out, quiet=args.quiet)
+    code = summarize(out, run_dirs, config.gate)
+    return code if args.strict else (2 if code == 2 else 0)

@@ -1,0 +1,253 @@
+"""The low-rank structure policy on tiny random models (and one short check on SmolLM2)."""
+
+import pytest
+import torch
+from tiny_models import tiny_gemma3, tiny_llama
+
+import kveval.lowrank as lowrank
+from kveval.cache import CompressedCache
+from kveval.lowrank import LowRankStore
+from kveval.policies import parse_policy
+
+FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at rank = head_dim (float32 rounding of x B B^T only)
+
+
+@pytest.fixture(autouse=True)
+def calibration_cache(tmp_path, monkeypatch):
+    """Every test calibrates into its own folder, with no calibration remembered from another test."""
+    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
+    lowrank.clear_memory_cache()
+    yield tmp_path / "cache"
+    lowrank.clear_memory_cache()
+
+
+def _ids(n, seed):
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _context_then_steps(model, spec, context, steps):
+    """Prefill ``context`` (then compressed), then feed ``steps`` one token at a time; logits of every forward."""
+    cache = CompressedCache(model, spec)
+    n = context.shape[1]
+    with torch.no_grad():
+        logits = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits]
+        for i in range(steps.shape[1]):
+            logits.append(model(steps[:, i:i + 1], cache=cache, position_ids=torch.tensor([[n + i]])).logits)
+    return logits, cache
+
+
+def _context_then_question(model, spec, context, question):
+    cache = CompressedCache(model, spec)
+    n, q = context.shape[1], question.shape[1]
+    with torch.no_grad():
+        model(context, cache=cache, position_ids=torch.arange(n)[None])
+        logits = model(question, cache=cache, position_ids=torch.arange(n, n + q)[None]).logits
+    return logits, cache
+
+
+@pytest.mark.parametrize("make, head_dim", [(tiny_llama, 16), (tiny_gemma3, 32)])
+def test_full_rank_reproduces_uncompressed_logits(make, head_dim):
+    model = make()
+    context, steps = _ids(40, 0), _ids(6, 1)
+    base, _ = _context_then_steps(model, "none", context, steps)
+    ours, cache = _context_then_steps(model, f"lowrank(rank={head_dim})", context, steps)
+    for a, b in zip(ours, base):
+        assert (a - b).abs().max().item() < FULL_RANK_TOLERANCE
+    assert all(isinstance(row.store, LowRankStore) for layer in cache.layers for row in layer.rows)
+
+
+def test_lower_rank_moves_logits_further_from_baseline():
+    model = tiny_llama()
+    context, question = _ids(48, 2), _ids(16, 3)
+    base, _ = _context_then_question(model, "none", context, question)
+    errors = []
+    for rank in (16, 8, 4, 2):
+        logits, _ = _context_then_question(model, f"lowrank(rank={rank})", context, question)
+        errors.append((logits - base).pow(2).mean().item())
+    assert errors[0] < 1e-10
+    assert errors == sorted(errors) and len(set(errors)) == 4, errors
+
+
+def test_bytes_per_token_are_the_rank_arithmetic():
+    model = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16, float32
+    layers, heads, tokens = 2, 2, 64
+    cases = {
+        "lowrank(k_rank=8,v_rank=4)": (8 + 4) * 4,  # coefficients in the model dtype
+        "lowrank(rank=16)": (16 + 16) * 4,
+        "lowrank(k_rank=8,v_rank=4)+quant(bits=8,group=4)": (8 + 2 * 4) + (4 + 1 * 4),  # codes + fp16 scale/zero per group
+        "lowrank(k_rank=8,v_rank=4)+quant(bits=4,group=4)": (4 + 2 * 4) + (2 + 1 * 4),  # two codes per byte
+    }
+    for spec, per_token_head in cases.items():
+        cache = CompressedCache(model, spec)
+        with torch.no_grad():
+            model(_ids(tokens, 4), cache=cache)
+        stats = cache.stats()
+        assert stats.kv_bytes == layers * heads * tokens * per_token_head, spec
+        assert stats.bytes_per_token == layers * heads * per_token_head, spec
+
+
+def test_gemma_sliding_layers_get_bases_and_bytes_follow_kept_tokens():
+    model = tiny_gemma3()  # 4 layers (3 sliding, window 16), 1 KV head, head_dim 32
+    policy = parse_policy("lowrank(k_rank=12,v_rank=6)")
+    logits, cache = _context_then_question(model, policy, _ids(40, 5), _ids(8, 6))
+    assert torch.isfinite(logits).all()
+    assert policy.structure.ranks(model) == {"k": [[12]] * 4, "v": [[6]] * 4}
+    stats = cache.stats()
+    kept = [row[0] for row in stats.kept_tokens]
+    assert kept[3] == 48 and all(k < 48 for k in kept[:3])  # sliding layers hold only their window
+    assert stats.kv_bytes == sum(kept) * (12 + 6) * 1 * 4
+    assert policy.structure.basis_bytes(model) == 4 * 4 * 32 * (12 + 6)  # layers x float32 x head_dim x ranks
+
+
+def test_energy_picks_the_smallest_rank_per_layer_and_head():
+    model = tiny_llama()
+    policy = parse_policy("lowrank(energy=0.9)").structure
+    calibration = policy.calibration_for(model)
+    ranks = policy.ranks(model)
+    for kind in ("k", "v"):
+        for layer, per_head in enumerate(ranks[kind]):
+            kept = calibration.energy_kept(kind, layer, per_head)
+            fewer = calibration.energy_kept(kind, layer, [r - 1 for r in per_head])
+            assert all(k >= 0.9 - 1e-9 for k in kept) and all(f < 0.9 for f in fewer)
+    _, cache = _context_then_question(model, policy.spec(), _ids(32, 7), _ids(4, 8))
+    expected = sum(36 * (k + v) * 4 for layer in range(2) for k, v in zip(ranks["k"][layer], ranks["v"][layer]))
+    assert cache.stats().kv_bytes == expected
+    # With per-token quantization, energy ranks are rounded up to whole groups.
+    stack = parse_policy("lowrank(energy=0.9)+quant(bits=8,group=8)")
+    assert all(r % 8 == 0 for kind in ("k", "v") for layer in stack.structure.ranks(model, stack)[kind] for r in layer)
+
+
+def test_heads_with_different_ranks_are_stored_separately():
+    keys, values = torch.randn(3, 10, 8), torch.randn(3, 10, 8)
+    basis = torch.linalg.qr(torch.randn(8, 8)).Q
+    layout = [(slice(0, 2), basis[:, :4].expand(2, 8, 4).contiguous(), basis[:, :2].expand(2, 8, 2).contiguous()),
+              (slice(2, 3), basis[None], basis[None])]
+    from kveval.storage import DenseStore
+
+    store = LowRankStore.build(DenseStore(), layout)
+    store.append(keys, values)
+    store.seal()
+    assert store.length == 10 and store.nbytes == 4 * 10 * (2 * (4 + 2) + (8 + 8))
+    k, v = store.keys_values()
+    assert torch.allclose(k[2], keys[2], atol=1e-5) and torch.allclose(v[2], values[2], atol=1e-5)
+    projector = basis[:, :4] @ basis[:, :4].T
+    assert torch.allclose(k[:2], keys[:2] @ projector, atol=1e-5)
+    store.select(torch.tensor([[0, 3], [1, 2], [5, 9]]))
+    k2, _ = store.keys_values()
+    assert k2.shape == (3, 2, 8) and torch.allclose(k2[2], keys[2, [5, 9]], atol=1e-5)
+
+
+def test_keys_are_projected_after_rope():
+    """The store receives post-RoPE keys, and its reconstruction is exactly their projection on the basis."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_llama()
+    ids = _ids(24, 9)
+    received, pre_rope = {}, {}
+    original = LowRankStore.append
+
+    def spy(self, keys, values):
+        received.setdefault(id(self), (self, keys.clone()))
+        return original(self, keys, values)
+
+    parse_policy("lowrank(rank=6)").structure.prepare(model)  # calibrate first: its forward is not what we inspect
+    attention = model.model.layers[0].self_attn
+    hook = attention.k_proj.register_forward_hook(lambda mod, args, out: pre_rope.setdefault("k", out.detach()))
+    LowRankStore.append = spy
+    try:
+        cache = CompressedCache(model, "lowrank(rank=6)")
+        with torch.no_grad():
+            model(ids, cache=cache, position_ids=torch.arange(24)[None])
+    finally:
+        LowRankStore.append = original
+        hook.remove()
+    store = cache.layers[0].rows[0].store
+    keys = received[id(store)][1]  # [kv_heads, T, head_dim] as the cache got them
+    raw = pre_rope["k"].view(1, 24, 2, 16).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(raw, torch.arange(24)[None])
+    _, rotated = apply_rotary_pos_emb(raw, raw, cos, sin)
+    assert torch.allclose(keys, rotated[0], atol=1e-6)  # post-RoPE ...
+    assert not torch.allclose(keys, raw[0], atol=1e-2)  # ... not pre-RoPE
+    basis = store.parts[0].key_basis  # [kv_heads, head_dim, 6], calibrated on post-RoPE keys
+    reconstructed, _ = store.keys_values()
+    assert torch.allclose(reconstructed, keys @ basis @ basis.transpose(-1, -2), atol=1e-5)
+
+
+def test_calibration_is_cached_on_disk_and_invalidated_by_a_new_text(tmp_path, calibration_cache, monkeypatch):
+    calls = []
+    collect = lowrank._collect_kv
+    monkeypatch.setattr(lowrank, "_collect_kv", lambda model, ids: calls.append(ids.shape[1]) or collect(model, ids))
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    model = tiny_llama()
+    spec = f"lowrank(rank=8,calibration={text},calib_tokens=512)"
+
+    first, _ = _context_then_question(model, spec, _ids(16, 10), _ids(2, 11))
+    assert calls == [512]
+    files = list((calibration_cache / "calibration").glob("*.pt"))
+    assert len(files) == 1
+    id_before = parse_policy(spec).structure.calibration_id
+
+    lowrank.clear_memory_cache()  # a new process: only the disk cache is left
+    again, _ = _context_then_question(model, spec, _ids(16, 10), _ids(2, 11))
+    assert calls == [512] and torch.equal(first, again)
+
+    text.write_text("A completely different calibration text, about rivers and mountains. " * 20)
+    changed = parse_policy(spec).structure
+    changed.calibration_for(model)
+    assert len(calls) == 2
+    assert changed.calibration_id != id_before and "sha256=" in id_before and "calib.txt" in id_before
+    assert len(list((calibration_cache / "calibration").glob("*.pt"))) == 2
+
+
+def test_batches_give_the_answers_of_batch_size_one():
+    from test_cache import Tok
+
+    from kveval.generation import Prompt, generate
+
+    model = tiny_llama()
+    prompts = [Prompt(_ids(n, 20 + n)[0].tolist(), _ids(3, 40 + n)[0].tolist()) for n in (12, 20, 7)]
+    one = generate(model, Tok(), prompts, "lowrank(rank=4)+quant(bits=8,group=4)", max_new_tokens=4, batch_size=1)
+    three = generate(model, Tok(), prompts, "lowrank(rank=4)+quant(bits=8,group=4)", max_new_tokens=4, batch_size=3)
+    assert [r.token_ids for r in one] == [r.token_ids for r in three]
+    assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("lowrank", "give rank="),
+    ("lowrank(rank=0)", "positive integer"),
+    ("lowrank(rank=4,energy=0.5)", "not both"),
+    ("lowrank(energy=0)", "0 < energy <= 1"),
+    ("lowrank(energy=1.5)", "0 < energy <= 1"),
+    ("lowrank(k_rank=4)", "k_rank= and v_rank="),
+    ("lowrank(rank=4,calibration=/no/such/file.txt)", "not found"),
+    ("lowrank(rank=4,calib_tokens=1)", "at least 2"),
+])
+def test_bad_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_policy(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_rank_and_quant_group_are_checked_against_the_model():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="group=8 does not divide the k rank 12"):
+        CompressedCache(model, "lowrank(rank=12)+quant(bits=8,group=8)").new_store(0, torch.float32)
+    with pytest.raises(ValueError, match="exceeds head_dim=16"):
+        CompressedCache(model, "lowrank(rank=32)").new_store(0, torch.float32)
+
+
+@pytest.mark.slow
+def test_smollm2_generates_with_fewer_bytes(monkeypatch):
+    monkeypatch.delenv("KVEVAL_CACHE")  # the real cache: dequantized weights (and this calibration) live there
+    from kveval.generation import encode_prompt, generate
+    from kveval.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    prompt = encode_prompt(tokenizer, "The capital of France is Paris. What is the capital of France?")
+    spec = "lowrank(rank=32,calib_tokens=256)"
+    none, = generate(model, tokenizer, [prompt], "none", max_new_tokens=4)
+    ours, = generate(model, tokenizer, [prompt], spec, max_new_tokens=4)
+    assert ours.token_ids and ours.stats.kv_bytes < none.stats.kv_bytes
+    assert ours.stats.bytes_per_token == pytest.approx(none.stats.bytes_per_token / 2)  # 32 of 64 dims
+    assert parse_policy(spec).structure.basis_bytes(model) == 30 * 3 * 64 * (32 + 32) * 4

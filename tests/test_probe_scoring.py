@@ -1,0 +1,192 @@
+"""The memory-confusion taxonomy: a crafted answer for every category, precedence and value parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kveval.probes import CATEGORIES, ProbeItem, Score, category_metrics, generate_items, score_answer
+from kveval.probes.scoring import extract_values
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from kveval.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def multikey(tok):
+    return generate_items("niah_multikey", tok, 512, 1, depths=[0.5])[0]
+
+
+@pytest.fixture(scope="module")
+def update(tok):
+    return generate_items("update_stream", tok, 512, 1, depths=[0.75])[0]
+
+
+def _values(item, role):
+    return [n.value for n in item.needles if n.role == role]
+
+
+def check(item: ProbeItem, answer: str, category: str) -> Score:
+    result = score_answer(item, answer)
+    assert result.category == category, (answer, result)
+    assert result.correct == (category == "correct")
+    assert 0.0 <= result.score <= 1.0
+    return result
+
+
+def test_correct(multikey):
+    gold = multikey.gold[0]
+    for answer in (f" {gold}.", f"{gold}", f" The special magic number is {gold}. {gold}!",
+                   f" {int(gold):,}"):
+        r = check(multikey, answer, "correct")
+        assert r.score == 1.0 and r.recalled is None
+
+
+def test_distractor(multikey):
+    other = _values(multikey, "distractor")[0]
+    r = check(multikey, f" {other}.", "distractor")
+    assert r.recalled == f"distractor:{other}" and r.score == 0.0
+
+
+def test_stale(update):
+    stale = _values(update, "stale")
+    assert len(stale) == 2
+    r = check(update, f" {stale[0]}", "stale")
+    assert r.recalled == f"stale:{stale[0]}"
+    # stale wins over a distractor in the same answer
+    r = check(update, f" {_values(update, 'distractor')[0]} or {stale[-1]}", "stale")
+
+
+def test_partial_truncated_and_near_miss(multikey):
+    gold = multikey.gold[0]
+    r = check(multikey, f" {gold[:5]}", "partial")
+    assert r.recalled == f"partial:{gold[:5]}"
+    assert r.detail["near"]["prefix"] == 5 and r.detail["near"]["gold"] == gold
+    wrong_last = gold[:-1] + str((int(gold[-1]) + 1) % 10)
+    r = check(multikey, f" {wrong_last}", "partial")
+    assert r.detail["near"]["prefix"] == 6 and r.detail["near"]["similarity"] >= 0.8
+    r = check(multikey, f" {gold}9", "partial")  # a superstring is not the value either
+    assert r.score == 0.0
+
+
+def test_over_inclusion(multikey):
+    gold = multikey.gold[0]
+    others = _values(multikey, "distractor")
+    r = check(multikey, " " + ", ".join([others[0], gold, others[1]]), "over_inclusion")
+    assert r.score == pytest.approx(1 / 3)
+    assert r.recalled == f"distractor:{others[0]},distractor:{others[1]}"
+    # the target plus a value found nowhere is still not a clean answer
+    r = check(multikey, f" {gold} and 1234321", "over_inclusion")
+    assert r.recalled == "fabricated:1234321" and r.score == 0.5
+
+
+def test_fabricated(multikey):
+    r = check(multikey, " 5550123", "fabricated")
+    assert r.recalled == "fabricated:5550123" and r.detail["in_context"] is False and r.score == 0.0
+
+
+def test_empty(multikey):
+    for answer in ("", "   ", " I don't know.", " 42", " The number for that key is not given."):
+        r = check(multikey, answer, "empty")
+        assert r.score == 0.0 and r.recalled is None
+
+
+def test_precedence_distractor_over_partial(multikey):
+    gold = multikey.gold[0]
+    other = _values(multikey, "distractor")[0]
+    check(multikey, f" {gold[:5]} or {other}", "distractor")
+
+
+def test_multivalue_fraction(tok):
+    item = generate_items("niah_multivalue", tok, 512, 1, depths=[0.5])[0]
+    gold = item.gold
+    assert len(gold) == 4
+    r = check(item, " " + ", ".join(gold), "correct")
+    r = check(item, " " + ", ".join(gold[:2]), "partial")
+    assert r.score == 0.5 and r.detail["found"] == 2 and r.detail["required"] == 4 and r.recalled is None
+    r = check(item, " " + ", ".join(gold[:3]) + ", 1212121", "partial")
+    assert r.score == pytest.approx(3 / 5)
+
+
+def test_multiquery_confusion(tok):
+    item = generate_items("niah_multiquery", tok, 512, 1, depths=[0.5])[0]
+    other = _values(item, "distractor")[0]
+    check(item, " " + ", ".join(item.gold), "correct")
+    r = check(item, f" {item.gold[0]}, {other}", "distractor")
+    assert r.score == pytest.approx(1 / 3)
+    check(item, " " + ", ".join(item.gold + [other]), "over_inclusion")
+
+
+def test_kv_retrieval_uuid(tok):
+    item = generate_items("kv_retrieval", tok, 768, 1, depths=[0.5])[0]
+    gold = item.gold[0]
+    target_key = next(n.key for n in item.needles if n.role == "target")
+    check(item, f' "{gold}"', "correct")
+    check(item, f" {gold.upper()}", "correct")
+    check(item, f' "{_values(item, "distractor")[0]}"', "distractor")
+    r = check(item, f" {gold[:23]}", "partial")
+    assert r.detail["near"]["prefix"] == 23
+    check(item, f' "{target_key}"', "empty")  # echoing the asked key is no answer
+    check(item, " 00000000-1111-4222-8333-444444444444", "fabricated")
+
+
+def test_variable_tracking_names(tok):
+    item = generate_items("variable_tracking", tok, 768, 1, depths=[0.25])[0]
+    names = item.gold
+    check(item, " " + " ".join(names), "correct")
+    check(item, " " + ", ".join(names[:-1]), "partial")
+    other = _values(item, "distractor")[0]
+    check(item, " " + ", ".join(names + [other]), "over_inclusion")
+    check(item, f" {other}", "distractor")
+    check(item, " QQQQQ", "fabricated")
+    assert extract_values(" VAR ABCDE, and the Value", item) == ["ABCDE"]
+
+
+def test_word_values(tok):
+    item = generate_items("niah_single", tok, 512, 1, depths=[0.5], value_kind="word")[0]
+    gold = item.gold[0]
+    key = next(n.key for n in item.needles if n.role == "target")
+    check(item, f" {gold}.", "correct")
+    check(item, f" The special magic word for {key} is {gold}. I hope this helps!", "correct")
+    check(item, f" {gold}s", "partial")
+    r = check(item, " zeppelin", "fabricated")
+    assert r.recalled == "fabricated:zeppelin"
+    check(item, " Sorry, I cannot answer that.", "empty")
+
+
+def test_multi_turn_previous_answer_is_distractor(tok):
+    items = generate_items("multi_turn", tok, 768, 1, depths=[0.5])
+    turn1 = items[1]
+    assert items[0].gold[0] in turn1.question
+    r = check(turn1, f" {items[0].gold[0]}", "distractor")
+    assert r.recalled == f"distractor:{items[0].gold[0]}"
+    check(turn1, f" {turn1.gold[0]}", "correct")
+
+
+def test_every_category_has_an_answer(multikey, update):
+    gold = multikey.gold[0]
+    crafted = {
+        "correct": (multikey, gold),
+        "distractor": (multikey, _values(multikey, "distractor")[0]),
+        "stale": (update, _values(update, "stale")[0]),
+        "partial": (multikey, gold[:4]),
+        "over_inclusion": (multikey, f"{gold} {_values(multikey, 'distractor')[1]}"),
+        "fabricated": (multikey, "9090909"),
+        "empty": (multikey, "no idea"),
+    }
+    assert set(crafted) == set(CATEGORIES)
+    for category, (item, answer) in crafted.items():
+        metrics = category_metrics(check(item, answer, category))
+        assert metrics[f"cat_{category}"] == 1.0
+        assert sum(metrics[f"cat_{c}"] for c in CATEGORIES) == 1.0
+        assert metrics["correct"] == float(category == "correct")
+
+
+def test_score_validation():
+    with pytest.raises(ValueError):
+        Score(0.5, False, "confused")
+    with pytest.raises(ValueError):
+        Score(1.5, True, "correct")
