@@ -337,7 +337,8 @@ class CompressedCache(Cache):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed, self.defer_compression = seed, defer_compression
         self.model = model
-        if self.policy.quantization is not None:
+        if self.policy.quantization is not None and self.policy.structure is None:
+            # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
             self.policy.quantization.check_head_dim(self.head_dim)
         self._input_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None

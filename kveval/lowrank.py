@@ -5,7 +5,11 @@ post-training methods (Palu, Eigen Attention, LoRC) approximate this on an
 existing model by projecting K and V onto a few principal directions. Here,
 per layer and KV head, keys and values each get an orthonormal basis
 ``B`` (``[head_dim, r]``); a token is stored as its ``r`` coefficients
-``c = x B`` and read back as ``x_hat = c B^T``.
+``c = x B`` and read back as ``x_hat = c B^T``. As with quantization, tokens
+are encoded when the cache seals them: the prefill's own attention is exact,
+and everything that attends to the cache afterwards (question, generated
+tokens) sees the reconstruction. The bases are per model, held in float32, and
+are not counted in the cache's per-token bytes.
 
 Keys are projected AFTER RoPE
 ------------------------------

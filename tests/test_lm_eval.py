@@ -121,15 +121,14 @@ def test_policy_none_matches_stock_hflm(tokenizer):
 def test_compressed_loglikelihood_does_not_depend_on_batch_size(tokenizer):
     combined = "snapkv(ratio=0.5,window=2)+kivi(bits=4,residual=1)"
     for policy, compress in (("window(2)", "context"), (combined, "context"), (combined, "query")):
-        if True:
-            results = []
-            for batch_size in (1, 4):
-                lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy=policy, compress=compress,
-                              batch_size=batch_size)
-                results.append(lm.loglikelihood(ll_requests(PAIRS)))
-            for (a, greedy_a), (b, greedy_b) in zip(*results):
-                assert a == pytest.approx(b, abs=1e-4)
-                assert greedy_a == greedy_b
+        results = []
+        for batch_size in (1, 4):
+            lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy=policy, compress=compress,
+                          batch_size=batch_size)
+            results.append(lm.loglikelihood(ll_requests(PAIRS)))
+        for (a, greedy_a), (b, greedy_b) in zip(*results):
+            assert a == pytest.approx(b, abs=1e-4)
+            assert greedy_a == greedy_b
 
 
 def test_choices_share_one_compressed_prefill(tokenizer, monkeypatch):
@@ -139,7 +138,7 @@ def test_choices_share_one_compressed_prefill(tokenizer, monkeypatch):
     real = module._forward
 
     def counting(model, cache, rows, seen, pad_id, keep=0):
-        calls.append(("prefill" if keep else "tail", len(rows)))
+        calls.append(("prefill" if not any(seen) else "tail", len(rows)))
         return real(model, cache, rows, seen, pad_id, keep)
 
     monkeypatch.setattr(module, "_forward", counting)
@@ -182,7 +181,7 @@ def test_rolling_is_stock_hflm_and_use_cache_works(tokenizer, tmp_path):
 @pytest.mark.slow
 def test_eviction_changes_passkey_loglikelihood(smollm):
     model, tokenizer = smollm
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 6
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 3
     context = ("There is a pass key hidden in this text. The pass key is 48213. Remember it. 48213 is the pass key. "
                + filler + "What is the pass key? The pass key is")
     requests = ll_requests([(context, " 48213")])
@@ -192,26 +191,28 @@ def test_eviction_changes_passkey_loglikelihood(smollm):
     assert full[1] is True and full[0] > -3  # the uncompressed model retrieves the key
     assert evicted[0] < full[0] - 10 and evicted[1] is False  # the key was evicted: measurably less likely
     info = evicted_lm.get_model_info()
-    assert info["kveval_measured_ratio"] < 0.1  # 8 of ~170 prefill tokens kept
+    assert info["kveval_measured_ratio"] < 0.15  # 8 of ~100 prefill tokens kept
 
 
 # --- generation ----------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_generate_until_same_answers_for_any_batch_size(smollm):
-    model, tokenizer = smollm
+def test_generate_until_same_answers_for_any_batch_size(tokenizer):
     prompts = ["Q: What is the capital of France?\nA:", "The pass key is 4921. Remember 4921. The pass key is",
                "Count: one, two, three,", "List three colours: red,", "Tell me a fact about the sea."]
-    gen_kwargs = {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}
+    gen_kwargs = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
     requests = [Instance("generate_until", {}, (p, gen_kwargs), i) for i, p in enumerate(prompts)]
-    answers = []
-    for batch_size in (1, 4):
-        lm = KVEvalLM(pretrained=model, tokenizer=tokenizer, policy="snapkv(ratio=0.5,window=4)+kivi(bits=4,residual=4)",
-                      batch_size=batch_size)
-        answers.append(lm.generate_until(requests))
-    assert answers[0] == answers[1]
-    assert all("\n" not in a for a in answers[0])
-    assert lm.get_model_info()["kveval_measured_bytes_per_token"] > 0
+    policy = "snapkv(ratio=0.5,window=2)+kivi(bits=4,residual=2)"
+    for compress in ("context", "query"):
+        answers = []
+        for batch_size in (1, 4):
+            lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy=policy, compress=compress,
+                          batch_size=batch_size)
+            answers.append(lm.generate_until(requests))
+        assert answers[0] == answers[1]
+        assert all("\n" not in a for a in answers[0]) and any(answers[0])
+    info = lm.get_model_info()
+    assert info["kveval_measured_requests"] == len(prompts)
+    assert 0 < info["kveval_measured_bytes_per_token"] < info["kveval_nominal_bytes_per_token"]
     with pytest.raises(ValueError, match="greedily"):
         lm.generate_until([Instance("generate_until", {}, ("Hi", {"do_sample": True, "temperature": 1.0}), 0)])
 
@@ -273,7 +274,7 @@ TASKS = {
         filter_list:
           - name: strip
             filter:
-              - function: strip_whitespace
+              - function: remove_whitespace
         metric_list:
           - metric: exact_match
         metadata:
@@ -299,7 +300,7 @@ def test_cli_wrapper_runs_tasks_and_records_policy(smollm, tmp_path):
     code = main(["lm-eval", "--model", "kveval",
                  "--model_args", "pretrained=smollm2-135m,policy=snapkv(ratio=0.5,window=4)+kivi(bits=4),question_marker=\\n\\n",
                  "--tasks", "kvtest_mc,kvtest_gen", "--include_path", str(tasks), "--device", "cpu",
-                 "--batch_size", "2", "--limit", "5", "--log_samples", "--output_path", str(out)])
+                 "--batch_size", "5", "--limit", "5", "--log_samples", "--output_path", str(out)])
     assert code == 0
     results_files = sorted(out.rglob("results_*.json"))
     assert len(results_files) == 1

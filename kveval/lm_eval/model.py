@@ -402,10 +402,13 @@ class KVEvalLM(HFLM):
                     tail_logprobs = None
                     if any(tails):
                         tail_seen = [len(keys[g][0]) for g in index]
-                        tail_logprobs = F.log_softmax(_forward(self.model, run, tails, tail_seen, pad_id).float(), dim=-1)
+                        # Only the last positions predict continuation tokens: skip the vocabulary projection elsewhere.
+                        needed = max(min(len(tail), len(plans[i][3])) for tail, (_, i) in zip(tails, sub))
+                        logits = _forward(self.model, run, tails, tail_seen, pad_id, keep=needed)
+                        tail_logprobs = F.log_softmax(logits.float(), dim=-1)
                     for r, (g, i) in enumerate(sub):
                         continuation = plans[i][3]
-                        t = len(tails[r])
+                        t = min(len(tails[r]), len(continuation))
                         preds = first_logprobs[g:g + 1]
                         if t:
                             preds = torch.cat([preds, tail_logprobs[r, tail_logprobs.shape[1] - t:]], dim=0)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kveval.probes.item import PromptFrame, char_spans_to_tokens
+from kveval.probes.item import PromptFrame, char_spans_to_tokens, encode_parts
 
 
 @dataclass
@@ -190,9 +190,7 @@ class _Assembler:
 
     def context_tokens(self, k: int, w: int) -> int:
         context, _, _ = self.assemble(k, w)
-        text = self.frame.head + context
-        special = not (getattr(self.tokenizer, "bos_token", None) and text.startswith(self.tokenizer.bos_token))
-        return len(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        return len(encode_parts(self.tokenizer, self.frame.head + context, "")[0])
 
 
 def fit(layout: Layout, frame: PromptFrame, tokenizer, budget: int) -> Built:

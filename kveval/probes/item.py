@@ -10,8 +10,9 @@ token positions (``length``, needle ``span``) refer to it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 ROLES = ("target", "distractor", "stale")
@@ -237,13 +238,16 @@ def char_spans_to_tokens(tokenizer, prompt_context: str, char_spans: list[tuple[
     special = _context_special_tokens(tokenizer, prompt_context)
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(prompt_context, add_special_tokens=special, return_offsets_mapping=True)
-        offsets = enc["offset_mapping"]
+        real = [(i, s, e) for i, (s, e) in enumerate(enc["offset_mapping"]) if e > s]  # skip added special tokens
+        starts = [s for _, s, _ in real]
+        ends = [e for _, _, e in real]
         spans = []
         for a, b in char_spans:
-            hit = [i for i, (s, e) in enumerate(offsets) if e > s and e > a and s < b]
-            if not hit:
+            first = bisect.bisect_right(ends, a)  # first token ending after a
+            last = bisect.bisect_left(starts, b) - 1  # last token starting before b
+            if first > last:
                 raise ValueError(f"no token covers characters {a}:{b} of the prompt")
-            spans.append((hit[0], hit[-1] + 1))
+            spans.append((real[first][0], real[last][0] + 1))
         return spans, len(enc["input_ids"])
     n = len(tokenizer(prompt_context, add_special_tokens=special)["input_ids"])
     spans = []

@@ -65,6 +65,16 @@ VALUE_WORDS = (
     "pineapple", "pistachio", "platypus", "popcorn", "pretzel", "pumpkin", "raccoon", "radish", "raspberry", "rhubarb",
     "saxophone", "scooter", "seahorse", "skateboard", "sombrero", "spinach", "squirrel", "submarine", "tambourine", "toucan",
     "trombone", "tulip", "turnip", "ukulele", "umbrella", "vanilla", "waffle", "walnut", "xylophone", "zucchini",
+    "accordion", "alpaca", "anteater", "armadillo", "artichoke", "baboon", "bagel", "balloon", "bamboo", "banana",
+    "beetroot", "blueberry", "bobcat", "bongo", "brownie", "burrito", "butterscotch", "cabbage", "calculator", "camera",
+    "cantaloupe", "cardigan", "carousel", "cauliflower", "cheetah", "chinchilla", "chipmunk", "chocolate", "cobra", "coyote",
+    "cranberry", "croissant", "cymbal", "dandelion", "doughnut", "eclair", "escalator", "ferret", "flashlight", "frisbee",
+    "gecko", "ginger", "gnocchi", "grapefruit", "guacamole", "harpsichord", "hazelnut", "helicopter", "hyena", "jackal",
+    "jalapeno", "jukebox", "kazoo", "kumquat", "lasagna", "lemur", "lychee", "magnolia", "mandolin", "manatee",
+    "marshmallow", "mongoose", "mosquito", "muffin", "nectarine", "nutmeg", "oboe", "okapi", "orangutan", "origami",
+    "pancake", "panda", "parsnip", "persimmon", "piccolo", "pomegranate", "porcupine", "puffin", "quesadilla", "quokka",
+    "ravioli", "robot", "saffron", "salamander", "sardine", "scorpion", "sitar", "skunk", "spaghetti", "stapler",
+    "sunflower", "tangerine", "tapir", "toboggan", "tortilla", "trampoline", "tuba", "vulture", "wombat", "yogurt",
 )
 
 _UPPER = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -97,38 +107,49 @@ class SentenceStream:
 
 
 class UniqueDraw:
-    """Draw values without repetition within one item (keys and values never collide)."""
+    """Draw keys and values without repetition within one item.
+
+    Values of one kind have one shape and are parsed as whole tokens by the
+    scorer, so distinctness is all that is needed (no substring checks).
+    """
 
     def __init__(self, rng: random.Random):
         self.rng = rng
         self.used: set[str] = set()
 
-    def _unique(self, make) -> str:
-        for _ in range(10_000):
+    def _unique(self, make, what: str) -> str:
+        for _ in range(1000):
             value = make()
-            if value not in self.used and not any(value in u or u in value for u in self.used):
+            if value not in self.used:
                 self.used.add(value)
                 return value
-        raise RuntimeError("could not draw a fresh value; the value space is exhausted")
+        raise ValueError(f"ran out of distinct {what} for one item; ask for a shorter context or fewer needles "
+                         f"(or value_kind=number / uuid for long haystacks of needles)")
 
     def key(self) -> str:
-        """An adjective-noun key such as ``"amber-falcon"``."""
-        return self._unique(lambda: f"{self.rng.choice(KEY_ADJECTIVES)}-{self.rng.choice(KEY_NOUNS)}")
+        """An adjective-noun key such as ``"amber-falcon"`` (adjective-adjective-noun once those run short)."""
+        for _ in range(50):
+            key = f"{self.rng.choice(KEY_ADJECTIVES)}-{self.rng.choice(KEY_NOUNS)}"
+            if key not in self.used:
+                self.used.add(key)
+                return key
+        return self._unique(lambda: f"{self.rng.choice(KEY_ADJECTIVES)}-{self.rng.choice(KEY_ADJECTIVES)}-"
+                                    f"{self.rng.choice(KEY_NOUNS)}", "keys")
 
     def number(self, digits: int = 7) -> str:
         """A decimal number with exactly ``digits`` digits (no leading zero)."""
-        return self._unique(lambda: str(self.rng.randrange(10 ** (digits - 1), 10**digits)))
+        return self._unique(lambda: str(self.rng.randrange(10 ** (digits - 1), 10**digits)), "numbers")
 
     def word(self) -> str:
-        return self._unique(lambda: self.rng.choice(VALUE_WORDS))
+        return self._unique(lambda: self.rng.choice(VALUE_WORDS), "words")
 
     def uuid(self) -> str:
         """A version-4 UUID drawn from the item's RNG (lowercase, 36 characters)."""
-        return self._unique(lambda: str(uuid.UUID(int=self.rng.getrandbits(128), version=4)))
+        return self._unique(lambda: str(uuid.UUID(int=self.rng.getrandbits(128), version=4)), "UUIDs")
 
     def variable(self, letters: int = 5) -> str:
         """A variable name of ``letters`` uppercase letters (``"QWERT"``)."""
-        return self._unique(lambda: "".join(self.rng.choice(_UPPER) for _ in range(letters)))
+        return self._unique(lambda: "".join(self.rng.choice(_UPPER) for _ in range(letters)), "variable names")
 
     def value(self, kind: str) -> str:
         if kind == "number":

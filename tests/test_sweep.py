@@ -1,0 +1,95 @@
+"""The sweep on the embedded model: kill it halfway, rerun, and get what an uninterrupted run gets."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kveval.records import read_items
+from kveval.sweep import load_config
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+name: resume-test
+models: [smollm2-135m]
+batch_size: 2
+policies: [kivi(bits=4), window(32)]
+probes: {families: [passkey], lengths: [256], depths: [0.5], n: 3}
+"""
+
+
+def _sweep(config: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kveval", "sweep", str(config), "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _items(out: Path) -> dict:
+    found = {}
+    for run in sorted((out / "runs").glob("*/*")):
+        for r in read_items(run):
+            key = (run.name, r.id)
+            assert key not in found, f"duplicated item {key}"
+            found[key] = (r.answer, r.score, r.category, r.metrics["kv_bytes"])
+    return found
+
+
+def test_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
+    config = tmp_path / "sweep.yaml"
+    config.write_text(CONFIG)
+    whole = _sweep(config, tmp_path / "whole")
+    assert whole.wait(timeout=600) == 0, whole.stdout.read()
+    output = whole.stdout.read()
+    assert "gate verdict:" in output and "| model | policy |" in output
+
+    killed = _sweep(config, tmp_path / "killed")
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill once some, not all, items are written
+        written = sum(len(p.read_text().splitlines()) for p in (tmp_path / "killed").glob("runs/*/*/items.jsonl"))
+        if written >= 3:
+            break
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    partial = sum(len(p.read_text().splitlines()) for p in (tmp_path / "killed").glob("runs/*/*/items.jsonl"))
+    assert 3 <= partial < 9
+    # A half-written line, as a kill in the middle of a write would leave.
+    next((tmp_path / "killed").glob("runs/*/none/items.jsonl")).open("a").write('{"id": "passkey-256')
+
+    resumed = _sweep(config, tmp_path / "killed")
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
+    assert _items(tmp_path / "killed") == _items(tmp_path / "whole")
+    manifest = json.loads((tmp_path / "killed" / "manifest.json").read_text())
+    assert manifest["config_hash"] == load_config(config).hash and manifest["versions"]["torch"]
+    for name in ("leaderboard.md", "leaderboard.csv", "leaderboard.html"):
+        assert (tmp_path / "killed" / "report" / name).is_file()
+    assert (tmp_path / "killed" / "gate" / "gate.xml").is_file()
+
+
+def test_same_folder_with_another_config_is_refused(tmp_path):
+    config = tmp_path / "a.yaml"
+    config.write_text(CONFIG)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"config_hash": "something-else"}))
+    from kveval.cli import main
+
+    assert main(["sweep", str(config), "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("policies: [bogus(1)]", "unknown policy"),
+    ("policies: [kivi(bits=4)]\nprobes: {families: [nope]}", "unknown probe family"),
+    ("policies: []", "at least one policy"),
+    ("policies: [kivi(bits=4)]\ncolour: red", "unknown key"),
+])
+def test_bad_sweep_configs_are_one_line_errors(tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(config)
