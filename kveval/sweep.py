@@ -25,7 +25,7 @@ import yaml
 
 from kveval.records import atomic_write_text
 
-CONFIG_KEYS = {"name", "models", "policies", "mode", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
+CONFIG_KEYS = {"name", "models", "policies", "mode", "probes", "batch_size", "gate", "out", "seed"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 
 
@@ -72,14 +72,19 @@ def load_config(path: str | Path) -> SweepConfig:
     unknown = set(probes) - PROBE_KEYS
     if unknown:
         raise ValueError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
-    policies = [parse_policy(p).spec for p in raw.get("policies") or []]
+    policies = []
+    for entry in raw.get("policies") or []:
+        spec, _, entry_mode = str(entry).partition("@")
+        if entry_mode and entry_mode not in ("context", "query"):
+            raise ValueError(f"{path}: policy {entry!r}: the suffix after '@' is a mode, context or query")
+        policies.append(parse_policy(spec).spec + (f"@{entry_mode}" if entry_mode else ""))
     if not policies:
         raise ValueError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
     families = probes.get("families") or ["passkey"]
     for family in families:
         if family not in FAMILIES:
             raise ValueError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
-    mode = raw.get("mode", "context")
+    mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
     if mode not in ("context", "query"):
         raise ValueError(f"{path}: mode={mode!r}; use context or query")
     gate = raw.get("gate")
@@ -138,13 +143,17 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]
             for length in config.lengths:
                 items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
                                         **config.family_params.get(family, {}))
-        policies = ["none"] + config.policies
+        by_mode: dict[str, list[str]] = {config.mode: ["none"]}
+        for entry in config.policies:
+            spec, _, mode = entry.partition("@")
+            by_mode.setdefault(mode or config.mode, []).append(spec)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        with tqdm(total=len(items) * len(policies), desc=f"{Path(model_name).name}: items x policies", unit="item",
-                  disable=quiet) as bar:
-            run_dirs += evaluate_policies(model, tokenizer, items, policies, out, model_name, config.mode, config.batch_size,
-                                          config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+        with tqdm(total=len(items) * (len(config.policies) + 1), desc=f"{Path(model_name).name}: items x policies",
+                  unit="item", disable=quiet) as bar:
+            for mode, policies in by_mode.items():
+                run_dirs += evaluate_policies(model, tokenizer, items, policies, out, model_name, mode, config.batch_size,
+                                              config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
         if torch.cuda.is_available():
             manifest = json.loads(manifest_path.read_text())
             manifest.setdefault("cuda_peak_allocated_bytes", {})[model_name] = torch.cuda.max_memory_allocated()

@@ -246,3 +246,19 @@ def test_bad_specs_name_the_problem(spec, message):
 def test_group_that_does_not_divide_head_dim_is_refused():
     with pytest.raises(ValueError, match="does not divide head_dim=16"):
         CompressedCache(tiny_llama(), "quant(bits=4,group=5)")
+
+
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_one_prefill_for_many_ratios_equals_separate_runs(mode):
+    from kveval.generation import generate_many
+
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(13)
+    prompts = [Prompt(torch.randint(1, 128, (n,), generator=g).tolist(), torch.randint(1, 128, (q,), generator=g).tolist())
+               for n, q in [(37, 5), (64, 3), (20, 7)]]
+    specs = [parse_policy(f"snapkv(ratio={r},window=4)").spec for r in (0.25, 0.5, 0.9)]
+    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=8, mode=mode, batch_size=2)
+    for spec in specs:
+        alone = generate(model, Tok(), prompts, spec, max_new_tokens=8, mode=mode)
+        assert [r.token_ids for r in shared[spec]] == [r.token_ids for r in alone]
+        assert [r.stats.kv_bytes for r in shared[spec]] == [r.stats.kv_bytes for r in alone]

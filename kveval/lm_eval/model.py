@@ -255,6 +255,10 @@ class KVEvalLM(HFLM):
             batch_size = 1
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
+        if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes device="cuda:0" unless told otherwise; HFLM then quietly stays on the CPU too.
+            log.warning("kveval: device=%s requested but CUDA is not available; using the CPU", device)
+            device = "cpu"
 
         if isinstance(pretrained, str):
             from kveval.models import load_model
