@@ -101,14 +101,15 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     """One left-padded forward pass that appends ``rows[b]`` to row ``b`` of ``cache``.
 
     ``seen[b]`` (tokens row ``b`` has processed so far) is advanced in place.
-    Returns the logits ``[B, width, vocab]`` and the real-token mask ``[B, width]``.
+    Returns the last column's logits ``[B, 1, vocab]`` and the real-token mask ``[B, width]``.
     """
     device = model.device
     ids, mask = _left_pad(rows, pad_id, device)
     start = torch.tensor(seen, device=device)[:, None]
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
     cache.set_input_mask(mask)
-    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True).logits
+    # Only the last column's logits are used: skip the [B, width, vocab] projection of the rest.
+    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     for b, r in enumerate(rows):
         seen[b] += len(r)
     return logits, mask
