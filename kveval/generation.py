@@ -97,19 +97,21 @@ def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor,
     return ids, mask
 
 
-def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int,
+                 logits_to_keep: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """One left-padded forward pass that appends ``rows[b]`` to row ``b`` of ``cache``.
 
     ``seen[b]`` (tokens row ``b`` has processed so far) is advanced in place.
-    Returns the last column's logits ``[B, 1, vocab]`` and the real-token mask ``[B, width]``.
+    Returns the logits of the last ``logits_to_keep`` columns (0: all) ``[B, columns, vocab]``
+    and the real-token mask ``[B, width]``.
     """
     device = model.device
     ids, mask = _left_pad(rows, pad_id, device)
     start = torch.tensor(seen, device=device)[:, None]
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
     cache.set_input_mask(mask)
-    # Only the last column's logits are used: skip the [B, width, vocab] projection of the rest.
-    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    # Generation needs the last column only: skip the [B, width, vocab] projection of the rest.
+    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits
     for b, r in enumerate(rows):
         seen[b] += len(r)
     return logits, mask

@@ -93,7 +93,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 import kveval
 from kveval.cache import CompressedCache, nominal_bytes_per_token
-from kveval.generation import MODES, Prompt, generate
+from kveval.generation import MODES, Prompt, forward_rows, generate
 from kveval.policies import PolicyStack, parse_policy
 
 log = logging.getLogger(__name__)
@@ -174,31 +174,6 @@ def _version(name: str) -> str:
 
 
 # --- cache helpers -------------------------------------------------------------------------------
-
-def _forward(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int, keep: int = 0) -> torch.Tensor:
-    """One left-padded forward appending ``rows[b]`` to row ``b`` of ``cache`` (as :func:`kveval.generation.forward_rows`).
-
-    ``keep`` > 0 computes logits for the last ``keep`` columns only (a prefill needs one).
-    """
-    device = model.device
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long, device=device)
-            mask[b, width - len(r):] = True
-    start = torch.tensor(seen, device=device)[:, None]
-    position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    cache.set_input_mask(mask)
-    kwargs = dict(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True)
-    if keep:
-        kwargs["logits_to_keep"] = keep
-    logits = model(**kwargs).logits
-    for b, r in enumerate(rows):
-        seen[b] += len(r)
-    return logits
-
 
 def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> CompressedCache:
     """A new cache whose row ``j`` is an independent copy of row ``index[j]`` of ``cache``.
@@ -389,7 +364,7 @@ class KVEvalLM(HFLM):
                 cache = CompressedCache(self.model, self.policy, seed=self.seed + first)
                 cache.set_protected([protect for _, protect in keys])
                 seen = [0] * len(keys)
-                logits = _forward(self.model, cache, [list(prefill) for prefill, _ in keys], seen, pad_id, keep=1)
+                logits = forward_rows(self.model, cache, [list(prefill) for prefill, _ in keys], seen, pad_id, logits_to_keep=1)[0]
                 cache.set_protected(None)
                 first_logprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # predicts the token after each prefill
                 for g, key in enumerate(keys):
@@ -408,7 +383,7 @@ class KVEvalLM(HFLM):
                         tail_seen = [len(keys[g][0]) for g in index]
                         # Only the last positions predict continuation tokens: skip the vocabulary projection elsewhere.
                         needed = max(min(len(tail), len(plans[i][3])) for tail, (_, i) in zip(tails, sub))
-                        logits = _forward(self.model, run, tails, tail_seen, pad_id, keep=needed)
+                        logits = forward_rows(self.model, run, tails, tail_seen, pad_id, logits_to_keep=needed)[0]
                         tail_logprobs = F.log_softmax(logits.float(), dim=-1)
                     for r, (g, i) in enumerate(sub):
                         continuation = plans[i][3]
