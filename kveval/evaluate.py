@@ -136,7 +136,7 @@ def _structure_info(stack, model) -> dict:
 def configure(parser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--policy", action="append", required=True, help="policy spec; repeat for several")
-    parser.add_argument("--family", action="append", default=None, help="probe family; repeat; default passkey")
+    parser.add_argument("--family", action="append", default=None, help="probe family or 'all'; repeat; default passkey")
     parser.add_argument("--length", action="append", type=int, default=None, help="prompt length in tokens; repeat")
     parser.add_argument("--depth", action="append", type=float, default=None, help="needle depth in [0, 1]; repeat")
     parser.add_argument("--n", type=int, default=10, help="items per family and length")
@@ -152,12 +152,12 @@ def run(args) -> int:
 
     from kveval.models import load_model
     from kveval.policies import parse_policy
-    from kveval.probes import generate_items
+    from kveval.probes import generate_items, resolve_families
 
-    policies = (["none"] if args.baseline else []) + [parse_policy(p).spec for p in args.policy]
+    policies = list(dict.fromkeys((["none"] if args.baseline else []) + [parse_policy(p).spec for p in args.policy]))
     model, tokenizer = load_model(args.model)
     items = []
-    for family in args.family or ["passkey"]:
+    for family in resolve_families(args.family or ["passkey"]):
         for length in args.length or [512]:
             items += generate_items(family, tokenizer, length, args.n, depths=args.depth, seed=args.seed)
     with tqdm(total=len(items) * len(policies), desc="items x policies", unit="item") as bar:

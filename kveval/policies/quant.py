@@ -45,6 +45,12 @@ class QuantizationPolicy(RepresentationPolicy):
     def residual_tokens(self) -> int:
         return self.residual
 
+    def check_group_and_residual(self) -> None:
+        if not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"{self.name}: group={self.group!r} must be a positive integer")
+        if not isinstance(self.residual, int) or self.residual < 0:
+            raise ValueError(f"{self.name}: residual={self.residual!r} must be a number of tokens >= 0")
+
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if a per-token group does not divide ``head_dim``."""
         for which, q in (("k", self.key_quant), ("v", self.value_quant)):
@@ -98,10 +104,7 @@ class QuantPolicy(QuantizationPolicy):
         for key in ("k_axis", "v_axis"):
             if getattr(self, key) not in AXES:
                 raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be one of {', '.join(AXES)}")
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"{self.name}: group={self.group!r} must be a positive integer")
-        if not isinstance(self.residual, int) or self.residual < 0:
-            raise ValueError(f"{self.name}: residual={self.residual!r} must be a number of tokens >= 0")
+        self.check_group_and_residual()
 
     @property
     def key_quant(self) -> TensorQuant:
@@ -138,10 +141,7 @@ class KiviPolicy(QuantizationPolicy):
 
     def __post_init__(self):
         _check_bits(self.name, "bits", self.bits)
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"{self.name}: group={self.group!r} must be a positive integer")
-        if not isinstance(self.residual, int) or self.residual < 0:
-            raise ValueError(f"{self.name}: residual={self.residual!r} must be a number of tokens >= 0")
+        self.check_group_and_residual()
 
     @property
     def key_quant(self) -> TensorQuant:
@@ -181,10 +181,7 @@ class Fp8Policy(QuantizationPolicy):
             raise ValueError(f"fp8: format={self.format!r} must be e4m3 or e5m2")
         if self.axis not in AXES:
             raise ValueError(f"fp8: axis={self.axis!r} must be one of {', '.join(AXES)}")
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"fp8: group={self.group!r} must be a positive integer")
-        if not isinstance(self.residual, int) or self.residual < 0:
-            raise ValueError(f"fp8: residual={self.residual!r} must be a number of tokens >= 0")
+        self.check_group_and_residual()
 
     @property
     def key_quant(self) -> TensorQuant:
