@@ -195,21 +195,29 @@ def _read_samples(path: Path, task: str, metric: str | dict[str, str] | None) ->
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         raise ResultFileError(f"{path}: truncated (the last line was cut off mid-write); rerun lm_eval")
-    # A per-task metric is required to exist; one metric for all tasks applies where the task has it.
-    strict = isinstance(metric, dict) and task in metric
-    chosen: str | None = metric.get(task) if isinstance(metric, dict) else metric
-    filters: set[str] = set()
     rows: list[dict] = []
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            row["doc_id"], row["prompt_hash"]  # noqa: B018 - required keys
-        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        except json.JSONDecodeError as exc:
             raise ResultFileError(f"{path}:{number}: corrupt samples line ({exc!r})") from exc
         row["_line"] = number
         rows.append(row)
+    return records_from_samples(rows, task, metric, path)
+
+
+def records_from_samples(rows: list[dict], task: str, metric: str | dict[str, str] | None, path: Path | str) -> list[ItemRecord]:
+    """lm-eval ``--log_samples`` rows of one task as :class:`ItemRecord` (``path`` names the source in errors)."""
+    # A per-task metric is required to exist; one metric for all tasks applies where the task has it.
+    strict = isinstance(metric, dict) and task in metric
+    chosen: str | None = metric.get(task) if isinstance(metric, dict) else metric
+    filters: set[str] = set()
+    for number, row in enumerate(rows, start=1):
+        row.setdefault("_line", number)
+        if not isinstance(row, dict) or "doc_id" not in row or "prompt_hash" not in row:
+            raise ResultFileError(f"{path}:{number}: corrupt samples line (needs doc_id and prompt_hash)")
         filters.add(str(row.get("filter", "none")))
     if chosen is not None and not strict and rows and chosen not in rows[0].get("metrics", []):
         chosen = None

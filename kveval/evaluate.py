@@ -43,7 +43,7 @@ def _record(item, result, score) -> ItemRecord:
 def finalize_run(run_dir: Path) -> RunInfo:
     """Write the run's measured averages (bytes per token, speed) into ``run.json``."""
     info = read_run_info(run_dir)
-    records = list(iter_items(run_dir))
+    records = [r for r in iter_items(run_dir) if "bytes_per_token" in r.metrics]  # probe items (lm-eval items carry none)
     if records:
         info.bytes_per_token = statistics.fmean(r.metrics["bytes_per_token"] for r in records)
         info.nominal_bytes_per_token = statistics.fmean(r.metrics["nominal_bytes_per_token"] for r in records)

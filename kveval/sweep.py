@@ -25,8 +25,9 @@ import yaml
 
 from kveval.records import atomic_write_text
 
-CONFIG_KEYS = {"name", "models", "policies", "mode", "probes", "batch_size", "gate", "out", "seed"}
+CONFIG_KEYS = {"name", "models", "policies", "mode", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
+LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 
 
 @dataclass
@@ -46,6 +47,7 @@ class SweepConfig:
     batch_size: int = 1
     gate: str | None = None
     out: str | None = None
+    lm_eval: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict)
 
     @property
@@ -87,6 +89,10 @@ def load_config(path: str | Path) -> SweepConfig:
     mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
     if mode not in ("context", "query"):
         raise ValueError(f"{path}: mode={mode!r}; use context or query")
+    lm_eval = raw.get("lm_eval") or {}
+    unknown = set(lm_eval) - LM_EVAL_KEYS
+    if unknown or (lm_eval and not lm_eval.get("tasks")):
+        raise ValueError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
     gate = raw.get("gate")
     if gate is not None:
         gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
@@ -95,7 +101,7 @@ def load_config(path: str | Path) -> SweepConfig:
         policies=[p for p in policies if p != "none"], mode=mode, families=list(families),
         lengths=[int(x) for x in probes.get("lengths") or [512]], depths=probes.get("depths"),
         n=int(probes.get("n", 10)), seed=int(probes.get("seed", raw.get("seed", 0))), family_params=probes.get("params") or {},
-        batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), raw=raw,
+        batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), lm_eval=lm_eval, raw=raw,
     )
 
 
@@ -152,14 +158,50 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]
         with tqdm(total=len(items) * (len(config.policies) + 1), desc=f"{Path(model_name).name}: items x policies",
                   unit="item", disable=quiet) as bar:
             for mode, policies in by_mode.items():
-                run_dirs += evaluate_policies(model, tokenizer, items, policies, out, model_name, mode, config.batch_size,
-                                              config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+                dirs = evaluate_policies(model, tokenizer, items, policies, out, model_name, mode, config.batch_size,
+                                         config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+                if config.lm_eval:
+                    for spec, run_dir in zip(policies, dirs):
+                        run_lm_eval_tasks(model, tokenizer, spec, mode, run_dir, config.lm_eval, config.batch_size, config.seed)
+                run_dirs += dirs
         if torch.cuda.is_available():
             manifest = json.loads(manifest_path.read_text())
             manifest.setdefault("cuda_peak_allocated_bytes", {})[model_name] = torch.cuda.max_memory_allocated()
             atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
         del model
     return run_dirs
+
+
+def run_lm_eval_tasks(model, tokenizer, spec: str, mode: str, run_dir: Path, settings: dict, batch_size: int, seed: int) -> None:
+    """Run the sweep's lm-eval tasks under one policy; their per-sample results join the run's ``items.jsonl``.
+
+    A task's samples are written only once lm-eval has finished it, so a killed
+    sweep reruns that task whole and never records half of it.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from kveval.compare import records_from_samples
+    from kveval.lm_eval import register, tasks_dir
+    from kveval.records import ItemWriter, iter_items
+
+    done = {r.metrics.get("lm_eval_task") for r in iter_items(run_dir)}
+    tasks = [t for t in settings["tasks"] if t not in done]
+    if not tasks:
+        return
+    model_class = register()
+    lm = model_class(pretrained=model, tokenizer=tokenizer, policy=spec, compress=mode, seed=seed, batch_size=batch_size,
+                     **(settings.get("model_args") or {}))
+    folder = tasks_dir()
+    manager = TaskManager(include_path=[str(folder)] if folder else None, metadata=settings.get("metadata") or None)
+    for task in tasks:  # one call per listed task: a group's subtasks are recorded under the listed name
+        output = lm_eval.simple_evaluate(model=lm, tasks=[task], limit=settings.get("limit"), log_samples=True,
+                                         task_manager=manager, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed)
+        with ItemWriter(run_dir) as writer:
+            for subtask, rows in sorted(output["samples"].items()):
+                for record in records_from_samples(rows, subtask, None, f"lm-eval samples of {subtask}"):
+                    record.metrics["lm_eval_task"] = task
+                    writer.write(record)
 
 
 def summarize(out: Path, run_dirs: list[Path], gate_config: str | None) -> int:
