@@ -93,3 +93,23 @@ def test_bad_sweep_configs_are_one_line_errors(tmp_path, text, message):
     config.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(config)
+
+
+def test_lm_eval_tasks_listed_in_a_sweep_join_each_run(tmp_path):
+    config = tmp_path / "lm.yaml"
+    config.write_text("""
+name: lm
+models: [smollm2-135m]
+policies: [window(16)]
+probes: {families: [passkey], lengths: [256], depths: [0.5], n: 1}
+lm_eval: {tasks: [kveval_niah_multikey_mc], limit: 3, model_args: {question_marker: "\\n\\n"}, metadata: {length: 256, n: 3}}
+""")
+    from kveval.cli import main
+
+    assert main(["sweep", str(config), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    runs = {p.name: read_items(p) for p in (tmp_path / "out" / "runs" / "smollm2-135m").iterdir()}
+    for records in runs.values():
+        mc = [r for r in records if r.task == "kveval_niah_multikey_mc"]
+        assert len(mc) == 3 and all(r.logprob_gold is not None for r in mc)
+    base = {r.id: r.hash for r in runs["none"]}
+    assert all(base[r.id] == r.hash for r in runs["window_size-16"])  # paired on the same prompts
