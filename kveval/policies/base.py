@@ -42,11 +42,11 @@ class Policy:
     description: ClassVar[str] = ""
 
     def spec(self) -> str:
-        """Canonical spec string: the parameters that differ from their defaults, in field order."""
+        """Canonical spec string: the first parameter, then those that differ from their defaults, in field order."""
         parts = []
-        for f in fields(self):
+        for i, f in enumerate(fields(self)):
             value = getattr(self, f.name)
-            if value != f.default:
+            if value is not None and (i == 0 or value != f.default):
                 parts.append(f"{f.name}={value:g}" if isinstance(value, float) else f"{f.name}={value}")
         return f"{self.name}({','.join(parts)})" if parts else self.name
 
