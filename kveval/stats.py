@@ -332,10 +332,11 @@ def paired_permutation_test(
     Returns
     -------
     float
-        The p-value; 1.0 when every difference is zero.
+        The p-value; 1.0 when every difference is zero or there is a single pair
+        (one pair has only two labelings, which can never reject).
     """
     a, b = _paired(baseline, candidate)
-    if not np.any(b != a):
+    if not np.any(b != a) or a.size < 2:
         return 1.0
     res = _st.permutation_test(
         (a, b),

@@ -160,3 +160,10 @@ def test_non_inferiority():
 def test_is_binary():
     assert stats.is_binary([0, 1, 1.0], [True, False])
     assert not stats.is_binary([0, 0.5])
+
+
+def test_a_single_graded_pair_cannot_reject():
+    from kveval import stats as kstats
+
+    assert kstats.paired_permutation_test([0.5], [0.2]) == 1.0
+    assert kstats.wilcoxon_test([0.5], [0.2]) == 1.0
