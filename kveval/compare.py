@@ -277,12 +277,12 @@ def _lm_eval_answer(row: dict) -> tuple[str, float | None]:
     """The model's output as text and the gold continuation's log-likelihood (if a loglikelihood task)."""
     resps = row.get("filtered_resps")
     if resps is None:
-        resps = [r[0] if isinstance(r, list) and r else r for r in row.get("resps", [])]
+        resps = [r[0] if isinstance(r, (list, tuple)) and r else r for r in row.get("resps", [])]
     if not isinstance(resps, list) or not resps:
         return "", None
     lls = []
     for r in resps:
-        if isinstance(r, list) and len(r) == 2 and _as_float(r[0]) is not None:
+        if isinstance(r, (list, tuple)) and len(r) == 2 and _as_float(r[0]) is not None:  # tuples in memory, lists in JSON
             lls.append(_as_float(r[0]))
         else:
             lls = []

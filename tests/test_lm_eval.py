@@ -135,13 +135,13 @@ def test_choices_share_one_compressed_prefill(tokenizer, monkeypatch):
     import kveval.lm_eval.model as module
 
     calls = []
-    real = module._forward
+    real = module.forward_rows
 
-    def counting(model, cache, rows, seen, pad_id, keep=0):
+    def counting(model, cache, rows, seen, pad_id, logits_to_keep=1):
         calls.append(("prefill" if not any(seen) else "tail", len(rows)))
-        return real(model, cache, rows, seen, pad_id, keep)
+        return real(model, cache, rows, seen, pad_id, logits_to_keep)
 
-    monkeypatch.setattr(module, "_forward", counting)
+    monkeypatch.setattr(module, "forward_rows", counting)
     lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy="window(2)", batch_size=1)
     lm.loglikelihood(ll_requests(PAIRS[:3]))  # three choices, one context
     assert [c for c in calls if c[0] == "prefill"] == [("prefill", 1)]
