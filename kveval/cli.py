@@ -25,10 +25,6 @@ COMMANDS = {
 }
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "lm-eval":  # hand every remaining argument to lm_eval's own parser
@@ -64,7 +60,7 @@ def _is_user_error(exc: Exception) -> bool:
     from kveval.models import ModelNotFoundError
     from kveval.records import ResultFileError
 
-    return isinstance(exc, (UsageError, ValueError, FileNotFoundError, ModelNotFoundError, ResultFileError, KeyError))
+    return isinstance(exc, (ValueError, FileNotFoundError, ModelNotFoundError, ResultFileError))
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: 
     extra : dict, optional
         Recorded in each ``run.json`` (e.g. the sweep's config hash).
     """
-    from kveval.generation import generate_many, shares_prefill
+    from kveval.generation import Prompt, generate_many, shares_prefill
     from kveval.policies import parse_policy
     from kveval.probes import encode_item, score_answer
 
@@ -99,7 +99,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: 
         try:
             for first in range(0, len(pending), batch_size):
                 batch = pending[first:first + batch_size]
-                prompts = [_prompt(tokenizer, item, encode_item) for item in batch]
+                prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
                 max_new = max(item.max_new_tokens for item in batch)
                 outputs = generate_many(model, tokenizer, prompts, [stacks[i] for i in group], max_new_tokens=max_new,
                                         mode=mode, batch_size=len(batch), seed=seed)
@@ -116,13 +116,6 @@ def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: 
     for run_dir in dirs:
         finalize_run(run_dir)
     return dirs
-
-
-def _prompt(tokenizer, item, encode_item):
-    from kveval.generation import Prompt
-
-    context, question = encode_item(tokenizer, item)
-    return Prompt(context, question)
 
 
 def _structure_info(stack, model) -> dict:
