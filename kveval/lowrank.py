@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.storage import gather_tokens
+from kveval.storage import DenseStore
 
 CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
 DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
@@ -324,8 +324,7 @@ class LowRankStore:
 
     def __init__(self, parts: list[_Part]):
         self.parts = parts
-        self.pending_keys: torch.Tensor | None = None  # [H, T, D], appended but not sealed yet
-        self.pending_values: torch.Tensor | None = None
+        self.unsealed = DenseStore()  # [H, T, D] tokens appended but not projected yet
 
     @classmethod
     def build(cls, inner, layout: list[tuple[slice, torch.Tensor, torch.Tensor]]) -> "LowRankStore":
@@ -337,12 +336,8 @@ class LowRankStore:
                     for i, (heads, kb, vb) in enumerate(layout)])
 
     @property
-    def pending(self) -> int:
-        return 0 if self.pending_keys is None else self.pending_keys.shape[1]
-
-    @property
     def length(self) -> int:
-        return self.parts[0].inner.length + self.pending
+        return self.parts[0].inner.length + self.unsealed.length
 
     @staticmethod
     def _basis_on(part: _Part, device) -> None:
@@ -350,11 +345,7 @@ class LowRankStore:
             part.key_basis, part.value_basis = part.key_basis.to(device), part.value_basis.to(device)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        if self.pending_keys is None:
-            self.pending_keys, self.pending_values = keys, values
-        else:
-            self.pending_keys = torch.cat([self.pending_keys, keys], dim=1)
-            self.pending_values = torch.cat([self.pending_values, values], dim=1)
+        self.unsealed.append(keys, values)
 
     def project(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Coefficients ``x B`` of each part, ``[h, T, r]``, in the inputs' dtype."""
@@ -366,10 +357,10 @@ class LowRankStore:
         return out
 
     def seal(self) -> None:
-        if self.pending:
-            for part, (ck, cv) in zip(self.parts, self.project(self.pending_keys, self.pending_values)):
+        if self.unsealed.length:
+            for part, (ck, cv) in zip(self.parts, self.project(*self.unsealed.keys_values())):
                 part.inner.append(ck, cv)
-            self.pending_keys = self.pending_values = None
+            self.unsealed = DenseStore()
         for part in self.parts:
             part.inner.seal()
 
@@ -379,38 +370,36 @@ class LowRankStore:
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.parts[0].inner.length:
-            return self.pending_keys, self.pending_values
+            return self.unsealed.keys_values()
         keys, values = [], []
         for part, (ck, cv) in zip(self.parts, self.coefficients()):
             keys.append(torch.matmul(ck.float(), part.key_basis.transpose(-1, -2)).to(ck.dtype))
             values.append(torch.matmul(cv.float(), part.value_basis.transpose(-1, -2)).to(cv.dtype))
         keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=0)
         values = values[0] if len(values) == 1 else torch.cat(values, dim=0)
-        if self.pending:
-            keys = torch.cat([keys, self.pending_keys], dim=1)
-            values = torch.cat([values, self.pending_values], dim=1)
+        if self.unsealed.length:
+            pending_keys, pending_values = self.unsealed.keys_values()
+            keys = torch.cat([keys, pending_keys], dim=1)
+            values = torch.cat([values, pending_values], dim=1)
         return keys, values
 
     def select(self, index: torch.Tensor) -> None:
-        if self.pending and self.parts[0].inner.length:
+        if self.unsealed.length and self.parts[0].inner.length:
             self.seal()  # mixed sealed and unsealed tokens (the cache never selects then): encode first
-        if self.pending:
-            self.pending_keys = gather_tokens(self.pending_keys, index)
-            self.pending_values = gather_tokens(self.pending_values, index)
+        if self.unsealed.length:
+            self.unsealed.select(index)
         else:
             for part in self.parts:
                 part.inner.select(index[part.heads])
 
     @property
     def nbytes(self) -> int:
-        pending = 0 if self.pending_keys is None else sum(t.numel() * t.element_size() for t in (self.pending_keys, self.pending_values))
-        return sum(part.inner.nbytes for part in self.parts) + pending
+        return sum(part.inner.nbytes for part in self.parts) + self.unsealed.nbytes
 
     def __deepcopy__(self, memo) -> "LowRankStore":
         # Bases are per model and read-only: copies share them; coefficients and pending tokens are copied.
         clone = LowRankStore([_Part(p.heads, copy.deepcopy(p.inner, memo), p.key_basis, p.value_basis) for p in self.parts])
-        if self.pending:
-            clone.pending_keys, clone.pending_values = self.pending_keys.clone(), self.pending_values.clone()
+        clone.unsealed = copy.deepcopy(self.unsealed, memo)
         return clone
 
 
