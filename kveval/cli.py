@@ -1,7 +1,9 @@
 """The ``kveval`` command line: one subcommand per module, each with ``configure(parser)`` and ``run(args) -> int``.
 
-Exit codes: 0 success, 1 a regression (``gate``), 2 any error (bad input, missing
-or corrupt files, unknown model or policy), printed as one line on stderr.
+Exit codes are defined in one place, :mod:`kveval.errors`: 0 success or gate PASS,
+1 gate FAIL only, 2 any error (bad input, missing or corrupt files, unknown model
+or policy, full disk: one line on stderr; an unexpected exception is a bug and
+prints its traceback, still exit 2), 3 gate INCONCLUSIVE.
 """
 
 from __future__ import annotations
@@ -40,27 +42,34 @@ def main(argv: list[str] | None = None) -> int:
             module = importlib.import_module(module_name)
             module.configure(command_parser)
     args = parser.parse_args(argv)
+    return run_command(args.command, lambda: module.run(args))
+
+
+def run_command(command: str, body) -> int:
+    """Run ``body()`` and map what it raises to an exit code (the one place that does; see :mod:`kveval.errors`)."""
+    import os
+    import traceback
+
+    from kveval.errors import EXIT_ERROR, EXIT_INTERRUPTED, is_user_error
+
     try:
-        return int(module.run(args) or 0)
+        return int(body() or 0)
     except KeyboardInterrupt:
         print("kveval: interrupted; results written so far are kept", file=sys.stderr)
-        return 130
-    except Exception as exc:  # one clear line for the user; KVEVAL_DEBUG=1 shows the traceback
-        import os
-
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
         if os.environ.get("KVEVAL_DEBUG"):
             raise
-        if not _is_user_error(exc):
-            raise
-        print(f"kveval {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _is_user_error(exc: Exception) -> bool:
-    from kveval.models import ModelNotFoundError
-    from kveval.records import ResultFileError
-
-    return isinstance(exc, (ValueError, FileNotFoundError, ModelNotFoundError, ResultFileError))
+        # ValueError stays a user error: library callers (and transformers) raise it for bad input.
+        if is_user_error(exc) or type(exc) is ValueError:
+            print(f"kveval {command}: error: {exc}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+            print(f"kveval {command}: internal error ({type(exc).__name__}); this is a bug in kveval, "
+                  f"please report it with the traceback above. Results written so far are kept.", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -18,8 +18,7 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m"
 
 
-class ModelNotFoundError(RuntimeError):
-    """The requested model is not installed or does not exist."""
+from kveval.errors import ModelNotFoundError  # noqa: E402  (re-exported)
 
 
 @dataclass(frozen=True)

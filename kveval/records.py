@@ -25,8 +25,7 @@ RUN_FILE = "run.json"
 ITEMS_FILE = "items.jsonl"
 
 
-class ResultFileError(ValueError):
-    """A result file is missing, corrupt or does not pair with another."""
+from kveval.errors import ResultFileError  # noqa: E402  (re-exported: the one error hierarchy)
 
 
 @dataclass
