@@ -1,26 +1,31 @@
 """The ``kveval`` attention function, registered through transformers' ``AttentionInterface``.
 
-With an ordinary cache it is exactly transformers' SDPA attention. With a
+With an ordinary cache it computes exactly the model's attention: transformers'
+SDPA, or the model's own eager attention for variants SDPA cannot express
+(softcapping, learned sinks; see :mod:`kveval.architectures`). With a
 :class:`~kveval.cache.CompressedCache`, the cache layer puts itself and, when
 the kept tokens no longer line up with the input columns, its own mask into the
 attention kwargs during ``cache.update`` (the attention module passes that same
 dict to this function). Attention then runs on the kept tokens under that mask,
 and afterwards the layer may score and compress (see
-:meth:`kveval.cache.CompressedLayer.after_attention`). No modeling code is
-copied or patched.
+:meth:`kveval.cache.CompressedLayer.after_attention`), using the same kernel's
+attention probabilities. No modeling code is copied or patched.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from kveval.architectures import attention_kernel
 
 ATTENTION_NAME = "kveval"
 
 
 def kveval_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """SDPA attention over the cache's kept tokens (``query`` is ``[B, heads, q, head_dim]``)."""
+    """Exact attention over the cache's kept tokens (``query`` is ``[B, heads, q, head_dim]``)."""
     layer = kwargs.pop("kveval_layer", None)
     own_mask = kwargs.pop("kveval_mask", None)
     if scaling is None:
@@ -29,9 +34,10 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
         if own_mask.shape[1] > 1 and own_mask.shape[1] != query.shape[1]:
             own_mask = own_mask.repeat_interleave(query.shape[1] // own_mask.shape[1], dim=1)
         attention_mask = own_mask
-    output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kernel = attention_kernel(module, kwargs)
+    output = kernel.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if layer is not None:
-        layer.after_attention(query, key, scaling)
+        layer.after_attention(query, key, partial(kernel.probabilities, module, scaling=scaling, kwargs=kwargs))
     return output, None
 
 

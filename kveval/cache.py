@@ -24,11 +24,20 @@ batch gives the answers of batch size 1. Input padding is declared with
 :meth:`CompressedCache.set_input_mask` (the :mod:`kveval.generation` driver
 does this); padding tokens are never stored.
 
-Hybrid models (Gemma 3): sliding-window layers keep only the model's own
+Hybrid models. Which cache layer each model layer gets comes from
+:func:`kveval.architectures.cache_layer_plan` (unknown layer types are refused).
+Sliding-window layers (Gemma 2/3, gpt-oss, Mistral) keep only the model's own
 window, as the model's native cache does. Selection policies apply to
 full-attention layers only, since sliding layers are already bounded and
 evicting inside the window would compound two policies; quantization and
-low-rank structure apply to every layer.
+low-rank structure apply to every attention layer. Linear-attention and Mamba
+layers (Qwen3-Next, Bamba, Jamba, ...) keep their conv and recurrent states in
+transformers' own ``LinearAttentionLayer``, exactly as the model's own cache
+does; they are never compressed, and their constant per-sequence bytes are
+reported apart from the per-token K/V bytes (:attr:`CacheStats.state_bytes`).
+
+MLA (DeepSeek V2/V3): the cache receives the normed latent and the shared RoPE
+key (one "KV head" each) and stores those; see :mod:`kveval.architectures`.
 """
 
 from __future__ import annotations
@@ -36,10 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearAttentionLayer
 
+from kveval import architectures
 from kveval.policies import PolicyStack, ScoringState, parse_policy
-from kveval.storage import DenseStore, QuantizedStore
+from kveval.storage import DenseStore, QuantizedStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
 
 _PAD_POSITION = 2**62  # slot position of padding in a stacked batch: never visible to any query
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
@@ -67,13 +77,20 @@ class CacheStats:
         points, full-precision tokens), summed over layers and sequences.
     nominal_bytes : int
         Bytes the model's uncompressed cache would hold for the same tokens in
-        the model's dtype (sliding layers: at most their window).
+        the deployment's cache dtype ``kv_dtype`` (sliding layers: at most window - 1
+        tokens, what the model's own cache holds between forwards).
     index_bytes : int
         Bookkeeping that compression adds: original positions and policy scores.
     tokens_seen : list of int
         Real tokens processed per sequence.
     kept_tokens : list of list of int
-        Tokens held per layer (outer) and sequence (inner), per KV head.
+        Tokens held per attention layer (outer) and sequence (inner), per KV head.
+    kv_dtype : str
+        The cache dtype full-precision tokens are stored in and ``nominal_bytes`` counts (``"bfloat16"``).
+    state_bytes : int
+        Constant-size per-sequence states of linear-attention / Mamba layers
+        (conv and recurrent states), kept exactly and counted apart: they are
+        in neither ``kv_bytes`` nor ``nominal_bytes``.
     """
 
     kv_bytes: int
@@ -81,6 +98,8 @@ class CacheStats:
     index_bytes: int
     tokens_seen: list[int]
     kept_tokens: list[list[int]] = field(default_factory=list)
+    state_bytes: int = 0
+    kv_dtype: str = ""
 
     @property
     def ratio(self) -> float:
@@ -97,7 +116,7 @@ class CacheStats:
         return self.nominal_bytes / max(1, sum(self.tokens_seen))
 
     def summary(self) -> str:
-        return (f"cache: measured {self.kv_bytes:,} B, uncompressed {self.nominal_bytes:,} B, "
+        return (f"cache: measured {self.kv_bytes:,} B, uncompressed {self.nominal_bytes:,} B ({self.kv_dtype}), "
                 f"ratio {self.ratio:.3f} ({1 / self.ratio if self.ratio else float('inf'):.2f}x smaller), "
                 f"{self.bytes_per_token:,.0f} B/token")
 
@@ -118,11 +137,13 @@ class CompressedLayer(CacheLayerMixin):
         self.contiguous = True  # every row holds every column: the model's own causal mask is exact
         self._query_positions: torch.Tensor | None = None
         self._slot_positions: torch.Tensor | None = None
+        self.token_elements = 0  # K and V elements per token, all heads: what the model's own cache layer holds
 
     # --- transformers CacheLayerMixin interface -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         heads = key_states.shape[1]
+        self.token_elements = heads * key_states.shape[-1] + value_states.shape[1] * value_states.shape[-1]
         self.rows = [RowState(self.cache.new_store(self.layer_idx, key_states.dtype),
                               torch.empty(heads, 0, dtype=torch.long, device=self.device))
                      for _ in range(key_states.shape[0])]
@@ -226,12 +247,22 @@ class CompressedLayer(CacheLayerMixin):
         return allowed
 
     # --- scoring and compression ----------------------------------------------------------------
-    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
-        """Called by the attention function once this layer's output is computed."""
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities) -> None:
+        """Called by the attention function once this layer's output is computed.
+
+        ``probabilities(query, keys, allowed)`` gives the model's own attention
+        probabilities ``[B, query_heads, q, slots]`` (softcapped, sink-diluted, ...)
+        under a boolean mask; selection policies score with them.
+        """
         policy = self.selection
         needs = policy.attention if policy is not None else "none"
         if needs != "none" and (needs in ("all", "last") or not all(r.compressed for r in self.rows)):
-            self._observe(query, keys, scaling, needs, getattr(policy, "window", 1))
+            self._observe(query, keys, probabilities, needs, getattr(policy, "window", 1))
+        if self.is_sliding:
+            # Like the model's own sliding layer: keep only what the next query can still see.
+            for row in self.rows:
+                if row.positions.shape[1]:
+                    self._trim_to_window(row, int(row.positions.max()) + 1)
         if self.cache.defer_compression:
             return
         for b, row in enumerate(self.rows):
@@ -240,8 +271,13 @@ class CompressedLayer(CacheLayerMixin):
             elif policy is not None and policy.decode_budget is not None and row.store.length > policy.decode_budget:
                 self._evict_to(row, policy.decode_budget, protect_last=1)
 
-    def _observe(self, query, keys, scaling, needs: str, window: int) -> None:
-        """Accumulate, per row, the attention mass each kept token received from the queries the policy asks for."""
+    def _observe(self, query, keys, probabilities, needs: str, window: int) -> None:
+        """Accumulate, per row, the attention mass each kept token received from the queries the policy asks for.
+
+        The mass is averaged over the query heads that read each stored head:
+        the GQA group of a KV head, or every head for a store with one shared
+        head (MLA's latent), whose tokens are then kept or dropped for all heads at once.
+        """
         q_len = query.shape[2]
         real = self.cache.input_real(query.shape[0], q_len, query.device)
         if needs == "window":
@@ -254,12 +290,11 @@ class CompressedLayer(CacheLayerMixin):
         for start in range(first, q_len, _QUERY_CHUNK):
             stop = min(q_len, start + _QUERY_CHUNK)
             allowed = self.allowed_mask(self._query_positions[:, start:stop], heads_of_query=query.shape[1])
-            groups = query.shape[1] // keys.shape[1]
-            k = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys
-            logits = torch.matmul(query[:, :, start:stop].float(), k.float().transpose(-1, -2)) * scaling
-            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+            probs = probabilities(query[:, :, start:stop], keys, allowed)
             probs = probs * real[:, None, start:stop, None]  # padding queries contribute nothing
-            part = probs.reshape(probs.shape[0], keys.shape[1], groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
+            stored_heads = self._slot_positions.shape[1]
+            groups = query.shape[1] // stored_heads
+            part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
             mass = part if mass is None else mass + part
         slots = mass.shape[-1]
         for b, row in enumerate(self.rows):
@@ -309,7 +344,8 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- measurement ----------------------------------------------------------------------------
     def nominal_tokens(self, row: RowState) -> int:
-        return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window)
+        # A sliding layer of the model's own cache holds the last window - 1 tokens between forwards.
+        return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window - 1)
 
 
 class CompressedCache(Cache):
@@ -327,31 +363,65 @@ class CompressedCache(Cache):
     defer_compression : bool
         Store the prefill uncompressed with the policy's scores and compress only
         through :meth:`compressed_copy` (one prefill, many budgets).
+    kv_dtype : str or torch.dtype, optional
+        The deployment's cache dtype: full-precision tokens are stored in it and
+        nominal bytes count it, whatever dtype the model computes in. Default:
+        :func:`kveval.storage.deployment_kv_dtype` (the checkpoint's 16-bit dtype, else bfloat16).
     """
 
-    def __init__(self, model, policy: "str | PolicyStack" = "none", seed: int = 0, defer_compression: bool = False):
+    def __init__(self, model, policy: "str | PolicyStack" = "none", seed: int = 0, defer_compression: bool = False,
+                 kv_dtype: "str | torch.dtype | None" = None):
+        self.kv_dtype = deployment_kv_dtype(model) if kv_dtype is None else parse_kv_dtype(kv_dtype)
         config = model.config.get_text_config()
+        plans = architectures.check_supported(model.config)
         self.policy = parse_policy(policy)
         self.num_layers = config.num_hidden_layers
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim, value_dim = architectures.cache_head_dims(model.config)
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed, self.defer_compression = seed, defer_compression
         self.model = model
         if self.policy.quantization is not None and self.policy.structure is None:
             # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
-            self.policy.quantization.check_head_dim(self.head_dim)
+            for dim in sorted({self.head_dim, value_dim}):
+                self.policy.quantization.check_head_dim(dim)
         self._input_mask: torch.Tensor | None = None
+        self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
-        window = getattr(config, "sliding_window", None)
-        layers = [CompressedLayer(self, i, window if kind == "sliding_attention" and window else None)
-                  for i, kind in enumerate(layer_types)]
-        super().__init__(layers=layers)
+        super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
+
+    def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
+        """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
+        if plan.kind == architectures.ATTENTION:
+            return CompressedLayer(self, layer_idx, plan.sliding_window)
+        if plan.kind == architectures.STATE:
+            return LinearAttentionLayer(number_of_states=plan.number_of_states)
+        return DummyLayer()
+
+    @property
+    def attention_layers(self) -> list["CompressedLayer"]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    @property
+    def state_layers(self) -> list[LinearAttentionLayer]:
+        return [layer for layer in self.layers if isinstance(layer, LinearAttentionLayer)]
 
     # --- what the driver declares before a forward pass -----------------------------------------
     def set_input_mask(self, mask: torch.Tensor | None) -> None:
         """Declare which input tokens of the next forward are real (``[B, q]``, 1 = real, 0 = padding)."""
         self._input_mask = None if mask is None else mask.bool()
+        if mask is not None:
+            self._column_mask = self._input_mask if self._column_mask is None else torch.cat([self._column_mask, self._input_mask], 1)
+
+    def model_attention_mask(self) -> torch.Tensor | None:
+        """The 2D padding mask of every column so far, for models whose state layers must skip padding.
+
+        Linear-attention and Mamba layers zero padded inputs only when the model
+        receives this mask; attention layers ignore it (the cache's own mask
+        governs them). ``None`` for models without state layers.
+        """
+        if not self.state_layers or self._column_mask is None:
+            return None
+        return self._column_mask.long()
 
     def set_protected(self, protect_last: list[int] | None) -> None:
         """Keep the last ``protect_last[b]`` tokens of row ``b``'s prefill out of selection (query-aware mode)."""
@@ -370,8 +440,10 @@ class CompressedCache(Cache):
 
     # --- store construction ---------------------------------------------------------------------
     def new_store(self, layer_idx: int, dtype: torch.dtype):
+        """An empty store for one sequence of layer ``layer_idx``, holding ``kv_dtype`` and computing in ``dtype``."""
         quant = self.policy.quantization
-        inner = DenseStore() if quant is None else QuantizedStore(quant.key_quant, quant.value_quant, quant.residual_tokens, dtype)
+        inner = DenseStore(self.kv_dtype, dtype) if quant is None else \
+            QuantizedStore(quant.key_quant, quant.value_quant, quant.residual_tokens, self.kv_dtype, dtype)
         structure = self.policy.structure
         return inner if structure is None else structure.wrap_store(inner, self.model, layer_idx)
 
@@ -392,6 +464,9 @@ class CompressedCache(Cache):
         clone.policy, clone.defer_compression = target, False
         clone.layers = []
         for layer in self.layers:
+            if not isinstance(layer, CompressedLayer):
+                clone.layers.append(copy.deepcopy(layer))
+                continue
             new = copy.copy(layer)
             new.cache = clone
             new.selection = None if layer.is_sliding else target.selection
@@ -408,9 +483,9 @@ class CompressedCache(Cache):
         """Measured and nominal bytes, and kept tokens per layer, for the batch or one of its rows."""
         kv = index = nominal = 0
         kept = []
-        for layer in self.layers:
+        for layer in self.attention_layers:
             rows = layer.rows if row is None else layer.rows[row:row + 1]
-            per_token = 2 * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=getattr(layer, "dtype", torch.float32)).element_size()
+            per_token = layer.token_elements * self.kv_dtype.itemsize
             for r in rows:
                 kv += r.store.nbytes
                 index += r.positions.numel() * r.positions.element_size()
@@ -418,18 +493,32 @@ class CompressedCache(Cache):
                     index += r.attention.numel() * r.attention.element_size()
                 nominal += layer.nominal_tokens(r) * per_token
             kept.append([r.store.length for r in rows])
-        first = self.layers[0].rows if self.layers else []
+        first = self.attention_layers[0].rows if self.attention_layers else []
         seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
-        return CacheStats(kv, nominal, index, seen, kept)
+        return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row), dtype_name(self.kv_dtype))
+
+    def _state_bytes(self, row: int | None) -> int:
+        """Bytes of the state layers' conv and recurrent states (one row's share when ``row`` is given)."""
+        total = 0
+        for layer in self.state_layers:
+            for states in (layer.conv_states, layer.recurrent_states):
+                for t in states.values():
+                    if t is not None:
+                        total += (t.numel() if row is None else t[row].numel()) * t.element_size()
+        return total
 
 
-def nominal_bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
-    """Uncompressed K/V bytes per token over all layers: 2 x layers x kv_heads x head_dim x bytes per element."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    element = torch.empty(0, dtype=dtype or model.dtype).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> int:
+    """Uncompressed K/V bytes per token over all attention layers.
+
+    2 x attention layers x kv_heads x head_dim x bytes per element; for MLA,
+    (kv_lora_rank + qk_rope_head_dim) x attention layers x bytes (the latent and
+    the RoPE key). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
+    the model's deployment dtype (:func:`kveval.storage.deployment_kv_dtype`).
+    """
+    attention_layers = sum(p.kind == architectures.ATTENTION for p in architectures.cache_layer_plan(model.config))
+    element = (deployment_kv_dtype(model) if dtype is None else parse_kv_dtype(dtype)).itemsize
+    return attention_layers * sum(architectures.cache_widths(model.config)) * element
 
 
 __all__ = ["CacheStats", "CompressedCache", "CompressedLayer", "nominal_bytes_per_token"]

@@ -9,7 +9,14 @@ together; the question's tokens are kept and the context is compressed with
 the question in view.
 
 Batches are left-padded; padding is declared to the cache, which never stores
-it, so every row gets exactly the tokens it would get alone.
+it, so every row gets exactly the tokens it would get alone. A row that has
+finished (EOS or a stop string) is fed nothing while the others go on, so its
+cache, and the bytes measured for it, stop growing exactly where they would at
+batch size 1.
+
+Cache bytes are measured against ``kv_dtype``, the deployment's cache dtype
+(default: the checkpoint's, see :func:`kveval.storage.deployment_kv_dtype`),
+whatever dtype the model computes in.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kveval.cache import CacheStats, CompressedCache
+from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
 
 MODES = ("context", "query")
@@ -111,15 +119,33 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
     cache.set_input_mask(mask)
     # Generation needs the last column only: skip the [B, width, vocab] projection of the rest.
-    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep).logits
+    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                   attention_mask=cache.model_attention_mask()).logits  # None unless state layers must skip padding
     for b, r in enumerate(rows):
         seen[b] += len(r)
     return logits, mask
 
 
+def check_request(model, prompts: list[Prompt], max_new_tokens: int, mode: str, batch_size: int) -> None:
+    """Refuse a generation request that cannot run as asked (one line naming the fix); shared by every entry point."""
+    if mode not in MODES:
+        raise UsageError(f"mode={mode!r}; use 'context' (compress before the question) or 'query' (compress with it)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"batch_size={batch_size!r} must be an integer of at least 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens={max_new_tokens!r} must be an integer of at least 1")
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    for p in prompts:
+        if limit and p.length + max_new_tokens > limit:
+            raise UsageError(f"prompt of {p.length} tokens + {max_new_tokens} new tokens exceeds the model's {limit} positions; use a shorter context")
+        if not p.context:
+            raise UsageError("a prompt needs at least one context token")
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack" = "none", max_new_tokens: int = 32,
-             mode: str = "context", batch_size: int = 1, stop: list[str] | None = None, seed: int = 0) -> list[GenerationResult]:
+             mode: str = "context", batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
+             kv_dtype: "str | torch.dtype | None" = None) -> list[GenerationResult]:
     """Greedy decoding of ``prompts`` with ``policy`` applied at prefill and during decoding.
 
     Parameters
@@ -140,21 +166,16 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
         Stop strings; the text is cut before the first one.
     seed : int
         Seed of the ``random`` control policy (row ``i`` of the whole list uses ``seed + i``).
+    kv_dtype : str or torch.dtype, optional
+        The deployment's cache dtype (``"bfloat16"``, ``"float16"``, ``"float32"``): full-precision
+        tokens are stored in it and ratios are stated against it. Default: the checkpoint's.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}; use 'context' (compress before the question) or 'query' (compress with it)")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be at least 1")
+    check_request(model, prompts, max_new_tokens, mode, batch_size)
     policy = parse_policy(policy)
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    for p in prompts:
-        if limit and p.length + max_new_tokens > limit:
-            raise ValueError(f"prompt of {p.length} tokens + {max_new_tokens} new tokens exceeds the model's {limit} positions; use a shorter context")
-        if not p.context:
-            raise ValueError("a prompt needs at least one context token")
     results = []
     for first in range(0, len(prompts), batch_size):
-        results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy, max_new_tokens, mode, stop or [], seed + first)
+        results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy, max_new_tokens, mode,
+                                   stop or [], seed + first, kv_dtype)
     return results
 
 
@@ -211,7 +232,8 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
                 done[b] = True
         if all(done) or step == max_new_tokens - 1:
             break
-        logits, _ = forward_rows(model, cache, [[int(t)] for t in next_ids], seen, pad_id)
+        # Finished rows get nothing (an all-padding row, never stored): their cache stays as at batch size 1.
+        logits, _ = forward_rows(model, cache, [[] if done[b] else [int(next_ids[b])] for b in range(batch)], seen, pad_id)
         last_logits = logits[:, -1].float()
     decode_seconds = max(time.perf_counter() - decode_started, 1e-9)
     results = []
@@ -224,9 +246,9 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     return results
 
 
-def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed):
+def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed, kv_dtype):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cache = CompressedCache(model, policy, seed=seed)
+    cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype)
     started = time.perf_counter()
     last_logits, seen = _prefill(model, cache, prompts, mode, pad_id)
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
@@ -243,23 +265,27 @@ def shares_prefill(policies: list[PolicyStack]) -> bool:
 
 @torch.no_grad()
 def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: int = 32, mode: str = "context",
-                  batch_size: int = 1, stop: list[str] | None = None, seed: int = 0) -> dict[str, list[GenerationResult]]:
+                  batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
+                  kv_dtype: "str | torch.dtype | None" = None) -> dict[str, list[GenerationResult]]:
     """Generate under several policies; one prefill serves all when they differ only in ratio/budget.
 
     The prefill is stored uncompressed with the policy's scores, and each
     budget's cache is derived from the same scores
     (:meth:`CompressedCache.compressed_copy`): results are identical to
-    separate :func:`generate` calls. Returns ``{policy spec: results}``.
+    separate :func:`generate` calls, and the request is checked as :func:`generate` checks it.
+    Returns ``{policy spec: results}``.
     """
+    check_request(model, prompts, max_new_tokens, mode, batch_size)
     stacks = [parse_policy(p) for p in policies]
     if not shares_prefill(stacks):
-        return {s.spec: generate(model, tokenizer, prompts, s, max_new_tokens, mode, batch_size, stop, seed) for s in stacks}
+        return {s.spec: generate(model, tokenizer, prompts, s, max_new_tokens, mode, batch_size, stop, seed, kv_dtype)
+                for s in stacks}
     out = {s.spec: [] for s in stacks}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first:first + batch_size]
         started = time.perf_counter()
-        deferred = CompressedCache(model, stacks[0], seed=seed + first, defer_compression=True)
+        deferred = CompressedCache(model, stacks[0], seed=seed + first, defer_compression=True, kv_dtype=kv_dtype)
         last_logits, seen = _prefill(model, deferred, batch, mode, pad_id)
         shared_seconds = time.perf_counter() - started
         for stack in stacks:

@@ -39,7 +39,8 @@ def test_none_is_identical_to_plain_transformers(make):
     model, reference = make(), make(attn="sdpa")
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = _prefill_and_decode(model, CompressedCache(model, "none"), ids, 6)
+        # kv_dtype equal to the compute dtype: nothing is rounded, so nothing may differ.
+        ours = _prefill_and_decode(model, CompressedCache(model, "none", kv_dtype=model.dtype), ids, 6)
         theirs = _prefill_and_decode(reference, DynamicCache(config=reference.config), ids, 6)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
@@ -60,9 +61,10 @@ def test_int8_close_to_baseline_at_half_the_16bit_bytes():
     assert base.shape[1] == 64
     assert (q8 - ref).abs().max().item() < 2e-2  # stated tolerance for int8 on this model
     stats = cache.stats()
-    sixteen_bit = stats.nominal_bytes / 2  # the model is fp32; a 16-bit cache is half of that
+    # The model computes in fp32; bytes are stated against its deployment cache dtype, bf16 by default.
+    assert stats.kv_dtype == "bfloat16"
     # 16 int8 codes + fp16 scale + fp16 zero per group of 16: (16 + 4) / 32 of 16-bit.
-    assert stats.kv_bytes == pytest.approx(sixteen_bit * 20 / 32, rel=1e-9)
+    assert stats.kv_bytes == stats.nominal_bytes * 20 / 32
 
 
 def test_int4_packed_bytes_match_arithmetic_exactly():
@@ -85,9 +87,10 @@ def test_kivi_keys_per_channel_with_residual():
         model(ids, cache=cache)
     store = cache.layers[0].rows[0].store
     # Keys: 40 aged tokens = 5 whole groups of 8 quantized; values: all 40 aged tokens quantized per token.
-    assert [b.tokens for b in store.k.blocks] == [40] and store.k.blocks[0].axis == "channel"
-    assert store.v.blocks[0].axis == "token" and store.k.tail.shape[1] == 10
-    assert store.k.blocks[0].data.numel() == 2 * 40 * 16 // 4  # four 2-bit codes per byte
+    assert store.k.block.tokens == 40 and store.k.block.units == 5 and store.k.block.axis == "channel"
+    assert store.v.block.axis == "token" and store.v.block.units == 40 and store.k.tail.shape[1] == 10
+    assert store.k.block.data.numel() == 2 * 40 * 16 // 4  # four 2-bit codes per byte
+    assert store.k.tail.dtype == torch.bfloat16  # the residual window is held in the deployment dtype
 
 
 def test_window_holds_exactly_its_size():
@@ -217,7 +220,7 @@ def test_gemma_sliding_layers_keep_their_window_and_selection_applies_to_full_la
     with torch.no_grad():
         _prefill_and_decode(model, cache, torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(12)), 2)
     kept = [k[0] for k in cache.stats().kept_tokens]
-    assert kept == [16, 16, 16, 8]  # sliding layers: the model's window; full layer: the policy's
+    assert kept == [15, 15, 15, 8]  # sliding layers: window - 1, as the model's own cache; full layer: the policy's
 
 
 def test_query_mode_keeps_the_question():

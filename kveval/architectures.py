@@ -1,0 +1,291 @@
+"""What kveval knows about model architectures, in one place.
+
+Two questions are answered here and nowhere else:
+
+1. **Which cache layer does each model layer get?** :func:`cache_layer_plan`
+   reads ``config.layer_types`` the way transformers' own ``DynamicCache`` does
+   (:func:`transformers.cache_utils.get_layer_types_and_kwargs`) and maps every
+   entry to a :class:`LayerPlan`: compressed attention (full or sliding),
+   constant-size state (linear attention / Mamba conv + recurrent states, kept by
+   transformers' own ``LinearAttentionLayer``), or nothing (MLP-only layers,
+   KV-sharing consumers). A layer type kveval does not know is refused with
+   :class:`~kveval.errors.UnsupportedModelError`, never treated as plain attention.
+
+2. **How is attention computed exactly?** :func:`attention_kernel` picks, per
+   attention module call, the kernel that reproduces the model's own attention
+   over the kept tokens: transformers' SDPA when SDPA can express the module's
+   attention, otherwise the model's *own* eager attention function (the
+   ``eager_attention_forward`` of the module's modeling file), called with
+   kveval's mask. The variants SDPA cannot express are listed in
+   :data:`EAGER_VARIANTS` (logit softcapping: Gemma 2; learned attention sinks:
+   gpt-oss). Selection policies score tokens with the same kernel's attention
+   probabilities, so they see softcapped / sink-diluted probabilities exactly as
+   the model computes them (with sinks, a query's probabilities over the kept
+   tokens sum to less than 1: the sink's share is nobody's).
+
+MLA (DeepSeek V2/V3 and every config with ``kv_lora_rank``): transformers 5.x
+already passes the normed latent ``c_KV`` (``[B, 1, T, kv_lora_rank]``) and the
+shared RoPE key (``[B, 1, T, qk_rope_head_dim]``) to ``Cache.update`` and expands
+them to per-head K/V after the cache (``expand_kv``), so kveval caches exactly
+the latent with no wrapper: the store sees one "KV head" whose "keys" are the
+latent and whose "values" are the RoPE key. Selection scores are averaged over
+all query heads, so a token is kept or dropped for every head at once.
+:func:`mla_dims` checks that the attention modules really do this; a config with
+``kv_lora_rank`` whose modules do not is refused.
+
+No policy imports this module: policies never know which architecture they run on.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from kveval.errors import UnsupportedModelError
+
+ATTENTION = "attention"
+STATE = "state"
+NONE = "none"
+
+#: ``config.layer_types`` entries kveval knows, and what their cache layer is.
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+STATE_LAYER_TYPES = {"linear_attention", "conv", "mamba"}
+EMPTY_LAYER_TYPES = {"dummy", "moe", "mlp"}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the cache holds for one model layer.
+
+    Attributes
+    ----------
+    kind : str
+        ``"attention"`` (per-token K/V, compressed by the policy), ``"state"``
+        (constant-size conv/recurrent states, kept exactly) or ``"none"``.
+    layer_type : str
+        The ``config.layer_types`` entry it came from.
+    sliding_window : int or None
+        Attention layers: the model's window (tokens), ``None`` for full attention.
+    number_of_states : int
+        State layers: how many conv/recurrent state pairs the layer keeps.
+    """
+
+    kind: str
+    layer_type: str
+    sliding_window: int | None = None
+    number_of_states: int = 1
+
+
+def architecture_name(config) -> str:
+    """A readable name: the first entry of ``config.architectures``, else ``config.model_type``."""
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else getattr(config, "model_type", type(config).__name__)
+
+
+def cache_layer_plan(config) -> list[LayerPlan]:
+    """One :class:`LayerPlan` per model layer; raises :class:`UnsupportedModelError` for unknown layer types."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    except (AttributeError, TypeError, ValueError) as exc:  # pragma: no cover - exotic configs
+        raise UnsupportedModelError(f"{architecture_name(config)}: cannot read its cache layer types ({exc})") from exc
+    plans = []
+    for kind, kwargs in zip(layer_types, layer_kwargs):
+        if kind in ATTENTION_LAYER_TYPES:
+            window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            plans.append(LayerPlan(ATTENTION, kind, sliding_window=window or None))
+        elif kind in STATE_LAYER_TYPES:
+            plans.append(LayerPlan(STATE, kind, number_of_states=kwargs.get("number_of_states", 1)))
+        elif kind in EMPTY_LAYER_TYPES:
+            plans.append(LayerPlan(NONE, kind))
+        else:
+            known = sorted(ATTENTION_LAYER_TYPES | STATE_LAYER_TYPES | EMPTY_LAYER_TYPES)
+            raise UnsupportedModelError(
+                f"{architecture_name(config)}: cache layer type {kind!r} is not supported by kveval "
+                f"(known: {', '.join(known)}); it would not be evaluated exactly, so it is refused")
+    return plans
+
+
+def check_supported(config) -> list[LayerPlan]:
+    """Refuse a config kveval cannot cache exactly (unknown layer types, an MLA config it cannot recognise)."""
+    plans = cache_layer_plan(config)
+    if not any(p.kind == ATTENTION for p in plans):
+        raise UnsupportedModelError(f"{architecture_name(config)}: no attention layer, so there is no KV cache to compress")
+    return plans
+
+
+# --- MLA ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Per-token cache widths of an MLA model (elements per layer)."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_elements(self) -> int:
+        """What kveval caches per token per layer: the normed latent and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def per_head_elements(self) -> int:
+        """What a per-head cache would hold: K (nope + rope) and V for every head."""
+        return self.heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+
+def mla_dims(config) -> MlaDims | None:
+    """The MLA widths of a config with ``kv_lora_rank``, ``None`` for other models."""
+    text = config.get_text_config(decoder=True)
+    rank = getattr(text, "kv_lora_rank", None)
+    if not rank:
+        return None
+    try:
+        return MlaDims(rank, text.qk_rope_head_dim, text.num_attention_heads, text.qk_nope_head_dim, text.v_head_dim)
+    except AttributeError as exc:
+        raise UnsupportedModelError(f"{architecture_name(config)}: has kv_lora_rank but not the MLA fields ({exc})") from exc
+
+
+def check_mla_modules(model) -> None:
+    """Refuse an MLA config whose attention modules do not cache the latent (they must expand after ``Cache.update``)."""
+    if mla_dims(model.config) is None:
+        return
+    for module in model.modules():
+        if hasattr(module, "kv_a_proj_with_mqa") and not hasattr(module, "expand_kv"):
+            raise UnsupportedModelError(
+                f"{architecture_name(model.config)}: MLA attention ({type(module).__name__}) expands per-head K/V before "
+                f"the cache, so kveval cannot cache the latent; upgrade transformers")
+
+
+def cache_widths(config) -> tuple[int, int]:
+    """Elements per token per attention layer of what reaches ``Cache.update``: (keys, values), all heads together."""
+    mla = mla_dims(config)
+    if mla is not None:
+        return mla.kv_lora_rank, mla.qk_rope_head_dim
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return kv_heads * head_dim, kv_heads * head_dim
+
+
+def cache_head_dims(config) -> tuple[int, int]:
+    """Width of one stored K and one stored V head (MLA: the latent and the RoPE key)."""
+    mla = mla_dims(config)
+    if mla is not None:
+        return mla.kv_lora_rank, mla.qk_rope_head_dim
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return head_dim, head_dim
+
+
+# --- attention kernels ----------------------------------------------------------------------------
+
+#: Attention variants SDPA cannot express, each with the test that a module call uses it.
+#: Modules that use one run through their model's own eager attention function.
+EAGER_VARIANTS: dict[str, Callable[[torch.nn.Module, dict], bool]] = {
+    "logit softcapping": lambda module, kwargs: kwargs.get("softcap") is not None,
+    "learned attention sinks": lambda module, kwargs: isinstance(getattr(module, "sinks", None), torch.Tensor),
+}
+
+
+class AttentionKernel(Protocol):
+    """Computes one attention module's output over given K/V under a boolean mask, exactly as the model would."""
+
+    def attend(self, module, query, key, value, allowed: torch.Tensor | None, dropout: float, scaling: float,
+               kwargs: dict) -> torch.Tensor:
+        """``allowed``: boolean ``[B, 1 or heads, q, k]`` (True = visible), or ``None`` for right-aligned causal."""
+
+    def probabilities(self, module, query, key, allowed: torch.Tensor, scaling: float, kwargs: dict) -> torch.Tensor:
+        """Attention probabilities ``[B, query_heads, q, k]`` (float32) the model gives each key."""
+
+
+def _repeat_heads(key: torch.Tensor, query_heads: int) -> torch.Tensor:
+    groups = query_heads // key.shape[1]
+    return key.repeat_interleave(groups, dim=1) if groups > 1 else key
+
+
+class SdpaKernel:
+    """transformers' SDPA attention; scoring recomputes softmax(q k^T * scaling) in float32."""
+
+    def attend(self, module, query, key, value, allowed, dropout, scaling, kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        output, _ = sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling, **kwargs)
+        return output
+
+    def probabilities(self, module, query, key, allowed, scaling, kwargs):
+        k = _repeat_heads(key, query.shape[1])
+        logits = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scaling
+        return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+class EagerKernel:
+    """The model's own ``eager_attention_forward``, given kveval's mask as the additive mask it expects."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def _call(self, module, query, key, value, allowed, dropout, scaling, kwargs):
+        if allowed is None:
+            allowed = causal_mask(query.shape[2], key.shape[2], kwargs.get("sliding_window"), query.device)
+        if allowed.dtype == torch.bool:
+            additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+            allowed = additive.masked_fill(~allowed, torch.finfo(query.dtype).min)
+        return self.function(module, query, key, value, allowed, dropout=dropout, scaling=scaling, **kwargs)
+
+    def attend(self, module, query, key, value, allowed, dropout, scaling, kwargs):
+        return self._call(module, query, key, value, allowed, dropout, scaling, kwargs)[0]
+
+    def probabilities(self, module, query, key, allowed, scaling, kwargs):
+        # The values do not change the probabilities: the keys stand in for them (any width works).
+        return self._call(module, query, key, key, allowed, 0.0, scaling, kwargs)[1].float()
+
+
+def causal_mask(q_len: int, k_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """Boolean ``[1, 1, q, k]``: query ``i`` is the token at key index ``k_len - q_len + i`` (right-aligned)."""
+    query_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    key_pos = torch.arange(k_len, device=device)[None, :]
+    allowed = key_pos <= query_pos
+    if sliding_window:
+        allowed &= key_pos > query_pos - sliding_window
+    return allowed[None, None]
+
+
+_SDPA = SdpaKernel()
+_EAGER: dict[str, EagerKernel] = {}
+
+
+def eager_variant(module, kwargs: dict) -> str | None:
+    """Name of the first :data:`EAGER_VARIANTS` entry this module call uses, else ``None``."""
+    for name, uses in EAGER_VARIANTS.items():
+        if uses(module, kwargs):
+            return name
+    return None
+
+
+def attention_kernel(module, kwargs: dict) -> AttentionKernel:
+    """The kernel that computes this module call's attention exactly (see the module docstring)."""
+    variant = eager_variant(module, kwargs)
+    if variant is None:
+        return _SDPA
+    modeling = type(module).__module__
+    if modeling not in _EAGER:
+        function = getattr(sys.modules.get(modeling), "eager_attention_forward", None)
+        if function is None:
+            raise UnsupportedModelError(f"{type(module).__name__} uses {variant}, which SDPA cannot express, and its "
+                                        f"modeling file {modeling} has no eager_attention_forward to compute it exactly")
+        _EAGER[modeling] = EagerKernel(function)
+    return _EAGER[modeling]
+
+
+__all__ = ["ATTENTION", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "STATE",
+           "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan", "cache_widths",
+           "causal_mask", "check_mla_modules", "check_supported", "eager_variant", "mla_dims"]
