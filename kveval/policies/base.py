@@ -16,8 +16,12 @@ from __future__ import annotations
 import ast
 import math
 import re
-from dataclasses import dataclass, fields
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
+
+from kveval.errors import PolicySpecError
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +44,14 @@ class Policy:
     name: ClassVar[str] = ""
     family: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    given: ClassVar[frozenset[str] | None] = None  # set per object by the parser: the parameters the spec named
+
+    def is_given(self, param: str) -> bool:
+        """Whether the spec set ``param`` (built from Python: whether it differs from its default)."""
+        if self.given is not None:
+            return param in self.given
+        default = next(f.default for f in fields(self) if f.name == param)
+        return getattr(self, param) != default
 
     def spec(self) -> str:
         """Canonical spec string: the first parameter, then those that differ from their defaults, in field order."""
@@ -47,8 +59,17 @@ class Policy:
         for i, f in enumerate(fields(self)):
             value = getattr(self, f.name)
             if value is not None and (i == 0 or value != f.default):
-                parts.append(f"{f.name}={value:g}" if isinstance(value, float) else f"{f.name}={value}")
+                parts.append(f"{f.name}={_format(value)}")
         return f"{self.name}({','.join(parts)})" if parts else self.name
+
+
+def _format(value) -> str:
+    """A parameter value as spec text that parses back to the same value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 @dataclass
@@ -102,21 +123,34 @@ class RatioSelectionPolicy(SelectionPolicy):
 
     def __post_init__(self):
         if (self.ratio is None) == (self.budget is None):
-            raise ValueError(f"{self.name}: give exactly one of ratio= (fraction removed, 0 <= ratio < 1) or budget= (tokens kept)")
-        if self.ratio is not None and not 0 <= self.ratio < 1:
-            raise ValueError(f"{self.name}: ratio={self.ratio} is out of range; ratio is the fraction of context KV pairs removed, 0 <= ratio < 1")
+            raise PolicySpecError(f"{self.name}: give exactly one of ratio= (fraction removed, 0 <= ratio < 1) or budget= (tokens kept)")
+        check_ratio(self.name, self.ratio)
         if self.budget is not None and self.budget < 1:
-            raise ValueError(f"{self.name}: budget={self.budget} must be a positive number of tokens")
+            raise PolicySpecError(f"{self.name}: budget={self.budget} must be a positive number of tokens")
         if self.decode_budget is not None:
             if not self.supports_decode_budget:
-                raise ValueError(f"{self.name}: decode_budget is not supported (its scores come from the prefill only); use h2o, tova, knorm or random")
+                raise PolicySpecError(f"{self.name}: decode_budget is not supported (its scores come from the prefill only); use h2o, tova, knorm or random")
             if self.decode_budget < 1:
-                raise ValueError(f"{self.name}: decode_budget={self.decode_budget} must be a positive number of tokens")
+                raise PolicySpecError(f"{self.name}: decode_budget={self.decode_budget} must be a positive number of tokens")
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.budget is not None:
             return min(self.budget, n_tokens)
-        return min(n_tokens, max(1, math.ceil((1 - self.ratio) * n_tokens)))
+        return ratio_keep_count(self.ratio, n_tokens)
+
+
+def ratio_keep_count(ratio: float, n_tokens: int) -> int:
+    """Tokens kept of ``n_tokens`` when the fraction ``ratio`` is removed: ``ceil((1 - ratio) * n)``, at least 1.
+
+    Every selection policy sized by ``ratio`` keeps this many, so policies at
+    one ratio always hold the same number of tokens.
+    """
+    return min(n_tokens, max(1, math.ceil((1 - ratio) * n_tokens)))
+
+
+def check_ratio(name: str, ratio: float | None) -> None:
+    if ratio is not None and not 0 <= ratio < 1:
+        raise PolicySpecError(f"{name}: ratio={ratio} is out of range; ratio is the fraction of context KV pairs removed, 0 <= ratio < 1")
 
 
 @dataclass
@@ -150,22 +184,111 @@ class ScoringState:
 
 @dataclass
 class RepresentationPolicy(Policy):
-    """Changes how kept tokens are stored (structure or quantization)."""
+    """Changes how kept tokens are stored (structure or quantization): the interface the cache and runner use.
+
+    The cache builds one store per sequence and layer, innermost first:
+    ``quantization.make_store(DenseStore(), ...)`` then
+    ``structure.make_store(that, ...)``. The runner calls :meth:`prepare` once
+    per model before the first forward pass and records :meth:`run_info` in
+    ``run.json``.
+    """
+
+    def make_store(self, inner, model, layer_idx: int, dtype):
+        """The store of one sequence in layer ``layer_idx``, wrapping or replacing ``inner`` (K/V in ``dtype``)."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_store")
+
+    def prepare(self, model) -> None:
+        """Work done once per model before the first forward pass (e.g. calibration). Default: nothing."""
+
+    def run_info(self, model) -> dict:
+        """What a run must record to be reproduced (e.g. the calibration used). Default: nothing."""
+        return {}
+
+    def stored_widths(self, head_dim: int) -> dict[str, int] | None:
+        """Numbers per token and KV head this representation hands the next one, for K and V.
+
+        ``None`` when they are only known after calibration (e.g. ranks chosen by energy).
+        """
+        return {"k": head_dim, "v": head_dim}
 
 
 _TERM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$", re.S)
 
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a word"}
 
-def _parse_value(text: str):
-    text = text.strip()
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if text.lower() in ("none", "null"):
-        return None
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text.strip("'\"")
+
+@dataclass(frozen=True)
+class ParamType:
+    """The declared type of one policy parameter: ``bool``, ``int``, ``float`` or ``str``, optionally ``None``."""
+
+    base: type
+    optional: bool
+
+    @classmethod
+    def of(cls, annotation) -> "ParamType":
+        args = typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) != 1 or rest[0] not in _TYPE_WORDS:
+                raise TypeError(f"unsupported parameter type {annotation!r}")
+            return cls(rest[0], True)
+        if annotation not in _TYPE_WORDS:
+            raise TypeError(f"unsupported parameter type {annotation!r}")
+        return cls(annotation, False)
+
+    def describe(self) -> str:
+        return _TYPE_WORDS[self.base] + (" or none" if self.optional else "")
+
+    def convert(self, value):
+        """Convert spec text (or an already typed value) to this type; raise ``ValueError`` if it is not one."""
+        if isinstance(value, str):
+            text = value.strip()
+            if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+                text = text[1:-1]
+                if self.base is str:
+                    return text
+            if text.lower() in ("none", "null"):
+                if self.optional:
+                    return None
+                raise ValueError
+            if self.base is str:
+                if not text:
+                    raise ValueError
+                return text
+            if self.base is bool:
+                if text.lower() not in ("true", "false"):
+                    raise ValueError
+                return text.lower() == "true"
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise ValueError from None
+        if value is None and self.optional:
+            return None
+        if self.base is bool:
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if isinstance(value, bool):  # True is an int to Python, not to a spec
+            raise ValueError
+        if self.base is int and isinstance(value, int):
+            return value
+        if self.base is float and isinstance(value, (int, float)) and math.isfinite(value):
+            return float(value)
+        if self.base is str and isinstance(value, str):
+            return value
+        raise ValueError
+
+
+def param_types(cls: type["Policy"]) -> dict[str, ParamType]:
+    """Declared type of every spec parameter of a policy class, in field order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: ParamType.of(hints[f.name]) for f in fields(cls)}
+
+
+def param_defaults(cls: type["Policy"]) -> dict[str, object]:
+    """Default of every spec parameter (``None`` where it has none)."""
+    return {f.name: (None if f.default is MISSING else f.default) for f in fields(cls)}
 
 
 def _split_terms(spec: str) -> list[str]:
@@ -182,32 +305,58 @@ def _split_terms(spec: str) -> list[str]:
 
 
 def parse_term(term: str) -> Policy:
-    """Parse one ``name(key=value, ...)`` term into a validated policy object."""
+    """Parse one ``name(key=value, ...)`` term into a validated policy object.
+
+    Every value is converted to its parameter's declared type (``bool``:
+    ``true``/``false`` only; ``int``: integers only; ``float``: any number;
+    ``none`` where the parameter is optional). Anything else, an unknown or
+    repeated parameter, or a value out of range raises :class:`PolicySpecError`.
+    """
     match = _TERM.match(term)
     if not match:
-        raise ValueError(f"cannot parse policy term {term.strip()!r}; write it as name(key=value, ...), e.g. window(size=256)")
+        raise PolicySpecError(f"cannot parse policy term {term.strip()!r}; write it as name(key=value, ...), e.g. window(size=256)")
     name, args = match.group(1).lower(), match.group(2)
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))} (see `kveval policies`)")
+        raise PolicySpecError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))} (see `kveval policies`)")
     cls = POLICIES[name]
-    valid = [f.name for f in fields(cls)]
-    kwargs = {}
+    types_ = param_types(cls)
+    valid = list(types_)
+    raw: dict[str, str] = {}
     if args and args.strip():
         for i, part in enumerate(args.split(",")):
-            if "=" not in part:
-                if i == 0 and len(valid) >= 1:  # one positional argument: the first field, e.g. window(64)
-                    kwargs[valid[0]] = _parse_value(part)
-                    continue
-                raise ValueError(f"{name}: argument {part.strip()!r} needs a name; parameters: {', '.join(valid) or 'none'}")
-            key, value = part.split("=", 1)
-            key = key.strip()
-            if key not in valid:
-                raise ValueError(f"{name} has no parameter {key!r}; parameters: {', '.join(valid) or 'none'}")
-            kwargs[key] = _parse_value(value)
+            if "=" in part:
+                key, value = (x.strip() for x in part.split("=", 1))
+            elif i == 0 and valid:  # one positional argument: the first field, e.g. window(64)
+                key, value = valid[0], part.strip()
+            else:
+                raise PolicySpecError(f"{name}: argument {part.strip()!r} needs a name; parameters: {', '.join(valid) or 'none'}")
+            if key not in types_:
+                raise PolicySpecError(f"{name} has no parameter {key!r}; parameters: {', '.join(valid) or 'none'}")
+            if key in raw:
+                raise PolicySpecError(f"{name}: parameter {key!r} is given twice ({key}={raw[key]} and {key}={value}); give it once")
+            raw[key] = value
+    return make_policy(cls, raw)
+
+
+def make_policy(cls: type["Policy"], params: dict) -> "Policy":
+    """Build a policy from parameter values (spec text or typed values), checking each against its declared type."""
+    types_ = param_types(cls)
+    kwargs = {}
+    for key, value in params.items():
+        if key not in types_:
+            raise PolicySpecError(f"{cls.name} has no parameter {key!r}; parameters: {', '.join(types_) or 'none'}")
+        try:
+            kwargs[key] = types_[key].convert(value)
+        except ValueError:
+            raise PolicySpecError(f"{cls.name}: {key}={value} is not {types_[key].describe()}") from None
     try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{name}: {exc}") from exc
+        policy = cls(**kwargs)
+    except PolicySpecError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise PolicySpecError(f"{cls.name}: {exc}") from exc
+    policy.given = frozenset(kwargs)
+    return policy
 
 
 @dataclass
@@ -233,7 +382,8 @@ class PolicyStack:
         for p in (self.selection, self.structure, self.quantization):
             if p is None:
                 continue
-            terms.append(p.name if isinstance(p, RatioSelectionPolicy) else p.spec())
+            sized = isinstance(p, RatioSelectionPolicy) or getattr(p, "ratio", None) is not None
+            terms.append(p.name if sized else p.spec())
         return "+".join(terms) if terms else "none"
 
     @property
@@ -247,14 +397,34 @@ class PolicyStack:
     def __str__(self) -> str:
         return self.spec
 
+    def fit_groups(self, head_dim: int | None = None) -> None:
+        """Make the quantization's per-token groups divide what it quantizes, or refuse.
+
+        What it quantizes is the structure's coefficients (``lowrank(rank=16)``:
+        16 per token) or, with no structure and a known ``head_dim``, the heads
+        themselves. An unset group adapts to the largest divisor of that width
+        not above its default (recorded in :attr:`spec`); an explicit group
+        that does not divide it raises :class:`PolicySpecError`.
+        """
+        if self.quantization is None:
+            return
+        if self.structure is not None:
+            widths, label = self.structure.stored_widths(head_dim or 0), "rank"
+        elif head_dim is not None:
+            widths, label = {"k": head_dim, "v": head_dim}, "head_dim"
+        else:
+            return
+        if widths:
+            self.quantization.fit_widths(widths, label)
+
 
 def parse_policy(spec: "str | PolicyStack | None") -> PolicyStack:
     """Parse a spec string such as ``"snapkv(ratio=0.5)+kivi(bits=4)"``.
 
     Raises
     ------
-    ValueError
-        One line naming the problem: unknown policy or parameter, value out of
+    PolicySpecError
+        (a ``ValueError``) One line naming the problem: unknown policy or parameter, value out of
         range, or two policies of the same family.
     """
     if isinstance(spec, PolicyStack):
@@ -264,11 +434,12 @@ def parse_policy(spec: "str | PolicyStack | None") -> PolicyStack:
     stack = PolicyStack()
     for term in _split_terms(str(spec)):
         if not term.strip():
-            raise ValueError(f"empty term in policy spec {spec!r}; join policies with a single '+'")
+            raise PolicySpecError(f"empty term in policy spec {spec!r}; join policies with a single '+'")
         policy = parse_term(term)
         if policy.family == "none":
             continue
         if getattr(stack, policy.family) is not None:
-            raise ValueError(f"policy spec {spec!r} has two {policy.family} policies; stack at most one each of {', '.join(FAMILY_ORDER)}")
+            raise PolicySpecError(f"policy spec {spec!r} has two {policy.family} policies; stack at most one each of {', '.join(FAMILY_ORDER)}")
         setattr(stack, policy.family, policy)
+    stack.fit_groups()
     return stack

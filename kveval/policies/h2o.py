@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kveval.errors import PolicySpecError
 from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
 
 
@@ -34,7 +35,7 @@ class H2OPolicy(RatioSelectionPolicy):
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.recent, int) or self.recent < 0:
-            raise ValueError(f"h2o: recent={self.recent!r} must be a number of tokens >= 0")
+            raise PolicySpecError(f"h2o: recent={self.recent!r} must be a number of tokens >= 0")
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         scores = state.attention.clone()

@@ -13,12 +13,13 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from kveval.errors import PolicySpecError
 from kveval.policies.base import PolicyStack, RepresentationPolicy, register_policy
 
 
 def _positive_int(name: str, key: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}: {key}={value!r} must be a positive integer")
+        raise PolicySpecError(f"{name}: {key}={value!r} must be a positive integer")
 
 
 @register_policy
@@ -67,24 +68,24 @@ class LowRankPolicy(RepresentationPolicy):
         for key in ("rank", "k_rank", "v_rank", "calib_tokens"):
             _positive_int(self.name, key, getattr(self, key))
         if self.rank is not None and self.energy is not None:
-            raise ValueError(f"{self.name}: give rank= or energy=, not both")
+            raise PolicySpecError(f"{self.name}: give rank= or energy=, not both")
         if self.rank is None and self.energy is None and (self.k_rank is None or self.v_rank is None):
-            raise ValueError(f"{self.name}: give rank= (coefficients per head), energy= (fraction of variance kept, "
+            raise PolicySpecError(f"{self.name}: give rank= (coefficients per head), energy= (fraction of variance kept, "
                              f"0 < energy <= 1), or both k_rank= and v_rank=")
         if self.energy is not None:
             if isinstance(self.energy, bool) or not isinstance(self.energy, (int, float)) or not 0 < self.energy <= 1:
-                raise ValueError(f"{self.name}: energy={self.energy!r} must be a fraction of variance kept, 0 < energy <= 1")
+                raise PolicySpecError(f"{self.name}: energy={self.energy!r} must be a fraction of variance kept, 0 < energy <= 1")
             self.energy = float(self.energy)
         if self.calib_tokens is not None and self.calib_tokens < 2:
-            raise ValueError(f"{self.name}: calib_tokens={self.calib_tokens} must be at least 2")
+            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens} must be at least 2")
         if self.calibration is not None:
             from pathlib import Path
 
             path = Path(str(self.calibration)).expanduser()
             if not path.is_file():
-                raise ValueError(f"{self.name}: calibration file {str(path)!r} not found")
+                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} not found")
             if path.stat().st_size == 0:
-                raise ValueError(f"{self.name}: calibration file {str(path)!r} is empty")
+                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} is empty")
         self._models: dict[int, tuple[weakref.ref, object]] = {}
         self._groups: dict[str, int | None] = {"k": None, "v": None}
 
@@ -116,9 +117,11 @@ class LowRankPolicy(RepresentationPolicy):
         self._models[id(model)] = (weakref.ref(model), calibration)
         return calibration
 
-    prepare = calibration_for  # calibrate ahead of the first forward pass (optional)
+    def prepare(self, model) -> None:
+        """Calibrate ahead of the first forward pass (optional: the first store calibrates otherwise)."""
+        self.calibration_for(model)
 
-    def calibration_info(self, model) -> dict:
+    def run_info(self, model) -> dict:
         """What to record with results: calibration id, tokens really used, model key and cache file."""
         calibration = self.calibration_for(model)
         return {"calibration_id": self.calibration_id, "calibration_tokens_used": calibration.tokens,
@@ -137,7 +140,7 @@ class LowRankPolicy(RepresentationPolicy):
             fixed = fixed if fixed is not None else self.rank
             if fixed is not None:
                 if fixed > head_dim:
-                    raise ValueError(f"{self.spec()}: {kind} rank {fixed} exceeds head_dim={head_dim}; use at most {head_dim}")
+                    raise PolicySpecError(f"{self.spec()}: {kind} rank {fixed} exceeds head_dim={head_dim}; use at most {head_dim}")
                 ranks[kind] = [fixed] * heads
             else:
                 ranks[kind] = [round_up(r, groups[kind], head_dim)
@@ -145,7 +148,7 @@ class LowRankPolicy(RepresentationPolicy):
             group = groups[kind]
             for r in ranks[kind]:
                 if group and r % group:
-                    raise ValueError(f"{self.spec()}: per-token quantization group={group} does not divide the {kind} "
+                    raise PolicySpecError(f"{self.spec()}: per-token quantization group={group} does not divide the {kind} "
                                      f"rank {r} (it groups the low-rank coefficients); pick a group that divides {r}")
         return ranks
 
@@ -184,7 +187,18 @@ class LowRankPolicy(RepresentationPolicy):
         return sum(4 * calibration.head_dim(layer) * (sum(ranks["k"][layer]) + sum(ranks["v"][layer]))
                    for layer in range(calibration.num_layers))
 
+    def stored_widths(self, head_dim: int) -> dict[str, int] | None:
+        """Coefficients per token and KV head of K and V; ``None`` for ``energy=`` (known after calibration)."""
+        k, v = (fixed if fixed is not None else self.rank for fixed in (self.k_rank, self.v_rank))
+        if k is None or v is None:
+            return None
+        return {"k": k, "v": v}
+
     # --- the store ------------------------------------------------------------------------------
+    def make_store(self, inner, model, layer_idx: int, dtype=None):
+        """A :class:`kveval.lowrank.LowRankStore` over ``inner`` (see :meth:`wrap_store`)."""
+        return self.wrap_store(inner, model, layer_idx)
+
     def wrap_store(self, inner, model, layer_idx: int):
         """A :class:`kveval.lowrank.LowRankStore` over ``inner`` for one sequence in layer ``layer_idx``."""
         from kveval.lowrank import LowRankStore, per_token_groups

@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass
 
+from kveval.errors import PolicySpecError
 from kveval.policies.base import register_policy
 from kveval.policies.snapkv import SnapKVPolicy
 
@@ -31,7 +32,7 @@ class PyramidKVPolicy(SnapKVPolicy):
     def __post_init__(self):
         super().__post_init__()
         if not self.beta > 1:
-            raise ValueError(f"pyramidkv: beta={self.beta!r} must be > 1")
+            raise PolicySpecError(f"pyramidkv: beta={self.beta!r} must be > 1")
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         average = super().keep_count(n_tokens, layer_idx, num_layers)

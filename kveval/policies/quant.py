@@ -9,8 +9,10 @@ older tokens are quantized in whole groups as they age out of the residual.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from kveval.errors import PolicySpecError
 from kveval.policies.base import RepresentationPolicy, register_policy
 
 AXES = ("token", "channel")
@@ -47,20 +49,45 @@ class QuantizationPolicy(RepresentationPolicy):
 
     def check_group_and_residual(self) -> None:
         if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"{self.name}: group={self.group!r} must be a positive integer")
+            raise PolicySpecError(f"{self.name}: group={self.group!r} must be a positive integer")
         if not isinstance(self.residual, int) or self.residual < 0:
-            raise ValueError(f"{self.name}: residual={self.residual!r} must be a number of tokens >= 0")
+            raise PolicySpecError(f"{self.name}: residual={self.residual!r} must be a number of tokens >= 0")
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if a per-token group does not divide ``head_dim``."""
         for which, q in (("k", self.key_quant), ("v", self.value_quant)):
             if q.axis == "token" and head_dim % q.group:
-                raise ValueError(f"{self.spec()}: {which} group={q.group} does not divide head_dim={head_dim}; pick a divisor of {head_dim}")
+                raise PolicySpecError(f"{self.spec()}: {which} group={q.group} does not divide head_dim={head_dim}; pick a divisor of {head_dim}")
+
+    def fit_widths(self, widths: dict[str, int], label: str) -> None:
+        """Make per-token groups divide ``widths``: numbers per token of K and V, each a ``label`` (``rank``, ``head_dim``).
+
+        An unset ``group`` becomes the largest divisor of the width(s) not above
+        its default; an explicit one that does not divide them raises.
+        """
+        per_token = {kind: widths[kind] for kind, q in (("k", self.key_quant), ("v", self.value_quant))
+                     if q.axis == "token" and widths.get(kind)}
+        if not per_token:
+            return
+        width = math.gcd(*per_token.values())
+        if width % self.group == 0:
+            return
+        if self.is_given("group"):
+            kind, bad = next((k, w) for k, w in per_token.items() if w % self.group)
+            raise PolicySpecError(f"{self.spec()}: per-token quantization group={self.group} does not divide the {kind} "
+                                  f"{label} {bad}; pick a group that divides {bad}")
+        self.group = max(d for d in range(1, min(self.group, width) + 1) if width % d == 0)
+
+    def make_store(self, inner, model, layer_idx: int, dtype):
+        """A :class:`kveval.storage.QuantizedStore` in place of ``inner`` (the dense store it replaces)."""
+        from kveval.storage import QuantizedStore
+
+        return QuantizedStore(self.key_quant, self.value_quant, self.residual_tokens, dtype)
 
 
 def _check_bits(name: str, key: str, bits) -> None:
     if bits not in (2, 4, 8):
-        raise ValueError(f"{name}: {key}={bits!r} is not supported; use 2, 4 or 8")
+        raise PolicySpecError(f"{name}: {key}={bits!r} is not supported; use 2, 4 or 8")
 
 
 @register_policy
@@ -103,7 +130,7 @@ class QuantPolicy(QuantizationPolicy):
                 _check_bits(self.name, key, getattr(self, key))
         for key in ("k_axis", "v_axis"):
             if getattr(self, key) not in AXES:
-                raise ValueError(f"{self.name}: {key}={getattr(self, key)!r} must be one of {', '.join(AXES)}")
+                raise PolicySpecError(f"{self.name}: {key}={getattr(self, key)!r} must be one of {', '.join(AXES)}")
         self.check_group_and_residual()
 
     @property
@@ -178,9 +205,9 @@ class Fp8Policy(QuantizationPolicy):
 
     def __post_init__(self):
         if self.format not in ("e4m3", "e5m2"):
-            raise ValueError(f"fp8: format={self.format!r} must be e4m3 or e5m2")
+            raise PolicySpecError(f"fp8: format={self.format!r} must be e4m3 or e5m2")
         if self.axis not in AXES:
-            raise ValueError(f"fp8: axis={self.axis!r} must be one of {', '.join(AXES)}")
+            raise PolicySpecError(f"fp8: axis={self.axis!r} must be one of {', '.join(AXES)}")
         self.check_group_and_residual()
 
     @property

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kveval.errors import PolicySpecError
 from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
 
 
@@ -45,11 +46,11 @@ class SnapKVPolicy(RatioSelectionPolicy):
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"{self.name}: window={self.window!r} must be a positive number of queries")
+            raise PolicySpecError(f"{self.name}: window={self.window!r} must be a positive number of queries")
         if not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"{self.name}: kernel={self.kernel!r} must be a positive odd number of tokens")
+            raise PolicySpecError(f"{self.name}: kernel={self.kernel!r} must be a positive odd number of tokens")
         if self.pooling not in ("max", "avg"):
-            raise ValueError(f"{self.name}: pooling={self.pooling!r} must be max or avg")
+            raise PolicySpecError(f"{self.name}: pooling={self.pooling!r} must be max or avg")
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         scores = state.attention.unsqueeze(0)

@@ -13,33 +13,52 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.policies.base import ScoringState, SelectionPolicy, register_policy
+from kveval.errors import PolicySpecError
+from kveval.policies.base import ScoringState, SelectionPolicy, check_ratio, ratio_keep_count, register_policy
+
+DEFAULT_WINDOW_SIZE = 256
+DEFAULT_STREAMING_WINDOW = 252
 
 
 @register_policy
 @dataclass
 class WindowPolicy(SelectionPolicy):
-    """Keep the ``size`` most recent tokens, at prefill and after every decoding step.
+    """Keep the most recent tokens.
+
+    With ``size`` the cache keeps the ``size`` most recent tokens at prefill and
+    after every decoding step. With ``ratio`` (as every selection policy) the
+    prefill keeps the most recent ``ceil((1 - ratio) * n)`` of its ``n`` context
+    tokens and the cache then grows while decoding.
 
     Attributes
     ----------
-    size : int
-        Tokens kept per layer (and per sequence).
+    size : int, optional
+        Tokens kept per layer (and per sequence); 256 unless ``ratio`` is given.
+    ratio : float, optional
+        Fraction of context KV pairs removed at prefill, ``0 <= ratio < 1``.
     """
 
     name = "window"
-    description = "sliding window: keep the `size` most recent tokens"
-    size: int = 256
+    description = "sliding window: keep the `size` most recent tokens (or drop the fraction `ratio` at prefill)"
+    size: int | None = None
+    ratio: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"window: size={self.size!r} must be a positive number of tokens")
+        if self.size is not None and self.ratio is not None:
+            raise PolicySpecError("window: give size= (tokens kept) or ratio= (fraction of context removed), not both")
+        check_ratio(self.name, self.ratio)
+        if self.ratio is None and self.size is None:
+            self.size = DEFAULT_WINDOW_SIZE
+        if self.size is not None and self.size < 1:
+            raise PolicySpecError(f"window: size={self.size!r} must be a positive number of tokens")
 
     @property
-    def decode_budget(self) -> int:
+    def decode_budget(self) -> int | None:
         return self.size
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
+        if self.ratio is not None:
+            return ratio_keep_count(self.ratio, n_tokens)
         return min(self.size, n_tokens)
 
     def scores(self, state: ScoringState) -> torch.Tensor:
@@ -51,34 +70,57 @@ class WindowPolicy(SelectionPolicy):
 class StreamingPolicy(SelectionPolicy):
     """StreamingLLM (Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks").
 
-    Keep the first ``sink`` tokens (attention sinks) plus the ``window`` most
-    recent ones, at prefill and after every decoding step.
+    Keep the first ``sink`` tokens (attention sinks) plus the most recent ones.
+    With ``window``, the ``window`` most recent, at prefill and after every
+    decoding step. With ``ratio``, as kvpress's ``StreamingLLMPress``: the
+    prefill keeps the first ``sink`` tokens plus the most recent
+    ``keep - sink``, where ``keep = ceil((1 - ratio) * n)`` of its ``n`` context
+    tokens (kvpress rounds down; kveval rounds up for every selection policy,
+    so all of them keep the same count at one ratio); the cache then grows
+    while decoding, as kvpress presses only the prefill.
 
     Attributes
     ----------
     sink : int
         Initial tokens always kept.
-    window : int
-        Most recent tokens kept.
+    window : int, optional
+        Most recent tokens kept; 252 unless ``ratio`` is given.
+    ratio : float, optional
+        Fraction of context KV pairs removed at prefill, ``0 <= ratio < 1``.
     """
 
     name = "streaming"
-    description = "StreamingLLM: the first `sink` tokens plus the `window` most recent"
+    description = "StreamingLLM: the first `sink` tokens plus the `window` most recent (or drop the fraction `ratio`)"
     sink: int = 4
-    window: int = 252
+    window: int | None = None
+    ratio: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.sink, int) or self.sink < 0:
-            raise ValueError(f"streaming: sink={self.sink!r} must be a number of tokens >= 0")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"streaming: window={self.window!r} must be a positive number of tokens")
+        if self.window is not None and self.ratio is not None:
+            raise PolicySpecError("streaming: give window= (recent tokens kept) or ratio= (fraction of context removed), not both")
+        check_ratio(self.name, self.ratio)
+        if self.sink < 0:
+            raise PolicySpecError(f"streaming: sink={self.sink!r} must be a number of tokens >= 0")
+        if self.window is not None and self.window < 1:
+            raise PolicySpecError(f"streaming: window={self.window!r} must be a positive number of tokens")
+        if self.window == DEFAULT_STREAMING_WINDOW:
+            self.window = None  # one canonical spec for the default: streaming(sink=4)
 
     @property
-    def decode_budget(self) -> int:
-        return self.sink + self.window
+    def recent(self) -> int | None:
+        """Most recent tokens kept after every step (``None`` with ``ratio``)."""
+        if self.ratio is not None:
+            return None
+        return self.window if self.window is not None else DEFAULT_STREAMING_WINDOW
+
+    @property
+    def decode_budget(self) -> int | None:
+        return None if self.ratio is not None else self.sink + self.recent
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
-        return min(self.sink + self.window, n_tokens)
+        if self.ratio is not None:
+            return ratio_keep_count(self.ratio, n_tokens)
+        return min(self.sink + self.recent, n_tokens)
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         positions = state.positions.float()
