@@ -9,11 +9,14 @@ selection's ratio/budget share one prefill per item
 
 from __future__ import annotations
 
+import hashlib
 import re
 import statistics
 from pathlib import Path
 
+from kveval.errors import RunFolderError
 from kveval.records import ItemRecord, ItemWriter, RunInfo, iter_items, read_run_info, write_run_info
+from kveval.runspec import RunSpec
 
 
 def run_slug(text: str) -> str:
@@ -22,9 +25,41 @@ def run_slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", text).strip("_") or "none"
 
 
-def run_dir_for(root: Path, model_name: str, spec: str, mode: str) -> Path:
-    suffix = "" if mode == "context" or spec == "none" else "@query"
-    return Path(root) / "runs" / run_slug(Path(model_name).name) / (run_slug(spec) + suffix)
+def model_identity(name: str, revision: str | None = None) -> dict:
+    """Which model ``name`` is, exactly: ``{"name", "source", "revision", "hash"}``.
+
+    ``source`` is ``embedded:<name>`` for an embedded model, the resolved
+    absolute path of a local folder or ``.gguf`` file, else the Hub id;
+    ``revision`` is the Hub revision (``main`` unless given; ``None`` for
+    local files). ``hash`` is the first 8 hex digits of SHA-256 over source
+    and revision: ``org1/M`` and ``org2/M``, or two ``.../final`` folders,
+    get different hashes.
+    """
+    from kveval.models import EMBEDDED
+
+    name = str(name)
+    path = Path(name).expanduser()
+    if name in EMBEDDED:
+        source, revision = f"embedded:{name}", None
+    elif path.exists() or path.suffix == ".gguf":
+        source, revision = str(path.resolve()), None
+    else:
+        source, revision = name, revision or "main"
+    digest = hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
+    return {"name": name, "source": source, "revision": revision, "hash": digest}
+
+
+def model_folder(identity: dict) -> str:
+    """Folder name of a model's runs: an embedded model's name, else ``<last path part>-<hash>``."""
+    if identity["source"].startswith("embedded:"):
+        return run_slug(identity["name"])
+    return f"{run_slug(Path(identity['name']).name)}-{identity['hash']}"
+
+
+def run_dir_for(root: Path, identity: dict, spec: RunSpec) -> Path:
+    """``<root>/runs/<model folder>/<policy slug>[@query][@kv-<dtype>]``."""
+    suffix = ("@query" if spec.effective_mode == "query" else "") + (f"@kv-{spec.kv_dtype}" if spec.kv_dtype else "")
+    return Path(root) / "runs" / model_folder(identity) / (run_slug(spec.spec) + suffix)
 
 
 def _record(item, result, score) -> ItemRecord:
@@ -57,31 +92,39 @@ def finalize_run(run_dir: Path) -> RunInfo:
     return info
 
 
-def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: Path, model_name: str, mode: str = "context",
-                      batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None) -> list[Path]:
+def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSpec]", root: Path, model_name: str,
+                      mode: str = "context", batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None,
+                      revision: str | None = None) -> list[Path]:
     """Evaluate ``items`` under every policy; return the run folders (one per policy, same order).
 
     Parameters
     ----------
+    policies : list of RunSpec or str
+        Run specs; a string is parsed with ``mode`` as its default mode. All
+        must share one mode and KV dtype (one call per mode).
     progress : tqdm-like, optional
         ``update(n)`` is called once per finished (item, policy) pair.
     extra : dict, optional
         Recorded in each ``run.json`` (e.g. the sweep's config hash).
+    revision : str, optional
+        The model's Hub revision, part of its identity.
+
+    Raises
+    ------
+    RunFolderError
+        A run folder to resume holds another model (identity) or other prompts
+        under the same item ids.
     """
     from kveval.generation import Prompt, generate_many, shares_prefill
-    from kveval.policies import parse_policy
     from kveval.probes import encode_item, score_answer
 
-    stacks = [parse_policy(p) for p in policies]
-    dirs = []
-    for stack in stacks:
-        run_dir = run_dir_for(root, model_name, stack.spec, mode)
-        if not (run_dir / "run.json").is_file():
-            info = RunInfo(name=f"{Path(model_name).name}/{stack.spec}" + ("" if mode == "context" or stack.is_none else "@query"),
-                           model=model_name, policy=stack.spec, mode=mode, family=stack.label, ratio=stack.ratio,
-                           extra={**(extra or {}), **_structure_info(stack, model)})
-            write_run_info(run_dir, info)
-        dirs.append(run_dir)
+    specs = [p if isinstance(p, RunSpec) else RunSpec.parse(p, default_mode=mode) for p in policies]
+    specs = [s.for_model(model) for s in specs]
+    if len({(s.mode, s.kv_dtype) for s in specs}) > 1:
+        raise ValueError("evaluate_policies: give policies of one mode and KV dtype per call")
+    identity = model_identity(model_name, revision)
+    stacks = [s.policy for s in specs]
+    dirs = [_open_run(run_dir_for(root, identity, s), s, model, model_name, identity, items, extra) for s in specs]
     groups: list[list[int]] = []
     for i, stack in enumerate(stacks):  # policies that can share one prefill go together
         for group in groups:
@@ -102,7 +145,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: 
                 prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
                 max_new = max(item.max_new_tokens for item in batch)
                 outputs = generate_many(model, tokenizer, prompts, [stacks[i] for i in group], max_new_tokens=max_new,
-                                        mode=mode, batch_size=len(batch), seed=seed)
+                                        batch_size=len(batch), seed=seed, **specs[group[0]].generation_kwargs())
                 for i in group:
                     for item, result in zip(batch, outputs[stacks[i].spec]):
                         if item.id in done[i]:
@@ -118,12 +161,37 @@ def evaluate_policies(model, tokenizer, items: list, policies: list[str], root: 
     return dirs
 
 
-def _structure_info(stack, model) -> dict:
-    """What a structure policy needs recorded (e.g. the low-rank calibration used)."""
-    structure = stack.structure
-    if structure is None or not hasattr(structure, "run_info"):
-        return {}
-    return structure.run_info(model)
+def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: dict, items: list, extra: dict | None) -> Path:
+    """Create ``run_dir``'s ``run.json``, or check that the run there is this one before it is resumed."""
+    if (run_dir / "run.json").is_file():
+        info = read_run_info(run_dir)
+        recorded = info.model_identity or {}
+        if (recorded.get("hash") or identity["hash"]) != identity["hash"] or (not recorded and info.model != model_name):
+            raise RunFolderError(f"{run_dir} holds runs of model {recorded.get('source') or info.model}, not {identity['source']}; "
+                                 f"pass --out to a new folder, or delete {run_dir}")
+        if (run_dir / "items.jsonl").is_file():
+            wanted = {item.id: item.hash for item in items}
+            for record in iter_items(run_dir):
+                if record.id in wanted and wanted[record.id] != record.hash:
+                    raise RunFolderError(f"{run_dir}: item {record.id} was run on another prompt (hash {record.hash[:12]}, "
+                                         f"now {wanted[record.id][:12]}); pass --out to a new folder, or delete {run_dir}")
+        return run_dir
+    stack = spec.policy
+    info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
+                   family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype, model_identity=identity,
+                   extra={**(extra or {}), **representation_info(stack, model)})
+    write_run_info(run_dir, info)
+    return run_dir
+
+
+def representation_info(stack, model) -> dict:
+    """Prepare the stack's representation policies on ``model`` and return what they need recorded (e.g. calibration)."""
+    info = {}
+    for policy in (stack.structure, stack.quantization):
+        if policy is not None:
+            policy.prepare(model)
+            info.update(policy.run_info(model))
+    return info
 
 
 def configure(parser) -> None:
@@ -135,6 +203,8 @@ def configure(parser) -> None:
     parser.add_argument("--n", type=int, default=10, help="items per family and length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", default="context", choices=["context", "query"])
+    parser.add_argument("--kv-dtype", default=None, help="cache dtype of full-precision tokens and of the bytes baseline "
+                                                         "(bfloat16, float16, float32; default: the model's deployment dtype)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--baseline", action="store_true", help="also run policy none")
     parser.add_argument("--out", required=True, help="folder; runs go to OUT/runs/<model>/<policy>")
@@ -144,17 +214,19 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from kveval.models import load_model
-    from kveval.policies import parse_policy
     from kveval.probes import generate_items, resolve_families
+    from kveval.runspec import parse_run_specs
 
-    policies = list(dict.fromkeys((["none"] if args.baseline else []) + [parse_policy(p).spec for p in args.policy]))
+    # Parsed and checked against the model's config.json before the weights load.
+    specs = parse_run_specs((["none"] if args.baseline else []) + list(args.policy), args.model, mode=args.mode,
+                            kv_dtype=args.kv_dtype)
     model, tokenizer = load_model(args.model)
     items = []
     for family in resolve_families(args.family or ["passkey"]):
         for length in args.length or [512]:
             items += generate_items(family, tokenizer, length, args.n, depths=args.depth, seed=args.seed)
-    with tqdm(total=len(items) * len(policies), desc="items x policies", unit="item") as bar:
-        dirs = evaluate_policies(model, tokenizer, items, policies, Path(args.out), args.model, args.mode, args.batch_size, args.seed, bar)
+    with tqdm(total=len(items) * len(specs), desc="items x policies", unit="item") as bar:
+        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.mode, args.batch_size, args.seed, bar)
     for run_dir in dirs:
         info = read_run_info(run_dir)
         records = list(iter_items(run_dir))

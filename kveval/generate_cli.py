@@ -11,6 +11,8 @@ def configure(parser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt text; '@file.txt' reads it from a file")
     parser.add_argument("--question", default="", help="text appended after compression (query-agnostic) or with it (--mode query)")
     parser.add_argument("--mode", default="context", choices=["context", "query"], help="compress before the question is seen (default) or with it")
+    parser.add_argument("--kv-dtype", default=None, help="cache dtype of full-precision tokens and of the bytes baseline "
+                                                         "(bfloat16, float16, float32; default: the model's deployment dtype)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--device", default="auto")
@@ -21,21 +23,22 @@ def configure(parser) -> None:
 def run(args) -> int:
     from kveval.generation import encode_prompt, generate
     from kveval.models import load_model
-    from kveval.policies import parse_policy
+    from kveval.runspec import RunSpec
 
-    policy = parse_policy(args.policy)  # fail on a bad spec before loading the model
+    # Parsed once and checked against the model's config.json: a bad spec fails before the weights load.
+    spec = RunSpec.parse(args.policy, mode=args.mode, kv_dtype=args.kv_dtype).for_model(args.model)
     text = open(args.prompt[1:], encoding="utf-8").read() if args.prompt.startswith("@") else args.prompt
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     prompt = encode_prompt(tokenizer, text, args.question, chat=False if args.raw else None)
-    result = generate(model, tokenizer, [prompt], policy, max_new_tokens=args.max_new_tokens, mode=args.mode)[0]
+    result = generate(model, tokenizer, [prompt], spec.policy, max_new_tokens=args.max_new_tokens, **spec.generation_kwargs())[0]
     stats = result.stats
     if args.json:
-        print(json.dumps({"policy": policy.spec, "answer": result.text, "tokens": prompt.length, "kv_bytes": stats.kv_bytes,
-                          "nominal_bytes": stats.nominal_bytes, "ratio": stats.ratio, "index_bytes": stats.index_bytes,
+        print(json.dumps({"policy": spec.spec, "mode": spec.mode, "kv_dtype": spec.kv_dtype, "answer": result.text,
+                          "tokens": prompt.length, "kv_bytes": stats.kv_bytes, "nominal_bytes": stats.nominal_bytes,
+                          "ratio": stats.ratio, "index_bytes": stats.index_bytes,
                           "kept_tokens_per_layer": [k[0] for k in stats.kept_tokens], "logprobs": result.logprobs}))
         return 0
     print(result.text)
-    print(f"policy {policy.spec} | prompt {prompt.length} tokens | {stats.summary()} | "
+    print(f"policy {spec.spec} | prompt {prompt.length} tokens | {stats.summary()} | "
           f"time to first token {result.prefill_seconds:.2f} s, {result.decode_tokens_per_second:.1f} tokens/s")
     return 0
-

@@ -74,24 +74,15 @@ class GenerationResult:
 
 
 def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None = None) -> Prompt:
-    """Tokenize a prompt as context and question.
+    """Tokenize a prompt as context and question, exactly as the probes do (:func:`kveval.prompts.encode_text`).
 
     The chat template is applied when the tokenizer has one (unless
-    ``chat=False``) to the user message ``context + "\n" + question``; the
-    rendered text is split where the question starts, so the template's head
-    belongs to the context and its tail (the assistant turn) to the question.
+    ``chat=False``) to the user message ``context + "\n\n" + question``; its
+    head belongs to the context, its tail (the assistant turn) to the question.
     """
-    if chat is None:
-        chat = tokenizer.chat_template is not None
-    message = f"{context}\n{question}" if question else context
-    if chat:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
-    else:
-        rendered = message
-    split = rendered.rindex(question) if question else len(rendered)
-    context_ids = tokenizer(rendered[:split], add_special_tokens=not chat)["input_ids"]
-    question_ids = tokenizer(rendered[split:], add_special_tokens=False)["input_ids"] if split < len(rendered) else []
-    return Prompt(context_ids, question_ids)
+    from kveval.prompts import encode_text
+
+    return Prompt(*encode_text(tokenizer, context, question, chat))
 
 
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,8 +52,14 @@ class RunInfo:
         Measured K/V storage bytes per cached context token, averaged over items.
     nominal_bytes_per_token : float or None
         Bytes per token an uncompressed cache of the model's dtype would hold.
+    kv_dtype : str or None
+        Dtype of the full-precision tokens the cache held (``None``: the model's deployment dtype).
+    model_identity : dict
+        Which model exactly: ``name``, ``source`` (resolved path or Hub id),
+        ``revision`` and ``hash`` (see :func:`kveval.evaluate.model_identity`);
+        a run folder is never resumed for another identity.
     extra : dict
-        Anything else worth recording (versions, calibration hash, timings).
+        Anything else worth recording (versions, calibration, timings).
     """
 
     name: str
@@ -64,6 +70,8 @@ class RunInfo:
     ratio: float | None = None
     bytes_per_token: float | None = None
     nominal_bytes_per_token: float | None = None
+    kv_dtype: str | None = None
+    model_identity: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -161,4 +161,18 @@ def _model_shape(model):
         return None
 
 
-__all__ = ["KV_DTYPES", "MODES", "RunSpec", "parse_kv_dtype", "parse_mode"]
+def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None) -> list[RunSpec]:
+    """Parse several specs (duplicates by canonical key dropped, order kept), checked against ``model``'s config.
+
+    The one call each command makes at its edge, before the model loads.
+    """
+    specs: dict[str, RunSpec] = {}
+    for policy in policies:
+        spec = policy if isinstance(policy, RunSpec) else RunSpec.parse(policy, default_mode=parse_mode(mode), kv_dtype=kv_dtype)
+        if model is not None:
+            spec = spec.for_model(model)
+        specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+__all__ = ["KV_DTYPES", "MODES", "RunSpec", "parse_kv_dtype", "parse_mode", "parse_run_specs"]

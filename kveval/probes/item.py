@@ -17,10 +17,13 @@ from typing import Any
 
 ROLES = ("target", "distractor", "stale")
 
-# Placeholders used to split a rendered chat template into the context part and the question part.
-_CTX_MARK = "\u2063KVEVAL_CONTEXT\u2063"
-_Q_MARK = "\u2063KVEVAL_QUESTION\u2063"
-CONTEXT_QUESTION_SEPARATOR = "\n\n"
+from kveval.prompts import (  # noqa: F401  (re-exported: the one prompt encoder lives in kveval.prompts)
+    CONTEXT_QUESTION_SEPARATOR,
+    PromptFrame,
+    _context_special_tokens,
+    encode_parts,
+    has_chat_template,
+)
 
 
 @dataclass
@@ -159,51 +162,6 @@ def prompt_hash(prompt_context: str, prompt_question: str) -> str:
     return hashlib.sha256((prompt_context + prompt_question).encode("utf-8")).hexdigest()
 
 
-def has_chat_template(tokenizer) -> bool:
-    return getattr(tokenizer, "chat_template", None) is not None
-
-
-@dataclass(frozen=True)
-class PromptFrame:
-    """The fixed text around context and question for one tokenizer.
-
-    ``prompt_context = head + context`` and
-    ``prompt_question = middle + question + tail + answer_prefix``.
-    """
-
-    head: str
-    middle: str
-    tail: str
-    chat: bool
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer) -> "PromptFrame":
-        if not has_chat_template(tokenizer):
-            # lm-eval's plain rendering: user text, then " " + gen_prefix.
-            return cls("", CONTEXT_QUESTION_SEPARATOR, " ", False)
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": _CTX_MARK + CONTEXT_QUESTION_SEPARATOR + _Q_MARK}],
-            tokenize=False, add_generation_prompt=True,
-        )
-        if not isinstance(rendered, str) or _CTX_MARK not in rendered or _Q_MARK not in rendered:
-            raise ValueError("the tokenizer's chat template does not render the user message verbatim; "
-                             "kveval cannot split its prompt into context and question")
-        c = rendered.index(_CTX_MARK)
-        q = rendered.index(_Q_MARK)
-        return cls(rendered[:c], rendered[c + len(_CTX_MARK):q], rendered[q + len(_Q_MARK):], True)
-
-    def render(self, context: str, question: str, answer_prefix: str) -> tuple[str, str]:
-        if self.chat:
-            return self.head + context, self.middle + question + self.tail + answer_prefix
-        return self.head + context, self.middle + question + (self.tail + answer_prefix if answer_prefix else "")
-
-
-def _context_special_tokens(tokenizer, prompt_context: str) -> bool:
-    """Let the tokenizer add BOS/special tokens unless the rendered template already starts with BOS."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return not (bos and prompt_context.startswith(bos))
-
-
 def encode_item(tokenizer, item: ProbeItem) -> tuple[list[int], list[int]]:
     """Tokenize an item's prompt: the one place prompts are turned into ids.
 
@@ -221,12 +179,6 @@ def encode_item(tokenizer, item: ProbeItem) -> tuple[list[int], list[int]]:
         ``context_ids + question_ids``; prefill the first, compress, then feed the second.
     """
     return encode_parts(tokenizer, item.prompt_context, item.prompt_question)
-
-
-def encode_parts(tokenizer, prompt_context: str, prompt_question: str) -> tuple[list[int], list[int]]:
-    context_ids = tokenizer(prompt_context, add_special_tokens=_context_special_tokens(tokenizer, prompt_context))["input_ids"]
-    question_ids = tokenizer(prompt_question, add_special_tokens=False)["input_ids"]
-    return list(context_ids), list(question_ids)
 
 
 def char_spans_to_tokens(tokenizer, prompt_context: str, char_spans: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:

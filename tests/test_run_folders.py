@@ -1,0 +1,95 @@
+"""Run folders: keyed by full model identity, refused on resume for another model or prompt; calibration recorded."""
+
+import json
+
+import pytest
+from tiny_models import tiny_llama
+
+from kveval.errors import RunFolderError
+from kveval.evaluate import evaluate_policies, model_folder, model_identity
+from kveval.probes.item import ProbeItem, prompt_hash
+from kveval.records import read_run_info
+
+
+class CharTok:
+    """A character-level stand-in tokenizer whose ids fit the tiny model's vocabulary."""
+
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+    bos_token = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1 + ord(c) % 120 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i % 26) for i in ids)
+
+
+def _items(context="the pass key is 42. " * 3, n=2):
+    items = []
+    for i in range(n):
+        question = f"What is the pass key? ({i})"
+        items.append(ProbeItem(id=f"passkey-{i}", hash=prompt_hash(context, question), family="passkey", params={},
+                               context=context, question=question, prompt_context=context, prompt_question=question,
+                               gold=["42"], needles=[], length=len(context) + len(question), depth=0.5, max_new_tokens=2))
+    return items
+
+
+def test_models_with_the_same_folder_name_get_different_run_folders(tmp_path):
+    (tmp_path / "org1" / "final").mkdir(parents=True)
+    (tmp_path / "org2" / "final").mkdir(parents=True)
+    ids = [model_identity(str(tmp_path / org / "final")) for org in ("org1", "org2")]
+    assert ids[0]["hash"] != ids[1]["hash"]
+    assert model_folder(ids[0]) != model_folder(ids[1])
+    assert model_folder(model_identity("org1/M")) != model_folder(model_identity("org2/M"))
+    assert model_identity("org/M", "v1")["hash"] != model_identity("org/M", "v2")["hash"]
+    assert model_folder(model_identity("smollm2-135m")) == "smollm2-135m"  # embedded names are identities
+    assert model_identity("org1/M")["hash"] == model_identity("org1/M", "main")["hash"]
+
+
+def test_second_model_with_the_same_name_is_evaluated_not_resumed(tmp_path):
+    model, tok = tiny_llama(), CharTok()
+    first = evaluate_policies(model, tok, _items(), ["window(size=8)"], tmp_path, "org1/M")
+    second = evaluate_policies(tiny_llama(seed=1), tok, _items(), ["window(size=8)"], tmp_path, "org2/M")
+    assert first[0] != second[0]
+    info = read_run_info(second[0])
+    assert info.model_identity["source"] == "org2/M" and info.model_identity["revision"] == "main"
+    assert json.loads((second[0] / "run.json").read_text())["model_identity"]["hash"] == model_identity("org2/M")["hash"]
+
+
+def test_resuming_a_folder_of_another_model_or_prompt_is_refused(tmp_path):
+    model, tok = tiny_llama(), CharTok()
+    [run_dir] = evaluate_policies(model, tok, _items(), ["window(size=8)"], tmp_path, "org1/M")
+    # Same run folder, other model identity recorded (as an older kveval that keyed folders by name wrote it).
+    info = json.loads((run_dir / "run.json").read_text())
+    info["model_identity"]["hash"] = "00000000"
+    (run_dir / "run.json").write_text(json.dumps(info))
+    with pytest.raises(RunFolderError, match="holds runs of model"):
+        evaluate_policies(model, tok, _items(), ["window(size=8)"], tmp_path, "org1/M")
+    info["model_identity"] = model_identity("org1/M")
+    (run_dir / "run.json").write_text(json.dumps(info))
+    # Same item ids, other prompts.
+    with pytest.raises(RunFolderError, match="run on another prompt"):
+        evaluate_policies(model, tok, _items(context="another haystack. " * 3), ["window(size=8)"], tmp_path, "org1/M")
+    # The same run resumes without complaint.
+    evaluate_policies(model, tok, _items(), ["window(size=8)"], tmp_path, "org1/M")
+
+
+def test_low_rank_calibration_is_recorded_in_run_json(tmp_path):
+    model, tok = tiny_llama(), CharTok()
+    [run_dir] = evaluate_policies(model, tok, _items(n=1), ["lowrank(rank=8)"], tmp_path, "org1/M")
+    extra = read_run_info(run_dir).extra
+    assert extra["calibration_id"].startswith("calibration.txt:sha256=") or "sha256=" in extra["calibration_id"]
+    assert extra["calibration_tokens_used"] > 0
+
+
+def test_kv_dtype_and_mode_name_the_run_folder(tmp_path):
+    from kveval.runspec import RunSpec
+
+    model, tok = tiny_llama(), CharTok()
+    specs = [RunSpec.parse("window(size=8)", mode="query", kv_dtype="float16")]
+    [run_dir] = evaluate_policies(model, tok, _items(n=1), specs, tmp_path, "org1/M")
+    assert run_dir.name == "window_size-8@query@kv-float16"
+    info = read_run_info(run_dir)
+    assert (info.mode, info.kv_dtype) == ("query", "float16")
