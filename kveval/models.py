@@ -114,7 +114,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               trust_remote_code: bool = False, **kwargs):
+               trust_remote_code: bool = False, self_check: bool = True, **kwargs):
     """Load a causal LM and its tokenizer, ready for :class:`kveval.cache.CompressedCache`.
 
     Parameters
@@ -126,6 +126,12 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         ``"auto"`` picks CUDA + bfloat16 when a GPU is present, else CPU + float32.
     trust_remote_code : bool
         Passed to transformers; off unless asked.
+    self_check : bool
+        For a model loaded by Hub id, folder or file: refuse it
+        (:class:`~kveval.errors.UnsupportedModelError`) unless policy ``none``
+        through kveval reproduces the model's eager attention on a short probe
+        (:mod:`kveval.exactness`). Architectures kveval cannot cache exactly
+        (unknown cache layer types) are refused whatever this says.
     **kwargs
         Passed on to ``from_pretrained``.
 
@@ -134,17 +140,23 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     (model, tokenizer)
         The model is in eval mode and uses the ``"kveval"`` attention function,
         which is plain SDPA unless a :class:`~kveval.cache.CompressedCache` is used.
+        ``model.kveval_kv_dtype`` records the cache dtype a deployment uses (the
+        checkpoint's dtype when it is a 16-bit float, else bfloat16; embedded
+        GGUF models: bfloat16, the dtype of their original checkpoints), read
+        before the weights are loaded in ``dtype``.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kveval.attention import ATTENTION_NAME, register_attention
+    from kveval.storage import DEFAULT_KV_DTYPE, checkpoint_kv_dtype
 
     register_attention()
     device, torch_dtype = resolve_device_dtype(device, dtype)
     source, source_kwargs = _source(name)
     tokenizer = load_tokenizer(name)
     common = dict(dtype=torch_dtype, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code, **kwargs)
+    kv_dtype = DEFAULT_KV_DTYPE  # GGUF files keep no checkpoint dtype; their originals are bfloat16
     if "gguf_file" in source_kwargs:
         cached = _dequantized_cache(Path(source) / source_kwargs["gguf_file"]) / "model"
         if not (cached / "config.json").is_file():
@@ -157,7 +169,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         model = AutoModelForCausalLM.from_pretrained(cached, **common)
     else:
         try:
-            AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+            kv_dtype = checkpoint_kv_dtype(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))
         except OSError as exc:
             raise ModelNotFoundError(
                 f"cannot load model {name!r}: not an embedded model ({', '.join(EMBEDDED)}), local folder, .gguf file "
@@ -166,7 +178,21 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         model = AutoModelForCausalLM.from_pretrained(source, **common)
     model.to(device).eval()
     model.kveval_name = name
+    _check_architecture(model, name, self_check)
+    model.kveval_kv_dtype = kv_dtype
     return model, tokenizer
+
+
+def _check_architecture(model, name: str, self_check: bool) -> None:
+    """Refuse what kveval cannot evaluate exactly (the embedded models are covered by the tests instead of a probe)."""
+    from kveval.architectures import check_mla_modules, check_supported
+
+    check_supported(model.config)
+    check_mla_modules(model)
+    if self_check and name not in EMBEDDED:
+        from kveval.exactness import self_check as run_self_check
+
+        run_self_check(model)
 
 
 def _dequantized_cache(gguf: Path) -> Path:

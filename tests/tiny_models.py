@@ -29,3 +29,51 @@ def _without_eos(model):
     """Random weights hit any EOS id by chance; tests want generations of a fixed length."""
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+# --- the architecture matrix (tests/test_architectures.py, scripts/architecture_table.py) -----------
+#: Shared tiny sizes: hidden 64, 4 query / 2 KV heads of 32, vocabulary 128, 2-4 layers.
+_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+#: name -> (config class, model class, config overrides). One entry per architecture of the matrix.
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _MOE),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": 16, "query_pre_attn_scalar": 32}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 16, "query_pre_attn_scalar": 32,
+                                                         "layer_types": ["sliding_attention", "full_attention"]}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"sliding_window": 16, "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 32, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        **_MOE, "num_hidden_layers": 4, "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
+    "bamba": ("BambaConfig", "BambaForCausalLM", {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 4,
+                                                  "mamba_d_state": 16, "mamba_chunk_size": 16}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+}
+
+
+def tiny_model(name: str, attn: str = "kveval", seed: int = 0):
+    """A tiny random model of architecture ``name`` (a key of :data:`ARCHITECTURES`); same seed, same weights."""
+    import transformers
+
+    register_attention()
+    config_class, model_class, overrides = ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+    config._attn_implementation = attn
+    return _without_eos(getattr(transformers, model_class)(config))
