@@ -102,6 +102,48 @@ def test_bad_policy_or_mode_fails_before_loading():
         KVEvalLM(pretrained="no-such-model-anywhere", compress="both")
 
 
+def test_spec_is_checked_against_the_config_before_the_weights_load(monkeypatch):
+    import kveval.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the spec was checked")
+
+    monkeypatch.setattr(kveval.models, "load_model", no_loading)
+    with pytest.raises(ValueError, match="exceeds head_dim=64"):
+        KVEvalLM(pretrained="smollm2-135m", policy="lowrank(rank=128)")
+    with pytest.raises(ValueError, match="group=48 does not divide"):
+        KVEvalLM(pretrained="smollm2-135m", policy="quant(bits=8,group=48)")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        KVEvalLM(pretrained="smollm2-135m", kv_dtype="int3")
+
+
+def test_results_schema_round_trip_reads_a_query_aware_run_back(tokenizer, tmp_path):
+    """What the model type writes into results["config"] reads back as the same run: mode, ratio and bytes."""
+    import hashlib
+
+    from kveval.lm_eval import schema
+    from kveval.results import load_lm_eval_run
+
+    lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy="snapkv(ratio=0.5,window=2)@query",
+                  question_marker="?", kv_dtype="float16")
+    lm.loglikelihood(ll_requests([(PAIRS[-1][0].replace(" The answer is", "? The answer is"), PAIRS[-1][1])]))
+    config = lm.get_model_info()
+    assert set(config) >= set(schema.KEYS)
+    folder = tmp_path / "run" / "tiny"
+    folder.mkdir(parents=True)
+    date = "2026-01-02T03-04-05.678901"
+    (folder / f"results_{date}.json").write_text(json.dumps({"results": {}, "config": config}))
+    prompt = "q?"
+    row = {"doc_id": 0, "doc": {}, "target": "0", "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": " a"}},
+           "resps": [[["-1.0", "True"]]], "filtered_resps": [["-1.0", "True"]], "filter": "none", "metrics": ["acc"],
+           "acc": 1.0, "doc_hash": "d", "prompt_hash": hashlib.sha256(prompt.encode()).hexdigest(), "target_hash": "t"}
+    (folder / f"samples_task_{date}.jsonl").write_text(json.dumps(row) + "\n")
+    info = load_lm_eval_run(folder).info
+    assert (info.policy, info.mode, info.ratio, info.kv_dtype) == ("snapkv(ratio=0.5,window=2)", "query", 0.5, "float16")
+    assert info.bytes_per_token == config[schema.MEASURED_BYTES] and 0 < info.bytes_per_token < info.nominal_bytes_per_token
+    assert info.nominal_bytes_per_token == 2 * 2 * 2 * 32 * 2  # K+V, 2 layers, 2 KV heads, head_dim 32, float16
+
+
 # --- loglikelihood -------------------------------------------------------------------------------
 
 def test_policy_none_matches_stock_hflm(tokenizer):

@@ -12,7 +12,9 @@ such as ``max_length``, ``add_bos_token``, ``truncation``):
     ``attn_implementation="kveval"`` (then pass ``tokenizer`` too).
 ``policy``
     A kveval policy spec such as ``snapkv(ratio=0.5)+kivi(bits=4)`` (``none`` by
-    default). It is parsed before the model loads: a bad spec is a ``ValueError``.
+    default; a ``@query`` suffix may stand for ``compress=query``). It is parsed
+    and checked against the model's config.json before the weights load: a bad
+    spec is a :class:`~kveval.errors.PolicySpecError` (a ``ValueError``).
     Commas inside parentheses are fine on the lm-eval 0.4.13 command line (its
     ``--model_args`` parser splits on top-level commas only); ``;`` may be used
     instead of ``,`` inside the parentheses where a tool splits on every comma.
@@ -22,6 +24,10 @@ such as ``max_length``, ``add_bos_token``, ``truncation``):
     Optional text that starts the question in every prompt (its last
     occurrence; backslash escapes such as ``\\n\\n`` are decoded). Without it
     kveval cannot tell context from question in an lm-eval prompt.
+``kv_dtype``
+    Dtype of the full-precision tokens the cache holds and of the bytes ratios
+    are stated against (``bfloat16``, ``float16``, ``float32``); default the
+    model's deployment dtype.
 ``seed``
     Base seed of the ``random`` control policy.
 ``device``, ``dtype``
@@ -94,7 +100,11 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 import kveval
 from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.generation import MODES, Prompt, forward_rows, generate
+from kveval.errors import PolicySpecError, UsageError
+from kveval.evaluate import model_identity
+from kveval.lm_eval import schema
 from kveval.policies import PolicyStack, parse_policy
+from kveval.runspec import RunSpec, parse_kv_dtype, parse_mode
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +163,21 @@ def parse_model_args(text: str | None) -> dict:
 
 def policy_from_arg(policy) -> PolicyStack:
     """Parse the ``policy`` model argument (``;`` allowed instead of ``,`` inside parentheses)."""
+    return runspec_from_args(policy).policy
+
+
+def runspec_from_args(policy, compress: str | None = None, kv_dtype=None) -> RunSpec:
+    """The run spec of the ``policy``, ``compress`` and ``kv_dtype`` model arguments, parsed once.
+
+    ``policy`` may carry a mode suffix (``snapkv(ratio=0.5)@query``) instead of ``compress=``.
+    """
+    if isinstance(policy, RunSpec):
+        return policy
     if isinstance(policy, PolicyStack) or policy is None:
-        return parse_policy(policy)
+        return RunSpec(parse_policy(policy), parse_mode(compress), parse_kv_dtype(kv_dtype))
     if not isinstance(policy, str):
-        raise ValueError(f"policy={policy!r}: give a policy spec string such as 'snapkv(ratio=0.5)+kivi(bits=4)'")
-    return parse_policy(policy.replace(";", ","))
+        raise PolicySpecError(f"policy={policy!r}: give a policy spec string such as 'snapkv(ratio=0.5)+kivi(bits=4)'")
+    return RunSpec.parse(policy.replace(";", ","), mode=compress, kv_dtype=kv_dtype)
 
 
 def _unescape(text: str) -> str:
@@ -201,16 +221,17 @@ def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> Compress
 class KVEvalLM(HFLM):
     """lm-eval ``HFLM`` whose KV cache is compressed by a kveval policy (see the module docstring)."""
 
-    def __init__(self, pretrained="smollm2-135m", tokenizer=None, policy="none", compress: str = "context",
+    def __init__(self, pretrained="smollm2-135m", tokenizer=None, policy="none", compress: str | None = None,
                  question_marker: str | None = None, seed: int = 0, device: str | None = "auto",
                  dtype="auto", batch_size=1, max_batch_size: int | None = 64, trust_remote_code: bool = False,
-                 **kwargs):
+                 kv_dtype: str | None = None, **kwargs):
         # Our own arguments first, so a bad spec fails before anything loads.
-        self.policy = policy_from_arg(policy)
-        if compress not in MODES:
-            raise ValueError(f"compress={compress!r}; use 'context' (query-agnostic: compress before the question) "
+        if compress is not None and compress not in MODES:
+            raise UsageError(f"compress={compress!r}; use 'context' (query-agnostic: compress before the question) "
                              f"or 'query' (query-aware: compress with the question in view)")
-        self.compress = compress
+        self.runspec = runspec_from_args(policy, compress, kv_dtype)
+        if isinstance(pretrained, str):  # checked against its config.json before the weights load
+            self.runspec = self.runspec.for_model(pretrained)
         self.question_marker = _unescape(str(question_marker)) if question_marker not in (None, "") else None
         self.seed = int(seed)
         unsupported = sorted(k for k in _UNSUPPORTED if kwargs.get(k))
@@ -254,8 +275,10 @@ class KVEvalLM(HFLM):
 
             tokenizer = load_tokenizer(tokenizer)
         tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        self.runspec = self.runspec.for_model(model)
+        self.model_identity = model_identity(self.model_name, kwargs.get("revision")) if isinstance(pretrained, str) else None
         if self.policy.quantization is not None:  # head_dim checks etc. before any request runs
-            CompressedCache(model, self.policy)
+            CompressedCache(model, self.policy, kv_dtype=self.kv_dtype)
 
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_batch_size=max_batch_size,
                          trust_remote_code=trust_remote_code, **hflm_kwargs)
@@ -265,6 +288,22 @@ class KVEvalLM(HFLM):
         self._rolling = False
         self._warned: set[str] = set()
         self._measured = {"requests": 0, "tokens": 0, "kv_bytes": 0, "index_bytes": 0, "nominal_bytes": 0}
+
+    @property
+    def policy(self) -> PolicyStack:
+        return self.runspec.policy
+
+    @property
+    def compress(self) -> str:
+        return self.runspec.mode
+
+    @compress.setter
+    def compress(self, mode: str) -> None:
+        self.runspec = self.runspec.with_mode(mode)
+
+    @property
+    def kv_dtype(self) -> str | None:
+        return self.runspec.kv_dtype
 
     @staticmethod
     def _ensure_kveval_attention(model) -> None:
@@ -361,7 +400,7 @@ class KVEvalLM(HFLM):
         with torch.no_grad():
             for first in range(0, len(order), batch_size):
                 keys = order[first:first + batch_size]
-                cache = CompressedCache(self.model, self.policy, seed=self.seed + first)
+                cache = CompressedCache(self.model, self.policy, seed=self.seed + first, kv_dtype=self.kv_dtype)
                 cache.set_protected([protect for _, protect in keys])
                 seen = [0] * len(keys)
                 logits = forward_rows(self.model, cache, [list(prefill) for prefill, _ in keys], seen, pad_id, logits_to_keep=1)[0]
@@ -456,8 +495,8 @@ class KVEvalLM(HFLM):
             for start in range(0, len(ordered), batch_size):
                 chunk = ordered[start:start + batch_size]
                 outputs = generate(self.model, self.tokenizer, [prompts[i] for i in chunk], policy=self.policy,
-                                   max_new_tokens=max_gen_toks, mode=self.compress, batch_size=len(chunk),
-                                   stop=until, seed=self.seed + start)
+                                   max_new_tokens=max_gen_toks, batch_size=len(chunk), stop=until,
+                                   seed=self.seed + start, **self.runspec.generation_kwargs())
                 for i, out in zip(chunk, outputs):
                     text = postprocess_generated_text(
                         generation=out.text, stop=until,
@@ -471,32 +510,34 @@ class KVEvalLM(HFLM):
 
     # --- reporting -------------------------------------------------------------------------------
     def cache_summary(self) -> dict:
-        """Measured cache size over the requests computed so far."""
+        """Measured cache size over the requests computed so far (keys: :mod:`kveval.lm_eval.schema`)."""
         m = self._measured
         return {
-            "kveval_measured_requests": m["requests"],
-            "kveval_measured_tokens": m["tokens"],
-            "kveval_measured_bytes_per_token": m["kv_bytes"] / m["tokens"] if m["tokens"] else None,
-            "kveval_index_bytes_per_token": m["index_bytes"] / m["tokens"] if m["tokens"] else None,
-            "kveval_uncompressed_bytes_per_token_measured": m["nominal_bytes"] / m["tokens"] if m["tokens"] else None,
-            "kveval_measured_ratio": m["kv_bytes"] / m["nominal_bytes"] if m["nominal_bytes"] else None,
+            schema.MEASURED_REQUESTS: m["requests"],
+            schema.MEASURED_TOKENS: m["tokens"],
+            schema.MEASURED_BYTES: m["kv_bytes"] / m["tokens"] if m["tokens"] else None,
+            schema.INDEX_BYTES: m["index_bytes"] / m["tokens"] if m["tokens"] else None,
+            schema.UNCOMPRESSED_MEASURED_BYTES: m["nominal_bytes"] / m["tokens"] if m["tokens"] else None,
+            schema.MEASURED_RATIO: m["kv_bytes"] / m["nominal_bytes"] if m["nominal_bytes"] else None,
         }
 
     def get_model_info(self) -> dict:
-        """Merged by lm-eval into ``results["config"]``: policy, mode, measured and nominal cache bytes, versions."""
+        """Merged by lm-eval into ``results["config"]``: the keys of :mod:`kveval.lm_eval.schema`, plus model and versions."""
         model = self.model
         info = {
             "model_name": self.model_name,
             "model_num_parameters": sum(p.numel() for p in model.parameters()),
             "model_dtype": str(model.dtype),
-            "kveval_policy": self.policy.spec,
-            "kveval_compress": self.compress,
-            "kveval_question_marker": self.question_marker,
-            "kveval_seed": self.seed,
-            "kveval_nominal_ratio": self.policy.ratio,
-            "kveval_nominal_bytes_per_token": nominal_bytes_per_token(model),
-            "kveval_loglikelihood_rolling": "uncompressed (stock HFLM)",
-            "kveval_version": getattr(kveval, "__version__", "unknown"),
+            schema.POLICY: self.policy.spec,
+            schema.COMPRESS: self.compress,
+            schema.KV_DTYPE: self.kv_dtype,
+            schema.MODEL_IDENTITY: self.model_identity,
+            schema.QUESTION_MARKER: self.question_marker,
+            schema.SEED: self.seed,
+            schema.NOMINAL_RATIO: self.policy.ratio,
+            schema.NOMINAL_BYTES: nominal_bytes_per_token(model, self.kv_dtype),
+            schema.ROLLING: "uncompressed (stock HFLM)",
+            schema.VERSION: getattr(kveval, "__version__", "unknown"),
             "transformers_version": _version("transformers"),
             "torch_version": torch.__version__,
             "lm_eval_version": _version("lm_eval"),
@@ -515,4 +556,5 @@ def register_model_type() -> None:
 
 register_model_type()
 
-__all__ = ["KVEvalLM", "MODEL_TYPE", "parse_model_args", "policy_from_arg", "register_model_type", "split_model_args"]
+__all__ = ["KVEvalLM", "MODEL_TYPE", "parse_model_args", "policy_from_arg", "register_model_type", "runspec_from_args",
+           "split_model_args"]
