@@ -321,18 +321,22 @@ def _lm_eval_run_info(path: Path, folder: Path, date: str) -> RunInfo:
                     return source[k]
         return None
 
+    from kveval.lm_eval.schema import read_run_fields  # the keys the kveval model type writes
+
     model = first("pretrained", "model_name") or config.get("model") or folder.name
-    policy = str(first("kveval_policy", "policy") or "none")
-    ratio = _as_float(first("kveval_ratio", "ratio"))
+    fields = read_run_fields(config, margs)
+    policy = fields.policy
     return RunInfo(
         name=path.name if path.is_dir() else path.stem,
         model=str(model),
         policy=policy,
-        mode=str(first("kveval_mode", "mode") or "context"),
-        family=str(first("kveval_family", "family") or (policy.split("(")[0] if policy else "none")),
-        ratio=ratio,
-        bytes_per_token=_as_float(first("kveval_bytes_per_token", "bytes_per_token")),
-        nominal_bytes_per_token=_as_float(first("kveval_nominal_bytes_per_token", "nominal_bytes_per_token")),
+        mode=fields.mode,
+        family=policy.split("(")[0] if policy else "none",
+        ratio=fields.ratio,
+        bytes_per_token=fields.bytes_per_token,
+        nominal_bytes_per_token=fields.nominal_bytes_per_token,
+        kv_dtype=fields.kv_dtype,
+        model_identity=fields.model_identity,
         extra={"source": "lm-eval", "lm_eval_model": config.get("model")},
     )
 
