@@ -30,9 +30,10 @@ arise for them.
 Calibration
 -----------
 One forward pass over a calibration text (``kveval/data/calibration.txt`` by
-default, at most ``calib_tokens`` tokens) with a ``CompressedCache(model,
-"none")``; the stored K/V of every layer (sliding layers included: they hold
-the whole pass after one forward) are read from the cache. Per layer and KV
+default, at most ``calib_tokens`` tokens) with a plain transformers
+``DynamicCache`` (no sliding-window layers: every layer keeps the whole pass);
+the stored post-RoPE K/V of every layer are read from it. The calibration does
+not go through kveval's own cache, so this module depends on the stores only. Per layer and KV
 head, an *uncentered* PCA: eigendecomposition of ``X^T X / T`` (float64), so a
 token's reconstruction is ``c B^T`` with no mean term. The full
 eigendecomposition is cached on disk under ``cache_dir() / "calibration"``,
@@ -58,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.storage import DenseStore
+from kveval.storage import DenseStore, QuantizedStore, TokenStore
 
 CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
 DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
@@ -147,17 +148,13 @@ def tokenize_for(model, text: str) -> list[int]:
 
 # --- calibration -------------------------------------------------------------------------------
 def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One forward pass with an uncompressed kveval cache; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``."""
-    from kveval.cache import CompressedCache
+    """One forward pass with a plain ``DynamicCache``; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``."""
+    from transformers import DynamicCache
 
-    cache = CompressedCache(model, "none")
+    cache = DynamicCache()  # built without the config: full layers everywhere, sliding layers keep the whole pass too
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
-    out = []
-    for layer in cache.layers:
-        keys, values = layer.rows[0].store.keys_values()
-        out.append((keys.float().cpu(), values.float().cpu()))
-    return out
+    return [(layer.keys[0].float().cpu(), layer.values[0].float().cpu()) for layer in cache.layers]
 
 
 def uncentered_pca(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,16 +302,17 @@ class _Part:
     value_basis: torch.Tensor  # [h, D, r_v], float32
 
 
-class LowRankStore:
+class LowRankStore(TokenStore):
     """Keeps each token's K and V as coefficients on per-head bases, in an inner store.
 
     Like the other stores, tokens arrive in full precision and are encoded at
     ``seal()`` (the cache seals after the prefill's attention and after every
     later append): ``append(keys, values)`` holds the ``[H, T, D]`` tensors
     (post-RoPE keys: the cache receives keys after RoPE), and ``seal()`` projects
-    them onto the bases, ``c = x B``, appending the ``[H, T, r]`` coefficients in
-    the keys' dtype to the inner store (a ``DenseStore``, or a ``QuantizedStore``
-    that then quantizes the coefficients). ``keys_values()`` reconstructs
+    them onto the bases, ``c = x B``, appending the ``[H, T, r]`` coefficients to
+    the inner store (a ``DenseStore``, which holds them in its ``kv_dtype``, or a
+    ``QuantizedStore`` that then quantizes them). Unsealed tokens are held in the
+    inner store's ``kv_dtype`` too. ``keys_values()`` reconstructs
     ``c B^T`` (followed by any tokens not sealed yet). Heads whose ranks differ
     (``energy=``) are kept in separate inner stores. ``nbytes`` is the inner
     stores' bytes (plus unsealed full-precision tokens): the per-token
@@ -324,7 +322,8 @@ class LowRankStore:
 
     def __init__(self, parts: list[_Part]):
         self.parts = parts
-        self.unsealed = DenseStore()  # [H, T, D] tokens appended but not projected yet
+        self.kv_dtype = getattr(parts[0].inner, "kv_dtype", None)
+        self.unsealed = DenseStore(self.kv_dtype)  # [H, T, D] tokens appended but not projected yet
 
     @classmethod
     def build(cls, inner, layout: list[tuple[slice, torch.Tensor, torch.Tensor]]) -> "LowRankStore":
@@ -360,7 +359,7 @@ class LowRankStore:
         if self.unsealed.length:
             for part, (ck, cv) in zip(self.parts, self.project(*self.unsealed.keys_values())):
                 part.inner.append(ck, cv)
-            self.unsealed = DenseStore()
+            self.unsealed = DenseStore(self.kv_dtype)
         for part in self.parts:
             part.inner.seal()
 
@@ -405,8 +404,6 @@ class LowRankStore:
 
 def per_token_groups(inner) -> dict[str, int | None]:
     """For a quantized inner store, the per-token group size of K and V (``None``: not per-token or not quantized)."""
-    from kveval.storage import QuantizedStore
-
     groups = {"k": None, "v": None}
     if isinstance(inner, QuantizedStore):
         for kind, seq in (("k", inner.k), ("v", inner.v)):

@@ -10,15 +10,22 @@ Tensors are ``[heads, tokens, head_dim]`` for one sequence in one layer.
   consecutive tokens (KIVI's key scheme); the token count must be a multiple of
   ``group`` (the caller keeps the remainder in full precision).
 
+A block is stored in *units*, dimension 1 of every tensor it holds: a unit is
+one token (``axis="token"``) or one group of ``group`` tokens
+(``axis="channel"``), the smallest piece that can be dropped or kept without
+touching the others. Eviction gathers whole units (:func:`gather_units`) and
+never re-encodes them.
+
 Integers are stored unsigned in ``uint8``; 4-bit values are packed two per
-byte and 2-bit values four per byte. Scales and zero points are float16.
-Symmetric quantization has no zero point; its codes are offset by
-``2**(bits-1)`` so they are unsigned too.
+byte and 2-bit values four per byte, within each unit (a unit whose code count
+is not a multiple of ``8 // bits`` is padded to a whole byte). Scales and zero
+points are float16. Symmetric quantization has no zero point; its codes are
+offset by ``2**(bits-1)`` so they are unsigned too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +35,12 @@ FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 @dataclass
 class QuantizedBlock:
-    """A quantized ``[heads, tokens, head_dim]`` tensor; ``nbytes`` counts every stored byte."""
+    """A quantized ``[heads, tokens, head_dim]`` tensor; ``nbytes`` counts every stored byte.
+
+    ``data`` is ``[heads, units, bytes per unit]`` (integers, packed) or the
+    grouped FP8 values ``[heads, units, ...]``; ``scale`` and ``zero`` are
+    ``[heads, units, ...]``.
+    """
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -50,9 +62,18 @@ class QuantizedBlock:
     def tokens(self) -> int:
         return self.shape[1]
 
+    @property
+    def unit(self) -> int:
+        """Tokens per unit: 1 for per-token groups, ``group`` for per-channel groups."""
+        return 1 if self.axis == "token" else self.group
+
+    @property
+    def units(self) -> int:
+        return self.shape[1] // self.unit
+
 
 def _grouped(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
-    """View ``[H, T, D]`` so that each quantization group is the last dimension."""
+    """View ``[H, T, D]`` as ``[H, units, ..., group]``: each quantization group is the last dimension."""
     heads, tokens, dim = x.shape
     if axis == "token":
         return x.reshape(heads, tokens, dim // group, group)
@@ -72,46 +93,78 @@ def _ungrouped(g: torch.Tensor, axis: str, shape: tuple[int, int, int]) -> torch
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``bits``-bit codes (``uint8``) into a flat byte tensor, ``8 // bits`` codes per byte."""
-    flat = codes.reshape(-1)
+    """Pack unsigned ``bits``-bit codes ``[H, U, ...]`` (``uint8``) per unit: ``[H, U, bytes]``, ``8 // bits`` codes a byte."""
+    flat = codes.reshape(codes.shape[0], codes.shape[1], -1)
     if bits == 8:
         return flat
     per_byte = 8 // bits
-    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % per_byte)).reshape(-1, per_byte)
+    flat = torch.nn.functional.pad(flat, (0, -flat.shape[-1] % per_byte))
+    flat = flat.reshape(flat.shape[0], flat.shape[1], -1, per_byte)
     shifts = torch.arange(per_byte, device=codes.device, dtype=torch.uint8) * bits
     return (flat << shifts).sum(dim=-1, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int, shape: torch.Size) -> torch.Tensor:
-    """Inverse of :func:`pack`: codes of the given ``shape``."""
+    """Inverse of :func:`pack`: codes of the given grouped ``shape`` (``[H, U, ...]``)."""
     if bits != 8:
         shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.uint8) * bits
-        packed = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(-1)
-    return packed[: shape.numel()].reshape(shape)
+        packed = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], packed.shape[1], -1)
+    per_unit = shape[2:].numel()
+    return packed[..., :per_unit].reshape(shape)
 
 
-def quantize(x: torch.Tensor, bits: int, axis: str, group: int, symmetric: bool = False) -> QuantizedBlock:
-    """Quantize ``x`` (``[H, T, D]``) to ``bits`` in {2, 4, 8} integers, packed."""
+def _valid_grouped(valid: torch.Tensor | None, axis: str, group: int) -> torch.Tensor | None:
+    """The ``[H, T]`` slot mask broadcast against the grouped view."""
+    if valid is None:
+        return None
+    if axis == "token":
+        return valid[:, :, None, None]
+    return valid.reshape(valid.shape[0], -1, 1, group)
+
+
+def _range(g: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of each group over its valid slots (0 and 0 for a group without any)."""
+    if valid is None:
+        return g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    lo = g.masked_fill(~valid, float("inf")).amin(dim=-1, keepdim=True)
+    hi = g.masked_fill(~valid, float("-inf")).amax(dim=-1, keepdim=True)
+    empty = ~valid.any(dim=-1, keepdim=True)
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+
+
+def _abs_max(g: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    a = g.abs()
+    return (a if valid is None else a.masked_fill(~valid, 0.0)).amax(dim=-1, keepdim=True)
+
+
+def quantize(x: torch.Tensor, bits: int, axis: str, group: int, symmetric: bool = False,
+             valid: torch.Tensor | None = None) -> QuantizedBlock:
+    """Quantize ``x`` (``[H, T, D]``) to ``bits`` in {2, 4, 8} integers, packed.
+
+    ``valid`` (``[H, T]`` bool, optional) marks the slots that hold tokens; the
+    others (evicted slots inside a per-channel group) do not widen a group's range.
+    """
     g = _grouped(x.float(), axis, group)
+    mask = _valid_grouped(valid, axis, group)
     if symmetric:
         levels = 2 ** (bits - 1) - 1
-        scale = (g.abs().amax(dim=-1, keepdim=True) / levels).clamp(min=1e-8).to(SCALE_DTYPE)
+        scale = (_abs_max(g, mask) / levels).clamp(min=1e-8).to(SCALE_DTYPE)
         codes = (torch.round(g / scale.float()).clamp(-levels, levels) + 2 ** (bits - 1)).to(torch.uint8)
         zero = None
     else:
         levels = 2**bits - 1
-        lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+        lo, hi = _range(g, mask)
         scale = ((hi - lo) / levels).clamp(min=1e-8).to(SCALE_DTYPE)
         zero = lo.to(SCALE_DTYPE)
         codes = torch.round((g - zero.float()) / scale.float()).clamp(0, levels).to(torch.uint8)
     return QuantizedBlock(pack(codes, bits), scale, zero, tuple(x.shape), bits, axis, group)
 
 
-def quantize_fp8(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedBlock:
-    """Scale groups to the FP8 range and cast (``fmt`` in ``e4m3``, ``e5m2``)."""
+def quantize_fp8(x: torch.Tensor, fmt: str, axis: str, group: int, valid: torch.Tensor | None = None) -> QuantizedBlock:
+    """Scale groups to the FP8 range and cast (``fmt`` in ``e4m3``, ``e5m2``); ``valid`` as in :func:`quantize`."""
     dtype = FP8_FORMATS[fmt]
     g = _grouped(x.float(), axis, group)
-    scale = (g.abs().amax(dim=-1, keepdim=True) / torch.finfo(dtype).max).clamp(min=1e-12).to(SCALE_DTYPE)
+    scale = (_abs_max(g, _valid_grouped(valid, axis, group)) / torch.finfo(dtype).max).clamp(min=1e-12).to(SCALE_DTYPE)
     data = (g / scale.float()).to(dtype)
     return QuantizedBlock(data, scale, None, tuple(x.shape), 8, axis, group, fp8=fmt)
 
@@ -127,3 +180,28 @@ def dequantize(block: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
         else:
             g = codes * block.scale.float() + block.zero.float()
     return _ungrouped(g, block.axis, block.shape).to(dtype)
+
+
+def _with_units(block: QuantizedBlock, fn, units: int) -> QuantizedBlock:
+    """``block`` with ``fn`` applied to each stored tensor along the unit dimension, now holding ``units`` units."""
+    heads, _, dim = block.shape
+    return replace(block, data=fn(block.data), scale=fn(block.scale), zero=None if block.zero is None else fn(block.zero),
+                   shape=(heads, units * block.unit, dim))
+
+
+def _gather_dim1(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.gather(1, index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+
+
+def gather_units(block: QuantizedBlock, index: torch.Tensor) -> QuantizedBlock:
+    """Units ``index[h, j]`` of each head ``h`` (``index`` is ``[H, U']``): codes, scales and zero points as stored."""
+    return _with_units(block, lambda t: _gather_dim1(t, index), index.shape[1])
+
+
+def concat_blocks(first: QuantizedBlock | None, second: QuantizedBlock) -> QuantizedBlock:
+    """``second``'s units after ``first``'s (same encoding)."""
+    if first is None:
+        return second
+    return replace(first, data=torch.cat([first.data, second.data], dim=1), scale=torch.cat([first.scale, second.scale], dim=1),
+                   zero=None if first.zero is None else torch.cat([first.zero, second.zero], dim=1),
+                   shape=(first.shape[0], first.shape[1] + second.shape[1], first.shape[2]))

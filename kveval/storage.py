@@ -1,19 +1,75 @@
 """Token stores: how one sequence's K/V are held in one layer.
 
 A store holds ``[kv_heads, tokens, head_dim]`` keys and values for one
-sequence. Every store offers the same operations, so selection, structure and
-quantization compose: ``LowRankStore(inner=QuantizedStore(...))`` quantizes
+sequence. Every store implements :class:`TokenStore`, so selection, structure
+and quantization compose: ``LowRankStore(inner=QuantizedStore(...))`` quantizes
 low-rank coefficients.
 
+Two dtypes
+----------
+``kv_dtype`` is the dtype a deployment's cache holds (bfloat16 or float16 in
+practice, see :func:`deployment_kv_dtype`): every full-precision token a store
+keeps (dense tokens, the residual window of a quantized store, low-rank
+coefficients) is stored in it, on every device. ``compute_dtype`` is the dtype
+the model computes in (float32 on a CPU); ``keys_values`` hands K/V to
+attention in it. With ``kv_dtype == compute_dtype`` nothing is converted.
+
 ``nbytes`` counts the tensors the store really holds (packed codes, scales,
-zero points, full-precision residual tokens); nothing is simulated.
+zero points, full-precision tokens); nothing is simulated.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
-from kveval.quantization import QuantizedBlock, dequantize, quantize, quantize_fp8
+from kveval.errors import UsageError
+from kveval.quantization import QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+DEFAULT_KV_DTYPE = torch.bfloat16
+
+
+def parse_kv_dtype(value: "str | torch.dtype") -> torch.dtype:
+    """A cache dtype from a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``, ``float32``) or a ``torch.dtype``."""
+    if isinstance(value, torch.dtype):
+        if value not in KV_DTYPES.values():
+            raise UsageError(f"kv_dtype={value} is not a cache dtype; use bfloat16, float16 or float32")
+        return value
+    name = str(value).strip().lower().removeprefix("torch.")
+    if name not in KV_DTYPES:
+        raise UsageError(f"kv_dtype={value!r} is not a cache dtype; use one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
+def deployment_kv_dtype(model) -> torch.dtype:
+    """The cache dtype ``model`` is deployed with, whatever dtype it computes in here.
+
+    ``model.kveval_kv_dtype`` when :func:`kveval.models.load_model` recorded it
+    (the checkpoint's dtype, read before loading in float32 on a CPU); else the
+    model's own dtype when it is a 16-bit float; else bfloat16.
+    """
+    recorded = getattr(model, "kveval_kv_dtype", None)
+    if recorded is not None:
+        return parse_kv_dtype(recorded)
+    dtype = getattr(model, "dtype", None)
+    return dtype if dtype in _SIXTEEN_BIT else DEFAULT_KV_DTYPE
+
+
+def checkpoint_kv_dtype(config) -> torch.dtype:
+    """Cache dtype for a checkpoint with this config: its ``dtype`` when a 16-bit float, else bfloat16."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = KV_DTYPES.get(declared.removeprefix("torch."))
+    return declared if declared in _SIXTEEN_BIT else DEFAULT_KV_DTYPE
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -25,10 +81,57 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
-class DenseStore:
-    """Keys and values in the model's dtype (the uncompressed representation)."""
+def alive_order(alive: torch.Tensor, count: int) -> torch.Tensor:
+    """``[H, count]``: per head, the indices of the first ``count`` True slots of ``alive`` (``[H, S]``), in order,
+    followed by False slots when a head has fewer."""
+    return torch.argsort((~alive).to(torch.int8), dim=1, stable=True)[:, :count]
 
-    def __init__(self):
+
+class TokenStore(ABC):
+    """One sequence's keys and values in one layer, ``[kv_heads, tokens, head_dim]``.
+
+    Tokens arrive in the compute dtype through :meth:`append` and stay as they
+    are until :meth:`seal` encodes the ones the store's representation encodes
+    (the cache seals after the prefill's attention and after every later
+    append). Every head holds the same number of tokens, :attr:`length`.
+    """
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Tokens held per KV head."""
+
+    @abstractmethod
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``[H, T, D]`` tokens after those held."""
+
+    @abstractmethod
+    def select(self, index: torch.Tensor) -> None:
+        """Keep tokens ``index[h, j]`` of head ``h`` (``[H, T']``, increasing in ``j``); never re-encodes kept tokens."""
+
+    @abstractmethod
+    def seal(self) -> None:
+        """Encode the tokens that are due (quantize what left the residual window, project onto a basis)."""
+
+    @abstractmethod
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held tokens as attention sees them, ``[H, length, D]`` each, in the compute dtype."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every tensor the store holds for its tokens."""
+
+
+class DenseStore(TokenStore):
+    """Keys and values held as they are, in ``kv_dtype`` (the uncompressed representation).
+
+    ``kv_dtype=None`` stores tokens in the dtype they arrive in; ``compute_dtype=None``
+    hands them back in that dtype too.
+    """
+
+    def __init__(self, kv_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
+        self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
@@ -37,6 +140,10 @@ class DenseStore:
         return 0 if self.keys is None else self.keys.shape[1]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = keys.dtype
+        if self.kv_dtype is not None:
+            keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
@@ -44,7 +151,9 @@ class DenseStore:
             self.values = torch.cat([self.values, values], dim=1)
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys, self.values
+        if self.keys is None:
+            return self.keys, self.values
+        return self.keys.to(self.compute_dtype), self.values.to(self.compute_dtype)
 
     def select(self, index: torch.Tensor) -> None:
         self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
@@ -58,61 +167,147 @@ class DenseStore:
 
 
 class QuantizedSequence:
-    """One of K or V: quantized blocks of older tokens plus a full-precision tail.
+    """One of K or V: quantized units of older tokens plus a full-precision tail in ``kv_dtype``.
 
-    ``seal`` quantizes the tokens that have aged out of the ``residual`` most
+    ``seal`` quantizes the slots that have aged out of the ``residual`` most
     recent ones: all of them for per-token groups, whole groups of ``group``
-    tokens for per-channel groups (the remainder waits in the tail).
+    slots for per-channel groups (the remainder waits in the tail). Each token
+    is encoded once, from full precision.
+
+    Eviction (:meth:`select`) never re-encodes. Slots are marked dead in
+    ``alive`` (``[H, slots]``, ``None`` when all are alive); a unit (a token, or
+    a per-channel group) is dropped once it is dead in its head, and heads keep
+    their own units, gathered as stored (codes, scales and zero points). Since
+    the stored tensors are rectangular over heads, a head that holds fewer live
+    units than another keeps dead ones as padding; a per-channel group with a
+    single live slot keeps all its bytes. ``nbytes`` counts all of that: it is
+    what such a layout really holds.
     """
 
-    def __init__(self, quant, residual: int, dtype: torch.dtype):
-        self.quant, self.residual, self.dtype = quant, residual, dtype
-        self.blocks: list[QuantizedBlock] = []
-        self.tail: torch.Tensor | None = None
+    def __init__(self, quant, residual: int, kv_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
+        self.quant, self.residual = quant, residual
+        self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
+        self.block: QuantizedBlock | None = None
+        self.alive: torch.Tensor | None = None  # [H, block slots]
+        self.tail: torch.Tensor | None = None  # [H, R, D] in kv_dtype
+        self.tail_alive: torch.Tensor | None = None  # [H, R]
+
+    @property
+    def unit(self) -> int:
+        return 1 if self.quant.axis == "token" else self.quant.group
+
+    @property
+    def sealed_slots(self) -> int:
+        return 0 if self.block is None else self.block.tokens
+
+    @property
+    def tail_slots(self) -> int:
+        return 0 if self.tail is None else self.tail.shape[1]
+
+    def _alive_all(self) -> torch.Tensor | None:
+        """``[H, sealed + tail slots]`` liveness, ``None`` when every slot is alive."""
+        if self.alive is None and self.tail_alive is None:
+            return None
+        heads = (self.block.shape[0] if self.block is not None else self.tail.shape[0])
+        device = self.block.scale.device if self.block is not None else self.tail.device
+        parts = [a if a is not None else torch.ones(heads, n, dtype=torch.bool, device=device)
+                 for a, n in ((self.alive, self.sealed_slots), (self.tail_alive, self.tail_slots))]
+        return torch.cat(parts, dim=1)
 
     @property
     def length(self) -> int:
-        return sum(b.tokens for b in self.blocks) + (0 if self.tail is None else self.tail.shape[1])
+        alive = self._alive_all()
+        if alive is None:
+            return self.sealed_slots + self.tail_slots
+        return int(alive[0].sum())
 
     def append(self, x: torch.Tensor) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = x.dtype
+        if self.kv_dtype is not None:
+            x = x.to(self.kv_dtype)
         self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=1)
+        if self.tail_alive is not None:
+            self.tail_alive = torch.cat([self.tail_alive, self.tail_alive.new_ones(x.shape[0], x.shape[1])], dim=1)
 
     def seal(self) -> None:
         if self.tail is None:
             return
         aged = self.tail.shape[1] - self.residual
-        if self.quant.axis == "channel":
-            aged = (aged // self.quant.group) * self.quant.group
+        aged = (aged // self.unit) * self.unit
         if aged <= 0:
             return
         old, self.tail = self.tail[:, :aged], self.tail[:, aged:]
+        valid = None
+        if self.tail_alive is not None:
+            valid, self.tail_alive = self.tail_alive[:, :aged], self.tail_alive[:, aged:]
         q = self.quant
         if q.fp8 is not None:
-            self.blocks.append(quantize_fp8(old, q.fp8, q.axis, q.group))
+            new = quantize_fp8(old, q.fp8, q.axis, q.group, valid)
         else:
-            self.blocks.append(quantize(old, q.bits, q.axis, q.group, q.symmetric))
+            new = quantize(old, q.bits, q.axis, q.group, q.symmetric, valid)
+        if self.alive is not None or valid is not None:
+            def everyone(slots: int) -> torch.Tensor:
+                return torch.ones(old.shape[0], slots, dtype=torch.bool, device=old.device)
+
+            self.alive = torch.cat([self.alive if self.alive is not None else everyone(self.sealed_slots),
+                                    valid if valid is not None else everyone(aged)], dim=1)
+        self.block = concat_blocks(self.block, new)
+        self._compact()
 
     def materialize(self) -> torch.Tensor:
-        parts = [dequantize(b, self.dtype) for b in self.blocks]
+        """The held tokens ``[H, length, D]`` in the compute dtype."""
+        parts = [] if self.block is None else [dequantize(self.block, self.compute_dtype)]
         if self.tail is not None:
-            parts.append(self.tail)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            parts.append(self.tail.to(self.compute_dtype))
+        everything = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        alive = self._alive_all()
+        if alive is None:
+            return everything
+        return gather_tokens(everything, alive_order(alive, self.length))
 
     def select(self, index: torch.Tensor) -> None:
-        # Token groups of per-channel blocks span evicted tokens: rebuild from the kept values, re-quantized at the next seal.
-        self.tail, self.blocks = gather_tokens(self.materialize(), index), []
+        alive = self._alive_all()
+        if alive is None:
+            alive = torch.ones(index.shape[0], self.sealed_slots + self.tail_slots, dtype=torch.bool, device=index.device)
+        slots = alive_order(alive, self.length).gather(1, index)
+        kept = torch.zeros_like(alive).scatter_(1, slots, True)
+        self.alive, self.tail_alive = kept[:, :self.sealed_slots], kept[:, self.sealed_slots:]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop units dead in their head (gathering each head's live units first) and tail slots likewise."""
+        if self.alive is not None:
+            heads, unit = self.alive.shape[0], self.unit
+            live_units = self.alive.reshape(heads, -1, unit).any(dim=-1)
+            keep = int(live_units.sum(dim=1).max())
+            if keep < live_units.shape[1]:
+                order = alive_order(live_units, keep)
+                self.block = gather_units(self.block, order) if keep else None
+                self.alive = self.alive.reshape(heads, -1, unit).gather(1, order[..., None].expand(-1, -1, unit)).reshape(heads, -1)
+            if bool(self.alive.all()):
+                self.alive = None
+        if self.tail_alive is not None:
+            keep = int(self.tail_alive.sum(dim=1).max())
+            if keep < self.tail_alive.shape[1]:
+                order = alive_order(self.tail_alive, keep)
+                self.tail, self.tail_alive = gather_tokens(self.tail, order), self.tail_alive.gather(1, order)
+            if bool(self.tail_alive.all()):
+                self.tail_alive = None
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks) + _nbytes(self.tail)
+        return (0 if self.block is None else self.block.nbytes) + _nbytes(self.tail)
 
 
-class QuantizedStore:
+class QuantizedStore(TokenStore):
     """Keys and values each in a :class:`QuantizedSequence` (K and V may differ in bits, axis, group)."""
 
-    def __init__(self, key_quant, value_quant, residual: int, dtype: torch.dtype):
-        self.k = QuantizedSequence(key_quant, residual, dtype)
-        self.v = QuantizedSequence(value_quant, residual, dtype)
+    def __init__(self, key_quant, value_quant, residual: int, kv_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        self.kv_dtype = kv_dtype
+        self.k = QuantizedSequence(key_quant, residual, kv_dtype, compute_dtype)
+        self.v = QuantizedSequence(value_quant, residual, kv_dtype, compute_dtype)
 
     @property
     def length(self) -> int:

@@ -1,0 +1,276 @@
+"""Token stores: the deployment dtype, eviction without re-quantization, the declared store interface."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_gemma3, tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kveval.attention import register_attention
+from kveval.cache import CompressedCache, nominal_bytes_per_token
+from kveval.errors import UsageError
+from kveval.lowrank import LowRankStore
+from kveval.policies import parse_policy
+from kveval.quantization import dequantize, quantize
+from kveval.storage import (
+    DenseStore,
+    QuantizedStore,
+    TokenStore,
+    checkpoint_kv_dtype,
+    deployment_kv_dtype,
+    parse_kv_dtype,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llama_head_dim_64():
+    """A tiny Llama with the embedded SmolLM2's head_dim (64), so quant(bits=8)'s default group is one head."""
+    register_attention()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         attn_implementation="kveval")
+    return LlamaForCausalLM(config).eval()
+
+
+def _prefill(model, spec, tokens=96, **kwargs):
+    cache = CompressedCache(model, spec, **kwargs)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (1, tokens), generator=torch.Generator().manual_seed(0)), cache=cache)
+    return cache
+
+
+# --- item 1: bytes against the deployment dtype --------------------------------------------------
+
+def test_int8_is_0531_of_the_16bit_cache_on_a_float32_model():
+    model = llama_head_dim_64()
+    assert model.dtype == torch.float32
+    stats = _prefill(model, "quant(bits=8)").stats()
+    # 64 one-byte codes + fp16 scale + fp16 zero per token and head, against 64 bf16 values: (64 + 4) / 128.
+    assert stats.kv_dtype == "bfloat16"
+    assert stats.ratio == 68 / 128
+    assert stats.nominal_bytes == 96 * nominal_bytes_per_token(model) == 96 * 2 * 2 * 64 * 2
+
+
+def test_explicit_kv_dtype_overrides_and_none_measures_its_nominal_bytes():
+    model = llama_head_dim_64()
+    for kv_dtype, width in (("float32", 4), (torch.float16, 2), ("bf16", 2)):
+        stats = _prefill(model, "none", kv_dtype=kv_dtype).stats()
+        assert stats.kv_bytes == stats.nominal_bytes == 96 * 2 * 2 * 64 * width
+    assert _prefill(model, "quant(bits=8)", kv_dtype="float32").stats().ratio == 68 / 256
+    with pytest.raises(UsageError, match="kv_dtype='int3'"):
+        CompressedCache(model, "none", kv_dtype="int3")
+
+
+def test_full_precision_tokens_are_stored_in_kv_dtype_and_handed_back_in_the_compute_dtype():
+    model = tiny_llama()
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for spec in ("none", "kivi(bits=4,group=8,residual=16)", "lowrank(rank=8)"):
+            cache = CompressedCache(model, spec)
+            model(ids, cache=cache)
+            store = cache.layers[0].rows[0].store
+            held = {"none": lambda s: s.keys, "kivi(bits=4,group=8,residual=16)": lambda s: s.k.tail,
+                    "lowrank(rank=8)": lambda s: s.parts[0].inner.keys}[spec](store)
+            assert held.dtype == torch.bfloat16, spec
+            keys, values = store.keys_values()
+            assert keys.dtype == values.dtype == torch.float32, spec
+    # Rounding to bf16 is all that "none" does to the first layer's keys (later layers see rounded attention).
+    cache = CompressedCache(model, "none")
+    reference = CompressedCache(model, "none", kv_dtype="float32")
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(ids, cache=reference)
+    exact, _ = reference.layers[0].rows[0].store.keys_values()
+    rounded, _ = cache.layers[0].rows[0].store.keys_values()
+    assert torch.equal(rounded, exact.to(torch.bfloat16).float()) and not torch.equal(rounded, exact)
+
+
+def test_deployment_dtype_defaults():
+    model = tiny_llama()
+    assert deployment_kv_dtype(model) == torch.bfloat16  # fp32 compute: not a deployment cache dtype
+    model.kveval_kv_dtype = torch.float16  # recorded by load_model from the checkpoint
+    assert deployment_kv_dtype(model) == torch.float16
+    assert deployment_kv_dtype(tiny_llama().to(torch.float16)) == torch.float16
+    assert checkpoint_kv_dtype(LlamaConfig(dtype="float16")) == torch.float16
+    assert checkpoint_kv_dtype(LlamaConfig(dtype="bfloat16")) == torch.bfloat16
+    assert checkpoint_kv_dtype(LlamaConfig(dtype="float32")) == torch.bfloat16
+    assert checkpoint_kv_dtype(LlamaConfig()) == torch.bfloat16
+    assert parse_kv_dtype("torch.float16") == torch.float16
+    with pytest.raises(UsageError, match="use one of"):
+        parse_kv_dtype("fp8")
+
+
+def test_load_model_records_the_checkpoint_dtype_before_loading_in_float32(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from kveval.models import load_model
+
+    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
+    tiny_llama().to(torch.float16).save_pretrained(tmp_path / "ckpt")
+    vocab = {"<unk>": 0, "a": 1}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), unk_token="<unk>",
+                            eos_token="<unk>").save_pretrained(tmp_path / "ckpt")
+    model, _ = load_model(str(tmp_path / "ckpt"), device="cpu", dtype="float32")
+    assert model.dtype == torch.float32 and model.kveval_kv_dtype == torch.float16
+    assert nominal_bytes_per_token(model) == 2 * 2 * 2 * 16 * 2
+
+
+# --- item 3: eviction never re-encodes -------------------------------------------------------------
+
+KIVI = parse_policy("kivi(bits=2,group=8,residual=16)").quantization
+QUANT4 = parse_policy("quant(bits=4,group=8)").quantization
+FP8_CHANNEL = parse_policy("fp8(axis=channel,group=8,residual=4)").quantization
+
+
+def _store(policy, kv_dtype=torch.float32):
+    return QuantizedStore(policy.key_quant, policy.value_quant, policy.residual_tokens, kv_dtype)
+
+
+def _evict_one(store, ids, generator, among_first=None):
+    """Drop one token per head (a different one in each head), among the first ``among_first`` (default: any).
+
+    ``ids[h]`` tracks the original index of each token head ``h`` keeps.
+    """
+    length = store.length
+    drop = torch.randint(0, among_first or length, (len(ids),), generator=generator)
+    index = torch.stack([torch.cat([torch.arange(int(d)), torch.arange(int(d) + 1, length)]) for d in drop])
+    store.select(index)
+    store.seal()
+    return [[row[j] for j in index[h].tolist()] for h, row in enumerate(ids)]
+
+
+@pytest.mark.parametrize("policy", [KIVI, QUANT4, FP8_CHANNEL], ids=["kivi", "quant4", "fp8-channel"])
+def test_reconstruction_after_100_evictions_equals_the_reconstruction_without(policy):
+    heads, tokens = 3, 300
+    g = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(heads, tokens, 16, generator=g), torch.randn(heads, tokens, 16, generator=g)
+    reference, evicted = _store(policy), _store(policy)
+    for store in (reference, evicted):
+        store.append(keys, values)
+        store.seal()
+    ref_k, ref_v = reference.keys_values()
+    ids = [list(range(tokens)) for _ in range(heads)]
+    for _ in range(100):
+        ids = _evict_one(evicted, ids, g, among_first=100)  # quantized tokens: 280 of 300 are (K and V)
+    k, v = evicted.keys_values()
+    index = torch.tensor(ids)
+    assert k.shape == (heads, tokens - 100, 16)
+    assert torch.equal(k, ref_k.gather(1, index[..., None].expand(-1, -1, 16)))
+    assert torch.equal(v, ref_v.gather(1, index[..., None].expand(-1, -1, 16)))
+
+
+def test_a_token_once_encoded_never_changes_through_decode_steps_and_evictions():
+    """Decode-like: append, seal, evict (heads disagree); every token reads back as itself or as its first encoding."""
+    heads, dim = 2, 16
+    g = torch.Generator().manual_seed(3)
+    originals = torch.randn(heads, 300, dim, generator=g)
+    store = _store(KIVI)
+    store.append(originals[:, :64], originals[:, :64])
+    store.seal()
+    ids = [list(range(64)) for _ in range(heads)]
+    first_encoding = {}
+    for step in range(64, 300):
+        store.append(originals[:, step:step + 1], originals[:, step:step + 1])
+        store.seal()
+        ids = [row + [step] for row in ids]
+        if step % 2:
+            ids = _evict_one(store, ids, g)
+        keys, _ = store.keys_values()
+        for h in range(heads):
+            for j, t in enumerate(ids[h]):
+                now = keys[h, j]
+                if torch.equal(now, originals[h, t]):
+                    assert (h, t) not in first_encoding  # a token never returns to full precision
+                    continue
+                assert torch.equal(first_encoding.setdefault((h, t), now), now)
+    assert len(first_encoding) > 100  # the check saw many encoded tokens
+
+
+def test_a_channel_group_keeps_its_bytes_until_every_slot_is_evicted():
+    store = _store(KIVI)
+    x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(4))
+    store.append(x, x)
+    store.seal()  # keys: 24 aged tokens = 3 groups of 8; values: 24 tokens per token
+    assert store.k.block.units == 3
+    full, group_bytes = store.k.nbytes, store.k.block.nbytes // 3
+    keep = torch.arange(7, 40).expand(2, -1)  # 7 of the first group's 8 slots go
+    store.select(keep)
+    assert store.k.block.units == 3 and store.k.nbytes == full  # one live slot keeps the whole group
+    store.select(torch.arange(1, 33).expand(2, -1))
+    assert store.k.block.units == 2 and store.k.nbytes == full - group_bytes
+    assert store.v.block.units == 16  # values per token: every evicted token's bytes go at once
+
+
+def test_heads_that_keep_different_tokens_pad_to_the_largest_and_count_it():
+    policy = parse_policy("quant(bits=4,group=8,residual=4)").quantization
+    store = _store(policy)
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(5))
+    store.append(x, x)
+    store.seal()  # 6 tokens quantized, 4 in the full-precision tail
+    store.select(torch.tensor([[0, 1, 2, 3], [6, 7, 8, 9]]))  # head 0 keeps quantized tokens, head 1 its tail
+    quantized_token, tail_token = 16 // 2 + 2 * (2 + 2), 16 * 4  # packed nibbles + scale/zero of 2 groups; fp32 values
+    # Rectangular over heads: each head pads to 4 quantized and 4 full-precision slots, and the bytes say so.
+    assert store.length == 4 and store.nbytes == 2 * 2 * 4 * (quantized_token + tail_token)
+    k, _ = store.keys_values()
+    assert torch.equal(k[0], dequantize(quantize(x[:, :6], 4, "token", 8), torch.float32)[0, :4])
+    assert torch.equal(k[1], x[1, 6:])
+    store.append(x[:, :1], x[:, :1])
+    store.seal()  # head 1's token 6 is quantized now, into the slot head 0 leaves dead
+    k, _ = store.keys_values()
+    assert store.length == 5 and store.k.block.units == 4 and store.k.tail_slots == 4
+    assert torch.equal(k[1, 0], dequantize(quantize(x[:, 6:7], 4, "token", 8), torch.float32)[1, 0])
+    assert torch.equal(k[1, 1:], torch.cat([x[1, 7:], x[1, :1]]))
+
+
+def test_masked_slots_do_not_widen_a_group_range():
+    x = torch.tensor([[[0.0], [1.0], [100.0], [2.0]]]).expand(1, 4, 1).contiguous()
+    valid = torch.tensor([[True, True, False, True]])
+    block = quantize(x, 8, "channel", 4, valid=valid)
+    restored = dequantize(block, torch.float32)
+    assert float(block.scale.float().max()) == pytest.approx(2 / 255, rel=1e-3)
+    assert torch.allclose(restored[0, [0, 1, 3], 0], torch.tensor([0.0, 1.0, 2.0]), atol=0.01)
+
+
+# --- the store interface and the import graph ------------------------------------------------------
+
+def test_every_store_implements_the_declared_interface():
+    model = tiny_llama()
+    stores = [CompressedCache(model, spec).new_store(0, torch.float32)
+              for spec in ("none", "kivi(bits=4,group=8,residual=4)", "lowrank(rank=8)", "lowrank(rank=8)+quant(bits=8,group=8)")]
+    assert [type(s) for s in stores] == [DenseStore, QuantizedStore, LowRankStore, LowRankStore]
+    assert all(isinstance(s, TokenStore) for s in stores)
+    with pytest.raises(TypeError):
+        type("Incomplete", (TokenStore,), {"append": lambda self, k, v: None})()
+
+
+def test_calibration_does_not_import_the_cache():
+    """kveval.lowrank calibrates through a plain DynamicCache: no cache -> policies -> lowrank -> cache loop."""
+    code = ("import sys; sys.path.insert(0, 'tests'); from tiny_models import tiny_gemma3; "
+            "from kveval.lowrank import calibrate, read_calibration_text; "
+            "c = calibrate(tiny_gemma3(), read_calibration_text(), 64); "
+            "assert c.tokens == 64 and c.num_layers == 4, c.tokens; "
+            "print('kveval.cache' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+def test_calibration_reads_every_token_of_sliding_layers():
+    from kveval.lowrank import _collect_kv
+
+    model = tiny_gemma3(sliding_window=16)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(7))
+    reference = CompressedCache(model, "none", kv_dtype="float32")
+    with torch.no_grad():
+        model(ids, cache=reference)
+    for (k, v), layer in zip(_collect_kv(model, ids), reference.layers):
+        assert k.shape[1] == 40
+        held_k, held_v = layer.rows[0].store.keys_values()
+        n = held_k.shape[1]  # kveval's sliding layers trim to their window: compare what they still hold
+        assert torch.equal(k[:, -n:], held_k) and torch.equal(v[:, -n:], held_v)
