@@ -25,7 +25,7 @@ import yaml
 
 from kveval.records import atomic_write_text
 
-CONFIG_KEYS = {"name", "models", "policies", "mode", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
+CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 
@@ -36,8 +36,9 @@ class SweepConfig:
 
     name: str
     models: list[str]
-    policies: list[str]
+    policies: list["RunSpec"]  # parsed once here; the baseline none is added per mode by run_sweep
     mode: str = "context"
+    kv_dtype: str | None = None
     families: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [512])
     depths: list[float] | None = None
@@ -57,8 +58,8 @@ class SweepConfig:
 
 def load_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML; every problem is one ValueError line."""
-    from kveval.policies import parse_policy
     from kveval.probes import FAMILIES
+    from kveval.runspec import RunSpec, parse_kv_dtype
 
     path = Path(path)
     if not path.is_file():
@@ -74,21 +75,21 @@ def load_config(path: str | Path) -> SweepConfig:
     unknown = set(probes) - PROBE_KEYS
     if unknown:
         raise ValueError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
-    policies = []
-    for entry in raw.get("policies") or []:
-        spec, _, entry_mode = str(entry).partition("@")
-        if entry_mode and entry_mode not in ("context", "query"):
-            raise ValueError(f"{path}: policy {entry!r}: the suffix after '@' is a mode, context or query")
-        policies.append(parse_policy(spec).spec + (f"@{entry_mode}" if entry_mode else ""))
+    mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
+    if mode not in ("context", "query"):
+        raise ValueError(f"{path}: mode={mode!r}; use context or query")
+    try:
+        kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
+        policies = list({s.key: s for s in (RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)
+                                            for entry in raw.get("policies") or [])}.values())
+    except ValueError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
     if not policies:
         raise ValueError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
     families = probes.get("families") or ["passkey"]
     for family in families:
         if family not in FAMILIES:
             raise ValueError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
-    mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
-    if mode not in ("context", "query"):
-        raise ValueError(f"{path}: mode={mode!r}; use context or query")
     lm_eval = raw.get("lm_eval") or {}
     unknown = set(lm_eval) - LM_EVAL_KEYS
     if unknown or (lm_eval and not lm_eval.get("tasks")):
@@ -98,7 +99,7 @@ def load_config(path: str | Path) -> SweepConfig:
         gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
     return SweepConfig(
         name=raw.get("name", path.stem), models=list(raw.get("models") or ["smollm2-135m"]),
-        policies=[p for p in policies if p != "none"], mode=mode, families=list(families),
+        policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype, families=list(families),
         lengths=[int(x) for x in probes.get("lengths") or [512]], depths=probes.get("depths"),
         n=int(probes.get("n", 10)), seed=int(probes.get("seed", raw.get("seed", 0))), family_params=probes.get("params") or {},
         batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), lm_eval=lm_eval, raw=raw,
@@ -132,6 +133,11 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]
     from kveval.models import load_model, resolve_device_dtype
     from kveval.probes import generate_items
 
+    from kveval.runspec import RunSpec
+
+    for model_name in config.models:  # every spec against every model's config.json, before any weights load
+        for spec in config.policies:
+            spec.for_model(model_name)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     if manifest_path.is_file():
@@ -149,10 +155,9 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]
             for length in config.lengths:
                 items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
                                         **config.family_params.get(family, {}))
-        by_mode: dict[str, list[str]] = {config.mode: ["none"]}
-        for entry in config.policies:
-            spec, _, mode = entry.partition("@")
-            by_mode.setdefault(mode or config.mode, []).append(spec)
+        by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec.parse("none", config.mode, config.kv_dtype)]}
+        for spec in config.policies:
+            by_mode.setdefault(spec.mode, []).append(spec)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         with tqdm(total=len(items) * (len(config.policies) + 1), desc=f"{Path(model_name).name}: items x policies",

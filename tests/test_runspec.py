@@ -1,0 +1,57 @@
+"""RunSpec at every edge: sweep configs, generate/eval CLIs; specs checked against config.json before weights load."""
+
+import pytest
+
+from kveval.errors import PolicySpecError
+from kveval.sweep import load_config, run_sweep
+
+
+def _config(tmp_path, text):
+    path = tmp_path / "sweep.yaml"
+    path.write_text("models: [smollm2-135m]\nprobes: {families: [passkey], lengths: [256], n: 1}\n" + text)
+    return path
+
+
+def test_sweep_config_entries_parse_once_into_run_specs(tmp_path):
+    config = load_config(_config(tmp_path, "kv_dtype: fp16\npolicies: [snapkv(ratio=0.5)@query, kivi(bits=4), none]\n"))
+    assert [(s.spec, s.mode, s.kv_dtype) for s in config.policies] == [
+        ("snapkv(ratio=0.5)", "query", "float16"), ("kivi(bits=4)", "context", "float16")]
+    assert config.kv_dtype == "float16"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("policies: [snapkv(ratio=0.5)@sideways]", "suffix after '@'"),
+    ("policies: ['quant(bits=4,symmetric=maybe)']", "symmetric=maybe is not true or false"),
+    ("kv_dtype: int3\npolicies: [kivi(bits=4)]", "kv_dtype='int3'"),
+])
+def test_bad_sweep_entries_are_one_line_errors(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        load_config(_config(tmp_path, text))
+    assert "sweep.yaml" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sweep_checks_every_policy_against_every_model_before_loading(tmp_path, monkeypatch):
+    import kveval.models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before every spec was checked")
+
+    monkeypatch.setattr(kveval.models, "load_model", no_loading)
+    path = tmp_path / "two.yaml"
+    path.write_text("models: [gemma3-270m, smollm2-135m]\npolicies: [kivi(bits=4), lowrank(rank=128)]\n")
+    config = load_config(path)
+    with pytest.raises(PolicySpecError, match="rank 128 exceeds head_dim=64 of smollm2-135m"):
+        run_sweep(config, tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_generate_refuses_a_bad_spec_before_loading(monkeypatch, capsys):
+    import kveval.models
+    from kveval.cli import main
+
+    monkeypatch.setattr(kveval.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["generate", "--policy", "lowrank(rank=16)+quant(bits=8,group=64)", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "group=64 does not divide the k rank 16" in err and len(err.strip().splitlines()) == 1
+    assert main(["eval", "--policy", "snapkv(budget=2.5)", "--out", "x"]) == 2
+    assert "budget=2.5 is not an integer" in capsys.readouterr().err
