@@ -118,7 +118,8 @@ class CacheStats:
     def summary(self) -> str:
         return (f"cache: measured {self.kv_bytes:,} B, uncompressed {self.nominal_bytes:,} B ({self.kv_dtype}), "
                 f"ratio {self.ratio:.3f} ({1 / self.ratio if self.ratio else float('inf'):.2f}x smaller), "
-                f"{self.bytes_per_token:,.0f} B/token")
+                f"{self.bytes_per_token:,.0f} B/token"
+                + (f", plus {self.state_bytes:,} B of linear-attention/SSM state" if self.state_bytes else ""))
 
 
 class CompressedLayer(CacheLayerMixin):

@@ -18,6 +18,8 @@ def configure(parser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--skip-self-check", action="store_true",
+                        help="do not probe that kveval reproduces the model's own attention at load (Hub id/folder/file models)")
 
 
 def run(args) -> int:
@@ -28,7 +30,7 @@ def run(args) -> int:
     # Parsed once and checked against the model's config.json: a bad spec fails before the weights load.
     spec = RunSpec.parse(args.policy, mode=args.mode, kv_dtype=args.kv_dtype).for_model(args.model)
     text = open(args.prompt[1:], encoding="utf-8").read() if args.prompt.startswith("@") else args.prompt
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, self_check=not args.skip_self_check)
     prompt = encode_prompt(tokenizer, text, args.question, chat=False if args.raw else None)
     result = generate(model, tokenizer, [prompt], spec.policy, max_new_tokens=args.max_new_tokens, **spec.generation_kwargs())[0]
     stats = result.stats
