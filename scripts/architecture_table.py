@@ -48,17 +48,30 @@ def layer_summary(config) -> str:
     return text + (" MLA" if architectures.mla_dims(config) else "")
 
 
-def kernel_name(model) -> str:
-    """``sdpa``, or ``eager (<variant>)`` for the variants SDPA cannot express."""
-    variants = set()
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and (hasattr(module, "o_proj") or hasattr(module, "sinks")):
-            kwargs = {"softcap": getattr(module, "attn_logit_softcapping", None) or getattr(module.config, "attn_logit_softcapping", None)
-                      if hasattr(module, "config") else None}
-            variant = architectures.eager_variant(module, kwargs)
+class KernelRecorder:
+    """Records which eager variants kveval's attention function chose while it is installed."""
+
+    def __init__(self):
+        self.variants: set[str] = set()
+        self._original = architectures.eager_variant
+
+    def __enter__(self):
+        def recording(module, kwargs):
+            variant = self._original(module, kwargs)
             if variant:
-                variants.add(variant)
-    return f"eager ({', '.join(sorted(variants))})" if variants else "sdpa"
+                self.variants.add(variant)
+            return variant
+
+        architectures.eager_variant = recording
+        return self
+
+    def __exit__(self, *exc):
+        architectures.eager_variant = self._original
+
+    @property
+    def name(self) -> str:
+        """``sdpa``, or ``eager (<variant>)`` for the variants SDPA cannot express."""
+        return f"eager ({', '.join(sorted(self.variants))})" if self.variants else "sdpa"
 
 
 def bytes_per_token(model, spec: str, ids: torch.Tensor) -> tuple[float, int]:
@@ -83,9 +96,10 @@ def main(argv=None) -> int:
     mla_lines = []
     for name in ARCHITECTURES:
         model = tiny_model(name).to(args.device, dtype)
-        exactness = measure_exactness(model)
+        with KernelRecorder() as kernels:
+            exactness = measure_exactness(model)
         measured = [bytes_per_token(model, spec, ids) for spec in POLICIES]
-        print(f"| {name} | {layer_summary(model.config)} | {kernel_name(model)} | {exactness.max_difference:.1e} | "
+        print(f"| {name} | {layer_summary(model.config)} | {kernels.name} | {exactness.max_difference:.1e} | "
               + " | ".join(f"{b:,.0f}" for b, _ in measured) + f" | {measured[0][1]:,} |")
         dims = architectures.mla_dims(model.config)
         if dims is not None:
