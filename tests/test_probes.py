@@ -289,3 +289,28 @@ def test_lm_eval_tasks_load_from_other_cwd(tmp_path, monkeypatch):
             metrics = task.process_results(doc, [" " + ", ".join(doc["gold"]) + "."])
             assert metrics["score"] == 1.0 and metrics["cat_correct"] == 1.0
             assert task.process_results(doc, [""])["cat_empty"] == 1.0
+
+
+# --- one prompt encoder (generate and eval build the same ids) ------------------------------------
+
+@pytest.mark.parametrize("question", ["What is the pass key?", "pass key", "Which number follows 7?\nAnswer briefly."])
+def test_generate_and_probes_encode_the_same_prompt_identically(tok, plain_tok, question):
+    """``kveval generate`` (encode_prompt) and ``kveval eval`` (PromptFrame + encode_item) give identical ids."""
+    from kveval.generation import encode_prompt
+    from kveval.probes.item import PromptFrame, encode_parts
+
+    context = "The pass key is 7342. Remember it. The grass is green. The pass key is 7342."
+    for tokenizer in (tok, plain_tok):
+        frame = PromptFrame.for_tokenizer(tokenizer)
+        probe = encode_parts(tokenizer, *frame.render(context, question, ""))
+        prompt = encode_prompt(tokenizer, context, question)
+        assert (prompt.context, prompt.question) == probe
+        assert question in tokenizer.decode(prompt.question) and question not in tokenizer.decode(prompt.context)[-len(question) - 2:]
+
+
+def test_encode_prompt_without_question_keeps_the_whole_message_as_context(tok):
+    from kveval.generation import encode_prompt
+
+    prompt = encode_prompt(tok, "Tell me a story.")
+    text = tok.decode(prompt.context)
+    assert text.endswith("Tell me a story.") and "<|im_start|>assistant" in tok.decode(prompt.question)
