@@ -48,11 +48,13 @@ from kveval.errors import UnsupportedModelError
 
 ATTENTION = "attention"
 STATE = "state"
+HYBRID = "hybrid"  # attention and a state in the same layer (Falcon-H1)
 NONE = "none"
 
 #: ``config.layer_types`` entries kveval knows, and what their cache layer is.
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 STATE_LAYER_TYPES = {"linear_attention", "conv", "mamba"}
+HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
 EMPTY_LAYER_TYPES = {"dummy", "moe", "mlp"}
 
 
@@ -64,7 +66,8 @@ class LayerPlan:
     ----------
     kind : str
         ``"attention"`` (per-token K/V, compressed by the policy), ``"state"``
-        (constant-size conv/recurrent states, kept exactly) or ``"none"``.
+        (constant-size conv/recurrent states, kept exactly), ``"hybrid"`` (both
+        in one layer) or ``"none"``.
     layer_type : str
         The ``config.layer_types`` entry it came from.
     sliding_window : int or None
@@ -77,6 +80,11 @@ class LayerPlan:
     layer_type: str
     sliding_window: int | None = None
     number_of_states: int = 1
+
+    @property
+    def holds_tokens(self) -> bool:
+        """Whether the layer keeps per-token K/V (what policies compress)."""
+        return self.kind in (ATTENTION, HYBRID)
 
 
 def architecture_name(config) -> str:
@@ -99,12 +107,14 @@ def cache_layer_plan(config) -> list[LayerPlan]:
         if kind in ATTENTION_LAYER_TYPES:
             window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
             plans.append(LayerPlan(ATTENTION, kind, sliding_window=window or None))
-        elif kind in STATE_LAYER_TYPES:
-            plans.append(LayerPlan(STATE, kind, number_of_states=kwargs.get("number_of_states", 1)))
+        elif kind in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES:
+            plans.append(LayerPlan(STATE if kind in STATE_LAYER_TYPES else HYBRID, kind,
+                                   sliding_window=kwargs.get("sliding_window") or None,
+                                   number_of_states=kwargs.get("number_of_states", 1)))
         elif kind in EMPTY_LAYER_TYPES:
             plans.append(LayerPlan(NONE, kind))
         else:
-            known = sorted(ATTENTION_LAYER_TYPES | STATE_LAYER_TYPES | EMPTY_LAYER_TYPES)
+            known = sorted(ATTENTION_LAYER_TYPES | STATE_LAYER_TYPES | HYBRID_LAYER_TYPES | EMPTY_LAYER_TYPES)
             raise UnsupportedModelError(
                 f"{architecture_name(config)}: cache layer type {kind!r} is not supported by kveval "
                 f"(known: {', '.join(known)}); it would not be evaluated exactly, so it is refused")
@@ -114,7 +124,7 @@ def cache_layer_plan(config) -> list[LayerPlan]:
 def check_supported(config) -> list[LayerPlan]:
     """Refuse a config kveval cannot cache exactly (unknown layer types, an MLA config it cannot recognise)."""
     plans = cache_layer_plan(config)
-    if not any(p.kind == ATTENTION for p in plans):
+    if not any(p.holds_tokens for p in plans):
         raise UnsupportedModelError(f"{architecture_name(config)}: no attention layer, so there is no KV cache to compress")
     return plans
 
@@ -286,6 +296,6 @@ def attention_kernel(module, kwargs: dict) -> AttentionKernel:
     return _EAGER[modeling]
 
 
-__all__ = ["ATTENTION", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "STATE",
+__all__ = ["ATTENTION", "HYBRID", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "STATE",
            "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan", "cache_widths",
            "causal_mask", "check_mla_modules", "check_supported", "eager_variant", "mla_dims"]

@@ -349,6 +349,32 @@ class CompressedLayer(CacheLayerMixin):
         return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window - 1)
 
 
+class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):
+    """A layer with both a linear-attention/Mamba state and attention (Falcon-H1's parallel heads).
+
+    The state is transformers' own ``LinearAttentionLayer`` code, kept exactly;
+    the attention tokens are a :class:`CompressedLayer`, compressed by the policy.
+    Mirrors transformers' ``LinearAttentionAndFullAttentionLayer``.
+    """
+
+    is_compileable = False
+
+    def __init__(self, cache: "CompressedCache", layer_idx: int, sliding_window: int | None = None, number_of_states: int = 1):
+        CompressedLayer.__init__(self, cache, layer_idx, sliding_window)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # ``update`` passes K and V positionally; the state updates pass keywords only.
+        if len(args) == 2 and not kwargs:
+            CompressedLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        CompressedLayer.reset(self)
+
+
 class CompressedCache(Cache):
     """A ``transformers.Cache`` that applies a compression policy and measures what it holds.
 
@@ -394,6 +420,8 @@ class CompressedCache(Cache):
         """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
         if plan.kind == architectures.ATTENTION:
             return CompressedLayer(self, layer_idx, plan.sliding_window)
+        if plan.kind == architectures.HYBRID:
+            return CompressedHybridLayer(self, layer_idx, plan.sliding_window, plan.number_of_states)
         if plan.kind == architectures.STATE:
             return LinearAttentionLayer(number_of_states=plan.number_of_states)
         return DummyLayer()
@@ -469,6 +497,10 @@ class CompressedCache(Cache):
                 clone.layers.append(copy.deepcopy(layer))
                 continue
             new = copy.copy(layer)
+            if isinstance(layer, LinearAttentionLayer):  # hybrid: its own copy of the states
+                for name in ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                             "is_recurrent_states_initialized", "conv_kernel_size"):
+                    setattr(new, name, copy.deepcopy(getattr(layer, name)))
             new.cache = clone
             new.selection = None if layer.is_sliding else target.selection
             new.rows = [RowState(copy.deepcopy(r.store), r.positions.clone(),
@@ -517,7 +549,7 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
     the RoPE key). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
     the model's deployment dtype (:func:`kveval.storage.deployment_kv_dtype`).
     """
-    attention_layers = sum(p.kind == architectures.ATTENTION for p in architectures.cache_layer_plan(model.config))
+    attention_layers = sum(p.holds_tokens for p in architectures.cache_layer_plan(model.config))
     element = (deployment_kv_dtype(model) if dtype is None else parse_kv_dtype(dtype)).itemsize
     return attention_layers * sum(architectures.cache_widths(model.config)) * element
 

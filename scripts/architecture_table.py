@@ -39,6 +39,8 @@ def layer_summary(config) -> str:
     for plan in architectures.cache_layer_plan(config):
         if plan.kind == architectures.STATE:
             label = "state"
+        elif plan.kind == architectures.HYBRID:
+            label = "state+attention"
         elif plan.kind == architectures.NONE:
             label = "none"
         else:
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
               + " | ".join(f"{b:,.0f}" for b, _ in measured) + f" | {measured[0][1]:,} |")
         dims = architectures.mla_dims(model.config)
         if dims is not None:
-            layers = sum(p.kind == architectures.ATTENTION for p in architectures.cache_layer_plan(model.config))
+            layers = sum(p.holds_tokens for p in architectures.cache_layer_plan(model.config))
             mla_lines.append(f"{name}: latent cache {dims.latent_elements * layers * 2:,} B/token in bfloat16 "
                              f"((kv_lora_rank {dims.kv_lora_rank} + qk_rope_head_dim {dims.qk_rope_head_dim}) x {layers} layers x 2 B) "
                              f"vs per-head K/V {dims.per_head_elements * layers * 2:,} B/token ({dims.heads} heads x "

@@ -61,6 +61,8 @@ ARCHITECTURES = {
         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}),
     "bamba": ("BambaConfig", "BambaForCausalLM", {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 4,
                                                   "mamba_d_state": 16, "mamba_chunk_size": 16}),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {"mamba_d_ssm": 128, "mamba_n_heads": 4, "mamba_d_head": 32,
+                                                           "mamba_d_state": 16, "mamba_chunk_size": 16}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
