@@ -49,7 +49,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, LinearA
 
 from kveval import architectures
 from kveval.policies import PolicyStack, ScoringState, parse_policy
-from kveval.storage import DenseStore, QuantizedStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
+from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
 
 _PAD_POSITION = 2**62  # slot position of padding in a stacked batch: never visible to any query
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
@@ -470,11 +470,45 @@ class CompressedCache(Cache):
     # --- store construction ---------------------------------------------------------------------
     def new_store(self, layer_idx: int, dtype: torch.dtype):
         """An empty store for one sequence of layer ``layer_idx``, holding ``kv_dtype`` and computing in ``dtype``."""
-        quant = self.policy.quantization
-        inner = DenseStore(self.kv_dtype, dtype) if quant is None else \
-            QuantizedStore(quant.key_quant, quant.value_quant, quant.residual_tokens, self.kv_dtype, dtype)
-        structure = self.policy.structure
-        return inner if structure is None else structure.wrap_store(inner, self.model, layer_idx)
+        store = DenseStore(self.kv_dtype, dtype)
+        for representation in (self.policy.quantization, self.policy.structure):  # innermost first
+            if representation is not None:
+                store = representation.make_store(store, self.model, layer_idx)
+        return store
+
+    # --- forking rows ----------------------------------------------------------------------------
+    def fork_rows(self, index: list[int], memo: dict | None = None) -> "CompressedCache":
+        """A new cache whose row ``j`` is an independent copy of row ``index[j]`` of this one.
+
+        Attention rows, linear-attention/Mamba states and the padding history are
+        all copied. ``memo`` maps objects that must stay shared (the model, its
+        modules and parameters) to themselves; the model itself always is.
+        """
+        import copy
+
+        memo = dict(memo or {})
+        memo.setdefault(id(self.model), self.model)
+        saved = [layer.rows for layer in self.attention_layers]
+        for layer in self.attention_layers:
+            layer.rows = []
+        try:
+            clone = copy.deepcopy(self, dict(memo))
+        finally:
+            for layer, rows in zip(self.attention_layers, saved):
+                layer.rows = rows
+        for layer, rows in zip(clone.attention_layers, saved):
+            layer.rows = [copy.deepcopy(rows[i], dict(memo)) for i in index]
+        picked = torch.tensor(index, dtype=torch.long)
+        for layer in clone.state_layers:
+            for states in (layer.conv_states, layer.recurrent_states):
+                for key, t in states.items():
+                    if t is not None:
+                        states[key] = t.index_select(0, picked.to(t.device))
+        if clone._column_mask is not None:
+            clone._column_mask = clone._column_mask[picked.to(clone._column_mask.device)]
+        clone.set_input_mask(None)
+        clone.set_protected(None)
+        return clone
 
     # --- one prefill, many budgets ---------------------------------------------------------------
     def compressed_copy(self, policy: "str | PolicyStack") -> "CompressedCache":

@@ -167,3 +167,24 @@ def test_load_model_runs_the_self_check_and_can_skip_it(tmp_path, monkeypatch):
     monkeypatch.setattr("kveval.exactness.measure_exactness",
                         lambda m: pytest.fail("self_check=False must skip the probe"))
     models.load_model(str(tmp_path), device="cpu", dtype="float32", self_check=False)
+
+
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1", "llama"])
+def test_forked_rows_continue_as_the_row_would_alone(name):
+    """lm-eval forks a prefilled row for many continuations: states and padding history follow the row."""
+    from kveval.generation import forward_rows
+
+    model = tiny_model(name)
+    rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist()]
+    tail = [9, 10, 11]
+    with torch.no_grad():
+        cache, seen = CompressedCache(model, "snapkv(ratio=0.5)"), [0, 0]
+        forward_rows(model, cache, rows, seen, pad_id=0)
+        fork = cache.fork_rows([1, 1, 0])
+        forked = forward_rows(model, fork, [tail] * 3, [seen[1], seen[1], seen[0]], pad_id=0, logits_to_keep=0)[0]
+        alone, alone_seen = CompressedCache(model, "snapkv(ratio=0.5)"), [0]
+        forward_rows(model, alone, [rows[1]], alone_seen, pad_id=0)
+        expected = forward_rows(model, alone, [tail], alone_seen, pad_id=0, logits_to_keep=0)[0]
+    torch.testing.assert_close(forked[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(forked[1], expected[0], atol=1e-5, rtol=1e-5)
+    assert fork.stats(0).kv_bytes == alone.stats().kv_bytes and fork.stats(0).state_bytes == alone.stats().state_bytes

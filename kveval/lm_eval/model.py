@@ -83,7 +83,6 @@ policy its own ``--use_cache`` path.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from importlib import metadata as importlib_metadata
@@ -201,19 +200,7 @@ def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> Compress
     ``memo`` maps the model (and its modules and parameters) to themselves so
     that the copy never duplicates weights.
     """
-    saved = [layer.rows for layer in cache.layers]
-    for layer in cache.layers:
-        layer.rows = []
-    try:
-        clone = copy.deepcopy(cache, dict(memo))
-    finally:
-        for layer, rows in zip(cache.layers, saved):
-            layer.rows = rows
-    for layer, rows in zip(clone.layers, saved):
-        layer.rows = [copy.deepcopy(rows[i], dict(memo)) for i in index]
-    clone.set_input_mask(None)
-    clone.set_protected(None)
-    return clone
+    return cache.fork_rows(index, memo)  # also forks linear-attention/Mamba states (hybrid models)
 
 
 # --- the model type ------------------------------------------------------------------------------
