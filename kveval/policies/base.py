@@ -187,14 +187,14 @@ class RepresentationPolicy(Policy):
     """Changes how kept tokens are stored (structure or quantization): the interface the cache and runner use.
 
     The cache builds one store per sequence and layer, innermost first:
-    ``quantization.make_store(DenseStore(), ...)`` then
+    ``quantization.make_store(DenseStore(kv_dtype, compute_dtype), ...)`` then
     ``structure.make_store(that, ...)``. The runner calls :meth:`prepare` once
     per model before the first forward pass and records :meth:`run_info` in
     ``run.json``.
     """
 
-    def make_store(self, inner, model, layer_idx: int, dtype):
-        """The store of one sequence in layer ``layer_idx``, wrapping or replacing ``inner`` (K/V in ``dtype``)."""
+    def make_store(self, inner, model, layer_idx: int):
+        """The store of one sequence in layer ``layer_idx``, wrapping or replacing ``inner`` (keeping its dtypes)."""
         raise NotImplementedError(f"{type(self).__name__} must define make_store")
 
     def prepare(self, model) -> None:

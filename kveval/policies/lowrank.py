@@ -195,7 +195,7 @@ class LowRankPolicy(RepresentationPolicy):
         return {"k": k, "v": v}
 
     # --- the store ------------------------------------------------------------------------------
-    def make_store(self, inner, model, layer_idx: int, dtype=None):
+    def make_store(self, inner, model, layer_idx: int):
         """A :class:`kveval.lowrank.LowRankStore` over ``inner`` (see :meth:`wrap_store`)."""
         return self.wrap_store(inner, model, layer_idx)
 

@@ -78,11 +78,11 @@ class QuantizationPolicy(RepresentationPolicy):
                                   f"{label} {bad}; pick a group that divides {bad}")
         self.group = max(d for d in range(1, min(self.group, width) + 1) if width % d == 0)
 
-    def make_store(self, inner, model, layer_idx: int, dtype):
-        """A :class:`kveval.storage.QuantizedStore` in place of ``inner`` (the dense store it replaces)."""
+    def make_store(self, inner, model, layer_idx: int):
+        """A :class:`kveval.storage.QuantizedStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
         from kveval.storage import QuantizedStore
 
-        return QuantizedStore(self.key_quant, self.value_quant, self.residual_tokens, dtype)
+        return QuantizedStore(self.key_quant, self.value_quant, self.residual_tokens, inner.kv_dtype, inner.compute_dtype)
 
 
 def _check_bits(name: str, key: str, bits) -> None:
