@@ -21,9 +21,6 @@ from kveval.errors import PolicySpecError, UsageError
 from kveval.policies import PolicyStack, parse_policy
 
 MODES = ("context", "query")
-# Accepted spellings of a KV dtype -> the torch dtype name kveval records.
-KV_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
-             "float32": "float32", "fp32": "float32", "float": "float32"}
 
 
 def parse_mode(mode: str | None, default: str = "context") -> str:
@@ -36,15 +33,16 @@ def parse_mode(mode: str | None, default: str = "context") -> str:
 
 
 def parse_kv_dtype(kv_dtype) -> str | None:
-    """A KV cache dtype name (``bfloat16``, ``float16``, ``float32``; ``None``/``auto``: the model's deployment dtype)."""
-    if kv_dtype is None:
+    """A KV cache dtype name (``bfloat16``, ``float16``, ``float32``; ``None``/``auto``: the model's deployment dtype).
+
+    Spellings are :data:`kveval.storage.KV_DTYPES`'s (``bf16``, ``fp16``, ...); anything else is a :class:`UsageError`.
+    """
+    if kv_dtype is None or str(kv_dtype).strip().lower() in ("", "auto", "none", "default"):
         return None
-    text = str(kv_dtype).strip().lower().replace("torch.", "")
-    if text in ("", "auto", "none", "default"):
-        return None
-    if text not in KV_DTYPES:
-        raise UsageError(f"kv_dtype={kv_dtype!r}; use bfloat16, float16 or float32 (or auto for the model's own dtype)")
-    return KV_DTYPES[text]
+    from kveval.storage import dtype_name
+    from kveval.storage import parse_kv_dtype as parse_torch_dtype
+
+    return dtype_name(parse_torch_dtype(kv_dtype))
 
 
 @dataclass(frozen=True)
@@ -175,4 +173,4 @@ def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None
     return list(specs.values())
 
 
-__all__ = ["KV_DTYPES", "MODES", "RunSpec", "parse_kv_dtype", "parse_mode", "parse_run_specs"]
+__all__ = ["MODES", "RunSpec", "parse_kv_dtype", "parse_mode", "parse_run_specs"]
