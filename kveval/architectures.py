@@ -52,7 +52,7 @@ HYBRID = "hybrid"  # attention and a state in the same layer (Falcon-H1)
 NONE = "none"
 
 #: ``config.layer_types`` entries kveval knows, and what their cache layer is.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 STATE_LAYER_TYPES = {"linear_attention", "conv", "mamba"}
 HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
 EMPTY_LAYER_TYPES = {"dummy", "moe", "mlp"}
@@ -71,7 +71,10 @@ class LayerPlan:
     layer_type : str
         The ``config.layer_types`` entry it came from.
     sliding_window : int or None
-        Attention layers: the model's window (tokens), ``None`` for full attention.
+        Attention layers: the model's window (tokens), ``None`` for full attention;
+        for chunked attention (Llama 4), the chunk size.
+    chunked : bool
+        Chunked attention: a query sees the earlier tokens of its own chunk only.
     number_of_states : int
         State layers: how many conv/recurrent state pairs the layer keeps.
     """
@@ -80,6 +83,7 @@ class LayerPlan:
     layer_type: str
     sliding_window: int | None = None
     number_of_states: int = 1
+    chunked: bool = False
 
     @property
     def holds_tokens(self) -> bool:
@@ -105,8 +109,8 @@ def cache_layer_plan(config) -> list[LayerPlan]:
     plans = []
     for kind, kwargs in zip(layer_types, layer_kwargs):
         if kind in ATTENTION_LAYER_TYPES:
-            window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
-            plans.append(LayerPlan(ATTENTION, kind, sliding_window=window or None))
+            window = kwargs.get("sliding_window") if kind != "full_attention" else None
+            plans.append(LayerPlan(ATTENTION, kind, sliding_window=window or None, chunked=kind == "chunked_attention"))
         elif kind in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES:
             plans.append(LayerPlan(STATE if kind in STATE_LAYER_TYPES else HYBRID, kind,
                                    sliding_window=kwargs.get("sliding_window") or None,

@@ -128,10 +128,14 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: "CompressedCache", layer_idx: int, sliding_window: int | None = None):
+    def __init__(self, cache: "CompressedCache", layer_idx: int, sliding_window: int | None = None,
+                 chunked: bool = False):
         super().__init__()
         self.cache, self.layer_idx, self.sliding_window = cache, layer_idx, sliding_window
         self.is_sliding = sliding_window is not None
+        # Chunked attention (Llama 4): stored like a sliding layer (the model's own cache does so), but a
+        # query sees only the tokens of its own chunk of ``sliding_window`` positions.
+        self.chunked = chunked and self.is_sliding
         self.selection = None if self.is_sliding else cache.policy.selection
         self.rows: list[RowState] = []
         self.columns_seen = 0  # input columns processed, padding included (what DynamicLayer would report)
@@ -230,7 +234,7 @@ class CompressedLayer(CacheLayerMixin):
         return keys, values, positions
 
     def allowed_mask(self, query_positions: torch.Tensor, heads_of_query: int | None) -> torch.Tensor:
-        """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window).
+        """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).
 
         ``heads`` is 1 when every KV head keeps the same tokens, else the number
         of query heads (``heads_of_query``) or KV heads (when ``None``).
@@ -240,7 +244,9 @@ class CompressedLayer(CacheLayerMixin):
             slots = slots[:, :1]
         key_pos, query_pos = slots[:, :, None, :], query_positions[:, None, :, None]
         allowed = key_pos <= query_pos
-        if self.is_sliding:
+        if self.chunked:
+            allowed &= key_pos // self.sliding_window == query_pos // self.sliding_window
+        elif self.is_sliding:
             allowed &= key_pos > query_pos - self.sliding_window
         allowed |= ~allowed.any(dim=-1, keepdim=True)  # padding queries: attend somewhere rather than produce NaN
         if heads_of_query is not None and allowed.shape[1] > 1:
@@ -419,7 +425,7 @@ class CompressedCache(Cache):
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
         """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
         if plan.kind == architectures.ATTENTION:
-            return CompressedLayer(self, layer_idx, plan.sliding_window)
+            return CompressedLayer(self, layer_idx, plan.sliding_window, chunked=plan.chunked)
         if plan.kind == architectures.HYBRID:
             return CompressedHybridLayer(self, layer_idx, plan.sliding_window, plan.number_of_states)
         if plan.kind == architectures.STATE:

@@ -63,6 +63,12 @@ ARCHITECTURES = {
                                                   "mamba_d_state": 16, "mamba_chunk_size": 16}),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {"mamba_d_ssm": 128, "mamba_n_heads": 4, "mamba_d_head": 32,
                                                            "mamba_d_state": 16, "mamba_chunk_size": 16}),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {"attention_chunk_size": 16, "num_local_experts": 2,
+                                                         "intermediate_size_mlp": 128, "no_rope_layers": [1, 0]}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 32, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
