@@ -208,6 +208,8 @@ def configure(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--baseline", action="store_true", help="also run policy none")
     parser.add_argument("--out", required=True, help="folder; runs go to OUT/runs/<model>/<policy>")
+    parser.add_argument("--skip-self-check", action="store_true",
+                        help="do not probe that kveval reproduces the model's own attention at load (Hub id/folder/file models)")
 
 
 def run(args) -> int:
@@ -220,7 +222,7 @@ def run(args) -> int:
     # Parsed and checked against the model's config.json before the weights load.
     specs = parse_run_specs((["none"] if args.baseline else []) + list(args.policy), args.model, mode=args.mode,
                             kv_dtype=args.kv_dtype)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)
     items = []
     for family in resolve_families(args.family or ["passkey"]):
         for length in args.length or [512]:
