@@ -190,6 +190,8 @@ def _with_units(block: QuantizedBlock, fn, units: int) -> QuantizedBlock:
 
 
 def _gather_dim1(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if x.dtype in FP8_FORMATS.values():  # no gather kernel for FP8 on CPU: move the same bytes as uint8
+        return _gather_dim1(x.view(torch.uint8), index).view(x.dtype)
     return x.gather(1, index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
 
 

@@ -87,6 +87,11 @@ def alive_order(alive: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort((~alive).to(torch.int8), dim=1, stable=True)[:, :count]
 
 
+def alive_slots(alive: torch.Tensor) -> torch.Tensor:
+    """``[H, n]``: per head, the indices of the True slots of ``alive``, in order; every head must have ``n``."""
+    return alive.nonzero()[:, 1].reshape(alive.shape[0], -1)
+
+
 class TokenStore(ABC):
     """One sequence's keys and values in one layer, ``[kv_heads, tokens, head_dim]``.
 
@@ -191,6 +196,7 @@ class QuantizedSequence:
         self.alive: torch.Tensor | None = None  # [H, block slots]
         self.tail: torch.Tensor | None = None  # [H, R, D] in kv_dtype
         self.tail_alive: torch.Tensor | None = None  # [H, R]
+        self.count = 0  # live tokens per head
 
     @property
     def unit(self) -> int:
@@ -216,10 +222,7 @@ class QuantizedSequence:
 
     @property
     def length(self) -> int:
-        alive = self._alive_all()
-        if alive is None:
-            return self.sealed_slots + self.tail_slots
-        return int(alive[0].sum())
+        return self.count
 
     def append(self, x: torch.Tensor) -> None:
         if self.compute_dtype is None:
@@ -227,6 +230,7 @@ class QuantizedSequence:
         if self.kv_dtype is not None:
             x = x.to(self.kv_dtype)
         self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=1)
+        self.count += x.shape[1]
         if self.tail_alive is not None:
             self.tail_alive = torch.cat([self.tail_alive, self.tail_alive.new_ones(x.shape[0], x.shape[1])], dim=1)
 
@@ -264,15 +268,16 @@ class QuantizedSequence:
         alive = self._alive_all()
         if alive is None:
             return everything
-        return gather_tokens(everything, alive_order(alive, self.length))
+        return everything[alive].reshape(everything.shape[0], -1, everything.shape[2])  # every head: `length` live slots
 
     def select(self, index: torch.Tensor) -> None:
         alive = self._alive_all()
         if alive is None:
             alive = torch.ones(index.shape[0], self.sealed_slots + self.tail_slots, dtype=torch.bool, device=index.device)
-        slots = alive_order(alive, self.length).gather(1, index)
+        slots = alive_slots(alive).gather(1, index)
         kept = torch.zeros_like(alive).scatter_(1, slots, True)
         self.alive, self.tail_alive = kept[:, :self.sealed_slots], kept[:, self.sealed_slots:]
+        self.count = index.shape[1]
         self._compact()
 
     def _compact(self) -> None:

@@ -10,6 +10,7 @@ from kveval.lowrank import LowRankStore
 from kveval.policies import parse_policy
 
 FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at rank = head_dim (float32 rounding of x B B^T only)
+EXACT = "float32"  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to the deployment's bf16
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +26,9 @@ def _ids(n, seed):
     return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _context_then_steps(model, spec, context, steps):
+def _context_then_steps(model, spec, context, steps, kv_dtype=None):
     """Prefill ``context`` (then compressed), then feed ``steps`` one token at a time; logits of every forward."""
-    cache = CompressedCache(model, spec)
+    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
     n = context.shape[1]
     with torch.no_grad():
         logits = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits]
@@ -36,8 +37,8 @@ def _context_then_steps(model, spec, context, steps):
     return logits, cache
 
 
-def _context_then_question(model, spec, context, question):
-    cache = CompressedCache(model, spec)
+def _context_then_question(model, spec, context, question, kv_dtype=None):
+    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
     n, q = context.shape[1], question.shape[1]
     with torch.no_grad():
         model(context, cache=cache, position_ids=torch.arange(n)[None])
@@ -49,8 +50,8 @@ def _context_then_question(model, spec, context, question):
 def test_full_rank_reproduces_uncompressed_logits(make, head_dim):
     model = make()
     context, steps = _ids(40, 0), _ids(6, 1)
-    base, _ = _context_then_steps(model, "none", context, steps)
-    ours, cache = _context_then_steps(model, f"lowrank(rank={head_dim})", context, steps)
+    base, _ = _context_then_steps(model, "none", context, steps, EXACT)
+    ours, cache = _context_then_steps(model, f"lowrank(rank={head_dim})", context, steps, EXACT)
     for a, b in zip(ours, base):
         assert (a - b).abs().max().item() < FULL_RANK_TOLERANCE
     assert all(isinstance(row.store, LowRankStore) for layer in cache.layers for row in layer.rows)
@@ -59,21 +60,21 @@ def test_full_rank_reproduces_uncompressed_logits(make, head_dim):
 def test_lower_rank_moves_logits_further_from_baseline():
     model = tiny_llama()
     context, question = _ids(48, 2), _ids(16, 3)
-    base, _ = _context_then_question(model, "none", context, question)
+    base, _ = _context_then_question(model, "none", context, question, EXACT)
     errors = []
     for rank in (16, 8, 4, 2):
-        logits, _ = _context_then_question(model, f"lowrank(rank={rank})", context, question)
+        logits, _ = _context_then_question(model, f"lowrank(rank={rank})", context, question, EXACT)
         errors.append((logits - base).pow(2).mean().item())
     assert errors[0] < 1e-10
     assert errors == sorted(errors) and len(set(errors)) == 4, errors
 
 
 def test_bytes_per_token_are_the_rank_arithmetic():
-    model = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16, float32
+    model = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16, float32 compute, bf16 deployment cache
     layers, heads, tokens = 2, 2, 64
     cases = {
-        "lowrank(k_rank=8,v_rank=4)": (8 + 4) * 4,  # coefficients in the model dtype
-        "lowrank(rank=16)": (16 + 16) * 4,
+        "lowrank(k_rank=8,v_rank=4)": (8 + 4) * 2,  # coefficients in the deployment's cache dtype (bf16)
+        "lowrank(rank=16)": (16 + 16) * 2,
         "lowrank(k_rank=8,v_rank=4)+quant(bits=8,group=4)": (8 + 2 * 4) + (4 + 1 * 4),  # codes + fp16 scale/zero per group
         "lowrank(k_rank=8,v_rank=4)+quant(bits=4,group=4)": (4 + 2 * 4) + (2 + 1 * 4),  # two codes per byte
     }
@@ -95,7 +96,7 @@ def test_gemma_sliding_layers_get_bases_and_bytes_follow_kept_tokens():
     stats = cache.stats()
     kept = [row[0] for row in stats.kept_tokens]
     assert kept[3] == 48 and all(k < 48 for k in kept[:3])  # sliding layers hold only their window
-    assert stats.kv_bytes == sum(kept) * (12 + 6) * 1 * 4
+    assert stats.kv_bytes == sum(kept) * (12 + 6) * 1 * 2  # bf16 coefficients
     assert policy.structure.basis_bytes(model) == 4 * 4 * 32 * (12 + 6)  # layers x float32 x head_dim x ranks
 
 
@@ -110,7 +111,7 @@ def test_energy_picks_the_smallest_rank_per_layer_and_head():
             fewer = calibration.energy_kept(kind, layer, [r - 1 for r in per_head])
             assert all(k >= 0.9 - 1e-9 for k in kept) and all(f < 0.9 for f in fewer)
     _, cache = _context_then_question(model, policy.spec(), _ids(32, 7), _ids(4, 8))
-    expected = sum(36 * (k + v) * 4 for layer in range(2) for k, v in zip(ranks["k"][layer], ranks["v"][layer]))
+    expected = sum(36 * (k + v) * 2 for layer in range(2) for k, v in zip(ranks["k"][layer], ranks["v"][layer]))
     assert cache.stats().kv_bytes == expected
     # With per-token quantization, energy ranks are rounded up to whole groups.
     stack = parse_policy("lowrank(energy=0.9)+quant(bits=8,group=8)")
@@ -155,7 +156,7 @@ def test_keys_are_projected_after_rope():
     hook = attention.k_proj.register_forward_hook(lambda mod, args, out: pre_rope.setdefault("k", out.detach()))
     LowRankStore.append = spy
     try:
-        cache = CompressedCache(model, "lowrank(rank=6)")
+        cache = CompressedCache(model, "lowrank(rank=6)", kv_dtype=EXACT)
         with torch.no_grad():
             model(ids, cache=cache, position_ids=torch.arange(24)[None])
     finally:

@@ -126,6 +126,7 @@ def test_load_model_records_the_checkpoint_dtype_before_loading_in_float32(tmp_p
 KIVI = parse_policy("kivi(bits=2,group=8,residual=16)").quantization
 QUANT4 = parse_policy("quant(bits=4,group=8)").quantization
 FP8_CHANNEL = parse_policy("fp8(axis=channel,group=8,residual=4)").quantization
+FP8 = parse_policy("fp8(group=8)").quantization
 
 
 def _store(policy, kv_dtype=torch.float32):
@@ -145,7 +146,7 @@ def _evict_one(store, ids, generator, among_first=None):
     return [[row[j] for j in index[h].tolist()] for h, row in enumerate(ids)]
 
 
-@pytest.mark.parametrize("policy", [KIVI, QUANT4, FP8_CHANNEL], ids=["kivi", "quant4", "fp8-channel"])
+@pytest.mark.parametrize("policy", [KIVI, QUANT4, FP8, FP8_CHANNEL], ids=["kivi", "quant4", "fp8", "fp8-channel"])
 def test_reconstruction_after_100_evictions_equals_the_reconstruction_without(policy):
     heads, tokens = 3, 300
     g = torch.Generator().manual_seed(2)
