@@ -150,8 +150,9 @@ def test_policy_none_matches_stock_hflm(tokenizer):
     reference = HFLM(pretrained=tiny_model(tokenizer, "sdpa"), tokenizer=tokenizer, batch_size=2).loglikelihood(ll_requests(PAIRS))
     for compress in ("context", "query"):
         for batch_size in (1, 3):
+            # kv_dtype=float32: the cache the stock (fp32) model keeps; the default is the 16-bit deployment cache
             lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy="none", compress=compress,
-                          batch_size=batch_size)
+                          batch_size=batch_size, kv_dtype="float32")
             ours = lm.loglikelihood(ll_requests(PAIRS))
             for (a, greedy_a), (b, greedy_b) in zip(ours, reference):
                 assert a == pytest.approx(b, abs=1e-5)
