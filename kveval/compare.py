@@ -66,7 +66,8 @@ def format_table(rc: RunComparison) -> str:
         f"baseline:  {rc.baseline.name} ({rc.baseline_path})\n"
         f"candidate: {rc.candidate.name} ({rc.candidate_path})\n"
         f"{rc.n} paired items ({rc.source} results); delta = candidate - baseline, "
-        f"{int(round(rc.overall.confidence_level * 100))}% paired bootstrap CI; Holm/BH across {len(rc.tasks)} task(s)\n"
+        f"{int(round(rc.overall.confidence_level * 100))}% CI (Tango score interval for right/wrong tasks, paired bootstrap for graded); "
+        f"Holm/BH across {len(rc.tasks)} task(s)\n"
     )
     cols = ["task", "n", "base", "cand", "delta [CI]", "test", "p", "Holm", "BH", "-flip", "+flip", "agree", "confusion change"]
     rows = []

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from kveval import stats
+from kveval import paired, stats
 from kveval.records import ItemRecord, RunInfo
 from kveval.results import Run, load_run, pair_runs
 
@@ -35,6 +35,8 @@ ALL = "ALL"
 
 DEFAULT_RESAMPLES = 9999
 CELL_RESAMPLES = 1999  # heatmap cells are descriptive; a cheaper bootstrap is enough
+#: Largest share of graded items (score strictly between 0 and 1) in a task still tested on right/wrong.
+GRADED_SHARE_MAX = 0.10
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -55,19 +57,30 @@ class Comparison:
     n : int
         Paired items.
     baseline_score, candidate_score, delta : float
-        Mean scores and their difference (candidate - baseline).
+        Accuracy (right/wrong tasks) or mean score (graded tasks) of each run,
+        and their difference (candidate - baseline).
     ci_low, ci_high : float
-        Paired bootstrap interval of ``delta`` at ``confidence_level``.
+        Two-sided interval of ``delta`` at ``confidence_level``: Tango's score
+        interval (right/wrong) or the paired bootstrap (graded); never
+        zero-width.
+    ci_method : str
+        ``"tango"``, ``"BCa"``, ``"percentile"`` or ``"tango-zero"`` (graded
+        scores that did not change at all: the zero-discordance score bound).
     binary : bool
         Every score is 0 or 1.
+    right_wrong : bool
+        Tested on right/wrong (``correct``): every score is 0/1, or at most
+        :data:`GRADED_SHARE_MAX` of the items carry a graded score (counted by
+        their ``correct`` flag).
+    n_graded : int
+        Items with a score strictly between 0 and 1 in either run.
     pvalue : float
-        The cell's test: exact McNemar for binary scores, Wilcoxon otherwise.
+        Two-sided test of "no change": exact McNemar (right/wrong) or
+        Wilcoxon (graded). Descriptive; the gate tests against its margin.
     test : str
         ``"mcnemar"`` or ``"wilcoxon"``.
     mcnemar_p : float
         Exact McNemar p on correctness (reported for every cell).
-    score_test, score_p : str, float
-        Test on the scores themselves: paired permutation (binary) or Wilcoxon.
     p_holm, p_bh : float or None
         ``pvalue`` adjusted across the family (the run's tasks, or its heatmap
         cells); set by :func:`adjust_pvalues`.
@@ -98,11 +111,11 @@ class Comparison:
     confidence_level: float
     ci_method: str
     binary: bool
+    right_wrong: bool
+    n_graded: int
     pvalue: float
     test: str
     mcnemar_p: float
-    score_test: str
-    score_p: float
     n_regressed: int
     n_improved: int
     negative_flip_rate: float
@@ -169,16 +182,23 @@ def compare_pairs(
     b = np.array([c.score for c in cand], dtype=float)
     ac = np.array([bool(x.correct) for x in base])
     bc = np.array([bool(x.correct) for x in cand])
-    ci = stats.paired_bootstrap_ci(a, b, confidence_level=confidence_level, n_resamples=n_resamples, seed=seed)
     mc = stats.mcnemar_exact(ac, bc)
     fl = stats.flips(ac, bc)
-    binary = stats.is_binary(a, b)
-    if binary:
-        score_test, score_p = "permutation", stats.paired_permutation_test(a, b, n_resamples=n_resamples, seed=seed)
+    n_graded = int(np.sum(((a > 0) & (a < 1)) | ((b > 0) & (b < 1))))
+    right_wrong = n_graded <= GRADED_SHARE_MAX * len(pairs)
+    if right_wrong:
+        low, high = paired.tango_interval(fl.n_regressed, fl.n_improved, len(pairs), confidence_level)
+        base_score, cand_score = float(ac.mean()), float(bc.mean())
+        estimate, method = (fl.n_improved - fl.n_regressed) / len(pairs), "tango"
         test, pvalue = "mcnemar", mc.pvalue
     else:
-        score_test, score_p = "wilcoxon", stats.wilcoxon_test(a, b)
-        test, pvalue = "wilcoxon", score_p
+        ci = stats.paired_bootstrap_ci(a, b, confidence_level=confidence_level, n_resamples=n_resamples, seed=seed)
+        base_score, cand_score, estimate = float(a.mean()), float(b.mean()), ci.estimate
+        low, high, method = ci.low, ci.high, ci.method
+        if method == "degenerate":  # every difference equal: the bootstrap has no spread, use the score bound
+            zl, zh = paired.tango_interval(0, 0, len(pairs), confidence_level)
+            low, high, method = max(-1.0, estimate + zl), min(1.0, estimate + zh), "tango-zero"
+        test, pvalue = "wilcoxon", stats.wilcoxon_test(a, b)
     cb, cc = confusion_rates(base), confusion_rates(cand)
     keys = list(dict.fromkeys([*cb, *cc]))
     cd = {k: cc.get(k, 0.0) - cb.get(k, 0.0) for k in keys} if (cb or cc) else {}
@@ -208,19 +228,19 @@ def compare_pairs(
         cell=cell,
         task=task,
         n=len(pairs),
-        baseline_score=float(a.mean()),
-        candidate_score=float(b.mean()),
-        delta=ci.estimate,
-        ci_low=ci.low,
-        ci_high=ci.high,
+        baseline_score=base_score,
+        candidate_score=cand_score,
+        delta=estimate,
+        ci_low=low,
+        ci_high=high,
         confidence_level=confidence_level,
-        ci_method=ci.method,
-        binary=binary,
+        ci_method=method,
+        binary=bool(stats.is_binary(a, b)),
+        right_wrong=bool(right_wrong),
+        n_graded=n_graded,
         pvalue=pvalue,
         test=test,
         mcnemar_p=mc.pvalue,
-        score_test=score_test,
-        score_p=score_p,
         n_regressed=fl.n_regressed,
         n_improved=fl.n_improved,
         negative_flip_rate=fl.negative_rate,

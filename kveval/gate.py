@@ -1,214 +1,58 @@
 """Regression gate: may this compression policy be deployed instead of the baseline?
 
-``kveval gate --config configs/gate.yaml --baseline RUN --candidate RUN [...] --out DIR``
-compares each candidate with the baseline item by item (:mod:`kveval.compare`)
-and applies the rules of the gate config (see ``configs/gate.yaml``) to every
-gated task: no significant regression (Holm-adjusted), non-inferiority within a
-margin, a bounded negative flip rate and bounded rises of memory-confusion
-categories. It prints one verdict line per candidate with its reasons, writes
-``gate.md``, ``gate.xml`` (JUnit: one testcase per candidate x task) and
-``gate.json`` to ``--out``, and exits 0 when every candidate passes, 1 when any
-regressed, 2 on any error: missing, corrupt, truncated or unpaired results
-never pass.
+``kveval gate --baseline RUN --candidate RUN [...] [--config configs/gate.yaml] [--out DIR]``
+compares each candidate with the baseline item by item (:mod:`kveval.comparison`)
+and gives every gated task one of three verdicts:
+
+PASS
+    Non-inferiority shown: the one-sided ``1 - alpha`` lower bound of the
+    change lies above ``-margin`` and the net negative-flip rate is shown to be
+    under its cap.
+FAIL
+    A loss larger than the margin shown (the upper bound below ``-margin``,
+    Holm-adjusted across the family), or a regression rule broken with
+    statistical support (the net right->wrong rate, or the share of
+    previously-right items that fell into a confusion category, is shown to
+    be above its cap).
+INCONCLUSIVE
+    Neither: too few items. The verdict names the items needed to decide at
+    the observed discordance.
+
+Right/wrong tasks use Tango's score interval and tests (:mod:`kveval.paired`),
+graded tasks the paired bootstrap. A candidate FAILs when any task fails, else
+is INCONCLUSIVE when any task is, else PASSes. Exit codes
+(:mod:`kveval.errors`): 0 PASS, 1 FAIL, 3 INCONCLUSIVE (0 with a warning when
+``inconclusive_blocks: false``), 2 any error. ``--plan`` prints the items per
+task needed instead; ``--gpu-memory/--context/--batch`` add the deployment
+decision: which candidates' caches fit, and the most compressed one that PASSes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
+from scipy import stats as _st
 
-from kveval import stats
-from kveval.compare import (
-    CATEGORIES,
-    OVERALL,
-    Comparison,
-    RunComparison,
-    _clean,
-    adjust_pvalues,
-    compare_runs,
-    expand_run_dirs,
-    fmt_p,
-    load_run,
-)
-from kveval.records import ResultFileError, RunInfo, atomic_write_text
+from kveval import paired, stats
+from kveval.comparison import CONFUSION_CATEGORIES, OVERALL, Comparison, RunComparison, _clean, adjust_pvalues, compare_runs
+from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
+from kveval.gate_config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
+from kveval.records import RunInfo
+from kveval.results import expand_run_dirs, load_run, pairing_warnings
 
-PASS, FAIL, ERROR = "PASS", "FAIL", "ERROR"
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "gate.yaml"
-_KEYS = {
-    "tasks",
-    "alpha",
-    "family",
-    "margin",
-    "require_non_inferiority",
-    "max_negative_flip_rate",
-    "max_confusion_increase",
-    "confidence_level",
-    "n_resamples",
-    "seed",
-}
+PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
+_ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
 
-
-@dataclass
-class GateConfig:
-    """Rules of the gate (the YAML file, validated).
-
-    Attributes
-    ----------
-    tasks : "all" or list of str
-        Tasks to gate.
-    alpha : float
-        Family-wise error rate of the Holm-adjusted regression test; the
-        non-inferiority bound is one-sided at ``1 - alpha``.
-    family : {"candidate", "sweep"}
-        Holm family: one candidate's gated tasks, or all candidates' together.
-    margin : dict
-        Non-inferiority margin per task, ``"default"`` for the rest.
-    require_non_inferiority : bool
-        Fail unless the lower bound of the change is above ``-margin``.
-    max_negative_flip_rate : float or None
-        Largest right->wrong share per task.
-    max_confusion_increase : dict
-        Largest rise in share per category, ``"overall"`` and ``"default"``.
-    confidence_level, n_resamples, seed
-        Bootstrap settings.
-    """
-
-    tasks: str | list[str] = "all"
-    alpha: float = 0.05
-    family: str = "candidate"
-    margin: dict[str, float] = field(default_factory=lambda: {"default": 0.05})
-    require_non_inferiority: bool = True
-    max_negative_flip_rate: float | None = 0.10
-    max_confusion_increase: dict[str, float] = field(default_factory=lambda: {OVERALL: 0.10, "default": 0.10})
-    confidence_level: float = 0.95
-    n_resamples: int = 9999
-    seed: int = 0
-
-    def margin_for(self, task: str) -> float:
-        return float(self.margin.get(task, self.margin.get("default", 0.05)))
-
-    def confusion_limit(self, category: str) -> float | None:
-        if category in self.max_confusion_increase:
-            return self.max_confusion_increase[category]
-        if category == OVERALL:
-            return None
-        return self.max_confusion_increase.get("default")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, source: str = "gate config") -> "GateConfig":
-        data = dict(data or {})
-        unknown = sorted(set(data) - _KEYS)
-        if unknown:
-            raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
-        cfg = cls()
-        if "tasks" in data:
-            t = data["tasks"]
-            if t == "all" or t is None:
-                cfg.tasks = "all"
-            elif isinstance(t, str):
-                cfg.tasks = [t]
-            elif isinstance(t, list) and t and all(isinstance(x, str) for x in t):
-                cfg.tasks = list(t)
-            else:
-                raise ValueError(f"{source}: tasks must be 'all' or a non-empty list of task names, got {t!r}")
-        if "alpha" in data:
-            cfg.alpha = _prob(data["alpha"], "alpha", source, open_interval=True)
-        if "family" in data:
-            if data["family"] not in ("candidate", "sweep"):
-                raise ValueError(f"{source}: family must be 'candidate' or 'sweep', got {data['family']!r}")
-            cfg.family = data["family"]
-        if "margin" in data:
-            m = data["margin"]
-            if isinstance(m, dict):
-                cfg.margin = {str(k): _nonneg(v, f"margin.{k}", source) for k, v in m.items()}
-                cfg.margin.setdefault("default", 0.05)
-            else:
-                cfg.margin = {"default": _nonneg(m, "margin", source)}
-        if "require_non_inferiority" in data:
-            if not isinstance(data["require_non_inferiority"], bool):
-                raise ValueError(f"{source}: require_non_inferiority must be true or false")
-            cfg.require_non_inferiority = data["require_non_inferiority"]
-        if "max_negative_flip_rate" in data:
-            v = data["max_negative_flip_rate"]
-            cfg.max_negative_flip_rate = None if v is None else _prob(v, "max_negative_flip_rate", source)
-        if "max_confusion_increase" in data:
-            v = data["max_confusion_increase"]
-            if v is None:
-                cfg.max_confusion_increase = {}
-            elif isinstance(v, dict):
-                allowed = {*CATEGORIES, OVERALL, "default"} - {"correct"}
-                bad = sorted(str(k) for k in v if k not in allowed)
-                if bad:
-                    raise ValueError(
-                        f"{source}: max_confusion_increase: unknown category {', '.join(bad)} (use {', '.join(sorted(allowed))})"
-                    )
-                cfg.max_confusion_increase = {str(k): _prob(x, f"max_confusion_increase.{k}", source) for k, x in v.items() if x is not None}
-            else:
-                x = _prob(v, "max_confusion_increase", source)
-                cfg.max_confusion_increase = {OVERALL: x, "default": x}
-        if "confidence_level" in data:
-            cfg.confidence_level = _prob(data["confidence_level"], "confidence_level", source, open_interval=True)
-        if "n_resamples" in data:
-            if not isinstance(data["n_resamples"], int) or data["n_resamples"] < 100:
-                raise ValueError(f"{source}: n_resamples must be an integer >= 100")
-            cfg.n_resamples = data["n_resamples"]
-        if "seed" in data:
-            if not isinstance(data["seed"], int):
-                raise ValueError(f"{source}: seed must be an integer")
-            cfg.seed = data["seed"]
-        return cfg
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _num(v: Any, name: str, source: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{source}: {name} must be a number, got {v!r}")
-    return float(v)
-
-
-def _nonneg(v: Any, name: str, source: str) -> float:
-    x = _num(v, name, source)
-    if x < 0:
-        raise ValueError(f"{source}: {name} must be >= 0, got {v!r}")
-    return x
-
-
-def _prob(v: Any, name: str, source: str, open_interval: bool = False) -> float:
-    x = _num(v, name, source)
-    if open_interval and not 0 < x < 1 or not 0 <= x <= 1:
-        raise ValueError(f"{source}: {name} must be in {'(0, 1)' if open_interval else '[0, 1]'}, got {v!r}")
-    return x
-
-
-def load_gate_config(config: str | os.PathLike | dict | GateConfig | None = None) -> GateConfig:
-    """A :class:`GateConfig` from a YAML path, a dict, a config, or ``None`` (built-in defaults)."""
-    if config is None:
-        return GateConfig()
-    if isinstance(config, GateConfig):
-        return config
-    if isinstance(config, dict):
-        return GateConfig.from_dict(config)
-    path = Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such gate config")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-    if data is not None and not isinstance(data, dict):
-        raise ValueError(f"{path}: a gate config is a mapping of settings")
-    return GateConfig.from_dict(data, source=str(path))
+__all__ = [
+    "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "Deployment", "GateConfig", "GateResult", "TaskVerdict",
+    "deployment_decision", "evaluate_gate", "evaluate_sweep", "exit_code", "load_gate_config", "write_gate_outputs",
+]
 
 
 @dataclass
@@ -219,14 +63,23 @@ class TaskVerdict:
     ----------
     task : str
     status : str
-        ``"PASS"`` or ``"FAIL"``.
+        ``"PASS"``, ``"FAIL"`` or ``"INCONCLUSIVE"``.
     summary : str
         One-line description of the change.
     reasons : list of str
-        Broken rules (empty when passing).
+        Broken rules (FAIL) or what could not be shown (INCONCLUSIVE).
+    notes : list of str
+        Reported, never failing: e.g. confusion shifts among items already
+        wrong at baseline.
     margin : float
-    lower_bound : float
-        One-sided ``1 - alpha`` lower bound of the score change.
+    test : paired.MarginTest
+        The task's change tested against ``-margin`` (one-sided bounds at
+        ``1 - alpha``, p-values).
+    p_inferior_holm : float
+        ``test.p_inferior`` Holm-adjusted over the family.
+    items_needed : int or None
+        INCONCLUSIVE only: items per task to decide with the configured power
+        at the observed discordance (``None``: the change sits on the margin).
     comparison : Comparison
     """
 
@@ -234,9 +87,16 @@ class TaskVerdict:
     status: str
     summary: str
     reasons: list[str]
+    notes: list[str]
     margin: float
-    lower_bound: float
+    test: paired.MarginTest
+    p_inferior_holm: float
+    items_needed: int | None
     comparison: Comparison
+
+    @property
+    def lower_bound(self) -> float:
+        return self.test.lower
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(
@@ -245,8 +105,14 @@ class TaskVerdict:
                 "status": self.status,
                 "summary": self.summary,
                 "reasons": self.reasons,
+                "notes": self.notes,
                 "margin": self.margin,
-                "lower_bound": self.lower_bound,
+                "lower_bound": self.test.lower,
+                "upper_bound": self.test.upper,
+                "p_noninferior": self.test.p_noninferior,
+                "p_inferior": self.test.p_inferior,
+                "p_inferior_holm": self.p_inferior_holm,
+                "items_needed": self.items_needed,
                 "comparison": self.comparison.to_dict(),
             }
         )
@@ -254,22 +120,7 @@ class TaskVerdict:
 
 @dataclass
 class CandidateVerdict:
-    """The verdict on one candidate run.
-
-    Attributes
-    ----------
-    path : str
-        Candidate results as given.
-    name : str
-        Run name (the path when the run could not be read).
-    status : str
-        ``"PASS"``, ``"FAIL"`` or ``"ERROR"``.
-    tasks : list of TaskVerdict
-    error : str or None
-        Why the candidate could not be evaluated.
-    info : RunInfo or None
-    comparison : RunComparison or None
-    """
+    """The verdict on one candidate run (``status``: the worst of its tasks, or ``"ERROR"``)."""
 
     path: str
     name: str
@@ -278,18 +129,20 @@ class CandidateVerdict:
     error: str | None = None
     info: RunInfo | None = None
     comparison: RunComparison | None = None
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def reasons(self) -> list[str]:
-        return [f"{t.summary}: {'; '.join(t.reasons)}" for t in self.tasks if t.status == FAIL]
+        return [f"{t.task}: {'; '.join(t.reasons)}" for t in self.tasks if t.status != PASS]
 
     def line(self) -> str:
-        """The verdict line: ``PASS name: ...``, ``FAIL name: reasons`` or ``ERROR name: message``."""
+        """``PASS name: ...``, ``FAIL name: reasons``, ``INCONCLUSIVE name: ...`` or ``ERROR name: message``."""
         if self.status == ERROR:
             return f"ERROR {self.name}: {self.error}"
-        if self.status == FAIL:
-            return f"FAIL {self.name}: " + " | ".join(self.reasons)
-        return f"PASS {self.name}: " + "; ".join(t.summary for t in self.tasks)
+        if self.status == PASS:
+            return f"PASS {self.name}: " + "; ".join(t.summary for t in self.tasks)
+        shown = [t for t in self.tasks if t.status == self.status]
+        return f"{self.status} {self.name}: " + " | ".join(f"{t.summary}: {'; '.join(t.reasons)}" for t in shown)
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(
@@ -298,6 +151,7 @@ class CandidateVerdict:
                 "name": self.name,
                 "status": self.status,
                 "error": self.error,
+                "warnings": self.warnings,
                 "run": asdict(self.info) if self.info else None,
                 "reasons": self.reasons,
                 "tasks": [t.to_dict() for t in self.tasks],
@@ -305,12 +159,22 @@ class CandidateVerdict:
         )
 
 
+def _exit_for(status: str, cfg: GateConfig) -> int:
+    if status == ERROR:
+        return EXIT_ERROR
+    if status == FAIL:
+        return EXIT_FAIL
+    if status == INCONCLUSIVE:
+        return EXIT_INCONCLUSIVE if cfg.inconclusive_blocks else EXIT_PASS
+    return EXIT_PASS
+
+
 @dataclass
 class GateResult:
     """Verdicts on every candidate against one baseline.
 
-    ``exit_code`` is 2 when any candidate could not be evaluated, else 1 when
-    any failed, else 0.
+    ``status`` is the worst candidate status (ERROR > FAIL > INCONCLUSIVE >
+    PASS); ``exit_code`` follows it (:mod:`kveval.errors`).
     """
 
     config: GateConfig
@@ -318,22 +182,19 @@ class GateResult:
     baseline_path: str
     tasks: list[str]
     candidates: list[CandidateVerdict]
-
-    @property
-    def exit_code(self) -> int:
-        if any(c.status == ERROR for c in self.candidates):
-            return 2
-        if any(c.status == FAIL for c in self.candidates):
-            return 1
-        return 0
-
-    @property
-    def passed(self) -> bool:
-        return self.exit_code == 0
+    deployment: "Deployment | None" = None
 
     @property
     def status(self) -> str:
-        return {0: PASS, 1: FAIL, 2: ERROR}[self.exit_code]
+        return max((c.status for c in self.candidates), key=_ORDER.__getitem__, default=ERROR)
+
+    @property
+    def exit_code(self) -> int:
+        return _exit_for(self.status, self.config)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
 
     def verdict(self, run: str | os.PathLike | RunInfo) -> str | None:
         """Status of a candidate given its path, name or RunInfo (``None`` if not gated)."""
@@ -356,6 +217,7 @@ class GateResult:
                 "tasks": self.tasks,
                 "config": self.config.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates],
+                "deployment": self.deployment.to_dict() if self.deployment else None,
             }
         )
 
@@ -371,46 +233,145 @@ def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
 
-def _summary(c: Comparison) -> str:
+# ----------------------------------------------------------------------------- judging one task
+
+
+def margin_test(c: Comparison, margin: float, cfg: GateConfig) -> paired.MarginTest:
+    """The task's change against ``-margin``: Tango on right/wrong counts, else the paired bootstrap."""
+    if c.right_wrong:
+        return paired.margin_test(c.n_regressed, c.n_improved, c.n, margin, cfg.alpha)
+    return stats.bootstrap_margin_test(
+        c.baseline_scores, c.candidate_scores, margin, alpha=cfg.alpha, n_resamples=cfg.n_resamples, seed=cfg.seed
+    )
+
+
+def items_needed(c: Comparison, t: paired.MarginTest, cfg: GateConfig) -> int | None:
+    """Items per task that would decide with ``cfg.power`` if the observed rates are the true ones."""
+    if c.right_wrong:
+        return paired.items_needed_approx(c.n_regressed / c.n, c.n_improved / c.n, t.margin, cfg.alpha, cfg.power)
+    gap = abs(t.delta + t.margin)
+    if gap < 1e-12:
+        return None
+    sd = float(abs(t.upper - t.lower) / (2 * _st.norm.ppf(1 - cfg.alpha))) * math.sqrt(c.n)  # per-item spread
+    z = _st.norm.ppf(1 - cfg.alpha) + _st.norm.ppf(cfg.power)
+    return max(c.n + 1, math.ceil((z * sd / gap) ** 2))
+
+
+def _summary(c: Comparison, t: paired.MarginTest) -> str:
     cats = c.regressed_categories()
     cat_text = ", ".join(f"{n} {k}" for k, n in cats.most_common())
     head = f"{c.task} regressed {c.n_regressed}/{c.n} items" + (f" ({cat_text})" if c.n_regressed and cats else "")
     if c.n_improved:
         head += f", improved {c.n_improved}"
-    test = "McNemar" if c.test == "mcnemar" else "Wilcoxon"
-    return (
-        f"{head}, delta {c.delta:+.2f} [{c.ci_low:+.2f},{c.ci_high:+.2f}], "
-        f"{test} p={fmt_p(c.pvalue)} (Holm {fmt_p(c.p_holm)})"
-    )
+    what = "accuracy" if c.right_wrong else "mean score"
+    bound = int(round((1 - 2 * t.alpha) * 100))
+    return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% {'Tango' if c.right_wrong else 'bootstrap'})"
 
 
-def _judge(c: Comparison, cfg: GateConfig) -> TaskVerdict:
-    margin = cfg.margin_for(c.task)
-    ni = stats.non_inferiority(
-        c.baseline_scores, c.candidate_scores, margin, alpha=cfg.alpha, n_resamples=cfg.n_resamples, seed=cfg.seed
-    )
+def _lower_binomial(k: int, n: int, alpha: float) -> float:
+    """One-sided ``1 - alpha`` Clopper-Pearson lower bound of a proportion ``k / n``."""
+    return 0.0 if k == 0 else float(_st.beta.ppf(alpha, k, n - k + 1))
+
+
+def _confusion(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str]]:
+    """Rule on items right at baseline that fell into a confusion category; shifts among already-wrong items are notes."""
     reasons: list[str] = []
-    if c.delta < 0 and c.p_holm is not None and c.p_holm < cfg.alpha:
-        reasons.append(f"significant regression (Holm p={fmt_p(c.p_holm)} < alpha={cfg.alpha:g})")
-    if cfg.require_non_inferiority and not ni.passed:
-        reasons.append(
-            f"non-inferiority not shown: {int(round((1 - cfg.alpha) * 100))}% lower bound {ni.lower:+.3f} <= -margin {-margin:+.3f}"
-        )
-    if cfg.max_negative_flip_rate is not None and c.negative_flip_rate > cfg.max_negative_flip_rate + 1e-12:
-        reasons.append(
-            f"negative flip rate {_pct(c.negative_flip_rate)} ({c.n_regressed}/{c.n} right->wrong) > {_pct(cfg.max_negative_flip_rate)}"
-        )
-    for cat, d in c.confusion_delta.items():
-        if cat == "correct":
-            continue
+    notes: list[str] = []
+    if not cfg.max_confusion_increase or not pairs or not any(b.category for b, _ in pairs):
+        return reasons, notes
+    regressed: dict[str, int] = {}
+    for b, x in pairs:
+        if b.correct and not x.correct and x.category:
+            regressed[x.category] = regressed.get(x.category, 0) + 1
+    counts = dict(regressed)
+    counts[OVERALL] = sum(v for k, v in regressed.items() if k in CONFUSION_CATEGORIES)
+    for cat, k in counts.items():
         limit = cfg.confusion_limit(cat)
-        if limit is not None and d > limit + 1e-12:
+        if limit is None or k == 0:
+            continue
+        low = _lower_binomial(k, c.n, cfg.alpha)
+        if low > limit:
             label = "confusion (all categories)" if cat == OVERALL else cat
             reasons.append(
-                f"{label} rate rose {c.confusion_baseline.get(cat, 0.0) * 100:.1f}% -> "
-                f"{c.confusion_candidate.get(cat, 0.0) * 100:.1f}% (+{d * 100:.1f} points > {limit * 100:.1f})"
+                f"{label}: {k}/{c.n} previously right items ({_pct(k / c.n)}, {int(round((1 - cfg.alpha) * 100))}% lower bound "
+                f"{_pct(low)}) > {_pct(limit)}"
             )
-    return TaskVerdict(c.task, FAIL if reasons else PASS, _summary(c), reasons, margin, ni.lower, c)
+    shifted = sum(1 for b, x in pairs if not b.correct and not x.correct and b.category != x.category)
+    if shifted:
+        notes.append(f"{shifted} item(s) wrong in both runs changed confusion category (reported, never fails)")
+    return reasons, notes
+
+
+def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: paired.MarginTest, pairs=()) -> TaskVerdict:
+    """Apply the rules of ``cfg`` to one task (``p_inferior_holm``: the task's FAIL test, adjusted over the family)."""
+    margin = test.margin
+    reasons: list[str] = []
+    pending: list[str] = []
+    level = int(round((1 - cfg.alpha) * 100))
+    if p_inferior_holm < cfg.alpha:
+        reasons.append(
+            f"loss beyond the margin: {level}% upper bound {test.upper:+.3f} < -margin {-margin:+.3f} (Holm p={p_inferior_holm:.3g})"
+        )
+    cap = cfg.max_negative_flip_rate
+    if cap is not None and cap > 0:
+        net = paired.margin_test(c.n_regressed, c.n_improved, c.n, cap, cfg.alpha) if cap < 1 else None
+        if net is not None and net.upper < -cap:
+            reasons.append(
+                f"net negative flips: ({c.n_regressed} - {c.n_improved})/{c.n} right->wrong, {level}% lower bound "
+                f"{-net.upper:.3f} > cap {cap:g}"
+            )
+        elif net is not None and not net.lower > -cap:
+            pending.append(f"net negative flip rate not shown under {cap:g} (upper bound {-net.lower:.3f})")
+    confusion_reasons, notes = _confusion(c, cfg, pairs)
+    reasons += confusion_reasons
+    if not test.lower > -margin:
+        pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
+    needed = None
+    if reasons:
+        status = FAIL
+    elif pending:
+        status = INCONCLUSIVE
+        needed = items_needed(c, test, cfg)
+        pending.append(
+            f"about {needed} items per task would decide at the observed discordance ({int(cfg.power * 100)}% power)"
+            if needed is not None
+            else "the observed change sits on the margin: no number of items decides it"
+        )
+        reasons = pending
+    else:
+        status = PASS
+    return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c)
+
+
+def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
+    """Holm-adjust the FAIL tests over the configured family, then judge every candidate x gated task."""
+    ok = [(r, v) for r in results for v in r.candidates if v.comparison is not None]
+    tests = {
+        (id(v), t): margin_test(v.comparison.task(t), cfg.margin_for(t), cfg) for r, v in ok for t in r.tasks
+    }
+    families = [[(id(v), t) for r, v in ok for t in r.tasks]] if cfg.family == "sweep" else [[(id(v), t) for t in r.tasks] for r, v in ok]
+    holm: dict[tuple, float] = {}
+    for fam in families:
+        if fam:
+            for key, p in zip(fam, stats.holm([tests[k].p_inferior for k in fam])):
+                holm[key] = float(p)
+    # the descriptive "any change" tests, adjusted over the same family
+    if cfg.family == "sweep":
+        adjust_pvalues([v.comparison.task(t) for r, v in ok for t in r.tasks])
+    else:
+        for r, v in ok:
+            adjust_pvalues([v.comparison.task(t) for t in r.tasks])
+    for r, v in ok:
+        by_task: dict[str, list] = {}
+        for pair in v.comparison.pairs:
+            by_task.setdefault(pair[0].task, []).append(pair)
+        v.tasks = [
+            judge_task(v.comparison.task(t), cfg, holm[(id(v), t)], tests[(id(v), t)], by_task.get(t, [])) for t in r.tasks
+        ]
+        v.status = max((t.status for t in v.tasks), key=_ORDER.__getitem__, default=PASS)
+
+
+# ----------------------------------------------------------------------------- evaluating
 
 
 def evaluate_gate(
@@ -422,34 +383,14 @@ def evaluate_gate(
 ) -> GateResult:
     """Evaluate candidates against a baseline under the gate rules.
 
-    Parameters
-    ----------
-    config : path, dict, GateConfig or None
-        Gate YAML (``configs/gate.yaml`` schema); ``None`` uses the defaults.
-    baseline_dir : path
-        Baseline run folder (or lm-eval ``--log_samples`` output).
-    candidate_dirs : sequence of paths
-        Candidate runs. A candidate whose results cannot be read or paired gets
-        status ``"ERROR"`` (the others are still evaluated).
-    metric : str or dict, optional
-        lm-eval outputs only: metric to score by.
-
-    Returns
-    -------
-    GateResult
-        ``exit_code`` 0 pass, 1 regression, 2 error.
-
-    Raises
-    ------
-    ResultFileError
-        The baseline is missing, corrupt or truncated, or a gated task is not
-        in the baseline.
-    ValueError
-        Invalid config or no candidates.
+    A candidate whose results cannot be read or paired gets status ``"ERROR"``
+    (the others are still judged). Raises :class:`ResultFileError` for a bad
+    baseline or a gated task missing from it, :class:`UsageError` for no
+    candidates, :class:`~kveval.errors.ConfigError` for a bad config.
     """
     cfg = load_gate_config(config)
     if not candidate_dirs:
-        raise ValueError("no candidate runs to gate")
+        raise UsageError("no candidate runs to gate")
     base = load_run(baseline_dir, metric=metric)
     base_tasks = list(dict.fromkeys(it.task for it in base.items))
     if cfg.tasks == "all":
@@ -464,55 +405,27 @@ def evaluate_gate(
     verdicts: list[CandidateVerdict] = []
     for cand in candidate_dirs:
         try:
+            cand_run = load_run(cand, metric=metric)
             rc = compare_runs(
-                base,
-                cand,
-                confidence_level=cfg.confidence_level,
-                n_resamples=cfg.n_resamples,
-                seed=cfg.seed,
-                cells=False,
-                metric=metric,
+                base, cand_run, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples, seed=cfg.seed,
+                cells=False, metric=metric,
             )
         except (ResultFileError, ValueError, OSError) as exc:
             verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc)))
             continue
-        verdicts.append(CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc))
+        verdicts.append(
+            CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc, warnings=pairing_warnings(base, cand_run))
+        )
     result = GateResult(cfg, base.info, str(base.path), gated, verdicts)
     _judge_all([result], cfg)
     return result
 
 
-def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
-    """Holm-adjust over the configured family, then apply the rules to every candidate x gated task."""
-    ok = [(r, v) for r in results for v in r.candidates if v.comparison is not None]
-    if cfg.family == "sweep":
-        adjust_pvalues([v.comparison.task(t) for r, v in ok for t in r.tasks])
-    else:
-        for r, v in ok:
-            adjust_pvalues([v.comparison.task(t) for t in r.tasks])
-    for r, v in ok:
-        v.tasks = [_judge(v.comparison.task(t), cfg) for t in r.tasks]
-        v.status = FAIL if any(t.status == FAIL for t in v.tasks) else PASS
-
-
 def group_runs_by_baseline(run_dirs: Sequence[str | os.PathLike]) -> list[tuple[Path, list[Path]]]:
-    """Pair each compressed run of a sweep with its model's baseline run.
+    """Pair each compressed run of a sweep with its model's baseline run (one entry per model).
 
-    Parameters
-    ----------
-    run_dirs : sequence of paths
-        Run folders, or sweep folders holding ``runs/*/``.
-
-    Returns
-    -------
-    list of (baseline, candidates)
-        One entry per model, in the order models first appear.
-
-    Raises
-    ------
-    ResultFileError
-        An unreadable run, a model with candidates but no baseline, or a model
-        with two baselines: a candidate without its baseline never passes.
+    Raises :class:`ResultFileError` for an unreadable run, a model with
+    candidates but no baseline, or a model with two baselines.
     """
     groups: dict[str, dict[str, Any]] = {}
     for path in expand_run_dirs(run_dirs):
@@ -542,12 +455,7 @@ def evaluate_sweep(
     *,
     metric: str | dict[str, str] | None = None,
 ) -> list[GateResult]:
-    """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model).
-
-    The overall exit code is :func:`exit_code` of the returned list. With
-    ``family: sweep`` the Holm family spans every candidate x gated task of
-    every model.
-    """
+    """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model)."""
     cfg = load_gate_config(config)
     results = [evaluate_gate(cfg, base, cands, metric=metric) for base, cands in group_runs_by_baseline(run_dirs)]
     if cfg.family == "sweep" and len(results) > 1:
@@ -556,122 +464,79 @@ def evaluate_sweep(
 
 
 def exit_code(results: GateResult | Sequence[GateResult]) -> int:
-    """0 when every candidate passed, 1 when any regressed, 2 when any errored (or there is nothing gated)."""
+    """The exit code of the worst result (2 when there is nothing gated)."""
     results = [results] if isinstance(results, GateResult) else list(results)
-    return max((r.exit_code for r in results), default=2)
+    if not results:
+        return EXIT_ERROR
+    worst = max(results, key=lambda r: _ORDER[r.status])
+    return worst.exit_code
 
 
-# ----------------------------------------------------------------------------- outputs
+def overall_status(results: GateResult | Sequence[GateResult]) -> str:
+    results = [results] if isinstance(results, GateResult) else list(results)
+    return max((r.status for r in results), key=_ORDER.__getitem__, default=ERROR)
 
 
-def to_markdown(result: GateResult) -> str:
-    cfg = result.config
-    out = [
-        f"# kveval gate: {result.status}",
-        "",
-        f"Baseline: `{result.baseline.name}` ({result.baseline_path}). Gated tasks: {', '.join(result.tasks)}.",
-        f"Rules: Holm-adjusted regression test at alpha={cfg.alpha:g} (family: {cfg.family}); "
-        + (f"non-inferiority ({int(round((1 - cfg.alpha) * 100))}% one-sided lower bound > -margin); " if cfg.require_non_inferiority else "")
-        + (f"negative flip rate <= {_pct(cfg.max_negative_flip_rate)}; " if cfg.max_negative_flip_rate is not None else "")
-        + (
-            "confusion increase <= " + ", ".join(f"{k} {v * 100:.0f} points" for k, v in cfg.max_confusion_increase.items())
-            if cfg.max_confusion_increase
-            else "no confusion limit"
-        )
-        + ".",
-        "",
-        "| verdict | candidate | task | n | baseline | candidate | delta [CI] | p (Holm) | -flips | margin | lower bound | reasons |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for cv in result.candidates:
-        if cv.status == ERROR:
-            out.append(f"| **ERROR** | `{_md(cv.name)}` | | | | | | | | | | {_md(cv.error or '')} |")
-            continue
-        for t in cv.tasks:
-            c = t.comparison
-            verdict = "PASS" if t.status == PASS else "**FAIL**"
-            out.append(
-                f"| {verdict} | `{_md(cv.name)}` | {_md(t.task)} | {c.n} | {c.baseline_score:.3f} | {c.candidate_score:.3f} | "
-                f"{c.delta:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] | {fmt_p(c.pvalue)} ({fmt_p(c.p_holm)}) | "
-                f"{c.n_regressed} ({_pct(c.negative_flip_rate)}) | {t.margin:g} | {t.lower_bound:+.3f} | {_md('; '.join(t.reasons)) or '-'} |"
-            )
-    out += ["", "## Verdicts", ""] + [f"- {_md(line)}" for line in result.lines()]
-    reg = [(cv, t) for cv in result.candidates for t in cv.tasks if t.comparison.regressed]
-    if reg:
-        out += ["", "## Regressed items", ""]
-        for cv, t in reg:
-            items = ", ".join(
-                f"`{r['id']}` ({r.get('recalled') or r['category'] or 'wrong'})"
-                for r in t.comparison.regressed[:20]
-            )
-            more = f" and {len(t.comparison.regressed) - 20} more" if len(t.comparison.regressed) > 20 else ""
-            out.append(f"- `{_md(cv.name)}` {_md(t.task)}: {items}{more}")
-    return "\n".join(out) + "\n"
+# ----------------------------------------------------------------------------- deployment decision
 
 
-def _md(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
+@dataclass
+class Deployment:
+    """Which candidates fit a GPU at a target context and batch, and the most compressed one that PASSes.
 
-
-def to_junit(result: GateResult | Sequence[GateResult]) -> str:
-    """JUnit XML: one testsuite per candidate, one testcase per candidate x task."""
-    results = [result] if isinstance(result, GateResult) else list(result)
-    candidates = [c for r in results for c in r.candidates]
-    n_fail = sum(1 for c in candidates for t in c.tasks if t.status == FAIL)
-    n_err = sum(1 for c in candidates if c.status == ERROR)
-    n_tests = sum(len(c.tasks) or 1 for c in candidates)
-    root = ET.Element("testsuites", name="kveval gate", tests=str(n_tests), failures=str(n_fail), errors=str(n_err))
-    for cv in candidates:
-        fails = sum(1 for t in cv.tasks if t.status == FAIL)
-        suite = ET.SubElement(
-            root,
-            "testsuite",
-            name=cv.name,
-            tests=str(len(cv.tasks) or 1),
-            failures=str(fails),
-            errors=str(1 if cv.status == ERROR else 0),
-        )
-        if cv.status == ERROR:
-            case = ET.SubElement(suite, "testcase", classname=f"kveval.gate.{cv.name}", name="results", time="0")
-            err = ET.SubElement(case, "error", message=cv.error or "error", type="ResultFileError")
-            err.text = cv.error
-            continue
-        for t in cv.tasks:
-            case = ET.SubElement(suite, "testcase", classname=f"kveval.gate.{cv.name}", name=t.task, time="0")
-            if t.status == FAIL:
-                f = ET.SubElement(case, "failure", message=f"{t.summary}: {'; '.join(t.reasons)}", type="regression")
-                regressed = "\n".join(
-                    f"  {r['id']}: {r['category'] or 'wrong'}" + (f" ({r['recalled']})" if r.get("recalled") else "")
-                    for r in t.comparison.regressed
-                )
-                f.text = "\n".join(t.reasons) + ("\nregressed items:\n" + regressed if regressed else "")
-            else:
-                out = ET.SubElement(case, "system-out")
-                out.text = t.summary
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-def write_gate_outputs(result: GateResult | Sequence[GateResult], out_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write ``gate.md``, ``gate.xml`` (JUnit) and ``gate.json``; return their paths.
-
-    Several results (one per model of a sweep) go into the same three files;
-    their ``gate.json`` is ``{"status", "exit_code", "results": [...]}``.
+    ``fits`` maps run name -> (KV-cache bytes, fits?); ``budget_bytes`` is the
+    cache budget (GPU x (1 - headroom) - weights, :func:`kveval.memory.max_fit`).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "gate.md", "junit": out / "gate.xml", "json": out / "gate.json"}
-    if isinstance(result, GateResult):
-        md, data = to_markdown(result), result.to_dict()
-    else:
-        results = list(result)
-        code = exit_code(results)
-        md = "\n".join(to_markdown(r).replace("# kveval gate:", f"# kveval gate ({r.baseline.model}):", 1) for r in results)
-        data = {"status": {0: PASS, 1: FAIL, 2: ERROR}[code], "exit_code": code, "results": [r.to_dict() for r in results]}
-    atomic_write_text(paths["markdown"], md)
-    atomic_write_text(paths["junit"], to_junit(result))
-    atomic_write_text(paths["json"], json.dumps(data, indent=2))
-    return paths
+
+    gpu_memory: str
+    context: int
+    batch: int
+    headroom: float
+    budget_bytes: int
+    fits: dict[str, tuple[int, bool]]
+    choice: str | None
+    line: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def deployment_decision(
+    results: GateResult | Sequence[GateResult], gpu_memory: str, context: int, batch: int = 1, headroom: str | float = 0.1
+) -> list[Deployment]:
+    """For each model: cache bytes of the baseline and every candidate at ``context`` x ``batch``, what fits, and the pick.
+
+    The pick is the PASSing candidate with the smallest planned cache that
+    fits; the baseline is the fallback when it fits and nothing compressed
+    PASSes.
+    """
+    from kveval import memory
+
+    out = []
+    for r in [results] if isinstance(results, GateResult) else list(results):
+        runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
+        fit0 = memory.max_fit(r.baseline.model, gpu_memory, context=context, headroom=headroom)
+        budget = fit0.cache_budget_bytes
+        fits: dict[str, tuple[int, bool]] = {}
+        for name, info, _ in runs:
+            plan = memory.plan(info.model, context, batch, policy=info.policy)
+            fits[name] = (int(plan.total_bytes), plan.total_bytes <= budget)
+        passing = [(fits[name][0], name) for name, info, status in runs[1:] if status == PASS and fits[name][1]]
+        h = memory.human_bytes
+        if passing:
+            choice = min(passing)[1]
+            line = f"deploy {choice}: {h(fits[choice][0])} of KV cache for {batch} x {context} tokens fits the {h(budget)} budget and PASSes"
+        elif fits[r.baseline.name][1]:
+            choice = r.baseline.name
+            line = f"no compressed candidate both fits and PASSes; the baseline fits ({h(fits[choice][0])} of {h(budget)})"
+        else:
+            choice = None
+            line = f"nothing fits: the smallest PASSing cache needs more than the {h(budget)} budget; lower --context or --batch"
+        fitting = [n for n, (_, ok) in fits.items() if ok]
+        line += f" (fit: {', '.join(fitting) or 'none'})"
+        out.append(Deployment(str(gpu_memory), context, batch, float(fit0.headroom), int(budget), fits, choice, line))
+        r.deployment = out[-1]
+    return out
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -682,22 +547,75 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--config",
         help=f"gate YAML (default: {DEFAULT_CONFIG_PATH.relative_to(DEFAULT_CONFIG_PATH.parent.parent)} if present, else built-in defaults)",
     )
-    parser.add_argument("--baseline", required=True, metavar="RUN", help="baseline run folder")
-    parser.add_argument("--candidate", required=True, action="append", metavar="RUN", help="candidate run folder (repeatable)")
+    parser.add_argument("--baseline", metavar="RUN", help="baseline run folder (or lm-eval --log_samples output)")
+    parser.add_argument("--candidate", action="append", metavar="RUN", help="candidate run folder (repeatable)")
     parser.add_argument("--out", metavar="DIR", help="write gate.md, gate.xml (JUnit) and gate.json here")
     parser.add_argument("--metric", help="lm-eval outputs: metric to score by")
+    plan = parser.add_argument_group("planning (--plan: print items per task and exit)")
+    plan.add_argument("--plan", action="store_true", help="items per task needed for --power to decide")
+    plan.add_argument("--baseline-accuracy", type=float, default=0.9, help="expected baseline accuracy (default 0.9)")
+    plan.add_argument("--churn", type=float, action="append", help="share of right items that flip, as many flipping back (repeatable; default 0, 0.02, 0.05, 0.1)")
+    plan.add_argument("--loss", type=float, default=0.0, help="expected net loss of accuracy on top of the churn (default 0)")
+    plan.add_argument("--margin", type=float, help="margin (default: the config's default margin)")
+    plan.add_argument("--alpha", type=float, help="one-sided error rate (default: the config's)")
+    plan.add_argument("--power", type=float, help="power (default: the config's, 0.8)")
+    deploy = parser.add_argument_group("deployment decision")
+    deploy.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the candidates whose cache fits and the one to deploy")
+    deploy.add_argument("--context", type=int, help="target context tokens (with --gpu-memory)")
+    deploy.add_argument("--batch", type=int, default=1, help="concurrent sequences (with --gpu-memory; default 1)")
+    deploy.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free (default 0.1)")
+
+
+def format_plan(cfg: GateConfig, args: argparse.Namespace) -> str:
+    margin = args.margin if args.margin is not None else cfg.margin_for("default")
+    alpha = args.alpha if args.alpha is not None else cfg.alpha
+    power = args.power if args.power is not None else cfg.power
+    churns = args.churn or [0.0, 0.02, 0.05, 0.10]
+    lines = [
+        f"items per task for {power:.0%} power: baseline accuracy {args.baseline_accuracy:g}, margin {margin:g}, "
+        f"one-sided alpha {alpha:g}" + (f", net loss {args.loss:g}" if args.loss else ""),
+        f"{'churn':>7}  {'p(right->wrong)':>15}  {'p(wrong->right)':>15}  {'to':>4}  items",
+    ]
+    for churn in churns:
+        r = paired.plan(args.baseline_accuracy, churn, margin, alpha, loss=args.loss, target_power=power)
+        n = "never (change on the margin)" if r.items is None else str(r.items)
+        lines.append(f"{churn:>7.3f}  {r.p_regress:>15.4f}  {r.p_improve:>15.4f}  {r.goal:>4}  {n}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kveval.gate_report import write_gate_outputs
+
     config = args.config or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
-    result = evaluate_gate(config, args.baseline, args.candidate, metric=args.metric)
+    cfg = load_gate_config(config)
+    if args.plan:
+        print(format_plan(cfg, args))
+        return EXIT_PASS
+    if not args.baseline or not args.candidate:
+        raise UsageError("give --baseline RUN and at least one --candidate RUN (or --plan)")
+    if args.gpu_memory and not args.context:
+        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
+    result = evaluate_gate(cfg, args.baseline, args.candidate, metric=args.metric)
     for cv in result.candidates:
+        for w in cv.warnings:
+            print(f"kveval gate: warning: {w}", file=sys.stderr)
         if cv.status == ERROR:
             print(f"kveval gate: error: {cv.error}", file=sys.stderr)
         else:
             print(cv.line())
+    if args.gpu_memory:
+        for d in deployment_decision(result, args.gpu_memory, args.context, args.batch, args.headroom):
+            print(d.line)
     if args.out:
         paths = write_gate_outputs(result, args.out)
         print(f"wrote {paths['markdown']}, {paths['junit']}, {paths['json']}")
+    if result.status == INCONCLUSIVE and not cfg.inconclusive_blocks:
+        print("kveval gate: warning: INCONCLUSIVE does not block (inconclusive_blocks: false)", file=sys.stderr)
     print(f"gate: {result.status} (exit {result.exit_code})")
     return result.exit_code
+
+
+def write_gate_outputs(result, out_dir):  # re-exported for callers of the earlier module
+    from kveval.gate_report import write_gate_outputs as _write
+
+    return _write(result, out_dir)

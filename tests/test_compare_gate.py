@@ -15,7 +15,9 @@ from statsmodels.stats.multitest import multipletests
 
 from kveval import cli
 from kveval.compare import compare_runs, load_run
-from kveval.gate import GateConfig, evaluate_gate, load_gate_config
+from kveval import paired
+from kveval.errors import ConfigError
+from kveval.gate import FAIL, PASS, GateConfig, evaluate_gate, load_gate_config
 from kveval.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +32,7 @@ def only_our_commands(monkeypatch):
     monkeypatch.setattr(cli, "COMMANDS", keep)
 
 
-def baseline_items(n_niah: int = 40, n_passkey: int = 20) -> list[ItemRecord]:
+def baseline_items(n_niah: int = 80, n_passkey: int = 60) -> list[ItemRecord]:
     items = []
     for i in range(n_niah):
         ok = i % 10 not in (3, 7, 9)  # 70% right at baseline
@@ -115,30 +117,34 @@ def runs(tmp_path):
 
 def test_compare_planted_regression(runs):
     rc = compare_runs(runs["base"], runs["bad"], n_resamples=2000)
-    assert rc.n == 60 and rc.task_names == ["niah_multikey", "passkey"]
+    assert rc.n == 140 and rc.task_names == ["niah_multikey", "passkey"]
     niah = rc.task("niah_multikey")
-    assert niah.n == 40 and niah.n_regressed == 12 and niah.n_improved == 0
+    assert niah.n == 80 and niah.n_regressed == 24 and niah.n_improved == 0
     assert niah.delta == pytest.approx(-0.3)
+    assert niah.ci_method == "tango" and niah.right_wrong
+    assert (niah.ci_low, niah.ci_high) == pytest.approx(paired.tango_interval(24, 0, 80), abs=1e-12)
     assert niah.ci_low < -0.3 < niah.ci_high < 0
     assert niah.negative_flip_rate == pytest.approx(0.3)
-    assert niah.mcnemar_p == pytest.approx(mcnemar(np.array([[16, 12], [0, 12]]), exact=True).pvalue, abs=1e-12)
+    assert niah.mcnemar_p == pytest.approx(mcnemar(np.array([[32, 24], [0, 24]]), exact=True).pvalue, abs=1e-12)
     assert niah.test == "mcnemar" and niah.pvalue == niah.mcnemar_p
     raw = [c.pvalue for c in rc.tasks]
     np.testing.assert_allclose([c.p_holm for c in rc.tasks], multipletests(raw, method="holm")[1], atol=1e-12)
     np.testing.assert_allclose([c.p_bh for c in rc.tasks], multipletests(raw, method="fdr_bh")[1], atol=1e-12)
     assert niah.confusion_delta["distractor"] == pytest.approx(0.3)
     assert niah.confusion_delta["correct"] == pytest.approx(-0.3)
-    assert niah.agreement == pytest.approx(28 / 40)
+    assert niah.agreement == pytest.approx(56 / 80)
     assert {r["category"] for r in niah.regressed} == {"distractor"}
     assert all(r["recalled"] == "distractor:8412337" for r in niah.regressed)
     passkey = rc.task("passkey")
     assert passkey.n_regressed == 0 and passkey.delta == 0 and passkey.pvalue == 1.0
+    # zero discordance never gives a zero-width interval
+    assert passkey.ci_low == pytest.approx(-(1.959964**2) / (60 + 1.959964**2), abs=1e-6) and passkey.ci_high > 0
     # heatmap cells: lengths 500, 502 and 1011, 1013 fall into two buckets; 5 depths
     niah_cells = [c for c in rc.cells if c.task == "niah_multikey"]
     assert {c.length for c in niah_cells} == {501, 1012} and len({c.depth for c in niah_cells}) == 5
-    assert sum(c.n for c in niah_cells) == 40
+    assert sum(c.n for c in niah_cells) == 80
     lengths, depths, delta, counts = rc.grid()
-    assert counts.sum() == 60 and np.nanmin(delta) < 0
+    assert counts.sum() == 140 and np.nanmin(delta) < 0
 
 
 def test_compare_cli_table_and_json(runs, capsys, tmp_path):
@@ -146,9 +152,9 @@ def test_compare_cli_table_and_json(runs, capsys, tmp_path):
     rc = cli.main(["compare", str(runs["base"]), str(runs["bad"]), "--json", str(out), "--resamples", "999"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "niah_multikey" in text and "-0.30" in text and "distractor +30pt" in text
+    assert "niah_multikey" in text and "-0.30" in text and "distractor +30pt" in text and "Tango" in text
     data = json.loads(out.read_text())
-    assert data["tasks"][0]["n_regressed"] == 12 and data["cells"] and data["overall"]["n"] == 60
+    assert data["tasks"][0]["n_regressed"] == 24 and data["cells"] and data["overall"]["n"] == 140
 
 
 # ----------------------------------------------------------------------------- gate
@@ -161,30 +167,60 @@ def gate_argv(runs, *cands, out=None):
     return argv + ["--out", str(out or runs["tmp"] / "gate")]
 
 
-def test_gate_a_a_passes(runs, capsys):
-    code = cli.main(gate_argv(runs, runs["base"], runs["same"]))
-    out = capsys.readouterr().out
-    assert code == 0, out
-    verdicts = [line for line in out.splitlines() if line.startswith(("PASS ", "FAIL ", "ERROR "))]
-    assert len(verdicts) == 2 and all(v.startswith("PASS ") for v in verdicts) and "regressed 0/40" in verdicts[0]
-    assert out.strip().endswith("gate: PASS (exit 0)")
-    res = evaluate_gate(GATE_YAML, runs["base"], [runs["base"]])
-    assert res.exit_code == 0
-    for t in res.candidates[0].tasks:
-        assert t.comparison.n_regressed == 0 and t.comparison.n_improved == 0 and t.comparison.delta == 0
+def verdict_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(("PASS ", "FAIL ", "INCONCLUSIVE ", "ERROR "))]
+
+
+def test_gate_unchanged_candidate_passes_with_enough_items(runs, capsys):
+    code = cli.main(gate_argv(runs, runs["same"]))
+    captured = capsys.readouterr()
+    assert code == 0, captured.out
+    verdicts = verdict_lines(captured.out)
+    assert len(verdicts) == 1 and verdicts[0].startswith("PASS ") and "regressed 0/80" in verdicts[0]
+    assert captured.out.strip().endswith("gate: PASS (exit 0)")
     junit = ET.parse(runs["tmp"] / "gate" / "gate.xml").getroot()
-    assert junit.get("failures") == "0" and len(junit.findall(".//testcase")) == 4  # 2 candidates x 2 tasks
+    assert junit.get("failures") == "0" and len(junit.findall(".//testcase")) == 2
+
+
+def test_gate_same_run_twice_warns(runs, capsys):
+    assert cli.main(gate_argv(runs, runs["base"])) == 0
+    err = capsys.readouterr().err
+    assert "warning: baseline and candidate are the same run" in err
+
+
+def test_gate_swapped_runs_warn(runs, capsys):
+    argv = gate_argv(runs, runs["base"])
+    argv[argv.index(str(runs["base"]))] = str(runs["same"])
+    cli.main(argv)
+    assert "look swapped" in capsys.readouterr().err
+
+
+def test_gate_few_unchanged_items_are_inconclusive_not_pass(tmp_path, capsys):
+    items = baseline_items(3, 0)
+    base = write_run(tmp_path / "base", items)
+    cand = write_run(tmp_path / "cand", items, policy="quant(bits=8)")
+    code = cli.main(["gate", "--baseline", str(base), "--candidate", str(cand)])
+    out = capsys.readouterr().out
+    assert code == 3, out
+    line = verdict_lines(out)[0]
+    assert line.startswith("INCONCLUSIVE ") and "non-inferiority not shown" in line
+    assert "about 52 items per task would decide" in line  # -z^2/(n+z^2) > -0.05 from n = 52
+    # inconclusive_blocks: false turns exit 3 into 0 with a warning
+    cfg = tmp_path / "lenient.yaml"
+    cfg.write_text("inconclusive_blocks: false\n")
+    assert cli.main(["gate", "--config", str(cfg), "--baseline", str(base), "--candidate", str(cand)]) == 0
+    assert "does not block" in capsys.readouterr().err
 
 
 def test_gate_planted_regression_fails(runs, capsys):
     code = cli.main(gate_argv(runs, runs["same"], runs["bad"]))
     out = capsys.readouterr().out
     assert code == 1, out
-    fail = [line for line in out.splitlines() if line.startswith("FAIL")]
+    fail = [line for line in verdict_lines(out) if line.startswith("FAIL")]
     assert len(fail) == 1 and "snapkv(ratio=0.75)" in fail[0]
-    assert "niah_multikey regressed 12/40 items (12 distractor)" in fail[0]
-    assert "delta -0.30" in fail[0] and "McNemar p=" in fail[0] and "Holm" in fail[0]
-    assert "distractor rate rose" in fail[0] and "negative flip rate 30.0%" in fail[0]
+    assert "niah_multikey regressed 24/80 items (24 distractor)" in fail[0]
+    assert "accuracy -0.300" in fail[0] and "loss beyond the margin" in fail[0] and "Holm" in fail[0]
+    assert "distractor: 24/80 previously right items" in fail[0] and "net negative flips" in fail[0]
     assert any(line.startswith("PASS smollm2-135m/snapkv(ratio=0.25)") for line in out.splitlines())
     gate_dir = runs["tmp"] / "gate"
     junit = ET.parse(gate_dir / "gate.xml").getroot()
@@ -196,31 +232,64 @@ def test_gate_planted_regression_fails(runs, capsys):
     assert data["exit_code"] == 1 and [c["status"] for c in data["candidates"]] == ["PASS", "FAIL"]
 
 
+def test_gate_margin_is_the_test_at_large_n(tmp_path):
+    """2,000 items losing 0.02: significant against 0, but inside the 0.05 margin: PASS, not FAIL."""
+    items = [ItemRecord(id=f"t/{i}", hash=str(i), task="t", score=1.0, correct=True) for i in range(2000)]
+    cand_items = [replace(it, score=0.0, correct=False) if i < 40 else it for i, it in enumerate(items)]
+    base = write_run(tmp_path / "b", items)
+    cand = write_run(tmp_path / "c", cand_items, policy="random(ratio=0.5)")
+    res = evaluate_gate(None, base, [cand])
+    task = res.candidates[0].tasks[0]
+    assert task.comparison.pvalue < 1e-6 and task.status == PASS and task.test.lower > -0.05
+
+
 def test_gate_holm_family_and_config(runs):
     res = evaluate_gate({"tasks": ["niah_multikey", "passkey"], "margin": {"niah_multikey": 0.5}}, runs["base"], [runs["bad"]])
     tasks = res.candidates[0].tasks
-    raw = [t.comparison.pvalue for t in tasks]
-    np.testing.assert_allclose([t.comparison.p_holm for t in tasks], multipletests(raw, method="holm")[1], atol=1e-12)
+    raw = [t.test.p_inferior for t in tasks]
+    np.testing.assert_allclose([t.p_inferior_holm for t in tasks], multipletests(raw, method="holm")[1], atol=1e-12)
     assert tasks[0].margin == 0.5 and tasks[1].margin == 0.05
-    # only the significance rule: a task-restricted, lenient gate still fails on the McNemar test
-    lenient = {
-        "tasks": ["niah_multikey"],
-        "require_non_inferiority": False,
-        "max_negative_flip_rate": None,
-        "max_confusion_increase": None,
-    }
-    res = evaluate_gate(lenient, runs["base"], [runs["bad"]])
-    assert res.exit_code == 1 and res.candidates[0].tasks[0].reasons[0].startswith("significant regression")
-    assert evaluate_gate(dict(lenient, tasks=["passkey"]), runs["base"], [runs["bad"]]).exit_code == 0
-    # YAML defaults load and equal the built-in defaults
+    # a lenient margin: the loss of 0.3 is inside 0.5, only the rules can fail it
+    lenient = {"tasks": ["niah_multikey"], "margin": 0.5, "max_negative_flip_rate": None, "max_confusion_increase": None}
+    assert evaluate_gate(lenient, runs["base"], [runs["bad"]]).status == PASS
+    assert evaluate_gate(dict(lenient, margin=0.1), runs["base"], [runs["bad"]]).status == FAIL
+    # YAML defaults load and equal the built-in defaults; the old key names its replacement
     assert load_gate_config(GATE_YAML) == GateConfig()
+    with pytest.raises(ConfigError, match="inconclusive_blocks"):
+        load_gate_config({"require_non_inferiority": True})
+
+
+def test_gate_confusion_among_wrong_items_is_reported_never_failed(runs):
+    shifted = [replace(it, category="fabricated", answer="999") if not it.correct else it for it in runs["items"]]
+    cand = write_run(runs["tmp"] / "shift", shifted, policy="kivi(bits=4)")
+    res = evaluate_gate(GATE_YAML, runs["base"], [cand])
+    niah = res.candidates[0].tasks[0]
+    assert niah.status == PASS and any("wrong in both runs changed confusion category" in n for n in niah.notes)
 
 
 def test_gate_sweep_family(runs):
     res = evaluate_gate({"family": "sweep"}, runs["base"], [runs["same"], runs["bad"]])
-    fam = [t.comparison for c in res.candidates for t in c.tasks]
-    np.testing.assert_allclose([c.p_holm for c in fam], multipletests([c.pvalue for c in fam], method="holm")[1], atol=1e-12)
+    fam = [t for c in res.candidates for t in c.tasks]
+    np.testing.assert_allclose(
+        [t.p_inferior_holm for t in fam], multipletests([t.test.p_inferior for t in fam], method="holm")[1], atol=1e-12
+    )
     assert res.exit_code == 1
+
+
+def test_gate_plan_prints_items_per_task(capsys):
+    argv = ["gate", "--plan", "--baseline-accuracy", "0.9", "--churn", "0", "--churn", "0.05", "--margin", "0.05", "--alpha", "0.05"]
+    assert cli.main(argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[-1] for r in rows] == ["52", "245"] and [r[3] for r in rows] == ["pass", "pass"]
+
+
+def test_gate_deployment_decision(runs, capsys):
+    argv = gate_argv(runs, runs["same"], runs["bad"]) + ["--gpu-memory", "1GiB", "--context", "8192", "--batch", "4"]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "deploy smollm2-135m/snapkv(ratio=0.25)" in out and "fit:" in out
+    data = json.loads((runs["tmp"] / "gate" / "gate.json").read_text())
+    assert data["deployment"]["choice"] == "smollm2-135m/snapkv(ratio=0.25)"
 
 
 def _one_error_line(capsys, *needles):
@@ -258,7 +327,7 @@ def test_gate_corrupt_candidate_is_error_others_still_judged(runs, capsys):
 def test_gate_missing_items_is_error(runs, capsys):
     cand = write_run(runs["tmp"] / "short", runs["items"][:-3], policy="snapkv(ratio=0.5)")
     assert cli.main(gate_argv(runs, cand)) == 2
-    _one_error_line(capsys, "unpaired", "3 item(s) only in the baseline", "passkey/17")
+    _one_error_line(capsys, "unpaired", "3 item(s) only in the baseline", "passkey/57")
 
 
 def test_gate_extra_and_renamed_ids_is_error(runs, capsys):
@@ -344,7 +413,7 @@ def write_lm_eval(folder: Path, rows_by_task: dict[str, list[dict]], *, date="20
     model_dir.mkdir(parents=True)
     for task, rows in rows_by_task.items():
         (model_dir / f"samples_{task}_{date}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (model_dir / f"results_{date}.json").write_text(json.dumps({"results": {}, "config": config or {"model": "hf"}}))
+    (model_dir / f"results_{date}.json").write_text(json.dumps({"results": {}, "config": config or {"model": "hf", "model_args": "pretrained=smollm2-135m"}}))
     return folder
 
 
@@ -421,3 +490,41 @@ def test_lm_eval_unpaired_and_truncated(tmp_path):
         compare_runs(base, cand)
     with pytest.raises(ResultFileError, match="cannot pair a lm-eval result"):
         compare_runs(tmp_path / "lm_base", write_run(tmp_path / "kv", baseline_items(4, 0)))
+
+
+# ----------------------------------------------------------------------------- bad data: one line, exit 2
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("score", 5.0, "score 5.0 is not a number in [0, 1]"),
+        ("score", -0.5, "score -0.5 is not a number in [0, 1]"),
+        ("correct", "false", "correct 'false' is not a boolean"),
+        ("correct", "no", "correct 'no' is not a boolean"),
+        ("id", 7, "id 7 is not a non-empty string"),
+    ],
+)
+def test_bad_item_values_are_refused_naming_file_and_item(runs, capsys, field, value, needle):
+    lines = (runs["same"] / "items.jsonl").read_text().splitlines()
+    row = json.loads(lines[3])
+    row[field] = value
+    lines[3] = json.dumps(row)
+    (runs["same"] / "items.jsonl").write_text("\n".join(lines) + "\n")
+    assert cli.main(gate_argv(runs, runs["same"])) == 2
+    err = _one_error_line(capsys, needle, "items.jsonl")
+    assert "item 4" in err or "niah_multikey/3" in err
+
+
+def test_lm_eval_runs_of_different_models_are_refused(tmp_path):
+    base, cand = lm_eval_pair(tmp_path)
+    results = next((cand / "my__model").glob("results_*.json"))
+    data = json.loads(results.read_text())
+    data["config"]["model_args"] = "pretrained=gemma3-270m,policy=snapkv(ratio=0.5)"
+    results.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="different models"):
+        compare_runs(base, cand)
+    data["config"]["model_args"] = "pretrained=smollm2-135m,revision=abc123,policy=snapkv(ratio=0.5)"
+    results.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="revision"):
+        compare_runs(base, cand)

@@ -26,12 +26,12 @@ def only_our_commands(monkeypatch):
 
 def items(n_wrong_extra: int = 0, category: str = "distractor") -> list[ItemRecord]:
     out = []
-    for i in range(30):
+    for i in range(160):  # 100 niah_multikey + 60 passkey items: enough for the gate to PASS or FAIL
         ok = i % 5 != 4
-        if ok and n_wrong_extra and i < 4 * n_wrong_extra:
+        if ok and n_wrong_extra and i < 20 * n_wrong_extra:
             ok = i % 4 != 0  # every fourth of the first items flips
         cat = "correct" if ok else (category if i % 5 != 4 else "fabricated")
-        task = "niah_multikey" if i < 20 else "passkey"
+        task = "niah_multikey" if i < 100 else "passkey"
         out.append(
             ItemRecord(
                 id=f"{task}/{i}",

@@ -7,10 +7,11 @@ import itertools
 import numpy as np
 import pytest
 import scipy.stats as st
+from scipy import optimize
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from kveval import stats
+from kveval import paired, stats
 
 RNG = np.random.default_rng(12345)
 BASE_BIN = (RNG.random(60) < 0.7).astype(float)
@@ -167,3 +168,72 @@ def test_a_single_graded_pair_cannot_reject():
 
     assert kstats.paired_permutation_test([0.5], [0.2]) == 1.0
     assert kstats.wilcoxon_test([0.5], [0.2]) == 1.0
+
+
+# ----------------------------------------------------------------------------- paired proportions (kveval.paired)
+
+
+
+def test_newcombe_hybrid_score_matches_the_tabulated_example():
+    # Cavo et al. (2012) complete response before/after consolidation, table [[59, 6], [16, 80]]:
+    # Newcombe's square-and-add (method 10) interval -0.0621 (-0.1186 to -0.0046), as tabulated by
+    # Fagerland, Lydersen and Laake (Statistical Analysis of Contingency Tables, ch. 8) and their R package.
+    low, high = paired.newcombe_interval(both=59, regressed=16, improved=6, neither=80)
+    assert (round(low, 4), round(high, 4)) == (-0.1186, -0.0046)
+
+
+def _tango_reference(b: int, c: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Tango's interval by brute force: restricted MLE by numerical maximisation, then root finding."""
+    z = st.norm.ppf(0.5 + level / 2)
+
+    def score(d):
+        m = n - b - c
+        lo, hi = max(0.0, -d) + 1e-12, min(1.0, (1 - d) / 2) - 1e-12
+        nll = lambda p: -(b * np.log(p) + c * np.log(p + d) + m * np.log(max(1 - 2 * p - d, 1e-300)))  # noqa: E731
+        p = optimize.minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-13}).x
+        return (c - b - n * d) / np.sqrt(n * (2 * p + d * (1 - d)))
+
+    est = (c - b) / n
+    low = optimize.brentq(lambda d: score(d) - z, -1 + 1e-9, est)
+    high = optimize.brentq(lambda d: score(d) + z, est, 1 - 1e-9)
+    return low, high
+
+
+@pytest.mark.parametrize("b, c, n", [(16, 6, 161), (7, 1, 21), (12, 2, 50), (3, 3, 100), (30, 0, 300)])
+def test_tango_interval_equals_brute_force_inversion(b, c, n):
+    assert paired.tango_interval(b, c, n) == pytest.approx(_tango_reference(b, c, n), abs=2e-5)
+
+
+def test_tango_identities():
+    # at delta0 = 0 the score statistic is the asymptotic McNemar statistic
+    assert paired.tango_z(5, 9, 100, 0.0) == pytest.approx((9 - 5) / np.sqrt(14), abs=1e-12)
+    # zero discordance: [-z^2/(n+z^2), +z^2/(n+z^2)], never zero-width
+    z2 = st.norm.ppf(0.975) ** 2
+    for n in (1, 3, 30, 1000):
+        low, high = paired.tango_interval(0, 0, n)
+        assert low == pytest.approx(-z2 / (n + z2), abs=1e-9) and high == pytest.approx(z2 / (n + z2), abs=1e-9)
+    # the margin test agrees with its interval
+    t = paired.margin_test(20, 5, 200, 0.05, 0.05)
+    assert (t.p_noninferior < 0.05) == (t.lower > -0.05) and (t.p_inferior < 0.05) == (t.upper < -0.05)
+
+
+def test_planner_numbers():
+    assert paired.plan(0.9, 0.0, 0.05).items == 52
+    assert paired.plan(0.9, 0.05, 0.05).items == 245
+    r = paired.plan(0.9, 0.0, 0.05, loss=0.10)
+    assert r.goal == "fail" and paired.power(r.items, r.p_regress, r.p_improve, 0.05, 0.05, "fail") >= 0.8
+    assert paired.power(r.items - 5, r.p_regress, r.p_improve, 0.05, 0.05, "fail") < 0.8
+    # the closed form the gate quotes stays within 10% of the exact search
+    for pb, pc in [(0.045, 0.045), (0.1, 0.0), (0.02, 0.01)]:
+        exact, approx = paired.items_needed(pb, pc, 0.05), paired.items_needed_approx(pb, pc, 0.05)
+        assert abs(approx - exact) <= 0.1 * exact
+
+
+def test_bootstrap_margin_test_graded_and_degenerate():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.4, 1.0, 300)
+    b = np.clip(a - 0.2 + rng.normal(0, 0.05, 300), 0, 1)
+    t = stats.bootstrap_margin_test(a, b, 0.05, n_resamples=2000)
+    assert t.upper < -0.05 and t.p_inferior < 0.05
+    same = stats.bootstrap_margin_test(a, a, 0.05, n_resamples=2000)
+    assert same.lower < 0 < same.upper  # never a zero-width interval
