@@ -206,10 +206,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a whole file so that readers see either the old or the new content."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _drop_partial_last_line(path: Path) -> None:

@@ -106,7 +106,43 @@ def load_kveval_run(path: str | os.PathLike) -> Run:
     items = read_items(p)
     if not items:
         raise ResultFileError(f"{p / ITEMS_FILE}: no items; the run did not finish any item")
+    validate_items(items, p / ITEMS_FILE)
     return Run(p, info, items, "kveval")
+
+
+def validate_items(items: Sequence[ItemRecord], source: Path | str) -> None:
+    """Refuse, with one line naming ``source`` and the item, what a comparison cannot use.
+
+    Ids must be strings, scores finite numbers in [0, 1] and ``correct`` a
+    JSON boolean (``"false"`` as a string would read as true).
+    """
+    for number, it in enumerate(items, start=1):
+        where = f"{source}: item {number}"
+        if not isinstance(it.id, str) or not it.id:
+            raise ResultFileError(f"{where}: id {it.id!r} is not a non-empty string; item ids are strings such as \"passkey/3\"")
+        where = f"{source}: item {it.id!r}"
+        score = it.score
+        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) or not 0 <= score <= 1:
+            raise ResultFileError(f"{where}: score {score!r} is not a number in [0, 1]")
+        if not isinstance(it.correct, bool):
+            raise ResultFileError(f"{where}: correct {it.correct!r} is not a boolean (true or false, not a string or number)")
+        if not isinstance(it.task, str) or not it.task:
+            raise ResultFileError(f"{where}: task {it.task!r} is not a non-empty string")
+
+
+def pairing_warnings(baseline: "Run", candidate: "Run") -> list[str]:
+    """Warnings (not errors) about a pairing that looks mistaken: the same run twice, or the runs swapped."""
+    out = []
+    same_path = Path(baseline.path).resolve() == Path(candidate.path).resolve()
+    if same_path or (baseline.info.policy == candidate.info.policy and baseline.info.mode == candidate.info.mode
+                     and [(b.id, b.answer, b.score) for b in baseline.items] == [(c.id, c.answer, c.score) for c in candidate.items]):
+        out.append(f"baseline and candidate are the same run ({baseline.path}, {candidate.path}); the gate tells nothing")
+    elif not baseline.info.is_baseline and candidate.info.is_baseline:
+        out.append(
+            f"baseline and candidate look swapped: the baseline {baseline.path} ran policy {baseline.info.policy!r}, "
+            f"the candidate {candidate.path} ran none"
+        )
+    return out
 
 
 def expand_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
@@ -223,6 +259,11 @@ def records_from_samples(rows: list[dict], task: str, metric: str | dict[str, st
         item_id = f"{task}/{row['doc_id']}" + ("" if flt == "none" else f"/{flt}")
         answer, gold_lp = _lm_eval_answer(row)
         score = float(value)
+        if not 0 <= score <= 1:
+            raise ResultFileError(
+                f"{path}:{row['_line']}: doc {row['doc_id']!r}: metric {chosen!r} = {score!r} is outside [0, 1]; "
+                f"pick a per-item score in [0, 1] with --metric"
+            )
         records.append(
             ItemRecord(
                 id=item_id,
@@ -337,7 +378,13 @@ def _lm_eval_run_info(path: Path, folder: Path, date: str) -> RunInfo:
         nominal_bytes_per_token=fields.nominal_bytes_per_token,
         kv_dtype=fields.kv_dtype,
         model_identity=fields.model_identity,
-        extra={"source": "lm-eval", "lm_eval_model": config.get("model")},
+        extra={
+            "source": "lm-eval",
+            "lm_eval_model": config.get("model"),
+            # what must agree between paired lm-eval runs besides the model name
+            "revision": first("revision"),
+            "tokenizer": first("tokenizer"),
+        },
     )
 
 
@@ -363,11 +410,18 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
         raise ResultFileError(
             f"cannot pair a {baseline.source} result ({baseline.path}) with a {candidate.source} result ({candidate.path})"
         )
-    if baseline.source == "kveval" and baseline.info.model != candidate.info.model:
+    if baseline.info.model != candidate.info.model:
         raise ResultFileError(
             f"cannot pair runs of different models: baseline {baseline.info.model!r} ({baseline.path}) "
             f"vs candidate {candidate.info.model!r} ({candidate.path})"
         )
+    if baseline.source == "lm-eval":
+        for key in ("revision", "tokenizer"):
+            a, b = baseline.info.extra.get(key), candidate.info.extra.get(key)
+            if a != b:
+                raise ResultFileError(
+                    f"cannot pair lm-eval runs of different models: {key} {a!r} ({baseline.path}) vs {b!r} ({candidate.path})"
+                )
     maps = []
     for run in (baseline, candidate):
         counts = Counter(it.id for it in run.items)
