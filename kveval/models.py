@@ -148,6 +148,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kveval.architectures import check_supported
     from kveval.attention import ATTENTION_NAME, register_attention
     from kveval.storage import DEFAULT_KV_DTYPE, checkpoint_kv_dtype
 
@@ -169,12 +170,14 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         model = AutoModelForCausalLM.from_pretrained(cached, **common)
     else:
         try:
-            kv_dtype = checkpoint_kv_dtype(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         except OSError as exc:
             raise ModelNotFoundError(
                 f"cannot load model {name!r}: not an embedded model ({', '.join(EMBEDDED)}), local folder, .gguf file "
                 f"or reachable Hub id; check the name or set HF_HOME to where it is downloaded"
             ) from exc
+        kv_dtype = checkpoint_kv_dtype(config)
+        check_supported(config)  # before the weights load: an unknown cache layer type is refused at once
         model = AutoModelForCausalLM.from_pretrained(source, **common)
     model.to(device).eval()
     model.kveval_name = name

@@ -188,3 +188,37 @@ def test_forked_rows_continue_as_the_row_would_alone(name):
     torch.testing.assert_close(forked[0], expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(forked[1], expected[0], atol=1e-5, rtol=1e-5)
     assert fork.stats(0).kv_bytes == alone.stats().kv_bytes and fork.stats(0).state_bytes == alone.stats().state_bytes
+
+
+def _save_with_tokenizer(model, folder):
+    """A model folder as a user would give it: weights, config and a (word-level) tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 128)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def test_cli_refuses_an_unknown_layer_type_with_one_line_and_exit_2(tmp_path, capsys):
+    from kveval.cli import main
+
+    model = tiny_model("llama")
+    model.config.layer_types = ["full_attention", "indexed_attention"]  # DeepSeek-V3.2's indexer: unknown to kveval
+    _save_with_tokenizer(model, tmp_path)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cache layer type 'indexed_attention' is not supported" in err[0]
+
+
+def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
+    from kveval.cli import main
+
+    _save_with_tokenizer(tiny_model("gemma2"), tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "2",
+                 "--raw", "--dtype", "float32", "--device", "cpu"]) == 0
+    assert "B/token" in capsys.readouterr().out
