@@ -40,7 +40,7 @@ class Exactness:
         return self.max_difference <= self.tolerance
 
 
-def _steps(model, cache, ids: torch.Tensor, decode: int) -> list[torch.Tensor]:
+def prefill_and_decode(model, cache, ids: torch.Tensor, decode: int) -> list[torch.Tensor]:
     """Prefill ``ids`` then ``decode`` greedy steps; the logits of every forward."""
     length = ids.shape[1]
     out = [model(ids, cache=cache, use_cache=True, position_ids=torch.arange(length, device=ids.device)[None]).logits]
@@ -63,10 +63,10 @@ def measure_exactness(model, prefill: int = 24, decode: int = 4, seed: int = 0) 
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(3, vocab - 1), vocab, (1, prefill), generator=torch.Generator().manual_seed(seed))
     ids = ids.to(model.device)
-    ours = _steps(model, CompressedCache(model, "none", kv_dtype=model.dtype), ids, decode)
+    ours = prefill_and_decode(model, CompressedCache(model, "none", kv_dtype=model.dtype), ids, decode)
     model.set_attn_implementation("eager")
     try:
-        reference = _steps(model, DynamicCache(config=model.config), ids, decode)
+        reference = prefill_and_decode(model, DynamicCache(config=model.config), ids, decode)
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
     difference = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, reference))
@@ -86,4 +86,4 @@ def self_check(model) -> Exactness:
     return result
 
 
-__all__ = ["Exactness", "measure_exactness", "self_check"]
+__all__ = ["Exactness", "measure_exactness", "prefill_and_decode", "self_check"]

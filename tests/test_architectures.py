@@ -17,7 +17,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from kveval import architectures
 from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UnsupportedModelError
-from kveval.exactness import measure_exactness, self_check
+from kveval.exactness import measure_exactness, prefill_and_decode, self_check
 from kveval.generation import Prompt, generate
 
 NAMES = sorted(ARCHITECTURES)
@@ -43,15 +43,6 @@ def _ids(n, seed):
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _prefill_and_decode(model, cache, ids, steps):
-    logits = [model(ids, cache=cache, position_ids=torch.arange(ids.shape[1])[None]).logits]
-    nxt = logits[0][:, -1:].argmax(-1)
-    for step in range(steps):
-        logits.append(model(nxt, cache=cache, position_ids=torch.tensor([[ids.shape[1] + step]])).logits)
-        nxt = logits[-1][:, -1:].argmax(-1)
-    return logits
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_none_equals_eager_through_prefill_and_decode(name):
     model, reference = tiny_model(name), tiny_model(name, attn="eager")
@@ -59,7 +50,7 @@ def test_none_equals_eager_through_prefill_and_decode(name):
     with torch.no_grad():
         cache = CompressedCache(model, "none", kv_dtype=FP32)
         own = DynamicCache(config=reference.config)
-        ours, theirs = _prefill_and_decode(model, cache, ids, 6), _prefill_and_decode(reference, own, ids, 6)
+        ours, theirs = prefill_and_decode(model, cache, ids, 6), prefill_and_decode(reference, own, ids, 6)
     assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) <= 1e-5
     stats = cache.stats()
     assert stats.kv_bytes == stats.nominal_bytes  # none keeps what the model's own cache keeps
@@ -84,7 +75,7 @@ def test_every_policy_family_runs_below_nominal_bytes(name):
             continue  # lowrank's calibration pass (kveval/lowrank.py) does not handle state layers yet
         cache = CompressedCache(model, spec)
         with torch.no_grad():
-            logits = _prefill_and_decode(model, cache, ids, 2)
+            logits = prefill_and_decode(model, cache, ids, 2)
         stats = cache.stats()
         assert all(bool(torch.isfinite(x).all()) for x in logits), spec
         assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
