@@ -543,15 +543,24 @@ def to_html(rows: list[Row], tasks: list[str], plots: Sequence[Path], gate_lines
 
 
 def _gate_lines(gate: dict[str, Any] | None) -> list[str]:
+    """One line per candidate (``PASS``, ``FAIL``, ``INCONCLUSIVE`` with its reasons, ``ERROR``), then the deployment decision."""
     lines = []
     for c in (gate or {}).get("candidates", []):
         if c["status"] == "ERROR":
             lines.append(f"ERROR {c['name']}: {c.get('error')}")
-        elif c["status"] == "FAIL":
-            lines.append(f"FAIL {c['name']}: " + " | ".join(c.get("reasons", [])))
-        else:
+        elif c["status"] == "PASS":
             lines.append(f"PASS {c['name']}: " + "; ".join(t["summary"] for t in c.get("tasks", [])))
+        else:
+            lines.append(f"{c['status']} {c['name']}: " + " | ".join(c.get("reasons", [])))
+    lines += [f"deployment: {d['line']}" for d in _deployments(gate)]
     return lines
+
+
+def _deployments(gate: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not gate:
+        return []
+    results = gate.get("results") or [gate]
+    return [r["deployment"] for r in results if isinstance(r, dict) and r.get("deployment")]
 
 
 def build_report(

@@ -32,6 +32,8 @@ import numpy as np
 
 from kveval.records import ITEMS_FILE, RUN_FILE, ItemRecord, ResultFileError, RunInfo, read_items, read_run_info
 
+#: How many folder levels below a given path a run folder is looked for (sweep/runs/<model>/<policy>).
+RUN_SEARCH_DEPTH = 3
 #: Metrics taken, in this order, as an lm-eval task's score when none is asked for.
 LM_EVAL_METRICS = ("acc", "exact_match", "score", "acc_norm", "em", "f1", "accuracy")
 
@@ -146,7 +148,13 @@ def pairing_warnings(baseline: "Run", candidate: "Run") -> list[str]:
 
 
 def expand_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Run folders from the given paths: a run folder itself, or every ``runs/*/`` (or ``*/``) run of a sweep folder."""
+    """Run folders from the given paths: a run folder, a runs folder, or a sweep folder.
+
+    A sweep folder holds ``runs/<model>/<policy>/``; every folder up to
+    :data:`RUN_SEARCH_DEPTH` levels below a given path that holds a run file
+    (or an items file, so that loading it reports the missing run file) is a
+    run.
+    """
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
@@ -156,10 +164,14 @@ def expand_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
             found = [p]
         else:
             # a run folder with items but no run.json is kept, so that loading it reports the problem
-            found = sorted({q.parent for name in (RUN_FILE, ITEMS_FILE) for q in p.glob(f"runs/*/{name}")})
-            found = found or sorted({q.parent for name in (RUN_FILE, ITEMS_FILE) for q in p.glob(f"*/{name}")})
+            found = sorted(
+                {q.parent for name in (RUN_FILE, ITEMS_FILE) for depth in range(1, RUN_SEARCH_DEPTH + 1)
+                 for q in p.glob("/".join(["*"] * depth + [name]))}
+            )
             if not found:
-                raise ResultFileError(f"{p}: neither a run folder ({RUN_FILE}) nor a sweep folder with runs/*/{RUN_FILE}")
+                raise ResultFileError(
+                    f"{p}: no run folders in it; give a run folder ({RUN_FILE}), a runs folder or a sweep folder (runs/<model>/<policy>/)"
+                )
         for f in found:
             if all(f.resolve() != o.resolve() for o in out):
                 out.append(f)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import platform
 import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,10 @@ from kveval.records import atomic_write_text
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
+#: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
+RESULT_NEUTRAL_KEYS = {"gate", "out"}
+#: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
+LOCK_FILE = ".kveval-sweep.lock"
 
 
 @dataclass
@@ -50,10 +55,13 @@ class SweepConfig:
     out: str | None = None
     lm_eval: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.raw, sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of what changes results: the config less :data:`RESULT_NEUTRAL_KEYS` (fixing a gate path resumes)."""
+        kept = {k: v for k, v in self.raw.items() if k not in RESULT_NEUTRAL_KEYS}
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_config(path: str | Path) -> SweepConfig:
@@ -80,10 +88,16 @@ def load_config(path: str | Path) -> SweepConfig:
         raise ValueError(f"{path}: mode={mode!r}; use context or query")
     try:
         kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
-        policies = list({s.key: s for s in (RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)
-                                            for entry in raw.get("policies") or [])}.values())
+        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)) for entry in raw.get("policies") or []]
     except ValueError as exc:
         raise type(exc)(f"{path}: {exc}") from None
+    policies, warnings, first_entry = [], [], {}
+    for entry, spec in parsed:  # same canonical spec and mode: one run, merged with a warning
+        if spec.key in first_entry:
+            warnings.append(f"{path}: policy {entry!r} is the same run as {first_entry[spec.key]!r}; merged into one")
+            continue
+        first_entry[spec.key] = entry
+        policies.append(spec)
     if not policies:
         raise ValueError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
     families = probes.get("families") or ["passkey"]
@@ -96,14 +110,53 @@ def load_config(path: str | Path) -> SweepConfig:
         raise ValueError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
     gate = raw.get("gate")
     if gate is not None:
+        from kveval.gate_config import load_gate_config
+
         gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
+        load_gate_config(gate)  # a bad gate file is reported now, before any model loads
     return SweepConfig(
         name=raw.get("name", path.stem), models=list(raw.get("models") or ["smollm2-135m"]),
         policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype, families=list(families),
         lengths=[int(x) for x in probes.get("lengths") or [512]], depths=probes.get("depths"),
         n=int(probes.get("n", 10)), seed=int(probes.get("seed", raw.get("seed", 0))), family_params=probes.get("params") or {},
         batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), lm_eval=lm_eval, raw=raw,
+        warnings=warnings,
     )
+
+
+@contextmanager
+def sweep_lock(out: Path):
+    """Hold the sweep folder's lock file for the duration; a second sweep into it is refused, naming the holder.
+
+    The lock is an ``flock`` on :data:`LOCK_FILE`: the kernel drops it when the
+    holder exits, however it ends, so a killed sweep never leaves a stale lock.
+    """
+    import fcntl
+    import os
+    import socket
+    import sys
+    import time
+
+    from kveval.errors import RunFolderError
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise RunFolderError(f"{out} is in use by another sweep ({holder}); wait for it to end or pass --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                     f"{' '.join(sys.argv)}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()
 
 
 def _manifest(config: SweepConfig, device: str) -> dict:
@@ -209,32 +262,50 @@ def run_lm_eval_tasks(model, tokenizer, spec: str, mode: str, run_dir: Path, set
                     writer.write(record)
 
 
-def summarize(out: Path, run_dirs: list[Path], gate_config: str | None) -> int:
-    """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code."""
-    from kveval.gate import evaluate_sweep, exit_code, write_gate_outputs
+def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: dict | None = None) -> int:
+    """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code.
+
+    ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``) for the deployment decision.
+    """
+    from kveval.gate import deployment_decision, evaluate_sweep, exit_code, overall_status, write_gate_outputs
     from kveval.report import build_report
 
     results = evaluate_sweep(gate_config, run_dirs)
+    if deploy:
+        deployment_decision(results, **deploy)
     write_gate_outputs(results, out / "gate")
     build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json")
     print()
     print((out / "report" / "leaderboard.md").read_text())
     print((out / "gate" / "gate.md").read_text())
     code = exit_code(results)
-    print(f"gate verdict: {'PASS' if code == 0 else 'FAIL' if code == 1 else 'ERROR'}  |  leaderboard: {out / 'report' / 'leaderboard.html'}")
+    print(f"gate verdict: {overall_status(results)}  |  leaderboard: {out / 'report' / 'leaderboard.html'}")
     return code
 
 
 def configure(parser) -> None:
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when the gate finds a regression (for CI)")
+    parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
+    parser.add_argument("--context", type=int, help="target context tokens for the deployment decision")
+    parser.add_argument("--batch", type=int, default=1, help="concurrent sequences for the deployment decision (default 1)")
 
 
 def run(args) -> int:
+    import sys
+
+    from kveval.errors import UsageError
+
     config = load_config(args.config)
+    for warning in config.warnings:
+        print(f"kveval sweep: warning: {warning}", file=sys.stderr)
+    if args.gpu_memory and not args.context:
+        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
+    deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch} if args.gpu_memory else None
     out = Path(args.out or config.out or Path("runs") / config.name)
-    run_dirs = run_sweep(config, out, quiet=args.quiet)
-    code = summarize(out, run_dirs, config.gate)
+    with sweep_lock(out):
+        run_dirs = run_sweep(config, out, quiet=args.quiet)
+        code = summarize(out, run_dirs, config.gate, deploy)
     return code if args.strict else (2 if code == 2 else 0)
