@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from kveval.errors import RunFolderError
-from kveval.records import ItemRecord, ItemWriter, RunInfo, iter_items, read_run_info, write_run_info
+from kveval.records import ItemRecord, ItemWriter, RunInfo, cut_partial_item, iter_items, read_run_info, write_run_info
 from kveval.runspec import RunSpec
 
 
@@ -170,6 +170,7 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
             raise RunFolderError(f"{run_dir} holds runs of model {recorded.get('source') or info.model}, not {identity['source']}; "
                                  f"pass --out to a new folder, or delete {run_dir}")
         if (run_dir / "items.jsonl").is_file():
+            cut_partial_item(run_dir)  # a killed run's half-written line: it is rerun
             wanted = {item.id: item.hash for item in items}
             for record in iter_items(run_dir):
                 if record.id in wanted and wanted[record.id] != record.hash:

@@ -216,6 +216,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         raise
 
 
+def cut_partial_item(run_dir: str | os.PathLike) -> None:
+    """Cut off a half-written last line of a run's ``items.jsonl`` (a killed writer's), so it reads and resumes cleanly."""
+    _drop_partial_last_line(Path(run_dir) / ITEMS_FILE)
+
+
 def _drop_partial_last_line(path: Path) -> None:
     """Truncate a cut-off last line left by a killed writer, so appends start clean."""
     if not path.is_file():

@@ -8,7 +8,7 @@ from tiny_models import tiny_llama
 from kveval.errors import RunFolderError
 from kveval.evaluate import evaluate_policies, model_folder, model_identity
 from kveval.probes.item import ProbeItem, prompt_hash
-from kveval.records import read_run_info
+from kveval.records import read_items, read_run_info
 
 
 class CharTok:
@@ -93,3 +93,12 @@ def test_kv_dtype_and_mode_name_the_run_folder(tmp_path):
     assert run_dir.name == "window_size-8@query@kv-float16"
     info = read_run_info(run_dir)
     assert (info.mode, info.kv_dtype) == ("query", "float16")
+
+
+def test_a_killed_runs_half_written_line_is_cut_and_the_run_resumes(tmp_path):
+    model, tok = tiny_llama(), CharTok()
+    [run_dir] = evaluate_policies(model, tok, _items(n=1), ["window(size=8)"], tmp_path, "org1/M")
+    with open(run_dir / "items.jsonl", "a") as f:
+        f.write('{"id": "passkey-1", "ha')
+    evaluate_policies(model, tok, _items(n=2), ["window(size=8)"], tmp_path, "org1/M")
+    assert [r.id for r in read_items(run_dir)] == ["passkey-0", "passkey-1"]
