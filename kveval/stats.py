@@ -6,8 +6,10 @@ and reports changes as ``candidate - baseline``: a negative change is a loss.
 
 The functions are pure: no files, no printing, deterministic for a given
 ``seed``. They wrap SciPy where SciPy has the test (bootstrap, binomial test,
-Wilcoxon, permutation test, Benjamini-Hochberg) and implement Holm by hand,
-because SciPy has no Holm correction.
+Wilcoxon, Benjamini-Hochberg) and implement Holm by hand, because SciPy has no
+Holm correction. Right/wrong outcomes are handled by :mod:`kveval.paired`
+(Tango's score interval and tests, the planner); the bootstrap here is for
+graded scores only.
 """
 
 from __future__ import annotations
@@ -25,15 +27,13 @@ __all__ = [
     "Interval",
     "McNemarResult",
     "Flips",
-    "NonInferiority",
     "paired_bootstrap_ci",
     "mcnemar_exact",
     "wilcoxon_test",
-    "paired_permutation_test",
     "flips",
     "holm",
     "benjamini_hochberg",
-    "non_inferiority",
+    "bootstrap_margin_test",
     "is_binary",
 ]
 
@@ -107,31 +107,6 @@ class Flips:
     positive_rate: float
 
 
-@dataclass(frozen=True)
-class NonInferiority:
-    """One-sided non-inferiority check of the mean change against a margin.
-
-    Attributes
-    ----------
-    delta : float
-        Observed mean change ``candidate - baseline``.
-    lower : float
-        One-sided ``1 - alpha`` lower confidence bound of the mean change.
-    margin : float
-        Largest acceptable loss (positive number).
-    alpha : float
-        One-sided error rate of the bound.
-    passed : bool
-        ``lower > -margin``: the loss is shown to be smaller than the margin.
-    """
-
-    delta: float
-    lower: float
-    margin: float
-    alpha: float
-    passed: bool
-
-
 def _paired(baseline: ArrayLike, candidate: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     a = np.asarray(baseline, dtype=float).ravel()
     b = np.asarray(candidate, dtype=float).ravel()
@@ -157,7 +132,6 @@ def _mean_diff(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 _BOOTSTRAP_TAKES_RNG = "rng" in inspect.signature(_st.bootstrap).parameters
-_PERMUTATION_TAKES_RNG = "rng" in inspect.signature(_st.permutation_test).parameters
 
 
 def _rng_kwargs(seed: int | None, takes_rng: bool) -> dict:
@@ -304,53 +278,6 @@ def wilcoxon_test(baseline: ArrayLike, candidate: ArrayLike, *, alternative: str
     return 1.0 if math.isnan(p) else min(1.0, p)
 
 
-def paired_permutation_test(
-    baseline: ArrayLike,
-    candidate: ArrayLike,
-    *,
-    n_resamples: int = 9999,
-    seed: int | None = 0,
-    alternative: str = "two-sided",
-) -> float:
-    """Paired randomization test of the mean change.
-
-    Within each pair the two outcomes are swapped at random
-    (``scipy.stats.permutation_test(..., permutation_type="samples")``); the
-    test is exact when ``2**n`` is at most ``n_resamples``.
-
-    Parameters
-    ----------
-    baseline, candidate : array_like
-        Per-item scores, paired by position.
-    n_resamples : int, optional
-        Random relabelings (default 9999).
-    seed : int or None, optional
-        Seed of ``np.random.default_rng``.
-    alternative : {"two-sided", "greater", "less"}, optional
-        Direction for the mean of ``candidate - baseline``.
-
-    Returns
-    -------
-    float
-        The p-value; 1.0 when every difference is zero or there is a single pair
-        (one pair has only two labelings, which can never reject).
-    """
-    a, b = _paired(baseline, candidate)
-    if not np.any(b != a) or a.size < 2:
-        return 1.0
-    res = _st.permutation_test(
-        (a, b),
-        _mean_diff,
-        permutation_type="samples",
-        vectorized=True,
-        n_resamples=n_resamples,
-        batch=_batch_for(a.size, n_resamples),
-        alternative=alternative,
-        **_rng_kwargs(seed, _PERMUTATION_TAKES_RNG),
-    )
-    return float(min(1.0, res.pvalue))
-
-
 def flips(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> Flips:
     """Count answers that went right->wrong (negative) and wrong->right (positive).
 
@@ -421,49 +348,6 @@ def benjamini_hochberg(pvalues: ArrayLike) -> np.ndarray:
     if p.size == 0:
         return p.copy()
     return np.asarray(_st.false_discovery_control(p, method="bh"), dtype=float)
-
-
-def non_inferiority(
-    baseline: ArrayLike,
-    candidate: ArrayLike,
-    margin: float,
-    *,
-    alpha: float = 0.05,
-    n_resamples: int = 9999,
-    seed: int | None = 0,
-) -> NonInferiority:
-    """Is the candidate no worse than the baseline by more than ``margin``?
-
-    Computes the one-sided ``1 - alpha`` lower confidence bound of the mean
-    change (paired bootstrap, ``alternative="greater"``) and passes when it lies
-    above ``-margin``. Failing means the data cannot rule out a loss of
-    ``margin`` or more (a real loss, or too few items to tell).
-
-    Parameters
-    ----------
-    baseline, candidate : array_like
-        Per-item scores, paired by position.
-    margin : float
-        Largest acceptable loss in score units (>= 0).
-    alpha : float, optional
-        One-sided error rate (default 0.05, a 95% lower bound).
-    n_resamples : int, optional
-        Bootstrap resamples.
-    seed : int or None, optional
-        Seed of ``np.random.default_rng``.
-
-    Returns
-    -------
-    NonInferiority
-    """
-    if margin < 0:
-        raise ValueError(f"margin must be >= 0, got {margin}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    ci = paired_bootstrap_ci(
-        baseline, candidate, confidence_level=1 - alpha, n_resamples=n_resamples, seed=seed, alternative="greater"
-    )
-    return NonInferiority(ci.estimate, ci.low, float(margin), float(alpha), bool(ci.low > -margin))
 
 
 def is_binary(*arrays: ArrayLike) -> bool:
