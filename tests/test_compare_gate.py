@@ -528,3 +528,19 @@ def test_lm_eval_runs_of_different_models_are_refused(tmp_path):
     results.write_text(json.dumps(data))
     with pytest.raises(ResultFileError, match="revision"):
         compare_runs(base, cand)
+
+
+def test_one_graded_score_keeps_the_right_wrong_test(tmp_path):
+    """A single 0.5 among right/wrong items used to switch McNemar (p 0.125) to Wilcoxon (p 0.046)."""
+    base = [ItemRecord(id=f"t/{i}", hash=str(i), task="t", score=1.0, correct=True) for i in range(40)]
+    cand = [replace(it, score=0.0, correct=False) if i < 4 else it for i, it in enumerate(base)]
+    cand[10] = replace(cand[10], score=0.5, correct=False)  # partial credit: counted by its `correct` flag
+    rc = compare_runs(write_run(tmp_path / "b", base), write_run(tmp_path / "c", cand, policy="kivi(bits=2)"))
+    t = rc.task("t")
+    assert t.right_wrong and t.n_graded == 1 and t.test == "mcnemar" and t.ci_method == "tango"
+    assert t.n_regressed == 5 and t.pvalue == pytest.approx(0.0625, abs=1e-12)  # exact binomial, 5 vs 0
+    assert (t.ci_low, t.ci_high) == pytest.approx(paired.tango_interval(5, 0, 40), abs=1e-12)
+    # mostly graded scores: the bootstrap of the mean score instead
+    graded = [replace(it, score=0.5 + 0.01 * (i % 7), correct=False) for i, it in enumerate(base)]
+    g = compare_runs(write_run(tmp_path / "gb", graded), write_run(tmp_path / "gc", graded, policy="kivi(bits=4)")).task("t")
+    assert not g.right_wrong and g.ci_method == "tango-zero" and g.ci_low < 0 < g.ci_high  # never [0, 0]
