@@ -54,6 +54,9 @@ def test_none_equals_eager_through_prefill_and_decode(name):
     assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) <= 1e-5
     stats = cache.stats()
     assert stats.kv_bytes == stats.nominal_bytes  # none keeps what the model's own cache keeps
+    if not any(p.sliding_window for p in architectures.cache_layer_plan(model.config)):
+        # The per-token figure lm-eval runs record: attention layers only (MLA: latent + rope key).
+        assert nominal_bytes_per_token(model, FP32) * 46 == stats.nominal_bytes
     # Linear-attention / Mamba states: the very tensors the model's own cache holds, counted apart.
     state_layers = [i for i, layer in enumerate(own.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
     for i in state_layers:
