@@ -1,0 +1,295 @@
+"""The layers of a :class:`~kveval.cache.CompressedCache`: per-sequence stores, masks, scoring and compression.
+
+:class:`CompressedLayer` keeps, for every sequence of the batch separately, a
+token store (:mod:`kveval.storage`) plus each kept token's original position;
+it builds the mask attention must use once kept tokens no longer line up with
+the input columns, accumulates the attention mass a selection policy asks for,
+and compresses. :class:`CompressedHybridLayer` adds a linear-attention/Mamba
+state kept by transformers' own code (Falcon-H1). See :mod:`kveval.cache` for
+the life of a sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
+
+from kveval.policies import ScoringState
+
+_PAD_POSITION = 2**62  # slot position of padding in a stacked batch: never visible to any query
+_QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
+
+
+@dataclass
+class RowState:
+    """One sequence in one layer: its store, the original position of every kept token, and policy scores."""
+
+    store: object
+    positions: torch.Tensor  # [kv_heads, tokens], int64
+    attention: torch.Tensor | None = None  # [kv_heads, tokens], accumulated as the policy asks
+    tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
+    compressed: bool = False
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer of a :class:`CompressedCache`; stores each sequence of the batch separately."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: "CompressedCache", layer_idx: int, sliding_window: int | None = None,
+                 chunked: bool = False):
+        super().__init__()
+        self.cache, self.layer_idx, self.sliding_window = cache, layer_idx, sliding_window
+        self.is_sliding = sliding_window is not None
+        # Chunked attention (Llama 4): stored like a sliding layer (the model's own cache does so), but a
+        # query sees only the tokens of its own chunk of ``sliding_window`` positions.
+        self.chunked = chunked and self.is_sliding
+        self.selection = None if self.is_sliding else cache.policy.selection
+        self.rows: list[RowState] = []
+        self.columns_seen = 0  # input columns processed, padding included (what DynamicLayer would report)
+        self.contiguous = True  # every row holds every column: the model's own causal mask is exact
+        self._query_positions: torch.Tensor | None = None
+        self._slot_positions: torch.Tensor | None = None
+        self.token_elements = 0  # K and V elements per token, all heads: what the model's own cache layer holds
+
+    # --- transformers CacheLayerMixin interface -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        heads = key_states.shape[1]
+        self.token_elements = heads * key_states.shape[-1] + value_states.shape[1] * value_states.shape[-1]
+        self.rows = [RowState(self.cache.new_store(self.layer_idx, key_states.dtype),
+                              torch.empty(heads, 0, dtype=torch.long, device=self.device))
+                     for _ in range(key_states.shape[0])]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
+        """Store the new tokens and return the padded batch of kept K/V, ``[B, kv_heads, slots, head_dim]``.
+
+        Also places the mask this layer's attention must use in ``kwargs`` (the
+        attention module passes the same dict on to the attention function).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, q_len, _ = key_states.shape
+        real = self.cache.input_real(batch, q_len, key_states.device)
+        positions = self._new_positions(kwargs, real)
+        for b, row in enumerate(self.rows):
+            keep = real[b]
+            if self.is_sliding and row.positions.shape[1]:
+                self._trim_to_window(row, int(positions[b][keep].min()) if keep.any() else None)
+            if keep.any():
+                new_positions = positions[b][keep].unsqueeze(0).expand(heads, -1)
+                row.store.append(key_states[b][:, keep], value_states[b][:, keep])
+                row.positions = torch.cat([row.positions, new_positions], dim=1)
+                row.tokens_seen += int(keep.sum())
+                if row.compressed:
+                    row.store.seal()
+        self.columns_seen += q_len
+        if not bool(real.all()):
+            self.contiguous = False
+        keys, values, slot_positions = self._stacked()
+        self._query_positions = positions
+        self._slot_positions = slot_positions
+        if kwargs is not None:
+            kwargs["kveval_layer"] = self
+            kwargs["kveval_mask"] = None if self.contiguous else self.allowed_mask(positions, heads_of_query=None)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.columns_seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.rows, self.columns_seen, self.contiguous, self.is_initialized = [], 0, True, False
+
+    # --- positions and masks --------------------------------------------------------------------
+    def _new_positions(self, kwargs, real: torch.Tensor) -> torch.Tensor:
+        """Original positions of the incoming tokens, ``[B, q]``: ``position_ids`` if given, else each row's count."""
+        given = None if kwargs is None else kwargs.get("position_ids")
+        if given is not None:
+            return given.to(torch.long).expand(real.shape[0], -1)
+        starts = torch.tensor([row.tokens_seen for row in self.rows], device=real.device)
+        return starts[:, None] + real.long().cumsum(dim=1) - 1
+
+    def _trim_to_window(self, row: RowState, first_new_position: int | None) -> None:
+        """Sliding layers: drop tokens no upcoming query can see (the model's own window)."""
+        if first_new_position is None:
+            return
+        visible = row.positions[0] > first_new_position - self.sliding_window
+        if not bool(visible.all()):
+            index = visible.nonzero().squeeze(1).unsqueeze(0).expand(row.positions.shape[0], -1)
+            self._select(row, index)
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-pad the rows' kept tokens into one batch; padding slots get an invisible position."""
+        kvs = [row.store.keys_values() for row in self.rows]
+        if len(self.rows) == 1:
+            return kvs[0][0][None], kvs[0][1][None], self.rows[0].positions[None]
+        slots = max(k.shape[1] for k, _ in kvs)
+        keys = kvs[0][0].new_zeros(len(self.rows), kvs[0][0].shape[0], slots, kvs[0][0].shape[2])
+        values = kvs[0][1].new_zeros(len(self.rows), kvs[0][1].shape[0], slots, kvs[0][1].shape[2])
+        positions = torch.full((len(self.rows), keys.shape[1], slots), _PAD_POSITION, dtype=torch.long, device=keys.device)
+        for b, ((k, v), row) in enumerate(zip(kvs, self.rows)):
+            n = k.shape[1]
+            if n:
+                keys[b, :, slots - n:], values[b, :, slots - n:] = k, v
+                positions[b, :, slots - n:] = row.positions
+        return keys, values, positions
+
+    def allowed_mask(self, query_positions: torch.Tensor, heads_of_query: int | None) -> torch.Tensor:
+        """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).
+
+        ``heads`` is 1 when every KV head keeps the same tokens, else the number
+        of query heads (``heads_of_query``) or KV heads (when ``None``).
+        """
+        slots = self._slot_positions
+        if bool((slots == slots[:, :1]).all()):
+            slots = slots[:, :1]
+        key_pos, query_pos = slots[:, :, None, :], query_positions[:, None, :, None]
+        allowed = key_pos <= query_pos
+        if self.chunked:
+            allowed &= key_pos // self.sliding_window == query_pos // self.sliding_window
+        elif self.is_sliding:
+            allowed &= key_pos > query_pos - self.sliding_window
+        allowed |= ~allowed.any(dim=-1, keepdim=True)  # padding queries: attend somewhere rather than produce NaN
+        if heads_of_query is not None and allowed.shape[1] > 1:
+            allowed = allowed.repeat_interleave(heads_of_query // allowed.shape[1], dim=1)
+        return allowed
+
+    # --- scoring and compression ----------------------------------------------------------------
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities) -> None:
+        """Called by the attention function once this layer's output is computed.
+
+        ``probabilities(query, keys, allowed)`` gives the model's own attention
+        probabilities ``[B, query_heads, q, slots]`` (softcapped, sink-diluted, ...)
+        under a boolean mask; selection policies score with them.
+        """
+        policy = self.selection
+        needs = policy.attention if policy is not None else "none"
+        if needs != "none" and (needs in ("all", "last") or not all(r.compressed for r in self.rows)):
+            self._observe(query, keys, probabilities, needs, getattr(policy, "window", 1))
+        if self.is_sliding:
+            # Like the model's own sliding layer: keep only what the next query can still see.
+            for row in self.rows:
+                if row.positions.shape[1]:
+                    self._trim_to_window(row, int(row.positions.max()) + 1)
+        if self.cache.defer_compression:
+            return
+        for b, row in enumerate(self.rows):
+            if not row.compressed:
+                self.compress_row(row, self.cache.protected(b))
+            elif policy is not None and policy.decode_budget is not None and row.store.length > policy.decode_budget:
+                self._evict_to(row, policy.decode_budget, protect_last=1)
+
+    def _observe(self, query, keys, probabilities, needs: str, window: int) -> None:
+        """Accumulate, per row, the attention mass each kept token received from the queries the policy asks for.
+
+        The mass is averaged over the query heads that read each stored head:
+        the GQA group of a KV head, or every head for a store with one shared
+        head (MLA's latent), whose tokens are then kept or dropped for all heads at once.
+        """
+        q_len = query.shape[2]
+        real = self.cache.input_real(query.shape[0], q_len, query.device)
+        if needs == "window":
+            first = max(0, q_len - window)
+        elif needs == "last":
+            first = q_len - 1
+        else:
+            first = 0
+        mass = None
+        for start in range(first, q_len, _QUERY_CHUNK):
+            stop = min(q_len, start + _QUERY_CHUNK)
+            allowed = self.allowed_mask(self._query_positions[:, start:stop], heads_of_query=query.shape[1])
+            probs = probabilities(query[:, :, start:stop], keys, allowed)
+            probs = probs * real[:, None, start:stop, None]  # padding queries contribute nothing
+            stored_heads = self._slot_positions.shape[1]
+            groups = query.shape[1] // stored_heads
+            part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
+            mass = part if mass is None else mass + part
+        slots = mass.shape[-1]
+        for b, row in enumerate(self.rows):
+            n = row.store.length
+            row_mass = mass[b, :, slots - n:]
+            if needs == "all" and row.attention is not None:
+                previous = torch.nn.functional.pad(row.attention, (0, n - row.attention.shape[1]))
+                row.attention = previous + row_mass
+            else:
+                row.attention = row_mass
+
+    def scoring_state(self, row: RowState, seed: int) -> ScoringState:
+        keys, _ = row.store.keys_values()
+        return ScoringState(keys=keys, positions=row.positions, attention=row.attention,
+                            layer_idx=self.layer_idx, num_layers=self.cache.num_layers, seed=seed)
+
+    def compress_row(self, row: RowState, protect_last: int = 0, policy=None) -> None:
+        """Prefill compression of one row: keep the selection's budget of context tokens, then seal the store."""
+        policy = policy or self.selection
+        if policy is not None:
+            n = row.store.length
+            candidates = n - min(protect_last, n)
+            keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
+            if keep < candidates:
+                scores = policy.scores(self.scoring_state(row, self.cache.seed_for(self.rows.index(row))))
+                chosen = scores[:, :candidates].topk(keep, dim=1).indices.sort(dim=1).values
+                protected = torch.arange(candidates, n, device=chosen.device).expand(chosen.shape[0], -1)
+                self._select(row, torch.cat([chosen, protected], dim=1))
+        row.store.seal()
+        row.compressed = True
+
+    def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
+        """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always)."""
+        n = row.store.length
+        scores = self.selection.scores(self.scoring_state(row, self.cache.seed_for(self.rows.index(row)))).clone()
+        scores[:, n - protect_last:] = float("inf")
+        index = scores.topk(budget, dim=1).indices.sort(dim=1).values
+        self._select(row, index)
+        row.store.seal()
+
+    def _select(self, row: RowState, index: torch.Tensor) -> None:
+        row.store.select(index)
+        row.positions = row.positions.gather(1, index)
+        if row.attention is not None:
+            row.attention = row.attention.gather(1, index)
+        self.contiguous = False
+
+    # --- measurement ----------------------------------------------------------------------------
+    def nominal_tokens(self, row: RowState) -> int:
+        # A sliding layer of the model's own cache holds the last window - 1 tokens between forwards.
+        return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window - 1)
+
+
+class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):
+    """A layer with both a linear-attention/Mamba state and attention (Falcon-H1's parallel heads).
+
+    The state is transformers' own ``LinearAttentionLayer`` code, kept exactly;
+    the attention tokens are a :class:`CompressedLayer`, compressed by the policy.
+    Mirrors transformers' ``LinearAttentionAndFullAttentionLayer``.
+    """
+
+    is_compileable = False
+
+    def __init__(self, cache: "CompressedCache", layer_idx: int, sliding_window: int | None = None, number_of_states: int = 1):
+        CompressedLayer.__init__(self, cache, layer_idx, sliding_window)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # ``update`` passes K and V positionally; the state updates pass keywords only.
+        if len(args) == 2 and not kwargs:
+            CompressedLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        CompressedLayer.reset(self)
+
+
+__all__ = ["CompressedHybridLayer", "CompressedLayer", "RowState"]
