@@ -8,7 +8,7 @@ the kept tokens no longer line up with the input columns, its own mask into the
 attention kwargs during ``cache.update`` (the attention module passes that same
 dict to this function). Attention then runs on the kept tokens under that mask,
 and afterwards the layer may score and compress (see
-:meth:`kveval.cache.CompressedLayer.after_attention`), using the same kernel's
+:meth:`kveval.cache_layers.CompressedLayer.after_attention`), using the same kernel's
 attention probabilities. No modeling code is copied or patched.
 """
 
