@@ -179,10 +179,18 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
         return run_dir
     stack = spec.policy
     info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
-                   family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype, model_identity=identity,
+                   family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype or deployment_dtype_name(model),
+                   model_identity=identity,
                    extra={**(extra or {}), **representation_info(stack, model)})
     write_run_info(run_dir, info)
     return run_dir
+
+
+def deployment_dtype_name(model) -> str:
+    """The KV dtype ``model`` is deployed with (what an unset ``kv_dtype`` means), e.g. ``"bfloat16"``."""
+    from kveval.storage import deployment_kv_dtype, dtype_name
+
+    return dtype_name(deployment_kv_dtype(model))
 
 
 def representation_info(stack, model) -> dict:

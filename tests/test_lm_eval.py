@@ -352,7 +352,8 @@ def test_cli_wrapper_runs_tasks_and_records_policy(smollm, tmp_path):
     assert config["model"] == "kveval"
     assert config["kveval_policy"].startswith("snapkv(ratio=0.5,window=4") and "kivi(bits=4" in config["kveval_policy"]
     assert config["kveval_compress"] == "context" and config["kveval_question_marker"] == "\n\n"
-    assert config["kveval_nominal_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert config["kveval_kv_dtype"] == "bfloat16"  # the deployment cache, whatever the CPU computes in
+    assert config["kveval_nominal_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert 0 < config["kveval_measured_bytes_per_token"] < config["kveval_nominal_bytes_per_token"]
     assert config["kveval_measured_requests"] == 5 * 3 + 5
     assert set(results["results"]) == {"kvtest_mc", "kvtest_gen"}

@@ -54,6 +54,7 @@ def test_second_model_with_the_same_name_is_evaluated_not_resumed(tmp_path):
     second = evaluate_policies(tiny_llama(seed=1), tok, _items(), ["window(size=8)"], tmp_path, "org2/M")
     assert first[0] != second[0]
     info = read_run_info(second[0])
+    assert info.kv_dtype == "bfloat16"  # unset: the deployment dtype, recorded as resolved
     assert info.model_identity["source"] == "org2/M" and info.model_identity["revision"] == "main"
     assert json.loads((second[0] / "run.json").read_text())["model_identity"]["hash"] == model_identity("org2/M")["hash"]
 

@@ -100,7 +100,7 @@ import kveval
 from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.generation import MODES, Prompt, forward_rows, generate
 from kveval.errors import PolicySpecError, UsageError
-from kveval.evaluate import model_identity
+from kveval.evaluate import deployment_dtype_name, model_identity
 from kveval.lm_eval import schema
 from kveval.policies import PolicyStack, parse_policy
 from kveval.runspec import RunSpec, parse_kv_dtype, parse_mode
@@ -517,7 +517,7 @@ class KVEvalLM(HFLM):
             "model_dtype": str(model.dtype),
             schema.POLICY: self.policy.spec,
             schema.COMPRESS: self.compress,
-            schema.KV_DTYPE: self.kv_dtype,
+            schema.KV_DTYPE: self.kv_dtype or deployment_dtype_name(model),
             schema.MODEL_IDENTITY: self.model_identity,
             schema.QUESTION_MARKER: self.question_marker,
             schema.SEED: self.seed,
