@@ -50,8 +50,7 @@ PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
 
 __all__ = [
-    "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "Deployment", "GateConfig", "GateResult", "TaskVerdict",
-    "deployment_decision", "evaluate_gate", "evaluate_sweep", "exit_code", "load_gate_config", "write_gate_outputs",
+    "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "GateConfig", "GateResult", "TaskVerdict", "evaluate_gate", "evaluate_sweep", "exit_code", "load_gate_config", "overall_status",
 ]
 
 
@@ -182,7 +181,7 @@ class GateResult:
     baseline_path: str
     tasks: list[str]
     candidates: list[CandidateVerdict]
-    deployment: "Deployment | None" = None
+    deployment: Any = None  # kveval.deployment.Deployment, set by deployment_decision
 
     @property
     def status(self) -> str:
@@ -477,68 +476,6 @@ def overall_status(results: GateResult | Sequence[GateResult]) -> str:
     return max((r.status for r in results), key=_ORDER.__getitem__, default=ERROR)
 
 
-# ----------------------------------------------------------------------------- deployment decision
-
-
-@dataclass
-class Deployment:
-    """Which candidates fit a GPU at a target context and batch, and the most compressed one that PASSes.
-
-    ``fits`` maps run name -> (KV-cache bytes, fits?); ``budget_bytes`` is the
-    cache budget (GPU x (1 - headroom) - weights, :func:`kveval.memory.max_fit`).
-    """
-
-    gpu_memory: str
-    context: int
-    batch: int
-    headroom: float
-    budget_bytes: int
-    fits: dict[str, tuple[int, bool]]
-    choice: str | None
-    line: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def deployment_decision(
-    results: GateResult | Sequence[GateResult], gpu_memory: str, context: int, batch: int = 1, headroom: str | float = 0.1
-) -> list[Deployment]:
-    """For each model: cache bytes of the baseline and every candidate at ``context`` x ``batch``, what fits, and the pick.
-
-    The pick is the PASSing candidate with the smallest planned cache that
-    fits; the baseline is the fallback when it fits and nothing compressed
-    PASSes.
-    """
-    from kveval import memory
-
-    out = []
-    for r in [results] if isinstance(results, GateResult) else list(results):
-        runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
-        fit0 = memory.max_fit(r.baseline.model, gpu_memory, context=context, headroom=headroom)
-        budget = fit0.cache_budget_bytes
-        fits: dict[str, tuple[int, bool]] = {}
-        for name, info, _ in runs:
-            plan = memory.plan(info.model, context, batch, policy=info.policy)
-            fits[name] = (int(plan.total_bytes), plan.total_bytes <= budget)
-        passing = [(fits[name][0], name) for name, info, status in runs[1:] if status == PASS and fits[name][1]]
-        h = memory.human_bytes
-        if passing:
-            choice = min(passing)[1]
-            line = f"deploy {choice}: {h(fits[choice][0])} of KV cache for {batch} x {context} tokens fits the {h(budget)} budget and PASSes"
-        elif fits[r.baseline.name][1]:
-            choice = r.baseline.name
-            line = f"no compressed candidate both fits and PASSes; the baseline fits ({h(fits[choice][0])} of {h(budget)})"
-        else:
-            choice = None
-            line = f"nothing fits: the smallest PASSing cache needs more than the {h(budget)} budget; lower --context or --batch"
-        fitting = [n for n, (_, ok) in fits.items() if ok]
-        line += f" (fit: {', '.join(fitting) or 'none'})"
-        out.append(Deployment(str(gpu_memory), context, batch, float(fit0.headroom), int(budget), fits, choice, line))
-        r.deployment = out[-1]
-    return out
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -604,6 +541,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(cv.line())
     if args.gpu_memory:
+        from kveval.deployment import deployment_decision
+
         for d in deployment_decision(result, args.gpu_memory, args.context, args.batch, args.headroom):
             print(d.line)
     if args.out:
@@ -613,9 +552,3 @@ def run(args: argparse.Namespace) -> int:
         print("kveval gate: warning: INCONCLUSIVE does not block (inconclusive_blocks: false)", file=sys.stderr)
     print(f"gate: {result.status} (exit {result.exit_code})")
     return result.exit_code
-
-
-def write_gate_outputs(result, out_dir):  # re-exported for callers of the earlier module
-    from kveval.gate_report import write_gate_outputs as _write
-
-    return _write(result, out_dir)

@@ -267,7 +267,9 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: 
 
     ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``) for the deployment decision.
     """
-    from kveval.gate import deployment_decision, evaluate_sweep, exit_code, overall_status, write_gate_outputs
+    from kveval.deployment import deployment_decision
+    from kveval.gate import evaluate_sweep, exit_code, overall_status
+    from kveval.gate_report import write_gate_outputs
     from kveval.report import build_report
 
     results = evaluate_sweep(gate_config, run_dirs)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kveval import cli
-from kveval.gate import evaluate_gate, write_gate_outputs
+from kveval.gate import evaluate_gate
+from kveval.gate_report import write_gate_outputs
 from kveval.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 from kveval.report import build_report
 
