@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_gemma3, tiny_llama
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from kveval.cache import CompressedCache
@@ -11,17 +11,6 @@ from kveval.policies import parse_policy
 
 SELECTION = ["h2o(ratio=0.5)", "snapkv(ratio=0.5,window=4,kernel=3)", "pyramidkv(ratio=0.5,window=4)",
              "tova(ratio=0.5)", "knorm(ratio=0.5)", "random(ratio=0.5)"]
-
-
-class Tok:
-    """A stand-in tokenizer for random models: ids are text."""
-
-    eos_token_id = None
-    pad_token_id = 0
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def _prefill_and_decode(model, cache, ids, steps):

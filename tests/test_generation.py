@@ -2,22 +2,11 @@
 
 import pytest
 import torch
-from tiny_models import tiny_gemma3, tiny_llama
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval.errors import UsageError
 from kveval.generation import Prompt, generate, generate_many
 from kveval.policies import parse_policy
-
-
-class Tok:
-    """A stand-in tokenizer for random models: ids are text."""
-
-    eos_token_id = None
-    pad_token_id = 0
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def _prompts(seed=10):

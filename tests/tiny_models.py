@@ -85,3 +85,14 @@ def tiny_model(name: str, attn: str = "kveval", seed: int = 0):
     config = getattr(transformers, config_class)(**{**_BASE, **overrides})
     config._attn_implementation = attn
     return _without_eos(getattr(transformers, model_class)(config))
+
+
+class Tok:
+    """A stand-in tokenizer for random models: ids are text."""
+
+    eos_token_id = None
+    pad_token_id = 0
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
