@@ -10,7 +10,7 @@ unknown layer types and inexact models are refused.
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, tiny_model
+from tiny_models import ARCHITECTURES, Tok, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -26,17 +26,6 @@ POLICIES = ["snapkv(ratio=0.5)", "h2o(ratio=0.5)", "tova(ratio=0.5)", "streaming
             "kivi(bits=4,residual=8)", "quant(bits=8,group=16)", "lowrank(rank=8,calib_tokens=96)",
             "snapkv(ratio=0.5)+kivi(bits=2,residual=8)"]
 FP32 = torch.float32
-
-
-class Tok:
-    """A stand-in tokenizer for random models: ids are text."""
-
-    eos_token_id = None
-    pad_token_id = 0
-    chat_template = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def _ids(n, seed):
