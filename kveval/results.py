@@ -30,6 +30,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from kveval.lm_eval.schema import as_float as _as_float
+from kveval.lm_eval.schema import read_run_fields  # the keys the kveval model type writes
 from kveval.records import ITEMS_FILE, RUN_FILE, ItemRecord, ResultFileError, RunInfo, read_items, read_run_info
 
 #: How many folder levels below a given path a run folder is looked for (sweep/runs/<model>/<policy>).
@@ -303,12 +305,6 @@ def _pick_metric(row: dict, path: Path) -> str:
     raise ResultFileError(f"{path}: no scalar metric in {names}; pick one with --metric")
 
 
-def _as_float(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def _lm_eval_answer(row: dict) -> tuple[str, float | None]:
@@ -373,8 +369,6 @@ def _lm_eval_run_info(path: Path, folder: Path, date: str) -> RunInfo:
                 if k in source and source[k] not in (None, ""):
                     return source[k]
         return None
-
-    from kveval.lm_eval.schema import read_run_fields  # the keys the kveval model type writes
 
     model = first("pretrained", "model_name") or config.get("model") or folder.name
     fields = read_run_fields(config, margs)

@@ -66,7 +66,8 @@ class RunFields:
     model_identity: dict
 
 
-def _as_float(value: Any) -> float | None:
+def as_float(value: Any) -> float | None:
+    """``value`` as a finite float, else ``None`` (results files hold numbers, strings and nulls alike)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -93,9 +94,9 @@ def read_run_fields(config: dict, model_args: dict | None = None) -> RunFields:
     return RunFields(
         policy=str(get(POLICY, "policy") or "none"),
         mode=str(get(COMPRESS, "compress") or "context"),
-        ratio=_as_float(get(NOMINAL_RATIO)),
-        bytes_per_token=_as_float(get(MEASURED_BYTES)),
-        nominal_bytes_per_token=_as_float(get(NOMINAL_BYTES)),
+        ratio=as_float(get(NOMINAL_RATIO)),
+        bytes_per_token=as_float(get(MEASURED_BYTES)),
+        nominal_bytes_per_token=as_float(get(NOMINAL_BYTES)),
         kv_dtype=get(KV_DTYPE, "kv_dtype"),
         model_identity=identity if isinstance(identity, dict) else {},
     )
@@ -103,4 +104,4 @@ def read_run_fields(config: dict, model_args: dict | None = None) -> RunFields:
 
 __all__ = ["COMPRESS", "INDEX_BYTES", "KEYS", "KV_DTYPE", "MEASURED_BYTES", "MEASURED_RATIO", "MEASURED_REQUESTS",
            "MEASURED_TOKENS", "MODEL_IDENTITY", "NOMINAL_BYTES", "NOMINAL_RATIO", "POLICY", "QUESTION_MARKER", "ROLLING",
-           "RunFields", "SEED", "UNCOMPRESSED_MEASURED_BYTES", "VERSION", "read_run_fields"]
+           "RunFields", "as_float", "SEED", "UNCOMPRESSED_MEASURED_BYTES", "VERSION", "read_run_fields"]
