@@ -44,7 +44,8 @@ def layer_summary(config) -> str:
         elif plan.kind == architectures.NONE:
             label = "none"
         else:
-            label = f"sliding({plan.sliding_window})" if plan.sliding_window else "full"
+            kind = "chunked" if plan.chunked else "sliding"
+            label = f"{kind}({plan.sliding_window})" if plan.sliding_window else "full"
         counts[label] = counts.get(label, 0) + 1
     text = " + ".join(f"{n} {label}" for label, n in counts.items())
     return text + (" MLA" if architectures.mla_dims(config) else "")
