@@ -27,6 +27,7 @@ from kveval.comparison import (  # noqa: F401  (re-exported)
     compare_runs,
     confusion_rates,
 )
+from kveval.errors import UsageError
 from kveval.results import (  # noqa: F401  (re-exported)
     LM_EVAL_METRICS,
     Run,
@@ -35,6 +36,7 @@ from kveval.results import (  # noqa: F401  (re-exported)
     load_lm_eval_run,
     load_run,
     pair_runs,
+    pairing_warnings,
     records_from_samples,
 )
 
@@ -121,10 +123,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.confidence < 1:
-        raise ValueError(f"--confidence must be in (0, 1), got {args.confidence}")
+        raise UsageError(f"--confidence must be in (0, 1), got {args.confidence}")
+    import sys
+
+    base, cand = load_run(args.baseline, metric=args.metric), load_run(args.candidate, metric=args.metric)
+    for warning in pairing_warnings(base, cand):
+        print(f"kveval compare: warning: {warning}", file=sys.stderr)
     rc = compare_runs(
-        args.baseline,
-        args.candidate,
+        base,
+        cand,
         confidence_level=args.confidence,
         n_resamples=args.resamples,
         seed=args.seed,

@@ -544,3 +544,8 @@ def test_one_graded_score_keeps_the_right_wrong_test(tmp_path):
     graded = [replace(it, score=0.5 + 0.01 * (i % 7), correct=False) for i, it in enumerate(base)]
     g = compare_runs(write_run(tmp_path / "gb", graded), write_run(tmp_path / "gc", graded, policy="kivi(bits=4)")).task("t")
     assert not g.right_wrong and g.ci_method == "tango-zero" and g.ci_low < 0 < g.ci_high  # never [0, 0]
+
+
+def test_compare_warns_on_swapped_runs(runs, capsys):
+    assert cli.main(["compare", str(runs["same"]), str(runs["base"]), "--resamples", "199"]) == 0
+    assert "kveval compare: warning: baseline and candidate look swapped" in capsys.readouterr().err

@@ -96,3 +96,24 @@ def test_full_disk_leaves_no_temporary_file_and_exits_2(tmp_path, monkeypatch, c
     assert cli.run_command("gate", lambda: atomic_write_text(target, "{}")) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "No space left on device" in err[0] and list(tmp_path.iterdir()) == []
+
+
+def test_summarize_names_the_policy_to_deploy(tmp_path, capsys):
+    from kveval.sweep import summarize
+
+    sweep = tmp_path / "sweep"
+    items = [ItemRecord(id=f"t/{i}", hash=str(i), task="t", score=1.0, correct=True) for i in range(80)]
+    runs = []
+    for policy, wrong in (("none", 0), ("quant(bits=8)", 0), ("kivi(bits=4)", 0), ("random(ratio=0.5)", 40)):
+        folder = sweep / "runs" / "smollm2-135m" / policy.replace("(", "_").replace(")", "")
+        write_run_info(folder, RunInfo(name=f"smollm2-135m/{policy}", model="smollm2-135m", policy=policy))
+        with ItemWriter(folder) as w:
+            for i, it in enumerate(items):
+                w.write(ItemRecord(**{**it.__dict__, "score": float(i >= wrong), "correct": i >= wrong}))
+        runs.append(folder)
+    code = summarize(sweep, runs, None, {"gpu_memory": "2GiB", "context": 16384, "batch": 8})
+    out = capsys.readouterr().out
+    assert code == 1 and "gate verdict: FAIL" in out
+    # kivi(bits=4) is the most compressed PASSing policy whose cache fits (the baseline's 2.8 GiB does not)
+    assert "deploy smollm2-135m/kivi(bits=4)" in out
+    assert "deployment: deploy smollm2-135m/kivi(bits=4)" in (sweep / "report" / "leaderboard.md").read_text()
