@@ -315,6 +315,10 @@ class QuantizedStore(TokenStore):
         self.v = QuantizedSequence(value_quant, residual, kv_dtype, compute_dtype)
 
     @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.k.compute_dtype
+
+    @property
     def length(self) -> int:
         return self.k.length
 
