@@ -18,7 +18,7 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m"
 
 
-from kveval.errors import ModelNotFoundError  # noqa: E402  (re-exported)
+from kveval.errors import ModelNotFoundError, UsageError  # noqa: E402  (ModelNotFoundError is re-exported)
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,40 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):
     return device, torch_dtype
 
 
+def parse_max_memory(text: str) -> dict:
+    """``"0=20GiB,1=20GiB,cpu=64GiB"`` -> ``{0: "20GiB", 1: "20GiB", "cpu": "64GiB"}`` (accelerate's ``max_memory``).
+
+    Keys are GPU indices, ``cpu`` or ``disk``; values are sizes accelerate reads
+    (``20GiB``, ``500MB``, or bytes).
+    """
+    result: dict = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        key, sep, size = part.partition("=")
+        key, size = key.strip(), size.strip()
+        if not sep or not size or not (key.isdigit() or key in ("cpu", "disk")):
+            raise UsageError(f"max_memory {text!r}: write DEVICE=SIZE pairs such as 0=20GiB,1=20GiB,cpu=64GiB "
+                             f"(DEVICE: a GPU index, cpu or disk)")
+        result[int(key) if key.isdigit() else key] = int(size) if size.isdigit() else size
+    if not result:
+        raise UsageError("max_memory is empty; write DEVICE=SIZE pairs such as 0=20GiB,cpu=64GiB")
+    return result
+
+
+def add_placement_arguments(parser) -> None:
+    """``--device-map`` and ``--max-memory`` for commands that load a model (see :func:`load_model`)."""
+    parser.add_argument("--device-map", help="accelerate placement for models larger than one GPU: auto, balanced, "
+                                             "sequential (default: the whole model on one device)")
+    parser.add_argument("--max-memory", help="memory per device for --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
+
+
+def placement_from_args(args) -> dict:
+    """The ``device_map`` / ``max_memory`` keyword arguments of :func:`load_model` given on the command line."""
+    device_map, max_memory = getattr(args, "device_map", None), getattr(args, "max_memory", None)
+    if max_memory and not device_map:
+        raise UsageError("--max-memory needs --device-map (e.g. --device-map auto)")
+    return {k: v for k, v in {"device_map": device_map, "max_memory": max_memory and parse_max_memory(max_memory)}.items() if v}
+
+
 def _source(name: str) -> tuple[str, dict]:
     """Map a model name to ``(from_pretrained path, extra kwargs)``."""
     if name in EMBEDDED:
@@ -114,7 +148,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               trust_remote_code: bool = False, self_check: bool = True, **kwargs):
+               trust_remote_code: bool = False, self_check: bool = True, device_map=None, max_memory=None, **kwargs):
     """Load a causal LM and its tokenizer, ready for :class:`kveval.cache.CompressedCache`.
 
     Parameters
@@ -126,6 +160,13 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         ``"auto"`` picks CUDA + bfloat16 when a GPU is present, else CPU + float32.
     trust_remote_code : bool
         Passed to transformers; off unless asked.
+    device_map, max_memory
+        accelerate's big-model placement for models larger than one device:
+        ``device_map="auto"`` (or ``"balanced"``, ``"sequential"``, or a dict
+        module -> device) spreads the layers over the GPUs, then the CPU, within
+        ``max_memory`` (``{0: "20GiB", "cpu": "64GiB"}``, or a string that
+        :func:`parse_max_memory` reads). ``device`` then only picks the dtype.
+        The cache keeps each layer's K/V on the device of that layer's keys.
     self_check : bool
         For a model loaded by Hub id, folder or file: refuse it
         (:class:`~kveval.errors.UnsupportedModelError`) unless policy ``none``
@@ -156,6 +197,12 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     device, torch_dtype = resolve_device_dtype(device, dtype)
     source, source_kwargs = _source(name)
     tokenizer = load_tokenizer(name)
+    if isinstance(max_memory, str):
+        max_memory = parse_max_memory(max_memory)
+    if max_memory and not device_map:
+        raise UsageError("max_memory needs device_map (e.g. device_map=auto): it bounds accelerate's placement")
+    if device_map:
+        kwargs.update(device_map=device_map, **({"max_memory": max_memory} if max_memory else {}))
     common = dict(dtype=torch_dtype, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code, **kwargs)
     kv_dtype = DEFAULT_KV_DTYPE  # GGUF files keep no checkpoint dtype; their originals are bfloat16
     if "gguf_file" in source_kwargs:
@@ -179,7 +226,9 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         kv_dtype = checkpoint_kv_dtype(config)
         check_supported(config)  # before the weights load: an unknown cache layer type is refused at once
         model = AutoModelForCausalLM.from_pretrained(source, **common)
-    model.to(device).eval()
+    if not device_map:  # with a device map, accelerate has placed every module already
+        model.to(device)
+    model.eval()
     model.kveval_name = name
     _check_architecture(model, name, self_check)
     model.kveval_kv_dtype = kv_dtype

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from kveval.errors import UsageError
 from kveval.records import atomic_write_text
 
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
@@ -177,16 +178,96 @@ def _manifest(config: SweepConfig, device: str) -> dict:
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
 
 
-def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]:
-    """Run (or resume) a sweep; return its run folders (baseline first for each model)."""
-    import torch
-    from tqdm import tqdm
+def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> list["Cell"]:
+    """The sweep's cells, model by model and mode by mode (the baseline ``none`` runs in the config's mode).
 
-    from kveval.evaluate import evaluate_policies
-    from kveval.models import load_model, resolve_device_dtype
-    from kveval.probes import generate_items
+    ``policies_per_cell``: how many of a mode's policies one cell evaluates
+    (they share each batch's prefill); ``None``: all of them, one cell per model
+    and mode. Smaller cells spread further over workers, each repeating the prefill.
+    """
+    from kveval.executors import Cell
 
+    if policies_per_cell is not None and policies_per_cell < 1:
+        raise UsageError(f"policies per cell = {policies_per_cell}; give 1 or more")
+    cells = []
+    for model_name in config.models:
+        for mode, specs in _specs_by_mode(config).items():
+            size = policies_per_cell or len(specs)
+            cells += [Cell(model_name, mode, tuple(specs[i:i + size])) for i in range(0, len(specs), size)]
+    return cells
+
+
+def _specs_by_mode(config: SweepConfig) -> "dict[str, list[RunSpec]]":
     from kveval.runspec import RunSpec
+
+    by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec.parse("none", config.mode, config.kv_dtype)]}
+    for spec in config.policies:
+        by_mode.setdefault(spec.mode, []).append(spec)
+    return by_mode
+
+
+class CellRunner:
+    """``work(cell)`` for an executor: load the cell's model, evaluate its policies, run its lm-eval tasks.
+
+    Picklable (for Ray): the loaded model is kept only between calls in one
+    process (consecutive cells of one model reuse it) and is not pickled.
+    ``placement``: ``device_map`` / ``max_memory`` for :func:`kveval.models.load_model`.
+    """
+
+    def __init__(self, config: SweepConfig, out: Path, placement: dict | None = None, quiet: bool = False):
+        self.config, self.out, self.placement, self.quiet = config, Path(out), dict(placement or {}), quiet
+        self._loaded: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_loaded": None}
+
+    def _model(self, name: str):
+        from kveval.models import load_model
+
+        if self._loaded is None or self._loaded[0] != name:
+            self._loaded = None  # free the previous model before the next one loads
+            self._loaded = (name, *load_model(name, **self.placement))
+        return self._loaded[1], self._loaded[2]
+
+    def __call__(self, cell) -> "CellResult":
+        import torch
+        from tqdm import tqdm
+
+        from kveval.evaluate import evaluate_policies
+        from kveval.executors import CellResult
+        from kveval.probes import generate_items
+
+        config = self.config
+        model, tokenizer = self._model(cell.model)
+        items = []
+        for family in config.families:
+            for length in config.lengths:
+                items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
+                                        **config.family_params.get(family, {}))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with tqdm(total=len(items) * len(cell.specs), desc=f"{Path(cell.model).name}: {cell.specs[0].spec}"
+                  + (f" +{len(cell.specs) - 1}" if len(cell.specs) > 1 else ""), unit="item", disable=self.quiet) as bar:
+            dirs = evaluate_policies(model, tokenizer, items, list(cell.specs), self.out, cell.model, cell.mode,
+                                     config.batch_size, config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+        if config.lm_eval:
+            for spec, run_dir in zip(cell.specs, dirs):
+                run_lm_eval_tasks(model, tokenizer, spec, cell.mode, run_dir, config.lm_eval, config.batch_size, config.seed)
+        return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: "Executor | None" = None,
+              placement: dict | None = None, policies_per_cell: int | None = None) -> list[Path]:
+    """Run (or resume) a sweep; return its run folders (baseline first for each model).
+
+    ``executor``: where the cells (:func:`plan_cells`) run (:mod:`kveval.executors`;
+    default this process, one cell after another). The caller holds the sweep
+    lock (:func:`sweep_lock`); cells only append items to their own run folders.
+    Results do not depend on the executor or on ``policies_per_cell``.
+    """
+    from kveval.executors import InProcessExecutor
+    from kveval.models import resolve_device_dtype
 
     for model_name in config.models:  # every spec against every model's config.json, before any weights load
         for spec in config.policies:
@@ -199,35 +280,22 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False) -> list[Path]
             raise ValueError(f"{out} holds a sweep with another config (hash {previous.get('config_hash')}); "
                              f"pass --out to a new folder, or delete {out} to start over")
     device, _ = resolve_device_dtype()
-    atomic_write_text(manifest_path, json.dumps(_manifest(config, device), indent=2, sort_keys=True))
-    run_dirs: list[Path] = []
-    for model_name in config.models:
-        model, tokenizer = load_model(model_name)
-        items = []
-        for family in config.families:
-            for length in config.lengths:
-                items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
-                                        **config.family_params.get(family, {}))
-        by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec.parse("none", config.mode, config.kv_dtype)]}
-        for spec in config.policies:
-            by_mode.setdefault(spec.mode, []).append(spec)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        with tqdm(total=len(items) * (len(config.policies) + 1), desc=f"{Path(model_name).name}: items x policies",
-                  unit="item", disable=quiet) as bar:
-            for mode, policies in by_mode.items():
-                dirs = evaluate_policies(model, tokenizer, items, policies, out, model_name, mode, config.batch_size,
-                                         config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
-                if config.lm_eval:
-                    for spec, run_dir in zip(policies, dirs):
-                        run_lm_eval_tasks(model, tokenizer, spec, mode, run_dir, config.lm_eval, config.batch_size, config.seed)
-                run_dirs += dirs
-        if torch.cuda.is_available():
-            manifest = json.loads(manifest_path.read_text())
-            manifest.setdefault("cuda_peak_allocated_bytes", {})[model_name] = torch.cuda.max_memory_allocated()
-            atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
-        del model
-    return run_dirs
+    manifest = _manifest(config, device)
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    cells = plan_cells(config, policies_per_cell)
+    absolute = out.resolve()  # cells may run in another working directory (Ray workers do)
+    results = (executor or InProcessExecutor()).run(cells, CellRunner(config, absolute, placement, quiet))
+    by_spec, peaks = {}, {}
+    for cell, result in zip(cells, results):
+        for spec, run_dir in zip(cell.specs, result.run_dirs):
+            by_spec[(cell.model, cell.mode, spec.key)] = out / Path(run_dir).relative_to(absolute)
+        if result.cuda_peak_allocated_bytes is not None:
+            peaks[cell.model] = max(peaks.get(cell.model, 0), result.cuda_peak_allocated_bytes)
+    if peaks:
+        manifest["cuda_peak_allocated_bytes"] = peaks
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    return [by_spec[(model_name, mode, spec.key)] for model_name in config.models
+            for mode, specs in _specs_by_mode(config).items() for spec in specs]
 
 
 def run_lm_eval_tasks(model, tokenizer, spec: str, mode: str, run_dir: Path, settings: dict, batch_size: int, seed: int) -> None:
@@ -286,6 +354,8 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: 
 
 
 def configure(parser) -> None:
+    from kveval.models import add_placement_arguments
+
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
     parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
@@ -293,6 +363,15 @@ def configure(parser) -> None:
     parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
     parser.add_argument("--context", type=int, help="target context tokens for the deployment decision")
     parser.add_argument("--batch", type=int, default=1, help="concurrent sequences for the deployment decision (default 1)")
+    parser.add_argument("--executor", choices=["inprocess", "ray"], default="inprocess",
+                        help="where cells (model x policy group) run: this process (default) or Ray tasks, one GPU "
+                             "(else one CPU) each; needs pip install 'kveval[ray]'")
+    parser.add_argument("--address", help="Ray cluster to join (e.g. auto, ray://head:10001); default: start one locally")
+    parser.add_argument("--workers", type=int, help="CPUs of the local Ray cluster (default: all); ignored with --address")
+    parser.add_argument("--policies-per-cell", type=int,
+                        help="policies one cell evaluates, sharing its prefill (default: all of a model's policies "
+                             "in process, 1 with --executor ray)")
+    add_placement_arguments(parser)
 
 
 def run(args) -> int:
@@ -306,8 +385,16 @@ def run(args) -> int:
     if args.gpu_memory and not args.context:
         raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
     deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch} if args.gpu_memory else None
+    from kveval.executors import make_executor
+    from kveval.models import placement_from_args
+
+    placement = placement_from_args(args)
+    executor = make_executor(args.executor, args.address, args.workers,
+                             progress=None if args.quiet else lambda cell: print(f"kveval sweep: done {cell.label}", file=sys.stderr))
     out = Path(args.out or config.out or Path("runs") / config.name)
     with sweep_lock(out):
-        run_dirs = run_sweep(config, out, quiet=args.quiet)
+        run_dirs = run_sweep(config, out, quiet=args.quiet or args.executor != "inprocess", executor=executor,
+                             placement=placement,
+                             policies_per_cell=args.policies_per_cell or (1 if args.executor == "ray" else None))
         code = summarize(out, run_dirs, config.gate, deploy)
     return code if args.strict else (2 if code == 2 else 0)
