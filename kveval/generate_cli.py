@@ -28,7 +28,7 @@ def run(args) -> int:
     from kveval.runspec import RunSpec
 
     # Parsed once and checked against the model's config.json: a bad spec fails before the weights load.
-    spec = RunSpec.parse(args.policy, mode=args.mode, kv_dtype=args.kv_dtype).for_model(args.model)
+    spec = RunSpec.parse(args.policy, default_mode=args.mode, kv_dtype=args.kv_dtype).for_model(args.model)
     text = open(args.prompt[1:], encoding="utf-8").read() if args.prompt.startswith("@") else args.prompt
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, self_check=not args.skip_self_check)
     prompt = encode_prompt(tokenizer, text, args.question, chat=False if args.raw else None)
