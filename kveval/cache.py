@@ -48,7 +48,7 @@ import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from kveval import architectures
-from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, RowState
+from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, RowState, score_key
 from kveval.policies import PolicyStack, parse_policy
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
 
@@ -122,8 +122,12 @@ class CompressedCache(Cache):
     seed : int
         Base seed for the ``random`` control policy (row ``b`` uses ``seed + b``).
     defer_compression : bool
-        Store the prefill uncompressed with the policy's scores and compress only
-        through :meth:`compressed_copy` (one prefill, many budgets).
+        Store the prefill uncompressed with the scores of ``policy`` and of every
+        policy of ``scores_for``, and compress nothing: each policy's cache is
+        then derived with :meth:`derive` (one prefill, many policies).
+    scores_for : list of str or PolicyStack, optional
+        With ``defer_compression``: the other policies the prefill will serve;
+        the attention scores they need are kept (each distinct one once).
     kv_dtype : str or torch.dtype, optional
         The deployment's cache dtype: full-precision tokens are stored in it and
         nominal bytes count it, whatever dtype the model computes in. Default:
@@ -131,7 +135,7 @@ class CompressedCache(Cache):
     """
 
     def __init__(self, model, policy: "str | PolicyStack" = "none", seed: int = 0, defer_compression: bool = False,
-                 kv_dtype: "str | torch.dtype | None" = None):
+                 kv_dtype: "str | torch.dtype | None" = None, scores_for: "list[str | PolicyStack] | None" = None):
         self.kv_dtype = deployment_kv_dtype(model) if kv_dtype is None else parse_kv_dtype(kv_dtype)
         config = model.config.get_text_config()
         plans = architectures.check_supported(model.config)
@@ -141,14 +145,22 @@ class CompressedCache(Cache):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed, self.defer_compression = seed, defer_compression
         self.model = model
-        if self.policy.quantization is not None and self.policy.structure is None:
-            # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
-            for dim in sorted({self.head_dim, value_dim}):
-                self.policy.quantization.check_head_dim(dim)
+        served = [self.policy] + [parse_policy(p) for p in (scores_for or [])]
+        for served_policy in served:  # refused before the prefill, not after it
+            self._check_representation(served_policy, value_dim)
+        #: Attention scores a deferred prefill keeps (:func:`kveval.cache_layers.score_key`), each once.
+        self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None
         self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
         super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
+
+    def _check_representation(self, policy: PolicyStack, value_dim: int) -> None:
+        """Refuse a quantizer whose groups do not divide the head dims (at construction, before any forward)."""
+        if policy.quantization is not None and policy.structure is None:
+            # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
+            for dim in sorted({self.head_dim, value_dim}):
+                policy.quantization.check_head_dim(dim)
 
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
         """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
@@ -244,21 +256,31 @@ class CompressedCache(Cache):
         clone.set_protected(None)
         return clone
 
-    # --- one prefill, many budgets ---------------------------------------------------------------
-    def compressed_copy(self, policy: "str | PolicyStack") -> "CompressedCache":
-        """A copy of this deferred, uncompressed cache, compressed with ``policy``.
+    # --- one prefill, many policies -------------------------------------------------------------
+    def derive(self, policy: "str | PolicyStack") -> "CompressedCache":
+        """A new cache holding this deferred prefill compressed with ``policy``, exactly as its own prefill would be.
 
-        ``policy`` must use the same scores as this cache's policy (same selection
-        policy and parameters except ``ratio``/``budget``), so the prefill is run
-        once for many budgets.
+        Every policy compresses after the prefill's attention, so the prefill is
+        the same for all: each row's tokens (stored in ``kv_dtype``, as any store
+        holds them before it seals) go into a fresh store of ``policy``'s
+        representation, the selection scores with the attention kept for it
+        (``scores_for``), then the row is compressed as :meth:`CompressedLayer.compress_row`
+        does at the end of a prefill. Nothing of this cache is modified (the copy
+        may share tensors it never writes in place), so it can be decoded and
+        released while this one serves the next policy. Bit-exact when the compute dtype holds every ``kv_dtype``
+        value (float32, or the same dtype); see :func:`kveval.generation.can_share_prefill`.
         """
         import copy
 
         if not self.defer_compression:
-            raise ValueError("compressed_copy needs a cache built with defer_compression=True")
+            raise ValueError("derive needs a cache built with defer_compression=True")
         target = parse_policy(policy)
+        key = score_key(target.selection)
+        if key is not None and key not in self.score_keys:
+            raise ValueError(f"this prefill kept no {key[0]} attention for {target.spec}; pass it in scores_for")
         clone = copy.copy(self)
-        clone.policy, clone.defer_compression = target, False
+        clone.policy, clone.defer_compression, clone.score_keys = target, False, []
+        clone._check_representation(target, architectures.cache_head_dims(self.model.config)[1])
         clone.layers = []
         for layer in self.layers:
             if not isinstance(layer, CompressedLayer):
@@ -271,13 +293,21 @@ class CompressedCache(Cache):
                     setattr(new, name, copy.deepcopy(getattr(layer, name)))
             new.cache = clone
             new.selection = None if layer.is_sliding else target.selection
-            new.rows = [RowState(copy.deepcopy(r.store), r.positions.clone(),
-                                 None if r.attention is None else r.attention.clone(), r.tokens_seen, False)
-                        for r in layer.rows]
+            new.rows = [self._derived_row(clone, layer, row, None if layer.is_sliding else key) for row in layer.rows]
             for b, row in enumerate(new.rows):
                 new.compress_row(row, clone.protected(b))
             clone.layers.append(new)
         return clone
+
+    @staticmethod
+    def _derived_row(clone: "CompressedCache", layer: CompressedLayer, row: RowState, key: tuple | None) -> RowState:
+        """``row``'s uncompressed tokens in a new store of ``clone``'s representation, with the scores ``key`` names."""
+        store = clone.new_store(layer.layer_idx, layer.dtype)
+        if row.store.length:
+            # kv_dtype -> compute dtype -> kv_dtype: the same numbers a store of the policy's own prefill holds.
+            store.append(*row.store.keys_values())
+        scores = None if key is None else row.scores[key].clone()
+        return RowState(store, row.positions.clone(), scores, row.tokens_seen, False)
 
     # --- measurement ----------------------------------------------------------------------------
     def stats(self, row: int | None = None) -> CacheStats:

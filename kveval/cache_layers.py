@@ -31,6 +31,19 @@ class RowState:
     attention: torch.Tensor | None = None  # [kv_heads, tokens], accumulated as the policy asks
     tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
     compressed: bool = False
+    scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
+
+
+def score_key(selection) -> tuple | None:
+    """Which attention mass ``selection`` scores with: ``(kind, window)``, or ``None`` when it needs none.
+
+    Policies with equal keys read the same scores (SnapKV and PyramidKV at one
+    window, every H2O, every TOVA), so a shared prefill computes each key once.
+    """
+    needs = "none" if selection is None else selection.attention
+    if needs == "none":
+        return None
+    return needs, (selection.window if needs == "window" else None)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -174,8 +187,12 @@ class CompressedLayer(CacheLayerMixin):
         """
         policy = self.selection
         needs = policy.attention if policy is not None else "none"
-        if needs != "none" and (needs in ("all", "last") or not all(r.compressed for r in self.rows)):
-            self._observe(query, keys, probabilities, needs, getattr(policy, "window", 1))
+        if self.cache.defer_compression:
+            # One prefill for many policies: keep every score they need, compress nothing (derived later).
+            for key in ([] if self.is_sliding else self.cache.score_keys):
+                self._observe(query, keys, probabilities, key)
+        elif needs != "none" and (needs in ("all", "last") or not all(r.compressed for r in self.rows)):
+            self._observe(query, keys, probabilities, score_key(policy))
         if self.is_sliding:
             # Like the model's own sliding layer: keep only what the next query can still see.
             for row in self.rows:
@@ -189,13 +206,18 @@ class CompressedLayer(CacheLayerMixin):
             elif policy is not None and policy.decode_budget is not None and row.store.length > policy.decode_budget:
                 self._evict_to(row, policy.decode_budget, protect_last=1)
 
-    def _observe(self, query, keys, probabilities, needs: str, window: int) -> None:
-        """Accumulate, per row, the attention mass each kept token received from the queries the policy asks for.
+    def _observe(self, query, keys, probabilities, key: tuple) -> None:
+        """Accumulate, per row, the attention mass each kept token received from the queries ``key`` names.
+
+        ``key`` is a :func:`score_key`. The mass goes to ``row.attention``; in a
+        deferred prefill, to ``row.scores[key]`` (and to ``row.attention`` too
+        when it is the cache's own policy's key).
 
         The mass is averaged over the query heads that read each stored head:
         the GQA group of a KV head, or every head for a store with one shared
         head (MLA's latent), whose tokens are then kept or dropped for all heads at once.
         """
+        needs, window = key
         q_len = query.shape[2]
         real = self.cache.input_real(query.shape[0], q_len, query.device)
         if needs == "window":
@@ -215,13 +237,16 @@ class CompressedLayer(CacheLayerMixin):
             part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
             mass = part if mass is None else mass + part
         slots = mass.shape[-1]
+        deferred, own = self.cache.defer_compression, score_key(self.selection)
         for b, row in enumerate(self.rows):
             n = row.store.length
             row_mass = mass[b, :, slots - n:]
-            if needs == "all" and row.attention is not None:
-                previous = torch.nn.functional.pad(row.attention, (0, n - row.attention.shape[1]))
-                row.attention = previous + row_mass
-            else:
+            before = (row.scores or {}).get(key) if deferred else row.attention
+            if needs == "all" and before is not None:
+                row_mass = torch.nn.functional.pad(before, (0, n - before.shape[1])) + row_mass
+            if deferred:
+                row.scores = {**(row.scores or {}), key: row_mass}
+            if not deferred or key == own:
                 row.attention = row_mass
 
     def scoring_state(self, row: RowState, seed: int) -> ScoringState:
@@ -258,6 +283,8 @@ class CompressedLayer(CacheLayerMixin):
         row.positions = row.positions.gather(1, index)
         if row.attention is not None:
             row.attention = row.attention.gather(1, index)
+        if row.scores:
+            row.scores = {key: scores.gather(1, index) for key, scores in row.scores.items()}
         self.contiguous = False
 
     # --- measurement ----------------------------------------------------------------------------
@@ -292,4 +319,4 @@ class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):
         CompressedLayer.reset(self)
 
 
-__all__ = ["CompressedHybridLayer", "CompressedLayer", "RowState"]
+__all__ = ["CompressedHybridLayer", "CompressedLayer", "RowState", "score_key"]

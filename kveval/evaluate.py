@@ -2,9 +2,11 @@
 
 Each run folder holds ``run.json`` and ``items.jsonl`` (see :mod:`kveval.records`).
 Items already in a run's ``items.jsonl`` are skipped, so an interrupted
-evaluation continues where it stopped. Policies that differ only in the
-selection's ratio/budget share one prefill per item
-(:func:`kveval.generation.generate_many`).
+evaluation continues where it stopped. All policies of a call share one
+prefill per batch of items (:func:`kveval.generation.generate_each`); each
+policy's items are written as soon as that policy has decoded them, so a run
+killed between two policies of one prefill reruns only the policies it had not
+written.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
         A run folder to resume holds another model (identity) or other prompts
         under the same item ids.
     """
-    from kveval.generation import Prompt, generate_many, shares_prefill
+    from kveval.generation import Prompt, check_request, generate_each
     from kveval.probes import encode_item, score_answer
 
     specs = [p if isinstance(p, RunSpec) else RunSpec.parse(p, default_mode=mode) for p in policies]
@@ -125,40 +127,46 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
     identity = model_identity(model_name, revision)
     stacks = [s.policy for s in specs]
     dirs = [_open_run(run_dir_for(root, identity, s), s, model, model_name, identity, items, extra) for s in specs]
-    groups: list[list[int]] = []
-    for i, stack in enumerate(stacks):  # policies that can share one prefill go together
-        for group in groups:
-            if shares_prefill([stacks[group[0]], stack]):
-                group.append(i)
-                break
-        else:
-            groups.append([i])
-    for group in groups:
-        writers = {i: ItemWriter(dirs[i]) for i in group}  # opening cuts off a half-written last line
-        done = {i: {r.id for r in iter_items(dirs[i])} for i in group}
-        pending = [item for item in items if any(item.id not in done[i] for i in group)]
+    writers = [ItemWriter(d) for d in dirs]  # opening cuts off a half-written last line
+    try:
+        done = [{r.id for r in iter_items(d)} for d in dirs]
         if progress is not None:
-            progress.update(sum(len(items) - len([it for it in items if it.id not in done[i]]) for i in group))
-        try:
-            for first in range(0, len(pending), batch_size):
-                batch = pending[first:first + batch_size]
-                prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
-                max_new = max(item.max_new_tokens for item in batch)
-                outputs = generate_many(model, tokenizer, prompts, [stacks[i] for i in group], max_new_tokens=max_new,
-                                        batch_size=len(batch), seed=seed, **specs[group[0]].generation_kwargs())
-                for i in group:
-                    for item, result in zip(batch, outputs[stacks[i].spec]):
-                        if item.id in done[i]:
-                            continue
-                        writers[i].write(_record(item, result, score_answer(item, result.text)))
-                        if progress is not None:
-                            progress.update(1)
-        finally:
-            for writer in writers.values():
-                writer.close()
+            progress.update(sum(item.id in finished for finished in done for item in items))
+        for needed, batch in _pending_batches(items, done, batch_size):
+            prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
+            max_new = max(item.max_new_tokens for item in batch)
+            check_request(model, prompts, max_new, specs[0].mode, len(batch))
+            outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=max_new,
+                                    seed=seed, **specs[0].generation_kwargs())
+            for i, (_, results) in zip(needed, outputs):  # written as each policy finishes
+                for item, result in zip(batch, results):
+                    writers[i].write(_record(item, result, score_answer(item, result.text)))
+                    if progress is not None:
+                        progress.update(1)
+    finally:
+        for writer in writers:
+            writer.close()
     for run_dir in dirs:
         finalize_run(run_dir)
     return dirs
+
+
+def _pending_batches(items: list, done: list[set], batch_size: int):
+    """Yield ``(policy indices, items)``: batches of items that still need exactly those policies.
+
+    Items are grouped by the set of policies not yet written for them (in
+    order of first appearance), so a resumed run computes nothing already
+    written; in a fresh run there is one group and the batches are ``items``'
+    own consecutive slices.
+    """
+    groups: dict[tuple[int, ...], list] = {}
+    for item in items:
+        needed = tuple(i for i, finished in enumerate(done) if item.id not in finished)
+        if needed:
+            groups.setdefault(needed, []).append(item)
+    for needed, group in groups.items():
+        for first in range(0, len(group), batch_size):
+            yield needed, group[first:first + batch_size]
 
 
 def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: dict, items: list, extra: dict | None) -> Path:

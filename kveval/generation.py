@@ -22,6 +22,7 @@ whatever dtype the model computes in.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from kveval.cache import CacheStats, CompressedCache
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
+from kveval.storage import deployment_kv_dtype, parse_kv_dtype
 
 MODES = ("context", "query")
 
@@ -63,6 +65,8 @@ class GenerationResult:
         Time to first token of the batch (its prefill forwards).
     decode_tokens_per_second : float
         Generated tokens of this row divided by the batch's decode time.
+    decode_seconds : float
+        The batch's decode time (after the first token), seconds.
     """
 
     text: str
@@ -71,6 +75,7 @@ class GenerationResult:
     stats: CacheStats
     prefill_seconds: float
     decode_tokens_per_second: float
+    decode_seconds: float = 0.0
 
 
 def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None = None) -> Prompt:
@@ -233,7 +238,7 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         for s in stop:
             text = text.split(s)[0]
         results.append(GenerationResult(text, tokens[b], logprobs[b], cache.stats(row=b), prefill_seconds,
-                                        len(tokens[b]) / decode_seconds))
+                                        len(tokens[b]) / decode_seconds, decode_seconds))
     return results
 
 
@@ -245,42 +250,66 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
 
 
-def shares_prefill(policies: list[PolicyStack]) -> bool:
-    """Whether ``policies`` differ only in the selection's ratio/budget, so one prefill can serve them all."""
-    def key(p: PolicyStack):
-        sel = p.selection
-        params = None if sel is None else (type(sel), tuple((k, v) for k, v in vars(sel).items() if k not in ("ratio", "budget")))
-        return params, p.structure, p.quantization
-    return len(policies) > 1 and policies[0].selection is not None and len({repr(key(p)) for p in policies}) == 1
+def can_share_prefill(model, kv_dtype: "str | torch.dtype | None" = None) -> bool:
+    """Whether one prefill can serve every policy bit-exactly on ``model`` with cache dtype ``kv_dtype``.
+
+    A derived cache re-reads the prefill's ``kv_dtype`` tokens through the
+    compute dtype (:meth:`CompressedCache.derive`); that is lossless when the
+    model computes in float32/float64 or in ``kv_dtype`` itself, not across two
+    different 16-bit dtypes (bfloat16 compute, float16 cache).
+    """
+    kv = deployment_kv_dtype(model) if kv_dtype is None else parse_kv_dtype(kv_dtype)
+    return model.dtype == kv or model.dtype in (torch.float32, torch.float64)
+
+
+@torch.no_grad()
+def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: int = 32,
+                  mode: str = "context", stop: list[str] | None = None, seed: int = 0,
+                  kv_dtype: "str | torch.dtype | None" = None) -> Iterator[tuple[PolicyStack, list[GenerationResult]]]:
+    """One batch (all ``prompts`` in one forward pass) under each policy in turn, from one prefill.
+
+    The prefill runs once, uncompressed, keeping every attention score the
+    policies need; then, one policy at a time, its cache is derived
+    (:meth:`CompressedCache.derive`), the question appended and the answer
+    decoded, and the cache released before the next: memory holds the shared
+    prefill plus one policy's cache. Yields ``(policy, results)`` as each policy
+    finishes, in the order given, so a caller can write them before the next
+    starts. Results equal :func:`generate`'s for the same batch. Without
+    :func:`can_share_prefill`, or for one policy, each policy runs its own prefill.
+    ``prefill_seconds`` of every result counts the shared prefill as its own.
+    """
+    stacks = [parse_policy(p) for p in policies]
+    if len(stacks) < 2 or not can_share_prefill(model, kv_dtype):
+        for stack in stacks:
+            yield stack, _generate_batch(model, tokenizer, prompts, stack, max_new_tokens, mode, stop or [], seed, kv_dtype)
+        return
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    started = time.perf_counter()
+    shared = CompressedCache(model, "none", seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=stacks)
+    last_logits, seen = _prefill(model, shared, prompts, mode, pad_id)
+    shared_seconds = time.perf_counter() - started
+    for stack in stacks:
+        own_start = time.perf_counter() - shared_seconds
+        cache = shared.derive(stack)
+        results = _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop or [], own_start)
+        del cache  # released before the next policy's cache is derived
+        yield stack, results
 
 
 @torch.no_grad()
 def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: int = 32, mode: str = "context",
                   batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
                   kv_dtype: "str | torch.dtype | None" = None) -> dict[str, list[GenerationResult]]:
-    """Generate under several policies; one prefill serves all when they differ only in ratio/budget.
+    """Generate under several policies with one prefill per batch for all of them (:func:`generate_each`).
 
-    The prefill is stored uncompressed with the policy's scores, and each
-    budget's cache is derived from the same scores
-    (:meth:`CompressedCache.compressed_copy`): results are identical to
-    separate :func:`generate` calls, and the request is checked as :func:`generate` checks it.
-    Returns ``{policy spec: results}``.
+    Results are identical to separate :func:`generate` calls, and the request
+    is checked as :func:`generate` checks it. Returns ``{policy spec: results}``.
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
-    stacks = [parse_policy(p) for p in policies]
-    if not shares_prefill(stacks):
-        return {s.spec: generate(model, tokenizer, prompts, s, max_new_tokens, mode, batch_size, stop, seed, kv_dtype)
-                for s in stacks}
+    stacks = list({s.spec: s for s in map(parse_policy, policies)}.values())
     out = {s.spec: [] for s in stacks}
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for first in range(0, len(prompts), batch_size):
-        batch = prompts[first:first + batch_size]
-        started = time.perf_counter()
-        deferred = CompressedCache(model, stacks[0], seed=seed + first, defer_compression=True, kv_dtype=kv_dtype)
-        last_logits, seen = _prefill(model, deferred, batch, mode, pad_id)
-        shared_seconds = time.perf_counter() - started
-        for stack in stacks:
-            own_start = time.perf_counter() - shared_seconds  # each result reports the shared prefill as its own
-            cache = deferred.compressed_copy(stack)
-            out[stack.spec] += _continue(model, tokenizer, cache, batch, mode, last_logits, seen, max_new_tokens, stop or [], own_start)
+        for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks, max_new_tokens,
+                                            mode, stop, seed + first, kv_dtype):
+            out[stack.spec] += results
     return out
