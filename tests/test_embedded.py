@@ -39,8 +39,8 @@ def test_measured_bytes_of_int4_group32_match_the_arithmetic(smollm2):
     tokens = result.stats.tokens_seen[0]
     # 30 layers x 3 KV heads x (K and V) x (64 values / 2 per byte + 2 groups x (fp16 scale + fp16 zero))
     assert result.stats.kv_bytes == tokens * 30 * 3 * 2 * (64 // 2 + 2 * 4)
-    fp16 = result.stats.nominal_bytes / 2
-    assert abs(result.stats.kv_bytes / fp16 - 40 / 128) < 0.05 * 40 / 128
+    assert result.stats.kv_dtype == "bfloat16"  # nominal bytes: the deployment's 16-bit cache, not the CPU's fp32
+    assert abs(result.stats.kv_bytes / result.stats.nominal_bytes - 40 / 128) < 0.05 * 40 / 128
 
 
 def test_query_aware_snapkv_keeps_at_least_as_many_needles_as_random(smollm2):
@@ -68,5 +68,6 @@ def test_gemma3_hybrid_cache_under_stacked_policies():
     full = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
     assert all(kept[i] <= 512 for i in sliding)
     assert all(kept[i] < prompt.length * 0.6 for i in full)
-    assert stacked.stats.kv_bytes < none.stats.kv_bytes / 3
+    # Sliding layers hold their window either way, kivi's 128-token residual in bf16: about 0.44 of a bf16 cache.
+    assert stacked.stats.kv_bytes < none.stats.kv_bytes / 2
     assert "52719" in none.text
