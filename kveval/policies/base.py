@@ -8,7 +8,11 @@ this order to the tokens of a sequence:
 3. quantization (how the stored numbers are encoded): ``quant``, ``kivi``, ``fp8``
 
 Spec strings are what users type, e.g. ``snapkv(ratio=0.5)+kivi(bits=4)``:
-``name(key=value, ...)`` terms joined by ``+``, at most one per family.
+``name(key=value, ...)`` terms joined by ``+``, at most one per family. Every
+parameter has a declared type (its dataclass annotation: ``bool``, ``int``,
+``float`` or ``str``, optionally ``None``); a value of another type, an unknown
+or repeated parameter is one :class:`~kveval.errors.PolicySpecError` line.
+The canonical spec (:attr:`PolicyStack.spec`) parses back to the same stack.
 """
 
 from __future__ import annotations
