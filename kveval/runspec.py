@@ -75,12 +75,17 @@ class RunSpec:
         :class:`PolicySpecError` or :class:`UsageError`, one line each.
         """
         if isinstance(policy, str) and "@" in policy:
-            text, _, suffix = policy.rpartition("@")
-            if suffix.strip() not in MODES:
-                raise PolicySpecError(f"policy {policy!r}: the suffix after '@' is a mode, context or query")
-            if mode is not None and mode != suffix.strip():
-                raise UsageError(f"policy {policy!r} says mode {suffix.strip()} but mode={mode} was also given; give one")
-            policy, mode = text, suffix.strip()
+            text, *suffixes = policy.split("@")
+            for suffix in (x.strip() for x in suffixes):
+                if suffix.startswith("kv_dtype="):
+                    kv_dtype = suffix[len("kv_dtype="):]
+                    continue
+                if suffix not in MODES:
+                    raise PolicySpecError(f"policy {policy!r}: the suffix after '@' is a mode, context or query")
+                if mode is not None and mode != suffix:
+                    raise UsageError(f"policy {policy!r} says mode {suffix} but mode={mode} was also given; give one")
+                mode = suffix
+            policy = text
         stack = parse_policy(policy)
         return cls(stack, parse_mode(mode, default_mode), parse_kv_dtype(kv_dtype))
 

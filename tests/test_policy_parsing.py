@@ -129,6 +129,7 @@ def test_runspec_parses_mode_suffix_and_kv_dtype_once():
     spec = RunSpec.parse("snapkv(ratio=0.5)@query", kv_dtype="bf16")
     assert (spec.spec, spec.mode, spec.kv_dtype) == ("snapkv(ratio=0.5)", "query", "bfloat16")
     assert spec.key == "snapkv(ratio=0.5)@query@kv_dtype=bfloat16"
+    assert RunSpec.parse(spec.key) == spec
     assert RunSpec.parse("none@query").effective_mode == "context"
     assert RunSpec.parse("kivi(bits=4)", mode="query").mode == "query"
     with pytest.raises(PolicySpecError, match="suffix after '@'"):
