@@ -229,21 +229,51 @@ class CellRunner:
             self._loaded = (name, *load_model(name, **self.placement))
         return self._loaded[1], self._loaded[2]
 
+    def _items(self, tokenizer) -> list:
+        from kveval.probes import generate_items
+
+        config, items = self.config, []
+        for family in config.families:
+            for length in config.lengths:
+                items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
+                                        **config.family_params.get(family, {}))
+        return items
+
+    def _finished(self, cell, items: list) -> list[Path] | None:
+        """The cell's run folders if every item and lm-eval task of every policy is written (finalized again), else None."""
+        from kveval.errors import ResultFileError
+        from kveval.evaluate import finalize_run, model_identity, run_dir_for
+        from kveval.records import iter_items
+
+        identity, dirs = model_identity(cell.model), []
+        for spec in cell.specs:
+            run_dir = run_dir_for(self.out, identity, spec.for_model(cell.model))
+            try:
+                records = list(iter_items(run_dir))
+            except (ResultFileError, OSError):  # missing, or a killed writer's half line: not finished
+                return None
+            tasks = {r.metrics.get("lm_eval_task") for r in records}
+            if not {item.id for item in items} <= {r.id for r in records} or not set(self.config.lm_eval.get("tasks", [])) <= tasks:
+                return None
+            dirs.append(run_dir)
+        for run_dir in dirs:
+            finalize_run(run_dir)
+        return dirs
+
     def __call__(self, cell) -> "CellResult":
         import torch
         from tqdm import tqdm
 
         from kveval.evaluate import evaluate_policies
         from kveval.executors import CellResult
-        from kveval.probes import generate_items
+        from kveval.models import load_tokenizer
 
         config = self.config
+        items = self._items(load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
+        finished = self._finished(cell, items)
+        if finished is not None:  # a resumed sweep loads no weights for the cells that are done
+            return CellResult([str(d) for d in finished])
         model, tokenizer = self._model(cell.model)
-        items = []
-        for family in config.families:
-            for length in config.lengths:
-                items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
-                                        **config.family_params.get(family, {}))
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
