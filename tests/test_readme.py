@@ -123,10 +123,7 @@ def test_every_readme_parameter_list_names_real_parameters(listing):
 
 # README commands that are known not to parse or run yet: {command: the fix}. Strict: fixing the README fails the test
 # until the entry is removed here.
-KNOWN_BROKEN = {
-    'memory --preset llama-3.1-8b --context 32768 --batch 8 --policy "kivi(bits=2)"':
-        "kveval memory takes the preset as its first argument: `kveval memory llama-3.1-8b --context 32768 ...`",
-}
+KNOWN_BROKEN: dict[str, str] = {}
 
 
 def _mark(commands: list[str]) -> list:
