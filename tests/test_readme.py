@@ -117,7 +117,7 @@ def test_every_readme_parameter_list_names_real_parameters(listing):
     for term in _split_terms(listing):
         name, args = _TERM.match(term).groups()
         names = {arg.split("=")[0].strip() for arg in (args or "").replace("\\|", "|").split(",") if arg.strip()}
-        names = {n for part in names for n in part.split("|") if n}
+        names = {n.strip() for part in names for n in part.split("|") if n.strip()}
         assert names <= set(param_types(POLICIES[name])), f"{listing}: {names - set(param_types(POLICIES[name]))}"
 
 
