@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from test_run_folders import CharTok, _items
-from tiny_models import Tok, tiny_gemma3, tiny_llama
+from tiny_models import ARCHITECTURES, Tok, tiny_gemma3, tiny_llama, tiny_model
 
 import kveval.generation as generation
 import kveval.lowrank as lowrank
@@ -68,6 +68,18 @@ def test_every_policy_from_one_prefill_equals_its_own_run(make, mode):
         assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
     # The comparison can fail: policies really differ from one another in what they keep.
     assert len({repr([_fingerprint(r)[3:] for r in shared[s]]) for s in specs}) > len(specs) // 2
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_architecture_shares_its_prefill_exactly(name):
+    """Sliding and chunked layers, MLA latents, linear-attention/Mamba states (copied per policy), sinks, softcaps."""
+    model, prompts = tiny_model(name), _prompts(8)
+    specs = [parse_policy(p).spec for p in ("none", "h2o(ratio=0.5,decode_budget=40)",
+                                            "snapkv(ratio=0.5,window=4)+kivi(bits=4,group=4,residual=8)")]
+    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=4, batch_size=3)
+    for spec in specs:
+        alone = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
+        assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
@@ -202,3 +214,22 @@ def test_a_sweep_killed_between_policies_of_one_prefill_resumes_without_recomput
         records = _records(run_dir)
         assert sorted(r["id"] for r in records) == sorted(item.id for item in items)  # none lost, none twice
         assert sorted(records, key=lambda r: r["id"]) == sorted(_records(expected), key=lambda r: r["id"])
+
+
+# --- the embedded models (slow: run under the heavy lock) --------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, mode", [("smollm2-135m", "context"), ("gemma3-270m", "query")])
+def test_embedded_model_from_one_prefill_equals_its_own_runs(name, mode):
+    from kveval.models import load_model
+    from kveval.probes import encode_item, generate_items
+
+    model, tokenizer = load_model(name)
+    items = generate_items("passkey", tokenizer, 320, 2, seed=0)
+    prompts = [Prompt(*encode_item(tokenizer, item)) for item in items]
+    specs = [parse_policy(p).spec for p in ("none", "kivi(bits=4)", "snapkv(ratio=0.5)+quant(bits=8)", "h2o(ratio=0.5)",
+                                            "streaming(sink=4,window=60)")]
+    shared = generate_many(model, tokenizer, prompts, specs, max_new_tokens=8, mode=mode, batch_size=2)
+    for spec in specs:
+        alone = generate(model, tokenizer, prompts, spec, max_new_tokens=8, mode=mode, batch_size=2)
+        assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
