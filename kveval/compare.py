@@ -91,6 +91,10 @@ def format_table(rc: RunComparison) -> str:
                 top_confusion_change(c),
             ]
         )
+    if any(c.fidelity for c in [*rc.tasks, rc.overall]):  # runs made with --fidelity: the teacher-forced columns
+        cols += ["KL", "top-1"]
+        for row, c in zip(rows, [*rc.tasks, rc.overall]):
+            row += [f"{c.fidelity['kl_mean']:.3g}", f"{c.fidelity['top1_agreement'] * 100:.1f}%"] if c.fidelity else ["-", "-"]
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = ["  ".join(v.ljust(w) if i in (0, 4, 5, 12) else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in [cols, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -100,6 +104,13 @@ def format_table(rc: RunComparison) -> str:
         out += "\n\ngold log-probability change (mean, CI): " + "; ".join(
             f"{c.task} {c.logprob_delta:+.3f} [{c.logprob_ci_low:+.3f},{c.logprob_ci_high:+.3f}] (n={c.n_logprob})" for c in lp
         )
+    fid = [c for c in rc.tasks if c.fidelity]
+    if fid:
+        out += ("\n\nfidelity, the baseline's answer teacher-forced (KL in nats: mean per item [one-sided upper bound], "
+                "largest per token; top-1 agreement; answer log-prob change): " + "; ".join(
+                    f"{c.task} KL {f['kl_mean']:.3g} [{f['kl_mean_upper']:.3g}] max {f['kl_max_item']:.3g}, "
+                    f"top-1 {f['top1_agreement'] * 100:.1f}%, logp {f['answer_logprob_delta']:+.3f} (n={f['n']})"
+                    for c in fid for f in [c.fidelity]))
     reg = [r for c in rc.tasks for r in c.regressed]
     if reg:
         shown = ", ".join(f"{r['id']} ({r.get('recalled') or r['category'] or 'wrong'})" for r in reg[:8])

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from kveval import paired, stats
+from kveval import fidelity, paired, stats
 from kveval.records import ItemRecord, RunInfo
 from kveval.results import Run, load_run, pair_runs
 
@@ -98,6 +98,12 @@ class Comparison:
     regressed : list of dict
         The right->wrong items: id, task, category, recalled, baseline and
         candidate answers, length, depth.
+    fidelity : dict or None
+        The baseline's answer teacher-forced through the candidate
+        (:func:`kveval.fidelity.summarize`): ``n``, mean ``kl_mean``,
+        ``kl_max``, ``top1_agreement``, ``answer_logprob_delta``,
+        ``kl_max_item`` and ``kl_mean_upper``; ``None`` when the candidate run
+        has no ``fidelity.jsonl``.
     """
 
     cell: str
@@ -133,6 +139,7 @@ class Comparison:
     n_logprob: int = 0
     p_holm: float | None = None
     p_bh: float | None = None
+    fidelity: dict[str, float] | None = None
     baseline_scores: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     candidate_scores: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
@@ -256,6 +263,7 @@ def compare_pairs(
         logprob_ci_low=lp_low,
         logprob_ci_high=lp_high,
         n_logprob=len(lp),
+        fidelity=fidelity.summarize(cand, 1 - confidence_level, seed or 0),
         baseline_scores=a,
         candidate_scores=b,
     )
@@ -434,6 +442,7 @@ def compare_runs(
     base = load_run(baseline, metric=metric)
     cand = load_run(candidate, metric=metric)
     pairs = pair_runs(base, cand)
+    fidelity.attach_fidelity(cand.path, [c for _, c in pairs])  # the teacher-forced measurements, if the run has them
     kw = dict(confidence_level=confidence_level, n_resamples=n_resamples, seed=seed)
     by_task: dict[str, list] = defaultdict(list)
     for p in pairs:

@@ -16,7 +16,7 @@ import re
 import statistics
 from pathlib import Path
 
-from kveval.errors import RunFolderError
+from kveval.errors import RunFolderError, UsageError
 from kveval.records import ItemRecord, ItemWriter, RunInfo, cut_partial_item, iter_items, read_run_info, write_run_info
 from kveval.runspec import RunSpec
 
@@ -96,7 +96,7 @@ def finalize_run(run_dir: Path) -> RunInfo:
 
 def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSpec]", root: Path, model_name: str,
                       mode: str = "context", batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None,
-                      revision: str | None = None) -> list[Path]:
+                      revision: str | None = None, fidelity: bool = False) -> list[Path]:
     """Evaluate ``items`` under every policy; return the run folders (one per policy, same order).
 
     Parameters
@@ -110,6 +110,11 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
         Recorded in each ``run.json`` (e.g. the sweep's config hash).
     revision : str, optional
         The model's Hub revision, part of its identity.
+    fidelity : bool, optional
+        Also teacher-force the baseline's answers through each compressed
+        policy and write ``fidelity.jsonl`` into its run folder
+        (:mod:`kveval.fidelity`); needs ``none`` among ``policies``. Costs
+        about one extra generation per item and policy, plus one for the baseline.
 
     Raises
     ------
@@ -146,9 +151,23 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
     finally:
         for writer in writers:
             writer.close()
+    if fidelity:
+        record_run_fidelity(model, tokenizer, items, specs, dirs, batch_size, seed)
     for run_dir in dirs:
         finalize_run(run_dir)
     return dirs
+
+
+def record_run_fidelity(model, tokenizer, items: list, specs: "list[RunSpec]", dirs: list[Path], batch_size: int,
+                        seed: int) -> None:
+    """The fidelity hook of :func:`evaluate_policies`: every compressed run against the baseline run among ``specs``."""
+    from kveval.fidelity import record_fidelity
+
+    baselines = [s for s in specs if s.policy.spec == "none"]
+    if not baselines:
+        raise UsageError("fidelity needs the baseline: add policy none (--baseline) to the same call")
+    candidates = [(s, d) for s, d in zip(specs, dirs) if s.policy.spec != "none"]
+    record_fidelity(model, tokenizer, items, baselines[0], candidates, batch_size=batch_size, seed=seed)
 
 
 def _pending_batches(items: list, done: list[set], batch_size: int):
@@ -224,6 +243,9 @@ def configure(parser) -> None:
                                                          "(bfloat16, float16, float32; default: the model's deployment dtype)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--baseline", action="store_true", help="also run policy none")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="teacher-force the baseline's answers through each policy: per-item KL, top-1 agreement, "
+                             "answer log-prob change (needs --baseline; about doubles the run time)")
     parser.add_argument("--out", required=True, help="folder; runs go to OUT/runs/<model>/<policy>")
     parser.add_argument("--skip-self-check", action="store_true",
                         help="do not probe that kveval reproduces the model's own attention at load (Hub id/folder/file models)")
@@ -245,7 +267,8 @@ def run(args) -> int:
         for length in args.length or [512]:
             items += generate_items(family, tokenizer, length, args.n, depths=args.depth, seed=args.seed)
     with tqdm(total=len(items) * len(specs), desc="items x policies", unit="item") as bar:
-        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.mode, args.batch_size, args.seed, bar)
+        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.mode, args.batch_size, args.seed, bar,
+                                  fidelity=args.fidelity)
     for run_dir in dirs:
         info = read_run_info(run_dir)
         records = list(iter_items(run_dir))

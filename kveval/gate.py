@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from scipy import stats as _st
 
-from kveval import paired, stats
+from kveval import fidelity, paired, stats
 from kveval.comparison import CONFUSION_CATEGORIES, OVERALL, Comparison, RunComparison, _clean, adjust_pvalues, compare_runs
 from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
 from kveval.gate_config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
@@ -301,6 +301,27 @@ def _confusion(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[s
     return reasons, notes
 
 
+def _kl_rule(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str]]:
+    """The optional ``max_mean_kl`` rule: (FAIL reasons, INCONCLUSIVE reasons) of one task.
+
+    FAIL when the one-sided ``1 - alpha`` lower bound of the mean per-item KL
+    exceeds the cap; shown under the cap when its upper bound is below it.
+    """
+    cap = cfg.kl_limit(c.task)
+    if cap is None:
+        return [], []
+    values = fidelity.fidelity_values(cand for _, cand in pairs)
+    if len(values) < c.n:
+        return [], [f"mean KL not measured on {c.n - len(values)} of {c.n} items: rerun with kveval eval --fidelity"]
+    low, high = fidelity.kl_bounds(values, cfg.alpha, cfg.n_resamples, cfg.seed)
+    level = int(round((1 - cfg.alpha) * 100))
+    if low > cap:
+        return [f"mean KL from the baseline {sum(values) / len(values):.4g} nats: {level}% lower bound {low:.4g} > cap {cap:g}"], []
+    if not high < cap:
+        return [], [f"mean KL not shown under {cap:g} nats ({level}% upper bound {high:.4g})"]
+    return [], []
+
+
 def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: paired.MarginTest, pairs=()) -> TaskVerdict:
     """Apply the rules of ``cfg`` to one task (``p_inferior_holm``: the task's FAIL test, adjusted over the family)."""
     margin = test.margin
@@ -323,6 +344,9 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
             pending.append(f"net negative flip rate not shown under {cap:g} (upper bound {-net.lower:.3f})")
     confusion_reasons, notes = _confusion(c, cfg, pairs)
     reasons += confusion_reasons
+    kl_reasons, kl_pending = _kl_rule(c, cfg, pairs)
+    reasons += kl_reasons
+    pending += kl_pending
     if not test.lower > -margin:
         pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
     needed = None

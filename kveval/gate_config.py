@@ -27,6 +27,7 @@ _KEYS = {
     "inconclusive_blocks",
     "max_negative_flip_rate",
     "max_confusion_increase",
+    "max_mean_kl",
     "power",
     "confidence_level",
     "n_resamples",
@@ -61,6 +62,11 @@ class GateConfig:
     max_confusion_increase : dict
         Cap per memory-confusion category (``"overall"``, ``"default"``) on the
         share of items that were right at baseline and fell into that category.
+    max_mean_kl : dict
+        Optional cap per task (``"default"`` for the rest) on the mean per-item
+        KL divergence, in nats, of the candidate's next-token distributions from
+        the baseline's along the baseline's own answer (``kveval eval
+        --fidelity``, :mod:`kveval.fidelity`). Empty (the default): rule off.
     power : float
         Power an INCONCLUSIVE task's "items needed" is computed for.
     confidence_level, n_resamples, seed
@@ -74,6 +80,7 @@ class GateConfig:
     inconclusive_blocks: bool = True
     max_negative_flip_rate: float | None = 0.10
     max_confusion_increase: dict[str, float] = field(default_factory=lambda: {OVERALL: 0.10, "default": 0.10})
+    max_mean_kl: dict[str, float] = field(default_factory=dict)
     power: float = 0.8
     confidence_level: float = 0.95
     n_resamples: int = 9999
@@ -81,6 +88,10 @@ class GateConfig:
 
     def margin_for(self, task: str) -> float:
         return float(self.margin.get(task, self.margin.get("default", 0.05)))
+
+    def kl_limit(self, task: str) -> float | None:
+        """The ``max_mean_kl`` cap of ``task`` (nats), or ``None`` when the rule is off for it."""
+        return self.max_mean_kl.get(task, self.max_mean_kl.get("default"))
 
     def confusion_limit(self, category: str) -> float | None:
         if category in self.max_confusion_increase:
@@ -146,6 +157,14 @@ class GateConfig:
             else:
                 x = _prob(v, "max_confusion_increase", source)
                 cfg.max_confusion_increase = {OVERALL: x, "default": x}
+        if "max_mean_kl" in data:
+            v = data["max_mean_kl"]
+            if v is None:
+                cfg.max_mean_kl = {}
+            elif isinstance(v, dict):
+                cfg.max_mean_kl = {str(k): _positive(x, f"max_mean_kl.{k}", source) for k, x in v.items() if x is not None}
+            else:
+                cfg.max_mean_kl = {"default": _positive(v, "max_mean_kl", source)}
         if "power" in data:
             cfg.power = _prob(data["power"], "power", source, open_interval=True)
         if "confidence_level" in data:
@@ -174,6 +193,13 @@ def _margin(v: Any, name: str, source: str) -> float:
     x = _num(v, name, source)
     if not 0 < x < 1:
         raise ConfigError(f"{source}: {name} must be in (0, 1) (a loss of accuracy or mean score), got {v!r}")
+    return x
+
+
+def _positive(v: Any, name: str, source: str) -> float:
+    x = _num(v, name, source)
+    if x <= 0:
+        raise ConfigError(f"{source}: {name} must be a positive number of nats (mean per-token KL), got {v!r}")
     return x
 
 

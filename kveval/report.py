@@ -72,6 +72,11 @@ class Row:
         return self.run.info
 
     @property
+    def fidelity(self) -> dict[str, float] | None:
+        """All items' teacher-forced fidelity summary (:func:`kveval.fidelity.summarize`), if the run measured it."""
+        return self.comparison.overall.fidelity if self.comparison is not None else None
+
+    @property
     def label(self) -> str:
         i = self.info
         if i.is_baseline:
@@ -222,6 +227,7 @@ def _mark_best(rows: list[Row], tasks: list[str]) -> None:
         mark(group, "compression", lambda r: r.info.compression, True)
         mark(group, "flips", lambda r: r.comparison.overall.negative_flip_rate if r.comparison else None, False)
         mark(group, "confusion", lambda r: r.confusion_rate, False)
+        mark(group, "kl", lambda r: r.fidelity["kl_mean"] if r.fidelity else None, False)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -234,6 +240,9 @@ def _f(x: float | None, fmt: str = "{:.3f}") -> str:
 def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tuple[str, bool]]]]:
     """Header and rows of (text, is_best) cells shared by markdown and HTML."""
     header = ["model", "policy", "ratio", "bytes/token", "compression", *tasks, "all items", "change [CI]", "-flips", "confusion", "verdict"]
+    with_kl = any(r.fidelity for r in rows)  # runs made with --fidelity: mean KL from the baseline, nats
+    if with_kl:
+        header.insert(-1, "KL")
     out = []
     for r in rows:
         cells: list[tuple[str, bool]] = [
@@ -262,6 +271,8 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
             cells.append(("baseline" if r.info.is_baseline else "no baseline", False))
             cells.append(("-", False))
         cells.append((_f(r.confusion_rate, "{:.1%}") if r.confusion_rate is not None else "-", "confusion" in r.best))
+        if with_kl:
+            cells.append((f"{r.fidelity['kl_mean']:.3g}" if r.fidelity else ("0" if r.info.is_baseline else "-"), "kl" in r.best))
         cells.append(("baseline" if r.info.is_baseline else (r.verdict or "-"), False))
         out.append(cells)
     return header, out
@@ -279,7 +290,9 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
         "Per-task cells: mean score (change vs the model's baseline). *change [CI]*: all items pooled, "
         "95% paired bootstrap interval. *-flips*: share of items right at baseline and wrong under the policy. "
         "*confusion*: share of items answered with a wrong value (distractor, stale, partial, over-inclusion, fabricated). "
-        "Best per model in **bold**.",
+        "Best per model in **bold**."
+        + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
+           "along the baseline's own answer (teacher-forced; `kveval eval --fidelity`)." if "KL" in header else ""),
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
@@ -320,6 +333,9 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
                 "confusion_rate": r.confusion_rate,
             }
         )
+        if r.fidelity:
+            rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",
+                                                                  "answer_logprob_delta")})
         for t in tasks:
             rec[f"score[{t}]"] = r.task_scores.get(t)
             c = None
@@ -414,6 +430,33 @@ def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
         ax.set_title(model)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_kl_vs_compression(rows: list[Row], path: Path) -> Path | None:
+    """Mean KL from the baseline (teacher-forced baseline answers, log scale) vs compression factor, per policy family."""
+    measured = [r for r in rows if r.fidelity and r.info.compression]
+    if not measured:
+        return None
+    models = _by_model(measured)
+    cols = min(len(models), 3)
+    fig = _figure(5.2 * cols, 3.8 * math.ceil(len(models) / cols))
+    for k, (model, group) in enumerate(models.items()):
+        ax = fig.add_subplot(math.ceil(len(models) / cols), cols, k + 1)
+        families: dict[str, list[tuple[float, float]]] = {}
+        for r in group:
+            fam = r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
+            families.setdefault(fam, []).append((r.info.compression, max(r.fidelity["kl_mean"], 1e-8)))
+        for fam, pts in sorted(families.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+        ax.set_yscale("log")
+        ax.set_xlabel("compression factor (uncompressed / measured cache bytes)")
+        ax.set_ylabel("mean KL from baseline (nats/token)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -598,9 +641,10 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     gate_lines = _gate_lines(gate)
     plots: list[Path] = []
-    p = plot_score_vs_compression(rows, out / "score_vs_compression.png")
-    if p:
-        plots.append(p)
+    for fn, name in ((plot_score_vs_compression, "score_vs_compression.png"), (plot_kl_vs_compression, "kl_vs_compression.png")):
+        p = fn(rows, out / name)
+        if p:
+            plots.append(p)
     for model, group in _by_model(rows).items():
         for fn, stem in ((plot_heatmaps, "heatmap"), (plot_confusion, "confusion")):
             p = fn(model, group, out / f"{stem}_{_slug(model)}.png")
