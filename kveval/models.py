@@ -193,14 +193,14 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     from kveval.attention import ATTENTION_NAME, register_attention
     from kveval.storage import DEFAULT_KV_DTYPE, checkpoint_kv_dtype
 
-    register_attention()
-    device, torch_dtype = resolve_device_dtype(device, dtype)
-    source, source_kwargs = _source(name)
-    tokenizer = load_tokenizer(name)
     if isinstance(max_memory, str):
         max_memory = parse_max_memory(max_memory)
     if max_memory and not device_map:
         raise UsageError("max_memory needs device_map (e.g. device_map=auto): it bounds accelerate's placement")
+    register_attention()
+    device, torch_dtype = resolve_device_dtype(device, dtype)
+    source, source_kwargs = _source(name)
+    tokenizer = load_tokenizer(name)
     if device_map:
         kwargs.update(device_map=device_map, **({"max_memory": max_memory} if max_memory else {}))
     common = dict(dtype=torch_dtype, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code, **kwargs)
@@ -228,6 +228,10 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         model = AutoModelForCausalLM.from_pretrained(source, **common)
     if not device_map:  # with a device map, accelerate has placed every module already
         model.to(device)
+    elif "disk" in getattr(model, "hf_device_map", {}).values():
+        # Offloaded weights sit on the meta device, where kveval would build its inputs (model.device).
+        raise UsageError(f"{name}: device_map={device_map!r} offloaded layers to disk, which kveval does not run; "
+                         f"raise max_memory or add GPUs so that every layer fits on a GPU or the CPU")
     model.eval()
     model.kveval_name = name
     _check_architecture(model, name, self_check)

@@ -47,3 +47,48 @@ def test_auto_device_is_cpu_fp32_without_a_gpu():
 def test_bad_policy_fails_before_loading_the_model(capsys):
     assert main(["generate", "--policy", "snapkv(ratio=2)", "--prompt", "hi"]) == 2
     assert "ratio=2" in capsys.readouterr().err
+
+
+def _tiny_folder(folder):
+    """A tiny Llama saved with a word-level tokenizer: a model folder as a user gives it."""
+    from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_models import tiny_llama
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 128)}}
+    backend = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tiny_llama().save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>").save_pretrained(folder)
+    return str(folder)
+
+
+def test_device_map_auto_places_a_cpu_model_on_cpu_with_the_plain_results(tmp_path):
+    from kveval.generation import Prompt, generate
+
+    folder = _tiny_folder(tmp_path / "tiny")
+    plain, tokenizer = models.load_model(folder, device="cpu", dtype="float32")
+    placed, _ = models.load_model(folder, device="cpu", dtype="float32", device_map="auto", max_memory="cpu=1GiB")
+    assert {p.device.type for p in placed.parameters()} == {"cpu"}
+    # Too little memory for the whole model: accelerate would offload layers to disk, which kveval refuses in one line.
+    with pytest.raises(ValueError, match="offloaded layers to disk.*raise max_memory"):
+        models.load_model(folder, device="cpu", dtype="float32", device_map="auto", max_memory="cpu=150KB",
+                          offload_folder=str(tmp_path / "offload"))
+    prompts = [Prompt(list(range(4, 60)), [70, 71]), Prompt(list(range(30, 70)), [72])]
+    for policy in ("none", "snapkv(ratio=0.5)+kivi(bits=4,group=8)"):
+        expected = generate(plain, tokenizer, prompts, policy, max_new_tokens=6, batch_size=2)
+        for got in (generate(m, tokenizer, prompts, policy, max_new_tokens=6, batch_size=2) for m in (placed,)):
+            assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+            assert [r.stats.kv_bytes for r in got] == [r.stats.kv_bytes for r in expected]
+            assert [r.logprobs for r in got] == [r.logprobs for r in expected]
+
+
+def test_max_memory_is_parsed_once_into_accelerates_form():
+    assert models.parse_max_memory("0=20GiB, 1=20GiB,cpu=64GiB,disk=1000") == {0: "20GiB", 1: "20GiB", "cpu": "64GiB",
+                                                                               "disk": 1000}
+    for bad in ("20GiB", "gpu0=20GiB", "0=", ""):
+        with pytest.raises(ValueError, match="DEVICE=SIZE"):
+            models.parse_max_memory(bad)
+    with pytest.raises(ValueError, match="max_memory needs device_map"):
+        models.load_model("smollm2-135m", max_memory={"cpu": "1GiB"})
