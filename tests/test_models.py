@@ -92,3 +92,24 @@ def test_max_memory_is_parsed_once_into_accelerates_form():
             models.parse_max_memory(bad)
     with pytest.raises(ValueError, match="max_memory needs device_map"):
         models.load_model("smollm2-135m", max_memory={"cpu": "1GiB"})
+
+
+def test_lm_eval_placement_args_reach_load_model(monkeypatch, tmp_path):
+    from kveval.lm_eval.model import KVEvalLM
+
+    seen = {}
+
+    def capture(name, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(models, "load_model", capture)
+    folder = _tiny_folder(tmp_path / "tiny")
+    with pytest.raises(RuntimeError, match="captured"):
+        KVEvalLM(pretrained=folder, parallelize=True, max_cpu_memory="1GiB", device="cpu")
+    assert seen["device_map"] == "auto" and seen["max_memory"] == {"cpu": "1GiB"}
+    with pytest.raises(RuntimeError, match="captured"):
+        KVEvalLM(pretrained=folder, device_map="balanced", max_memory="cpu=2GiB", device="cpu")
+    assert seen["device_map"] == "balanced" and seen["max_memory"] == "cpu=2GiB"
+    with pytest.raises(ValueError, match="offload_folder are not supported"):
+        KVEvalLM(pretrained=folder, offload_folder=str(tmp_path), device="cpu")

@@ -32,6 +32,9 @@ such as ``max_length``, ``add_bos_token``, ``truncation``):
     Base seed of the ``random`` control policy.
 ``device``, ``dtype``
     ``auto`` (default): CUDA + bfloat16 when a GPU is present, else CPU + float32.
+``parallelize``, ``device_map``, ``max_memory``, ``max_memory_per_gpu``, ``max_cpu_memory``
+    Models larger than one GPU, placed by accelerate as ``--model hf`` does
+    (``parallelize=True`` is ``device_map=auto``); see :func:`kveval.models.load_model`.
 
 What is compressed
 ------------------
@@ -113,9 +116,8 @@ MODEL_TYPE = "kveval"
 _HFLM_KEYS = {"max_length", "truncation", "add_bos_token", "prefix_token_id", "logits_cache", "softmax_dtype",
               "mixed_precision_dtype", "use_fast_tokenizer", "think_end_token", "enable_thinking",
               "chat_template_args", "backend"}
-# HFLM loading options kveval does not support (it loads the model itself, on one device).
-_UNSUPPORTED = {"parallelize", "peft", "delta", "autogptq", "gptqmodel", "tp_plan", "max_memory_per_gpu",
-                "max_cpu_memory", "offload_folder"}
+# HFLM loading options kveval does not support (it loads the model itself: whole, or placed by accelerate).
+_UNSUPPORTED = {"peft", "delta", "autogptq", "gptqmodel", "tp_plan", "offload_folder"}
 
 
 # --- argument handling ---------------------------------------------------------------------------
@@ -179,6 +181,22 @@ def runspec_from_args(policy, compress: str | None = None, kv_dtype=None) -> Run
     return RunSpec.parse(policy.replace(";", ","), mode=compress, kv_dtype=kv_dtype)
 
 
+def _placement_args(kwargs: dict) -> None:
+    """HFLM's big-model options as :func:`kveval.models.load_model` takes them, in place.
+
+    ``parallelize=True`` means ``device_map="auto"`` (unless a ``device_map`` is
+    given); ``max_memory_per_gpu`` and ``max_cpu_memory`` build ``max_memory``
+    over the visible GPUs and the CPU, as ``--model hf`` does.
+    """
+    parallelize = kwargs.pop("parallelize", False)
+    per_gpu, cpu = kwargs.pop("max_memory_per_gpu", None), kwargs.pop("max_cpu_memory", None)
+    if parallelize and not kwargs.get("device_map"):
+        kwargs["device_map"] = "auto"
+    if per_gpu or cpu:
+        memory = {i: per_gpu for i in range(torch.cuda.device_count())} if per_gpu else {}
+        kwargs["max_memory"] = {**memory, **({"cpu": cpu} if cpu else {})}
+
+
 def _unescape(text: str) -> str:
     if "\\" not in text:
         return text
@@ -227,6 +245,7 @@ class KVEvalLM(HFLM):
                              f"(it loads the whole model on one device)")
         for k in _UNSUPPORTED:
             kwargs.pop(k, None)
+        _placement_args(kwargs)
         if "attn_implementation" in kwargs:
             raise ValueError("attn_implementation is set by kveval (the 'kveval' attention function); remove it from model_args")
         hflm_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _HFLM_KEYS}
