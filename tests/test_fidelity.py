@@ -140,3 +140,60 @@ def test_a_continuous_signal_separates_with_fewer_items_than_accuracy():
     assert by_accuracy is None or by_accuracy > 2 * by_kl
     with pytest.raises(ValueError):
         items_to_separate([1.0], [1.0, 2.0], "wilcoxon")
+
+
+@pytest.fixture(scope="module")
+def fidelity_runs(tmp_path_factory):
+    """A baseline and two runs measured with fidelity, and one without, of the tiny model (12 items)."""
+    root = tmp_path_factory.mktemp("fidelity")
+    items = [it for k in range(3) for it in _items_of_different_lengths()]
+    for i, item in enumerate(items):
+        item.id = f"passkey-{i}"
+    model = tiny_llama()
+    base, int8, int2 = evaluate_policies(model, CharTok(), items, ["none", "quant(bits=8,group=8)", "quant(bits=2,group=8)"],
+                                         root, "org/M", batch_size=4, fidelity=True)
+    [plain] = evaluate_policies(model, CharTok(), items, ["window(size=8)"], root, "org/M", batch_size=4)
+    return root, base, int8, int2, plain
+
+
+def test_gate_rule_max_mean_kl(fidelity_runs):
+    from kveval.errors import ConfigError
+    from kveval.gate import evaluate_gate
+    from kveval.gate_config import GateConfig, load_gate_config
+
+    assert GateConfig().max_mean_kl == {} and load_gate_config("configs/gate.yaml").max_mean_kl == {}  # off by default
+    assert GateConfig.from_dict({"max_mean_kl": 0.1}).kl_limit("any") == 0.1
+    assert GateConfig.from_dict({"max_mean_kl": {"passkey": 0.1}}).kl_limit("other") is None
+    with pytest.raises(ConfigError, match="max_mean_kl"):
+        GateConfig.from_dict({"max_mean_kl": -1})
+    _, base, int8, int2, plain = fidelity_runs
+    kl2 = read_fidelity(int2)
+    mean2 = np.mean([f.kl_mean for f in kl2.values()])
+    rules = {"margin": 0.5, "max_negative_flip_rate": None, "max_confusion_increase": None, "n_resamples": 500}
+
+    def reasons(cap, run):
+        result = evaluate_gate({**rules, "max_mean_kl": cap}, base, [run])
+        return [r for t in result.candidates[0].tasks for r in t.reasons if "KL" in r]
+
+    assert any("lower bound" in r and "> cap" in r for r in reasons(mean2 / 10, int2))  # FAIL: clearly above the cap
+    assert reasons(mean2 * 10, int2) == []  # shown under the cap
+    assert reasons(None, int2) == []  # rule off
+    assert any("--fidelity" in r for r in reasons(1.0, plain))  # not measured: never passes silently
+    assert evaluate_gate({**rules, "max_mean_kl": mean2 / 10}, base, [int2]).exit_code == 1
+
+
+def test_compare_and_report_show_the_kl(fidelity_runs, tmp_path):
+    from kveval.compare import format_table
+    from kveval.report import build_report
+
+    root, base, int8, int2, plain = fidelity_runs
+    table = format_table(compare_runs(base, int2, n_resamples=200, cells=False))
+    assert " KL " in table.splitlines()[4] and "fidelity, the baseline's answer teacher-forced" in table
+    assert " KL " not in format_table(compare_runs(base, plain, n_resamples=200, cells=False))
+    paths = build_report([root], tmp_path / "report", n_resamples=200)
+    assert any(p.name == "kl_vs_compression.png" for p in paths["plots"])
+    md = paths["markdown"].read_text()
+    assert "| KL |" in md and "*KL*" in md
+    rows = {r["policy"]: r for r in json.loads(paths["json"].read_text())["rows"]}
+    assert rows["quant(bits=8,group=8)"]["fidelity_kl_mean"] < rows["quant(bits=2,group=8)"]["fidelity_kl_mean"]
+    assert "fidelity_kl_mean" not in rows["window(size=8)"]
