@@ -24,8 +24,14 @@ from pathlib import Path
 
 import yaml
 
+from typing import TYPE_CHECKING
+
 from kveval.errors import UsageError
 from kveval.records import atomic_write_text
+
+if TYPE_CHECKING:
+    from kveval.executors import Cell, CellResult, Executor
+    from kveval.runspec import RunSpec
 
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
@@ -178,7 +184,7 @@ def _manifest(config: SweepConfig, device: str) -> dict:
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
 
 
-def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> list["Cell"]:
+def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> list[Cell]:
     """The sweep's cells, model by model and mode by mode (the baseline ``none`` runs in the config's mode).
 
     ``policies_per_cell``: how many of a mode's policies one cell evaluates
@@ -197,7 +203,7 @@ def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> lis
     return cells
 
 
-def _specs_by_mode(config: SweepConfig) -> "dict[str, list[RunSpec]]":
+def _specs_by_mode(config: SweepConfig) -> dict[str, list[RunSpec]]:
     from kveval.runspec import RunSpec
 
     by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec.parse("none", config.mode, config.kv_dtype)]}
@@ -239,7 +245,7 @@ class CellRunner:
                                         **config.family_params.get(family, {}))
         return items
 
-    def _finished(self, cell, items: list) -> list[Path] | None:
+    def _finished(self, cell: Cell, items: list) -> list[Path] | None:
         """The cell's run folders if every item and lm-eval task of every policy is written (finalized again), else None."""
         from kveval.errors import ResultFileError
         from kveval.evaluate import finalize_run, model_identity, run_dir_for
@@ -252,15 +258,17 @@ class CellRunner:
                 records = list(iter_items(run_dir))
             except (ResultFileError, OSError):  # missing, or a killed writer's half line: not finished
                 return None
+            written = {r.id: r.hash for r in records}
             tasks = {r.metrics.get("lm_eval_task") for r in records}
-            if not {item.id for item in items} <= {r.id for r in records} or not set(self.config.lm_eval.get("tasks", [])) <= tasks:
+            # Another prompt under an item's id is not "done": evaluate_policies then refuses the folder, naming it.
+            if any(written.get(item.id) != item.hash for item in items) or not set(self.config.lm_eval.get("tasks", [])) <= tasks:
                 return None
             dirs.append(run_dir)
         for run_dir in dirs:
             finalize_run(run_dir)
         return dirs
 
-    def __call__(self, cell) -> "CellResult":
+    def __call__(self, cell: Cell) -> CellResult:
         import torch
         from tqdm import tqdm
 
@@ -287,7 +295,7 @@ class CellRunner:
         return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
 
 
-def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: "Executor | None" = None,
+def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Executor | None = None,
               placement: dict | None = None, policies_per_cell: int | None = None) -> list[Path]:
     """Run (or resume) a sweep; return its run folders (baseline first for each model).
 

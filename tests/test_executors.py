@@ -9,7 +9,7 @@ from kveval.cli import main
 from kveval.executors import Cell, InProcessExecutor, make_executor
 from kveval.records import read_items
 from kveval.sweep import load_config, plan_cells
-from tests.tiny_models import tiny_llama
+from tests.test_models import tiny_llama_folder
 
 POLICIES = '["snapkv(ratio=0.5)", "kivi(bits=4,group=8)", "window(16)"]'
 
@@ -19,19 +19,6 @@ def _config(tmp_path: Path, model: str = "smollm2-135m", policies: str = POLICIE
     path.write_text(f"name: cells\nmodels: [{model}]\nbatch_size: 2\npolicies: {policies}\n"
                     f"probes: {{families: [passkey], lengths: [96], depths: [0.5], n: 2}}\n")
     return path
-
-
-def _model_folder(folder: Path) -> Path:
-    """A tiny Llama saved as a user's model folder (weights, config, word-level tokenizer): loads by path, self-checked."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 128)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tiny_llama().save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>").save_pretrained(folder)
-    return folder
 
 
 def _items(out: Path) -> dict:
@@ -82,7 +69,7 @@ def test_max_memory_without_device_map_is_refused_before_anything_runs(tmp_path,
 def test_ray_sweep_on_two_workers_equals_the_serial_sweep_item_by_item(tmp_path, monkeypatch):
     pytest.importorskip("ray")
     monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    config = _config(tmp_path, model=str(_model_folder(tmp_path / "tiny")))
+    config = _config(tmp_path, model=tiny_llama_folder(tmp_path / "tiny"))
     serial, on_ray = tmp_path / "serial", tmp_path / "ray"
     assert main(["sweep", str(config), "--out", str(serial), "--quiet"]) == 0
     assert main(["sweep", str(config), "--out", str(on_ray), "--quiet", "--executor", "ray", "--workers", "2"]) == 0

@@ -49,7 +49,7 @@ def test_bad_policy_fails_before_loading_the_model(capsys):
     assert "ratio=2" in capsys.readouterr().err
 
 
-def _tiny_folder(folder):
+def tiny_llama_folder(folder):
     """A tiny Llama saved with a word-level tokenizer: a model folder as a user gives it."""
     from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -67,7 +67,7 @@ def _tiny_folder(folder):
 def test_device_map_auto_places_a_cpu_model_on_cpu_with_the_plain_results(tmp_path):
     from kveval.generation import Prompt, generate
 
-    folder = _tiny_folder(tmp_path / "tiny")
+    folder = tiny_llama_folder(tmp_path / "tiny")
     plain, tokenizer = models.load_model(folder, device="cpu", dtype="float32")
     placed, _ = models.load_model(folder, device="cpu", dtype="float32", device_map="auto", max_memory="cpu=1GiB")
     assert {p.device.type for p in placed.parameters()} == {"cpu"}
@@ -104,7 +104,7 @@ def test_lm_eval_placement_args_reach_load_model(monkeypatch, tmp_path):
         raise RuntimeError("captured")
 
     monkeypatch.setattr(models, "load_model", capture)
-    folder = _tiny_folder(tmp_path / "tiny")
+    folder = tiny_llama_folder(tmp_path / "tiny")
     with pytest.raises(RuntimeError, match="captured"):
         KVEvalLM(pretrained=folder, parallelize=True, max_cpu_memory="1GiB", device="cpu")
     assert seen["device_map"] == "auto" and seen["max_memory"] == {"cpu": "1GiB"}

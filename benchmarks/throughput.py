@@ -1,0 +1,157 @@
+"""Throughput: kveval ``none`` against plain transformers ``generate`` (DynamicCache), and each policy family against ``none``.
+
+    python3 benchmarks/throughput.py [--model smollm2-135m] [--length 256] [--new-tokens 16]
+                                     [--batch 1 --batch 8 --batch 32] [--policy-batch 8] [--policy SPEC ...]
+                                     [--repeats 1]
+
+Same model object, same prompts (passkey probe items of ``--length`` tokens,
+left-padded per batch), greedy, ``--new-tokens`` tokens per item:
+
+1. *kveval none vs transformers*: at each ``--batch`` size, one batch of that
+   many items through :func:`kveval.generation.generate` (policy ``none``,
+   ``context`` mode: the context is prefilled, then the question) and through
+   ``model.generate`` with its default ``DynamicCache``. Per path: seconds per
+   item (whole generation / items), decode tokens/s (``items x (new - 1)``
+   over the generation time less the time to the first token, which is timed
+   by the same call with one new token), and kveval/transformers ratios
+   (time: <1 is faster; tokens/s: >1 is faster). "same" says whether both
+   produced the same tokens.
+2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
+   for each ``--policy`` (default one per family), as ratios to ``none``.
+3. On CUDA: peak allocated memory during generation above the weights, against
+   the cache bytes kveval measured (all rows of the batch). Skipped on CPU.
+
+Speed targets live here, not in timed tests. Run alone on the machine
+(``flock /tmp/kveval-heavy.lock``): it is a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "kivi(bits=4)", "quant(bits=8)", "fp8",
+                    "lowrank(rank=32)"]
+
+
+def _timed(fn, repeats: int):
+    """(median seconds, last result) of ``fn()`` over ``repeats`` calls."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> list[list[int]]:
+    """Plain transformers greedy generation of left-padded ``prompts`` (DynamicCache, the default); new ids per row."""
+    import torch
+
+    rows = [p.context + p.question for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=model.device)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = torch.tensor(row, device=model.device)
+        mask[b, width - len(row):] = 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=pad_id)
+    return [row.tolist() for row in out[:, width:]]
+
+
+def _path(run, prompts, new_tokens: int, repeats: int) -> dict:
+    """Seconds per item and decode tokens/s of ``run(prompts, n_new)``; its tokens at ``new_tokens``."""
+    run(prompts[:1], 2)  # one-off costs (a low-rank policy's calibration, first kernels) stay out of the timings
+    first, _ = _timed(lambda: run(prompts, 1), repeats)
+    whole, tokens = _timed(lambda: run(prompts, new_tokens), repeats)
+    decoded = len(prompts) * (new_tokens - 1)
+    return {"per_item": whole / len(prompts), "decode_tps": decoded / max(whole - first, 1e-9), "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=256, help="prompt tokens (default 256)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--batch", action="append", type=int, default=None, help="repeat; default 1, 8, 32")
+    parser.add_argument("--policy-batch", type=int, default=8)
+    parser.add_argument("--policy", action="append", default=None, help="repeat; default one per family")
+    parser.add_argument("--repeats", type=int, default=1, help="timings per figure (median)")
+    args = parser.parse_args()
+
+    import torch
+
+    import kveval.generation
+    from kveval.generation import Prompt, generate
+    from kveval.models import load_model
+    from kveval.probes import encode_item, generate_items
+    from kveval.runspec import RunSpec
+
+    model, tokenizer = load_model(args.model)
+    # Every path generates exactly --new-tokens tokens per row: EOS is ignored by both (the decode loop is timed).
+    model.generation_config.eos_token_id = None
+    kveval.generation._eos_ids = lambda model, tokenizer: set()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = args.batch or [1, 8, 32]
+    items = generate_items("passkey", tokenizer, args.length, max(batches + [args.policy_batch]), seed=0)
+    prompts = [Prompt(*encode_item(tokenizer, it)) for it in items]
+
+    def kveval_run(spec: str):
+        policy = RunSpec.parse(spec).for_model(model).policy  # unset quantization groups fit the model's head width
+
+        def run(batch, new_tokens):
+            results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch))
+            return [r.token_ids for r in results]
+        return run
+
+    generate(model, tokenizer, prompts[:1], "none", max_new_tokens=2)  # warm-up: first-call costs out of the timings
+    _hf_generate(model, prompts[:1], 2, pad_id)
+    mean_tokens = statistics.fmean(p.length for p in prompts)
+    device = str(model.device)
+    print(f"model {args.model} on {device} ({model.dtype}), prompts ~{mean_tokens:.0f} tokens, {args.new_tokens} new tokens, "
+          f"greedy, median of {args.repeats}")
+    print()
+    print("1. kveval none vs transformers generate (DynamicCache)")
+    print(f"{'batch':>5} | {'hf s/item':>9} {'hf tok/s':>9} | {'kveval s/item':>13} {'kveval tok/s':>12} | "
+          f"{'time ratio':>10} {'tok/s ratio':>11} | same")
+    for size in batches:
+        batch = prompts[:size]
+        hf = _path(lambda b, n: _hf_generate(model, b, n, pad_id), batch, args.new_tokens, args.repeats)
+        kv = _path(kveval_run("none"), batch, args.new_tokens, args.repeats)
+        print(f"{size:>5} | {hf['per_item']:>9.3f} {hf['decode_tps']:>9.1f} | {kv['per_item']:>13.3f} "
+              f"{kv['decode_tps']:>12.1f} | {kv['per_item'] / hf['per_item']:>9.2f}x {kv['decode_tps'] / hf['decode_tps']:>10.2f}x | "
+              f"{'yes' if kv['tokens'] == hf['tokens'] else 'no'}")
+
+    print()
+    print(f"2. policy families vs kveval none at batch {args.policy_batch}")
+    batch = prompts[:args.policy_batch]
+    base = _path(kveval_run("none"), batch, args.new_tokens, args.repeats)
+    print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'time ratio':>10} {'tok/s ratio':>11}")
+    print(f"{'none':<24} | {base['per_item']:>7.3f} {base['decode_tps']:>8.1f} | {1:>9.2f}x {1:>10.2f}x")
+    for policy in args.policy or DEFAULT_POLICIES:
+        got = _path(kveval_run(policy), batch, args.new_tokens, args.repeats)
+        print(f"{policy:<24} | {got['per_item']:>7.3f} {got['decode_tps']:>8.1f} | "
+              f"{got['per_item'] / base['per_item']:>9.2f}x {got['decode_tps'] / base['decode_tps']:>10.2f}x")
+
+    print()
+    print(f"3. peak memory vs measured cache bytes at batch {args.policy_batch}")
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped (peak allocated memory is a CUDA measurement)")
+        return
+    print(f"{'policy':<24} | {'cache bytes (measured)':>22} {'peak above weights':>18} | {'peak / cache':>12}")
+    for policy in ["none"] + (args.policy or DEFAULT_POLICIES):
+        torch.cuda.synchronize()
+        weights = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        results = generate(model, tokenizer, batch, RunSpec.parse(policy).for_model(model).policy,
+                           max_new_tokens=args.new_tokens, batch_size=len(batch))
+        peak = torch.cuda.max_memory_allocated() - weights
+        cache = sum(r.stats.kv_bytes for r in results)
+        print(f"{policy:<24} | {cache:>22,} {peak:>18,} | {peak / cache:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
