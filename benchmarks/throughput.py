@@ -20,6 +20,9 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    for each ``--policy`` (default one per family), as ratios to ``none``.
 3. On CUDA: peak allocated memory during generation above the weights, against
    the cache bytes kveval measured (all rows of the batch). Skipped on CPU.
+4. Only with ``--ray-sweep CONFIG`` (instead of 1-3): the sweep run serially in
+   process, then on a local Ray cluster of ``--workers`` CPUs, one policy per
+   cell: wall times and whether every item is identical.
 
 Speed targets live here, not in timed tests. Run alone on the machine
 (``flock /tmp/kveval-heavy.lock``): it is a timing.
@@ -71,6 +74,33 @@ def _path(run, prompts, new_tokens: int, repeats: int) -> dict:
     return {"per_item": whole / len(prompts), "decode_tps": decoded / max(whole - first, 1e-9), "tokens": tokens}
 
 
+def ray_sweep(config: str, workers: int) -> None:
+    """Section 4: the same sweep serially and on Ray; wall times and item-by-item identity."""
+    import tempfile
+    from pathlib import Path
+
+    from kveval.cli import main as kveval
+    from kveval.records import read_items
+
+    def items(out: Path) -> dict:
+        return {(p.parent.name, r.id): (r.answer, r.score, r.metrics["kv_bytes"])
+                for p in sorted(out.glob("runs/*/*/items.jsonl")) for r in read_items(p.parent)}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        walls = {}
+        for name, extra in (("serial", []), ("ray", ["--executor", "ray", "--workers", str(workers)])):
+            start = time.perf_counter()
+            code = kveval(["sweep", config, "--out", str(Path(tmp) / name), "--quiet", *extra])
+            walls[name] = time.perf_counter() - start
+            if code != 0:
+                raise SystemExit(f"kveval sweep ({name}) exited {code}")
+        serial, on_ray = items(Path(tmp) / "serial"), items(Path(tmp) / "ray")
+        cells = len({run for run, _ in serial})
+    print(f"4. sweep {config}: {cells} cells, {len(serial)} items")
+    print(f"serial in process {walls['serial']:.1f} s | Ray, {workers} workers {walls['ray']:.1f} s | "
+          f"ratio {walls['ray'] / walls['serial']:.2f}x | identical items: {'yes' if serial == on_ray else 'NO'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -80,7 +110,12 @@ def main() -> None:
     parser.add_argument("--policy-batch", type=int, default=8)
     parser.add_argument("--policy", action="append", default=None, help="repeat; default one per family")
     parser.add_argument("--repeats", type=int, default=1, help="timings per figure (median)")
+    parser.add_argument("--ray-sweep", metavar="CONFIG", help="run only section 4 on this sweep config")
+    parser.add_argument("--workers", type=int, default=2, help="CPUs of the local Ray cluster for --ray-sweep")
     args = parser.parse_args()
+    if args.ray_sweep:
+        ray_sweep(args.ray_sweep, args.workers)
+        return
 
     import torch
 
