@@ -1,7 +1,7 @@
 """One shared prefill for a sweep's policies against one prefill per policy, on the same items in one run.
 
     python3 benchmarks/shared_prefill.py [--config configs/quickstart.yaml] [--model smollm2-135m]
-                                         [--length 384 --length 2048] [--n 1] [--repeats 1]
+                                         [--length 384 --length 2048] [--n 1] [--family passkey] [--repeats 1]
 
 Takes the policy set (plus the baseline ``none``), probe families, mode and
 batch size of a sweep config (default: the quickstart's), builds ``--n`` items
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the config's first model")
     parser.add_argument("--length", action="append", type=int, default=None, help="prompt tokens; repeat (default 384, 2048)")
     parser.add_argument("--n", type=int, default=1, help="items per family and length")
+    parser.add_argument("--family", action="append", default=None, help="probe family; repeat (default: the config's)")
     parser.add_argument("--repeats", type=int, default=1, help="timings per path (median; paths interleaved)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: each probe's own answer length")
     args = parser.parse_args()
@@ -50,13 +51,13 @@ def main() -> None:
     config = load_config(args.config)
     model_name = args.model or config.models[0]
     specs = ["none"] + [s.spec for s in config.policies]
-    mode, batch_size = config.mode, config.batch_size
+    mode, batch_size, families = config.mode, config.batch_size, args.family or config.families
     model, tokenizer = load_model(model_name)
     generate(model, tokenizer, [Prompt(tokenizer("warm up")["input_ids"])], "none", max_new_tokens=2)
 
     rows = []
     for length in args.length or [384, 2048]:
-        items = [it for family in config.families for it in generate_items(family, tokenizer, length, args.n, seed=config.seed)]
+        items = [it for family in families for it in generate_items(family, tokenizer, length, args.n, seed=config.seed)]
         prompts = [Prompt(*encode_item(tokenizer, it)) for it in items]
         new_tokens = args.new_tokens or max(it.max_new_tokens for it in items)
         kwargs = dict(max_new_tokens=new_tokens, mode=mode, batch_size=batch_size, kv_dtype=config.kv_dtype)
@@ -82,7 +83,7 @@ def main() -> None:
         rows.append((length, mean_tokens, len(prompts), out))
 
     print(f"model {model_name}, {len(specs)} policies ({', '.join(specs)}), mode {mode}, batch size {batch_size}, "
-          f"{args.n} item(s) per family of {', '.join(config.families)}; seconds per item, all policies together, "
+          f"{args.n} item(s) per family of {', '.join(families)}; seconds per item, all policies together, "
           f"median of {args.repeats}")
     print(f"{'length':>7} {'items':>5} | {'per-policy: prefill':>19} {'decode':>7} {'total':>7} | "
           f"{'shared: prefill':>15} {'decode':>7} {'total':>7} | {'speed-up':>8}")
