@@ -227,8 +227,10 @@ def test_embedded_model_from_one_prefill_equals_its_own_runs(name, mode):
     model, tokenizer = load_model(name)
     items = generate_items("passkey", tokenizer, 320, 2, seed=0)
     prompts = [Prompt(*encode_item(tokenizer, item)) for item in items]
-    specs = [parse_policy(p).spec for p in ("none", "kivi(bits=4)", "snapkv(ratio=0.5)+quant(bits=8)", "h2o(ratio=0.5)",
-                                            "streaming(sink=4,window=60)")]
+    policies = ("none", "kivi(bits=4)", "snapkv(ratio=0.5)+quant(bits=8)", "h2o(ratio=0.5)", "streaming(sink=4,window=60)")
+    if name == "gemma3-270m":  # the slowest model on a CPU: the three that cover quantization, selection and a stack
+        policies = policies[:3]
+    specs = [parse_policy(p).spec for p in policies]
     shared = generate_many(model, tokenizer, prompts, specs, max_new_tokens=8, mode=mode, batch_size=2)
     for spec in specs:
         alone = generate(model, tokenizer, prompts, spec, max_new_tokens=8, mode=mode, batch_size=2)
