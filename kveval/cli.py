@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "lm-eval":  # hand every remaining argument to lm_eval's own parser
         from kveval.lm_eval.__main__ import main as lm_eval_main
 
-        return lm_eval_main(argv[1:])
+        return run_command("lm-eval", lambda: lm_eval_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="kveval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     module = None

@@ -387,3 +387,18 @@ def test_include_paths_keep_ours_and_the_users(tmp_path):
     if ours is not None:
         assert paths[0] == str(ours)
         assert _include_paths(None) == str(ours)
+
+
+def test_an_unexpected_exception_in_the_lm_eval_wrapper_exits_2_never_1(monkeypatch, capsys):
+    """Exit 1 is the gate's FAIL: a crash inside lm-eval must not look like one (it prints its traceback, exits 2)."""
+    import lm_eval._cli
+
+    from kveval.cli import main
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash inside lm-eval")
+
+    monkeypatch.setattr(lm_eval._cli.HarnessCLI, "execute", crash)
+    code = main(["lm-eval", "run", "--model", "kveval", "--model_args", "pretrained=smollm2-135m", "--tasks", "kveval_passkey"])
+    assert code == 2
+    assert "internal error (RuntimeError)" in capsys.readouterr().err

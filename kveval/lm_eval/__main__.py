@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 
-PROG = "kveval lm-eval"
 
 
 def _include_paths(user: str | list | None) -> list[str] | str | None:
@@ -63,15 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             args.include_path = _include_paths(args.include_path)
         parser.execute(args)
         return 0
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    except Exception as exc:  # one clear line for bad input; KVEVAL_DEBUG=1 shows the traceback
-        from kveval.models import ModelNotFoundError
-
-        if os.environ.get("KVEVAL_DEBUG") or not isinstance(exc, (ValueError, FileNotFoundError, ModelNotFoundError)):
-            raise
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    except SystemExit as exc:  # lm-eval's own exits: argparse (2), --help (0); any other failure is an error, never 1
+        return 0 if exc.code in (0, None) else 2
     finally:
         sys.argv = saved
 
@@ -101,4 +93,6 @@ def _fallback(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kveval.cli import run_command  # the one place exceptions become exit codes
+
+    sys.exit(run_command("lm-eval", main))
