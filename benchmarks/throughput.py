@@ -128,7 +128,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     # Every path generates exactly --new-tokens tokens per row: EOS is ignored by both (the decode loop is timed).
     model.generation_config.eos_token_id = None
-    kveval.generation._eos_ids = lambda model, tokenizer: set()
+    kveval.generation.eos_ids = lambda model, tokenizer: set()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = args.batch or [1, 8, 32]
     items = generate_items("passkey", tokenizer, args.length, max(batches + [args.policy_batch]), seed=0)

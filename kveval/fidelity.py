@@ -104,16 +104,16 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
     import torch
 
     from kveval.cache import CompressedCache
-    from kveval.generation import _eos_ids, _prefill, check_request, forward_rows
+    from kveval.generation import eos_ids, prefill_prompts, check_request, forward_rows
     from kveval.policies import parse_policy
 
     check_request(model, prompts, max(1, max_new_tokens if answers is None else max(map(len, answers), default=1)), mode,
                   len(prompts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     with torch.no_grad():
         cache = CompressedCache(model, parse_policy(policy), seed=seed, kv_dtype=kv_dtype)
-        last, seen = _prefill(model, cache, prompts, mode, pad_id)
+        last, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
         if mode == "context" and any(p.question for p in prompts):
             logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)
             last = torch.where(mask[:, -1:], logits[:, -1].float(), last)

@@ -175,14 +175,14 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
     return results
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model, tokenizer) -> set[int]:
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id} | (set(configured) if isinstance(configured, list) else {configured})
     ids.discard(None)
     return ids
 
 
-def _prefill(model, cache: CompressedCache, prompts: list[Prompt], mode: str, pad_id: int):
+def prefill_prompts(model, cache: CompressedCache, prompts: list[Prompt], mode: str, pad_id: int):
     """Run the prompt through ``cache``; return the next-token logits ``[B, vocab]`` and tokens seen per row.
 
     In ``context`` mode only the contexts are prefilled: the question is appended by :func:`_continue`.
@@ -206,7 +206,7 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)
         last_logits = torch.where(mask[:, -1:], logits[:, -1].float(), last_logits)
     prefill_seconds = time.perf_counter() - started
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     batch = len(prompts)
     tokens = [[] for _ in range(batch)]
     logprobs = [[] for _ in range(batch)]
@@ -246,7 +246,7 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype)
     started = time.perf_counter()
-    last_logits, seen = _prefill(model, cache, prompts, mode, pad_id)
+    last_logits, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
 
 
@@ -286,7 +286,7 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.perf_counter()
     shared = CompressedCache(model, "none", seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=stacks)
-    last_logits, seen = _prefill(model, shared, prompts, mode, pad_id)
+    last_logits, seen = prefill_prompts(model, shared, prompts, mode, pad_id)
     shared_seconds = time.perf_counter() - started
     for stack in stacks:
         own_start = time.perf_counter() - shared_seconds
