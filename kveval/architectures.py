@@ -300,6 +300,85 @@ def attention_kernel(module, kwargs: dict) -> AttentionKernel:
     return _EAGER[modeling]
 
 
-__all__ = ["ATTENTION", "HYBRID", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "STATE",
+# --- RoPE hook (pre-RoPE key quantization: kveval.kvquant) ------------------------------------------
+
+#: ``model_type`` values whose attention rotates keys as ``k * cos + rotate_half(k) * sin`` on the first
+#: ``cos.shape[-1]`` channels (partial rotary: the rest pass through), with ``cos, sin`` from the decoder's
+#: ``rotary_emb(x, position_ids[, layer_type])``. Checked against each model's own keys by tests/test_kvquant.py.
+ROTATE_HALF_ROPE = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3",
+                              "gemma", "gemma2", "gemma3", "gemma3_text"})
+
+
+class RopeHook:
+    """One attention layer's rotary embedding, as the model applies it to keys, and its exact inverse.
+
+    ``rotate(x, positions)`` is what the model does to a pre-RoPE key at
+    ``positions``; ``unrotate`` undoes it (the per-pair rotation matrix is
+    inverted exactly, also when a RoPE variant scales cos and sin). ``x`` is
+    ``[H, T, D]``, ``positions`` ``[H, T]`` (int64); both return float32.
+    cos/sin are computed in float32 by the model's own rotary module, memoized
+    per position (the module is deterministic for the static RoPE types).
+    """
+
+    def __init__(self, rotary, layer_type: str | None):
+        import inspect
+
+        self.rotary, self.layer_type = rotary, layer_type
+        self._takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self._cos: torch.Tensor | None = None  # [P, rot_dim] float32 for positions 0 .. P-1
+        self._sin: torch.Tensor | None = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[*positions.shape, rot_dim]`` (float32, on ``positions``' device)."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if self._cos is None or self._cos.shape[0] < needed or self._cos.device != positions.device:
+            size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            ids = torch.arange(size, device=positions.device)[None]
+            probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+            args = (probe, ids, self.layer_type) if self._takes_layer_type else (probe, ids)
+            with torch.no_grad():
+                cos, sin = self.rotary(*args)
+            self._cos, self._sin = cos[0].float(), sin[0].float()
+        return self._cos[positions], self._sin[positions]
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(positions)
+        x = x.float()
+        r = cos.shape[-1]
+        turned = x[..., :r] * cos + self._rotate_half(x[..., :r]) * sin
+        return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], dim=-1)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos_sin(positions)
+        x = x.float()
+        r = cos.shape[-1]
+        back = (x[..., :r] * cos - self._rotate_half(x[..., :r]) * sin) / (cos * cos + sin * sin)
+        return back if r == x.shape[-1] else torch.cat([back, x[..., r:]], dim=-1)
+
+
+def rope_hook(model, layer_idx: int) -> RopeHook:
+    """The :class:`RopeHook` of attention layer ``layer_idx``; :class:`UnsupportedModelError` where kveval has none.
+
+    Llama-family models keep one ``rotary_emb`` on the decoder; Gemma 3 keeps one
+    per layer type (local and global RoPE bases), chosen by ``config.layer_types``.
+    """
+    config = model.config.get_text_config(decoder=True)
+    model_type = getattr(config, "model_type", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    rotary = getattr(decoder, "rotary_emb", None)
+    if model_type not in ROTATE_HALF_ROPE or rotary is None:
+        raise UnsupportedModelError(
+            f"{architecture_name(model.config)}: kveval has no RoPE hook for model_type {model_type!r} (known: "
+            f"{', '.join(sorted(ROTATE_HALF_ROPE))}), so keys cannot be quantized before RoPE; use pre_rope=false")
+    layer_types = getattr(config, "layer_types", None)
+    return RopeHook(rotary, layer_types[layer_idx] if layer_types else None)
+
+
+__all__ = ["ATTENTION", "HYBRID", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "ROTATE_HALF_ROPE", "RopeHook", "STATE",
            "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan", "cache_widths",
-           "causal_mask", "check_mla_modules", "check_supported", "eager_variant", "mla_dims"]
+           "causal_mask", "check_mla_modules", "check_supported", "eager_variant", "mla_dims", "rope_hook"]

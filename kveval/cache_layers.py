@@ -33,6 +33,14 @@ class RowState:
     compressed: bool = False
     scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
 
+    def seal(self) -> None:
+        """Seal the store; a store that encodes by position (``place_positions``: kvquant's pre-RoPE keys) is first
+        told every held token's original position, which only the cache knows (sliding trims, shared prefills)."""
+        place = getattr(self.store, "place_positions", None)
+        if place is not None:
+            place(self.positions)
+        self.store.seal()
+
 
 def score_key(selection) -> tuple | None:
     """Which attention mass ``selection`` scores with: ``(kind, window)``, or ``None`` when it needs none.
@@ -99,7 +107,7 @@ class CompressedLayer(CacheLayerMixin):
                 row.positions = torch.cat([row.positions, new_positions], dim=1)
                 row.tokens_seen += int(keep.sum())
                 if row.compressed:
-                    row.store.seal()
+                    row.seal()
         self.columns_seen += q_len
         if not bool(real.all()):
             self.contiguous = False
@@ -266,7 +274,7 @@ class CompressedLayer(CacheLayerMixin):
                 chosen = scores[:, :candidates].topk(keep, dim=1).indices.sort(dim=1).values
                 protected = torch.arange(candidates, n, device=chosen.device).expand(chosen.shape[0], -1)
                 self._select(row, torch.cat([chosen, protected], dim=1))
-        row.store.seal()
+        row.seal()
         row.compressed = True
 
     def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
@@ -276,7 +284,7 @@ class CompressedLayer(CacheLayerMixin):
         scores[:, n - protect_last:] = float("inf")
         index = scores.topk(budget, dim=1).indices.sort(dim=1).values
         self._select(row, index)
-        row.store.seal()
+        row.seal()
 
     def _select(self, row: RowState, index: torch.Tensor) -> None:
         row.store.select(index)

@@ -207,3 +207,22 @@ def concat_blocks(first: QuantizedBlock | None, second: QuantizedBlock) -> Quant
     return replace(first, data=torch.cat([first.data, second.data], dim=1), scale=torch.cat([first.scale, second.scale], dim=1),
                    zero=None if first.zero is None else torch.cat([first.zero, second.zero], dim=1),
                    shape=(first.shape[0], first.shape[1] + second.shape[1], first.shape[2]))
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``bits``-bit codes (``uint8``, any ``bits`` in 1..8) along the last dim: ``[..., n]`` -> ``[..., ceil(n*bits/8)]``.
+
+    A bit stream, least significant bit first, so widths that do not divide 8
+    (3 bits) waste at most the last byte's spare bits per vector.
+    """
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
+    stream = ((codes.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], -1)
+    stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).reshape(*codes.shape[:-1], -1, 8)
+    return (stream << torch.arange(8, device=codes.device, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``[..., bytes]`` -> ``[..., n]`` ``uint8`` codes."""
+    stream = ((packed.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1)
+    stream = stream.reshape(*packed.shape[:-1], -1)[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
+    return (stream << torch.arange(bits, device=packed.device, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)

@@ -1,0 +1,173 @@
+"""Outlier-aware K/V quantization after KVQuant (``kvquant``).
+
+Hooper et al. 2024, "KVQuant: Towards 10 Million Context Length LLM Inference
+with KV Cache Quantization": keys quantized per channel before RoPE, values per
+token, a calibrated non-uniform codebook per layer, dense-and-sparse outliers
+and the attention-sink token in full precision. The store and the calibration
+live in :mod:`kveval.kvquant`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+from kveval.errors import PolicySpecError
+from kveval.policies.base import RepresentationPolicy, register_policy
+
+KVQUANT_BITS = (2, 3, 4, 8)
+
+
+@register_policy
+@dataclass
+class KVQuantPolicy(RepresentationPolicy):
+    """KVQuant (Hooper et al. 2024): pre-RoPE per-channel keys, per-token values, nuq codebooks, sparse outliers.
+
+    Attributes
+    ----------
+    bits : int
+        Code width for K and V: 2, 3 or 4 (the paper's nuq2/3/4), or 8.
+    outliers : float
+        Fraction of each K/V vector kept exactly as sparse outliers (value in
+        ``kv_dtype`` plus its channel index), ``0 <= outliers <= 1``; the paper
+        uses 0.01. Per vector, ``ceil(outliers * head_dim)`` entries.
+    pre_rope : bool
+        Quantize keys before RoPE (un-rotated at their position, rotated back
+        when read). Needs the architecture's RoPE hook
+        (:func:`kveval.architectures.rope_hook`); ``false`` quantizes post-RoPE keys.
+    nuq : bool
+        Non-uniform per-layer codebook learned by k-means on the calibration
+        text; ``false``: uniform levels.
+    sink : int
+        Tokens at original positions ``0 .. sink-1`` kept in ``kv_dtype`` (attention sink).
+    residual : int
+        Most recent tokens kept in ``kv_dtype`` (0 in the paper).
+    calibration : str, optional
+        Path to a UTF-8 calibration text; default the shipped ``kveval/data/calibration.txt``.
+    calib_tokens : int, optional
+        Tokens of the calibration text used (default 2048, at most the model's positions).
+
+    Notes
+    -----
+    The cache's ``nbytes`` counts per-token tensors: packed codes, outlier
+    values and indices, the values' float16 ranges, sink and residual tokens.
+    Codebooks and per-channel key ranges are per model: :meth:`codebook_bytes`.
+    """
+
+    name = "kvquant"
+    family = "quantization"
+    description = "KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq codebook, sparse outliers, sink"
+    bits: int = 4
+    outliers: float = 0.01
+    pre_rope: bool = True
+    nuq: bool = True
+    sink: int = 1
+    residual: int = 0
+    calibration: str | None = None
+    calib_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.bits not in KVQUANT_BITS:
+            raise PolicySpecError(f"{self.name}: bits={self.bits!r} is not supported; use 2, 3, 4 or 8")
+        if isinstance(self.outliers, bool) or not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= 1:
+            raise PolicySpecError(f"{self.name}: outliers={self.outliers!r} must be the fraction of each vector kept "
+                                  f"exactly, 0 <= outliers <= 1 (the paper uses 0.01)")
+        self.outliers = float(self.outliers)
+        for key in ("sink", "residual"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PolicySpecError(f"{self.name}: {key}={value!r} must be a number of tokens >= 0")
+        if self.calib_tokens is not None and (isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int)
+                                              or self.calib_tokens < 2):
+            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
+        if self.calibration is not None:
+            from pathlib import Path
+
+            path = Path(str(self.calibration)).expanduser()
+            if not path.is_file() or path.stat().st_size == 0:
+                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} is missing or empty")
+        self._models: dict[int, tuple[weakref.ref, object, dict]] = {}
+
+    # --- what the stack and the cache ask of a quantizer ---------------------------------------
+    def check_head_dim(self, head_dim: int) -> None:
+        """Any head_dim works: codes are packed per vector."""
+
+    def fit_widths(self, widths: dict[str, int], label: str) -> None:
+        """Refuse stacking under a structure policy: the codebooks and key ranges are calibrated on K/V heads."""
+        raise PolicySpecError(f"{self.spec()}: quantizes K/V heads with codebooks calibrated on them, not a structure's "
+                              f"{label} coefficients; use quant(...) or kivi(...) under a structure policy")
+
+    def bytes_per_token(self, head_dim: int, kv_itemsize: int) -> float:
+        """Bytes one encoded token holds per KV head and layer, K and V together (sink/residual tokens aside)."""
+        from kveval.kvquant import index_dtype, outlier_count
+
+        sparse = outlier_count(head_dim, self.outliers) * (kv_itemsize + index_dtype(head_dim).itemsize)
+        return 2 * (math.ceil(head_dim * self.bits / 8) + sparse) + 2 * 2  # + the values' float16 lo and hi
+
+    # --- calibration ----------------------------------------------------------------------------
+    @property
+    def settings(self):
+        from kveval.kvquant import KVQuantSettings
+
+        return KVQuantSettings(self.bits, self.outliers, self.pre_rope, self.nuq)
+
+    @property
+    def tokens(self) -> int:
+        from kveval.lowrank import DEFAULT_CALIB_TOKENS
+
+        return self.calib_tokens or DEFAULT_CALIB_TOKENS
+
+    def calibration_text(self):
+        from kveval.lowrank import read_calibration_text
+
+        return read_calibration_text(self.calibration)
+
+    def calibration_for(self, model):
+        """The model's :class:`kveval.kvquant.KVQuantCalibration` (memory, then disk, else computed once)."""
+        entry = self._models.get(id(model))
+        if entry is not None and entry[0]() is model:
+            return entry[1]
+        from kveval.lowrank import load_or_calibrate
+
+        if self.pre_rope:
+            from kveval.architectures import rope_hook
+
+            rope_hook(model, 0)  # refuse a model without a RoPE hook before the calibration pass
+        calibration = load_or_calibrate(model, self.calibration_text(), self.tokens, self.settings)
+        self._models[id(model)] = (weakref.ref(model), calibration, {})
+        return calibration
+
+    def prepare(self, model) -> None:
+        """Calibrate ahead of the first forward pass (refuses ``pre_rope=true`` on a model without a RoPE hook)."""
+        self.calibration_for(model)
+
+    def run_info(self, model) -> dict:
+        calibration = self.calibration_for(model)
+        return {"calibration_id": self.calibration_text().calibration_id(self.tokens),
+                "calibration_tokens_used": calibration.tokens, "model_key": calibration.model_key[:16],
+                "cache_file": str(calibration.path), "codebook_bytes": calibration.nbytes()}
+
+    def codebook_bytes(self, model) -> int:
+        """Per-model bytes (float32) of every layer's K and V codebooks and per-channel key ranges; not per token."""
+        return self.calibration_for(model).nbytes()
+
+    # --- the store ------------------------------------------------------------------------------
+    def codec(self, model, layer_idx: int):
+        """Layer ``layer_idx``'s :class:`kveval.kvquant.KVQuantCodec` (memoized per model: stores share it)."""
+        calibration = self.calibration_for(model)
+        codecs = self._models[id(model)][2]
+        if layer_idx not in codecs:
+            rope = None
+            if self.pre_rope:
+                from kveval.architectures import rope_hook
+
+                rope = rope_hook(model, layer_idx)
+            codecs[layer_idx] = calibration.codec(layer_idx, rope)
+        return codecs[layer_idx]
+
+    def make_store(self, inner, model, layer_idx: int):
+        """A :class:`kveval.kvquant.KVQuantStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
+        from kveval.kvquant import KVQuantStore
+
+        return KVQuantStore(self.codec(model, layer_idx), self.sink, self.residual, inner.kv_dtype, inner.compute_dtype)

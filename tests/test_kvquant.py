@@ -1,0 +1,225 @@
+"""kvquant (KVQuant, Hooper et al. 2024) on tiny random models, and one short check on both embedded models."""
+
+import pytest
+import torch
+from tiny_models import tiny_gemma3, tiny_llama, tiny_model
+
+import kveval.lowrank as lowrank
+from kveval.architectures import ROTATE_HALF_ROPE, rope_hook
+from kveval.cache import CompressedCache
+from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.kvquant import KVQuantCodec, KVQuantStore
+from kveval.policies import parse_policy
+
+EXACT = "float32"  # kv_dtype of the arithmetic tests: outliers and sinks not rounded to bf16
+
+
+@pytest.fixture(autouse=True)
+def calibration_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
+    lowrank.clear_memory_cache()
+    yield
+    lowrank.clear_memory_cache()
+
+
+def _ids(n, seed):
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, spec, context, steps, kv_dtype=EXACT):
+    """Prefill ``context``, then one token at a time; the logits of every forward and the cache."""
+    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
+    n = context.shape[1]
+    with torch.no_grad():
+        out = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits]
+        for i in range(steps.shape[1]):
+            out.append(model(steps[:, i:i + 1], cache=cache, position_ids=torch.tensor([[n + i]])).logits)
+    return torch.cat([o[0, -1:] for o in out]), cache
+
+
+def _codec(heads=2, dim=16, bits=4, k=2):
+    levels = torch.linspace(-1, 1, 2**bits)
+    return KVQuantCodec(bits, torch.zeros(heads, dim), torch.full((heads, dim), 2.0), levels, levels.clone(), k)
+
+
+# --- bytes ---------------------------------------------------------------------------------------
+def test_bytes_are_codes_outliers_ranges_sinks_and_residual():
+    # 2 heads, head_dim 16, 4 bits, 2 outliers a vector, float32: per encoded token and head
+    # K: 8 code bytes + 2 x (4 + 1) outlier bytes = 18; V: the same + float16 lo and hi = 22; 40 together.
+    store = KVQuantStore(_codec(), sink=1, residual=2, kv_dtype=torch.float32)
+    store.append(torch.randn(2, 10, 16), torch.randn(2, 10, 16))
+    store.seal()
+    sink, residual, body = 1 * 2 * (2 * 16 * 4), 2 * 2 * (2 * 16 * 4), 7 * 2 * 40
+    assert store.nbytes == sink + residual + body == 1328
+    assert parse_policy("kvquant(bits=4,outliers=0.125)").quantization.bytes_per_token(16, 4) == 40
+    assert parse_policy("kvquant(bits=3,outliers=0.125)").quantization.bytes_per_token(16, 4) == 2 * (6 + 10) + 4
+
+
+def test_cache_bytes_on_a_model_follow_the_arithmetic():
+    model = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16
+    _, cache = _logits(model, "kvquant(bits=3)", _ids(40, 0), _ids(6, 1))  # outliers=0.01: 1 a vector
+    per_token = 2 * (6 + 1 * (4 + 1)) + 4
+    assert cache.stats().kv_bytes == 2 * 2 * (1 * 2 * 16 * 4 + 45 * per_token)
+    policy = cache.policy.quantization
+    assert policy.codebook_bytes(model) == 2 * 4 * (2 * 8 + 2 * 2 * 16)  # per layer: 2 codebooks of 8, K ranges
+
+
+# --- full precision and error -----------------------------------------------------------------
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_every_entry_an_outlier_equals_none_bit_for_bit(make):
+    model = make()
+    context, steps = _ids(40, 0), _ids(6, 1)
+    base, _ = _logits(model, "none", context, steps)
+    post, _ = _logits(model, "kvquant(outliers=1.0,pre_rope=false,sink=0)", context, steps)
+    assert torch.equal(post, base)
+    pre, _ = _logits(model, "kvquant(outliers=1.0,sink=0)", context, steps)  # un-rotated, rotated back: fp32 rounding only
+    assert (pre - base).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_error_falls_as_bits_rise(make):
+    model = make()
+    context, steps = _ids(48, 2), _ids(6, 3)
+    base, _ = _logits(model, "none", context, steps)
+    errors = [(_logits(model, f"kvquant(bits={b})", context, steps)[0] - base).abs().mean().item() for b in (2, 3, 4, 8)]
+    assert errors[0] > errors[1] > errors[2] > errors[3] > 0
+
+
+def test_reconstruction_error_falls_as_bits_rise_and_outliers_are_exact():
+    x = torch.randn(2, 64, 16) * 0.5
+    x[0, 5, 3] = 40.0  # an outlier: kept exactly, and it does not widen its token's value range
+    errors = []
+    for bits in (2, 3, 4):
+        store = KVQuantStore(_codec(bits=bits, k=1), sink=0, residual=0, kv_dtype=torch.float32)
+        store.append(x, x)
+        store.seal()
+        keys, values = store.keys_values()
+        assert keys[0, 5, 3] == values[0, 5, 3] == 40.0
+        errors.append((values - x).pow(2).mean().item())
+    assert errors[0] > errors[1] > errors[2]
+
+
+# --- pre-RoPE -----------------------------------------------------------------------------------
+def test_rope_round_trip_is_exact_in_float32():
+    hook = rope_hook(tiny_llama(), 0)
+    x = torch.randn(2, 300, 16)
+    positions = torch.stack([torch.arange(300), torch.arange(1000, 1300)])
+    assert (hook.unrotate(hook.rotate(x, positions), positions) - x).abs().max().item() < 1e-6
+    assert (hook.rotate(hook.unrotate(x, positions), positions) - x).abs().max().item() < 1e-6
+
+
+def _layer0_keys(model, token=7, n=24):
+    seen = {}
+    layer = CompressedCache(model, "none", kv_dtype=EXACT)
+    with torch.no_grad():
+        model(torch.full((1, n), token), cache=layer, position_ids=torch.arange(n)[None])
+    seen["keys"] = layer.layers[0].rows[0].store.keys_values()[0]
+    return seen["keys"]
+
+
+@pytest.mark.parametrize("name", sorted({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2", "gemma3"}))
+def test_unrotated_keys_are_the_models_pre_rope_keys(name):
+    # Layer 0 sees one repeated token as the same embedding at every position: its pre-RoPE key is one vector,
+    # so un-rotating the cached (post-RoPE) keys at their positions must give that vector everywhere.
+    model = tiny_model(name)
+    keys = _layer0_keys(model)
+    positions = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
+    pre = rope_hook(model, 0).unrotate(keys, positions)
+    assert (pre - pre[:, :1]).abs().max().item() < 1e-5
+    assert (keys - keys[:, :1]).abs().max().item() > 1e-2  # the cached keys themselves do rotate
+
+
+def test_gemma3_rope_follows_the_layer_type():
+    model = tiny_gemma3()  # layer 0 sliding (local base), layer 3 full (global base)
+    keys = _layer0_keys(model)
+    positions = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
+    wrong = rope_hook(model, 3)  # the global base is not what layer 0 used
+    assert (wrong.unrotate(keys, positions) - wrong.unrotate(keys, positions)[:, :1]).abs().max().item() > 1e-3
+    assert model.config.layer_types[0] != model.config.layer_types[3]
+
+
+def test_pre_rope_is_refused_where_no_hook_exists():
+    model = tiny_model("gpt_oss")
+    assert model.config.model_type not in ROTATE_HALF_ROPE
+    with pytest.raises(UnsupportedModelError, match="use pre_rope=false") as info:
+        _logits(model, "kvquant(bits=4)", _ids(20, 0), _ids(2, 1))
+    assert "\n" not in str(info.value)
+    logits, cache = _logits(model, "kvquant(bits=4,pre_rope=false)", _ids(20, 0), _ids(2, 1))
+    assert torch.isfinite(logits).all() and cache.stats().kv_bytes > 0
+
+
+# --- eviction, batches, shared prefill -----------------------------------------------------------
+def test_eviction_keeps_kept_tokens_exactly_as_encoded():
+    store = KVQuantStore(_codec(), sink=2, residual=3, kv_dtype=torch.float32)
+    store.append(torch.randn(2, 12, 16), torch.randn(2, 12, 16))
+    store.seal()
+    keys, values = store.keys_values()
+    before = store.nbytes
+    index = torch.tensor([[0, 3, 4, 8, 10, 11], [1, 2, 5, 6, 7, 9]])  # head 0 keeps a sink, head 1 both
+    store.select(index)
+    kept_keys, kept_values = store.keys_values()
+    assert torch.equal(kept_keys, keys.gather(1, index[..., None].expand(-1, -1, 16)))
+    assert torch.equal(kept_values, values.gather(1, index[..., None].expand(-1, -1, 16)))
+    assert store.length == 6 and store.nbytes < before
+
+
+def test_batches_give_the_tokens_and_bytes_of_batch_size_one():
+    from test_cache import Tok
+
+    from kveval.generation import Prompt, generate
+
+    model = tiny_llama()
+    prompts = [Prompt(_ids(n, 20 + n)[0].tolist(), _ids(3, 40 + n)[0].tolist()) for n in (12, 20, 7)]
+    for spec in ("kvquant(bits=4)", "snapkv(ratio=0.5)+kvquant(bits=2,residual=2)"):
+        one = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)
+        three = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
+        assert [r.token_ids for r in one] == [r.token_ids for r in three]
+        assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
+
+
+def test_stacked_with_snapkv_holds_fewer_bytes_and_a_shared_prefill_equals_its_own():
+    from test_cache import Tok
+
+    from kveval.generation import Prompt, generate, generate_many
+
+    model = tiny_gemma3()  # sliding window 16 < context: the derived store must get the tokens' real positions
+    prompts = [Prompt(_ids(40, 5)[0].tolist(), _ids(3, 6)[0].tolist())]
+    specs = ["kvquant(bits=4)", "snapkv(ratio=0.5)+kvquant(bits=4)"]
+    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=4, kv_dtype=EXACT)
+    for spec in specs:
+        own = generate(model, Tok(), prompts, spec, max_new_tokens=4, kv_dtype=EXACT)
+        assert [r.token_ids for r in own] == [r.token_ids for r in shared[spec]]
+        assert [r.stats.kv_bytes for r in own] == [r.stats.kv_bytes for r in shared[spec]]
+    assert shared[specs[1]][0].stats.kv_bytes < shared[specs[0]][0].stats.kv_bytes
+
+
+# --- parameters ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    ("kvquant(bits=5)", "use 2, 3, 4 or 8"),
+    ("kvquant(outliers=1.5)", "0 <= outliers <= 1"),
+    ("kvquant(outliers=x)", "is not a number"),
+    ("kvquant(sink=-1)", ">= 0"),
+    ("kvquant(residual=2.5)", "is not an integer"),
+    ("kvquant(calibration=/no/such/file.txt)", "missing or empty"),
+    ("lowrank(rank=8)+kvquant", "not a structure's rank coefficients"),
+])
+def test_bad_parameters_are_one_policy_spec_error(spec, message):
+    with pytest.raises(PolicySpecError, match=message) as info:
+        parse_policy(spec)
+    assert "\n" not in str(info.value)
+
+
+# --- embedded models ----------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_embedded_models_generate_with_a_quarter_of_the_bytes(name, monkeypatch):
+    monkeypatch.delenv("KVEVAL_CACHE")  # the real cache: dequantized weights (and this calibration) live there
+    from kveval.generation import encode_prompt, generate
+    from kveval.models import load_model
+
+    model, tokenizer = load_model(name)
+    prompt = encode_prompt(tokenizer, "The pass key is 71432. Remember it. 71432 is the pass key. " * 8 + "What is the pass key?")
+    none, = generate(model, tokenizer, [prompt], "none", max_new_tokens=6)
+    ours, = generate(model, tokenizer, [prompt], "kvquant(bits=4)", max_new_tokens=6)
+    assert ours.token_ids and ours.stats.kv_bytes < none.stats.kv_bytes / 3
+    assert parse_policy("kvquant(bits=4)").quantization.codebook_bytes(model) > 0
