@@ -56,6 +56,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -179,6 +180,7 @@ class Calibration:
     model_key: str
     path: Path | None = None
     _bases: dict = field(default_factory=dict, repr=False)
+    KIND: ClassVar[str] = ""  # part of the cache file's key (see :func:`calibration_path`)
 
     @property
     def num_layers(self) -> int:
@@ -223,63 +225,95 @@ class Calibration:
 
     def save(self, path: Path) -> None:
         """Write atomically (temporary file, then rename)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"version": CALIBRATION_VERSION, "tokens": self.tokens, "text_sha256": self.text_sha256,
-                   "model_key": self.model_key,
-                   "spectra": {kind: [[e, v] for e, v in layers] for kind, layers in self.spectra.items()}}
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        os.close(fd)
-        try:
-            torch.save(payload, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        save_atomic({"version": CALIBRATION_VERSION, "tokens": self.tokens, "text_sha256": self.text_sha256,
+                     "model_key": self.model_key,
+                     "spectra": {kind: [[e, v] for e, v in layers] for kind, layers in self.spectra.items()}}, path)
 
     @classmethod
     def load(cls, path: Path) -> "Calibration | None":
         """The calibration stored at ``path``, or ``None`` if it is missing, unreadable or of another version."""
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError):
-            return None
-        if not isinstance(payload, dict) or payload.get("version") != CALIBRATION_VERSION:
+        payload = load_versioned(path, CALIBRATION_VERSION)
+        if payload is None:
             return None
         spectra = {kind: [(e, v) for e, v in layers] for kind, layers in payload["spectra"].items()}
         return cls(spectra, payload["tokens"], payload["text_sha256"], payload["model_key"], path)
 
+    @classmethod
+    def calibrate(cls, model, text: CalibrationText, tokens: int, model_key: str = "") -> "Calibration":
+        return calibrate(model, text, tokens, model_key)
 
-def calibration_path(model, text: CalibrationText, tokens: int) -> tuple[Path, str]:
-    """Where the calibration of ``model`` on ``text`` lives, and the model key used."""
+
+def save_atomic(payload: dict, path: Path) -> None:
+    """``torch.save`` to a temporary file next to ``path``, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_versioned(path: Path, version: int) -> dict | None:
+    """The dict saved at ``path`` when it is readable and of ``version``, else ``None``."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError):
+        return None
+    if not isinstance(payload, dict) or payload.get("version") != version:
+        return None
+    return payload
+
+
+def calibration_path(model, text: CalibrationText, tokens: int, kind: str = "") -> tuple[Path, str]:
+    """Where the calibration of ``model`` on ``text`` lives, and the model key used.
+
+    ``kind`` names another statistic of the same pass (``""``: the per-head PCA
+    of this module; :mod:`kveval.latent` keeps cross-head second moments).
+    """
     from kveval.models import cache_dir
 
     model_key = model_fingerprint(model)
-    key = hashlib.sha256(f"{CALIBRATION_VERSION}:{model_key}:{text.sha256}:{tokens}".encode()).hexdigest()[:20]
-    return cache_dir() / "calibration" / f"{model_name(model)}-{key}.pt", model_key
+    kind_key = f":{kind}" if kind else ""
+    key = hashlib.sha256(f"{CALIBRATION_VERSION}:{model_key}:{text.sha256}:{tokens}{kind_key}".encode()).hexdigest()[:20]
+    suffix = f"-{kind}" if kind else ""
+    return cache_dir() / "calibration" / f"{model_name(model)}{suffix}-{key}.pt", model_key
 
 
-def calibrate(model, text: CalibrationText, tokens: int, model_key: str = "") -> Calibration:
-    """Run the calibration pass: one forward over at most ``tokens`` tokens of ``text``, PCA per layer and head."""
+def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """The calibration pass: post-RoPE K/V ``[H, T, D]`` (float32) of every layer, and ``T``, the tokens used."""
     ids = tokenize_for(model, text.text)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     ids = ids[: min(tokens, limit or tokens)]
     if len(ids) < 2:
         raise ValueError(f"lowrank: calibration text {text.path} gives {len(ids)} token(s); it needs at least 2")
-    kv = _collect_kv(model, torch.tensor([ids], dtype=torch.long, device=model.device))
+    return _collect_kv(model, torch.tensor([ids], dtype=torch.long, device=model.device)), len(ids)
+
+
+def calibrate(model, text: CalibrationText, tokens: int, model_key: str = "") -> Calibration:
+    """Run the calibration pass: one forward over at most ``tokens`` tokens of ``text``, PCA per layer and head."""
+    kv, used = calibration_kv(model, text, tokens)
     spectra = {"k": [uncentered_pca(k) for k, _ in kv], "v": [uncentered_pca(v) for _, v in kv]}
-    return Calibration(spectra, len(ids), text.sha256, model_key)
+    return Calibration(spectra, used, text.sha256, model_key)
 
 
-def load_or_calibrate(model, text: CalibrationText, tokens: int) -> Calibration:
-    """The cached calibration for ``model`` and ``text`` (memory, then disk), else calibrate and store it."""
-    path, model_key = calibration_path(model, text, tokens)
+def load_or_calibrate(model, text: CalibrationText, tokens: int, kind: type = Calibration):
+    """The cached calibration for ``model`` and ``text`` (memory, then disk), else calibrate and store it.
+
+    ``kind`` is the calibration class: :class:`Calibration` (per-head PCA) or
+    another with the same ``KIND``/``load``/``calibrate``/``save`` protocol
+    (:class:`kveval.latent.CrossHeadCalibration`).
+    """
+    path, model_key = calibration_path(model, text, tokens, kind.KIND)
     cached = _MEMORY.get(str(path))
     if cached is None:
-        cached = Calibration.load(path) if path.is_file() else None
+        cached = kind.load(path) if path.is_file() else None
         if cached is not None and (cached.text_sha256 != text.sha256 or cached.model_key != model_key):
             cached = None
         if cached is None:
-            cached = calibrate(model, text, tokens, model_key)
+            cached = kind.calibrate(model, text, tokens, model_key)
             cached.save(path)
             cached.path = path
         _MEMORY[str(path)] = cached
@@ -302,28 +336,94 @@ class _Part:
     value_basis: torch.Tensor  # [h, D, r_v], float32
 
 
-class LowRankStore(TokenStore):
+class CoefficientStore(TokenStore):
+    """Tokens kept as coefficients in inner stores, encoded when the cache seals them.
+
+    The mechanics shared by :class:`LowRankStore` (per-head bases) and
+    :class:`kveval.latent.LatentStore` (one basis per group of heads):
+    ``append(keys, values)`` holds the ``[H, T, D]`` tensors as they come
+    (post-RoPE keys: the cache receives keys after RoPE) in a dense store in
+    the inner stores' ``kv_dtype``; ``seal()`` encodes them (:meth:`encode`)
+    and appends the coefficients to the inner stores (``DenseStore``, which holds
+    them in its ``kv_dtype``, or a ``QuantizedStore`` that then quantizes them);
+    ``keys_values()`` decodes them (:meth:`decode`), followed by any tokens not
+    sealed yet. ``nbytes`` is the inner stores' bytes (plus unsealed tokens):
+    the per-token coefficients only, never the per-model bases.
+    """
+
+    def __init__(self, inners: list):
+        self.inners = inners
+        self.kv_dtype = getattr(inners[0], "kv_dtype", None)
+        self.unsealed = DenseStore(self.kv_dtype)  # [H, T, D] tokens appended but not encoded yet
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[H, T, D]`` keys and values -> K and V coefficients for each inner store, in the inputs' dtype."""
+        raise NotImplementedError
+
+    def decode(self, coefficients: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coefficients of each inner store -> ``[H, T, D]`` keys and values, in the coefficients' dtype."""
+        raise NotImplementedError
+
+    def inner_index(self, i: int, index: torch.Tensor) -> torch.Tensor:
+        """The rows of a per-head ``select`` index (``[H, T']``) that inner store ``i`` keeps."""
+        raise NotImplementedError
+
+    @property
+    def length(self) -> int:
+        return self.inners[0].length + self.unsealed.length
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.unsealed.append(keys, values)
+
+    def seal(self) -> None:
+        if self.unsealed.length:
+            for inner, (ck, cv) in zip(self.inners, self.encode(*self.unsealed.keys_values())):
+                inner.append(ck, cv)
+            self.unsealed = DenseStore(self.kv_dtype)
+        for inner in self.inners:
+            inner.seal()
+
+    def coefficients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The stored (dequantized) coefficients of each inner store (sealed tokens only)."""
+        return [inner.keys_values() for inner in self.inners]
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.inners[0].length:
+            return self.unsealed.keys_values()
+        keys, values = self.decode(self.coefficients())
+        if self.unsealed.length:
+            pending_keys, pending_values = self.unsealed.keys_values()
+            keys = torch.cat([keys, pending_keys], dim=1)
+            values = torch.cat([values, pending_values], dim=1)
+        return keys, values
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.unsealed.length and self.inners[0].length:
+            self.seal()  # mixed sealed and unsealed tokens (the cache never selects then): encode first
+        if self.unsealed.length:
+            self.unsealed.select(index)
+        else:
+            for i, inner in enumerate(self.inners):
+                inner.select(self.inner_index(i, index))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(inner.nbytes for inner in self.inners) + self.unsealed.nbytes
+
+
+class LowRankStore(CoefficientStore):
     """Keeps each token's K and V as coefficients on per-head bases, in an inner store.
 
-    Like the other stores, tokens arrive in full precision and are encoded at
-    ``seal()`` (the cache seals after the prefill's attention and after every
-    later append): ``append(keys, values)`` holds the ``[H, T, D]`` tensors
-    (post-RoPE keys: the cache receives keys after RoPE), and ``seal()`` projects
-    them onto the bases, ``c = x B``, appending the ``[H, T, r]`` coefficients to
-    the inner store (a ``DenseStore``, which holds them in its ``kv_dtype``, or a
-    ``QuantizedStore`` that then quantizes them). Unsealed tokens are held in the
-    inner store's ``kv_dtype`` too. ``keys_values()`` reconstructs
-    ``c B^T`` (followed by any tokens not sealed yet). Heads whose ranks differ
-    (``energy=``) are kept in separate inner stores. ``nbytes`` is the inner
-    stores' bytes (plus unsealed full-precision tokens): the per-token
-    coefficients only; the bases are per model (see
+    A :class:`CoefficientStore` whose code is ``c = x B`` per KV head
+    (``[H, T, r]`` coefficients) and whose reconstruction is ``c B^T``. Heads
+    whose ranks differ (``energy=``) are kept in separate inner stores (parts).
+    The bases are per model (see
     :meth:`kveval.policies.lowrank.LowRankPolicy.basis_bytes`).
     """
 
     def __init__(self, parts: list[_Part]):
+        super().__init__([part.inner for part in parts])
         self.parts = parts
-        self.kv_dtype = getattr(parts[0].inner, "kv_dtype", None)
-        self.unsealed = DenseStore(self.kv_dtype)  # [H, T, D] tokens appended but not projected yet
 
     @classmethod
     def build(cls, inner, layout: list[tuple[slice, torch.Tensor, torch.Tensor]]) -> "LowRankStore":
@@ -334,17 +434,10 @@ class LowRankStore(TokenStore):
         return cls([_Part(heads, inner if i == 0 else copy.deepcopy(inner), kb, vb)
                     for i, (heads, kb, vb) in enumerate(layout)])
 
-    @property
-    def length(self) -> int:
-        return self.parts[0].inner.length + self.unsealed.length
-
     @staticmethod
     def _basis_on(part: _Part, device) -> None:
         if part.key_basis.device != device:
             part.key_basis, part.value_basis = part.key_basis.to(device), part.value_basis.to(device)
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.unsealed.append(keys, values)
 
     def project(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Coefficients ``x B`` of each part, ``[h, T, r]``, in the inputs' dtype."""
@@ -355,45 +448,19 @@ class LowRankStore(TokenStore):
                         torch.matmul(values[part.heads].float(), part.value_basis).to(values.dtype)))
         return out
 
-    def seal(self) -> None:
-        if self.unsealed.length:
-            for part, (ck, cv) in zip(self.parts, self.project(*self.unsealed.keys_values())):
-                part.inner.append(ck, cv)
-            self.unsealed = DenseStore(self.kv_dtype)
-        for part in self.parts:
-            part.inner.seal()
+    encode = project
 
-    def coefficients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The stored (dequantized) coefficients of each part, ``[h, T, r]`` (sealed tokens only)."""
-        return [part.inner.keys_values() for part in self.parts]
-
-    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.parts[0].inner.length:
-            return self.unsealed.keys_values()
+    def decode(self, coefficients: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = [], []
-        for part, (ck, cv) in zip(self.parts, self.coefficients()):
+        for part, (ck, cv) in zip(self.parts, coefficients):
             keys.append(torch.matmul(ck.float(), part.key_basis.transpose(-1, -2)).to(ck.dtype))
             values.append(torch.matmul(cv.float(), part.value_basis.transpose(-1, -2)).to(cv.dtype))
         keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=0)
         values = values[0] if len(values) == 1 else torch.cat(values, dim=0)
-        if self.unsealed.length:
-            pending_keys, pending_values = self.unsealed.keys_values()
-            keys = torch.cat([keys, pending_keys], dim=1)
-            values = torch.cat([values, pending_values], dim=1)
         return keys, values
 
-    def select(self, index: torch.Tensor) -> None:
-        if self.unsealed.length and self.parts[0].inner.length:
-            self.seal()  # mixed sealed and unsealed tokens (the cache never selects then): encode first
-        if self.unsealed.length:
-            self.unsealed.select(index)
-        else:
-            for part in self.parts:
-                part.inner.select(index[part.heads])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(part.inner.nbytes for part in self.parts) + self.unsealed.nbytes
+    def inner_index(self, i: int, index: torch.Tensor) -> torch.Tensor:
+        return index[self.parts[i].heads]
 
     def __deepcopy__(self, memo) -> "LowRankStore":
         # Bases are per model and read-only: copies share them; coefficients and pending tokens are copied.
@@ -419,5 +486,6 @@ def round_up(rank: int, multiple: int | None, limit: int) -> int:
     return min(limit, math.ceil(rank / multiple) * multiple)
 
 
-__all__ = ["Calibration", "CalibrationText", "LowRankStore", "calibrate", "clear_memory_cache", "load_or_calibrate",
-           "model_fingerprint", "read_calibration_text", "uncentered_pca"]
+__all__ = ["Calibration", "CalibrationText", "CoefficientStore", "LowRankStore", "calibrate", "calibration_kv",
+           "clear_memory_cache", "load_or_calibrate", "load_versioned", "model_fingerprint", "read_calibration_text",
+           "save_atomic", "uncentered_pca"]

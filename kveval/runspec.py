@@ -136,6 +136,8 @@ class RunSpec:
         structure = stack.structure
         if structure is not None and shape.mla_dim is None:
             widths = structure.stored_widths(head_dim)
+            if hasattr(structure, "check_shape"):  # widths per group of KV heads (latent): the policy checks them
+                widths = structure.check_shape(shape.kv_heads, head_dim)
             for kind, width in (widths or {}).items():
                 if width > head_dim:
                     raise PolicySpecError(f"{structure.spec()}: {kind} rank {width} exceeds head_dim={head_dim} of "

@@ -22,9 +22,88 @@ def _positive_int(name: str, key: str, value) -> None:
         raise PolicySpecError(f"{name}: {key}={value!r} must be a positive integer")
 
 
+class CalibratedPolicy(RepresentationPolicy):
+    """Calibration shared by the projection policies (``lowrank``, ``latent``): text, cache, run record.
+
+    A subclass declares the dataclass fields ``calibration`` (path or ``None``)
+    and ``calib_tokens`` (int or ``None``), calls :meth:`check_calibration_params`
+    from ``__post_init__``, and names its calibration class in
+    :meth:`calibration_kind` (see :func:`kveval.lowrank.load_or_calibrate`).
+    """
+
+    calibration: str | None
+    calib_tokens: int | None
+
+    def calibration_kind(self) -> type:
+        from kveval.lowrank import Calibration
+
+        return Calibration
+
+    def check_calibration_params(self) -> None:
+        """Validate ``calib_tokens`` and the calibration file (one PolicySpecError line)."""
+        if self.calib_tokens is not None and self.calib_tokens < 2:
+            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens} must be at least 2")
+        if self.calibration is not None:
+            from pathlib import Path
+
+            path = Path(str(self.calibration)).expanduser()
+            if not path.is_file():
+                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} not found")
+            if path.stat().st_size == 0:
+                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} is empty")
+        self._models: dict[int, tuple[weakref.ref, object]] = {}
+
+    @property
+    def tokens(self) -> int:
+        from kveval.lowrank import DEFAULT_CALIB_TOKENS
+
+        return self.calib_tokens or DEFAULT_CALIB_TOKENS
+
+    def calibration_text(self):
+        from kveval.lowrank import read_calibration_text
+
+        return read_calibration_text(self.calibration)
+
+    @property
+    def calibration_id(self) -> str:
+        """Which calibration this policy uses, for results: ``<text>:sha256=<16 hex>:tokens=<calib_tokens>``."""
+        return self.calibration_text().calibration_id(self.tokens)
+
+    def calibration_for(self, model):
+        """The model's calibration (:meth:`calibration_kind`; from memory or disk, else computed once)."""
+        entry = self._models.get(id(model))
+        if entry is not None and entry[0]() is model:
+            return entry[1]
+        from kveval.lowrank import load_or_calibrate
+
+        calibration = load_or_calibrate(model, self.calibration_text(), self.tokens, self.calibration_kind())
+        self._models[id(model)] = (weakref.ref(model), calibration)
+        return calibration
+
+    def prepare(self, model) -> None:
+        """Calibrate ahead of the first forward pass (optional: the first store calibrates otherwise)."""
+        self.calibration_for(model)
+
+    def run_info(self, model) -> dict:
+        """What to record with results: calibration id, tokens really used, model key and cache file."""
+        calibration = self.calibration_for(model)
+        return {"calibration_id": self.calibration_id, "calibration_tokens_used": calibration.tokens,
+                "model_key": calibration.model_key[:16], "cache_file": str(calibration.path)}
+
+
+def per_token_groups_of(quantization) -> dict[str, int | None]:
+    """Per-token group sizes of K and V of a quantization policy or a whole stack (``None``: not per-token)."""
+    if isinstance(quantization, PolicyStack):
+        quantization = quantization.quantization
+    if quantization is None:
+        return {"k": None, "v": None}
+    return {kind: (q.group if q.axis == "token" else None)
+            for kind, q in (("k", quantization.key_quant), ("v", quantization.value_quant))}
+
+
 @register_policy
 @dataclass
-class LowRankPolicy(RepresentationPolicy):
+class LowRankPolicy(CalibratedPolicy):
     """Project each KV head's keys (after RoPE) and values onto a calibrated low-rank basis.
 
     Attributes
@@ -76,56 +155,8 @@ class LowRankPolicy(RepresentationPolicy):
             if isinstance(self.energy, bool) or not isinstance(self.energy, (int, float)) or not 0 < self.energy <= 1:
                 raise PolicySpecError(f"{self.name}: energy={self.energy!r} must be a fraction of variance kept, 0 < energy <= 1")
             self.energy = float(self.energy)
-        if self.calib_tokens is not None and self.calib_tokens < 2:
-            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens} must be at least 2")
-        if self.calibration is not None:
-            from pathlib import Path
-
-            path = Path(str(self.calibration)).expanduser()
-            if not path.is_file():
-                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} not found")
-            if path.stat().st_size == 0:
-                raise PolicySpecError(f"{self.name}: calibration file {str(path)!r} is empty")
-        self._models: dict[int, tuple[weakref.ref, object]] = {}
+        self.check_calibration_params()
         self._groups: dict[str, int | None] = {"k": None, "v": None}
-
-    # --- calibration ----------------------------------------------------------------------------
-    @property
-    def tokens(self) -> int:
-        from kveval.lowrank import DEFAULT_CALIB_TOKENS
-
-        return self.calib_tokens or DEFAULT_CALIB_TOKENS
-
-    def calibration_text(self):
-        from kveval.lowrank import read_calibration_text
-
-        return read_calibration_text(self.calibration)
-
-    @property
-    def calibration_id(self) -> str:
-        """Which calibration this policy uses, for results: ``<text>:sha256=<16 hex>:tokens=<calib_tokens>``."""
-        return self.calibration_text().calibration_id(self.tokens)
-
-    def calibration_for(self, model):
-        """The model's :class:`kveval.lowrank.Calibration` (from memory or disk, else computed once)."""
-        entry = self._models.get(id(model))
-        if entry is not None and entry[0]() is model:
-            return entry[1]
-        from kveval.lowrank import load_or_calibrate
-
-        calibration = load_or_calibrate(model, self.calibration_text(), self.tokens)
-        self._models[id(model)] = (weakref.ref(model), calibration)
-        return calibration
-
-    def prepare(self, model) -> None:
-        """Calibrate ahead of the first forward pass (optional: the first store calibrates otherwise)."""
-        self.calibration_for(model)
-
-    def run_info(self, model) -> dict:
-        """What to record with results: calibration id, tokens really used, model key and cache file."""
-        calibration = self.calibration_for(model)
-        return {"calibration_id": self.calibration_id, "calibration_tokens_used": calibration.tokens,
-                "model_key": calibration.model_key[:16], "cache_file": str(calibration.path)}
 
     # --- ranks ----------------------------------------------------------------------------------
     def layer_ranks(self, model, layer_idx: int, groups: dict[str, int | None] | None = None) -> dict[str, list[int]]:
@@ -154,14 +185,7 @@ class LowRankPolicy(RepresentationPolicy):
 
     def _groups_for(self, quantization) -> dict[str, int | None]:
         """Per-token group sizes of K and V from a quantization policy or a whole stack (default: as last used)."""
-        if quantization is None:
-            return self._groups
-        if isinstance(quantization, PolicyStack):
-            quantization = quantization.quantization
-        if quantization is None:
-            return {"k": None, "v": None}
-        return {kind: (q.group if q.axis == "token" else None)
-                for kind, q in (("k", quantization.key_quant), ("v", quantization.value_quant))}
+        return self._groups if quantization is None else per_token_groups_of(quantization)
 
     def ranks(self, model, quantization=None) -> dict[str, list[list[int]]]:
         """K and V ranks per layer and head.

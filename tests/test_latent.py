@@ -1,0 +1,228 @@
+"""The cross-head latent structure policy (``latent``) on tiny random models."""
+
+import pytest
+import torch
+from tiny_models import Tok, tiny_gemma3, tiny_llama
+
+import kveval.lowrank as lowrank
+from kveval.cache import CompressedCache
+from kveval.generation import Prompt, generate, generate_many
+from kveval.latent import LatentStore
+from kveval.policies import parse_policy
+from kveval.runspec import RunSpec
+from kveval.storage import DenseStore
+
+FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at full rank: float32 rounding of x B B^T only
+EXACT = "float32"  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to bf16
+
+
+@pytest.fixture(autouse=True)
+def calibration_cache(tmp_path, monkeypatch):
+    """Every test calibrates into its own folder, with no calibration remembered from another test."""
+    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
+    lowrank.clear_memory_cache()
+    yield tmp_path / "cache"
+    lowrank.clear_memory_cache()
+
+
+def _ids(n, seed):
+    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _context_then_question(model, spec, context, question, kv_dtype=None):
+    """Prefill ``context`` (compressed after it), then the question against the cache: its logits and the cache."""
+    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
+    n, q = context.shape[1], question.shape[1]
+    with torch.no_grad():
+        model(context, cache=cache, position_ids=torch.arange(n)[None])
+        logits = model(question, cache=cache, position_ids=torch.arange(n, n + q)[None]).logits
+    return logits, cache
+
+
+def test_bytes_per_token_are_the_coefficient_arithmetic():
+    model = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16, bf16 deployment cache
+    layers, tokens = 2, 64
+    per_layer = {  # bytes per token and layer
+        "latent(rank=12)": (12 + 12) * 2,  # one group of 2 heads: 12 K + 12 V coefficients in bf16
+        "latent(rank=8,group=1)": 2 * (8 + 8) * 2,  # two groups of one head each
+        "latent(rank=6,rope_dims=4)": ((6 + 2 * 4) + 6) * 2,  # K: 6 coefficients + 4 RoPE dims of each of 2 heads
+        "latent(rank=8,rope_dims=4)+quant(bits=8,group=8)": (16 + 2 * 4) + (8 + 1 * 4),  # codes + fp16 scale/zero per group
+        "latent(rank=8)+quant(bits=4,group=8)": (4 + 1 * 4) + (4 + 1 * 4),  # two codes per byte
+    }
+    for spec, expected in per_layer.items():
+        cache = CompressedCache(model, spec)
+        with torch.no_grad():
+            model(_ids(tokens, 4), cache=cache)
+        stats = cache.stats()
+        assert stats.kv_bytes == layers * tokens * expected, spec
+        assert stats.bytes_per_token == layers * expected, spec
+    # The bases are per model and reported apart: float32, (K: 2*(16-4) + V: 2*16) x rank per layer.
+    assert parse_policy("latent(rank=6,rope_dims=4)").structure.basis_bytes(model) == layers * 4 * 6 * (2 * 12 + 2 * 16)
+
+
+@pytest.mark.parametrize("make, spec", [
+    (tiny_llama, "latent(rank=32)"),  # 2 heads x 16: the whole layer in one latent
+    (tiny_llama, "latent(rank=16,group=1)"),
+    (tiny_gemma3, "latent(rank=32)"),  # one KV head of 32, sliding layers included
+])
+def test_full_rank_reproduces_uncompressed_logits(make, spec):
+    model = make()
+    context, question = _ids(40, 0), _ids(8, 1)
+    base, _ = _context_then_question(model, "none", context, question, EXACT)
+    ours, cache = _context_then_question(model, spec, context, question, EXACT)
+    assert (ours - base).abs().max().item() < FULL_RANK_TOLERANCE
+    assert all(isinstance(row.store, LatentStore) for layer in cache.layers for row in layer.rows)
+
+
+def test_lower_rank_moves_logits_further_from_baseline():
+    model = tiny_llama()
+    context, question = _ids(48, 2), _ids(16, 3)
+    base, _ = _context_then_question(model, "none", context, question, EXACT)
+    errors = []
+    for rank in (32, 16, 8, 4, 2):
+        logits, _ = _context_then_question(model, f"latent(rank={rank})", context, question, EXACT)
+        errors.append((logits - base).pow(2).mean().item())
+    assert errors[0] < 1e-10
+    assert errors == sorted(errors) and len(set(errors)) == 5, errors
+
+
+def test_group_of_one_head_is_per_head_low_rank():
+    """``latent(rank=r,group=1)`` is ``lowrank(rank=r)``: the same bases (one PCA per head), the same logits and bytes."""
+    model = tiny_llama()
+    context, question = _ids(40, 5), _ids(6, 6)
+    latent, latent_cache = _context_then_question(model, "latent(rank=6,group=1)", context, question)
+    per_head, lowrank_cache = _context_then_question(model, "lowrank(rank=6)", context, question)
+    assert torch.allclose(latent, per_head, atol=1e-5)
+    assert latent_cache.stats().kv_bytes == lowrank_cache.stats().kv_bytes
+
+
+def test_rope_dimensions_are_the_most_energetic_pairs_and_stay_exact():
+    model = tiny_llama()
+    policy = parse_policy("latent(rank=4,rope_dims=4)").structure
+    calibration = policy.calibration_for(model)
+    energy = calibration.pair_energy(0)  # [2 heads, 8 pairs]
+    chosen = calibration.rope_dimensions(0, 4)  # [2 heads, 4 dims]: 2 pairs (i, i + 8) per head
+    for h in range(2):
+        pairs = sorted(int(d) for d in chosen[h] if d < 8)
+        assert sorted(int(d) - 8 for d in chosen[h] if d >= 8) == pairs
+        assert pairs == sorted(energy[h].topk(2).indices.tolist())
+    store = policy.make_store(DenseStore(torch.float32, torch.float32), model, 0)
+    keys, values = torch.randn(2, 10, 16), torch.randn(2, 10, 16)
+    store.append(keys, values)
+    store.seal()
+    k, _ = store.keys_values()
+    kept = chosen[:, None, :].expand(-1, 10, -1)
+    assert torch.equal(k.gather(-1, kept), keys.gather(-1, kept))  # RoPE dims stored as they are
+    assert not torch.allclose(k, keys, atol=1e-2)  # the rest went through a rank-4 latent
+    # At rank 2 x (16 - 4) the latent holds every other key dimension: keys come back whole (values, rank 24 of 32, do not).
+    full = parse_policy("latent(rank=24,rope_dims=4)").structure.make_store(DenseStore(torch.float32, torch.float32), model, 0)
+    full.append(keys, values)
+    full.seal()
+    k, v = full.keys_values()
+    assert torch.allclose(k, keys, atol=1e-5) and not torch.allclose(v, values, atol=1e-2)
+
+
+def test_selection_keeps_one_set_of_tokens_per_group():
+    model = tiny_llama()
+    for spec in ("snapkv(ratio=0.5,window=4)+latent(rank=8)", "h2o(ratio=0.5,decode_budget=30)+latent(rank=8)+quant(bits=8,group=8)"):
+        logits, cache = _context_then_question(model, spec, _ids(48, 7), _ids(4, 8))
+        assert torch.isfinite(logits).all()
+        for layer in cache.layers:
+            positions = layer.rows[0].positions
+            assert torch.equal(positions[0], positions[1]), spec  # both heads of the group keep the same tokens
+        kept = [row[0] for row in cache.stats().kept_tokens]
+        assert all(k < 52 for k in kept), spec
+    # The same selection on per-head low rank lets the heads disagree (the averaging is what makes them agree).
+    _, cache = _context_then_question(model, "snapkv(ratio=0.5,window=4)+latent(rank=8,group=1)", _ids(48, 7), _ids(4, 8))
+    assert any(not torch.equal(layer.rows[0].positions[0], layer.rows[0].positions[1]) for layer in cache.layers)
+
+
+def test_selected_and_quantized_bytes_follow_kept_tokens():
+    model = tiny_llama()
+    _, cache = _context_then_question(model, "snapkv(ratio=0.5,window=4)+latent(rank=8)+quant(bits=8,group=8)", _ids(48, 9), _ids(4, 10))
+    stats = cache.stats()
+    assert stats.kv_bytes == sum(row[0] for row in stats.kept_tokens) * ((8 + 4) + (8 + 4))
+
+
+def test_store_refuses_different_tokens_inside_a_group():
+    model = tiny_llama()
+    store = parse_policy("latent(rank=8)").structure.make_store(DenseStore(torch.float32, torch.float32), model, 0)
+    store.append(torch.randn(2, 6, 16), torch.randn(2, 6, 16))
+    with pytest.raises(ValueError, match="share their tokens"):
+        store.select(torch.tensor([[0, 1, 2], [0, 1, 3]]))
+    store.select(torch.tensor([[0, 2, 5], [0, 2, 5]]))
+    store.seal()
+    assert store.length == 3 and store.keys_values()[0].shape == (2, 3, 16)
+
+
+def test_gemma_sliding_layers_and_bytes():
+    model = tiny_gemma3()  # 4 layers (3 sliding, window 16), 1 KV head of 32
+    logits, cache = _context_then_question(model, "latent(rank=12,rope_dims=4)", _ids(40, 11), _ids(8, 12))
+    assert torch.isfinite(logits).all()
+    kept = [row[0] for row in cache.stats().kept_tokens]
+    assert kept[3] == 48 and all(k < 48 for k in kept[:3])
+    assert cache.stats().kv_bytes == sum(kept) * ((12 + 4) + 12) * 2
+
+
+@pytest.mark.parametrize("spec", ["latent(rank=8)+quant(bits=8,group=8)", "snapkv(ratio=0.5,window=4)+latent(rank=12,rope_dims=2)"])
+def test_batches_give_the_answers_of_batch_size_one(spec):
+    model = tiny_llama()
+    prompts = [Prompt(_ids(n, 20 + n)[0].tolist(), _ids(3, 40 + n)[0].tolist()) for n in (12, 20, 7)]
+    one = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)
+    three = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
+    assert [r.token_ids for r in one] == [r.token_ids for r in three]
+    assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
+    assert len({r.stats.kv_bytes for r in one}) == 3  # per item: each prompt's own length
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_shared_prefill_equals_own_prefill(make):
+    model = make()
+    prompts = [Prompt(_ids(n, 60 + n)[0].tolist(), _ids(4, 70 + n)[0].tolist()) for n in (30, 45)]
+    specs = [parse_policy(s).spec for s in ("latent(rank=8)", "snapkv(ratio=0.5,window=4)+latent(rank=8)+quant(bits=8,group=8)")]
+    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=4, batch_size=2)
+    for spec in specs:
+        alone = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=2)
+        assert [(r.token_ids, r.logprobs, r.stats.kv_bytes, r.stats.kept_tokens) for r in shared[spec]] == \
+               [(r.token_ids, r.logprobs, r.stats.kv_bytes, r.stats.kept_tokens) for r in alone], spec
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("latent", "give rank="),
+    ("latent(rank=0)", "positive integer"),
+    ("latent(rank=4,group=0)", "positive integer"),
+    ("latent(rank=4,rope_dims=3)", "even number"),
+    ("latent(rank=4,rope_dims=-2)", "even number"),
+    ("latent(rank=4,calib_tokens=1)", "at least 2"),
+])
+def test_bad_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_policy(spec)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("latent(rank=33)", "exceeds group x \\(head_dim - rope_dims\\) = 2 x \\(16 - 0\\) = 32"),
+    ("latent(rank=17,group=1)", "use at most 16"),
+    ("latent(rank=25,rope_dims=4)", "use at most 24"),
+    ("latent(rank=4,group=3)", "group=3 does not divide the 2 KV heads"),
+    ("latent(rank=4,rope_dims=18)", "rope_dims=18 exceeds head_dim=16"),
+    ("latent(rank=6,rope_dims=2)+quant(bits=8,group=4)", "group=4 does not divide the k width 10"),
+])
+def test_parameters_are_checked_against_the_model(spec, message):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=message) as info:
+        CompressedCache(model, spec).new_store(0, torch.float32)
+    assert "\n" not in str(info.value)
+
+
+def test_run_spec_checks_the_model_shape_and_fits_quant_groups():
+    """Before any weights load: widths per group may exceed head_dim; an unset quant group adapts to them."""
+    assert RunSpec.parse("latent(rank=96)").for_model("smollm2-135m").policy.spec == "latent(rank=96)"  # 3 heads x 64
+    fitted = RunSpec.parse("latent(rank=64,rope_dims=8)+quant(bits=8)").for_model("smollm2-135m").policy
+    assert fitted.quantization.group == 8  # K width 64 + 3 x 8 = 88, V width 64: largest divisor <= 64 of both is 8
+    with pytest.raises(ValueError, match="use at most 192"):
+        RunSpec.parse("latent(rank=200)").for_model("smollm2-135m")
+    with pytest.raises(ValueError, match="group=2 does not divide the 3 KV heads"):
+        RunSpec.parse("latent(rank=8,group=2)").for_model("smollm2-135m")
+    assert RunSpec.parse("latent(rank=128)").for_model("gemma3-270m").policy.spec == "latent(rank=128)"  # 1 head of 256
