@@ -2,41 +2,21 @@
 
 import pytest
 import torch
+from test_lowrank import (  # noqa: F401  (calibration_cache: the same per-test calibration folder, an autouse fixture)
+    EXACT,
+    FULL_RANK_TOLERANCE,
+    _context_then_question,
+    _ids,
+    calibration_cache,
+)
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-import kveval.lowrank as lowrank
 from kveval.cache import CompressedCache
 from kveval.generation import Prompt, generate, generate_many
 from kveval.latent import LatentStore
 from kveval.policies import parse_policy
 from kveval.runspec import RunSpec
 from kveval.storage import DenseStore
-
-FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at full rank: float32 rounding of x B B^T only
-EXACT = "float32"  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to bf16
-
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    """Every test calibrates into its own folder, with no calibration remembered from another test."""
-    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    lowrank.clear_memory_cache()
-    yield tmp_path / "cache"
-    lowrank.clear_memory_cache()
-
-
-def _ids(n, seed):
-    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _context_then_question(model, spec, context, question, kv_dtype=None):
-    """Prefill ``context`` (compressed after it), then the question against the cache: its logits and the cache."""
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
-    n, q = context.shape[1], question.shape[1]
-    with torch.no_grad():
-        model(context, cache=cache, position_ids=torch.arange(n)[None])
-        logits = model(question, cache=cache, position_ids=torch.arange(n, n + q)[None]).logits
-    return logits, cache
 
 
 def test_bytes_per_token_are_the_coefficient_arithmetic():
