@@ -122,7 +122,12 @@ class CrossHeadCalibration:
         return self.heads[layer]
 
     def head_dim(self, layer: int) -> int:
+        """Key dimensions per head."""
         return self.moments["k"][layer].shape[0] // self.heads[layer]
+
+    def value_dim(self, layer: int) -> int:
+        """Value dimensions per head (the key's, except on models such as DeepSeek's MLA)."""
+        return self.moments["v"][layer].shape[0] // self.heads[layer]
 
     # --- the protocol of kveval.lowrank.load_or_calibrate ----------------------------------------
     @classmethod
@@ -176,7 +181,7 @@ class CrossHeadCalibration:
 
         ``dims`` (``[H, len]``) are the dimensions of each head that enter the latent.
         """
-        heads, dim = self.heads[layer], self.head_dim(layer)
+        heads, dim = self.heads[layer], self.moments[kind][layer].shape[0] // self.heads[layer]
         moment = self.moments[kind][layer]
         values, vectors = [], []
         for start in range(0, heads, group):
@@ -186,7 +191,10 @@ class CrossHeadCalibration:
             vectors.append(eigenvectors.flip(-1)[:, :rank].float())
         return torch.stack(values), torch.stack(vectors).contiguous()
 
-    def _latent_dims(self, layer: int, rope_dims: int) -> torch.Tensor:
+    def _latent_dims(self, kind: str, layer: int, rope_dims: int) -> torch.Tensor:
+        """``[H, n]``: the dimensions of each head's keys (``kind="k"``) or values that enter the latent."""
+        if kind == "v":
+            return torch.arange(self.value_dim(layer)).expand(self.heads[layer], -1)
         order, _ = self._orders(layer, rope_dims)
         dim = self.head_dim(layer)
         return torch.arange(dim).expand(self.heads[layer], -1) if order is None else order[:, : dim - rope_dims]
@@ -196,14 +204,14 @@ class CrossHeadCalibration:
         key = (layer, group, rank, rope_dims, str(device))
         if key not in self._layouts:
             order, inverse = self._orders(layer, rope_dims)
-            _, key_basis = self._group_basis("k", layer, group, rank, self._latent_dims(layer, rope_dims))
-            _, value_basis = self._group_basis("v", layer, group, rank, self._latent_dims(layer, 0))
+            _, key_basis = self._group_basis("k", layer, group, rank, self._latent_dims("k", layer, rope_dims))
+            _, value_basis = self._group_basis("v", layer, group, rank, self._latent_dims("v", layer, 0))
             self._layouts[key] = LatentLayout(group, rope_dims, key_basis, value_basis, order, inverse).to(device)
         return self._layouts[key]
 
     def energy_kept(self, kind: str, layer: int, group: int, rank: int, rope_dims: int = 0) -> float:
         """Fraction of the layer's calibration energy (K or V, all heads) kept by rank ``rank`` and the RoPE dimensions."""
-        dims = self._latent_dims(layer, rope_dims if kind == "k" else 0)
+        dims = self._latent_dims(kind, layer, rope_dims)
         eigenvalues, _ = self._group_basis(kind, layer, group, rank, dims)
         total = float(self.moments[kind][layer].diagonal().sum())
         kept = float(eigenvalues[:, :rank].sum()) + (total - float(eigenvalues.sum()))  # RoPE dims: all their energy

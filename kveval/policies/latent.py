@@ -91,8 +91,8 @@ class LatentPolicy(CalibratedPolicy):
                                   f"use a divisor of {heads}")
         return group
 
-    def check_layer(self, heads: int, head_dim: int) -> int:
-        """Validate rank and rope_dims against one layer's shape; its group size."""
+    def check_layer(self, heads: int, head_dim: int, value_dim: int | None = None) -> int:
+        """Validate rank and rope_dims against one layer's shape (``value_dim``: when V heads differ from K's); its group size."""
         group = self.group_size(heads)
         if self.rope_dims > head_dim:
             raise PolicySpecError(f"{self.spec()}: rope_dims={self.rope_dims} exceeds head_dim={head_dim}")
@@ -100,7 +100,13 @@ class LatentPolicy(CalibratedPolicy):
         if self.rank > limit:
             raise PolicySpecError(f"{self.spec()}: rank={self.rank} exceeds group x (head_dim - rope_dims) = "
                                   f"{group} x ({head_dim} - {self.rope_dims}) = {limit}; use at most {limit}")
+        if value_dim is not None and self.rank > group * value_dim:
+            raise PolicySpecError(f"{self.spec()}: rank={self.rank} exceeds group x value head dim = {group} x {value_dim}; "
+                                  f"use at most {group * value_dim}")
         return group
+
+    def _check_calibrated_layer(self, calibration, layer: int) -> int:
+        return self.check_layer(calibration.num_heads(layer), calibration.head_dim(layer), calibration.value_dim(layer))
 
     def widths(self, group: int) -> dict[str, int]:
         """Numbers per token and group: K (coefficients, then RoPE dimensions) and V."""
@@ -130,9 +136,9 @@ class LatentPolicy(CalibratedPolicy):
         calibration = self.calibration_for(model)
         total = 0
         for layer in range(calibration.num_layers):
-            heads, head_dim = calibration.num_heads(layer), calibration.head_dim(layer)
-            group = self.check_layer(heads, head_dim)
-            total += 4 * (heads // group) * self.rank * group * ((head_dim - self.rope_dims) + head_dim)
+            heads, group = calibration.num_heads(layer), self._check_calibrated_layer(calibration, layer)
+            widths = (calibration.head_dim(layer) - self.rope_dims) + calibration.value_dim(layer)
+            total += 4 * heads * self.rank * widths  # (heads / group) bases of group x width rows each
         return total
 
     # --- the store --------------------------------------------------------------------------------
@@ -140,7 +146,11 @@ class LatentPolicy(CalibratedPolicy):
         """Calibrate and validate every layer before the first forward pass."""
         calibration = self.calibration_for(model)
         for layer in range(calibration.num_layers):
-            self.check_layer(calibration.num_heads(layer), calibration.head_dim(layer))
+            self._check_calibrated_layer(calibration, layer)
+
+    def run_info(self, model) -> dict:
+        """The calibration (as ``lowrank`` records it) and the bases' bytes, paid once per model."""
+        return {**super().run_info(model), "basis_bytes": self.basis_bytes(model)}
 
     def make_store(self, inner, model, layer_idx: int):
         """A :class:`kveval.latent.LatentStore` over ``inner`` (a dense or quantized store of the coefficients)."""
@@ -148,7 +158,7 @@ class LatentPolicy(CalibratedPolicy):
         from kveval.lowrank import per_token_groups
 
         calibration = self.calibration_for(model)
-        group = self.check_layer(calibration.num_heads(layer_idx), calibration.head_dim(layer_idx))
+        group = self._check_calibrated_layer(calibration, layer_idx)
         widths = self.widths(group)
         for kind, size in per_token_groups(inner).items():
             if size and widths[kind] % size:
