@@ -417,7 +417,8 @@ def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
             notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}")
     else:
         k_dim = v_dim = spec.head_dim
-        if structure is not None:
+        per_group = structure is not None and hasattr(structure, "check_shape")  # latent: one stream per group of heads
+        if structure is not None and not per_group:
             rank = getattr(structure, "rank", None)
             k_rank = getattr(structure, "k_rank", None) or rank
             v_rank = getattr(structure, "v_rank", None) or rank
@@ -429,6 +430,11 @@ def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
                     raise ValueError(f"{structure.spec()}: {which} rank {r} exceeds head_dim={spec.head_dim}")
             k_dim, v_dim = k_rank or spec.head_dim, v_rank or spec.head_dim
         streams = [("k", spec.kv_heads, k_dim, kq), ("v", spec.kv_heads, v_dim, vq)]
+        if per_group:
+            structure.check_shape(spec.kv_heads, spec.head_dim)
+            group = structure.group_size(spec.kv_heads)
+            widths = structure.widths(group)
+            streams = [(kind, spec.kv_heads // group, widths[kind], q) for kind, q in (("k", kq), ("v", vq))]
     for which, _, dim, q in streams:
         if q is not None and q.axis == "token" and dim % q.group:
             what = "latent width" if which == "latent" else ("rank" if dim != spec.head_dim else "head_dim")
