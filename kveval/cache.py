@@ -293,16 +293,16 @@ class CompressedCache(Cache):
                     setattr(new, name, copy.deepcopy(getattr(layer, name)))
             new.cache = clone
             new.selection = None if layer.is_sliding else target.selection
-            new.rows = [self._derived_row(clone, layer, row, None if layer.is_sliding else key) for row in layer.rows]
+            new.rows = [self._derived_row(new, row, None if layer.is_sliding else key) for row in layer.rows]
             for b, row in enumerate(new.rows):
                 new.compress_row(row, clone.protected(b))
             clone.layers.append(new)
         return clone
 
     @staticmethod
-    def _derived_row(clone: "CompressedCache", layer: CompressedLayer, row: RowState, key: tuple | None) -> RowState:
-        """``row``'s uncompressed tokens in a new store of ``clone``'s representation, with the scores ``key`` names."""
-        store = clone.new_store(layer.layer_idx, layer.dtype)
+    def _derived_row(layer: CompressedLayer, row: RowState, key: tuple | None) -> RowState:
+        """``row``'s uncompressed tokens in a new store of the derived ``layer``'s policy, with the scores ``key`` names."""
+        store = layer.new_store(layer.dtype)
         if row.store.length:
             # kv_dtype -> compute dtype -> kv_dtype: the same numbers a store of the policy's own prefill holds.
             store.append(*row.store.keys_values())
@@ -319,11 +319,9 @@ class CompressedCache(Cache):
             per_token = layer.token_elements * self.kv_dtype.itemsize
             for r in rows:
                 kv += r.store.nbytes
-                index += r.positions.numel() * r.positions.element_size()
-                if r.attention is not None:
-                    index += r.attention.numel() * r.attention.element_size()
+                index += r.index_bytes()
                 nominal += layer.nominal_tokens(r) * per_token
-            kept.append([r.store.length for r in rows])
+            kept.append([r.kept_tokens() for r in rows])
         first = self.attention_layers[0].rows if self.attention_layers else []
         seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
         return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row), dtype_name(self.kv_dtype))

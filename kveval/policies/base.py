@@ -102,8 +102,48 @@ class SelectionPolicy(Policy):
         raise NotImplementedError
 
     @property
+    def per_head_budgets(self) -> bool:
+        """Whether KV heads of one layer may keep different numbers of tokens (the cache then stores each head apart)."""
+        return False
+
+    def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState") -> "torch.Tensor | list[torch.Tensor]":
+        """Which tokens each KV head keeps, given ``scores`` (``[kv_heads, n]``, ``-inf`` on padding slots).
+
+        ``keep`` is the per-head budget (:meth:`keep_count`). Returns ``[kv_heads, keep]``
+        increasing indices (every head keeps ``keep``), or, when :attr:`per_head_budgets`,
+        one increasing index tensor per head.
+        """
+        return scores.topk(keep, dim=1).indices.sort(dim=1).values
+
+    @property
     def nominal_ratio(self) -> float | None:
         return getattr(self, "ratio", None)
+
+
+#: AdaKV's safeguard default (Feng et al. 2024 use alpha = 0.2 of each head's even share).
+ADAKV_FLOOR = 0.2
+
+
+def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float) -> "list[torch.Tensor]":
+    """AdaKV's allocation: ``keep x heads`` tokens chosen by score across all heads of a layer.
+
+    Each head first keeps its top ``max(1, floor(floor x keep))`` tokens (the
+    paper's fair-guaranteed safeguard); the rest of the layer's budget goes
+    to the best scores over the flattened ``[heads, tokens]`` scores. Padding
+    slots (``-inf``) are never kept; the budget shrinks to the real tokens
+    there are. Returns one increasing index tensor per head.
+    """
+    import torch
+
+    heads, n = scores.shape
+    real = scores > float("-inf")
+    total = min(keep * heads, int(real.sum()))
+    safe = min(n, max(1, math.floor(floor * keep)))
+    guaranteed = torch.zeros_like(real).scatter_(1, scores.topk(safe, dim=1).indices, True) & real
+    ranked = scores.masked_fill(guaranteed, float("inf"))
+    chosen = torch.zeros(heads * n, dtype=torch.bool, device=scores.device)
+    chosen[ranked.flatten().topk(total).indices] = True
+    return [row.nonzero().squeeze(1) for row in chosen.reshape(heads, n)]
 
 
 @dataclass
@@ -118,14 +158,34 @@ class RatioSelectionPolicy(SelectionPolicy):
         Absolute number of context tokens kept (instead of ``ratio``).
     decode_budget : int, optional
         While decoding, the cache never holds more than this many tokens
-        (context and generated together); ``None`` lets it grow.
+        (context and generated together); ``None`` lets it grow. With
+        ``adaptive``, a per-head average: the layer holds ``decode_budget x kv_heads``.
+    adaptive : bool
+        AdaKV (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by
+        Adaptive Budget Allocation for Efficient LLM Inference"): the layer's
+        budget (tokens kept x KV heads) is redistributed across its heads by
+        score, top over the flattened ``[heads, tokens]`` scores, so heads keep
+        different numbers of tokens (stored apart: :mod:`kveval.head_stores`).
+        Stacks with quantization, not with a structure policy.
+    floor : float
+        AdaKV's safeguard: each head keeps at least this fraction of its even
+        share (``keep``) by its own top scores; 0.2 as in the paper.
     """
 
     ratio: float | None = None
     budget: int | None = None
     decode_budget: int | None = None
+    adaptive: bool = False
+    floor: float = ADAKV_FLOOR
+
+    #: Scores identical across the heads of a layer (TOVA): adaptive budgets would change nothing.
+    head_shared_scores: ClassVar[bool] = False
 
     def __post_init__(self):
+        if self.adaptive and self.head_shared_scores:
+            raise PolicySpecError(f"{self.name}: adaptive=true changes nothing (its scores are the same for every head); drop it")
+        if not 0 <= self.floor <= 1:
+            raise PolicySpecError(f"{self.name}: floor={self.floor} must be in [0, 1] (fraction of a head's even share it always keeps)")
         if (self.ratio is None) == (self.budget is None):
             raise PolicySpecError(f"{self.name}: give exactly one of ratio= (fraction removed, 0 <= ratio < 1) or budget= (tokens kept)")
         check_ratio(self.name, self.ratio)
@@ -141,6 +201,15 @@ class RatioSelectionPolicy(SelectionPolicy):
         if self.budget is not None:
             return min(self.budget, n_tokens)
         return ratio_keep_count(self.ratio, n_tokens)
+
+    @property
+    def per_head_budgets(self) -> bool:
+        return self.adaptive
+
+    def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState") -> "torch.Tensor | list[torch.Tensor]":
+        if self.adaptive:
+            return adaptive_choice(scores, keep, self.floor)
+        return super().choose(scores, keep, state)
 
 
 def ratio_keep_count(ratio: float, n_tokens: int) -> int:
@@ -176,6 +245,12 @@ class ScoringState:
         Which layer this is, for layer-dependent budgets.
     seed : int
         Per-sequence seed for the ``random`` control.
+    model : PreTrainedModel or None
+        The model the cache serves, for policies calibrated per model (``duo``).
+
+    With per-head budgets, heads may hold fewer tokens than the slots shown:
+    their padding slots have zero keys, zero attention and position ``-1``,
+    and whatever a policy scores them is replaced by ``-inf``.
     """
 
     keys: "torch.Tensor"
@@ -184,6 +259,7 @@ class ScoringState:
     layer_idx: int
     num_layers: int
     seed: int = 0
+    model: object = None
 
 
 @dataclass
@@ -445,5 +521,8 @@ def parse_policy(spec: "str | PolicyStack | None") -> PolicyStack:
         if getattr(stack, policy.family) is not None:
             raise PolicySpecError(f"policy spec {spec!r} has two {policy.family} policies; stack at most one each of {', '.join(FAMILY_ORDER)}")
         setattr(stack, policy.family, policy)
+    if stack.selection is not None and stack.selection.per_head_budgets and stack.structure is not None:
+        raise PolicySpecError(f"policy spec {spec!r}: {stack.selection.name} keeps a different number of tokens per head, "
+                              f"which {stack.structure.name} cannot store; stack it with quantization only")
     stack.fit_groups()
     return stack

@@ -123,6 +123,13 @@ class StreamingPolicy(SelectionPolicy):
         return min(self.sink + self.recent, n_tokens)
 
     def scores(self, state: ScoringState) -> torch.Tensor:
-        positions = state.positions.float()
-        # Sinks outrank everything; among the rest, recency decides.
-        return torch.where(positions < self.sink, positions.max() + 1 + positions, positions)
+        return sink_recency_scores(state.positions, self.sink)
+
+
+def sink_recency_scores(positions: torch.Tensor, sink: int) -> torch.Tensor:
+    """StreamingLLM's order: the first ``sink`` positions outrank everything; among the rest, recency decides.
+
+    Negative positions (padding slots of per-head budgets) rank lowest.
+    """
+    positions = positions.float()
+    return torch.where((positions >= 0) & (positions < sink), positions.max() + 1 + positions, positions)

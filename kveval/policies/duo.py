@@ -1,0 +1,142 @@
+"""DuoAttention-style retrieval heads: some KV heads keep everything, the others sinks plus a recent window."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kveval.errors import PolicySpecError
+from kveval.policies.base import ScoringState, SelectionPolicy, check_ratio, ratio_keep_count, register_policy
+from kveval.policies.window import sink_recency_scores
+
+SCOPES = ("global", "layer")
+DEFAULT_DUO_WINDOW = 64
+
+
+@register_policy
+@dataclass
+class DuoPolicy(SelectionPolicy):
+    """Retrieval and streaming heads after DuoAttention (Xiao et al. 2024, "DuoAttention: Efficient
+    Long-Context LLM Inference with Retrieval and Streaming Heads").
+
+    The fraction ``heads`` of KV heads, the model's *retrieval heads*, keep
+    every token; every other KV head is a *streaming head* and keeps the first
+    ``sink`` tokens plus the ``window`` most recent, at prefill and after every
+    decoding step (its cache stays bounded while the retrieval heads grow).
+    Heads hold different numbers of tokens and are stored apart
+    (:mod:`kveval.head_stores`): the measured bytes are the tokens really held.
+
+    Retrieval heads are identified once per model on generated passkey probes
+    (:mod:`kveval.retrieval_heads`): the attention mass the answer's queries
+    put on the needle, a cheap stand-in for DuoAttention's optimized per-head
+    gates, not a reproduction of them. Sliding-window layers are never
+    selected (selection does not apply to them).
+
+    Attributes
+    ----------
+    heads : float
+        Fraction of KV heads kept whole, ``0 <= heads <= 1``: ``0`` is
+        ``streaming(sink, window)`` (or ``streaming(sink, ratio)``), ``1`` is ``none``.
+    sink, window : int
+        What a streaming head keeps: the first ``sink`` tokens and the ``window``
+        most recent (64 unless ``ratio`` is given).
+    ratio : float, optional
+        Instead of ``window``, as ``streaming(ratio=...)``: a streaming head's
+        prefill keeps ``ceil((1 - ratio) x n)`` of its ``n`` context tokens (the
+        sinks and the most recent), then grows while decoding. The layer as a
+        whole removes less than ``ratio``: its retrieval heads keep everything.
+    scope : str
+        ``"global"`` (default, as DuoAttention thresholds its gates over the whole
+        model): the top ``ceil(heads x all KV heads)`` of full-attention layers,
+        so layers differ in how many they keep; ``"layer"``: the top
+        ``ceil(heads x kv_heads)`` in every layer.
+    calib_tokens : int
+        Length of the passkey probes that rank the heads.
+    """
+
+    name = "duo"
+    description = "DuoAttention-style: retrieval heads keep every token, the others `sink` + the `window` most recent"
+    heads: float = 0.25
+    sink: int = 4
+    window: int | None = None
+    ratio: float | None = None
+    scope: str = "global"
+    calib_tokens: int = 512
+
+    per_head_budgets: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not 0 <= self.heads <= 1:
+            raise PolicySpecError(f"duo: heads={self.heads} must be a fraction of KV heads, 0 <= heads <= 1")
+        if self.sink < 0:
+            raise PolicySpecError(f"duo: sink={self.sink} must be a number of tokens >= 0")
+        if self.window is not None and self.ratio is not None:
+            raise PolicySpecError("duo: give window= (recent tokens a streaming head keeps) or ratio= (fraction of its context removed), not both")
+        check_ratio(self.name, self.ratio)
+        if self.window is not None and self.window < 1:
+            raise PolicySpecError(f"duo: window={self.window} must be a positive number of tokens")
+        if self.window == DEFAULT_DUO_WINDOW:
+            self.window = None  # one canonical spec for the default
+        if self.scope not in SCOPES:
+            raise PolicySpecError(f"duo: scope={self.scope!r} must be one of {', '.join(SCOPES)}")
+        if self.calib_tokens < 64:
+            raise PolicySpecError(f"duo: calib_tokens={self.calib_tokens} is too short for a passkey probe; use >= 64")
+        self._models: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(model) -> (model, retrieval mask)
+
+    @property
+    def recent(self) -> int | None:
+        """Most recent tokens a streaming head keeps after every step (``None`` with ``ratio``)."""
+        if self.ratio is not None:
+            return None
+        return self.window if self.window is not None else DEFAULT_DUO_WINDOW
+
+    @property
+    def decode_budget(self) -> int | None:
+        """What a streaming head holds while decoding (retrieval heads keep growing); ``None`` with ``ratio``."""
+        return None if self.ratio is not None else self.sink + self.recent
+
+    def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
+        if self.ratio is not None:
+            return ratio_keep_count(self.ratio, n_tokens)
+        return min(self.sink + self.recent, n_tokens)
+
+    def scores(self, state: ScoringState) -> torch.Tensor:
+        return sink_recency_scores(state.positions, self.sink)
+
+    def choose(self, scores: torch.Tensor, keep: int, state: ScoringState) -> list[torch.Tensor]:
+        retrieval = self.retrieval_mask(state.model, state.num_layers, scores.shape[0])[state.layer_idx]
+        real = scores > float("-inf")
+        chosen = []
+        for h in range(scores.shape[0]):
+            if retrieval[h]:
+                chosen.append(real[h].nonzero().squeeze(1))
+            else:
+                count = min(keep, int(real[h].sum()))
+                chosen.append(scores[h].topk(count).indices.sort().values)
+        return chosen
+
+    def retrieval_mask(self, model, num_layers: int, kv_heads: int) -> torch.Tensor:
+        """``[layers, kv_heads]`` bool: which heads keep every token (calibrated once per model)."""
+        if self.heads in (0, 1):  # nothing to rank
+            return torch.full((num_layers, kv_heads), self.heads == 1)
+        entry = self._models.get(id(model))
+        if entry is not None and entry[0]() is model:
+            return entry[1]
+        from kveval.retrieval_heads import load_or_calibrate
+
+        mask = load_or_calibrate(model, self.calib_tokens).retrieval_mask(self.heads, self.scope)
+        self._models[id(model)] = (weakref.ref(model), mask)
+        return mask
+
+    def retrieval_fraction(self, model) -> float:
+        """Share of all KV heads kept whole on ``model`` (what ``heads`` gives after rounding; sliding layers count as streaming)."""
+        config = model.config.get_text_config()
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        mask = self.retrieval_mask(model, config.num_hidden_layers, kv_heads)
+        return float(mask.float().mean())
+
+
+__all__ = ["DuoPolicy"]
