@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
+from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 
 _PAD_POSITION = 2**62  # slot position of padding in a stacked batch: never visible to any query
@@ -40,6 +41,30 @@ class RowState:
         if place is not None:
             place(self.positions)
         self.store.seal()
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        """``[kv_heads, slots]``: True on the padding slots of heads holding fewer tokens (per-head budgets), else ``None``."""
+        if not isinstance(self.store, HeadwiseStore):
+            return None
+        padding = self.positions == _PAD_POSITION
+        return padding if bool(padding.any()) else None
+
+    def kept_tokens(self) -> int:
+        """Tokens held per KV head (rounded mean over heads when per-head budgets differ)."""
+        if isinstance(self.store, HeadwiseStore) and self.store.heads:
+            lengths = self.store.head_lengths
+            return round(sum(lengths) / len(lengths))
+        return self.store.length
+
+    def index_bytes(self) -> int:
+        """Bookkeeping bytes: the original position (and any score) of every real token; padding slots not counted."""
+        padding = self.padding
+        real = self.positions.numel() - (0 if padding is None else int(padding.sum()))
+        total = real * self.positions.element_size()
+        if self.attention is not None:
+            total += real * self.attention.element_size()
+        return total
 
 
 def score_key(selection) -> tuple | None:
@@ -90,10 +115,16 @@ class CompressedLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         heads = key_states.shape[1]
         self.token_elements = heads * key_states.shape[-1] + value_states.shape[1] * value_states.shape[-1]
-        self.rows = [RowState(self.cache.new_store(self.layer_idx, key_states.dtype),
-                              torch.empty(heads, 0, dtype=torch.long, device=self.device))
+        self.rows = [RowState(self.new_store(key_states.dtype), torch.empty(heads, 0, dtype=torch.long, device=self.device))
                      for _ in range(key_states.shape[0])]
         self.is_initialized = True
+
+    def new_store(self, dtype: torch.dtype):
+        """An empty store for one sequence: one inner store per KV head when the selection budgets heads apart."""
+        if self.selection is not None and self.selection.per_head_budgets:
+            cache, layer_idx = self.cache, self.layer_idx
+            return HeadwiseStore(lambda: cache.new_store(layer_idx, dtype))
+        return self.cache.new_store(self.layer_idx, dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, kwargs=None, **extra):
         """Store the new tokens and return the padded batch of kept K/V, ``[B, kv_heads, slots, head_dim]``.
@@ -268,8 +299,20 @@ class CompressedLayer(CacheLayerMixin):
 
     def scoring_state(self, row: RowState, seed: int) -> ScoringState:
         keys, _ = row.store.keys_values()
-        return ScoringState(keys=keys, positions=row.positions, attention=row.attention,
-                            layer_idx=self.layer_idx, num_layers=self.cache.num_layers, seed=seed)
+        padding = row.padding
+        positions = row.positions if padding is None else row.positions.masked_fill(padding, -1)
+        return ScoringState(keys=keys, positions=positions, attention=row.attention, layer_idx=self.layer_idx,
+                            num_layers=self.cache.num_layers, seed=seed, model=self.cache.model)
+
+    def _scores(self, row: RowState, policy) -> tuple[torch.Tensor, ScoringState]:
+        """The policy's scores of ``row`` (``-inf`` on padding slots, a fresh tensor) and the state they came from."""
+        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)))
+        scores = policy.scores(state).clone()
+        scores = shared_by_group(scores, row.store)
+        padding = row.padding
+        if padding is not None:
+            scores[padding] = float("-inf")
+        return scores, state
 
     def compress_row(self, row: RowState, protect_last: int = 0, policy=None) -> None:
         """Prefill compression of one row: keep the selection's budget of context tokens, then seal the store."""
@@ -279,25 +322,32 @@ class CompressedLayer(CacheLayerMixin):
             candidates = n - min(protect_last, n)
             keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
             if keep < candidates:
-                scores = policy.scores(self.scoring_state(row, self.cache.seed_for(self.rows.index(row))))
-                scores = shared_by_group(scores, row.store)
-                chosen = scores[:, :candidates].topk(keep, dim=1).indices.sort(dim=1).values
-                protected = torch.arange(candidates, n, device=chosen.device).expand(chosen.shape[0], -1)
-                self._select(row, torch.cat([chosen, protected], dim=1))
+                scores, state = self._scores(row, policy)
+                chosen = policy.choose(scores[:, :candidates], keep, state)
+                protected = torch.arange(candidates, n, device=scores.device)
+                if isinstance(chosen, list):
+                    chosen = [torch.cat([c, protected]) for c in chosen]
+                else:
+                    chosen = torch.cat([chosen, protected.expand(chosen.shape[0], -1)], dim=1)
+                self._select(row, chosen)
         row.seal()
         row.compressed = True
 
     def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
         """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always)."""
         n = row.store.length
-        scores = self.selection.scores(self.scoring_state(row, self.cache.seed_for(self.rows.index(row)))).clone()
-        scores = shared_by_group(scores, row.store)
+        scores, state = self._scores(row, self.selection)
         scores[:, n - protect_last:] = float("inf")
-        index = scores.topk(budget, dim=1).indices.sort(dim=1).values
-        self._select(row, index)
+        self._select(row, self.selection.choose(scores, budget, state))
         row.seal()
 
-    def _select(self, row: RowState, index: torch.Tensor) -> None:
+    def _select(self, row: RowState, index: "torch.Tensor | list[torch.Tensor]") -> None:
+        """Keep slots ``index`` of ``row``: ``[H, T']``, or one index tensor per head (per-head budgets)."""
+        if isinstance(index, list):
+            if len({i.numel() for i in index}) > 1:
+                self._select_heads(row, index)
+                return
+            index = torch.stack(index)
         row.store.select(index)
         row.positions = row.positions.gather(1, index)
         if row.attention is not None:
@@ -306,10 +356,33 @@ class CompressedLayer(CacheLayerMixin):
             row.scores = {key: scores.gather(1, index) for key, scores in row.scores.items()}
         self.contiguous = False
 
+    def _select_heads(self, row: RowState, index: list[torch.Tensor]) -> None:
+        """Heads keep different numbers of tokens: each its own; bookkeeping left-padded (padding slots invisible)."""
+        if not isinstance(row.store, HeadwiseStore):
+            raise TypeError(f"{type(row.store).__name__} holds the same tokens count in every head; "
+                            "per-head budgets need the layer's HeadwiseStore")
+        row.store.select_heads(index)
+        slots = max(i.numel() for i in index)
+        row.positions = _left_pad([p[i] for p, i in zip(row.positions, index)], slots, _PAD_POSITION)
+        if row.attention is not None:
+            row.attention = _left_pad([a[i] for a, i in zip(row.attention, index)], slots, 0)
+        if row.scores:
+            row.scores = {key: _left_pad([t[i] for t, i in zip(scores, index)], slots, 0) for key, scores in row.scores.items()}
+        self.contiguous = False
+
     # --- measurement ----------------------------------------------------------------------------
     def nominal_tokens(self, row: RowState) -> int:
         # A sliding layer of the model's own cache holds the last window - 1 tokens between forwards.
         return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window - 1)
+
+
+def _left_pad(rows: list[torch.Tensor], slots: int, fill) -> torch.Tensor:
+    """``[len(rows), slots]``: each 1-D row right-aligned, ``fill`` before it."""
+    out = rows[0].new_full((len(rows), slots), fill)
+    for h, r in enumerate(rows):
+        if r.numel():
+            out[h, slots - r.numel():] = r
+    return out
 
 
 class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):
