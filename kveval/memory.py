@@ -482,6 +482,9 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int)
         budget = getattr(selection, "decode_budget", None)
         if new_tokens and budget is not None:
             tokens = min(tokens, max(int(budget), 1))
+        whole = getattr(selection, "whole_head_fraction", 0.0)  # duo: retrieval heads keep every token
+        if whole:
+            tokens = math.ceil(whole * (context + new_tokens) + (1 - whole) * tokens)  # mean per KV head
     return tokens if window is None else min(tokens, window)
 
 

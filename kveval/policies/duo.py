@@ -98,6 +98,11 @@ class DuoPolicy(SelectionPolicy):
         """What a streaming head holds while decoding (retrieval heads keep growing); ``None`` with ``ratio``."""
         return None if self.ratio is not None else self.sink + self.recent
 
+    @property
+    def whole_head_fraction(self) -> float:
+        """Share of KV heads that keep every token, as the memory planner counts it (``heads``, before rounding)."""
+        return self.heads
+
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.ratio is not None:
             return ratio_keep_count(self.ratio, n_tokens)
