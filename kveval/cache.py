@@ -71,7 +71,8 @@ class CacheStats:
     tokens_seen : list of int
         Real tokens processed per sequence.
     kept_tokens : list of list of int
-        Tokens held per attention layer (outer) and sequence (inner), per KV head.
+        Tokens held per attention layer (outer) and sequence (inner), per KV head
+        (the rounded mean over heads when heads keep different counts: ``adaptive=true``, ``duo``).
     kv_dtype : str
         The cache dtype full-precision tokens are stored in and ``nominal_bytes`` counts (``"bfloat16"``).
     state_bytes : int
