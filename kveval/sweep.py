@@ -3,7 +3,8 @@
 One run folder holds everything::
 
     <out>/manifest.json           versions, git commit, config and its hash, seeds, device
-    <out>/runs/<model>/<policy>/  run.json + items.jsonl per policy (baseline ``none`` computed once)
+    <out>/runs/<model>/<policy>/  run.json + items.jsonl per policy (baseline ``none`` computed once),
+                                  fidelity.jsonl per compressed policy with ``fidelity: true``
     <out>/report/                 leaderboard.md/.csv/.html and plots
     <out>/gate/                   gate.md, gate.xml (JUnit), gate.json
 
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from kveval.executors import Cell, CellResult, Executor
     from kveval.runspec import RunSpec
 
-CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval"}
+CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval",
+               "fidelity"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 #: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
@@ -61,6 +63,8 @@ class SweepConfig:
     gate: str | None = None
     out: str | None = None
     lm_eval: dict = field(default_factory=dict)
+    #: Teacher-force the baseline's answers through every compressed policy (:mod:`kveval.fidelity`), as ``kveval eval --fidelity``.
+    fidelity: bool = False
     raw: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -115,6 +119,9 @@ def load_config(path: str | Path) -> SweepConfig:
     unknown = set(lm_eval) - LM_EVAL_KEYS
     if unknown or (lm_eval and not lm_eval.get("tasks")):
         raise ValueError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
+    fidelity = raw.get("fidelity", False)
+    if not isinstance(fidelity, bool):
+        raise ValueError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
     gate = raw.get("gate")
     if gate is not None:
         from kveval.gate_config import load_gate_config
@@ -126,7 +133,7 @@ def load_config(path: str | Path) -> SweepConfig:
         policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype, families=list(families),
         lengths=[int(x) for x in probes.get("lengths") or [512]], depths=probes.get("depths"),
         n=int(probes.get("n", 10)), seed=int(probes.get("seed", raw.get("seed", 0))), family_params=probes.get("params") or {},
-        batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), lm_eval=lm_eval, raw=raw,
+        batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), lm_eval=lm_eval, fidelity=fidelity, raw=raw,
         warnings=warnings,
     )
 
@@ -249,6 +256,7 @@ class CellRunner:
         """The cell's run folders if every item and lm-eval task of every policy is written (finalized again), else None."""
         from kveval.errors import ResultFileError
         from kveval.evaluate import finalize_run, model_identity, run_dir_for
+        from kveval.fidelity import read_fidelity
         from kveval.records import iter_items
 
         identity, dirs = model_identity(cell.model), []
@@ -263,10 +271,25 @@ class CellRunner:
             # Another prompt under an item's id is not "done": evaluate_policies then refuses the folder, naming it.
             if any(written.get(item.id) != item.hash for item in items) or not set(self.config.lm_eval.get("tasks", [])) <= tasks:
                 return None
+            if self.config.fidelity and not spec.policy.is_none:
+                measured = read_fidelity(run_dir)
+                if any(item.id not in measured or measured[item.id].hash != item.hash for item in items):
+                    return None
             dirs.append(run_dir)
         for run_dir in dirs:
             finalize_run(run_dir)
         return dirs
+
+    def _fidelity(self, model, tokenizer, cell: Cell, items: list, dirs: list[Path]) -> None:
+        """``fidelity.jsonl`` for the cell's compressed policies, against the baseline in the cell's mode (resumable)."""
+        from kveval.fidelity import record_fidelity
+        from kveval.runspec import RunSpec
+
+        candidates = [(spec, d) for spec, d in zip(cell.specs, dirs) if not spec.policy.is_none]
+        if candidates:
+            baseline = RunSpec.parse("none", cell.mode, self.config.kv_dtype)
+            record_fidelity(model, tokenizer, items, baseline, candidates, batch_size=self.config.batch_size,
+                            seed=self.config.seed)
 
     def __call__(self, cell: Cell) -> CellResult:
         import torch
@@ -289,9 +312,10 @@ class CellRunner:
                   + (f" +{len(cell.specs) - 1}" if len(cell.specs) > 1 else ""), unit="item", disable=self.quiet) as bar:
             dirs = evaluate_policies(model, tokenizer, items, list(cell.specs), self.out, cell.model, cell.mode,
                                      config.batch_size, config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+        if config.fidelity:
+            self._fidelity(model, tokenizer, cell, items, dirs)
         if config.lm_eval:
-            for spec, run_dir in zip(cell.specs, dirs):
-                run_lm_eval_tasks(model, tokenizer, spec, cell.mode, run_dir, config.lm_eval, config.batch_size, config.seed)
+            run_lm_eval_tasks(model, tokenizer, list(cell.specs), dirs, config.lm_eval, config.batch_size, config.seed)
         return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
 
 
@@ -336,36 +360,48 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
             for mode, specs in _specs_by_mode(config).items() for spec in specs]
 
 
-def run_lm_eval_tasks(model, tokenizer, spec: str, mode: str, run_dir: Path, settings: dict, batch_size: int, seed: int) -> None:
-    """Run the sweep's lm-eval tasks under one policy; their per-sample results join the run's ``items.jsonl``.
+def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[Path], settings: dict, batch_size: int,
+                      seed: int) -> None:
+    """Run the sweep's lm-eval tasks under each policy; their per-sample results join each run's ``items.jsonl``.
 
-    A task's samples are written only once lm-eval has finished it, so a killed
-    sweep reruns that task whole and never records half of it.
+    ``specs`` share one mode and KV dtype (one cell). Each task runs through
+    lm-eval once per policy still missing it, exactly as a separate run would
+    (its own :class:`~kveval.lm_eval.model.KVEvalLM`), but the first of those
+    runs prefills every request once for all of them and the others' runs are
+    answered from a :class:`~kveval.lm_eval.model.ResponseStore` (identical
+    samples and measured bytes). A task's samples are written only once lm-eval
+    has finished it for that policy, so a sweep killed between two policies
+    reruns only the policies not written, and never records half a task.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from kveval.compare import records_from_samples
     from kveval.lm_eval import register, tasks_dir
+    from kveval.lm_eval.model import ResponseStore
     from kveval.records import ItemWriter, iter_items
 
-    done = {r.metrics.get("lm_eval_task") for r in iter_items(run_dir)}
-    tasks = [t for t in settings["tasks"] if t not in done]
-    if not tasks:
+    done = [{r.metrics.get("lm_eval_task") for r in iter_items(d)} for d in run_dirs]
+    if all(set(settings["tasks"]) <= finished for finished in done):
         return
     model_class = register()
-    lm = model_class(pretrained=model, tokenizer=tokenizer, policy=spec, compress=mode, seed=seed, batch_size=batch_size,
-                     **(settings.get("model_args") or {}))
+    lms = [model_class(pretrained=model, tokenizer=tokenizer, policy=spec, seed=seed, batch_size=batch_size,
+                       **(settings.get("model_args") or {})) for spec in specs]
+    store = ResponseStore()
     folder = tasks_dir()
     manager = TaskManager(include_path=[str(folder)] if folder else None, metadata=settings.get("metadata") or None)
-    for task in tasks:  # one call per listed task: a group's subtasks are recorded under the listed name
-        output = lm_eval.simple_evaluate(model=lm, tasks=[task], limit=settings.get("limit"), log_samples=True,
-                                         task_manager=manager, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed)
-        with ItemWriter(run_dir) as writer:
-            for subtask, rows in sorted(output["samples"].items()):
-                for record in records_from_samples(rows, subtask, None, f"lm-eval samples of {subtask}"):
-                    record.metrics["lm_eval_task"] = task
-                    writer.write(record)
+    for task in settings["tasks"]:  # one call per listed task: a group's subtasks are recorded under the listed name
+        pending = [i for i, finished in enumerate(done) if task not in finished]
+        for n, i in enumerate(pending):
+            lms[i].share_prefill([specs[j] for j in pending[n + 1:]], store)  # later policies read what this one leaves
+            output = lm_eval.simple_evaluate(model=lms[i], tasks=[task], limit=settings.get("limit"), log_samples=True,
+                                             task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                             torch_random_seed=seed)
+            with ItemWriter(run_dirs[i]) as writer:
+                for subtask, rows in sorted(output["samples"].items()):
+                    for record in records_from_samples(rows, subtask, None, f"lm-eval samples of {subtask}"):
+                        record.metrics["lm_eval_task"] = task
+                        writer.write(record)
 
 
 def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: dict | None = None) -> int:

@@ -76,6 +76,13 @@ compressed cache for prefill and decoding, batched (answers do not depend on the
 batch size), ``until`` stop strings and ``max_gen_toks``. Sampling
 (``do_sample=True``) is refused.
 
+One prefill for several policies: :meth:`KVEvalLM.share_prefill` makes a run
+compute each request for other policies too (one uncompressed prefill, each
+policy's cache derived from it as :func:`kveval.generation.generate_each`
+does) and leave their answers in a :class:`ResponseStore`, from which their
+own runs of the same task are answered. ``kveval sweep`` does this for its
+lm-eval tasks; every policy's samples and measured bytes equal a separate run's.
+
 Measured cache bytes (after each loglikelihood prefill, and at the end of each
 generation) are averaged over the requests the model computed and reported by
 :meth:`KVEvalLM.get_model_info`, which lm-eval merges into
@@ -101,10 +108,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 
 import kveval
 from kveval.cache import CompressedCache, nominal_bytes_per_token
-from kveval.generation import MODES, Prompt, forward_rows, generate
+from kveval.generation import MODES, Prompt, can_share_prefill, check_request, forward_rows, generate_each
 from kveval.errors import PolicySpecError, UsageError
 from kveval.evaluate import deployment_dtype_name, model_identity
-from kveval.lm_eval import schema
+from kveval.lm_eval import data_parallel, schema
 from kveval.policies import PolicyStack, parse_policy
 from kveval.runspec import RunSpec, parse_kv_dtype, parse_mode
 
@@ -221,6 +228,39 @@ def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> Compress
     return cache.fork_rows(index, memo)  # also forks linear-attention/Mamba states (hybrid models)
 
 
+class ResponseStore:
+    """Responses one lm-eval call computed for the *other* policies of a shared prefill, until their runs ask.
+
+    Keyed by ``(run spec key, call key)``, where the call key fingerprints the
+    request kind and every request of one ``_loglikelihood_tokens`` or
+    ``generate_until`` call (lm-eval asks each policy's run the same calls for
+    the same task). A value is the call's answers plus the cache measurements
+    the policy's run records, in the order it records them; it is removed when
+    read, so the store holds only what is still to be served. Share one store
+    only among :class:`KVEvalLM` instances built with the same model arguments
+    but the policy (the answers are computed with the first one's settings).
+    """
+
+    def __init__(self):
+        self._served: dict[tuple[str, str], tuple[list, list]] = {}
+
+    def put(self, spec_key: str, call_key: str, answers: list, records: list) -> None:
+        self._served[(spec_key, call_key)] = (answers, records)
+
+    def take(self, spec_key: str, call_key: str) -> tuple[list, list] | None:
+        return self._served.pop((spec_key, call_key), None)
+
+    def __len__(self) -> int:
+        return len(self._served)
+
+
+def _call_key(kind: str, args: list) -> str:
+    """A fingerprint of one request-level call: its kind and every request's arguments, in order."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([kind, args], default=str).encode()).hexdigest()
+
+
 # --- the model type ------------------------------------------------------------------------------
 
 class KVEvalLM(HFLM):
@@ -261,6 +301,9 @@ class KVEvalLM(HFLM):
             # lm-eval's CLI passes device="cuda:0" unless told otherwise; HFLM then quietly stays on the CPU too.
             log.warning("kveval: device=%s requested but CUDA is not available; using the CPU", device)
             device = "cpu"
+        launch = data_parallel.launch()  # one of several `accelerate launch` processes: this one answers a shard
+        if launch is not None and isinstance(pretrained, str):
+            device = launch.placement(kwargs)
 
         if isinstance(pretrained, str):
             from kveval.models import load_model
@@ -294,6 +337,10 @@ class KVEvalLM(HFLM):
         self._rolling = False
         self._warned: set[str] = set()
         self._measured = {"requests": 0, "tokens": 0, "kv_bytes": 0, "index_bytes": 0, "nominal_bytes": 0}
+        self._companions: list[RunSpec] = []
+        self._store: ResponseStore | None = None
+        if launch is not None:
+            launch.attach(self)
 
     @property
     def policy(self) -> PolicyStack:
@@ -310,6 +357,40 @@ class KVEvalLM(HFLM):
     @property
     def kv_dtype(self) -> str | None:
         return self.runspec.kv_dtype
+
+    def share_prefill(self, companions: "list[RunSpec]", store: ResponseStore) -> None:
+        """Compute every request for ``companions`` too, from this policy's prefill, and leave their answers in ``store``.
+
+        The sweep's lm-eval tasks use it: the first policy's run of a task
+        prefills each request once for all of the task's pending policies
+        (:meth:`CompressedCache.derive`), and the other policies' runs (the
+        same calls, each with its own :class:`KVEvalLM` on ``store``) are
+        answered from ``store``. Every policy's answers and measured bytes equal
+        a separate run's. ``companions`` must share this run's mode and KV dtype.
+        An empty list stops sharing (the store is still read).
+        """
+        others = [c.for_model(self.model) for c in companions if c.key != self.runspec.key]
+        if any((c.mode, c.kv_dtype) != (self.compress, self.kv_dtype) for c in others):
+            raise UsageError("share_prefill: companions must have this run's mode and KV dtype")
+        self._companions, self._store = others, store
+
+    def _answered(self, kind: str, args: list, compute):
+        """This call's answers from the store, or computed (``compute(stacks)``) for this policy and its companions.
+
+        ``compute`` returns, per stack, ``(answers, records)``; ``records`` are
+        :meth:`_record` arguments, replayed here so measurements equal a separate run's.
+        """
+        key = _call_key(kind, args) if self._store is not None else None
+        served = self._store.take(self.runspec.key, key) if key is not None else None
+        if served is None:
+            computed = compute([self.policy] + [c.policy for c in self._companions])
+            for companion, answers_records in zip(self._companions, computed[1:]):
+                self._store.put(companion.key, key, *answers_records)
+            served = computed[0]
+        answers, records = served
+        for stats, weight in records:
+            self._record(stats, weight)
+        return answers
 
     @staticmethod
     def _ensure_kveval_attention(model) -> None:
@@ -390,10 +471,25 @@ class KVEvalLM(HFLM):
             return tuple(context[:split]), 0, context[split:] + continuation[:-1], continuation
         return tuple(context), q, continuation[:-1], continuation
 
+    loglikelihood = data_parallel.shards_requests(HFLM.loglikelihood)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         if self._rolling:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         plans = [self._plan(r) for r in requests]
+        answers = self._answered("loglikelihood", [list(r) for r in requests],
+                                 lambda stacks: self._score_plans(plans, stacks, override_bs, disable_tqdm))
+        for request, answer in zip(requests, answers):
+            if request[0] is not None:
+                self.cache_hook.add_partial("loglikelihood", request[0], answer)
+        return answers
+
+    def _score_plans(self, plans: list, stacks: list[PolicyStack], override_bs: int | None, disable_tqdm: bool) -> list:
+        """``[(answers, records)]`` per stack: each prefill group compressed by each stack, its continuations scored.
+
+        With several stacks (and :func:`can_share_prefill`) a group's prefill runs
+        once and each stack's cache is derived from it, scored and released in turn.
+        """
         groups: dict[tuple, list[int]] = {}
         for i, (prefill, protect, _, _) in enumerate(plans):
             groups.setdefault((prefill, protect), []).append(i)
@@ -401,51 +497,68 @@ class KVEvalLM(HFLM):
         order = sorted(groups, key=lambda k: (-len(k[0]), k[0], k[1]))
         batch_size = self._int_batch_size(override_bs)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        results: list[tuple[float, bool] | None] = [None] * len(requests)
-        pbar = tqdm(total=len(requests), disable=(disable_tqdm or self.rank != 0), desc="Running loglikelihood requests (kveval)")
+        share = len(stacks) > 1 and can_share_prefill(self.model, self.kv_dtype)
+        out = [([None] * len(plans), []) for _ in stacks]
+        pbar = tqdm(total=len(plans) * len(stacks), disable=(disable_tqdm or self.rank != 0),
+                    desc="Running loglikelihood requests (kveval)")
         with torch.no_grad():
             for first in range(0, len(order), batch_size):
                 keys = order[first:first + batch_size]
-                cache = CompressedCache(self.model, self.policy, seed=self.seed + first, kv_dtype=self.kv_dtype)
-                cache.set_protected([protect for _, protect in keys])
-                seen = [0] * len(keys)
-                logits = forward_rows(self.model, cache, [list(prefill) for prefill, _ in keys], seen, pad_id, logits_to_keep=1)[0]
-                cache.set_protected(None)
-                first_logprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # predicts the token after each prefill
-                for g, key in enumerate(keys):
-                    self._record(cache.stats(row=g), weight=len(groups[key]))
-                members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
-                for start in range(0, len(members), batch_size):
-                    sub = members[start:start + batch_size]
-                    index = [g for g, _ in sub]
-                    if len(members) <= batch_size and index == list(range(len(keys))):
-                        run = cache  # each prefill is used once: no copy needed
+                protect, rows = [p for _, p in keys], [list(prefill) for prefill, _ in keys]
+                if share:
+                    shared = CompressedCache(self.model, "none", seed=self.seed + first, defer_compression=True,
+                                             kv_dtype=self.kv_dtype, scores_for=stacks)
+                    first_logprobs = self._prefill(shared, rows, protect, pad_id)
+                for stack, (answers, records) in zip(stacks, out):
+                    if share:
+                        cache = shared.derive(stack)
                     else:
-                        run = _fork_rows(cache, index, self._memo)
-                    tails = [plans[i][2] for _, i in sub]
-                    tail_logprobs = None
-                    if any(tails):
-                        tail_seen = [len(keys[g][0]) for g in index]
-                        # Only the last positions predict continuation tokens: skip the vocabulary projection elsewhere.
-                        needed = max(min(len(tail), len(plans[i][3])) for tail, (_, i) in zip(tails, sub))
-                        logits = forward_rows(self.model, run, tails, tail_seen, pad_id, logits_to_keep=needed)[0]
-                        tail_logprobs = F.log_softmax(logits.float(), dim=-1)
-                    for r, (g, i) in enumerate(sub):
-                        continuation = plans[i][3]
-                        t = min(len(tails[r]), len(continuation))
-                        preds = first_logprobs[g:g + 1]
-                        if t:
-                            preds = torch.cat([preds, tail_logprobs[r, tail_logprobs.shape[1] - t:]], dim=0)
-                        preds = preds[-len(continuation):]
-                        target = torch.tensor(continuation, dtype=torch.long, device=preds.device)
-                        answer = (float(preds.gather(1, target[:, None]).sum()), bool((preds.argmax(dim=-1) == target).all()))
-                        results[i] = answer
-                        request_str = requests[i][0]
-                        if request_str is not None:
-                            self.cache_hook.add_partial("loglikelihood", request_str, answer)
-                        pbar.update(1)
+                        cache = CompressedCache(self.model, stack, seed=self.seed + first, kv_dtype=self.kv_dtype)
+                        first_logprobs = self._prefill(cache, rows, protect, pad_id)
+                    cache.set_protected(None)
+                    for g, key in enumerate(keys):
+                        records.append((cache.stats(row=g), len(groups[key])))
+                    members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
+                    self._score_members(cache, members, [len(k[0]) for k in keys], plans, first_logprobs, batch_size,
+                                        pad_id, answers)
+                    del cache  # released before the next stack's cache is derived
+                    pbar.update(len(members))
         pbar.close()
-        return results
+        return out
+
+    def _prefill(self, cache: CompressedCache, rows: list[list[int]], protect: list[int], pad_id: int) -> torch.Tensor:
+        """Prefill ``rows`` into ``cache`` (their last ``protect`` tokens kept); log-probs of the token after each."""
+        cache.set_protected(protect)
+        logits = forward_rows(self.model, cache, rows, [0] * len(rows), pad_id, logits_to_keep=1)[0]
+        return F.log_softmax(logits[:, -1].float(), dim=-1)
+
+    def _score_members(self, cache: CompressedCache, members: list[tuple[int, int]], prefill_lengths: list[int],
+                       plans: list, first_logprobs: torch.Tensor, batch_size: int, pad_id: int, answers: list) -> None:
+        """Score each ``(row g, request i)`` of ``members``: request ``i``'s tail on a copy of ``cache``'s row ``g``."""
+        for start in range(0, len(members), batch_size):
+            sub = members[start:start + batch_size]
+            index = [g for g, _ in sub]
+            if len(members) <= batch_size and index == list(range(len(prefill_lengths))):
+                run = cache  # each prefill is used once: no copy needed
+            else:
+                run = _fork_rows(cache, index, self._memo)
+            tails = [plans[i][2] for _, i in sub]
+            tail_logprobs = None
+            if any(tails):
+                tail_seen = [prefill_lengths[g] for g in index]
+                # Only the last positions predict continuation tokens: skip the vocabulary projection elsewhere.
+                needed = max(min(len(tail), len(plans[i][3])) for tail, (_, i) in zip(tails, sub))
+                logits = forward_rows(self.model, run, tails, tail_seen, pad_id, logits_to_keep=needed)[0]
+                tail_logprobs = F.log_softmax(logits.float(), dim=-1)
+            for r, (g, i) in enumerate(sub):
+                continuation = plans[i][3]
+                t = min(len(tails[r]), len(continuation))
+                preds = first_logprobs[g:g + 1]
+                if t:
+                    preds = torch.cat([preds, tail_logprobs[r, tail_logprobs.shape[1] - t:]], dim=0)
+                preds = preds[-len(continuation):]
+                target = torch.tensor(continuation, dtype=torch.long, device=preds.device)
+                answers[i] = (float(preds.gather(1, target[:, None]).sum()), bool((preds.argmax(dim=-1) == target).all()))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         """Stock ``HFLM`` rolling loglikelihood, uncompressed (its windows have a one-token prefix: nothing to compress)."""
@@ -462,15 +575,28 @@ class KVEvalLM(HFLM):
         ids, mask = self.tok_batch_encode([text])  # HFLM's tokenization of generation prompts
         return ids[0][mask[0].bool()].tolist()
 
+    @data_parallel.shards_requests
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         args = [req.args for req in requests]
-        results: list[str | None] = [None] * len(args)
+        jobs = self._generation_jobs(args)
+        pbar = tqdm(total=len(args), disable=(disable_tqdm or self.rank != 0), desc="Running generate_until requests (kveval)")
+        answers = self._answered("generate_until", [list(a) for a in args],
+                                 lambda stacks: self._generate_jobs(jobs, len(args), stacks, pbar))
+        pbar.close()
+        for arg, text in zip(args, answers):
+            self.cache_hook.add_partial("generate_until", arg, text)
+        return answers
+
+    def _generation_jobs(self, args: list) -> list[tuple[list[int], dict, list[str], int]]:
+        """Requests grouped by generation kwargs: ``(request indices in order, prompts, stop strings, max_gen_toks)``.
+
+        Refuses sampling here, before anything is computed or read from a store.
+        """
         by_kwargs: dict[str, list[int]] = {}
         for i, (_, gen_kwargs) in enumerate(args):
             by_kwargs.setdefault(json.dumps(gen_kwargs, sort_keys=True, default=str), []).append(i)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        batch_size = self._int_batch_size()
-        pbar = tqdm(total=len(args), disable=(disable_tqdm or self.rank != 0), desc="Running generate_until requests (kveval)")
+        jobs = []
         for indices in by_kwargs.values():
             gen_kwargs = args[indices[0]][1]
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
@@ -498,21 +624,27 @@ class KVEvalLM(HFLM):
                 prompts[i] = Prompt(context=ids[:len(ids) - q], question=ids[len(ids) - q:])
             # Longest prompt first, ties by text: batch composition never changes the order (nor the seeds).
             ordered = sorted(indices, key=lambda i: (-prompts[i].length, args[i][0]))
+            jobs.append((ordered, prompts, until, max_gen_toks))
+        return jobs
+
+    def _generate_jobs(self, jobs: list, n: int, stacks: list[PolicyStack], pbar) -> list:
+        """``[(texts, records)]`` per stack; each batch prefilled once for all stacks (:func:`generate_each`)."""
+        out = [([None] * n, []) for _ in stacks]
+        batch_size = self._int_batch_size()
+        think_end = self.think_end_token if isinstance(self.think_end_token, str) else None
+        for ordered, prompts, until, max_gen_toks in jobs:
             for start in range(0, len(ordered), batch_size):
                 chunk = ordered[start:start + batch_size]
-                outputs = generate(self.model, self.tokenizer, [prompts[i] for i in chunk], policy=self.policy,
-                                   max_new_tokens=max_gen_toks, batch_size=len(chunk), stop=until,
-                                   seed=self.seed + start, **self.runspec.generation_kwargs())
-                for i, out in zip(chunk, outputs):
-                    text = postprocess_generated_text(
-                        generation=out.text, stop=until,
-                        think_end_token=self.think_end_token if isinstance(self.think_end_token, str) else None)
-                    results[i] = text
-                    self._record(out.stats)
-                    self.cache_hook.add_partial("generate_until", args[i], text)
-                    pbar.update(1)
-        pbar.close()
-        return results
+                batch = [prompts[i] for i in chunk]
+                check_request(self.model, batch, max_gen_toks, self.compress, len(chunk))
+                each = generate_each(self.model, self.tokenizer, batch, stacks, max_new_tokens=max_gen_toks, stop=until,
+                                     seed=self.seed + start, **self.runspec.generation_kwargs())
+                for (texts, records), (_, outputs) in zip(out, each):
+                    for i, result in zip(chunk, outputs):
+                        texts[i] = postprocess_generated_text(generation=result.text, stop=until, think_end_token=think_end)
+                        records.append((result.stats, 1))
+                pbar.update(len(chunk))
+        return out
 
     # --- reporting -------------------------------------------------------------------------------
     def cache_summary(self) -> dict:
@@ -562,5 +694,5 @@ def register_model_type() -> None:
 
 register_model_type()
 
-__all__ = ["KVEvalLM", "MODEL_TYPE", "parse_model_args", "policy_from_arg", "register_model_type", "runspec_from_args",
+__all__ = ["KVEvalLM", "MODEL_TYPE", "ResponseStore", "parse_model_args", "policy_from_arg", "register_model_type", "runspec_from_args",
            "split_model_args"]
