@@ -94,7 +94,10 @@ class KVQuantPolicy(RepresentationPolicy):
         """Any head_dim works: codes are packed per vector."""
 
     def fit_widths(self, widths: dict[str, int], label: str) -> None:
-        """Refuse stacking under a structure policy: the codebooks and key ranges are calibrated on K/V heads."""
+        """Any head width fits; refuse a structure's coefficients (``label`` other than ``head_dim``): the
+        codebooks and key ranges are calibrated on K/V heads."""
+        if label == "head_dim":
+            return
         raise PolicySpecError(f"{self.spec()}: quantizes K/V heads with codebooks calibrated on them, not a structure's "
                               f"{label} coefficients; use quant(...) or kivi(...) under a structure policy")
 
