@@ -194,6 +194,12 @@ def test_stacked_with_snapkv_holds_fewer_bytes_and_a_shared_prefill_equals_its_o
 
 
 # --- parameters ---------------------------------------------------------------------------------
+def test_fits_any_head_dim_as_runs_and_sweeps_fit_it():
+    stack = parse_policy("snapkv(ratio=0.5)+kvquant(bits=3)")
+    stack.fit_groups(256)
+    assert stack.spec == "snapkv(ratio=0.5)+kvquant(bits=3)"
+
+
 @pytest.mark.parametrize("spec, message", [
     ("kvquant(bits=5)", "use 2, 3, 4 or 8"),
     ("kvquant(outliers=1.5)", "0 <= outliers <= 1"),
@@ -203,12 +209,6 @@ def test_stacked_with_snapkv_holds_fewer_bytes_and_a_shared_prefill_equals_its_o
     ("kvquant(calibration=/no/such/file.txt)", "missing or empty"),
     ("lowrank(rank=8)+kvquant", "not a structure's rank coefficients"),
 ])
-def test_fits_any_head_dim_as_runs_and_sweeps_fit_it():
-    stack = parse_policy("snapkv(ratio=0.5)+kvquant(bits=3)")
-    stack.fit_groups(256)
-    assert stack.spec == "snapkv(ratio=0.5)+kvquant(bits=3)"
-
-
 def test_bad_parameters_are_one_policy_spec_error(spec, message):
     with pytest.raises(PolicySpecError, match=message) as info:
         parse_policy(spec)
