@@ -2,7 +2,7 @@
 
     python3 benchmarks/throughput.py [--model smollm2-135m] [--length 256] [--new-tokens 16]
                                      [--batch 1 --batch 8 --batch 32] [--policy-batch 8] [--policy SPEC ...]
-                                     [--repeats 1]
+                                     [--repeats 1] [--mixed-lengths]
 
 Same model object, same prompts (passkey probe items of ``--length`` tokens,
 left-padded per batch), greedy, ``--new-tokens`` tokens per item:
@@ -14,8 +14,16 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    item (whole generation / items), decode tokens/s (``items x (new - 1)``
    over the generation time less the time to the first token, which is timed
    by the same call with one new token), and kveval/transformers ratios
-   (time: <1 is faster; tokens/s: >1 is faster). "same" says whether both
-   produced the same tokens.
+   (time: <1 is faster; tokens/s: >1 is faster). Then token agreement, in
+   rows identical to transformers at *batch 1* (each prompt alone: no padding):
+   kveval at this batch, transformers at this batch, and kveval with its cache
+   in the compute dtype (``kv_dtype`` = the model's dtype, untimed). A row that
+   differs in the first column but not the third differs because kveval stores
+   full-precision tokens in the deployment's ``kv_dtype`` (bfloat16 for
+   SmolLM2) while transformers keeps float32, not because of the batch; a
+   difference in the second column is transformers' own batched numerics.
+   ``--mixed-lengths`` draws prompts of 4 lengths (``--length`` down to 5/8 of
+   it), so batches are left-padded.
 2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
    for each ``--policy`` (default one per family), as ratios to ``none``.
 3. On CUDA: peak allocated memory during generation above the weights, against
@@ -110,6 +118,8 @@ def main() -> None:
     parser.add_argument("--policy-batch", type=int, default=8)
     parser.add_argument("--policy", action="append", default=None, help="repeat; default one per family")
     parser.add_argument("--repeats", type=int, default=1, help="timings per figure (median)")
+    parser.add_argument("--mixed-lengths", action="store_true",
+                        help="prompts of --length, 7/8, 3/4 and 5/8 of it in turn (left-padded batches)")
     parser.add_argument("--ray-sweep", metavar="CONFIG", help="run only section 4 on this sweep config")
     parser.add_argument("--workers", type=int, default=2, help="CPUs of the local Ray cluster for --ray-sweep")
     args = parser.parse_args()
@@ -131,34 +141,47 @@ def main() -> None:
     kveval.generation.eos_ids = lambda model, tokenizer: set()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = args.batch or [1, 8, 32]
-    items = generate_items("passkey", tokenizer, args.length, max(batches + [args.policy_batch]), seed=0)
+    count = max(batches + [args.policy_batch])
+    if args.mixed_lengths:
+        items = [generate_items("passkey", tokenizer, args.length - (i % 4) * args.length // 8, 1, seed=i)[0]
+                 for i in range(count)]
+    else:
+        items = generate_items("passkey", tokenizer, args.length, count, seed=0)
     prompts = [Prompt(*encode_item(tokenizer, it)) for it in items]
 
-    def kveval_run(spec: str):
+    def kveval_run(spec: str, kv_dtype=None):
         policy = RunSpec.parse(spec).for_model(model).policy  # unset quantization groups fit the model's head width
 
         def run(batch, new_tokens):
-            results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch))
+            results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch),
+                               kv_dtype=kv_dtype)
             return [r.token_ids for r in results]
         return run
 
     generate(model, tokenizer, prompts[:1], "none", max_new_tokens=2)  # warm-up: first-call costs out of the timings
     _hf_generate(model, prompts[:1], 2, pad_id)
     mean_tokens = statistics.fmean(p.length for p in prompts)
+    # The reference of token agreement: each prompt alone through transformers (no padding, untimed).
+    hf_alone = [_hf_generate(model, [p], args.new_tokens, pad_id)[0] for p in prompts[:max(batches)]]
     device = str(model.device)
     print(f"model {args.model} on {device} ({model.dtype}), prompts ~{mean_tokens:.0f} tokens, {args.new_tokens} new tokens, "
           f"greedy, median of {args.repeats}")
     print()
     print("1. kveval none vs transformers generate (DynamicCache)")
     print(f"{'batch':>5} | {'hf s/item':>9} {'hf tok/s':>9} | {'kveval s/item':>13} {'kveval tok/s':>12} | "
-          f"{'time ratio':>10} {'tok/s ratio':>11} | same")
+          f"{'time ratio':>10} {'tok/s ratio':>11} | rows equal to hf batch 1: {'kveval':>6} {'hf':>6} "
+          f"{'kveval(kv=' + str(model.dtype).removeprefix('torch.') + ')':>18}")
     for size in batches:
         batch = prompts[:size]
         hf = _path(lambda b, n: _hf_generate(model, b, n, pad_id), batch, args.new_tokens, args.repeats)
         kv = _path(kveval_run("none"), batch, args.new_tokens, args.repeats)
+        exact = kveval_run("none", kv_dtype=model.dtype)(batch, args.new_tokens)
+
+        def agree(tokens):
+            return f"{sum(a == b for a, b in zip(tokens, hf_alone))}/{size}"
         print(f"{size:>5} | {hf['per_item']:>9.3f} {hf['decode_tps']:>9.1f} | {kv['per_item']:>13.3f} "
               f"{kv['decode_tps']:>12.1f} | {kv['per_item'] / hf['per_item']:>9.2f}x {kv['decode_tps'] / hf['decode_tps']:>10.2f}x | "
-              f"{'yes' if kv['tokens'] == hf['tokens'] else 'no'}")
+              f"{'':>24} {agree(kv['tokens']):>7} {agree(hf['tokens']):>6} {agree(exact):>18}")
 
     print()
     print(f"2. policy families vs kveval none at batch {args.policy_batch}")
