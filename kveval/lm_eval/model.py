@@ -109,106 +109,17 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 import kveval
 from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.generation import MODES, Prompt, can_share_prefill, check_request, forward_rows, generate_each
-from kveval.errors import PolicySpecError, UsageError
+from kveval.errors import UsageError
 from kveval.evaluate import deployment_dtype_name, model_identity
 from kveval.lm_eval import data_parallel, schema
-from kveval.policies import PolicyStack, parse_policy
-from kveval.runspec import RunSpec, parse_kv_dtype, parse_mode
+from kveval.lm_eval.arguments import (HFLM_KEYS, UNSUPPORTED, parse_model_args, placement_args, policy_from_arg,
+                                     runspec_from_args, split_model_args, unescape)
+from kveval.policies import PolicyStack
+from kveval.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
 MODEL_TYPE = "kveval"
-
-# HFLM options that still mean something when HFLM receives a loaded model object.
-_HFLM_KEYS = {"max_length", "truncation", "add_bos_token", "prefix_token_id", "logits_cache", "softmax_dtype",
-              "mixed_precision_dtype", "use_fast_tokenizer", "think_end_token", "enable_thinking",
-              "chat_template_args", "backend"}
-# HFLM loading options kveval does not support (it loads the model itself: whole, or placed by accelerate).
-_UNSUPPORTED = {"peft", "delta", "autogptq", "gptqmodel", "tp_plan", "offload_folder"}
-
-
-# --- argument handling ---------------------------------------------------------------------------
-
-def split_model_args(text: str) -> list[str]:
-    """Split a ``key=value,key=value`` string on commas outside parentheses, brackets, braces and quotes."""
-    parts, buf, depth, quote = [], [], 0, None
-    for ch in text:
-        if quote is not None:
-            if ch == quote:
-                quote = None
-        elif ch in "\"'":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth = max(depth - 1, 0)
-        elif ch == "," and depth == 0:
-            parts.append("".join(buf))
-            buf = []
-            continue
-        buf.append(ch)
-    parts.append("".join(buf))
-    return [p for p in parts if p.strip()]
-
-
-def parse_model_args(text: str | None) -> dict:
-    """``--model_args`` string to a dict, keeping a policy spec's commas inside its parentheses.
-
-    Values are typed as lm-eval types them (``0.5`` -> float, ``true`` -> bool,
-    quotes -> string). lm-eval's own ``simple_parse_args_string`` splits on
-    every comma, which would cut ``snapkv(ratio=0.5,window=32)`` apart.
-    """
-    from lm_eval.utils import handle_arg_string
-
-    result = {}
-    for item in split_model_args((text or "").strip()):
-        if "=" not in item:
-            raise ValueError(f"model argument {item.strip()!r} is not key=value")
-        key, value = item.split("=", 1)
-        result[key.strip()] = handle_arg_string(value)
-    return result
-
-
-def policy_from_arg(policy) -> PolicyStack:
-    """Parse the ``policy`` model argument (``;`` allowed instead of ``,`` inside parentheses)."""
-    return runspec_from_args(policy).policy
-
-
-def runspec_from_args(policy, compress: str | None = None, kv_dtype=None) -> RunSpec:
-    """The run spec of the ``policy``, ``compress`` and ``kv_dtype`` model arguments, parsed once.
-
-    ``policy`` may carry a mode suffix (``snapkv(ratio=0.5)@query``) instead of ``compress=``.
-    """
-    if isinstance(policy, RunSpec):
-        return policy
-    if isinstance(policy, PolicyStack) or policy is None:
-        return RunSpec(parse_policy(policy), parse_mode(compress), parse_kv_dtype(kv_dtype))
-    if not isinstance(policy, str):
-        raise PolicySpecError(f"policy={policy!r}: give a policy spec string such as 'snapkv(ratio=0.5)+kivi(bits=4)'")
-    return RunSpec.parse(policy.replace(";", ","), mode=compress, kv_dtype=kv_dtype)
-
-
-def _placement_args(kwargs: dict) -> None:
-    """HFLM's big-model options as :func:`kveval.models.load_model` takes them, in place.
-
-    ``parallelize=True`` means ``device_map="auto"`` (unless a ``device_map`` is
-    given); ``max_memory_per_gpu`` and ``max_cpu_memory`` build ``max_memory``
-    over the visible GPUs and the CPU, as ``--model hf`` does.
-    """
-    parallelize = kwargs.pop("parallelize", False)
-    per_gpu, cpu = kwargs.pop("max_memory_per_gpu", None), kwargs.pop("max_cpu_memory", None)
-    if parallelize and not kwargs.get("device_map"):
-        kwargs["device_map"] = "auto"
-    if per_gpu or cpu:
-        memory = {i: per_gpu for i in range(torch.cuda.device_count())} if per_gpu else {}
-        kwargs["max_memory"] = {**memory, **({"cpu": cpu} if cpu else {})}
-
-
-def _unescape(text: str) -> str:
-    if "\\" not in text:
-        return text
-    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
-
 
 def _version(name: str) -> str:
     try:
@@ -277,18 +188,18 @@ class KVEvalLM(HFLM):
         self.runspec = runspec_from_args(policy, compress, kv_dtype)
         if isinstance(pretrained, str):  # checked against its config.json before the weights load
             self.runspec = self.runspec.for_model(pretrained)
-        self.question_marker = _unescape(str(question_marker)) if question_marker not in (None, "") else None
+        self.question_marker = unescape(str(question_marker)) if question_marker not in (None, "") else None
         self.seed = int(seed)
-        unsupported = sorted(k for k in _UNSUPPORTED if kwargs.get(k))
+        unsupported = sorted(k for k in UNSUPPORTED if kwargs.get(k))
         if unsupported:
             raise ValueError(f"model_args {', '.join(unsupported)} are not supported by --model kveval "
                              f"(it loads the whole model on one device)")
-        for k in _UNSUPPORTED:
+        for k in UNSUPPORTED:
             kwargs.pop(k, None)
-        _placement_args(kwargs)
+        placement_args(kwargs)
         if "attn_implementation" in kwargs:
             raise ValueError("attn_implementation is set by kveval (the 'kveval' attention function); remove it from model_args")
-        hflm_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _HFLM_KEYS}
+        hflm_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HFLM_KEYS}
         for k in ("revision", "subfolder", "gguf_file"):  # meaningful for from_pretrained only when given
             if kwargs.get(k) in (None, "", "main"):
                 kwargs.pop(k, None)
