@@ -383,6 +383,9 @@ class KVQuantStore(TokenStore):
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.compute_dtype is None:
             self.compute_dtype = keys.dtype
+        if keys.shape[0] != self.codec.key_mid.shape[0]:
+            raise PolicySpecError(f"kvquant: calibrated per KV head for {self.codec.key_mid.shape[0]} heads, got a store of "
+                                  f"{keys.shape[0]} (per-head budgets split heads apart); drop adaptive=/duo, or use kivi(...)")
         if keys.shape[-1] != self.codec.head_dim:
             raise PolicySpecError(f"kvquant: calibrated for head_dim={self.codec.head_dim}, got vectors of "
                                   f"{keys.shape[-1]} (kvquant quantizes K/V heads, not low-rank coefficients)")
@@ -396,6 +399,8 @@ class KVQuantStore(TokenStore):
 
     def place_positions(self, positions: torch.Tensor) -> None:
         """Record the original position of every held token (``[H, length]``, in held order), as the cache knows them."""
+        if not self.count:
+            return
         live = torch.cat([s.live() for s in self.segments if s.data], dim=1)
         every = torch.cat([s.data["positions"] for s in self.segments if s.data], dim=1).clone()
         every[live] = positions.to(every.device).reshape(-1)

@@ -193,6 +193,13 @@ def test_stacked_with_snapkv_holds_fewer_bytes_and_a_shared_prefill_equals_its_o
     assert shared[specs[1]][0].stats.kv_bytes < shared[specs[0]][0].stats.kv_bytes
 
 
+def test_per_head_budgets_are_refused_in_one_line():
+    # HeadwiseStore gives each KV head its own store, which cannot tell which head's calibration it holds.
+    with pytest.raises(PolicySpecError, match="per-head budgets") as info:
+        _logits(tiny_llama(), "snapkv(ratio=0.5,adaptive=true)+kvquant(bits=4)", _ids(20, 0), _ids(2, 1))
+    assert "\n" not in str(info.value)
+
+
 # --- parameters ---------------------------------------------------------------------------------
 def test_fits_any_head_dim_as_runs_and_sweeps_fit_it():
     stack = parse_policy("snapkv(ratio=0.5)+kvquant(bits=3)")
