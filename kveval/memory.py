@@ -404,6 +404,9 @@ class _Layout:
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
     quant = stack.quantization
+    if quant is not None and not hasattr(quant, "key_quant"):  # kvquant: outliers and sinks, not a grouped stream
+        raise ValueError(f"{quant.spec()}: the planner models quant, kivi and fp8 streams only; measure {quant.name} "
+                         f"with kveval eval (its bytes per token: KVQuantPolicy.bytes_per_token)")
     kq = quant.key_quant if quant is not None else None
     vq = quant.value_quant if quant is not None else None
     residual = int(getattr(quant, "residual_tokens", 0) or 0) if quant is not None else 0
