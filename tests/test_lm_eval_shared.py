@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
-from lm_eval.tasks import TaskManager  # noqa: E402
 
 from kveval.cache import CompressedCache  # noqa: E402
 from kveval.lm_eval import tasks_dir  # noqa: E402
@@ -41,7 +40,9 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def manager():
-    return TaskManager(include_path=[str(tasks_dir())], metadata=METADATA)
+    from kveval.sweep import _task_manager
+
+    return _task_manager(str(tasks_dir()), json.dumps(METADATA, sort_keys=True))  # the one the sweep's runs reuse
 
 
 def _evaluate(lm, task, manager):
