@@ -1,14 +1,17 @@
-"""lm-eval's data-parallel mode with ``--model kveval``: two CPU processes (``accelerate launch --cpu``, gloo) equal one.
+"""lm-eval's data-parallel mode with ``--model kveval``: two CPU processes (``accelerate launch``, gloo) equal one.
 
 A tiny random Llama with the SmolLM2 vocabulary is saved to a folder and
 evaluated on two packaged tasks (``generate_until`` and multiple choice) with a
 compressing policy, once in one process and once sharded over two. Five
 documents per task split 3 + 2, so lm-eval pads the second rank: the padding
-must neither change an answer nor be measured.
+must neither change an answer nor be measured. ``accelerate launch --cpu``
+starts a single process (several need MPI); ``--multi_gpu`` is accelerate's
+torchrun launcher, which on this GPU-less machine starts CPU processes.
 """
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,29 +68,41 @@ def _evaluate(folder: Path, out: Path, launcher: list[str]) -> dict:
             "--limit", "5", "--batch_size", "2", "--device", "cpu", "--log_samples", "--output_path", str(out)]
     done = subprocess.run([*launcher, *args], capture_output=True, text=True, env=env, cwd=out.parent, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    computed = {}  # (rank, request method) -> requests that rank computed
+    for rank, count, method in re.findall(r"rank (\d+) of \d+ computed (\d+) (\w+) requests", done.stderr):
+        computed[int(rank), method] = computed.get((int(rank), method), 0) + int(count)
     (results_file,) = sorted(out.rglob("results_*.json"))
     samples = {}
     for path in sorted(out.rglob("samples_*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
             samples[(path.name.split("_20")[0], row["doc_id"], row["filter"])] = row
-    return {"results": json.loads(results_file.read_text()), "samples": samples}
+    return {"results": json.loads(results_file.read_text()), "samples": samples, "computed": computed}
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate's launcher is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU processes: the launcher would claim the GPUs")
 def test_two_processes_equal_one(tiny_folder, tmp_path):
     one = _evaluate(tiny_folder, tmp_path / "one", [sys.executable])
     two = _evaluate(tiny_folder, tmp_path / "two",
-                    ["accelerate", "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+                    ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                      "--mixed_precision", "no", "--dynamo_backend", "no"])
     assert len(one["samples"]) == 2 * 5
+    # Each process computed a shard: 3 + 2 documents per task (lm-eval's padding of rank 1 is answered, not computed).
+    assert one["computed"] == {}  # a single process is not a rank of a data-parallel run
+    assert two["computed"][0, "generate_until"] == 3 and two["computed"][1, "generate_until"] == 2
+    choices = sum(len(row["resps"]) for (task, _, _), row in one["samples"].items() if task.endswith("_mc"))
+    assert two["computed"][0, "loglikelihood"] + two["computed"][1, "loglikelihood"] == choices
     assert set(two["samples"]) == set(one["samples"])  # every document once: no padding copy, none lost
     for key, row in one["samples"].items():
         other = two["samples"][key]
         assert other["prompt_hash"] == row["prompt_hash"]
-        assert (other["resps"], other["filtered_resps"]) == (row["resps"], row["filtered_resps"]), key
+        assert other["filtered_resps"] == row["filtered_resps"], key
+        # lm-eval appends its padding copies' answers to the padded request's own resps (as for --model hf):
+        # every request here has repeats 1, so the first answer is the request's, the rest must repeat it.
+        assert [r[:1] for r in other["resps"]] == row["resps"], key
+        assert all(answer == r[0] for r in other["resps"] for answer in r), key
     assert two["results"]["results"] == one["results"]["results"]
     measured = {k: v for k, v in one["results"]["config"].items() if k.startswith("kveval_measured")}
-    choices = sum(len(row["resps"]) for (task, _, _), row in one["samples"].items() if task.endswith("_mc"))
     assert measured["kveval_measured_requests"] == 5 + choices and 0 < measured["kveval_measured_bytes_per_token"]
     assert {k: two["results"]["config"][k] for k in measured} == measured

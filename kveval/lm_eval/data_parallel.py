@@ -4,9 +4,15 @@ lm-eval shards a task's documents over the processes of an ``accelerate
 launch`` when the model reports ``rank`` and ``world_size`` and holds an
 ``accelerator`` (``HFLM`` does this only for a model it loads itself, and only
 on several GPUs). :class:`Launch` gives :class:`~kveval.lm_eval.model.KVEvalLM`
-the same: each process loads the model on its own device (``cuda:LOCAL_RANK``,
-or the CPU under ``accelerate launch --cpu``, gloo), answers its shard, and
-lm-eval gathers the samples and metrics on rank 0, which writes the results.
+the same: each process loads the model on its own device (``cuda:LOCAL_RANK``;
+on a machine without GPUs the CPU, over gloo), answers its shard, and lm-eval
+gathers the samples and metrics on rank 0, which writes the results::
+
+    accelerate launch --multi_gpu --num_processes 8 -m kveval.lm_eval --model kveval --model_args ... --tasks ...
+
+(``--multi_gpu`` is accelerate's torchrun launcher; on a CPU-only machine it
+starts CPU processes. ``accelerate launch --cpu`` starts one process unless
+run through MPI.)
 
 Two things lm-eval's data-parallel loop does not do for kveval, done here:
 
@@ -27,12 +33,16 @@ control policy is the exception, as its seeds follow the batch position.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from kveval.errors import UsageError
+
+# A child of lm-eval's logger: its CLI prints it (kveval's own loggers have no handler there).
+log = logging.getLogger("lm_eval.kveval.data_parallel")
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,10 @@ def launch() -> Launch | None:
 
     from accelerate import Accelerator, InitProcessGroupKwargs
 
-    # lm-eval's own timeout: a rank may wait at a gather for as long as another takes over its shard.
-    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))])
+    # lm-eval's own timeout: a rank may wait at a gather for as long as another takes over its shard. Without
+    # cpu=True accelerate sees no distributed run on a machine without GPUs (HFLM shards only on GPUs).
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(weeks=52))])
     if accelerator.num_processes <= 1:
         return None
     return Launch(accelerator, accelerator.process_index, accelerator.num_processes)
@@ -119,6 +131,8 @@ def shards_requests(method):
         real = real_requests(requests)
         answers = list(method(lm, requests[:real], *args, **kwargs)) if real else []
         sum_over_ranks(lm, before)
+        log.info("kveval: rank %d of %d computed %d %s requests (%d padding copies answered, not computed)",
+                 lm.rank, lm.world_size, real, method.__name__, len(requests) - real)
         return answers + answers[-1:] * (len(requests) - real)
 
     return wrapper
