@@ -43,6 +43,19 @@ def test_real_requests_drops_only_lm_evals_padding():
     assert real_requests([]) == 0
 
 
+def test_a_data_parallel_process_loads_the_whole_model_on_its_own_device():
+    from types import SimpleNamespace
+
+    from kveval.errors import UsageError
+    from kveval.lm_eval.data_parallel import Launch
+
+    launch = Launch(SimpleNamespace(device=torch.device("cpu")), rank=1, world_size=2)
+    assert launch.placement({"revision": "main"}) == "cpu"
+    for placement in ({"device_map": "auto"}, {"max_memory": {0: "20GiB"}}):
+        with pytest.raises(UsageError, match="launch a single process for a model larger than one device"):
+            launch.placement(placement)
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     from kveval.models import load_tokenizer
