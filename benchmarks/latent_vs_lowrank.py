@@ -1,6 +1,6 @@
 """Cross-head ``latent`` against per-head ``lowrank`` at equal bytes per token: bytes, KL against none, accuracy.
 
-    flock /tmp/kveval-heavy.lock python3 benchmarks/latent_vs_lowrank.py [--model smollm2-135m]
+    PYTHONPATH=. flock /tmp/kveval-heavy.lock python3 benchmarks/latent_vs_lowrank.py [--model smollm2-135m]
         [--family niah_single --family niah_multikey] [--length 512] [--n 10] [--ranks 16,32]
 
 For each per-head rank ``r`` of ``--ranks`` the model's KV heads ``H`` give one
