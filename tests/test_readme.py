@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 
 from kveval.cli import COMMANDS
 from kveval.policies import POLICIES
@@ -97,9 +96,29 @@ def test_the_readme_shows_what_this_test_covers():
                                                       "memory", "lm-eval", "policies"}
 
 
+def smollm2_shaped_llama():
+    """A tiny random Llama with SmolLM2-135M's attention layout (3 KV heads x head_dim 64, GQA 3:1).
+
+    The README's specs are sized for the embedded models (``latent(rank=96)`` is 3 heads x 32,
+    ``kivi(group=32)`` divides 64), so they must run on that layout, not on an arbitrary tiny one.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kveval.attention import register_attention
+
+    register_attention()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=72, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=1024,
+                         attn_implementation="kveval", tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_readme_policy_spec_parses_and_runs_on_a_tiny_model(spec):
-    model = tiny_llama()  # head_dim 16: unset quantization groups adapt to it
+    model = smollm2_shaped_llama()
     run = RunSpec.parse(spec).for_model(model)
     assert RunSpec.parse(run.spec).for_model(model).spec == run.spec  # the canonical spec reads back as itself
     from kveval.cache import CompressedCache
