@@ -144,6 +144,8 @@ def tokenize_for(model, text: str) -> list[int]:
     if tokenizer is None:
         vocab = model.config.get_text_config().vocab_size
         return [b % vocab for b in text.encode("utf-8")]
+    # Calibration probes tokenize many times; loading Gemma-3's 262k-token tokenizer takes seconds each time.
+    model.kveval_tokenizer = tokenizer
     return list(tokenizer(text)["input_ids"])
 
 

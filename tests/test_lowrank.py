@@ -252,3 +252,26 @@ def test_smollm2_generates_with_fewer_bytes(monkeypatch):
     assert ours.token_ids and ours.stats.kv_bytes < none.stats.kv_bytes
     assert ours.stats.bytes_per_token == pytest.approx(none.stats.bytes_per_token / 2)  # 32 of 64 dims
     assert parse_policy(spec).structure.basis_bytes(model) == 30 * 3 * 64 * (32 + 32) * 4
+
+
+def test_tokenize_for_loads_a_models_tokenizer_once(monkeypatch):
+    """Calibration probes tokenize many times (retrieval heads: once per filler sentence); each call reloading the
+    tokenizer made Gemma-3-270M's duo calibration take minutes."""
+    import kveval.models
+    from kveval.lowrank import tokenize_for
+
+    loads = []
+
+    class Tokenizer:
+        def __call__(self, text):
+            return {"input_ids": [ord(c) % 7 for c in text]}
+
+    def load_tokenizer(name):
+        loads.append(name)
+        return Tokenizer()
+
+    monkeypatch.setattr(kveval.models, "load_tokenizer", load_tokenizer)
+    model = tiny_llama()
+    model.kveval_name = "some-model"
+    assert tokenize_for(model, "abc") == tokenize_for(model, "abc") == [ord(c) % 7 for c in "abc"]
+    assert loads == ["some-model"]
