@@ -9,8 +9,8 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import ScoringState, SelectionPolicy, check_ratio, ratio_keep_count, register_policy
-from kveval.policies.window import sink_recency_scores
+from kveval.policies.base import ScoringState, register_policy
+from kveval.policies.window import SinkWindowPolicy
 
 SCOPES = ("global", "layer")
 DEFAULT_DUO_WINDOW = 64
@@ -18,7 +18,7 @@ DEFAULT_DUO_WINDOW = 64
 
 @register_policy
 @dataclass
-class DuoPolicy(SelectionPolicy):
+class DuoPolicy(SinkWindowPolicy):
     """Retrieval and streaming heads after DuoAttention (Xiao et al. 2024, "DuoAttention: Efficient
     Long-Context LLM Inference with Retrieval and Streaming Heads").
 
@@ -59,6 +59,7 @@ class DuoPolicy(SelectionPolicy):
 
     name = "duo"
     description = "DuoAttention-style: retrieval heads keep every token, the others `sink` + the `window` most recent"
+    default_window: ClassVar[int] = DEFAULT_DUO_WINDOW
     heads: float = 0.25
     sink: int = 4
     window: int | None = None
@@ -71,15 +72,7 @@ class DuoPolicy(SelectionPolicy):
     def __post_init__(self):
         if not 0 <= self.heads <= 1:
             raise PolicySpecError(f"duo: heads={self.heads} must be a fraction of KV heads, 0 <= heads <= 1")
-        if self.sink < 0:
-            raise PolicySpecError(f"duo: sink={self.sink} must be a number of tokens >= 0")
-        if self.window is not None and self.ratio is not None:
-            raise PolicySpecError("duo: give window= (recent tokens a streaming head keeps) or ratio= (fraction of its context removed), not both")
-        check_ratio(self.name, self.ratio)
-        if self.window is not None and self.window < 1:
-            raise PolicySpecError(f"duo: window={self.window} must be a positive number of tokens")
-        if self.window == DEFAULT_DUO_WINDOW:
-            self.window = None  # one canonical spec for the default
+        self.check_sink_window()  # what a streaming head keeps
         if self.scope not in SCOPES:
             raise PolicySpecError(f"duo: scope={self.scope!r} must be one of {', '.join(SCOPES)}")
         if self.calib_tokens < 64:
@@ -87,29 +80,9 @@ class DuoPolicy(SelectionPolicy):
         self._models: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(model) -> (model, retrieval mask)
 
     @property
-    def recent(self) -> int | None:
-        """Most recent tokens a streaming head keeps after every step (``None`` with ``ratio``)."""
-        if self.ratio is not None:
-            return None
-        return self.window if self.window is not None else DEFAULT_DUO_WINDOW
-
-    @property
-    def decode_budget(self) -> int | None:
-        """What a streaming head holds while decoding (retrieval heads keep growing); ``None`` with ``ratio``."""
-        return None if self.ratio is not None else self.sink + self.recent
-
-    @property
     def whole_head_fraction(self) -> float:
         """Share of KV heads that keep every token, as the memory planner counts it (``heads``, before rounding)."""
         return self.heads
-
-    def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
-        if self.ratio is not None:
-            return ratio_keep_count(self.ratio, n_tokens)
-        return min(self.sink + self.recent, n_tokens)
-
-    def scores(self, state: ScoringState) -> torch.Tensor:
-        return sink_recency_scores(state.positions, self.sink)
 
     def choose(self, scores: torch.Tensor, keep: int, state: ScoringState) -> list[torch.Tensor]:
         retrieval = self.retrieval_mask(state.model, state.num_layers, scores.shape[0])[state.layer_idx]

@@ -10,6 +10,7 @@ where original positions are the faithful choice (as in kvpress).
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -65,9 +66,54 @@ class WindowPolicy(SelectionPolicy):
         return state.positions.float()
 
 
+class SinkWindowPolicy(SelectionPolicy):
+    """Base of the policies that keep the first ``sink`` tokens plus the ``window`` most recent.
+
+    Subclasses are dataclasses declaring the fields ``sink`` (int, tokens),
+    ``window`` (int or ``None``: :attr:`default_window`) and ``ratio`` (float or
+    ``None``); give ``window`` or ``ratio``, not both. With ``ratio`` the prefill
+    keeps ``ceil((1 - ratio) x n)`` of its ``n`` context tokens and the cache then
+    grows while decoding; otherwise it holds ``sink + window`` after every step.
+    """
+
+    default_window: ClassVar[int]
+
+    def check_sink_window(self) -> None:
+        """Validate ``sink``/``window``/``ratio``; store the default window as ``None`` (one canonical spec)."""
+        if self.window is not None and self.ratio is not None:
+            raise PolicySpecError(f"{self.name}: give window= (recent tokens kept) or ratio= (fraction of context removed), not both")
+        check_ratio(self.name, self.ratio)
+        if self.sink < 0:
+            raise PolicySpecError(f"{self.name}: sink={self.sink!r} must be a number of tokens >= 0")
+        if self.window is not None and self.window < 1:
+            raise PolicySpecError(f"{self.name}: window={self.window!r} must be a positive number of tokens")
+        if self.window == self.default_window:
+            self.window = None
+
+    @property
+    def recent(self) -> int | None:
+        """Most recent tokens kept after every step (``None`` with ``ratio``)."""
+        if self.ratio is not None:
+            return None
+        return self.window if self.window is not None else self.default_window
+
+    @property
+    def decode_budget(self) -> int | None:
+        """Tokens held while decoding, ``sink + recent`` (``None`` with ``ratio``: the cache grows)."""
+        return None if self.ratio is not None else self.sink + self.recent
+
+    def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
+        if self.ratio is not None:
+            return ratio_keep_count(self.ratio, n_tokens)
+        return min(self.sink + self.recent, n_tokens)
+
+    def scores(self, state: ScoringState) -> torch.Tensor:
+        return sink_recency_scores(state.positions, self.sink)
+
+
 @register_policy
 @dataclass
-class StreamingPolicy(SelectionPolicy):
+class StreamingPolicy(SinkWindowPolicy):
     """StreamingLLM (Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks").
 
     Keep the first ``sink`` tokens (attention sinks) plus the most recent ones.
@@ -91,39 +137,13 @@ class StreamingPolicy(SelectionPolicy):
 
     name = "streaming"
     description = "StreamingLLM: the first `sink` tokens plus the `window` most recent (or drop the fraction `ratio`)"
+    default_window: ClassVar[int] = DEFAULT_STREAMING_WINDOW  # the default spec streaming(sink=4) keeps 256
     sink: int = 4
     window: int | None = None
     ratio: float | None = None
 
     def __post_init__(self):
-        if self.window is not None and self.ratio is not None:
-            raise PolicySpecError("streaming: give window= (recent tokens kept) or ratio= (fraction of context removed), not both")
-        check_ratio(self.name, self.ratio)
-        if self.sink < 0:
-            raise PolicySpecError(f"streaming: sink={self.sink!r} must be a number of tokens >= 0")
-        if self.window is not None and self.window < 1:
-            raise PolicySpecError(f"streaming: window={self.window!r} must be a positive number of tokens")
-        if self.window == DEFAULT_STREAMING_WINDOW:
-            self.window = None  # one canonical spec for the default: streaming(sink=4)
-
-    @property
-    def recent(self) -> int | None:
-        """Most recent tokens kept after every step (``None`` with ``ratio``)."""
-        if self.ratio is not None:
-            return None
-        return self.window if self.window is not None else DEFAULT_STREAMING_WINDOW
-
-    @property
-    def decode_budget(self) -> int | None:
-        return None if self.ratio is not None else self.sink + self.recent
-
-    def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
-        if self.ratio is not None:
-            return ratio_keep_count(self.ratio, n_tokens)
-        return min(self.sink + self.recent, n_tokens)
-
-    def scores(self, state: ScoringState) -> torch.Tensor:
-        return sink_recency_scores(state.positions, self.sink)
+        self.check_sink_window()
 
 
 def sink_recency_scores(positions: torch.Tensor, sink: int) -> torch.Tensor:
