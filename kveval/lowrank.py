@@ -309,16 +309,29 @@ def load_or_calibrate(model, text: CalibrationText, tokens: int, kind: type = Ca
     (:class:`kveval.latent.CrossHeadCalibration`).
     """
     path, model_key = calibration_path(model, text, tokens, kind.KIND)
-    cached = _MEMORY.get(str(path))
+    return load_or_compute(
+        _MEMORY, path, kind.load,
+        fits=lambda cached: cached.text_sha256 == text.sha256 and cached.model_key == model_key,
+        compute=lambda: kind.calibrate(model, text, tokens, model_key),
+    )
+
+
+def load_or_compute(memory: dict, path: Path, load, fits, compute):
+    """A calibration cached at ``path``: from ``memory``, else from disk, else computed, saved and remembered.
+
+    ``load(path)`` reads the file (``None`` when it cannot); a loaded object
+    that ``fits(obj)`` rejects (another text or model) is recomputed.
+    ``compute()`` returns an object with ``save(path)`` and a ``path`` attribute.
+    ``memory`` maps ``str(path)`` to the object for the rest of the process.
+    """
+    cached = memory.get(str(path))
     if cached is None:
-        cached = kind.load(path) if path.is_file() else None
-        if cached is not None and (cached.text_sha256 != text.sha256 or cached.model_key != model_key):
-            cached = None
-        if cached is None:
-            cached = kind.calibrate(model, text, tokens, model_key)
+        cached = load(path) if path.is_file() else None
+        if cached is None or not fits(cached):
+            cached = compute()
             cached.save(path)
             cached.path = path
-        _MEMORY[str(path)] = cached
+        memory[str(path)] = cached
     return cached
 
 
@@ -489,5 +502,5 @@ def round_up(rank: int, multiple: int | None, limit: int) -> int:
 
 
 __all__ = ["Calibration", "CalibrationText", "CoefficientStore", "LowRankStore", "calibrate", "calibration_kv",
-           "clear_memory_cache", "load_or_calibrate", "load_versioned", "model_fingerprint", "read_calibration_text",
-           "save_atomic", "uncentered_pca"]
+           "clear_memory_cache", "load_or_calibrate", "load_or_compute", "load_versioned", "model_fingerprint",
+           "read_calibration_text", "save_atomic", "uncentered_pca"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.lowrank import model_fingerprint, model_name, tokenize_for
+from kveval.lowrank import load_or_compute, model_fingerprint, model_name, tokenize_for
 from kveval.probes.text import REPEAT_SENTENCES
 
 CALIBRATION_VERSION = 1
@@ -142,15 +142,11 @@ def load_or_calibrate(model, tokens: int) -> RetrievalScores:
     model_key = model_fingerprint(model)
     key = hashlib.sha256(f"duo:{CALIBRATION_VERSION}:{model_key}:{tokens}".encode()).hexdigest()[:20]
     path = cache_dir() / "calibration" / f"{model_name(model)}-duo-{key}.pt"
-    cached = _MEMORY.get(str(path))
-    if cached is None:
-        cached = RetrievalScores.load(path) if path.is_file() else None
-        if cached is None or cached.model_key != model_key:
-            cached = calibrate(model, tokens, model_key)
-            cached.save(path)
-            cached.path = path
-        _MEMORY[str(path)] = cached
-    return cached
+    return load_or_compute(
+        _MEMORY, path, RetrievalScores.load,
+        fits=lambda cached: cached.model_key == model_key,
+        compute=lambda: calibrate(model, tokens, model_key),
+    )
 
 
 def clear_memory_cache() -> None:
