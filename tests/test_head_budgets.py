@@ -8,12 +8,19 @@ import math
 
 import pytest
 import torch
+from cache_runs import (
+    assert_one_batch_equals_batch_size_one,
+    assert_shared_prefill_equals_own_runs,
+    prefill,
+    random_ids,
+    random_prompts,
+)
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 import kveval.retrieval_heads as retrieval_heads
 from kveval.cache import CompressedCache
 from kveval.errors import PolicySpecError
-from kveval.generation import Prompt, generate, generate_many
+from kveval.generation import Prompt, generate
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import parse_policy
 from kveval.policies.base import adaptive_choice
@@ -24,32 +31,15 @@ DUO = "duo(heads=0.5,sink=2,window=8)"
 #: K and V of one token in one KV head of tiny_llama (head_dim 16), stored in bfloat16.
 HEAD_TOKEN_BYTES = 2 * 16 * 2
 
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    """Retrieval heads calibrate into this test's own folder."""
-    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    retrieval_heads.clear_memory_cache()
-    yield
-    retrieval_heads.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("calibration_cache")  # retrieval heads calibrate into each test's own folder
 
 
 def _prompts(seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [Prompt(torch.randint(1, 128, (n,), generator=g).tolist(), torch.randint(1, 128, (q,), generator=g).tolist())
-            for n, q in [(47, 5), (80, 3), (30, 7)]]
+    return random_prompts([(47, 5), (80, 3), (30, 7)], seed)
 
 
-def _fingerprint(result):
-    s = result.stats
-    return result.token_ids, result.logprobs, s.kv_bytes, s.index_bytes, s.kept_tokens
-
-
-def _prefill(model, spec, n=80, seed=7):
-    cache = CompressedCache(model, spec)
-    with torch.no_grad():
-        model(torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed)), cache=cache)
-    return cache
+def _prefill(model, spec):
+    return prefill(model, spec, random_ids(80, 7))
 
 
 # --- AdaKV ------------------------------------------------------------------------------------------
@@ -153,9 +143,8 @@ def test_duo_streaming_heads_stay_bounded_while_retrieval_heads_keep_everything(
     mask = parse_policy(spec).selection.retrieval_mask(model, 2, 2)
     assert int(mask.sum()) == 2 and (scope == "global" or mask.sum(dim=1).tolist() == [1, 1])
     cache = CompressedCache(model, spec)
-    ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        out = model(ids, cache=cache)
+        out = model(random_ids(60, 5), cache=cache)
         for step in range(15):
             out = model(out.logits[:, -1:].argmax(-1), cache=cache, position_ids=torch.tensor([[60 + step]]))
     for layer, retrieval in zip(cache.layers, mask):
@@ -173,23 +162,14 @@ def test_duo_streaming_heads_stay_bounded_while_retrieval_heads_keep_everything(
                                   "snapkv(ratio=0.5,window=4,adaptive=true)+kivi(bits=4,group=8,residual=4)"])
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_batch_of_three_equals_batch_of_one(spec, mode):
-    model = tiny_llama()
-    one = generate(model, Tok(), _prompts(), spec, max_new_tokens=10, mode=mode, batch_size=1)
-    three = generate(model, Tok(), _prompts(), spec, max_new_tokens=10, mode=mode, batch_size=3)
-    assert [r.token_ids for r in one] == [r.token_ids for r in three]
-    assert [(r.stats.kv_bytes, r.stats.index_bytes, r.stats.kept_tokens) for r in one] == \
-        [(r.stats.kv_bytes, r.stats.index_bytes, r.stats.kept_tokens) for r in three]
+    assert_one_batch_equals_batch_size_one(tiny_llama(), Tok(), _prompts(), spec, max_new_tokens=10, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_shared_prefill_gives_the_items_of_separate_runs(mode):
-    model = tiny_llama()
-    specs = [parse_policy(s).spec for s in ("snapkv(ratio=0.5,window=4,adaptive=true)", "snapkv(ratio=0.5,window=4)",
-                                            DUO, "h2o(ratio=0.5,adaptive=true)+kivi(bits=4,group=8,residual=4)")]
-    shared = generate_many(model, Tok(), _prompts(), specs, max_new_tokens=8, mode=mode, batch_size=2)
-    for spec in specs:
-        alone = generate(model, Tok(), _prompts(), spec, max_new_tokens=8, mode=mode, batch_size=2)
-        assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
+    specs = ["snapkv(ratio=0.5,window=4,adaptive=true)", "snapkv(ratio=0.5,window=4)", DUO,
+             "h2o(ratio=0.5,adaptive=true)+kivi(bits=4,group=8,residual=4)"]
+    assert_shared_prefill_equals_own_runs(tiny_llama(), Tok(), _prompts(), specs, max_new_tokens=8, mode=mode, batch_size=2)
 
 
 def test_retrieval_scores_are_cached_per_model_and_skip_sliding_layers(monkeypatch):

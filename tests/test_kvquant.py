@@ -2,9 +2,16 @@
 
 import pytest
 import torch
-from tiny_models import tiny_gemma3, tiny_llama, tiny_model
+from cache_runs import (
+    assert_one_batch_equals_batch_size_one,
+    assert_one_line_error,
+    assert_shared_prefill_equals_own_runs,
+    context_then_steps,
+    random_ids,
+    random_prompts,
+)
+from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
-import kveval.lowrank as lowrank
 from kveval.architectures import ROTATE_HALF_ROPE, rope_hook
 from kveval.cache import CompressedCache
 from kveval.errors import PolicySpecError, UnsupportedModelError
@@ -13,28 +20,13 @@ from kveval.policies import parse_policy
 
 EXACT = "float32"  # kv_dtype of the arithmetic tests: outliers and sinks not rounded to bf16
 
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    lowrank.clear_memory_cache()
-    yield
-    lowrank.clear_memory_cache()
-
-
-def _ids(n, seed):
-    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+pytestmark = pytest.mark.usefixtures("calibration_cache")
 
 
 def _logits(model, spec, context, steps, kv_dtype=EXACT):
-    """Prefill ``context``, then one token at a time; the logits of every forward and the cache."""
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
-    n = context.shape[1]
-    with torch.no_grad():
-        out = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits]
-        for i in range(steps.shape[1]):
-            out.append(model(steps[:, i:i + 1], cache=cache, position_ids=torch.tensor([[n + i]])).logits)
-    return torch.cat([o[0, -1:] for o in out]), cache
+    """Prefill ``context``, then one token at a time; the last position's logits of every forward, and the cache."""
+    logits, cache = context_then_steps(model, spec, context, steps, kv_dtype)
+    return torch.cat([o[0, -1:] for o in logits]), cache
 
 
 def _codec(heads=2, dim=16, bits=4, k=2):
@@ -57,7 +49,7 @@ def test_bytes_are_codes_outliers_ranges_sinks_and_residual():
 
 def test_cache_bytes_on_a_model_follow_the_arithmetic():
     model = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16
-    _, cache = _logits(model, "kvquant(bits=3)", _ids(40, 0), _ids(6, 1))  # outliers=0.01: 1 a vector
+    _, cache = _logits(model, "kvquant(bits=3)", random_ids(40, 0), random_ids(6, 1))  # outliers=0.01: 1 a vector
     per_token = 2 * (6 + 1 * (4 + 1)) + 4
     assert cache.stats().kv_bytes == 2 * 2 * (1 * 2 * 16 * 4 + 45 * per_token)
     policy = cache.policy.quantization
@@ -68,7 +60,7 @@ def test_cache_bytes_on_a_model_follow_the_arithmetic():
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
 def test_every_entry_an_outlier_equals_none_bit_for_bit(make):
     model = make()
-    context, steps = _ids(40, 0), _ids(6, 1)
+    context, steps = random_ids(40, 0), random_ids(6, 1)
     base, _ = _logits(model, "none", context, steps)
     post, _ = _logits(model, "kvquant(outliers=1.0,pre_rope=false,sink=0)", context, steps)
     assert torch.equal(post, base)
@@ -79,7 +71,7 @@ def test_every_entry_an_outlier_equals_none_bit_for_bit(make):
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
 def test_error_falls_as_bits_rise(make):
     model = make()
-    context, steps = _ids(48, 2), _ids(6, 3)
+    context, steps = random_ids(48, 2), random_ids(6, 3)
     base, _ = _logits(model, "none", context, steps)
     errors = [(_logits(model, f"kvquant(bits={b})", context, steps)[0] - base).abs().mean().item() for b in (2, 3, 4, 8)]
     assert errors[0] > errors[1] > errors[2] > errors[3] > 0
@@ -141,10 +133,9 @@ def test_gemma3_rope_follows_the_layer_type():
 def test_pre_rope_is_refused_where_no_hook_exists():
     model = tiny_model("gpt_oss")
     assert model.config.model_type not in ROTATE_HALF_ROPE
-    with pytest.raises(UnsupportedModelError, match="use pre_rope=false") as info:
-        _logits(model, "kvquant(bits=4)", _ids(20, 0), _ids(2, 1))
-    assert "\n" not in str(info.value)
-    logits, cache = _logits(model, "kvquant(bits=4,pre_rope=false)", _ids(20, 0), _ids(2, 1))
+    assert_one_line_error(lambda: _logits(model, "kvquant(bits=4)", random_ids(20, 0), random_ids(2, 1)),
+                          UnsupportedModelError, "use pre_rope=false")
+    logits, cache = _logits(model, "kvquant(bits=4,pre_rope=false)", random_ids(20, 0), random_ids(2, 1))
     assert torch.isfinite(logits).all() and cache.stats().kv_bytes > 0
 
 
@@ -164,40 +155,23 @@ def test_eviction_keeps_kept_tokens_exactly_as_encoded():
 
 
 def test_batches_give_the_tokens_and_bytes_of_batch_size_one():
-    from test_cache import Tok
-
-    from kveval.generation import Prompt, generate
-
-    model = tiny_llama()
-    prompts = [Prompt(_ids(n, 20 + n)[0].tolist(), _ids(3, 40 + n)[0].tolist()) for n in (12, 20, 7)]
+    model, prompts = tiny_llama(), random_prompts([(12, 3), (20, 3), (7, 3)], seed=20)
     for spec in ("kvquant(bits=4)", "snapkv(ratio=0.5)+kvquant(bits=2,residual=2)"):
-        one = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)
-        three = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
-        assert [r.token_ids for r in one] == [r.token_ids for r in three]
-        assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
+        assert_one_batch_equals_batch_size_one(model, Tok(), prompts, spec, max_new_tokens=4)
 
 
 def test_stacked_with_snapkv_holds_fewer_bytes_and_a_shared_prefill_equals_its_own():
-    from test_cache import Tok
-
-    from kveval.generation import Prompt, generate, generate_many
-
     model = tiny_gemma3()  # sliding window 16 < context: the derived store must get the tokens' real positions
-    prompts = [Prompt(_ids(40, 5)[0].tolist(), _ids(3, 6)[0].tolist())]
     specs = ["kvquant(bits=4)", "snapkv(ratio=0.5)+kvquant(bits=4)"]
-    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=4, kv_dtype=EXACT)
-    for spec in specs:
-        own = generate(model, Tok(), prompts, spec, max_new_tokens=4, kv_dtype=EXACT)
-        assert [r.token_ids for r in own] == [r.token_ids for r in shared[spec]]
-        assert [r.stats.kv_bytes for r in own] == [r.stats.kv_bytes for r in shared[spec]]
+    shared = assert_shared_prefill_equals_own_runs(model, Tok(), random_prompts([(40, 3)], seed=5), specs,
+                                                   max_new_tokens=4, kv_dtype=EXACT)
     assert shared[specs[1]][0].stats.kv_bytes < shared[specs[0]][0].stats.kv_bytes
 
 
 def test_per_head_budgets_are_refused_in_one_line():
     # HeadwiseStore gives each KV head its own store, which cannot tell which head's calibration it holds.
-    with pytest.raises(PolicySpecError, match="per-head budgets") as info:
-        _logits(tiny_llama(), "snapkv(ratio=0.5,adaptive=true)+kvquant(bits=4)", _ids(20, 0), _ids(2, 1))
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: _logits(tiny_llama(), "snapkv(ratio=0.5,adaptive=true)+kvquant(bits=4)",
+                                          random_ids(20, 0), random_ids(2, 1)), PolicySpecError, "per-head budgets")
 
 
 # --- parameters ---------------------------------------------------------------------------------
@@ -217,9 +191,7 @@ def test_fits_any_head_dim_as_runs_and_sweeps_fit_it():
     ("lowrank(rank=8)+kvquant", "not a structure's rank coefficients"),
 ])
 def test_bad_parameters_are_one_policy_spec_error(spec, message):
-    with pytest.raises(PolicySpecError, match=message) as info:
-        parse_policy(spec)
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: parse_policy(spec), PolicySpecError, message)
 
 
 # --- embedded models ----------------------------------------------------------------------------

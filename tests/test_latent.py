@@ -2,21 +2,26 @@
 
 import pytest
 import torch
-from test_lowrank import (  # noqa: F401  (calibration_cache: the same per-test calibration folder, an autouse fixture)
-    EXACT,
-    FULL_RANK_TOLERANCE,
-    _context_then_question,
-    _ids,
-    calibration_cache,
+from cache_runs import (
+    assert_one_batch_equals_batch_size_one,
+    assert_one_line_error,
+    assert_shared_prefill_equals_own_runs,
+    context_then_question,
+    logit_errors,
+    prefill,
+    random_ids,
+    random_prompts,
 )
+from test_lowrank import EXACT, FULL_RANK_TOLERANCE
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval.cache import CompressedCache
-from kveval.generation import Prompt, generate, generate_many
 from kveval.latent import LatentStore
 from kveval.policies import parse_policy
 from kveval.runspec import RunSpec
 from kveval.storage import DenseStore
+
+pytestmark = pytest.mark.usefixtures("calibration_cache")  # every test calibrates into its own folder
 
 
 def test_bytes_per_token_are_the_coefficient_arithmetic():
@@ -30,10 +35,7 @@ def test_bytes_per_token_are_the_coefficient_arithmetic():
         "latent(rank=8)+quant(bits=4,group=8)": (4 + 1 * 4) + (4 + 1 * 4),  # two codes per byte
     }
     for spec, expected in per_layer.items():
-        cache = CompressedCache(model, spec)
-        with torch.no_grad():
-            model(_ids(tokens, 4), cache=cache)
-        stats = cache.stats()
+        stats = prefill(model, spec, random_ids(tokens, 4)).stats()
         assert stats.kv_bytes == layers * tokens * expected, spec
         assert stats.bytes_per_token == layers * expected, spec
     # The bases are per model and reported apart: float32, (K: 2*(16-4) + V: 2*16) x rank per layer.
@@ -47,21 +49,16 @@ def test_bytes_per_token_are_the_coefficient_arithmetic():
 ])
 def test_full_rank_reproduces_uncompressed_logits(make, spec):
     model = make()
-    context, question = _ids(40, 0), _ids(8, 1)
-    base, _ = _context_then_question(model, "none", context, question, EXACT)
-    ours, cache = _context_then_question(model, spec, context, question, EXACT)
+    context, question = random_ids(40, 0), random_ids(8, 1)
+    base, _ = context_then_question(model, "none", context, question, EXACT)
+    ours, cache = context_then_question(model, spec, context, question, EXACT)
     assert (ours - base).abs().max().item() < FULL_RANK_TOLERANCE
     assert all(isinstance(row.store, LatentStore) for layer in cache.layers for row in layer.rows)
 
 
 def test_lower_rank_moves_logits_further_from_baseline():
-    model = tiny_llama()
-    context, question = _ids(48, 2), _ids(16, 3)
-    base, _ = _context_then_question(model, "none", context, question, EXACT)
-    errors = []
-    for rank in (32, 16, 8, 4, 2):
-        logits, _ = _context_then_question(model, f"latent(rank={rank})", context, question, EXACT)
-        errors.append((logits - base).pow(2).mean().item())
+    specs = [f"latent(rank={rank})" for rank in (32, 16, 8, 4, 2)]
+    errors = logit_errors(tiny_llama(), specs, random_ids(48, 2), random_ids(16, 3), EXACT)
     assert errors[0] < 1e-10
     assert errors == sorted(errors) and len(set(errors)) == 5, errors
 
@@ -69,9 +66,9 @@ def test_lower_rank_moves_logits_further_from_baseline():
 def test_group_of_one_head_is_per_head_low_rank():
     """``latent(rank=r,group=1)`` is ``lowrank(rank=r)``: the same bases (one PCA per head), the same logits and bytes."""
     model = tiny_llama()
-    context, question = _ids(40, 5), _ids(6, 6)
-    latent, latent_cache = _context_then_question(model, "latent(rank=6,group=1)", context, question)
-    per_head, lowrank_cache = _context_then_question(model, "lowrank(rank=6)", context, question)
+    context, question = random_ids(40, 5), random_ids(6, 6)
+    latent, latent_cache = context_then_question(model, "latent(rank=6,group=1)", context, question)
+    per_head, lowrank_cache = context_then_question(model, "lowrank(rank=6)", context, question)
     assert torch.allclose(latent, per_head, atol=1e-5)
     assert latent_cache.stats().kv_bytes == lowrank_cache.stats().kv_bytes
 
@@ -105,7 +102,7 @@ def test_rope_dimensions_are_the_most_energetic_pairs_and_stay_exact():
 def test_selection_keeps_one_set_of_tokens_per_group():
     model = tiny_llama()
     for spec in ("snapkv(ratio=0.5,window=4)+latent(rank=8)", "h2o(ratio=0.5,decode_budget=30)+latent(rank=8)+quant(bits=8,group=8)"):
-        logits, cache = _context_then_question(model, spec, _ids(48, 7), _ids(4, 8))
+        logits, cache = context_then_question(model, spec, random_ids(48, 7), random_ids(4, 8))
         assert torch.isfinite(logits).all()
         for layer in cache.layers:
             positions = layer.rows[0].positions
@@ -113,13 +110,13 @@ def test_selection_keeps_one_set_of_tokens_per_group():
         kept = [row[0] for row in cache.stats().kept_tokens]
         assert all(k < 52 for k in kept), spec
     # The same selection on per-head low rank lets the heads disagree (the averaging is what makes them agree).
-    _, cache = _context_then_question(model, "snapkv(ratio=0.5,window=4)+latent(rank=8,group=1)", _ids(48, 7), _ids(4, 8))
+    _, cache = context_then_question(model, "snapkv(ratio=0.5,window=4)+latent(rank=8,group=1)", random_ids(48, 7), random_ids(4, 8))
     assert any(not torch.equal(layer.rows[0].positions[0], layer.rows[0].positions[1]) for layer in cache.layers)
 
 
 def test_selected_and_quantized_bytes_follow_kept_tokens():
     model = tiny_llama()
-    _, cache = _context_then_question(model, "snapkv(ratio=0.5,window=4)+latent(rank=8)+quant(bits=8,group=8)", _ids(48, 9), _ids(4, 10))
+    _, cache = context_then_question(model, "snapkv(ratio=0.5,window=4)+latent(rank=8)+quant(bits=8,group=8)", random_ids(48, 9), random_ids(4, 10))
     stats = cache.stats()
     assert stats.kv_bytes == sum(row[0] for row in stats.kept_tokens) * ((8 + 4) + (8 + 4))
 
@@ -137,7 +134,7 @@ def test_store_refuses_different_tokens_inside_a_group():
 
 def test_gemma_sliding_layers_and_bytes():
     model = tiny_gemma3()  # 4 layers (3 sliding, window 16), 1 KV head of 32
-    logits, cache = _context_then_question(model, "latent(rank=12,rope_dims=4)", _ids(40, 11), _ids(8, 12))
+    logits, cache = context_then_question(model, "latent(rank=12,rope_dims=4)", random_ids(40, 11), random_ids(8, 12))
     assert torch.isfinite(logits).all()
     kept = [row[0] for row in cache.stats().kept_tokens]
     assert kept[3] == 48 and all(k < 48 for k in kept[:3])
@@ -146,25 +143,16 @@ def test_gemma_sliding_layers_and_bytes():
 
 @pytest.mark.parametrize("spec", ["latent(rank=8)+quant(bits=8,group=8)", "snapkv(ratio=0.5,window=4)+latent(rank=12,rope_dims=2)"])
 def test_batches_give_the_answers_of_batch_size_one(spec):
-    model = tiny_llama()
-    prompts = [Prompt(_ids(n, 20 + n)[0].tolist(), _ids(3, 40 + n)[0].tolist()) for n in (12, 20, 7)]
-    one = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)
-    three = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
-    assert [r.token_ids for r in one] == [r.token_ids for r in three]
-    assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
+    prompts = random_prompts([(12, 3), (20, 3), (7, 3)], seed=20)
+    one = assert_one_batch_equals_batch_size_one(tiny_llama(), Tok(), prompts, spec, max_new_tokens=4)
     assert len({r.stats.kv_bytes for r in one}) == 3  # per item: each prompt's own length
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
 def test_shared_prefill_equals_own_prefill(make):
-    model = make()
-    prompts = [Prompt(_ids(n, 60 + n)[0].tolist(), _ids(4, 70 + n)[0].tolist()) for n in (30, 45)]
-    specs = [parse_policy(s).spec for s in ("latent(rank=8)", "snapkv(ratio=0.5,window=4)+latent(rank=8)+quant(bits=8,group=8)")]
-    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=4, batch_size=2)
-    for spec in specs:
-        alone = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=2)
-        assert [(r.token_ids, r.logprobs, r.stats.kv_bytes, r.stats.kept_tokens) for r in shared[spec]] == \
-               [(r.token_ids, r.logprobs, r.stats.kv_bytes, r.stats.kept_tokens) for r in alone], spec
+    specs = ["latent(rank=8)", "snapkv(ratio=0.5,window=4)+latent(rank=8)+quant(bits=8,group=8)"]
+    assert_shared_prefill_equals_own_runs(make(), Tok(), random_prompts([(30, 4), (45, 4)], seed=60), specs,
+                                          max_new_tokens=4, batch_size=2)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -176,9 +164,7 @@ def test_shared_prefill_equals_own_prefill(make):
     ("latent(rank=4,calib_tokens=1)", "at least 2"),
 ])
 def test_bad_specs_name_the_problem(spec, message):
-    with pytest.raises(ValueError, match=message) as info:
-        parse_policy(spec)
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: parse_policy(spec), ValueError, message)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -191,9 +177,7 @@ def test_bad_specs_name_the_problem(spec, message):
 ])
 def test_parameters_are_checked_against_the_model(spec, message):
     model = tiny_llama()
-    with pytest.raises(ValueError, match=message) as info:
-        CompressedCache(model, spec).new_store(0, torch.float32)
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: CompressedCache(model, spec).new_store(0, torch.float32), ValueError, message)
 
 
 def test_run_spec_checks_the_model_shape_and_fits_quant_groups():

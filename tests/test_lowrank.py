@@ -2,7 +2,17 @@
 
 import pytest
 import torch
-from tiny_models import tiny_gemma3, tiny_llama
+from cache_runs import (
+    assert_one_batch_equals_batch_size_one,
+    assert_one_line_error,
+    context_then_question,
+    context_then_steps,
+    logit_errors,
+    prefill,
+    random_ids,
+    random_prompts,
+)
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 import kveval.lowrank as lowrank
 from kveval.cache import CompressedCache
@@ -13,58 +23,23 @@ FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at rank = head_dim (float32
 EXACT = "float32"  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to the deployment's bf16
 
 
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    """Every test calibrates into its own folder, with no calibration remembered from another test."""
-    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    lowrank.clear_memory_cache()
-    yield tmp_path / "cache"
-    lowrank.clear_memory_cache()
-
-
-def _ids(n, seed):
-    return torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _context_then_steps(model, spec, context, steps, kv_dtype=None):
-    """Prefill ``context`` (then compressed), then feed ``steps`` one token at a time; logits of every forward."""
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
-    n = context.shape[1]
-    with torch.no_grad():
-        logits = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits]
-        for i in range(steps.shape[1]):
-            logits.append(model(steps[:, i:i + 1], cache=cache, position_ids=torch.tensor([[n + i]])).logits)
-    return logits, cache
-
-
-def _context_then_question(model, spec, context, question, kv_dtype=None):
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
-    n, q = context.shape[1], question.shape[1]
-    with torch.no_grad():
-        model(context, cache=cache, position_ids=torch.arange(n)[None])
-        logits = model(question, cache=cache, position_ids=torch.arange(n, n + q)[None]).logits
-    return logits, cache
+pytestmark = pytest.mark.usefixtures("calibration_cache")  # every test calibrates into its own folder
 
 
 @pytest.mark.parametrize("make, head_dim", [(tiny_llama, 16), (tiny_gemma3, 32)])
 def test_full_rank_reproduces_uncompressed_logits(make, head_dim):
     model = make()
-    context, steps = _ids(40, 0), _ids(6, 1)
-    base, _ = _context_then_steps(model, "none", context, steps, EXACT)
-    ours, cache = _context_then_steps(model, f"lowrank(rank={head_dim})", context, steps, EXACT)
+    context, steps = random_ids(40, 0), random_ids(6, 1)
+    base, _ = context_then_steps(model, "none", context, steps, EXACT)
+    ours, cache = context_then_steps(model, f"lowrank(rank={head_dim})", context, steps, EXACT)
     for a, b in zip(ours, base):
         assert (a - b).abs().max().item() < FULL_RANK_TOLERANCE
     assert all(isinstance(row.store, LowRankStore) for layer in cache.layers for row in layer.rows)
 
 
 def test_lower_rank_moves_logits_further_from_baseline():
-    model = tiny_llama()
-    context, question = _ids(48, 2), _ids(16, 3)
-    base, _ = _context_then_question(model, "none", context, question, EXACT)
-    errors = []
-    for rank in (16, 8, 4, 2):
-        logits, _ = _context_then_question(model, f"lowrank(rank={rank})", context, question, EXACT)
-        errors.append((logits - base).pow(2).mean().item())
+    specs = [f"lowrank(rank={rank})" for rank in (16, 8, 4, 2)]
+    errors = logit_errors(tiny_llama(), specs, random_ids(48, 2), random_ids(16, 3), EXACT)
     assert errors[0] < 1e-10
     assert errors == sorted(errors) and len(set(errors)) == 4, errors
 
@@ -79,10 +54,7 @@ def test_bytes_per_token_are_the_rank_arithmetic():
         "lowrank(k_rank=8,v_rank=4)+quant(bits=4,group=4)": (4 + 2 * 4) + (2 + 1 * 4),  # two codes per byte
     }
     for spec, per_token_head in cases.items():
-        cache = CompressedCache(model, spec)
-        with torch.no_grad():
-            model(_ids(tokens, 4), cache=cache)
-        stats = cache.stats()
+        stats = prefill(model, spec, random_ids(tokens, 4)).stats()
         assert stats.kv_bytes == layers * heads * tokens * per_token_head, spec
         assert stats.bytes_per_token == layers * heads * per_token_head, spec
 
@@ -90,7 +62,7 @@ def test_bytes_per_token_are_the_rank_arithmetic():
 def test_gemma_sliding_layers_get_bases_and_bytes_follow_kept_tokens():
     model = tiny_gemma3()  # 4 layers (3 sliding, window 16), 1 KV head, head_dim 32
     policy = parse_policy("lowrank(k_rank=12,v_rank=6)")
-    logits, cache = _context_then_question(model, policy, _ids(40, 5), _ids(8, 6))
+    logits, cache = context_then_question(model, policy, random_ids(40, 5), random_ids(8, 6))
     assert torch.isfinite(logits).all()
     assert policy.structure.ranks(model) == {"k": [[12]] * 4, "v": [[6]] * 4}
     stats = cache.stats()
@@ -110,7 +82,7 @@ def test_energy_picks_the_smallest_rank_per_layer_and_head():
             kept = calibration.energy_kept(kind, layer, per_head)
             fewer = calibration.energy_kept(kind, layer, [r - 1 for r in per_head])
             assert all(k >= 0.9 - 1e-9 for k in kept) and all(f < 0.9 for f in fewer)
-    _, cache = _context_then_question(model, policy.spec(), _ids(32, 7), _ids(4, 8))
+    _, cache = context_then_question(model, policy.spec(), random_ids(32, 7), random_ids(4, 8))
     expected = sum(36 * (k + v) * 2 for layer in range(2) for k, v in zip(ranks["k"][layer], ranks["v"][layer]))
     assert cache.stats().kv_bytes == expected
     # With per-token quantization, energy ranks are rounded up to whole groups.
@@ -143,7 +115,7 @@ def test_keys_are_projected_after_rope():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = tiny_llama()
-    ids = _ids(24, 9)
+    ids = random_ids(24, 9)
     received, pre_rope = {}, {}
     original = LowRankStore.append
 
@@ -183,14 +155,14 @@ def test_calibration_is_cached_on_disk_and_invalidated_by_a_new_text(tmp_path, c
     model = tiny_llama()
     spec = f"lowrank(rank=8,calibration={text},calib_tokens=512)"
 
-    first, _ = _context_then_question(model, spec, _ids(16, 10), _ids(2, 11))
+    first, _ = context_then_question(model, spec, random_ids(16, 10), random_ids(2, 11))
     assert calls == [512]
     files = list((calibration_cache / "calibration").glob("*.pt"))
     assert len(files) == 1
     id_before = parse_policy(spec).structure.calibration_id
 
     lowrank.clear_memory_cache()  # a new process: only the disk cache is left
-    again, _ = _context_then_question(model, spec, _ids(16, 10), _ids(2, 11))
+    again, _ = context_then_question(model, spec, random_ids(16, 10), random_ids(2, 11))
     assert calls == [512] and torch.equal(first, again)
 
     text.write_text("A completely different calibration text, about rivers and mountains. " * 20)
@@ -202,16 +174,8 @@ def test_calibration_is_cached_on_disk_and_invalidated_by_a_new_text(tmp_path, c
 
 
 def test_batches_give_the_answers_of_batch_size_one():
-    from test_cache import Tok
-
-    from kveval.generation import Prompt, generate
-
-    model = tiny_llama()
-    prompts = [Prompt(_ids(n, 20 + n)[0].tolist(), _ids(3, 40 + n)[0].tolist()) for n in (12, 20, 7)]
-    one = generate(model, Tok(), prompts, "lowrank(rank=4)+quant(bits=8,group=4)", max_new_tokens=4, batch_size=1)
-    three = generate(model, Tok(), prompts, "lowrank(rank=4)+quant(bits=8,group=4)", max_new_tokens=4, batch_size=3)
-    assert [r.token_ids for r in one] == [r.token_ids for r in three]
-    assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
+    assert_one_batch_equals_batch_size_one(tiny_llama(), Tok(), random_prompts([(12, 3), (20, 3), (7, 3)], seed=20),
+                                           "lowrank(rank=4)+quant(bits=8,group=4)", max_new_tokens=4)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -225,9 +189,7 @@ def test_batches_give_the_answers_of_batch_size_one():
     ("lowrank(rank=4,calib_tokens=1)", "at least 2"),
 ])
 def test_bad_specs_name_the_problem(spec, message):
-    with pytest.raises(ValueError, match=message) as info:
-        parse_policy(spec)
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: parse_policy(spec), ValueError, message)
 
 
 def test_rank_and_quant_group_are_checked_against_the_model():

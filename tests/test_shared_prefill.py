@@ -13,15 +13,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from cache_runs import assert_shared_prefill_equals_own_runs, fingerprint, random_prompts
 from test_run_folders import CharTok, _items
 from tiny_models import ARCHITECTURES, Tok, tiny_gemma3, tiny_llama, tiny_model
 
 import kveval.generation as generation
-import kveval.lowrank as lowrank
 from kveval.cache import CompressedCache
 from kveval.evaluate import evaluate_policies
-from kveval.generation import Prompt, can_share_prefill, generate, generate_many
-from kveval.policies import parse_policy
+from kveval.generation import Prompt, can_share_prefill, generate_many
 
 #: Every policy family, several scores per kind (two SnapKV windows, PyramidKV sharing one), stacks.
 POLICIES = [
@@ -34,62 +33,33 @@ POLICIES = [
 #: Timings differ between runs; everything else in an item record must not.
 TIMINGS = ("ttft_s", "decode_tokens_per_s")
 
-
-@pytest.fixture(autouse=True)
-def calibration_cache(tmp_path, monkeypatch):
-    """Low-rank calibrates into this test's own folder."""
-    monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    lowrank.clear_memory_cache()
-    yield
-    lowrank.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("calibration_cache")  # low-rank calibrates into each test's own folder
 
 
 def _prompts(seed=21):
-    g = torch.Generator().manual_seed(seed)
-    return [Prompt(torch.randint(1, 128, (n,), generator=g).tolist(), torch.randint(1, 128, (q,), generator=g).tolist())
-            for n, q in [(47, 5), (64, 3), (30, 7)]]
-
-
-def _fingerprint(result):
-    """Everything a result says about the answer and the cache, timings excluded."""
-    s = result.stats
-    return (result.text, result.token_ids, result.logprobs, s.kv_bytes, s.nominal_bytes, s.index_bytes, s.tokens_seen,
-            s.kept_tokens, s.state_bytes, s.kv_dtype)
+    return random_prompts([(47, 5), (64, 3), (30, 7)], seed)
 
 
 @pytest.mark.parametrize("mode", ["context", "query"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
 def test_every_policy_from_one_prefill_equals_its_own_run(make, mode):
-    model, prompts = make(), _prompts()
-    specs = [parse_policy(p).spec for p in POLICIES]
-    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=6, mode=mode, batch_size=2, seed=5)
-    for spec in specs:
-        alone = generate(model, Tok(), prompts, spec, max_new_tokens=6, mode=mode, batch_size=2, seed=5)
-        assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
+    shared = assert_shared_prefill_equals_own_runs(make(), Tok(), _prompts(), POLICIES, max_new_tokens=6, mode=mode,
+                                                   batch_size=2, seed=5)
     # The comparison can fail: policies really differ from one another in what they keep.
-    assert len({repr([_fingerprint(r)[3:] for r in shared[s]]) for s in specs}) > len(specs) // 2
+    assert len({repr([fingerprint(r)[3:] for r in results]) for results in shared.values()}) > len(POLICIES) // 2
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_every_architecture_shares_its_prefill_exactly(name):
     """Sliding and chunked layers, MLA latents, linear-attention/Mamba states (copied per policy), sinks, softcaps."""
-    model, prompts = tiny_model(name), _prompts(8)
-    specs = [parse_policy(p).spec for p in ("none", "h2o(ratio=0.5,decode_budget=40)",
-                                            "snapkv(ratio=0.5,window=4)+kivi(bits=4,group=4,residual=8)")]
-    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=4, batch_size=3)
-    for spec in specs:
-        alone = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
-        assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
+    specs = ["none", "h2o(ratio=0.5,decode_budget=40)", "snapkv(ratio=0.5,window=4)+kivi(bits=4,group=4,residual=8)"]
+    assert_shared_prefill_equals_own_runs(tiny_model(name), Tok(), _prompts(8), specs, max_new_tokens=4, batch_size=3)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
 def test_exact_in_every_cache_dtype(kv_dtype):
-    model, prompts = tiny_llama(), _prompts(4)
     specs = ["snapkv(ratio=0.5,window=4)+kivi(bits=4,group=4,residual=8)", "h2o(ratio=0.5)", "lowrank(k_rank=8,v_rank=4)"]
-    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=5, kv_dtype=kv_dtype)
-    for spec in specs:
-        alone = generate(model, Tok(), prompts, spec, max_new_tokens=5, kv_dtype=kv_dtype)
-        assert [_fingerprint(r) for r in shared[parse_policy(spec).spec]] == [_fingerprint(r) for r in alone]
+    assert_shared_prefill_equals_own_runs(tiny_llama(), Tok(), _prompts(4), specs, max_new_tokens=5, kv_dtype=kv_dtype)
 
 
 def test_the_prefill_keeps_only_the_scores_present_policies_need():
@@ -132,10 +102,8 @@ def test_mixed_sixteen_bit_dtypes_fall_back_to_one_prefill_per_policy(monkeypatc
     assert can_share_prefill(model, "bfloat16") and can_share_prefill(model.to(torch.bfloat16), "bfloat16")
     assert not can_share_prefill(model, "float16")  # bfloat16 compute cannot hold every float16 value
     monkeypatch.setattr(CompressedCache, "derive", lambda *a: pytest.fail("derived across 16-bit dtypes"))
-    specs = ["none", "snapkv(ratio=0.5,window=4)"]
-    shared = generate_many(model, Tok(), _prompts()[:2], specs, max_new_tokens=3, kv_dtype="float16")
-    alone = generate(model, Tok(), _prompts()[:2], specs[1], max_new_tokens=3, kv_dtype="float16")
-    assert [_fingerprint(r) for r in shared[parse_policy(specs[1]).spec]] == [_fingerprint(r) for r in alone]
+    assert_shared_prefill_equals_own_runs(model, Tok(), _prompts()[:2], ["none", "snapkv(ratio=0.5,window=4)"],
+                                          max_new_tokens=3, kv_dtype="float16")
 
 
 # --- kveval eval / sweep: run folders ----------------------------------------------------------------
@@ -230,8 +198,4 @@ def test_embedded_model_from_one_prefill_equals_its_own_runs(name, mode):
     policies = ("none", "kivi(bits=4)", "snapkv(ratio=0.5)+quant(bits=8)", "h2o(ratio=0.5)", "streaming(sink=4,window=60)")
     if name == "gemma3-270m":  # the slowest model on a CPU: the three that cover quantization, selection and a stack
         policies = policies[:3]
-    specs = [parse_policy(p).spec for p in policies]
-    shared = generate_many(model, tokenizer, prompts, specs, max_new_tokens=8, mode=mode, batch_size=2)
-    for spec in specs:
-        alone = generate(model, tokenizer, prompts, spec, max_new_tokens=8, mode=mode, batch_size=2)
-        assert [_fingerprint(r) for r in shared[spec]] == [_fingerprint(r) for r in alone], spec
+    assert_shared_prefill_equals_own_runs(model, tokenizer, prompts, policies, max_new_tokens=8, mode=mode, batch_size=2)
