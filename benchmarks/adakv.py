@@ -21,32 +21,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from _common import add_probe_options, families, load_model_and_items, run_root
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--family", default="niah_multikey")
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--n", type=int, default=20)
+    add_probe_options(parser, n=20)
     parser.add_argument("--ratios", default="0.5,0.8")
     parser.add_argument("--duo", default="duo(heads=0.25,sink=4,window=64)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
     args = parser.parse_args()
 
     from kveval.evaluate import evaluate_policies
     from kveval.fidelity import read_fidelity
-    from kveval.models import load_model
     from kveval.policies import parse_policy
-    from kveval.probes import generate_items
     from kveval.records import read_items
 
-    model, tokenizer = load_model(args.model)
-    items = generate_items(args.family, tokenizer, args.length, args.n)
+    model, tokenizer, items = load_model_and_items(args)
     duo = parse_policy(args.duo).selection
     fraction = duo.retrieval_fraction(model)
     mean_length = statistics.fmean(it.length for it in items)
@@ -57,11 +49,11 @@ def main() -> None:
         policies += [f"snapkv(ratio={ratio:g})", f"snapkv(ratio={ratio:g},adaptive=true)"]
     policies += [parse_policy(args.duo).spec, streaming]
 
-    out = Path(args.out or tempfile.mkdtemp(prefix="kveval-adakv-"))
+    out = run_root(args, "kveval-adakv-")
     started = time.perf_counter()
     dirs = evaluate_policies(model, tokenizer, items, policies, out, args.model, batch_size=args.batch_size, fidelity=True)
     seconds = time.perf_counter() - started
-    print(f"{args.model}, {len(items)} {args.family} items (~{mean_length:.0f} tokens), {seconds:.0f} s; {out}")
+    print(f"{args.model}, {len(items)} {', '.join(families(args))} items (~{mean_length:.0f} tokens), {seconds:.0f} s; {out}")
     print(f"duo keeps {fraction:.3f} of KV heads whole (retrieval heads by passkey attention mass, a stand-in for "
           f"DuoAttention's gates); its equal-bytes StreamingLLM is {streaming}")
     print(f"{'policy':<42} {'B/token':>9} {'accuracy':>9} {'KL mean':>9} {'top-1':>7}")

@@ -19,32 +19,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
+
+from _common import add_probe_options, families, load_model_and_items, run_root
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--family", action="append", default=None, help="probe family; repeat (default niah_multikey)")
-    parser.add_argument("--length", type=int, default=512)
-    parser.add_argument("--n", type=int, default=30, help="items per family")
+    add_probe_options(parser, n=30)
     parser.add_argument("--a", default="kivi(bits=4)")
     parser.add_argument("--b", default="kivi(bits=2)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
     args = parser.parse_args()
 
     from kveval.evaluate import evaluate_policies
     from kveval.fidelity import items_to_separate, read_fidelity
-    from kveval.models import load_model
-    from kveval.probes import generate_items
     from kveval.records import read_items
 
-    model, tokenizer = load_model(args.model)
-    items = [it for fam in (args.family or ["niah_multikey"]) for it in generate_items(fam, tokenizer, args.length, args.n)]
-    out = Path(args.out or tempfile.mkdtemp(prefix="kveval-fidelity-"))
+    model, tokenizer, items = load_model_and_items(args)
+    out = run_root(args, "kveval-fidelity-")
     started = time.perf_counter()
     evaluate_policies(model, tokenizer, items, ["none", args.a, args.b], out, args.model, batch_size=args.batch_size)
     middle = time.perf_counter()
@@ -55,7 +47,7 @@ def main() -> None:
     ids = [it.id for it in items]
     right = {name: {r.id: float(r.correct) for r in read_items(d)} for name, d in (("none", base), (args.a, run_a), (args.b, run_b))}
     kl = {args.a: read_fidelity(run_a), args.b: read_fidelity(run_b)}
-    print(f"{args.model}, {len(items)} items ({', '.join(args.family or ['niah_multikey'])}, {args.length} tokens), "
+    print(f"{args.model}, {len(items)} items ({', '.join(families(args))}, {args.length} tokens), "
           f"{seconds:.0f} s for the 3 runs, {fidelity_seconds:.0f} s more for their fidelity; {out}")
     for name in ("none", args.a, args.b):
         line = f"  {name:<22} accuracy {statistics.fmean(right[name][i] for i in ids):.3f}"

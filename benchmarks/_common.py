@@ -1,0 +1,47 @@
+"""Set-up shared by the benchmarks that evaluate policies on probe items of an embedded model.
+
+The scripts run as ``python3 benchmarks/<name>.py``, so this folder is on
+``sys.path`` and they import it as ``from _common import ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+
+def add_probe_options(parser: argparse.ArgumentParser, *, n: int, families: tuple[str, ...] = ("niah_multikey",),
+                      length: int = 512) -> None:
+    """The options of a probe benchmark: ``--model --family (repeatable) --length --n --batch-size --out``.
+
+    ``n`` is the items per family, ``length`` the probe length in tokens;
+    ``families`` are used when no ``--family`` is given.
+    """
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--family", action="append", default=None, help=f"probe family; repeat (default {', '.join(families)})")
+    parser.add_argument("--length", type=int, default=length)
+    parser.add_argument("--n", type=int, default=n, help="items per family")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
+    parser.set_defaults(default_families=list(families))
+
+
+def families(args: argparse.Namespace) -> list[str]:
+    """The probe families asked for (``--family``, else the benchmark's defaults)."""
+    return args.family or args.default_families
+
+
+def load_model_and_items(args: argparse.Namespace):
+    """Load ``--model`` and generate ``--n`` items of ``--length`` tokens per family; ``(model, tokenizer, items)``."""
+    from kveval.models import load_model
+    from kveval.probes import generate_items
+
+    model, tokenizer = load_model(args.model)
+    items = [it for family in families(args) for it in generate_items(family, tokenizer, args.length, args.n)]
+    return model, tokenizer, items
+
+
+def run_root(args: argparse.Namespace, prefix: str) -> Path:
+    """Where the run folders go: ``--out``, else a new temporary folder named ``prefix...``."""
+    return Path(args.out or tempfile.mkdtemp(prefix=prefix))
