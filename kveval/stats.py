@@ -127,6 +127,12 @@ def _paired_bool(baseline: ArrayLike, candidate: ArrayLike) -> tuple[np.ndarray,
     return a.astype(bool), b.astype(bool)
 
 
+def _discordant(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> tuple[int, int, int]:
+    """``(items, regressed, improved)``: paired items, right->wrong and wrong->right counts."""
+    a, b = _paired_bool(baseline_correct, candidate_correct)
+    return int(a.size), int(np.sum(a & ~b)), int(np.sum(~a & b))
+
+
 def _mean_diff(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
     return np.mean(b - a, axis=axis)
 
@@ -243,9 +249,7 @@ def mcnemar_exact(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> 
         Discordant counts and the two-sided p-value (1.0 when no item changed),
         equal to statsmodels' ``mcnemar(table, exact=True)``.
     """
-    a, b = _paired_bool(baseline_correct, candidate_correct)
-    regressed = int(np.sum(a & ~b))
-    improved = int(np.sum(~a & b))
+    _, regressed, improved = _discordant(baseline_correct, candidate_correct)
     if regressed + improved == 0:
         return McNemarResult(regressed, improved, 1.0)
     p = float(_st.binomtest(regressed, regressed + improved, 0.5).pvalue)
@@ -293,10 +297,7 @@ def flips(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> Flips:
     -------
     Flips
     """
-    a, b = _paired_bool(baseline_correct, candidate_correct)
-    n = int(a.size)
-    regressed = int(np.sum(a & ~b))
-    improved = int(np.sum(~a & b))
+    n, regressed, improved = _discordant(baseline_correct, candidate_correct)
     return Flips(n, regressed, improved, regressed / n if n else 0.0, improved / n if n else 0.0)
 
 
