@@ -52,7 +52,9 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
+import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,10 +261,15 @@ def save_atomic(payload: dict, path: Path) -> None:
 
 
 def load_versioned(path: Path, version: int) -> dict | None:
-    """The dict saved at ``path`` when it is readable and of ``version``, else ``None``."""
+    """The dict saved at ``path`` when it is readable and of ``version``, else ``None``.
+
+    A damaged or foreign file is ``None`` (a cache entry to compute again), whatever
+    torch's reader raises on it: truncated pickles raise ``struct.error``,
+    refused globals ``pickle.UnpicklingError``.
+    """
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError):
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, struct.error):
         return None
     if not isinstance(payload, dict) or payload.get("version") != version:
         return None

@@ -173,6 +173,19 @@ def test_calibration_is_cached_on_disk_and_invalidated_by_a_new_text(tmp_path, c
     assert len(list((calibration_cache / "calibration").glob("*.pt"))) == 2
 
 
+@pytest.mark.parametrize("content", [b"junk", b"", b"\x80\x02}q\x00.", "not a tensor"])
+def test_an_unreadable_calibration_file_reads_as_missing(tmp_path, content):
+    """A damaged or foreign cache file is recalibrated over, never an error (load_or_compute treats None as missing)."""
+    from fractions import Fraction
+
+    path = tmp_path / "calibration.pt"
+    if content == "not a tensor":  # a global the weights-only unpickler refuses
+        torch.save({"version": lowrank.CALIBRATION_VERSION, "spectra": Fraction(1, 2)}, path)
+    else:
+        path.write_bytes(content)
+    assert lowrank.load_versioned(path, lowrank.CALIBRATION_VERSION) is None
+
+
 def test_batches_give_the_answers_of_batch_size_one():
     assert_one_batch_equals_batch_size_one(tiny_llama(), Tok(), random_prompts([(12, 3), (20, 3), (7, 3)], seed=20),
                                            "lowrank(rank=4)+quant(bits=8,group=4)", max_new_tokens=4)
