@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.lowrank import load_or_compute, model_fingerprint, model_name, tokenize_for
+from kveval.lowrank import load_or_compute, load_versioned, model_fingerprint, model_name, save_atomic, tokenize_for
 from kveval.probes.text import REPEAT_SENTENCES
 
 CALIBRATION_VERSION = 1
@@ -72,19 +72,15 @@ class RetrievalScores:
         return mask
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"version": CALIBRATION_VERSION, "scores": self.scores, "tokens": self.tokens,
-                    "model_key": self.model_key}, tmp)
-        tmp.replace(path)
+        """Write atomically (temporary file, then rename)."""
+        save_atomic({"version": CALIBRATION_VERSION, "scores": self.scores, "tokens": self.tokens,
+                     "model_key": self.model_key}, path)
 
     @classmethod
     def load(cls, path: Path) -> "RetrievalScores | None":
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError):
-            return None
-        if not isinstance(payload, dict) or payload.get("version") != CALIBRATION_VERSION:
+        """The scores stored at ``path``, or ``None`` if missing, unreadable or of another version."""
+        payload = load_versioned(path, CALIBRATION_VERSION)
+        if payload is None:
             return None
         return cls(payload["scores"], payload["tokens"], payload["model_key"], path)
 
