@@ -18,11 +18,15 @@ Life of a sequence
    step so the cache never holds more than the budget.
 
 Batches: rows are stored separately and compressed exactly as they would be
-alone; the padded batch given to attention carries a mask built from each
-kept token's original position, so padding and eviction always agree and a
-batch gives the answers of batch size 1. Input padding is declared with
-:meth:`CompressedCache.set_input_mask` (the :mod:`kveval.generation` driver
-does this); padding tokens are never stored.
+alone. What attention reads is one padded tensor per layer
+(:class:`kveval.batch_buffer.BatchBuffer`), updated in place from the first slot
+a row's store changed, never re-stacked; its mask comes from each kept token's
+original position, so padding and eviction always agree and a batch gives the
+answers of batch size 1. Decode steps that do the same to every row (nothing
+evicts or scores any more, dense or quantized rows) are one batched write to
+that tensor (:mod:`kveval.buffered_decode`), and the rows' stores catch up
+later. Input padding is declared with :meth:`CompressedCache.set_input_mask`
+(the :mod:`kveval.generation` driver does this); padding tokens are never stored.
 
 Hybrid models. Which cache layer each model layer gets comes from
 :func:`kveval.architectures.cache_layer_plan` (unknown layer types are refused).
@@ -152,6 +156,7 @@ class CompressedCache(Cache):
         #: Attention scores a deferred prefill keeps (:func:`kveval.cache_layers.score_key`), each once.
         self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None
+        self._input_counts: list[int] | None = None
         self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
         super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
@@ -185,6 +190,8 @@ class CompressedCache(Cache):
     def set_input_mask(self, mask: torch.Tensor | None) -> None:
         """Declare which input tokens of the next forward are real (``[B, q]``, 1 = real, 0 = padding)."""
         self._input_mask = None if mask is None else mask.bool()
+        # Read once per forward (one device sync), not once per layer.
+        self._input_counts = None if mask is None else self._input_mask.sum(dim=1).tolist()
         if mask is not None:
             self._column_mask = self._input_mask if self._column_mask is None else torch.cat([self._column_mask, self._input_mask], 1)
 
@@ -207,6 +214,12 @@ class CompressedCache(Cache):
         if self._input_mask is None:
             return torch.ones(batch, q_len, dtype=torch.bool, device=device)
         return self._input_mask.to(device)
+
+    def input_counts(self, batch: int, q_len: int) -> tuple[list[int], bool]:
+        """Real tokens per row in the next forward, and whether every input token is real."""
+        if self._input_mask is None:
+            return [q_len] * batch, True
+        return self._input_counts, all(n == q_len for n in self._input_counts)
 
     def protected(self, b: int) -> int:
         return 0 if self._protect_last is None else self._protect_last[b]

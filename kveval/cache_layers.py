@@ -1,8 +1,10 @@
 """The layers of a :class:`~kveval.cache.CompressedCache`: per-sequence stores, masks, scoring and compression.
 
 :class:`CompressedLayer` keeps, for every sequence of the batch separately, a
-token store (:mod:`kveval.storage`) plus each kept token's original position;
-it builds the mask attention must use once kept tokens no longer line up with
+token store (:mod:`kveval.storage`) plus each kept token's original position,
+and a :class:`~kveval.batch_buffer.BatchBuffer` of the whole batch that
+attention reads (updated in place, or by :mod:`kveval.buffered_decode` alone in
+decode steps that treat every row alike); it builds the mask attention must use once kept tokens no longer line up with
 the input columns, accumulates the attention mass a selection policy asks for,
 and compresses. :class:`CompressedHybridLayer` adds a linear-attention/Mamba
 state kept by transformers' own code (Falcon-H1). See :mod:`kveval.cache` for
@@ -16,10 +18,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
+from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
+from kveval.batch_buffer import BatchBuffer
+from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
-
-_PAD_POSITION = 2**62  # slot position of padding in a stacked batch: never visible to any query
+from kveval.storage import DenseStore
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
 
 
@@ -103,12 +107,74 @@ class CompressedLayer(CacheLayerMixin):
         # query sees only the tokens of its own chunk of ``sliding_window`` positions.
         self.chunked = chunked and self.is_sliding
         self.selection = None if self.is_sliding else cache.policy.selection
-        self.rows: list[RowState] = []
+        self._rows: list[RowState] = []
         self.columns_seen = 0  # input columns processed, padding included (what DynamicLayer would report)
         self.contiguous = True  # every row holds every column: the model's own causal mask is exact
         self._query_positions: torch.Tensor | None = None
         self._slot_positions: torch.Tensor | None = None
         self.token_elements = 0  # K and V elements per token, all heads: what the model's own cache layer holds
+        self._buffer: BatchBuffer | None = None  # what attention reads, kept in step with the rows
+        # Decode steps done on the buffer alone (None: the rows do not allow it, or changed since the last check).
+        self._decode: BufferedDecode | None = None
+        self._buffer_only_step = False  # the current forward wrote the buffer alone (nothing to score)
+
+    # --- the rows, and the buffer attention reads ---------------------------------------------
+    @property
+    def rows(self) -> list[RowState]:
+        """Every sequence's :class:`RowState`, caught up with the decode steps done on the buffer alone."""
+        if self._decode is not None and self._decode.pending:
+            self._decode.catch_up(self._rows)
+            self._share_dense_storage()
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[RowState]) -> None:
+        self._rows, self._buffer, self._decode = rows, None, None
+
+    def _can_decode_on_buffer(self, kwargs) -> bool:
+        """Whether this forward may write the buffer alone (see :meth:`_batched_decode`): positions must be given."""
+        return self._decode is not None and kwargs is not None and kwargs.get("position_ids") is not None
+
+    def _batched_decode(self) -> "BufferedDecode | None":
+        """The batched decode the rows allow: compressed rows, dense or plainly quantized, that nothing evicts or
+        scores any more (``none``, selection done at the prefill). Checked after each refresh; any change to a
+        row (:meth:`_select`, :meth:`compress_row`) clears it until the next refresh."""
+        selection = self.selection
+        if (self._buffer is None or self.is_sliding or self.cache.defer_compression
+                or (selection is not None and (selection.decode_budget is not None or selection.attention in ("all", "last")))
+                or not all(row.compressed for row in self._rows)):
+            return None
+        return BufferedDecode.for_rows(self._rows, self.cache.kv_dtype)
+
+    def _refresh_buffer(self) -> None:
+        """Bring the buffer in step with the rows: each row from the first slot its store changed."""
+        rows = self._rows
+        if self._buffer is None:
+            keys, values = next(((k, v) for k, v in (r.store.keys_values() for r in rows) if k is not None), (None, None))
+            if keys is None:
+                return
+            self._buffer = BatchBuffer(len(rows), keys.shape[0], keys.shape[-1], values.shape[-1], keys.dtype, keys.device)
+        buffer = self._buffer
+        for b, row in enumerate(rows):
+            n = row.store.length
+            start = min(row.store.changed_from(), buffer.lengths[b], n)
+            if start < n or n != buffer.lengths[b]:
+                keys, values = row.store.keys_values_from(start)
+                buffer.write_row(b, start, keys, values, row.positions[:, start:])
+            row.store.mark_read()
+        self._share_dense_storage()
+
+    def _share_dense_storage(self) -> None:
+        """Dense rows whose ``kv_dtype`` is the compute dtype hold views of the buffer: the cache is held once."""
+        buffer = self._buffer
+        if buffer is None or buffer.keys.dtype != self.cache.kv_dtype:
+            return
+        for b, row in enumerate(self._rows):
+            store = row.store
+            if type(store) is DenseStore and store.keys is not None and (buffer.grown or store.keys.data_ptr() != buffer.keys[b].data_ptr()):
+                n = buffer.lengths[b]
+                store.keys, store.values = buffer.keys[b, :, :n], buffer.values[b, :, :n]
+        buffer.grown = False
 
     # --- transformers CacheLayerMixin interface -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -137,21 +203,32 @@ class CompressedLayer(CacheLayerMixin):
         batch, heads, q_len, _ = key_states.shape
         real = self.cache.input_real(batch, q_len, key_states.device)
         positions = self._new_positions(kwargs, real)
-        for b, row in enumerate(self.rows):
-            keep = real[b]
-            if self.is_sliding and row.positions.shape[1]:
-                self._trim_to_window(row, int(positions[b][keep].min()) if keep.any() else None)
-            if keep.any():
-                new_positions = positions[b][keep].unsqueeze(0).expand(heads, -1)
-                row.store.append(key_states[b][:, keep], value_states[b][:, keep])
-                row.positions = torch.cat([row.positions, new_positions], dim=1)
-                row.tokens_seen += int(keep.sum())
-                if row.compressed:
-                    row.seal()
+        counts, all_real = self.cache.input_counts(batch, q_len)
+        self._buffer_only_step = self._can_decode_on_buffer(kwargs)
+        if self._buffer_only_step:
+            # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.
+            self._decode.append(self._buffer, key_states, value_states, positions, real, counts)
+            if self._decode.due:
+                self._decode.catch_up(self._rows)
+            self._share_dense_storage()
+        else:
+            for b, row in enumerate(self.rows):
+                keep = real[b]
+                if self.is_sliding and row.positions.shape[1]:
+                    self._trim_to_window(row, int(positions[b][keep].min()) if counts[b] else None)
+                if counts[b]:
+                    new_positions = positions[b][keep].unsqueeze(0).expand(heads, -1)
+                    row.store.append(key_states[b][:, keep], value_states[b][:, keep])
+                    row.positions = torch.cat([row.positions, new_positions], dim=1)
+                    row.tokens_seen += counts[b]
+                    if row.compressed:
+                        row.seal()
+            self._refresh_buffer()
+            self._decode = self._batched_decode()
         self.columns_seen += q_len
-        if not bool(real.all()):
+        if not all_real:
             self.contiguous = False
-        keys, values, slot_positions = self._stacked()
+        keys, values, slot_positions = self._buffer.views()
         self._query_positions = positions
         self._slot_positions = slot_positions
         if kwargs is not None:
@@ -189,22 +266,6 @@ class CompressedLayer(CacheLayerMixin):
             index = visible.nonzero().squeeze(1).unsqueeze(0).expand(row.positions.shape[0], -1)
             self._select(row, index)
 
-    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-pad the rows' kept tokens into one batch; padding slots get an invisible position."""
-        kvs = [row.store.keys_values() for row in self.rows]
-        if len(self.rows) == 1:
-            return kvs[0][0][None], kvs[0][1][None], self.rows[0].positions[None]
-        slots = max(k.shape[1] for k, _ in kvs)
-        keys = kvs[0][0].new_zeros(len(self.rows), kvs[0][0].shape[0], slots, kvs[0][0].shape[2])
-        values = kvs[0][1].new_zeros(len(self.rows), kvs[0][1].shape[0], slots, kvs[0][1].shape[2])
-        positions = torch.full((len(self.rows), keys.shape[1], slots), _PAD_POSITION, dtype=torch.long, device=keys.device)
-        for b, ((k, v), row) in enumerate(zip(kvs, self.rows)):
-            n = k.shape[1]
-            if n:
-                keys[b, :, slots - n:], values[b, :, slots - n:] = k, v
-                positions[b, :, slots - n:] = row.positions
-        return keys, values, positions
-
     def allowed_mask(self, query_positions: torch.Tensor, heads_of_query: int | None) -> torch.Tensor:
         """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).
 
@@ -233,6 +294,8 @@ class CompressedLayer(CacheLayerMixin):
         probabilities ``[B, query_heads, q, slots]`` (softcapped, sink-diluted, ...)
         under a boolean mask; selection policies score with them.
         """
+        if self._buffer_only_step:
+            return  # nothing scores or evicts (see _batched_decode)
         policy = self.selection
         needs = policy.attention if policy is not None else "none"
         if self.cache.defer_compression:
@@ -284,11 +347,10 @@ class CompressedLayer(CacheLayerMixin):
             groups = query.shape[1] // stored_heads
             part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
             mass = part if mass is None else mass + part
-        slots = mass.shape[-1]
         deferred, own = self.cache.defer_compression, score_key(self.selection)
         for b, row in enumerate(self.rows):
             n = row.store.length
-            row_mass = mass[b, :, slots - n:]
+            row_mass = mass[b, :, :n]  # the buffer holds row b's tokens in its first n slots
             before = (row.scores or {}).get(key) if deferred else row.attention
             if needs == "all" and before is not None:
                 row_mass = torch.nn.functional.pad(before, (0, n - before.shape[1])) + row_mass
@@ -332,6 +394,7 @@ class CompressedLayer(CacheLayerMixin):
                 self._select(row, chosen)
         row.seal()
         row.compressed = True
+        self._decode = None
 
     def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
         """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always)."""
@@ -348,6 +411,7 @@ class CompressedLayer(CacheLayerMixin):
                 self._select_heads(row, index)
                 return
             index = torch.stack(index)
+        self._decode = None
         row.store.select(index)
         row.positions = row.positions.gather(1, index)
         if row.attention is not None:
@@ -361,6 +425,7 @@ class CompressedLayer(CacheLayerMixin):
         if not isinstance(row.store, HeadwiseStore):
             raise TypeError(f"{type(row.store).__name__} holds the same tokens count in every head; "
                             "per-head budgets need the layer's HeadwiseStore")
+        self._decode = None
         row.store.select_heads(index)
         slots = max(i.numel() for i in index)
         row.positions = _left_pad([p[i] for p, i in zip(row.positions, index)], slots, _PAD_POSITION)

@@ -200,6 +200,11 @@ def gather_units(block: QuantizedBlock, index: torch.Tensor) -> QuantizedBlock:
     return _with_units(block, lambda t: _gather_dim1(t, index), index.shape[1])
 
 
+def units_from(block: QuantizedBlock, first: int) -> QuantizedBlock:
+    """Units ``first`` onwards of every head, as stored (views, no copy)."""
+    return _with_units(block, lambda t: t[:, first:], block.units - first)
+
+
 def concat_blocks(first: QuantizedBlock | None, second: QuantizedBlock) -> QuantizedBlock:
     """``second``'s units after ``first``'s (same encoding)."""
     if first is None:

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kveval.errors import UsageError
-from kveval.quantization import QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8
+from kveval.quantization import QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8, units_from
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -127,6 +127,21 @@ class TokenStore(ABC):
     def nbytes(self) -> int:
         """Bytes of every tensor the store holds for its tokens."""
 
+    # --- incremental reads (the cache layer's batch buffer, kveval.batch_buffer) ------------------
+    def changed_from(self) -> int:
+        """The first slot whose value, as :meth:`keys_values` shows it, may differ from what it showed at the last
+        :meth:`mark_read` (slots appended since count as changed). This default says every slot: a store that does
+        not track its changes is read whole each time."""
+        return 0
+
+    def mark_read(self) -> None:
+        """The reader now holds every slot as :meth:`keys_values` shows it."""
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``start`` onwards of :meth:`keys_values`, ``[H, length - start, D]`` each."""
+        keys, values = self.keys_values()
+        return keys[:, start:], values[:, start:]
+
 
 class DenseStore(TokenStore):
     """Keys and values held as they are, in ``kv_dtype`` (the uncompressed representation).
@@ -139,6 +154,7 @@ class DenseStore(TokenStore):
         self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._read = 0  # leading slots unchanged since mark_read (appends never change held slots)
 
     @property
     def length(self) -> int:
@@ -162,13 +178,35 @@ class DenseStore(TokenStore):
 
     def select(self, index: torch.Tensor) -> None:
         self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
+        self._read = 0
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold exactly ``keys`` and ``values`` (``[H, T, D]``, stored in ``kv_dtype``; no copy when already in it)."""
+        self.keys, self.values, self._read = None, None, 0
+        self.append(keys, values)
 
     def seal(self) -> None:
         """Nothing to encode: dense tokens stay as they are."""
 
+    def changed_from(self) -> int:
+        return self._read
+
+    def mark_read(self) -> None:
+        self._read = self.length
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, start:].to(self.compute_dtype), self.values[:, start:].to(self.compute_dtype)
+
     @property
     def nbytes(self) -> int:
         return _nbytes(self.keys) + _nbytes(self.values)
+
+
+def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedBlock:
+    """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.policies.quant.TensorQuant`) says."""
+    if quant.fp8 is not None:
+        return quantize_fp8(x, quant.fp8, quant.axis, quant.group, valid)
+    return quantize(x, quant.bits, quant.axis, quant.group, quant.symmetric, valid)
 
 
 class QuantizedSequence:
@@ -197,6 +235,7 @@ class QuantizedSequence:
         self.tail: torch.Tensor | None = None  # [H, R, D] in kv_dtype
         self.tail_alive: torch.Tensor | None = None  # [H, R]
         self.count = 0  # live tokens per head
+        self.read = 0  # leading live slots unchanged since mark_read (see TokenStore.changed_from)
 
     @property
     def unit(self) -> int:
@@ -241,15 +280,15 @@ class QuantizedSequence:
         aged = (aged // self.unit) * self.unit
         if aged <= 0:
             return
+        # The aged slots now read back dequantized. With every slot alive they follow the block's tokens; otherwise
+        # where they stand among the live slots is not worth working out: everything counts as changed.
+        plain = self.alive is None and self.tail_alive is None
+        self.read = min(self.read, self.sealed_slots) if plain else 0
         old, self.tail = self.tail[:, :aged], self.tail[:, aged:]
         valid = None
         if self.tail_alive is not None:
             valid, self.tail_alive = self.tail_alive[:, :aged], self.tail_alive[:, aged:]
-        q = self.quant
-        if q.fp8 is not None:
-            new = quantize_fp8(old, q.fp8, q.axis, q.group, valid)
-        else:
-            new = quantize(old, q.bits, q.axis, q.group, q.symmetric, valid)
+        new = encode(self.quant, old, valid)
         if self.alive is not None or valid is not None:
             def everyone(slots: int) -> torch.Tensor:
                 return torch.ones(old.shape[0], slots, dtype=torch.bool, device=old.device)
@@ -259,16 +298,29 @@ class QuantizedSequence:
         self.block = concat_blocks(self.block, new)
         self._compact()
 
-    def materialize(self) -> torch.Tensor:
-        """The held tokens ``[H, length, D]`` in the compute dtype."""
-        parts = [] if self.block is None else [dequantize(self.block, self.compute_dtype)]
+    def materialize(self, start: int = 0) -> torch.Tensor:
+        """The held tokens from live slot ``start`` on, ``[H, length - start, D]``, in the compute dtype.
+
+        With every slot alive only the units holding slots ``start`` onwards are dequantized.
+        """
+        alive = self._alive_all()
+        skip = 0  # slots of `everything` before `start`
+        block = self.block
+        if alive is None and block is not None and start:
+            first_unit = min(start, block.tokens) // block.unit
+            block = units_from(block, first_unit) if first_unit < block.units else None
+            skip = first_unit * self.unit
+        parts = [] if block is None else [dequantize(block, self.compute_dtype)]
         if self.tail is not None:
             parts.append(self.tail.to(self.compute_dtype))
+        if not parts:
+            heads, dim = self.block.shape[0], self.block.shape[2]
+            return torch.empty(heads, 0, dim, dtype=self.compute_dtype, device=self.block.scale.device)
         everything = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        alive = self._alive_all()
         if alive is None:
-            return everything
-        return everything[alive].reshape(everything.shape[0], -1, everything.shape[2])  # every head: `length` live slots
+            return everything[:, start - skip:]
+        live = everything[alive].reshape(everything.shape[0], -1, everything.shape[2])  # every head: `length` live slots
+        return live[:, start:]
 
     def select(self, index: torch.Tensor) -> None:
         alive = self._alive_all()
@@ -278,6 +330,7 @@ class QuantizedSequence:
         kept = torch.zeros_like(alive).scatter_(1, slots, True)
         self.alive, self.tail_alive = kept[:, :self.sealed_slots], kept[:, self.sealed_slots:]
         self.count = index.shape[1]
+        self.read = 0
         self._compact()
 
     def _compact(self) -> None:
@@ -328,6 +381,15 @@ class QuantizedStore(TokenStore):
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.materialize(), self.v.materialize()
+
+    def changed_from(self) -> int:
+        return min(self.k.read, self.v.read)
+
+    def mark_read(self) -> None:
+        self.k.read = self.v.read = self.length
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.materialize(start), self.v.materialize(start)
 
     def select(self, index: torch.Tensor) -> None:
         self.k.select(index)

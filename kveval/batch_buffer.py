@@ -1,0 +1,117 @@
+"""The batch a cache layer hands to attention: every row's kept K/V in one padded tensor, updated in place.
+
+A :class:`BatchBuffer` holds, for one layer, ``[B, H, capacity, D]`` keys and
+values in the compute dtype and ``[B, H, capacity]`` original positions.
+Layout: row ``b``'s tokens are slots ``[0, lengths[b])``, in the order its
+store holds them; later slots are padding, with :data:`PAD_POSITION` (never
+visible to a query). Attention reads views of the first :attr:`width` slots, so
+no step copies the cache: new tokens are written after each row's last one
+(:meth:`append`, one batched write for all rows), and a row whose store changed
+held tokens (eviction, a quantizer sealing its residual) is rewritten from the
+first changed slot only (:meth:`write_row`, with
+:meth:`kveval.storage.TokenStore.changed_from`).
+
+Capacity grows by an eighth (at least 64 slots) when a write needs more, so
+growth copies are rare (amortised constant per token). The slack is not cache:
+measured bytes come from the stores, never from this buffer.
+
+When the compute dtype is the cache dtype (a bf16 model on a GPU), a dense row's
+store is a view of this buffer (see :meth:`kveval.cache_layers.CompressedLayer`),
+so the cache is held once. On a CPU computing in float32, the buffer is the
+dequantized copy attention needs, in the one reusable tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_POSITION = 2**62  # slot position of padding: never visible to any query
+_MIN_GROWTH = 64
+
+
+class BatchBuffer:
+    """One layer's kept K/V for a whole batch, ``[B, H, slots, D]``, left-aligned per row.
+
+    Parameters
+    ----------
+    batch, heads : int
+        Rows and stored KV heads.
+    key_dim, value_dim : int
+        Head widths of K and V as attention sees them.
+    dtype, device
+        The compute dtype and device of the layer.
+    """
+
+    def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device):
+        self.keys = torch.zeros(batch, heads, 0, key_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, 0, value_dim, dtype=dtype, device=device)
+        self.positions = torch.full((batch, heads, 0), PAD_POSITION, dtype=torch.long, device=device)
+        self.lengths = [0] * batch  # slots held by each row
+        self.width = 0  # max(lengths): the slots attention reads
+        self.grown = False  # set when a write reallocated (views of the old tensors no longer alias)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and positions of the first :attr:`width` slots (views, no copy)."""
+        return self.keys[:, :, :self.width], self.values[:, :, :self.width], self.positions[:, :, :self.width]
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots per row (copying what is held once, into a larger tensor)."""
+        if slots <= self.capacity:
+            return
+        size = slots + max(_MIN_GROWTH, slots // 8)
+
+        def grown(old: torch.Tensor, fill) -> torch.Tensor:
+            new = old.new_full((*old.shape[:2], size, *old.shape[3:]), fill)
+            new[:, :, :self.width] = old[:, :, :self.width]
+            return new
+
+        self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
+        self.positions = grown(self.positions, PAD_POSITION)
+        self.grown = True
+
+    def write_row(self, b: int, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Row ``b`` now holds ``start + n`` slots: ``keys``/``values`` (``[H, n, D]``) and ``positions`` (``[H, n]``)
+        replace slots ``start`` onwards; slots it held beyond become padding."""
+        end = start + keys.shape[1]
+        self.reserve(end)
+        self.keys[b, :, start:end] = keys
+        self.values[b, :, start:end] = values
+        self.positions[b, :, start:end] = positions
+        if self.lengths[b] > end:
+            self.positions[b, :, end:self.lengths[b]] = PAD_POSITION
+        self.lengths[b] = end
+        self.width = max(self.lengths)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
+               counts: list[int]) -> None:
+        """Append the real tokens of ``keys``/``values`` (``[B, H, q, D]``) after each row's last slot, in one write.
+
+        ``positions`` is ``[B, q]`` (the tokens' original positions), ``real`` the ``[B, q]`` mask of real tokens
+        and ``counts`` its row sums (known to the caller without a device sync).
+        """
+        q = keys.shape[2]
+        start = self.lengths[0]
+        if all(n == q for n in counts) and all(n == start for n in self.lengths):
+            # Every row appends q real tokens at the same slot: a slice write.
+            self.reserve(start + q)
+            self.keys[:, :, start:start + q] = keys
+            self.values[:, :, start:start + q] = values
+            self.positions[:, :, start:start + q] = positions[:, None, :]
+        else:
+            self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
+            lengths = torch.tensor(self.lengths, device=keys.device)
+            slot = lengths[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
+            rows, columns = real.nonzero(as_tuple=True)
+            slots = slot[rows, columns]
+            self.keys[rows, :, slots] = keys[rows, :, columns]
+            self.values[rows, :, slots] = values[rows, :, columns]
+            self.positions[rows, :, slots] = positions[rows, columns][:, None]
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+        self.width = max(self.lengths)
+
+
+__all__ = ["BatchBuffer", "PAD_POSITION"]

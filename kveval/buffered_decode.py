@@ -1,0 +1,124 @@
+"""Decode steps that write the whole batch into the layer's buffer at once; the rows' stores catch up later.
+
+Once every row of a layer is compressed and nothing evicts or scores any more
+(``none``, selection done at the prefill, with a dense or quantized
+representation), a decode step does the same thing to every row: store the
+new tokens and, for a quantized store, encode the tokens that have aged out of
+the full-precision residual window. :class:`BufferedDecode` does that for the
+batch with a few tensor ops on the :class:`~kveval.batch_buffer.BatchBuffer`:
+
+- the new tokens go in after each row's last slot, as ``kv_dtype`` values;
+- tokens that age out of the residual are replaced, in place, by their
+  dequantized values, encoded by :func:`kveval.storage.encode` exactly as the
+  row's store encodes them (groups are per token, or per channel over the same
+  ``group`` consecutive tokens the store would group).
+
+The new tokens are also kept, in ``kv_dtype``, until the rows *catch up*: each
+row's store appends them and seals, which encodes the same tokens into the same
+codes (a per-token group does not depend on when it is sealed; per-channel
+groups start at the same token either way). The rows catch up when anything
+reads them (measurement, forking, deriving) and every :data:`CATCH_UP_STEPS`
+steps, which bounds the memory of the pending tokens. Until then the measured
+bytes are the stores' bytes at the last catch-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kveval.batch_buffer import BatchBuffer
+from kveval.quantization import dequantize
+from kveval.storage import DenseStore, QuantizedSequence, QuantizedStore, encode
+
+CATCH_UP_STEPS = 64  # decode steps between catch-ups of the rows' stores
+
+
+@dataclass
+class _Residual:
+    """One of K or V of a quantized layer: its encoding, residual window and unit, and each row's unencoded tail."""
+
+    quant: object  # kveval.policies.quant.TensorQuant
+    residual: int
+    unit: int  # tokens per quantization unit: 1 per token, ``group`` per channel
+    tails: list[int]  # slots at the end of each row not yet encoded
+
+    @classmethod
+    def of(cls, sequences: list[QuantizedSequence]) -> "_Residual":
+        first = sequences[0]
+        return cls(first.quant, first.residual, first.unit, [s.tail_slots for s in sequences])
+
+    def encode_aged(self, held: torch.Tensor, lengths: list[int], counts: list[int], kv_dtype: torch.dtype) -> None:
+        """After each row appended ``counts[b]`` tokens (now ``lengths[b]`` slots), replace the slots that left the
+        residual window in ``held`` (``[B, H, slots, D]``, the buffer's K or V) by their dequantized values."""
+        self.tails = [t + c for t, c in zip(self.tails, counts)]
+        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
+        for count in sorted(set(aged) - {0}):  # usually one value: every row ages the same tokens at once
+            rows = [b for b, a in enumerate(aged) if a == count]
+            index = torch.tensor(rows, device=held.device)
+            first = torch.tensor([lengths[b] - self.tails[b] for b in rows], device=held.device)
+            slots = first[:, None] + torch.arange(count, device=held.device)  # [rows, count]
+            gathered = held[index[:, None], :, slots]  # [rows, count, H, D]
+            tokens = gathered.permute(0, 2, 1, 3)  # [rows, H, count, D]
+            shape = tokens.shape
+            flat = tokens.reshape(shape[0] * shape[1], count, shape[3]).to(kv_dtype)
+            decoded = dequantize(encode(self.quant, flat), held.dtype).reshape(shape)
+            held[index[:, None], :, slots] = decoded.permute(0, 2, 1, 3)
+            for b in rows:
+                self.tails[b] -= count
+
+
+class BufferedDecode:
+    """Batched decode steps for one layer whose rows are all dense or all plain quantized stores (see module doc)."""
+
+    def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None, values: _Residual | None):
+        self.kv_dtype = kv_dtype
+        self.keys, self.values = keys, values
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
+
+    @classmethod
+    def for_rows(cls, rows, kv_dtype: torch.dtype) -> "BufferedDecode | None":
+        """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`), or ``None`` where their stores
+        are not all dense, or not all quantized with every slot alive (evicted slots inside units: per-row work)."""
+        stores = [row.store for row in rows]
+        if all(type(s) is DenseStore for s in stores):
+            return cls(kv_dtype, None, None)
+        if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
+               and s.v.alive is None and s.v.tail_alive is None for s in stores):
+            return cls(kv_dtype, _Residual.of([s.k for s in stores]), _Residual.of([s.v for s in stores]))
+        return None
+
+    def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               real: torch.Tensor, counts: list[int]) -> None:
+        """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``."""
+        keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
+        self.pending.append((keys, values, positions, real))
+        buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
+        for side, held in ((self.keys, buffer.keys), (self.values, buffer.values)):
+            if side is not None:
+                side.encode_aged(held, buffer.lengths, counts, self.kv_dtype)
+
+    @property
+    def due(self) -> bool:
+        return len(self.pending) >= CATCH_UP_STEPS
+
+    def catch_up(self, rows) -> None:
+        """Every row's store appends its pending tokens and seals; the rows' positions and counts follow."""
+        if not self.pending:
+            return
+        keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
+        self.pending = []
+        for b, row in enumerate(rows):
+            keep = real[b]
+            n = int(keep.sum())
+            if not n:
+                continue
+            row.store.append(keys[b][:, keep], values[b][:, keep])
+            row.positions = torch.cat([row.positions, positions[b][keep].unsqueeze(0).expand(row.positions.shape[0], -1)], dim=1)
+            row.tokens_seen += n
+            row.seal()
+            row.store.mark_read()
+
+
+__all__ = ["BufferedDecode", "CATCH_UP_STEPS"]

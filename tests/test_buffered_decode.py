@@ -1,0 +1,95 @@
+"""Decode steps done on the layer's batch buffer alone (kveval.buffered_decode) change nothing but speed.
+
+Each policy is generated twice on the same batch of mixed-length prompts (left
+padding, an EOS that ends rows early, so finished rows feed padding): once with
+the batched decode, once with it switched off, so that every decode step goes
+through the rows' own stores one by one as before. Tokens, log-probabilities
+and every byte and kept token must be equal, bit for bit, and the batched path
+must really have run. Decoding runs past ``CATCH_UP_STEPS`` so the rows catch up
+mid-generation, and far enough for KIVI's per-channel key groups to age out of
+a short residual window at different steps in different rows.
+"""
+
+import pytest
+import torch
+from cache_runs import fingerprint
+from tiny_models import Tok, tiny_llama
+
+from kveval import buffered_decode
+from kveval.batch_buffer import BatchBuffer
+from kveval.buffered_decode import BufferedDecode
+from kveval.cache import CompressedCache
+from kveval.cache_layers import CompressedLayer
+from kveval.generation import Prompt, generate
+
+STEPS = buffered_decode.CATCH_UP_STEPS + 6
+SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
+         "fp8(group=16,residual=3)", "snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)"]
+
+
+def _prompts(n=5, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 70, (n,), generator=g).tolist()
+    return [Prompt(torch.randint(3, 128, (k,), generator=g).tolist(), torch.randint(3, 128, (4,), generator=g).tolist())
+            for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None):
+    calls = []
+    original = BufferedDecode.append
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BufferedDecode, "append", counted)
+        if not batched:
+            patch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
+        model.generation_config.eos_token_id = eos
+        results = generate(model, Tok(), _prompts(), spec, max_new_tokens=STEPS, batch_size=5, mode=mode)
+        model.generation_config.eos_token_id = None
+    return [fingerprint(r) for r in results], len(calls)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_batched_decode_equals_row_by_row_decode(model, spec, monkeypatch):
+    batched, used = _run(model, spec, True, monkeypatch)
+    rows, unused = _run(model, spec, False, monkeypatch)
+    assert used > 0 and unused == 0
+    assert batched == rows
+
+
+def test_finished_rows_and_query_mode(model, monkeypatch):
+    """An EOS that ends some rows early (they feed padding from then on), in query mode."""
+    free, _ = _run(model, "quant(bits=4,group=8,residual=5)", True, monkeypatch, mode="query")
+    eos = next(t for t in sorted({t for row in free for t in row[1][2:]})
+               if 2 <= sum(t in row[1] for row in free) < len(free))
+    batched, used = _run(model, "quant(bits=4,group=8,residual=5)", True, monkeypatch, mode="query", eos=eos)
+    rows, _ = _run(model, "quant(bits=4,group=8,residual=5)", False, monkeypatch, mode="query", eos=eos)
+    assert used > 0
+    assert len({len(r[1]) for r in batched}) >= 2  # rows stopped at different steps
+    assert batched == rows
+
+
+def test_no_step_copies_the_cache(model):
+    """Decode steps write into the buffer in place: its tensors are reallocated only when capacity runs out."""
+    cache = CompressedCache(model, "none")
+    ids = torch.randint(3, 128, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(40).expand(3, -1))
+        layer = cache.layers[0]
+        buffer: BatchBuffer = layer._buffer
+        pointers = {buffer.keys.data_ptr()}
+        for step in range(buffer.capacity - 40 + 1):
+            model(ids[:, :1], cache=cache, position_ids=torch.full((3, 1), 40 + step))
+            pointers.add(layer._buffer.keys.data_ptr())
+    assert layer._buffer is buffer
+    assert len(pointers) == 2  # one growth, once the first capacity was used up
+    assert buffer.width == 40 + step + 1
+    assert cache.stats().kept_tokens[0] == [40 + step + 1] * 3
