@@ -46,16 +46,6 @@ DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "kivi(bits=4)",
                     "lowrank(rank=32)"]
 
 
-def _timed(fn, repeats: int):
-    """(median seconds, last result) of ``fn()`` over ``repeats`` calls."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
 def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> list[list[int]]:
     """Plain transformers greedy generation of left-padded ``prompts`` (DynamicCache, the default); new ids per row."""
     import torch
@@ -73,13 +63,33 @@ def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> list[list[int]
     return [row.tolist() for row in out[:, width:]]
 
 
-def _path(run, prompts, new_tokens: int, repeats: int) -> dict:
-    """Seconds per item and decode tokens/s of ``run(prompts, n_new)``; its tokens at ``new_tokens``."""
-    run(prompts[:1], 2)  # one-off costs (a low-rank policy's calibration, first kernels) stay out of the timings
-    first, _ = _timed(lambda: run(prompts, 1), repeats)
-    whole, tokens = _timed(lambda: run(prompts, new_tokens), repeats)
+def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
+    """Per path of ``runs`` (name -> ``run(prompts, n_new)``): seconds per item, decode tokens/s, tokens at ``new_tokens``.
+
+    The paths take turns within each repeat (a, b, a, b, ...) and each figure is
+    the median over repeats, so a slow spell of a shared machine falls on every
+    path alike instead of on whichever ran during it.
+    """
+    for run in runs.values():
+        run(prompts[:1], 2)  # one-off costs (a low-rank policy's calibration, first kernels) stay out of the timings
+    first = {name: [] for name in runs}
+    whole = {name: [] for name in runs}
+    tokens = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run(prompts, 1)
+            first[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            tokens[name] = run(prompts, new_tokens)
+            whole[name].append(time.perf_counter() - start)
     decoded = len(prompts) * (new_tokens - 1)
-    return {"per_item": whole / len(prompts), "decode_tps": decoded / max(whole - first, 1e-9), "tokens": tokens}
+    out = {}
+    for name in runs:
+        t_first, t_whole = statistics.median(first[name]), statistics.median(whole[name])
+        out[name] = {"per_item": t_whole / len(prompts), "decode_tps": decoded / max(t_whole - t_first, 1e-9),
+                     "tokens": tokens[name]}
+    return out
 
 
 def ray_sweep(config: str, workers: int) -> None:
@@ -117,7 +127,7 @@ def main() -> None:
     parser.add_argument("--batch", action="append", type=int, default=None, help="repeat; default 1, 8, 32")
     parser.add_argument("--policy-batch", type=int, default=8)
     parser.add_argument("--policy", action="append", default=None, help="repeat; default one per family")
-    parser.add_argument("--repeats", type=int, default=1, help="timings per figure (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per figure (median; paths take turns)")
     parser.add_argument("--mixed-lengths", action="store_true",
                         help="prompts of --length, 7/8, 3/4 and 5/8 of it in turn (left-padded batches)")
     parser.add_argument("--ray-sweep", metavar="CONFIG", help="run only section 4 on this sweep config")
@@ -173,8 +183,9 @@ def main() -> None:
           f"{'kveval(kv=' + str(model.dtype).removeprefix('torch.') + ')':>18}")
     for size in batches:
         batch = prompts[:size]
-        hf = _path(lambda b, n: _hf_generate(model, b, n, pad_id), batch, args.new_tokens, args.repeats)
-        kv = _path(kveval_run("none"), batch, args.new_tokens, args.repeats)
+        timed = _paths({"hf": lambda b, n: _hf_generate(model, b, n, pad_id), "kveval": kveval_run("none")},
+                       batch, args.new_tokens, args.repeats)
+        hf, kv = timed["hf"], timed["kveval"]
         exact = kveval_run("none", kv_dtype=model.dtype)(batch, args.new_tokens)
 
         def agree(tokens):
@@ -186,11 +197,13 @@ def main() -> None:
     print()
     print(f"2. policy families vs kveval none at batch {args.policy_batch}")
     batch = prompts[:args.policy_batch]
-    base = _path(kveval_run("none"), batch, args.new_tokens, args.repeats)
+    policies = args.policy or DEFAULT_POLICIES
+    timed = _paths({spec: kveval_run(spec) for spec in ["none", *policies]}, batch, args.new_tokens, args.repeats)
+    base = timed["none"]
     print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'time ratio':>10} {'tok/s ratio':>11}")
     print(f"{'none':<24} | {base['per_item']:>7.3f} {base['decode_tps']:>8.1f} | {1:>9.2f}x {1:>10.2f}x")
-    for policy in args.policy or DEFAULT_POLICIES:
-        got = _path(kveval_run(policy), batch, args.new_tokens, args.repeats)
+    for policy in policies:
+        got = timed[policy]
         print(f"{policy:<24} | {got['per_item']:>7.3f} {got['decode_tps']:>8.1f} | "
               f"{got['per_item'] / base['per_item']:>9.2f}x {got['decode_tps'] / base['decode_tps']:>10.2f}x")
 

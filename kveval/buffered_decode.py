@@ -56,17 +56,23 @@ class _Residual:
         aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
         for count in sorted(set(aged) - {0}):  # usually one value: every row ages the same tokens at once
             rows = [b for b, a in enumerate(aged) if a == count]
-            index = torch.tensor(rows, device=held.device)
-            first = torch.tensor([lengths[b] - self.tails[b] for b in rows], device=held.device)
-            slots = first[:, None] + torch.arange(count, device=held.device)  # [rows, count]
-            gathered = held[index[:, None], :, slots]  # [rows, count, H, D]
-            tokens = gathered.permute(0, 2, 1, 3)  # [rows, H, count, D]
-            shape = tokens.shape
-            flat = tokens.reshape(shape[0] * shape[1], count, shape[3]).to(kv_dtype)
-            decoded = dequantize(encode(self.quant, flat), held.dtype).reshape(shape)
-            held[index[:, None], :, slots] = decoded.permute(0, 2, 1, 3)
+            firsts = [lengths[b] - self.tails[b] for b in rows]
+            if len(rows) == len(aged) and len(set(firsts)) == 1:  # the same slots in every row: a view
+                first = firsts[0]
+                held[:, :, first:first + count] = self._decoded(held[:, :, first:first + count], kv_dtype)
+            else:
+                index = torch.tensor(rows, device=held.device)[:, None]
+                slots = torch.tensor(firsts, device=held.device)[:, None] + torch.arange(count, device=held.device)
+                tokens = held[index, :, slots].permute(0, 2, 1, 3)  # [rows, H, count, D]
+                held[index, :, slots] = self._decoded(tokens, kv_dtype).permute(0, 2, 1, 3)
             for b in rows:
                 self.tails[b] -= count
+
+    def _decoded(self, tokens: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+        """``tokens`` (``[rows, H, count, D]``) encoded as the store encodes them, read back in their dtype."""
+        rows, heads, count, dim = tokens.shape
+        flat = tokens.reshape(rows * heads, count, dim).to(kv_dtype)
+        return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
 
 
 class BufferedDecode:

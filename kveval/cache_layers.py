@@ -172,7 +172,7 @@ class CompressedLayer(CacheLayerMixin):
         for b, row in enumerate(self._rows):
             store = row.store
             if type(store) is DenseStore and store.keys is not None and (buffer.grown or store.keys.data_ptr() != buffer.keys[b].data_ptr()):
-                n = buffer.lengths[b]
+                n = store.length  # the buffer's row is the store's tokens, then any not yet caught up
                 store.keys, store.values = buffer.keys[b, :, :n], buffer.values[b, :, :n]
         buffer.grown = False
 
@@ -210,7 +210,9 @@ class CompressedLayer(CacheLayerMixin):
             self._decode.append(self._buffer, key_states, value_states, positions, real, counts)
             if self._decode.due:
                 self._decode.catch_up(self._rows)
-            self._share_dense_storage()
+                self._share_dense_storage()
+            elif self._buffer.grown:
+                self._share_dense_storage()
         else:
             for b, row in enumerate(self.rows):
                 keep = real[b]

@@ -39,7 +39,7 @@ def model():
     return tiny_llama()
 
 
-def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None):
+def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_dtype=None, batch_size=5):
     calls = []
     original = BufferedDecode.append
 
@@ -52,7 +52,8 @@ def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None):
         if not batched:
             patch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
         model.generation_config.eos_token_id = eos
-        results = generate(model, Tok(), _prompts(), spec, max_new_tokens=STEPS, batch_size=5, mode=mode)
+        results = generate(model, Tok(), _prompts(), spec, max_new_tokens=STEPS, batch_size=batch_size, mode=mode,
+                           kv_dtype=kv_dtype)
         model.generation_config.eos_token_id = None
     return [fingerprint(r) for r in results], len(calls)
 
@@ -62,6 +63,25 @@ def test_batched_decode_equals_row_by_row_decode(model, spec, monkeypatch):
     batched, used = _run(model, spec, True, monkeypatch)
     rows, unused = _run(model, spec, False, monkeypatch)
     assert used > 0 and unused == 0
+    assert batched == rows
+
+
+@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "quant(bits=4,group=8,residual=5)"])
+def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
+    """kv_dtype = compute dtype (a bf16 model on a GPU): dense rows' stores are views of the buffer, across its
+    growth and the catch-ups; still equal to row-by-row decoding, and the bytes are those of the kept tokens."""
+    batched, used = _run(model, spec, True, monkeypatch, kv_dtype="float32")
+    rows, _ = _run(model, spec, False, monkeypatch, kv_dtype="float32")
+    assert used > 0
+    assert batched == rows
+
+
+@pytest.mark.parametrize("spec", ["quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)"])
+def test_batch_size_one(model, spec, monkeypatch):
+    """One row: every step encodes the same slots of the whole batch (the view path rather than the gather)."""
+    batched, used = _run(model, spec, True, monkeypatch, batch_size=1)
+    rows, _ = _run(model, spec, False, monkeypatch, batch_size=1)
+    assert used > 0
     assert batched == rows
 
 
