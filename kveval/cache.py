@@ -313,6 +313,12 @@ class CompressedCache(Cache):
             clone.layers.append(new)
         return clone
 
+    def drop_batch_buffers(self) -> None:
+        """Free every layer's batch buffer (what attention read). A deferred prefill is never attended again:
+        :meth:`derive` reads the rows, so its buffers (a compute-dtype copy of the prefill) can go."""
+        for layer in self.attention_layers:
+            layer.drop_buffer()
+
     @staticmethod
     def _derived_row(layer: CompressedLayer, row: RowState, key: tuple | None) -> RowState:
         """``row``'s uncompressed tokens in a new store of the derived ``layer``'s policy, with the scores ``key`` names."""

@@ -131,6 +131,10 @@ class CompressedLayer(CacheLayerMixin):
     def rows(self, rows: list[RowState]) -> None:
         self._rows, self._buffer, self._decode = rows, None, None
 
+    def drop_buffer(self) -> None:
+        """Free the batch buffer (the rows first catch up); the next forward rebuilds it from the rows."""
+        self.rows = self.rows
+
     def _can_decode_on_buffer(self, kwargs) -> bool:
         """Whether this forward may write the buffer alone (see :meth:`_batched_decode`): positions must be given."""
         return self._decode is not None and kwargs is not None and kwargs.get("position_ids") is not None

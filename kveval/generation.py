@@ -287,6 +287,7 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     started = time.perf_counter()
     shared = CompressedCache(model, "none", seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=stacks)
     last_logits, seen = prefill_prompts(model, shared, prompts, mode, pad_id)
+    shared.drop_batch_buffers()  # only its rows are read from now on: one cache in memory less
     shared_seconds = time.perf_counter() - started
     for stack in stacks:
         own_start = time.perf_counter() - shared_seconds

@@ -420,6 +420,7 @@ class KVEvalLM(HFLM):
                     shared = CompressedCache(self.model, "none", seed=self.seed + first, defer_compression=True,
                                              kv_dtype=self.kv_dtype, scores_for=stacks)
                     first_logprobs = self._prefill(shared, rows, protect, pad_id)
+                    shared.drop_batch_buffers()
                 for stack, (answers, records) in zip(stacks, out):
                     if share:
                         cache = shared.derive(stack)
