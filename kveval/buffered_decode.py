@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.batch_buffer import BatchBuffer
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer
+from kveval.policies import ScoringState
+from kveval.policies.window import SinkWindowPolicy, WindowPolicy
 from kveval.quantization import dequantize
 from kveval.storage import DenseStore, QuantizedSequence, QuantizedStore, encode
 
@@ -75,25 +77,85 @@ class _Residual:
         return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
 
 
+class _RecencyEviction:
+    """A decode budget kept by position alone (``window(size)``, ``streaming(window)``), for the whole batch.
+
+    After each step's attention, every row holding more than the budget keeps the ``budget`` best-scored of its
+    tokens, its newest always, exactly as :meth:`kveval.cache_layers.CompressedLayer._evict_to` chooses for one
+    row (the policy's own scores, one ``topk``); the buffer is compacted in place by one gather for the batch.
+    """
+
+    def __init__(self, selection):
+        self.selection, self.budget = selection, selection.decode_budget
+
+    @staticmethod
+    def applies_to(selection) -> bool:
+        return (selection is not None and selection.decode_budget is not None and selection.attention == "none"
+                and not selection.per_head_budgets and isinstance(selection, (WindowPolicy, SinkWindowPolicy)))
+
+    def apply(self, buffer: BatchBuffer) -> None:
+        width = buffer.width
+        if width <= self.budget:
+            return
+        positions = buffer.positions[:, 0, :width]  # [B, width]: every head keeps the same tokens here
+        padding = positions == PAD_POSITION
+        state = ScoringState(keys=None, positions=positions.masked_fill(padding, -1), attention=None, layer_idx=0,
+                             num_layers=1)
+        scores = self.selection.scores(state).float().masked_fill(padding, float("-inf"))
+        newest = torch.tensor(buffer.lengths, device=scores.device)[:, None] - 1
+        scores.scatter_(1, newest.clamp(min=0), float("inf"))  # the newest token is never evicted
+        keep = scores.topk(self.budget, dim=1).indices.sort(dim=1).values  # [B, budget]
+        for held in (buffer.keys, buffer.values):
+            index = keep[:, None, :, None].expand(-1, held.shape[1], -1, held.shape[3])
+            held[:, :, :self.budget] = held[:, :, :width].gather(2, index)
+        index = keep[:, None, :].expand(-1, buffer.positions.shape[1], -1)
+        buffer.positions[:, :, :self.budget] = buffer.positions[:, :, :width].gather(2, index)
+        buffer.positions[:, :, self.budget:width] = PAD_POSITION
+        buffer.lengths = [min(n, self.budget) for n in buffer.lengths]
+        buffer.width = max(buffer.lengths)
+
+
 class BufferedDecode:
     """Batched decode steps for one layer whose rows are all dense or all plain quantized stores (see module doc)."""
 
-    def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None, values: _Residual | None):
+    def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None, values: _Residual | None,
+                 eviction: _RecencyEviction | None = None):
         self.kv_dtype = kv_dtype
-        self.keys, self.values = keys, values
+        self.keys, self.values, self.eviction = keys, values, eviction
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
     @classmethod
-    def for_rows(cls, rows, kv_dtype: torch.dtype) -> "BufferedDecode | None":
-        """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`), or ``None`` where their stores
-        are not all dense, or not all quantized with every slot alive (evicted slots inside units: per-row work)."""
+    def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None) -> "BufferedDecode | None":
+        """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`) under ``selection`` (its decode
+        budget), or ``None`` where per-row work is needed: stores neither all dense nor all quantized with every
+        slot alive (evicted slots inside units), or a decode budget other than a dense recency one."""
         stores = [row.store for row in rows]
-        if all(type(s) is DenseStore for s in stores):
+        dense = all(type(s) is DenseStore for s in stores)
+        if selection is not None and selection.decode_budget is not None:
+            return cls(kv_dtype, None, None, _RecencyEviction(selection)) if dense and _RecencyEviction.applies_to(selection) else None
+        if dense:
             return cls(kv_dtype, None, None)
         if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
                and s.v.alive is None and s.v.tail_alive is None for s in stores):
             return cls(kv_dtype, _Residual.of([s.k for s in stores]), _Residual.of([s.v for s in stores]))
         return None
+
+    @staticmethod
+    def could_serve(store, selection) -> bool:
+        """Whether rows holding stores like ``store`` under ``selection`` may ever decode in batch (a cheap,
+        static check; :meth:`for_rows` then checks every row)."""
+        if type(store) not in (DenseStore, QuantizedStore):
+            return False
+        if selection is None:
+            return True
+        if selection.attention in ("all", "last"):  # scored at every step
+            return False
+        return selection.decode_budget is None or (type(store) is DenseStore and _RecencyEviction.applies_to(selection))
+
+    def after_attention(self, buffer: BatchBuffer) -> None:
+        """What a step does once attention has read the buffer: keep the decode budget."""
+        if self.eviction is not None:
+            self.eviction.apply(buffer)
 
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                real: torch.Tensor, counts: list[int]) -> None:
@@ -109,12 +171,24 @@ class BufferedDecode:
     def due(self) -> bool:
         return len(self.pending) >= CATCH_UP_STEPS
 
-    def catch_up(self, rows) -> None:
-        """Every row's store appends its pending tokens and seals; the rows' positions and counts follow."""
+    def catch_up(self, rows, buffer: BatchBuffer) -> None:
+        """Every row's store appends its pending tokens and seals; the rows' positions and counts follow.
+
+        Under a decode budget the dense rows instead take the buffer's tokens as they stand (its ``kv_dtype``
+        values read back exactly), since appending would skip the evictions."""
         if not self.pending:
             return
         keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
         self.pending = []
+        if self.eviction is not None:
+            counts = real.sum(dim=1).tolist()
+            for b, row in enumerate(rows):
+                n = buffer.lengths[b]
+                row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n])
+                row.store.mark_read()
+                row.positions = buffer.positions[b, :, :n].clone()
+                row.tokens_seen += counts[b]
+            return
         for b, row in enumerate(rows):
             keep = real[b]
             n = int(keep.sum())

@@ -123,7 +123,7 @@ class CompressedLayer(CacheLayerMixin):
     def rows(self) -> list[RowState]:
         """Every sequence's :class:`RowState`, caught up with the decode steps done on the buffer alone."""
         if self._decode is not None and self._decode.pending:
-            self._decode.catch_up(self._rows)
+            self._decode.catch_up(self._rows, self._buffer)
             self._share_dense_storage()
         return self._rows
 
@@ -140,15 +140,18 @@ class CompressedLayer(CacheLayerMixin):
         return self._decode is not None and kwargs is not None and kwargs.get("position_ids") is not None
 
     def _batched_decode(self) -> "BufferedDecode | None":
-        """The batched decode the rows allow: compressed rows, dense or plainly quantized, that nothing evicts or
-        scores any more (``none``, selection done at the prefill). Checked after each refresh; any change to a
-        row (:meth:`_select`, :meth:`compress_row`) clears it until the next refresh."""
-        selection = self.selection
-        if (self._buffer is None or self.is_sliding or self.cache.defer_compression
-                or (selection is not None and (selection.decode_budget is not None or selection.attention in ("all", "last")))
-                or not all(row.compressed for row in self._rows)):
+        """The batched decode the rows allow: compressed rows, dense or plainly quantized, that nothing scores any
+        more (``none``, selection done at the prefill), or dense rows under a recency decode budget (``window``,
+        ``streaming``). Checked after each refresh; any change to a row (:meth:`_select`, :meth:`compress_row`)
+        clears it until the next refresh."""
+        if not self._could_batch() or not all(row.compressed for row in self._rows):
             return None
-        return BufferedDecode.for_rows(self._rows, self.cache.kv_dtype)
+        return BufferedDecode.for_rows(self._rows, self.cache.kv_dtype, self.selection)
+
+    def _could_batch(self) -> bool:
+        """The static part of :meth:`_batched_decode` (no loop over rows): layer kind, store type, selection."""
+        return (self._buffer is not None and not self.is_sliding and not self.cache.defer_compression
+                and bool(self._rows) and BufferedDecode.could_serve(self._rows[0].store, self.selection))
 
     def _refresh_buffer(self) -> None:
         """Bring the buffer in step with the rows: each row from the first slot its store changed."""
@@ -208,12 +211,17 @@ class CompressedLayer(CacheLayerMixin):
         real = self.cache.input_real(batch, q_len, key_states.device)
         positions = self._new_positions(kwargs, real)
         counts, all_real = self.cache.input_counts(batch, q_len)
+        if self._decode is None and self._buffer is not None and self._could_batch():
+            # Rows changed since the last check (compression, an eviction): bring the buffer in step, then see
+            # whether this step can be done for the batch at once.
+            self._refresh_buffer()
+            self._decode = self._batched_decode()
         self._buffer_only_step = self._can_decode_on_buffer(kwargs)
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.
             self._decode.append(self._buffer, key_states, value_states, positions, real, counts)
             if self._decode.due:
-                self._decode.catch_up(self._rows)
+                self._decode.catch_up(self._rows, self._buffer)
                 self._share_dense_storage()
             elif self._buffer.grown:
                 self._share_dense_storage()
@@ -230,7 +238,6 @@ class CompressedLayer(CacheLayerMixin):
                     if row.compressed:
                         row.seal()
             self._refresh_buffer()
-            self._decode = self._batched_decode()
         self.columns_seen += q_len
         if not all_real:
             self.contiguous = False
@@ -301,7 +308,8 @@ class CompressedLayer(CacheLayerMixin):
         under a boolean mask; selection policies score with them.
         """
         if self._buffer_only_step:
-            return  # nothing scores or evicts (see _batched_decode)
+            self._decode.after_attention(self._buffer)  # a recency budget, for the batch (see _batched_decode)
+            return
         policy = self.selection
         needs = policy.attention if policy is not None else "none"
         if self.cache.defer_compression:

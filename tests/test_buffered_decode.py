@@ -24,7 +24,8 @@ from kveval.generation import Prompt, generate
 
 STEPS = buffered_decode.CATCH_UP_STEPS + 6
 SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
-         "fp8(group=16,residual=3)", "snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)"]
+         "fp8(group=16,residual=3)", "snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)",
+         "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)"]
 
 
 def _prompts(n=5, seed=11):
@@ -66,7 +67,7 @@ def test_batched_decode_equals_row_by_row_decode(model, spec, monkeypatch):
     assert batched == rows
 
 
-@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "quant(bits=4,group=8,residual=5)"])
+@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "quant(bits=4,group=8,residual=5)", "streaming(sink=2,window=20)"])
 def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
     """kv_dtype = compute dtype (a bf16 model on a GPU): dense rows' stores are views of the buffer, across its
     growth and the catch-ups; still equal to row-by-row decoding, and the bytes are those of the kept tokens."""
