@@ -178,10 +178,9 @@ class BufferedDecode:
         values read back exactly), since appending would skip the evictions."""
         if not self.pending:
             return
-        keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
-        self.pending = []
-        if self.eviction is not None:
-            counts = real.sum(dim=1).tolist()
+        if self.eviction is not None:  # the buffer holds the rows as they stand: only the counts are needed
+            counts = torch.cat([real for *_, real in self.pending], dim=1).sum(dim=1).tolist()
+            self.pending = []
             for b, row in enumerate(rows):
                 n = buffer.lengths[b]
                 row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n])
@@ -189,6 +188,8 @@ class BufferedDecode:
                 row.positions = buffer.positions[b, :, :n].clone()
                 row.tokens_seen += counts[b]
             return
+        keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
+        self.pending = []
         for b, row in enumerate(rows):
             keep = real[b]
             n = int(keep.sum())
