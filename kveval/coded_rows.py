@@ -1,0 +1,310 @@
+"""One of K or V of one quantized layer, for a whole batch, held as codes: dequantized only when read.
+
+:class:`CodedRows` is the batched counterpart of
+:class:`~kveval.storage.QuantizedSequence` for rows whose every slot is alive
+(no eviction inside units): batched decode keeps the layer's codes here and
+dequantizes the layer into a scratch tensor at each step (:meth:`CodedRows.read`),
+so only one layer's dequantized K/V exist at a time instead of a second,
+dequantized copy of the whole cache.
+
+Layout
+------
+``B`` rows of ``H`` KV heads and head width ``D``; a *unit* is one token
+(``axis="token"``) or one group of ``group`` tokens (``axis="channel"``), as in
+:mod:`kveval.quantization`.
+
+* Sealed units: one :class:`~kveval.quantization.QuantizedBlock` whose heads
+  dimension is ``B * H`` (row-major: head ``h`` of row ``b`` is ``b * H + h``)
+  and whose unit dimension is a *capacity*, grown by an eighth (at least 64
+  tokens' worth of units) when a seal needs more, so held codes are copied
+  rarely (amortised constant per token). Row ``b``'s units are its first
+  ``units[b]``; later units are padding, never read as tokens.
+* Tail: ``[B, H, tail capacity, D]`` in ``kv_dtype``, row ``b``'s full-precision
+  tokens left-aligned in its first ``tails[b]`` slots.
+
+Row ``b`` holds ``units[b] * unit + tails[b]`` tokens: its sealed tokens, then its tail,
+in order, exactly as its ``QuantizedSequence`` would after the same appends and seals.
+Every token is encoded once, from ``kv_dtype``, by :func:`kveval.storage.encode`; the
+encodings used (per-group min/max or absolute max, elementwise scaling and
+rounding) do not depend on which other tokens or rows are encoded alongside, so a
+batched seal writes the codes the row's own sequence would write, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from kveval.errors import UsageError
+from kveval.quantization import FP8_FORMATS, QuantizedBlock, dequantize
+from kveval.storage import QuantizedSequence, encode
+
+_MIN_GROWTH_TOKENS = 64  # capacity grows by at least this many tokens' worth (of units, of tail slots)
+
+
+def _grown_capacity(needed: int, per_unit: int) -> int:
+    """Capacity (in units of ``per_unit`` tokens) for ``needed`` units: an eighth more, at least 64 tokens' worth."""
+    return needed + max(-(-_MIN_GROWTH_TOKENS // per_unit), needed // 8)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as stored bytes where no kernel handles its dtype on every device (FP8 index writes on a CPU)."""
+    return t.view(torch.uint8) if t.dtype in FP8_FORMATS.values() else t
+
+
+def _block_tensors(block: QuantizedBlock) -> list[torch.Tensor]:
+    """The tensors a block stores, each ``[heads, units, ...]``."""
+    return [t for t in (block.data, block.scale, block.zero) if t is not None]
+
+
+class CodedRows:
+    """One of K or V of one layer, for ``batch`` left-aligned rows: sealed units as codes plus a ``kv_dtype`` tail.
+
+    Parameters
+    ----------
+    quant : kveval.policies.quant.TensorQuant
+        The encoding (bits, axis, group, symmetric, fp8).
+    residual : int
+        Tokens each row keeps in full precision (the residual window), as in
+        :class:`~kveval.storage.QuantizedSequence`.
+    kv_dtype : torch.dtype
+        Dtype of the tail (the cache dtype).
+    batch, heads, dim : int
+        Rows, KV heads per row and head width ``D``.
+    device
+        Device of every tensor held.
+    """
+
+    def __init__(self, quant, residual: int, kv_dtype: torch.dtype, batch: int, heads: int, dim: int, device=None):
+        self.quant, self.residual, self.kv_dtype = quant, residual, kv_dtype
+        self.batch, self.heads, self.dim = batch, heads, dim
+        self.unit = 1 if quant.axis == "token" else quant.group
+        self.block: QuantizedBlock | None = None  # B*H heads, capacity units; allocated at the first seal
+        self.tail = torch.zeros(batch, heads, 0, dim, dtype=kv_dtype, device=device)
+        self.units = [0] * batch  # sealed units of each row
+        self.tails = [0] * batch  # tail slots of each row
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_sequences(cls, sequences: list[QuantizedSequence], heads: int | None = None, dim: int | None = None,
+                       device=None) -> "CodedRows":
+        """The rows ``sequences`` hold (one per row, every slot alive, the same encoding and residual), copied in.
+
+        ``heads``, ``dim`` and ``device`` are read from the first row holding anything; give them when no row does.
+        """
+        first = sequences[0]
+        for s in sequences:
+            if s.alive is not None or s.tail_alive is not None:
+                raise UsageError("CodedRows holds rows with every slot alive; this row has evicted slots")
+            if s.quant != first.quant or s.residual != first.residual:
+                raise UsageError("CodedRows rows must share one encoding and residual window")
+        held = next((s for s in sequences if s.block is not None or s.tail is not None), None)
+        if held is not None:
+            shape = held.block.shape if held.block is not None else held.tail.shape
+            heads, dim = shape[0], shape[2]
+            device = held.block.scale.device if held.block is not None else held.tail.device
+        if heads is None or dim is None:
+            raise UsageError("CodedRows.from_sequences: no row holds a token; pass heads= and dim=")
+        tails = [s.tail for s in sequences if s.tail is not None]
+        kv_dtype = first.kv_dtype or (tails[0].dtype if tails else None)
+        if kv_dtype is None:
+            raise UsageError("CodedRows.from_sequences: the rows name no kv_dtype and hold no tail to read it from")
+        rows = cls(first.quant, first.residual, kv_dtype, len(sequences), heads, dim, device)
+        units = [0 if s.block is None else s.block.units for s in sequences]
+        rows._reserve_tail(max(s.tail_slots for s in sequences))
+        blocks = [s.block for s in sequences if s.block is not None]
+        if blocks:
+            rows._allocate(blocks[0], max(units))
+        for b, s in enumerate(sequences):  # setup, once per batch: a loop over rows is fine here
+            if s.block is not None:
+                for held_t, row_t in zip(_block_tensors(rows.block), _block_tensors(s.block)):
+                    _bytes(held_t)[b * heads:(b + 1) * heads, :units[b]] = _bytes(row_t)
+            if s.tail_slots:
+                rows.tail[b, :, :s.tail_slots] = s.tail.to(kv_dtype)
+        rows.units, rows.tails = units, [s.tail_slots for s in sequences]
+        return rows
+
+    # --- sizes ------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens held by each row."""
+        return [u * self.unit + t for u, t in zip(self.units, self.tails)]
+
+    @property
+    def width(self) -> int:
+        """The longest row's length: the slots :meth:`read` returns."""
+        return max(self.lengths, default=0)
+
+    @property
+    def unit_capacity(self) -> int:
+        return 0 if self.block is None else self.block.data.shape[1]
+
+    def _unit_bytes(self) -> int:
+        """Bytes one unit of one head takes (codes, scales, zero points)."""
+        return sum(t[0, 0].numel() * t.element_size() for t in _block_tensors(self.block))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows' real units and tail tokens: the sum of their ``QuantizedSequence.nbytes``."""
+        sealed = 0 if self.block is None else sum(self.units) * self.heads * self._unit_bytes()
+        return sealed + sum(self.tails) * self.heads * self.dim * self.tail.element_size()
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the tensors really allocated, spare capacity included."""
+        blocks = 0 if self.block is None else sum(t.numel() * t.element_size() for t in _block_tensors(self.block))
+        return blocks + self.tail.numel() * self.tail.element_size()
+
+    # --- capacity ---------------------------------------------------------------------------
+    def _allocate(self, like: QuantizedBlock, units: int) -> None:
+        """The first block: ``B * H`` heads of ``units`` units (plus growth room) laid out as ``like``'s units."""
+        capacity = _grown_capacity(units, self.unit)
+
+        def empty(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.zeros(self.batch * self.heads, capacity, *t.shape[2:], dtype=t.dtype, device=t.device)
+
+        self.block = replace(like, data=empty(like.data), scale=empty(like.scale), zero=empty(like.zero),
+                             shape=(self.batch * self.heads, capacity * self.unit, self.dim))
+
+    def _reserve_units(self, units: int) -> None:
+        """Room for ``units`` units per row, copying the held units once into larger tensors."""
+        if units <= self.unit_capacity:
+            return
+        capacity, held = _grown_capacity(units, self.unit), max(self.units)
+
+        def grown(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            new = t.new_zeros(t.shape[0], capacity, *t.shape[2:])
+            _bytes(new)[:, :held] = _bytes(t)[:, :held]
+            return new
+
+        b = self.block
+        self.block = replace(b, data=grown(b.data), scale=grown(b.scale), zero=grown(b.zero),
+                             shape=(b.shape[0], capacity * self.unit, b.shape[2]))
+
+    def _reserve_tail(self, slots: int) -> None:
+        """Room for ``slots`` tail slots per row."""
+        if slots <= self.tail.shape[2]:
+            return
+        new = self.tail.new_zeros(self.batch, self.heads, _grown_capacity(slots, 1), self.dim)
+        held = max(self.tails, default=0)
+        new[:, :, :held] = self.tail[:, :, :held]
+        self.tail = new
+
+    # --- decode step ------------------------------------------------------------------------
+    def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int]) -> None:
+        """Append each row's real tokens, then seal what aged out of the residual window, as ``QuantizedSequence``.
+
+        ``x`` is ``[B, H, q, D]`` in ``kv_dtype``; ``real`` the ``[B, q]`` bool mask of real tokens (the others are
+        dropped, e.g. a row that has finished); ``counts`` its row sums, known to the caller without a device sync.
+        """
+        q = x.shape[2]
+        self._reserve_tail(max(t + c for t, c in zip(self.tails, counts)))
+        start = self.tails[0]
+        if all(c == q for c in counts) and all(t == start for t in self.tails):  # one slice write for every row
+            self.tail[:, :, start:start + q] = x
+        else:
+            tails = torch.tensor(self.tails, device=x.device)
+            slot = tails[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
+            rows, columns = real.nonzero(as_tuple=True)
+            self.tail[rows, :, slot[rows, columns]] = x[rows, :, columns]
+        self.tails = [t + c for t, c in zip(self.tails, counts)]
+        self._seal()
+
+    def _seal(self) -> None:
+        """Encode each row's aged tail slots into its next units and shift its tail left (the rule of
+        :meth:`QuantizedSequence.seal`: the oldest ``(tail - residual) // unit * unit`` slots)."""
+        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
+        if not any(aged):
+            return
+        encoded = []
+        for count in sorted(set(aged) - {0}):  # usually one value: every row ages the same tokens at once
+            rows = [b for b, a in enumerate(aged) if a == count]
+            everyone = len(rows) == self.batch
+            tokens = self.tail[:, :, :count] if everyone else self.tail[torch.tensor(rows, device=self.tail.device), :, :count]
+            encoded.append((rows, encode(self.quant, tokens.reshape(len(rows) * self.heads, count, self.dim))))
+        units = [u + a // self.unit for u, a in zip(self.units, aged)]
+        if self.block is None:
+            self._allocate(encoded[0][1], max(units))
+        self._reserve_units(max(units))  # before any write: growth copies only the units held so far
+        for rows, new in encoded:
+            self._write_units(rows, new)
+        self._shift_tails(aged)
+        self.units = units
+        self.tails = [t - a for t, a in zip(self.tails, aged)]
+
+    def _write_units(self, rows: list[int], new: QuantizedBlock) -> None:
+        """Store ``new`` (``len(rows) * H`` heads, row-major) at each of ``rows``' next units (room reserved)."""
+        firsts = [self.units[b] for b in rows]
+        n = new.units
+        for held, part in zip(_block_tensors(self.block), _block_tensors(new)):
+            held = _bytes(held).view(self.batch, self.heads, *held.shape[1:])  # [B, H, capacity, ...]
+            part = _bytes(part).view(len(rows), self.heads, *part.shape[1:])  # [rows, H, n, ...]
+            if len(rows) == self.batch and len(set(firsts)) == 1:  # every row's next units are the same: a slice
+                held[:, :, firsts[0]:firsts[0] + n] = part
+            else:
+                index = torch.tensor(rows, device=held.device)[:, None]
+                slots = torch.tensor(firsts, device=held.device)[:, None] + torch.arange(n, device=held.device)
+                held[index, :, slots] = part.transpose(1, 2)  # advanced indices first: [rows, n, H, ...]
+
+    def _shift_tails(self, aged: list[int]) -> None:
+        """Drop the first ``aged[b]`` tail slots of each row, moving the rest to the front."""
+        width = max(self.tails)
+        if len(set(aged)) == 1:
+            a = aged[0]
+            self.tail[:, :, :width - a] = self.tail[:, :, a:width].clone()  # overlapping ranges: copy first
+            return
+        device = self.tail.device
+        source = torch.tensor(aged, device=device)[:, None] + torch.arange(width, device=device)  # [B, width]
+        source = source.clamp(max=self.tail.shape[2] - 1)  # slots past a row's tail: padding, any value
+        index = source[:, None, :, None].expand(-1, self.heads, -1, self.dim)
+        self.tail[:, :, :width] = self.tail.gather(2, index)
+
+    # --- read -------------------------------------------------------------------------------
+    def read(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every row's tokens, ``[B, H, width, D]`` in ``dtype``: row ``b``'s slots ``[0, lengths[b])`` are exactly
+        ``QuantizedSequence.materialize()`` of that row; padding slots are zero.
+
+        With ``out`` (``[B, H, >= width, D]`` in ``dtype``, e.g. a scratch shared by a model's layers) the result is
+        written into, and returned as, the view ``out[:, :, :width]``. Only the first ``max(units)`` units are
+        dequantized (the float32 math of :func:`~kveval.quantization.dequantize`, into a temporary of that size).
+        """
+        lengths, width = self.lengths, self.width
+        view = (torch.empty(self.batch, self.heads, width, self.dim, dtype=dtype, device=self.tail.device)
+                if out is None else out[:, :, :width])
+        sealed_units = max(self.units)
+        sealed = sealed_units * self.unit
+        if sealed:
+            b = self.block
+            head = replace(b, data=b.data[:, :sealed_units], scale=b.scale[:, :sealed_units],
+                           zero=None if b.zero is None else b.zero[:, :sealed_units], shape=(b.shape[0], sealed, self.dim))
+            view[:, :, :sealed] = dequantize(head, dtype).view(self.batch, self.heads, sealed, self.dim)
+        self._read_tails(view, dtype)
+        shortest = min(lengths)
+        if shortest < width:  # padding: slots at or past a row's length
+            slots = torch.arange(shortest, width, device=view.device)
+            padding = slots >= torch.tensor(lengths, device=view.device)[:, None]  # [B, width - shortest]
+            view[:, :, shortest:].masked_fill_(padding[:, None, :, None], 0)
+        return view
+
+    def _read_tails(self, view: torch.Tensor, dtype: torch.dtype) -> None:
+        """Write each row's tail, in ``dtype``, after its sealed tokens in ``view``."""
+        longest = max(self.tails)
+        if not longest:
+            return
+        firsts = [u * self.unit for u in self.units]
+        if len(set(firsts)) == 1:  # every tail starts at the same slot: one slice (a shorter tail's spare slots are padding)
+            view[:, :, firsts[0]:firsts[0] + longest] = self.tail[:, :, :longest].to(dtype)
+            return
+        tails = torch.tensor(self.tails)  # index maths on the CPU from known lengths: no device sync
+        rows, columns = (torch.arange(longest) < tails[:, None]).nonzero(as_tuple=True)
+        slots = torch.tensor(firsts)[rows] + columns
+        rows, columns, slots = (t.to(view.device) for t in (rows, columns, slots))
+        view[rows, :, slots] = self.tail[rows, :, columns].to(dtype)
+
+
+__all__ = ["CodedRows"]
