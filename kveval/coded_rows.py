@@ -53,6 +53,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_FORMATS.values() else t
 
 
+def _with_capacity(t: torch.Tensor, dim: int, capacity: int, held: int) -> torch.Tensor:
+    """A zero tensor like ``t`` with ``capacity`` along ``dim``, holding ``t``'s first ``held`` entries there."""
+    shape = list(t.shape)
+    shape[dim] = capacity
+    new = t.new_zeros(shape)
+    _bytes(new).narrow(dim, 0, held).copy_(_bytes(t).narrow(dim, 0, held))
+    return new
+
+
 def _block_tensors(block: QuantizedBlock) -> list[torch.Tensor]:
     """The tensors a block stores, each ``[heads, units, ...]``."""
     return [t for t in (block.data, block.scale, block.zero) if t is not None]
@@ -115,7 +124,8 @@ class CodedRows:
         rows._reserve_tail(max(s.tail_slots for s in sequences))
         blocks = [s.block for s in sequences if s.block is not None]
         if blocks:
-            rows._allocate(blocks[0], max(units))
+            rows._allocate(blocks[0])
+            rows._reserve_units(max(units))
         for b, s in enumerate(sequences):  # setup, once per batch: a loop over rows is fine here
             if s.block is not None:
                 for held_t, row_t in zip(_block_tensors(rows.block), _block_tensors(s.block)):
@@ -157,17 +167,13 @@ class CodedRows:
         return blocks + self.tail.numel() * self.tail.element_size()
 
     # --- capacity ---------------------------------------------------------------------------
-    def _allocate(self, like: QuantizedBlock, units: int) -> None:
-        """The first block: ``B * H`` heads of ``units`` units (plus growth room) laid out as ``like``'s units."""
-        capacity = _grown_capacity(units, self.unit)
-
+    def _allocate(self, like: QuantizedBlock) -> None:
+        """An empty block of ``B * H`` heads (no capacity yet; see :meth:`_reserve_units`) laid out as ``like``'s units."""
         def empty(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return torch.zeros(self.batch * self.heads, capacity, *t.shape[2:], dtype=t.dtype, device=t.device)
+            return None if t is None else t.new_zeros(self.batch * self.heads, 0, *t.shape[2:])
 
         self.block = replace(like, data=empty(like.data), scale=empty(like.scale), zero=empty(like.zero),
-                             shape=(self.batch * self.heads, capacity * self.unit, self.dim))
+                             shape=(self.batch * self.heads, 0, self.dim))
 
     def _reserve_units(self, units: int) -> None:
         """Room for ``units`` units per row, copying the held units once into larger tensors."""
@@ -176,11 +182,7 @@ class CodedRows:
         capacity, held = _grown_capacity(units, self.unit), max(self.units)
 
         def grown(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            new = t.new_zeros(t.shape[0], capacity, *t.shape[2:])
-            _bytes(new)[:, :held] = _bytes(t)[:, :held]
-            return new
+            return None if t is None else _with_capacity(t, 1, capacity, held)
 
         b = self.block
         self.block = replace(b, data=grown(b.data), scale=grown(b.scale), zero=grown(b.zero),
@@ -190,10 +192,7 @@ class CodedRows:
         """Room for ``slots`` tail slots per row."""
         if slots <= self.tail.shape[2]:
             return
-        new = self.tail.new_zeros(self.batch, self.heads, _grown_capacity(slots, 1), self.dim)
-        held = max(self.tails, default=0)
-        new[:, :, :held] = self.tail[:, :, :held]
-        self.tail = new
+        self.tail = _with_capacity(self.tail, 2, _grown_capacity(slots, 1), max(self.tails, default=0))
 
     # --- decode step ------------------------------------------------------------------------
     def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int]) -> None:
@@ -229,7 +228,7 @@ class CodedRows:
             encoded.append((rows, encode(self.quant, tokens.reshape(len(rows) * self.heads, count, self.dim))))
         units = [u + a // self.unit for u, a in zip(self.units, aged)]
         if self.block is None:
-            self._allocate(encoded[0][1], max(units))
+            self._allocate(encoded[0][1])
         self._reserve_units(max(units))  # before any write: growth copies only the units held so far
         for rows, new in encoded:
             self._write_units(rows, new)

@@ -135,3 +135,12 @@ def test_rows_holding_nothing_need_their_shape_named():
         ref.append(x[b])
         ref.seal()
     _check(rows, empty)
+
+
+def test_read_in_a_sixteen_bit_compute_dtype_matches_the_rows_sequences():
+    rows, refs, _ = _decode("int4-token-g32", [37, 5, 64, 0], seed=3)
+    got = rows.read(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    for b, ref in enumerate(refs):
+        ref.compute_dtype = torch.bfloat16
+        assert torch.equal(got[b, :, :ref.length], ref.materialize())
