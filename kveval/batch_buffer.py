@@ -46,6 +46,9 @@ class BatchBuffer:
         self.keys = torch.zeros(batch, heads, 0, key_dim, dtype=dtype, device=device)
         self.values = torch.zeros(batch, heads, 0, value_dim, dtype=dtype, device=device)
         self.positions = torch.full((batch, heads, 0), PAD_POSITION, dtype=torch.long, device=device)
+        # [B, H, capacity] attention accumulated per slot, while a batched decode scores with it (0 on padding);
+        # kept in step by append and grown by reserve, loaded by kveval.buffered_decode.BufferedDecode.start.
+        self.attention: torch.Tensor | None = None
         self.lengths = [0] * batch  # slots held by each row
         self.width = 0  # max(lengths): the slots attention reads
         self.grown = False  # set when a write reallocated (views of the old tensors no longer alias)
@@ -71,6 +74,8 @@ class BatchBuffer:
 
         self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
         self.positions = grown(self.positions, PAD_POSITION)
+        if self.attention is not None:
+            self.attention = grown(self.attention, 0)
         self.grown = True
 
     def write_row(self, b: int, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -101,6 +106,8 @@ class BatchBuffer:
             self.keys[:, :, start:start + q] = keys
             self.values[:, :, start:start + q] = values
             self.positions[:, :, start:start + q] = positions[:, None, :]
+            if self.attention is not None:
+                self.attention[:, :, start:start + q] = 0
         else:
             self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
             lengths = torch.tensor(self.lengths, device=keys.device)
@@ -110,6 +117,8 @@ class BatchBuffer:
             self.keys[rows, :, slots] = keys[rows, :, columns]
             self.values[rows, :, slots] = values[rows, :, columns]
             self.positions[rows, :, slots] = positions[rows, columns][:, None]
+            if self.attention is not None:
+                self.attention[rows, :, slots] = 0
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
         self.width = max(self.lengths)
 

@@ -77,85 +77,144 @@ class _Residual:
         return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
 
 
-class _RecencyEviction:
-    """A decode budget kept by position alone (``window(size)``, ``streaming(window)``), for the whole batch.
+class _BudgetEviction:
+    """A decode budget kept for the whole batch at once.
 
-    After each step's attention, every row holding more than the budget keeps the ``budget`` best-scored of its
-    tokens, its newest always, exactly as :meth:`kveval.cache_layers.CompressedLayer._evict_to` chooses for one
-    row (the policy's own scores, one ``topk``); the buffer is compacted in place by one gather for the batch.
+    After each step's attention, every row holding more than ``budget`` tokens keeps its ``budget`` best-scored,
+    its newest always, exactly as the layer would for each row by itself
+    (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, ``topk``, kept in order). The
+    buffer's K, V, positions and accumulated attention are compacted in place by one gather per tensor.
+
+    Two sources:
+
+    - a selection's ``decode_budget`` whose :meth:`scores` take a batch (``batch_scores``: window, streaming, H2O,
+      TOVA, knorm), scored on the buffer's views (positions, the attention it accumulated, keys);
+    - a sliding-window layer of ``window`` positions, which keeps what its next query can see: the ``window - 1``
+      newest tokens, by position (:meth:`~kveval.cache_layers.CompressedLayer._trim_to_window`, while every row
+      holds consecutive positions, which :meth:`BufferedDecode.for_rows` checks).
     """
 
-    def __init__(self, selection):
-        self.selection, self.budget = selection, selection.decode_budget
+    def __init__(self, budget: int, scores, layer_idx: int = 0, num_layers: int = 1, model=None):
+        self.budget, self.scores = budget, scores
+        self.layer_idx, self.num_layers, self.model = layer_idx, num_layers, model
 
     @staticmethod
-    def applies_to(selection) -> bool:
-        return (selection is not None and selection.decode_budget is not None and selection.attention == "none"
-                and not selection.per_head_budgets and isinstance(selection, (WindowPolicy, SinkWindowPolicy)))
+    def serves(selection) -> bool:
+        """Whether ``selection``'s decode budget can be kept for a batch (one budget for every head, batch scores)."""
+        return (selection.decode_budget is not None and selection.batch_scores and not selection.per_head_budgets
+                and selection.attention in ("none", "all", "last"))
 
-    def apply(self, buffer: BatchBuffer) -> None:
+    @classmethod
+    def of_window(cls, window: int) -> "_BudgetEviction":
+        return cls(window - 1, lambda state: state.positions.float())
+
+    def apply(self, buffer: BatchBuffer) -> bool:
+        """Keep the budget in every row; whether any row dropped a token."""
         width = buffer.width
         if width <= self.budget:
-            return
-        positions = buffer.positions[:, 0, :width]  # [B, width]: every head keeps the same tokens here
+            return False
+        positions = buffer.positions[:, :, :width]
         padding = positions == PAD_POSITION
-        state = ScoringState(keys=None, positions=positions.masked_fill(padding, -1), attention=None, layer_idx=0,
-                             num_layers=1)
-        scores = self.selection.scores(state).float().masked_fill(padding, float("-inf"))
-        newest = torch.tensor(buffer.lengths, device=scores.device)[:, None] - 1
-        scores.scatter_(1, newest.clamp(min=0), float("inf"))  # the newest token is never evicted
-        keep = scores.topk(self.budget, dim=1).indices.sort(dim=1).values  # [B, budget]
+        attention = None if buffer.attention is None else buffer.attention[:, :, :width]
+        state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
+                             attention=attention, layer_idx=self.layer_idx, num_layers=self.num_layers, model=self.model)
+        scores = self.scores(state).float().masked_fill(padding, float("-inf"))
+        newest = torch.tensor(buffer.lengths, device=scores.device)[:, None, None] - 1
+        scores.scatter_(2, newest.clamp(min=0).expand(-1, scores.shape[1], 1), float("inf"))  # never evicted
+        keep = scores.topk(self.budget, dim=2).indices.sort(dim=2).values  # [B, H, budget]
         for held in (buffer.keys, buffer.values):
-            index = keep[:, None, :, None].expand(-1, held.shape[1], -1, held.shape[3])
+            index = keep[..., None].expand(-1, -1, -1, held.shape[3])
             held[:, :, :self.budget] = held[:, :, :width].gather(2, index)
-        index = keep[:, None, :].expand(-1, buffer.positions.shape[1], -1)
-        buffer.positions[:, :, :self.budget] = buffer.positions[:, :, :width].gather(2, index)
-        buffer.positions[:, :, self.budget:width] = PAD_POSITION
+        for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
+            if held is not None:
+                held[:, :, :self.budget] = held[:, :, :width].gather(2, keep)
+                held[:, :, self.budget:width] = fill
         buffer.lengths = [min(n, self.budget) for n in buffer.lengths]
         buffer.width = max(buffer.lengths)
+        return True
 
 
 class BufferedDecode:
-    """Batched decode steps for one layer whose rows are all dense or all plain quantized stores (see module doc)."""
+    """Batched decode steps for one layer whose rows are all dense or all plain quantized stores (see module doc).
 
-    def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None, values: _Residual | None,
-                 eviction: _RecencyEviction | None = None):
+    Parameters
+    ----------
+    kv_dtype : torch.dtype
+        The cache dtype the rows' stores hold.
+    keys, values : _Residual or None
+        The quantizers' residual windows (quantized rows), else ``None``.
+    eviction : _BudgetEviction or None
+        A decode budget (dense rows only), kept after each step's attention.
+    accumulates : str or None
+        ``"all"`` (H2O: attention summed over every query) or ``"last"`` (TOVA: the newest query's), when the
+        selection scores with attention at every step; the buffer then holds it beside the tokens.
+    """
+
+    def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None = None, values: _Residual | None = None,
+                 eviction: _BudgetEviction | None = None, accumulates: str | None = None):
         self.kv_dtype = kv_dtype
-        self.keys, self.values, self.eviction = keys, values, eviction
+        self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
-    @classmethod
-    def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None) -> "BufferedDecode | None":
-        """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`) under ``selection`` (its decode
-        budget), or ``None`` where per-row work is needed: stores neither all dense nor all quantized with every
-        slot alive (evicted slots inside units), or a decode budget other than a dense recency one."""
-        stores = [row.store for row in rows]
-        dense = all(type(s) is DenseStore for s in stores)
-        if selection is not None and selection.decode_budget is not None:
-            return cls(kv_dtype, None, None, _RecencyEviction(selection)) if dense and _RecencyEviction.applies_to(selection) else None
-        if dense:
-            return cls(kv_dtype, None, None)
-        if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
-               and s.v.alive is None and s.v.tail_alive is None for s in stores):
-            return cls(kv_dtype, _Residual.of([s.k for s in stores]), _Residual.of([s.v for s in stores]))
-        return None
-
     @staticmethod
-    def could_serve(store, selection) -> bool:
-        """Whether rows holding stores like ``store`` under ``selection`` may ever decode in batch (a cheap,
-        static check; :meth:`for_rows` then checks every row)."""
+    def could_serve(store, selection, sliding_window: int | None = None) -> bool:
+        """Whether rows holding stores like ``store`` under ``selection`` (in a sliding layer of ``sliding_window``
+        positions, if given) may ever decode in batch: a cheap, static check; :meth:`for_rows` then checks every row.
+
+        Dense or plain quantized stores; anything evicting while decoding (a decode budget, a sliding window) needs
+        dense stores and, for a budget, scores that take a batch (:attr:`SelectionPolicy.batch_scores`)."""
         if type(store) not in (DenseStore, QuantizedStore):
             return False
-        if selection is None:
+        if sliding_window is not None:
+            return type(store) is DenseStore
+        if selection is None or selection.decode_budget is None:
             return True
-        if selection.attention in ("all", "last"):  # scored at every step
-            return False
-        return selection.decode_budget is None or (type(store) is DenseStore and _RecencyEviction.applies_to(selection))
+        return type(store) is DenseStore and _BudgetEviction.serves(selection)
 
-    def after_attention(self, buffer: BatchBuffer) -> None:
-        """What a step does once attention has read the buffer: keep the decode budget."""
-        if self.eviction is not None:
-            self.eviction.apply(buffer)
+    @classmethod
+    def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None, sliding_window: int | None = None,
+                 layer_idx: int = 0, num_layers: int = 1, model=None) -> "BufferedDecode | None":
+        """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`, all compressed), or ``None``
+        where per-row work is needed (see :meth:`could_serve`; also quantized rows with evicted slots inside
+        units, and sliding rows whose positions are not consecutive)."""
+        stores = [row.store for row in rows]
+        if not all(cls.could_serve(s, selection, sliding_window) for s in stores):
+            return None
+        accumulates = selection.attention if selection is not None and selection.attention in ("all", "last") else None
+        if sliding_window is not None:
+            if not all(row.positions.shape[1] == 0 or int(row.positions[0, -1] - row.positions[0, 0]) == row.positions.shape[1] - 1
+                       for row in rows):
+                return None
+            return cls(kv_dtype, eviction=_BudgetEviction.of_window(sliding_window))
+        if selection is not None and selection.decode_budget is not None:
+            eviction = _BudgetEviction(selection.decode_budget, selection.scores, layer_idx, num_layers, model)
+            return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
+        if all(type(s) is DenseStore for s in stores):
+            return cls(kv_dtype, accumulates=accumulates)
+        if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
+               and s.v.alive is None and s.v.tail_alive is None for s in stores):
+            return cls(kv_dtype, _Residual.of([s.k for s in stores]), _Residual.of([s.v for s in stores]), accumulates=accumulates)
+        return None
+
+    def start(self, rows, buffer: BatchBuffer) -> None:
+        """Load what the steps update beside the tokens into ``buffer``: the rows' accumulated attention."""
+        if self.accumulates is None:
+            buffer.attention = None
+            return
+        dtype = next((row.attention.dtype for row in rows if row.attention is not None), torch.float32)
+        buffer.attention = buffer.positions.new_zeros(buffer.positions.shape, dtype=dtype)
+        for b, row in enumerate(rows):
+            if row.attention is not None:
+                buffer.attention[b, :, :row.attention.shape[1]] = row.attention
+
+    def after_attention(self, buffer: BatchBuffer, mass: torch.Tensor | None) -> bool:
+        """What a step does once attention has read the buffer: add (``"all"``) or set (``"last"``) the step's
+        attention ``mass`` (``[B, H, width]``), then keep the decode budget. Whether any row dropped a token."""
+        if self.accumulates == "all":
+            buffer.attention[:, :, :buffer.width] += mass
+        elif self.accumulates == "last":
+            buffer.attention[:, :, :buffer.width] = mass
+        return self.eviction is not None and self.eviction.apply(buffer)
 
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                real: torch.Tensor, counts: list[int]) -> None:
@@ -187,6 +246,7 @@ class BufferedDecode:
                 row.store.mark_read()
                 row.positions = buffer.positions[b, :, :n].clone()
                 row.tokens_seen += counts[b]
+                self._catch_up_attention(row, buffer, b)
             return
         keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
         self.pending = []
@@ -200,6 +260,12 @@ class BufferedDecode:
             row.tokens_seen += n
             row.seal()
             row.store.mark_read()
+        for b, row in enumerate(rows):
+            self._catch_up_attention(row, buffer, b)
+
+    def _catch_up_attention(self, row, buffer: BatchBuffer, b: int) -> None:
+        if self.accumulates is not None:
+            row.attention = buffer.attention[b, :, :buffer.lengths[b]].clone()
 
 
 __all__ = ["BufferedDecode", "CATCH_UP_STEPS"]

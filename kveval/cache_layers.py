@@ -140,18 +140,23 @@ class CompressedLayer(CacheLayerMixin):
         return self._decode is not None and kwargs is not None and kwargs.get("position_ids") is not None
 
     def _batched_decode(self) -> "BufferedDecode | None":
-        """The batched decode the rows allow: compressed rows, dense or plainly quantized, that nothing scores any
-        more (``none``, selection done at the prefill), or dense rows under a recency decode budget (``window``,
-        ``streaming``). Checked after each refresh; any change to a row (:meth:`_select`, :meth:`compress_row`)
-        clears it until the next refresh."""
+        """The batched decode the rows allow (:meth:`BufferedDecode.for_rows`): compressed rows, dense or plainly
+        quantized, with selection done at the prefill or scored by attention (H2O, TOVA), or dense rows that
+        evict while decoding (a decode budget whose scores take a batch, a sliding window). Checked after each
+        refresh; any change to a row (:meth:`_select`, :meth:`compress_row`) clears it until the next refresh."""
         if not self._could_batch() or not all(row.compressed for row in self._rows):
             return None
-        return BufferedDecode.for_rows(self._rows, self.cache.kv_dtype, self.selection)
+        cache = self.cache
+        decode = BufferedDecode.for_rows(self._rows, cache.kv_dtype, self.selection, self.sliding_window,
+                                         self.layer_idx, cache.num_layers, cache.model)
+        if decode is not None:
+            decode.start(self._rows, self._buffer)
+        return decode
 
     def _could_batch(self) -> bool:
-        """The static part of :meth:`_batched_decode` (no loop over rows): layer kind, store type, selection."""
-        return (self._buffer is not None and not self.is_sliding and not self.cache.defer_compression
-                and bool(self._rows) and BufferedDecode.could_serve(self._rows[0].store, self.selection))
+        """The static part of :meth:`_batched_decode` (no loop over rows): store type, selection, window."""
+        return (self._buffer is not None and not self.cache.defer_compression and bool(self._rows)
+                and BufferedDecode.could_serve(self._rows[0].store, self.selection, self.sliding_window))
 
     def _refresh_buffer(self) -> None:
         """Bring the buffer in step with the rows: each row from the first slot its store changed."""
@@ -307,8 +312,11 @@ class CompressedLayer(CacheLayerMixin):
         probabilities ``[B, query_heads, q, slots]`` (softcapped, sink-diluted, ...)
         under a boolean mask; selection policies score with them.
         """
-        if self._buffer_only_step:
-            self._decode.after_attention(self._buffer)  # a recency budget, for the batch (see _batched_decode)
+        if self._buffer_only_step:  # the batch at once (see _batched_decode): scores, then any budget
+            decode = self._decode
+            mass = None if decode.accumulates is None else self._mass(query, keys, probabilities, score_key(self.selection))
+            if decode.after_attention(self._buffer, mass):
+                self.contiguous = False  # tokens were dropped: the model's own mask no longer lines up
             return
         policy = self.selection
         needs = policy.attention if policy is not None else "none"
@@ -342,6 +350,23 @@ class CompressedLayer(CacheLayerMixin):
         the GQA group of a KV head, or every head for a store with one shared
         head (MLA's latent), whose tokens are then kept or dropped for all heads at once.
         """
+        mass = self._mass(query, keys, probabilities, key)
+        needs = key[0]
+        deferred, own = self.cache.defer_compression, score_key(self.selection)
+        for b, row in enumerate(self.rows):
+            n = row.store.length
+            row_mass = mass[b, :, :n]  # the buffer holds row b's tokens in its first n slots
+            before = (row.scores or {}).get(key) if deferred else row.attention
+            if needs == "all" and before is not None:
+                row_mass = torch.nn.functional.pad(before, (0, n - before.shape[1])) + row_mass
+            if deferred:
+                row.scores = {**(row.scores or {}), key: row_mass}
+            if not deferred or key == own:
+                row.attention = row_mass
+
+    def _mass(self, query, keys, probabilities, key: tuple) -> torch.Tensor:
+        """``[B, stored heads, slots]``: the attention mass each slot received from this forward's queries that
+        ``key`` names, summed over them, averaged over the query heads reading each stored head (0 on padding)."""
         needs, window = key
         q_len = query.shape[2]
         real = self.cache.input_real(query.shape[0], q_len, query.device)
@@ -361,17 +386,7 @@ class CompressedLayer(CacheLayerMixin):
             groups = query.shape[1] // stored_heads
             part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
             mass = part if mass is None else mass + part
-        deferred, own = self.cache.defer_compression, score_key(self.selection)
-        for b, row in enumerate(self.rows):
-            n = row.store.length
-            row_mass = mass[b, :, :n]  # the buffer holds row b's tokens in its first n slots
-            before = (row.scores or {}).get(key) if deferred else row.attention
-            if needs == "all" and before is not None:
-                row_mass = torch.nn.functional.pad(before, (0, n - before.shape[1])) + row_mass
-            if deferred:
-                row.scores = {**(row.scores or {}), key: row_mass}
-            if not deferred or key == own:
-                row.attention = row_mass
+        return mass
 
     def scoring_state(self, row: RowState, seed: int) -> ScoringState:
         keys, _ = row.store.keys_values()

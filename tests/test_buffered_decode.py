@@ -13,7 +13,7 @@ a short residual window at different steps in different rows.
 import pytest
 import torch
 from cache_runs import fingerprint
-from tiny_models import Tok, tiny_llama
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval import buffered_decode
 from kveval.batch_buffer import BatchBuffer
@@ -25,7 +25,10 @@ from kveval.generation import Prompt, generate
 STEPS = buffered_decode.CATCH_UP_STEPS + 6
 SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
          "fp8(group=16,residual=3)", "snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)",
-         "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)"]
+         "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)",
+         # Scored by attention at every step, with or without a decode budget (the buffer accumulates the scores)
+         "h2o(ratio=0.5,decode_budget=40,recent=8)", "tova(ratio=0.5,decode_budget=30)",
+         "h2o(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "tova(ratio=0.3)", "knorm(ratio=0.5,decode_budget=25)"]
 
 
 def _prompts(n=5, seed=11):
@@ -40,7 +43,7 @@ def model():
     return tiny_llama()
 
 
-def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_dtype=None, batch_size=5):
+def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_dtype=None, batch_size=5, prompts=None):
     calls = []
     original = BufferedDecode.append
 
@@ -53,7 +56,7 @@ def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_d
         if not batched:
             patch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
         model.generation_config.eos_token_id = eos
-        results = generate(model, Tok(), _prompts(), spec, max_new_tokens=STEPS, batch_size=batch_size, mode=mode,
+        results = generate(model, Tok(), prompts or _prompts(), spec, max_new_tokens=STEPS, batch_size=batch_size, mode=mode,
                            kv_dtype=kv_dtype)
         model.generation_config.eos_token_id = None
     return [fingerprint(r) for r in results], len(calls)
@@ -77,9 +80,12 @@ def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
     assert batched == rows
 
 
-@pytest.mark.parametrize("spec", ["quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)"])
+@pytest.mark.parametrize("spec", ["quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)", "window(size=90)"])
 def test_batch_size_one(model, spec, monkeypatch):
-    """One row: every step encodes the same slots of the whole batch (the view path rather than the gather)."""
+    """One row: every step encodes the same slots of the whole batch (the view path rather than the gather).
+
+    ``window(size=90)`` keeps every prompt token (each prompt is shorter), so the cache lines up with the input
+    columns until the first decode-time eviction, which must switch the layer to its own mask."""
     batched, used = _run(model, spec, True, monkeypatch, batch_size=1)
     rows, _ = _run(model, spec, False, monkeypatch, batch_size=1)
     assert used > 0
@@ -114,3 +120,34 @@ def test_no_step_copies_the_cache(model):
     assert len(pointers) == 2  # one growth, once the first capacity was used up
     assert buffer.width == 40 + step + 1
     assert cache.stats().kept_tokens[0] == [40 + step + 1] * 3
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_gemma3(sliding_window=24)
+
+
+@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "h2o(ratio=0.5,decode_budget=40)", "kivi(bits=4,group=8,residual=4)"])
+def test_sliding_window_layers(gemma, spec, monkeypatch):
+    """Gemma 3's local layers (a window of 24 positions here) drop what their next query cannot see, for the batch
+    at once: prompts longer and shorter than the window, so some rows start trimming only while decoding."""
+    prompts = _prompts(n=4, seed=5)
+    prompts[0] = Prompt(prompts[0].context[:10], prompts[0].question)
+    batched, used = _run(gemma, spec, True, monkeypatch, prompts=prompts, batch_size=4)
+    rows, _ = _run(gemma, spec, False, monkeypatch, prompts=prompts, batch_size=4)
+    assert used > 0
+    assert batched == rows
+
+
+def test_sliding_layers_decode_in_batch(gemma):
+    """The dense sliding layers really take the batched path (the quantized ones cannot: trims split units)."""
+    cache = CompressedCache(gemma, "none")
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        gemma(ids, cache=cache, position_ids=torch.arange(40).expand(2, -1))
+        for step in range(3):
+            gemma(ids[:, :1], cache=cache, position_ids=torch.full((2, 1), 40 + step))
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(layer._decode is not None and layer._decode.eviction is not None for layer in sliding)
+    assert all(layer._buffer.width == 23 for layer in sliding)  # window - 1 tokens between forwards
+    assert cache.stats().kept_tokens[0] == [23, 23]

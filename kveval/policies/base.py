@@ -92,6 +92,10 @@ class SelectionPolicy(Policy):
     attention: ClassVar[str] = "none"
     supports_decode_budget: ClassVar[bool] = True
     decode_budget = None  # tokens the cache may hold while decoding; None lets it grow
+    #: :meth:`scores` also takes a whole batch: the state's tensors may carry leading row dimensions
+    #: (``[rows, kv_heads, tokens]``), and each row's scores depend on that row alone, as they would for the row
+    #: by itself. The cache then keeps a decode budget for the batch at once (:mod:`kveval.buffered_decode`).
+    batch_scores: ClassVar[bool] = False
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         """How many of ``n_tokens`` context tokens to keep in layer ``layer_idx``."""

@@ -37,8 +37,10 @@ class H2OPolicy(RatioSelectionPolicy):
         if not isinstance(self.recent, int) or self.recent < 0:
             raise PolicySpecError(f"h2o: recent={self.recent!r} must be a number of tokens >= 0")
 
+    batch_scores = True
+
     def scores(self, state: ScoringState) -> torch.Tensor:
         scores = state.attention.clone()
-        newest = state.positions.max(dim=1, keepdim=True).values
+        newest = state.positions.max(dim=-1, keepdim=True).values
         scores[state.positions > newest - self.recent] = float("inf")
         return scores

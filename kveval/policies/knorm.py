@@ -19,5 +19,7 @@ class KnormPolicy(RatioSelectionPolicy):
     name = "knorm"
     description = "key-norm: drop the keys with the largest L2 norm, per KV head"
 
+    batch_scores = True
+
     def scores(self, state: ScoringState) -> torch.Tensor:
         return -state.keys.float().norm(dim=-1)

@@ -23,6 +23,7 @@ class TOVAPolicy(RatioSelectionPolicy):
     description = "TOVA: keep tokens the most recent query attends to (head-averaged)"
     attention = "last"
     head_shared_scores = True
+    batch_scores = True
 
     def scores(self, state: ScoringState) -> torch.Tensor:
-        return state.attention.mean(dim=0, keepdim=True).expand_as(state.attention)
+        return state.attention.mean(dim=-2, keepdim=True).expand_as(state.attention)

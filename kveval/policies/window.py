@@ -57,6 +57,8 @@ class WindowPolicy(SelectionPolicy):
     def decode_budget(self) -> int | None:
         return self.size
 
+    batch_scores: ClassVar[bool] = True
+
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.ratio is not None:
             return ratio_keep_count(self.ratio, n_tokens)
@@ -77,6 +79,7 @@ class SinkWindowPolicy(SelectionPolicy):
     """
 
     default_window: ClassVar[int]
+    batch_scores: ClassVar[bool] = True
 
     def check_sink_window(self) -> None:
         """Validate ``sink``/``window``/``ratio``; store the default window as ``None`` (one canonical spec)."""
@@ -149,7 +152,8 @@ class StreamingPolicy(SinkWindowPolicy):
 def sink_recency_scores(positions: torch.Tensor, sink: int) -> torch.Tensor:
     """StreamingLLM's order: the first ``sink`` positions outrank everything; among the rest, recency decides.
 
-    Negative positions (padding slots of per-head budgets) rank lowest.
+    Negative positions (padding slots of per-head budgets) rank lowest. Over a batch (``[rows, heads, tokens]``)
+    the sinks' offset is the batch's largest position, which ranks each row's tokens as the row's own would.
     """
     positions = positions.float()
     return torch.where((positions >= 0) & (positions < sink), positions.max() + 1 + positions, positions)
