@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer
+from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.policies.window import SinkWindowPolicy, WindowPolicy
 from kveval.quantization import dequantize
@@ -161,8 +162,12 @@ class BufferedDecode:
         """Whether rows holding stores like ``store`` under ``selection`` (in a sliding layer of ``sliding_window``
         positions, if given) may ever decode in batch: a cheap, static check; :meth:`for_rows` then checks every row.
 
-        Dense or plain quantized stores; anything evicting while decoding (a decode budget, a sliding window) needs
-        dense stores and, for a budget, scores that take a batch (:attr:`SelectionPolicy.batch_scores`)."""
+        Dense or plain quantized stores, or per-head stores (AdaKV's budgets) of dense heads, which append every new
+        token at one slot after the longest head, as dense rows do. Anything evicting while decoding (a decode
+        budget, a sliding window) needs dense stores and, for a budget, scores that take a batch
+        (:attr:`SelectionPolicy.batch_scores`)."""
+        if type(store) is HeadwiseStore:
+            return sliding_window is None and (selection is None or selection.decode_budget is None)
         if type(store) not in (DenseStore, QuantizedStore):
             return False
         if sliding_window is not None:
@@ -189,7 +194,8 @@ class BufferedDecode:
         if selection is not None and selection.decode_budget is not None:
             eviction = _BudgetEviction(selection.decode_budget, selection.scores, layer_idx, num_layers, model)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
-        if all(type(s) is DenseStore for s in stores):
+        if all(type(s) is DenseStore or (type(s) is HeadwiseStore and all(type(h) is DenseStore for h in s.heads))
+               for s in stores):
             return cls(kv_dtype, accumulates=accumulates)
         if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
                and s.v.alive is None and s.v.tail_alive is None for s in stores):

@@ -28,7 +28,9 @@ SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "
          "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)",
          # Scored by attention at every step, with or without a decode budget (the buffer accumulates the scores)
          "h2o(ratio=0.5,decode_budget=40,recent=8)", "tova(ratio=0.5,decode_budget=30)",
-         "h2o(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "tova(ratio=0.3)", "knorm(ratio=0.5,decode_budget=25)"]
+         "h2o(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "tova(ratio=0.3)", "knorm(ratio=0.5,decode_budget=25)",
+         # Per-head budgets chosen at the prefill (AdaKV): heads of one row hold different counts
+         "snapkv(ratio=0.5,adaptive=true)", "h2o(ratio=0.6,adaptive=true)"]
 
 
 def _prompts(n=5, seed=11):
