@@ -25,9 +25,17 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    ``--mixed-lengths`` draws prompts of 4 lengths (``--length`` down to 5/8 of
    it), so batches are left-padded.
 2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
-   for each ``--policy`` (default one per family), as ratios to ``none``.
-3. On CUDA: peak allocated memory during generation above the weights, against
-   the cache bytes kveval measured (all rows of the batch). Skipped on CPU.
+   for each ``--policy`` (default one per family, plus H2O and TOVA scored at
+   every step under a decode budget), as ratios to ``none``. A spec ending in
+   `` [codes]`` runs a quantized policy with its layers held as codes and
+   dequantized at every step (``quantized_decode="codes"``, the default on CUDA);
+   the others run as the device's ``auto`` does.
+3. Memory against the cache bytes kveval measured (all rows of the batch):
+   on CUDA, peak allocated memory during generation above the weights; on any
+   device, what the cache holds beside its measured bytes once generation
+   ends (a count of tensors, not an allocator figure): the layers' batch
+   buffers (dequantized K/V in the compute dtype, positions, scores), the codes
+   batched for decoding, and the scratch shared by the layers.
 4. Only with ``--ray-sweep CONFIG`` (instead of 1-3): the sweep run serially in
    process, then on a local Ray cluster of ``--workers`` CPUs, one policy per
    cell: wall times and whether every item is identical.
@@ -42,8 +50,31 @@ import argparse
 import statistics
 import time
 
-DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "kivi(bits=4)", "quant(bits=8)", "fp8",
-                    "lowrank(rank=32)"]
+DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5,decode_budget=128)",
+                    "tova(ratio=0.5,decode_budget=128)", "kivi(bits=4)", "kivi(bits=4) [codes]", "quant(bits=8)",
+                    "quant(bits=8) [codes]", "fp8", "lowrank(rank=32)"]
+CODES = " [codes]"
+
+
+def _decode_mode(spec: str) -> tuple[str, str]:
+    """``"kivi(bits=4) [codes]"`` -> ``("kivi(bits=4)", "codes")``; a plain spec runs as ``auto``."""
+    return (spec.removesuffix(CODES), "codes") if spec.endswith(CODES) else (spec, "auto")
+
+
+def _held_bytes(cache) -> dict[str, int]:
+    """What ``cache`` holds beside the rows' stores: batch buffers, batched codes and the shared scratch (bytes)."""
+    def size(t) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    held = {"buffers K/V": 0, "buffers positions+scores": 0, "batched codes": 0, "scratch": cache.scratch.nbytes}
+    for layer in cache.attention_layers:
+        buffer, decode = layer._buffer, layer._decode
+        if buffer is not None:
+            held["buffers K/V"] += size(buffer.keys) + size(buffer.values)
+            held["buffers positions+scores"] += size(buffer.positions) + size(buffer.attention)
+        if decode is not None and decode.coded is not None:
+            held["batched codes"] += sum(side.held_bytes for side in decode.coded)
+    return held
 
 
 def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> list[list[int]]:
@@ -140,7 +171,8 @@ def main() -> None:
     import torch
 
     import kveval.generation
-    from kveval.generation import Prompt, generate
+    from kveval.cache import CompressedCache
+    from kveval.generation import Prompt, _continue, generate, prefill_prompts
     from kveval.models import load_model
     from kveval.probes import encode_item, generate_items
     from kveval.runspec import RunSpec
@@ -160,11 +192,12 @@ def main() -> None:
     prompts = [Prompt(*encode_item(tokenizer, it)) for it in items]
 
     def kveval_run(spec: str, kv_dtype=None):
+        spec, decode_mode = _decode_mode(spec)
         policy = RunSpec.parse(spec).for_model(model).policy  # unset quantization groups fit the model's head width
 
         def run(batch, new_tokens):
             results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch),
-                               kv_dtype=kv_dtype)
+                               kv_dtype=kv_dtype, quantized_decode=decode_mode)
             return [r.token_ids for r in results]
         return run
 
@@ -208,20 +241,33 @@ def main() -> None:
               f"{got['per_item'] / base['per_item']:>9.2f}x {got['decode_tps'] / base['decode_tps']:>10.2f}x")
 
     print()
-    print(f"3. peak memory vs measured cache bytes at batch {args.policy_batch}")
+    print(f"3. memory vs measured cache bytes at batch {args.policy_batch}")
+    print("held beside the measured cache once generation ends (tensors the cache holds; bytes):")
+    columns = list(_held_bytes(CompressedCache(model, "none")))
+    print(f"{'policy':<30} | {'measured cache':>14} | " + " ".join(f"{c:>24}" for c in columns) + f" | {'held / cache':>12}")
+    for spec in ["none", *policies]:
+        plain, decode_mode = _decode_mode(spec)
+        cache = CompressedCache(model, RunSpec.parse(plain).for_model(model).policy, quantized_decode=decode_mode)
+        with torch.no_grad():
+            logits, seen = prefill_prompts(model, cache, batch, "context", pad_id)
+            _continue(model, tokenizer, cache, batch, "context", logits, seen, args.new_tokens, [], time.perf_counter())
+        measured, held = cache.stats().kv_bytes, _held_bytes(cache)
+        print(f"{spec:<30} | {measured:>14,} | " + " ".join(f"{held[c]:>24,}" for c in columns)
+              + f" | {(measured + sum(held.values())) / measured:>11.2f}x")
     if not torch.cuda.is_available():
-        print("no CUDA device: skipped (peak allocated memory is a CUDA measurement)")
+        print("peak allocated memory: no CUDA device, skipped (a CUDA allocator measurement)")
         return
-    print(f"{'policy':<24} | {'cache bytes (measured)':>22} {'peak above weights':>18} | {'peak / cache':>12}")
-    for policy in ["none"] + (args.policy or DEFAULT_POLICIES):
+    print(f"{'policy':<30} | {'cache bytes (measured)':>22} {'peak above weights':>18} | {'peak / cache':>12}")
+    for spec in ["none", *policies]:
+        plain, decode_mode = _decode_mode(spec)
         torch.cuda.synchronize()
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        results = generate(model, tokenizer, batch, RunSpec.parse(policy).for_model(model).policy,
-                           max_new_tokens=args.new_tokens, batch_size=len(batch))
+        results = generate(model, tokenizer, batch, RunSpec.parse(plain).for_model(model).policy,
+                           max_new_tokens=args.new_tokens, batch_size=len(batch), quantized_decode=decode_mode)
         peak = torch.cuda.max_memory_allocated() - weights
         cache = sum(r.stats.kv_bytes for r in results)
-        print(f"{policy:<24} | {cache:>22,} {peak:>18,} | {peak / cache:>11.2f}x")
+        print(f"{spec:<30} | {cache:>22,} {peak:>18,} | {peak / cache:>11.2f}x")
 
 
 if __name__ == "__main__":

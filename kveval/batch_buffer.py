@@ -55,10 +55,22 @@ class BatchBuffer:
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.positions.shape[2]
 
-    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys, values and positions of the first :attr:`width` slots (views, no copy)."""
+    @property
+    def holds_values(self) -> bool:
+        """False once :meth:`release_values` ran: the buffer then keeps positions (and attention) only."""
+        return self.keys is not None
+
+    def release_values(self) -> None:
+        """Free the K/V tensors: a quantized layer's batched decode holds its codes and dequantizes at each step
+        (:class:`kveval.coded_rows.CodedRows`). Positions, lengths and attention stay in step."""
+        self.keys = self.values = None
+
+    def views(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Keys, values and positions of the first :attr:`width` slots (views, no copy; K/V ``None`` once released)."""
+        if self.keys is None:
+            return None, None, self.positions[:, :, :self.width]
         return self.keys[:, :, :self.width], self.values[:, :, :self.width], self.positions[:, :, :self.width]
 
     def reserve(self, slots: int) -> None:
@@ -72,7 +84,8 @@ class BatchBuffer:
             new[:, :, :self.width] = old[:, :, :self.width]
             return new
 
-        self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
+        if self.keys is not None:
+            self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
         self.positions = grown(self.positions, PAD_POSITION)
         if self.attention is not None:
             self.attention = grown(self.attention, 0)
@@ -96,26 +109,30 @@ class BatchBuffer:
         """Append the real tokens of ``keys``/``values`` (``[B, H, q, D]``) after each row's last slot, in one write.
 
         ``positions`` is ``[B, q]`` (the tokens' original positions), ``real`` the ``[B, q]`` mask of real tokens
-        and ``counts`` its row sums (known to the caller without a device sync).
+        and ``counts`` its row sums (known to the caller without a device sync). Once the values are released,
+        ``keys``/``values`` are ignored (pass ``None``): only positions and lengths advance.
         """
-        q = keys.shape[2]
+        q = positions.shape[1]
+        held = self.keys is not None
         start = self.lengths[0]
         if all(n == q for n in counts) and all(n == start for n in self.lengths):
             # Every row appends q real tokens at the same slot: a slice write.
             self.reserve(start + q)
-            self.keys[:, :, start:start + q] = keys
-            self.values[:, :, start:start + q] = values
+            if held:
+                self.keys[:, :, start:start + q] = keys
+                self.values[:, :, start:start + q] = values
             self.positions[:, :, start:start + q] = positions[:, None, :]
             if self.attention is not None:
                 self.attention[:, :, start:start + q] = 0
         else:
             self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
-            lengths = torch.tensor(self.lengths, device=keys.device)
+            lengths = torch.tensor(self.lengths, device=positions.device)
             slot = lengths[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
             rows, columns = real.nonzero(as_tuple=True)
             slots = slot[rows, columns]
-            self.keys[rows, :, slots] = keys[rows, :, columns]
-            self.values[rows, :, slots] = values[rows, :, columns]
+            if held:
+                self.keys[rows, :, slots] = keys[rows, :, columns]
+                self.values[rows, :, slots] = values[rows, :, columns]
             self.positions[rows, :, slots] = positions[rows, columns][:, None]
             if self.attention is not None:
                 self.attention[rows, :, slots] = 0

@@ -1,25 +1,36 @@
-"""Decode steps that write the whole batch into the layer's buffer at once; the rows' stores catch up later.
+"""Decode steps that update the whole batch of a layer at once; the rows' stores catch up later.
 
-Once every row of a layer is compressed and nothing evicts or scores any more
-(``none``, selection done at the prefill, with a dense or quantized
-representation), a decode step does the same thing to every row: store the
-new tokens and, for a quantized store, encode the tokens that have aged out of
-the full-precision residual window. :class:`BufferedDecode` does that for the
-batch with a few tensor ops on the :class:`~kveval.batch_buffer.BatchBuffer`:
+Once every row of a layer is compressed, a decode step does the same thing to
+every row. :class:`BufferedDecode` does it for the batch with a few tensor ops
+on the layer's :class:`~kveval.batch_buffer.BatchBuffer`, with no Python loop
+over rows or heads:
 
 - the new tokens go in after each row's last slot, as ``kv_dtype`` values;
-- tokens that age out of the residual are replaced, in place, by their
-  dequantized values, encoded by :func:`kveval.storage.encode` exactly as the
-  row's store encodes them (groups are per token, or per channel over the same
-  ``group`` consecutive tokens the store would group).
+- quantized rows: tokens that age out of the full-precision residual window
+  are encoded by :func:`kveval.storage.encode` exactly as each row's store
+  encodes them (groups per token, or per channel over the same ``group``
+  consecutive tokens the store would group) and replaced, in place, by their
+  dequantized values; or, held as codes (:class:`~kveval.coded_rows.CodedRows`,
+  the default on CUDA), the layer is dequantized at each step into a scratch
+  that all layers share, so the cache is never held a second time;
+- attention-scored selection (H2O, TOVA) adds or sets each step's attention
+  mass in a ``[B, H, slots]`` tensor beside the tokens;
+- a decode budget (window, streaming, H2O, TOVA, knorm) or a sliding-window
+  layer (Gemma 3's local layers) keeps its tokens by one ``topk`` of the
+  policy's own scores and one in-place gather (:class:`_BudgetEviction`).
 
-The new tokens are also kept, in ``kv_dtype``, until the rows *catch up*: each
-row's store appends them and seals, which encodes the same tokens into the same
-codes (a per-token group does not depend on when it is sealed; per-channel
-groups start at the same token either way). The rows catch up when anything
-reads them (measurement, forking, deriving) and every :data:`CATCH_UP_STEPS`
-steps, which bounds the memory of the pending tokens. Until then the measured
-bytes are the stores' bytes at the last catch-up.
+What still goes row by row: budgets that differ per head while decoding (DuoAttention, AdaKV with a decode
+budget), the ``random`` control's decode budget (seeded per row), low-rank, latent and KVQuant stores, and
+quantized sliding layers (a trim splits quantization units). Each is checked once per refresh
+(:meth:`BufferedDecode.for_rows`).
+
+The new tokens' positions (and, for plain quantized rows, the tokens) are kept
+until the rows *catch up*: each row's store takes them (appending and sealing,
+which encodes the same tokens into the same codes; loading the buffer's tokens
+under a budget; pointing at the batch's codes when held as codes). The rows
+catch up when anything reads them (measurement, forking, deriving) and every
+:data:`CATCH_UP_STEPS` steps, which bounds the memory of what is pending. Every
+path is bit-identical to decoding row by row (``tests/test_buffered_decode.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer
+from kveval.coded_rows import CodedRows, SharedScratch
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.policies.window import SinkWindowPolicy, WindowPolicy
@@ -149,12 +161,18 @@ class BufferedDecode:
     accumulates : str or None
         ``"all"`` (H2O: attention summed over every query) or ``"last"`` (TOVA: the newest query's), when the
         selection scores with attention at every step; the buffer then holds it beside the tokens.
+    coded : (CodedRows, CodedRows) or None
+        Quantized rows held as codes instead (``codes=True`` in :meth:`for_rows`): the buffer releases its
+        dequantized K/V, every step dequantizes the layer into a scratch shared by the layers (:meth:`read`), and
+        the rows' stores hold views of these codes, so the cache is held once, as codes.
     """
 
     def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None = None, values: _Residual | None = None,
-                 eviction: _BudgetEviction | None = None, accumulates: str | None = None):
+                 eviction: _BudgetEviction | None = None, accumulates: str | None = None,
+                 coded: "tuple[CodedRows, CodedRows] | None" = None):
         self.kv_dtype = kv_dtype
         self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
+        self.coded = coded
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
     @staticmethod
@@ -178,10 +196,11 @@ class BufferedDecode:
 
     @classmethod
     def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None, sliding_window: int | None = None,
-                 layer_idx: int = 0, num_layers: int = 1, model=None) -> "BufferedDecode | None":
+                 layer_idx: int = 0, num_layers: int = 1, model=None, codes: bool = False) -> "BufferedDecode | None":
         """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`, all compressed), or ``None``
         where per-row work is needed (see :meth:`could_serve`; also quantized rows with evicted slots inside
-        units, and sliding rows whose positions are not consecutive)."""
+        units, and sliding rows whose positions are not consecutive). ``codes``: quantized rows are held as codes
+        and dequantized at every step (see the class doc) rather than kept dequantized in the buffer."""
         stores = [row.store for row in rows]
         if not all(cls.could_serve(s, selection, sliding_window) for s in stores):
             return None
@@ -199,11 +218,18 @@ class BufferedDecode:
             return cls(kv_dtype, accumulates=accumulates)
         if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
                and s.v.alive is None and s.v.tail_alive is None for s in stores):
+            if codes:
+                coded = (CodedRows.from_sequences([s.k for s in stores]), CodedRows.from_sequences([s.v for s in stores]))
+                return cls(kv_dtype, accumulates=accumulates, coded=coded)
             return cls(kv_dtype, _Residual.of([s.k for s in stores]), _Residual.of([s.v for s in stores]), accumulates=accumulates)
         return None
 
     def start(self, rows, buffer: BatchBuffer) -> None:
-        """Load what the steps update beside the tokens into ``buffer``: the rows' accumulated attention."""
+        """Load what the steps update beside the tokens into ``buffer``: the rows' accumulated attention. Held as
+        codes, the buffer's K/V are released and the rows' stores point at the batch's codes."""
+        if self.coded is not None:
+            buffer.release_values()
+            self._point_rows(rows)
         if self.accumulates is None:
             buffer.attention = None
             return
@@ -226,21 +252,59 @@ class BufferedDecode:
                real: torch.Tensor, counts: list[int]) -> None:
         """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``."""
         keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
+        if self.coded is not None:
+            self.pending.append((None, None, positions, real))
+            buffer.append(None, None, positions, real, counts)
+            for side, x in zip(self.coded, (keys, values)):
+                side.append(x, real, counts)
+            return
         self.pending.append((keys, values, positions, real))
         buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
         for side, held in ((self.keys, buffer.keys), (self.values, buffer.values)):
             if side is not None:
                 side.encode_aged(held, buffer.lengths, counts, self.kv_dtype)
 
+    def read(self, dtype: torch.dtype, scratch: SharedScratch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held as codes: the layer's K and V, ``[B, H, width, D]`` in ``dtype``, dequantized into ``scratch``
+        (valid until another layer reads into it)."""
+        keys, values = self.coded
+        out = [scratch.get(name, side.batch, side.heads, side.width, side.dim, dtype, side.tail.device)
+               for name, side in (("keys", keys), ("values", values))]
+        return keys.read(dtype, out[0]), values.read(dtype, out[1])
+
     @property
     def due(self) -> bool:
-        return len(self.pending) >= CATCH_UP_STEPS
+        """Whether the rows must catch up now: enough steps pending, or the codes moved (the rows' views of them
+        would keep the old tensors alive)."""
+        return len(self.pending) >= CATCH_UP_STEPS or (self.coded is not None and any(side.grown for side in self.coded))
+
+    def _point_rows(self, rows) -> None:
+        """Every row's store holds views of its codes in the batch (and a copy of its short tail)."""
+        for b, row in enumerate(rows):
+            for sequence, side in ((row.store.k, self.coded[0]), (row.store.v, self.coded[1])):
+                sequence.block, sequence.tail = side.row_block(b), side.row_tail(b)
+                sequence.count = sequence.read = side.lengths[b]
+        for side in self.coded:
+            side.grown = False
 
     def catch_up(self, rows, buffer: BatchBuffer) -> None:
         """Every row's store appends its pending tokens and seals; the rows' positions and counts follow.
 
         Under a decode budget the dense rows instead take the buffer's tokens as they stand (its ``kv_dtype``
         values read back exactly), since appending would skip the evictions."""
+        if self.coded is not None:  # the codes are the rows' as they stand: point at them, count the new tokens
+            if self.pending:
+                positions, real = (torch.cat(parts, dim=1) for parts in list(zip(*self.pending))[2:])
+                self.pending = []
+                for b, row in enumerate(rows):
+                    keep = real[b]
+                    n = int(keep.sum())
+                    if n:
+                        row.positions = torch.cat([row.positions, positions[b][keep].unsqueeze(0).expand(row.positions.shape[0], -1)], dim=1)
+                        row.tokens_seen += n
+                    self._catch_up_attention(row, buffer, b)
+            self._point_rows(rows)
+            return
         if not self.pending:
             return
         if self.eviction is not None:  # the buffer holds the rows as they stand: only the counts are needed

@@ -53,6 +53,8 @@ from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from kveval import architectures
 from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, RowState, score_key
+from kveval.coded_rows import SharedScratch
+from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
 
@@ -137,10 +139,24 @@ class CompressedCache(Cache):
         The deployment's cache dtype: full-precision tokens are stored in it and
         nominal bytes count it, whatever dtype the model computes in. Default:
         :func:`kveval.storage.deployment_kv_dtype` (the checkpoint's 16-bit dtype, else bfloat16).
+    quantized_decode : {"auto", "buffer", "codes"}
+        How a quantized layer decodes a batch (:mod:`kveval.buffered_decode`). ``"buffer"`` keeps the layer's
+        tokens dequantized, in the compute dtype, and dequantizes only the tokens that age out of the residual at
+        each step: fast, but a second, dequantized copy of the cache. ``"codes"`` holds the codes alone and
+        dequantizes the layer at every step into a scratch that all layers share: peak memory is the codes plus
+        one layer's K/V, at the cost of a full dequantization per layer per step. ``"auto"``: codes on CUDA
+        (memory is what a GPU runs out of), buffer elsewhere. The answers, bytes and kept tokens are the same.
     """
 
+    QUANTIZED_DECODE_MODES = ("auto", "buffer", "codes")
+
     def __init__(self, model, policy: "str | PolicyStack" = "none", seed: int = 0, defer_compression: bool = False,
-                 kv_dtype: "str | torch.dtype | None" = None, scores_for: "list[str | PolicyStack] | None" = None):
+                 kv_dtype: "str | torch.dtype | None" = None, scores_for: "list[str | PolicyStack] | None" = None,
+                 quantized_decode: str = "auto"):
+        if quantized_decode not in self.QUANTIZED_DECODE_MODES:
+            raise UsageError(f"quantized_decode={quantized_decode!r} is not a mode; use one of {', '.join(self.QUANTIZED_DECODE_MODES)}")
+        self.quantized_decode = quantized_decode
+        self.scratch = SharedScratch()  # what quantized layers held as codes dequantize into, one layer at a time
         self.kv_dtype = deployment_kv_dtype(model) if kv_dtype is None else parse_kv_dtype(kv_dtype)
         config = model.config.get_text_config()
         plans = architectures.check_supported(model.config)
@@ -227,6 +243,12 @@ class CompressedCache(Cache):
     def seed_for(self, b: int) -> int:
         return self.seed + b
 
+    def decodes_from_codes(self, device) -> bool:
+        """Whether quantized layers on ``device`` decode from their codes (see ``quantized_decode``)."""
+        if self.quantized_decode == "auto":
+            return torch.device(device).type == "cuda"
+        return self.quantized_decode == "codes"
+
     # --- store construction ---------------------------------------------------------------------
     def new_store(self, layer_idx: int, dtype: torch.dtype):
         """An empty store for one sequence of layer ``layer_idx``, holding ``kv_dtype`` and computing in ``dtype``."""
@@ -294,6 +316,7 @@ class CompressedCache(Cache):
             raise ValueError(f"this prefill kept no {key[0]} attention for {target.spec}; pass it in scores_for")
         clone = copy.copy(self)
         clone.policy, clone.defer_compression, clone.score_keys = target, False, []
+        clone.scratch = SharedScratch()
         clone._check_representation(target, architectures.cache_head_dims(self.model.config)[1])
         clone.layers = []
         for layer in self.layers:

@@ -148,7 +148,8 @@ class CompressedLayer(CacheLayerMixin):
             return None
         cache = self.cache
         decode = BufferedDecode.for_rows(self._rows, cache.kv_dtype, self.selection, self.sliding_window,
-                                         self.layer_idx, cache.num_layers, cache.model)
+                                         self.layer_idx, cache.num_layers, cache.model,
+                                         codes=cache.decodes_from_codes(self.device))
         if decode is not None:
             decode.start(self._rows, self._buffer)
         return decode
@@ -161,6 +162,8 @@ class CompressedLayer(CacheLayerMixin):
     def _refresh_buffer(self) -> None:
         """Bring the buffer in step with the rows: each row from the first slot its store changed."""
         rows = self._rows
+        if self._buffer is not None and not self._buffer.holds_values:  # it held codes' positions only: rebuild
+            self._buffer = None
         if self._buffer is None:
             keys, values = next(((k, v) for k, v in (r.store.keys_values() for r in rows) if k is not None), (None, None))
             if keys is None:
@@ -179,7 +182,7 @@ class CompressedLayer(CacheLayerMixin):
     def _share_dense_storage(self) -> None:
         """Dense rows whose ``kv_dtype`` is the compute dtype hold views of the buffer: the cache is held once."""
         buffer = self._buffer
-        if buffer is None or buffer.keys.dtype != self.cache.kv_dtype:
+        if buffer is None or not buffer.holds_values or buffer.keys.dtype != self.cache.kv_dtype:
             return
         for b, row in enumerate(self._rows):
             store = row.store
@@ -247,6 +250,8 @@ class CompressedLayer(CacheLayerMixin):
         if not all_real:
             self.contiguous = False
         keys, values, slot_positions = self._buffer.views()
+        if keys is None:  # a quantized layer held as codes: this step's K/V, dequantized into the shared scratch
+            keys, values = self._decode.read(self.dtype, self.cache.scratch)
         self._query_positions = positions
         self._slot_positions = slot_positions
         if kwargs is not None:

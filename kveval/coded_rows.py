@@ -93,6 +93,7 @@ class CodedRows:
         self.tail = torch.zeros(batch, heads, 0, dim, dtype=kv_dtype, device=device)
         self.units = [0] * batch  # sealed units of each row
         self.tails = [0] * batch  # tail slots of each row
+        self.grown = False  # set when the block was reallocated (views of the old one no longer alias it)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -187,6 +188,7 @@ class CodedRows:
         b = self.block
         self.block = replace(b, data=grown(b.data), scale=grown(b.scale), zero=grown(b.zero),
                              shape=(b.shape[0], capacity * self.unit, b.shape[2]))
+        self.grown = True
 
     def _reserve_tail(self, slots: int) -> None:
         """Room for ``slots`` tail slots per row."""
@@ -263,6 +265,26 @@ class CodedRows:
         index = source[:, None, :, None].expand(-1, self.heads, -1, self.dim)
         self.tail[:, :, :width] = self.tail.gather(2, index)
 
+    # --- one row, as its QuantizedSequence holds it -----------------------------------------------
+    def row_block(self, b: int) -> QuantizedBlock | None:
+        """Row ``b``'s sealed units, ``[H, units, ...]``: views of the batch's block (no copy), ``None`` if none."""
+        units = self.units[b]
+        if not units:
+            return None
+        heads = slice(b * self.heads, (b + 1) * self.heads)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[heads, :units]
+
+        blk = self.block
+        return replace(blk, data=rows(blk.data), scale=rows(blk.scale), zero=rows(blk.zero),
+                       shape=(self.heads, units * self.unit, self.dim))
+
+    def row_tail(self, b: int) -> torch.Tensor:
+        """Row ``b``'s full-precision tail, ``[H, tails[b], D]`` in ``kv_dtype``: a copy (later steps shift the batch's
+        tails in place), at most ``residual + unit`` tokens."""
+        return self.tail[b, :, :self.tails[b]].clone()
+
     # --- read -------------------------------------------------------------------------------
     def read(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every row's tokens, ``[B, H, width, D]`` in ``dtype``: row ``b``'s slots ``[0, lengths[b])`` are exactly
@@ -306,4 +328,28 @@ class CodedRows:
         view[rows, :, slots] = self.tail[rows, :, columns].to(dtype)
 
 
-__all__ = ["CodedRows"]
+class SharedScratch:
+    """Reusable tensors a model's layers dequantize into, one at a time (a cache holds one of these).
+
+    :meth:`get` returns a ``[B, H, capacity, D]`` tensor for a ``name`` (``"keys"``, ``"values"``) with at least
+    ``slots`` slots; layers of the same shape share it, so only one layer's dequantized K/V exist at a time. What
+    a layer reads from it is valid until the next layer's read. Capacity grows by an eighth, at least 64 slots.
+    """
+
+    def __init__(self):
+        self._tensors: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, batch: int, heads: int, slots: int, dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (name, batch, heads, dim, dtype, str(device))
+        held = self._tensors.get(key)
+        if held is None or held.shape[2] < slots:
+            held = torch.empty(batch, heads, _grown_capacity(slots, 1), dim, dtype=dtype, device=device)
+            self._tensors[key] = held
+        return held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+__all__ = ["CodedRows", "SharedScratch"]

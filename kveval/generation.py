@@ -141,7 +141,7 @@ def check_request(model, prompts: list[Prompt], max_new_tokens: int, mode: str, 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack" = "none", max_new_tokens: int = 32,
              mode: str = "context", batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
-             kv_dtype: "str | torch.dtype | None" = None) -> list[GenerationResult]:
+             kv_dtype: "str | torch.dtype | None" = None, quantized_decode: str = "auto") -> list[GenerationResult]:
     """Greedy decoding of ``prompts`` with ``policy`` applied at prefill and during decoding.
 
     Parameters
@@ -165,13 +165,16 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
     kv_dtype : str or torch.dtype, optional
         The deployment's cache dtype (``"bfloat16"``, ``"float16"``, ``"float32"``): full-precision
         tokens are stored in it and ratios are stated against it. Default: the checkpoint's.
+    quantized_decode : {"auto", "buffer", "codes"}
+        How quantized layers decode (memory against speed; the results are the same): see
+        :class:`~kveval.cache.CompressedCache`.
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     policy = parse_policy(policy)
     results = []
     for first in range(0, len(prompts), batch_size):
         results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy, max_new_tokens, mode,
-                                   stop or [], seed + first, kv_dtype)
+                                   stop or [], seed + first, kv_dtype, quantized_decode)
     return results
 
 
@@ -242,9 +245,9 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     return results
 
 
-def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed, kv_dtype):
+def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed, kv_dtype, quantized_decode="auto"):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype)
+    cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype, quantized_decode=quantized_decode)
     started = time.perf_counter()
     last_logits, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)

@@ -45,7 +45,8 @@ def model():
     return tiny_llama()
 
 
-def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_dtype=None, batch_size=5, prompts=None):
+def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_dtype=None, batch_size=5, prompts=None,
+         codes=False):
     calls = []
     original = BufferedDecode.append
 
@@ -57,6 +58,8 @@ def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_d
         patch.setattr(BufferedDecode, "append", counted)
         if not batched:
             patch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
+        if codes:  # what "auto" does on CUDA: quantized layers decode from their codes
+            patch.setattr(CompressedCache, "decodes_from_codes", lambda self, device: True)
         model.generation_config.eos_token_id = eos
         results = generate(model, Tok(), prompts or _prompts(), spec, max_new_tokens=STEPS, batch_size=batch_size, mode=mode,
                            kv_dtype=kv_dtype)
@@ -64,22 +67,32 @@ def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_d
     return [fingerprint(r) for r in results], len(calls)
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_batched_decode_equals_row_by_row_decode(model, spec, monkeypatch):
-    batched, used = _run(model, spec, True, monkeypatch)
-    rows, unused = _run(model, spec, False, monkeypatch)
+def _assert_batched_equals_rows(model, spec, monkeypatch, codes=False, **kwargs):
+    """Generate ``spec`` batched (from codes, with ``codes``) and row by row: bit-identical, and batched really ran."""
+    batched, used = _run(model, spec, True, monkeypatch, codes=codes, **kwargs)
+    rows, unused = _run(model, spec, False, monkeypatch, **kwargs)
     assert used > 0 and unused == 0
     assert batched == rows
+    return batched
+
+
+def _eos_ending_some_rows(model, spec, monkeypatch) -> int:
+    """A token that at least 2 rows, but not all, generate in query mode: as EOS it ends rows at different steps."""
+    free, _ = _run(model, spec, True, monkeypatch, mode="query")
+    return next(t for t in sorted({t for row in free for t in row[1][2:]})
+                if 2 <= sum(t in row[1] for row in free) < len(free))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_batched_decode_equals_row_by_row_decode(model, spec, monkeypatch):
+    _assert_batched_equals_rows(model, spec, monkeypatch)
 
 
 @pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "quant(bits=4,group=8,residual=5)", "streaming(sink=2,window=20)"])
 def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
     """kv_dtype = compute dtype (a bf16 model on a GPU): dense rows' stores are views of the buffer, across its
     growth and the catch-ups; still equal to row-by-row decoding, and the bytes are those of the kept tokens."""
-    batched, used = _run(model, spec, True, monkeypatch, kv_dtype="float32")
-    rows, _ = _run(model, spec, False, monkeypatch, kv_dtype="float32")
-    assert used > 0
-    assert batched == rows
+    _assert_batched_equals_rows(model, spec, monkeypatch, kv_dtype="float32")
 
 
 @pytest.mark.parametrize("spec", ["quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)", "window(size=90)"])
@@ -88,22 +101,14 @@ def test_batch_size_one(model, spec, monkeypatch):
 
     ``window(size=90)`` keeps every prompt token (each prompt is shorter), so the cache lines up with the input
     columns until the first decode-time eviction, which must switch the layer to its own mask."""
-    batched, used = _run(model, spec, True, monkeypatch, batch_size=1)
-    rows, _ = _run(model, spec, False, monkeypatch, batch_size=1)
-    assert used > 0
-    assert batched == rows
+    _assert_batched_equals_rows(model, spec, monkeypatch, batch_size=1)
 
 
 def test_finished_rows_and_query_mode(model, monkeypatch):
     """An EOS that ends some rows early (they feed padding from then on), in query mode."""
-    free, _ = _run(model, "quant(bits=4,group=8,residual=5)", True, monkeypatch, mode="query")
-    eos = next(t for t in sorted({t for row in free for t in row[1][2:]})
-               if 2 <= sum(t in row[1] for row in free) < len(free))
-    batched, used = _run(model, "quant(bits=4,group=8,residual=5)", True, monkeypatch, mode="query", eos=eos)
-    rows, _ = _run(model, "quant(bits=4,group=8,residual=5)", False, monkeypatch, mode="query", eos=eos)
-    assert used > 0
+    spec = "quant(bits=4,group=8,residual=5)"
+    batched = _assert_batched_equals_rows(model, spec, monkeypatch, mode="query", eos=_eos_ending_some_rows(model, spec, monkeypatch))
     assert len({len(r[1]) for r in batched}) >= 2  # rows stopped at different steps
-    assert batched == rows
 
 
 def test_no_step_copies_the_cache(model):
@@ -135,10 +140,7 @@ def test_sliding_window_layers(gemma, spec, monkeypatch):
     at once: prompts longer and shorter than the window, so some rows start trimming only while decoding."""
     prompts = _prompts(n=4, seed=5)
     prompts[0] = Prompt(prompts[0].context[:10], prompts[0].question)
-    batched, used = _run(gemma, spec, True, monkeypatch, prompts=prompts, batch_size=4)
-    rows, _ = _run(gemma, spec, False, monkeypatch, prompts=prompts, batch_size=4)
-    assert used > 0
-    assert batched == rows
+    _assert_batched_equals_rows(gemma, spec, monkeypatch, prompts=prompts, batch_size=4)
 
 
 def test_sliding_layers_decode_in_batch(gemma):
@@ -153,3 +155,51 @@ def test_sliding_layers_decode_in_batch(gemma):
     assert sliding and all(layer._decode is not None and layer._decode.eviction is not None for layer in sliding)
     assert all(layer._buffer.width == 23 for layer in sliding)  # window - 1 tokens between forwards
     assert cache.stats().kept_tokens[0] == [23, 23]
+
+
+CODED_SPECS = ["quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
+               "fp8(group=16,residual=3)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)",
+               "h2o(ratio=0.5)+quant(bits=4,group=8)"]
+
+
+@pytest.mark.parametrize("spec", CODED_SPECS)
+def test_decoding_from_codes_equals_row_by_row_decode(model, spec, monkeypatch):
+    """Quantized layers held as codes and dequantized at every step (CUDA's default) answer as row by row."""
+    _assert_batched_equals_rows(model, spec, monkeypatch, codes=True)
+
+
+def test_decoding_from_codes_finished_rows_at_batch_one(model, monkeypatch):
+    """Codes with an EOS ending rows early (index writes) and with one row (slice writes)."""
+    spec = "kivi(bits=4,group=8,residual=4)"
+    for kwargs in ({"mode": "query", "eos": _eos_ending_some_rows(model, spec, monkeypatch)}, {"batch_size": 1}):
+        _assert_batched_equals_rows(model, spec, monkeypatch, codes=True, **kwargs)
+
+
+def test_codes_hold_the_cache_once(model):
+    """Held as codes, no layer keeps a dequantized copy: the layers' buffers hold positions only, the rows' codes
+    are views of the batch's, and the one shared scratch is the size of one layer's K/V."""
+    cache = CompressedCache(model, "quant(bits=4,group=8,residual=4)", quantized_decode="codes", kv_dtype="bfloat16")
+    batch, length = 3, 40
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(length).expand(batch, -1))
+        for step in range(20):
+            model(ids[:, :1], cache=cache, position_ids=torch.full((batch, 1), length + step))
+    layers = cache.attention_layers
+    assert all(layer._decode is not None and layer._decode.coded is not None for layer in layers)
+    assert all(layer._buffer.keys is None and layer._buffer.values is None for layer in layers)
+    one_layer = 2 * batch * model.config.num_key_value_heads * (length + 20) * cache.head_dim * 4  # K+V, float32
+    assert one_layer <= cache.scratch.nbytes <= 2 * one_layer  # grown by at most an eighth or 64 slots
+    coded = layers[0]._decode.coded[0]
+    row = layers[0].rows[1].store.k
+    assert row.block.data.untyped_storage().data_ptr() == coded.block.data.untyped_storage().data_ptr()
+    stats = cache.stats()
+    assert stats.kept_tokens[0] == [length + 20] * batch
+    assert sum(side.nbytes for layer in layers for side in layer._decode.coded) == stats.kv_bytes
+
+
+def test_quantized_decode_mode_is_checked(model):
+    with pytest.raises(ValueError, match="quantized_decode='fast' is not a mode; use one of auto, buffer, codes"):
+        CompressedCache(model, "quant(bits=8,group=16)", quantized_decode="fast")
+    cache = CompressedCache(model, "quant(bits=8,group=16)")
+    assert cache.decodes_from_codes("cuda") and not cache.decodes_from_codes("cpu")
