@@ -371,12 +371,18 @@ class CoefficientStore(TokenStore):
     ``keys_values()`` decodes them (:meth:`decode`), followed by any tokens not
     sealed yet. ``nbytes`` is the inner stores' bytes (plus unsealed tokens):
     the per-token coefficients only, never the per-model bases.
+
+    Incremental reads (:meth:`changed_from`): a token's decoded K/V depend on its
+    own coefficients alone, so once read they change only where an inner store
+    says its coefficients changed (a quantizer sealing its residual) or when the
+    token itself is sealed; a decode step re-decodes its new tokens, not the row.
     """
 
     def __init__(self, inners: list):
         self.inners = inners
         self.kv_dtype = getattr(inners[0], "kv_dtype", None)
         self.unsealed = DenseStore(self.kv_dtype)  # [H, T, D] tokens appended but not encoded yet
+        self._sealed_read = 0  # sealed tokens at the last mark_read: later ones were shown unsealed, or not at all
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[H, T, D]`` keys and values -> K and V coefficients for each inner store, in the inputs' dtype."""
@@ -419,7 +425,27 @@ class CoefficientStore(TokenStore):
             values = torch.cat([values, pending_values], dim=1)
         return keys, values
 
+    def changed_from(self) -> int:
+        return min([self._sealed_read] + [inner.changed_from() for inner in self.inners])
+
+    def mark_read(self) -> None:
+        self._sealed_read = self.inners[0].length
+        for inner in self.inners:
+            inner.mark_read()
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sealed = self.inners[0].length
+        if start >= sealed:
+            return self.unsealed.keys_values_from(start - sealed)
+        keys, values = self.decode([inner.keys_values_from(start) for inner in self.inners])
+        if self.unsealed.length:
+            pending_keys, pending_values = self.unsealed.keys_values()
+            keys = torch.cat([keys, pending_keys], dim=1)
+            values = torch.cat([values, pending_values], dim=1)
+        return keys, values
+
     def select(self, index: torch.Tensor) -> None:
+        self._sealed_read = 0
         if self.unsealed.length and self.inners[0].length:
             self.seal()  # mixed sealed and unsealed tokens (the cache never selects then): encode first
         if self.unsealed.length:

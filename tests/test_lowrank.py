@@ -250,3 +250,30 @@ def test_tokenize_for_loads_a_models_tokenizer_once(monkeypatch):
     model.kveval_name = "some-model"
     assert tokenize_for(model, "abc") == tokenize_for(model, "abc") == [ord(c) % 7 for c in "abc"]
     assert loads == ["some-model"]
+
+
+@pytest.mark.parametrize("spec", ["lowrank(k_rank=8,v_rank=4)", "lowrank(k_rank=8,v_rank=4)+quant(bits=4,group=4,residual=3)",
+                                  "latent(rank=8)"])
+def test_a_decode_step_decodes_its_new_tokens_only(spec, monkeypatch):
+    """Once read, a token's K/V are re-decoded only when its coefficients change (sealed, or quantized out of the
+    residual window): each step decodes its one new token, plus the ones a quantizer just sealed, never the row.
+    What attention reads still equals the store's own reconstruction of every token."""
+    from kveval.lowrank import CoefficientStore
+
+    decoded = []
+    original = CoefficientStore.keys_values_from
+
+    def counted(self, start):
+        keys, values = original(self, start)
+        decoded.append(keys.shape[1])
+        return keys, values
+
+    monkeypatch.setattr(CoefficientStore, "keys_values_from", counted)
+    model, context = tiny_llama(), random_ids(40, 5)
+    _, cache = context_then_steps(model, spec, context, random_ids(8, 6))
+    per_step = decoded[-len(cache.layers):]  # the last step, one read per layer
+    assert max(per_step) <= (4 if "quant" in spec else 1)  # 1 new token (+ 3 a quantizer sealed out of its residual)
+    for layer in cache.layers:
+        keys, values = layer.rows[0].store.keys_values()
+        assert torch.allclose(layer._buffer.keys[0, :, :keys.shape[1]], keys, atol=1e-5)
+        assert torch.allclose(layer._buffer.values[0, :, :values.shape[1]], values, atol=1e-5)
