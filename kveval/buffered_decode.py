@@ -147,6 +147,65 @@ class _BudgetEviction:
         return True
 
 
+class _HeadBudgetEviction:
+    """A decode budget fixed per KV head (DuoAttention: retrieval heads keep every token, streaming heads
+    ``sink + window``), kept for the whole batch at once.
+
+    Rows hold per-head stores (:class:`~kveval.head_stores.HeadwiseStore`): in the buffer, each head's tokens end
+    at its row's last slot, padding (an invisible position) before them. After each step's attention every row
+    holding more than ``decode_budget`` slots keeps, in each head, its best-scored tokens up to that head's budget
+    (its newest always), as :meth:`kveval.cache_layers.CompressedLayer._evict_to` and the policy's ``choose``
+    would for each row: one ``argsort`` ranks the slots, a stable ``argsort`` lines each head's kept tokens up
+    at its row's new last slot, and one gather per tensor moves them.
+    """
+
+    def __init__(self, selection, budgets: list[int | None], layer_idx: int, num_layers: int, model):
+        self.selection, self.decode_budget = selection, selection.decode_budget
+        self.budgets = budgets  # per head; None: every token
+        self.layer_idx, self.num_layers, self.model = layer_idx, num_layers, model
+
+    @staticmethod
+    def serves(selection) -> bool:
+        return selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
+
+    def apply(self, buffer: BatchBuffer) -> bool:
+        """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""
+        lengths, width = buffer.lengths, buffer.width
+        if not any(n > self.decode_budget for n in lengths):
+            return False
+        positions = buffer.positions[:, :, :width]
+        padding = positions == PAD_POSITION
+        attention = None if buffer.attention is None else buffer.attention[:, :, :width]
+        state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
+                             attention=attention, layer_idx=self.layer_idx, num_layers=self.num_layers, model=self.model)
+        scores = self.selection.scores(state).float().masked_fill(padding, float("-inf"))
+        device = scores.device
+        over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
+        newest = torch.tensor(lengths, device=device)[:, None, None] - 1
+        scores.scatter_(2, newest.clamp(min=0).expand(-1, scores.shape[1], 1), float("inf"))  # never evicted
+        budgets = torch.tensor([width if b is None else b for b in self.budgets], device=device)[None, :, None]
+        rank = scores.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
+        kept = ~padding & ((rank < budgets) | ~over)  # rows within the decode budget keep everything
+        counts = kept.sum(dim=2)  # [B, H]
+        new_lengths = counts.max(dim=1).values.tolist()
+        new_width = max(new_lengths)
+        order = torch.argsort(kept.to(torch.int8), dim=2, stable=True)  # dropped first, kept last, each in slot order
+        # Slot t of row b takes order[t + width - new_lengths[b]]: each head's kept tokens end at its row's last slot.
+        shift = width - torch.tensor(new_lengths, device=device)[:, None, None]
+        source = torch.arange(new_width, device=device)[None, None, :] + shift  # [B, 1, new_width]
+        real = (source >= width - counts[..., None]) & (source < width)  # [B, H, new_width]
+        index = order.gather(2, source.clamp(max=width - 1).expand(-1, order.shape[1], -1))
+        for held in (buffer.keys, buffer.values):
+            moved = held[:, :, :width].gather(2, index[..., None].expand(-1, -1, -1, held.shape[3]))
+            held[:, :, :new_width] = moved.masked_fill(~real[..., None], 0)
+        for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
+            if held is not None:
+                held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill(~real, fill)
+                held[:, :, new_width:width] = fill
+        buffer.lengths, buffer.width = new_lengths, new_width
+        return True
+
+
 class BufferedDecode:
     """Batched decode steps for one layer whose rows are all dense or all plain quantized stores (see module doc).
 
@@ -156,7 +215,7 @@ class BufferedDecode:
         The cache dtype the rows' stores hold.
     keys, values : _Residual or None
         The quantizers' residual windows (quantized rows), else ``None``.
-    eviction : _BudgetEviction or None
+    eviction : _BudgetEviction, _HeadBudgetEviction or None
         A decode budget (dense rows only), kept after each step's attention.
     accumulates : str or None
         ``"all"`` (H2O: attention summed over every query) or ``"last"`` (TOVA: the newest query's), when the
@@ -168,7 +227,7 @@ class BufferedDecode:
     """
 
     def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None = None, values: _Residual | None = None,
-                 eviction: _BudgetEviction | None = None, accumulates: str | None = None,
+                 eviction: "_BudgetEviction | _HeadBudgetEviction | None" = None, accumulates: str | None = None,
                  coded: "tuple[CodedRows, CodedRows] | None" = None):
         self.kv_dtype = kv_dtype
         self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
@@ -185,7 +244,8 @@ class BufferedDecode:
         budget, a sliding window) needs dense stores and, for a budget, scores that take a batch
         (:attr:`SelectionPolicy.batch_scores`)."""
         if type(store) is HeadwiseStore:
-            return sliding_window is None and (selection is None or selection.decode_budget is None)
+            return sliding_window is None and (selection is None or selection.decode_budget is None
+                                               or _HeadBudgetEviction.serves(selection))
         if type(store) not in (DenseStore, QuantizedStore):
             return False
         if sliding_window is not None:
@@ -210,6 +270,13 @@ class BufferedDecode:
                        for row in rows):
                 return None
             return cls(kv_dtype, eviction=_BudgetEviction.of_window(sliding_window))
+        if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
+            budgets = selection.head_decode_budgets(model, layer_idx, num_layers, rows[0].positions.shape[0])
+            if budgets is None or not all(type(s) is HeadwiseStore and all(type(h) is DenseStore for h in s.heads)
+                                          for s in stores):
+                return None
+            eviction = _HeadBudgetEviction(selection, budgets, layer_idx, num_layers, model)
+            return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if selection is not None and selection.decode_budget is not None:
             eviction = _BudgetEviction(selection.decode_budget, selection.scores, layer_idx, num_layers, model)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
@@ -312,7 +379,11 @@ class BufferedDecode:
             self.pending = []
             for b, row in enumerate(rows):
                 n = buffer.lengths[b]
-                row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n])
+                if type(row.store) is HeadwiseStore:  # each head its real (last) slots
+                    heads = (buffer.positions[b, :, :n] != PAD_POSITION).sum(dim=1).tolist()
+                    row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n], heads)
+                else:
+                    row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n])
                 row.store.mark_read()
                 row.positions = buffer.positions[b, :, :n].clone()
                 row.tokens_seen += counts[b]

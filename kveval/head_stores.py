@@ -66,6 +66,13 @@ class HeadwiseStore(TokenStore):
     def select(self, index: torch.Tensor) -> None:
         self.select_heads(list(index))
 
+    def load(self, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> None:
+        """Hold exactly, in head ``h``, the last ``lengths[h]`` slots of ``keys[h]``/``values[h]`` (``[H, slots, D]``,
+        the padded layout :meth:`keys_values` shows); every head's inner store must be dense (it has ``load``)."""
+        slots = keys.shape[1]
+        for h, (inner, n) in enumerate(zip(self.heads, lengths)):
+            inner.load(keys[h:h + 1, slots - n:], values[h:h + 1, slots - n:])
+
     def select_heads(self, index: list[torch.Tensor]) -> None:
         """Keep, in head ``h``, the slots ``index[h]`` (increasing; the heads' counts may differ)."""
         slots = self.length

@@ -203,3 +203,12 @@ def test_quantized_decode_mode_is_checked(model):
         CompressedCache(model, "quant(bits=8,group=16)", quantized_decode="fast")
     cache = CompressedCache(model, "quant(bits=8,group=16)")
     assert cache.decodes_from_codes("cuda") and not cache.decodes_from_codes("cpu")
+
+
+@pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("spec", ["duo(heads=0.5,sink=2,window=20)", "duo(heads=0.5,sink=2,ratio=0.5)",
+                                  "duo(heads=0,sink=2,window=20)"])
+def test_duo_head_budgets(model, spec, monkeypatch):
+    """DuoAttention-style budgets, fixed per head while decoding (retrieval heads keep every token, streaming heads
+    sink + window): the heads of a row hold different counts, evicted for the batch at once."""
+    _assert_batched_equals_rows(model, spec, monkeypatch)

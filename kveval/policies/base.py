@@ -110,6 +110,13 @@ class SelectionPolicy(Policy):
         """Whether KV heads of one layer may keep different numbers of tokens (the cache then stores each head apart)."""
         return False
 
+    def head_decode_budgets(self, model, layer_idx: int, num_layers: int, kv_heads: int) -> "list[int | None] | None":
+        """With :attr:`per_head_budgets` and a ``decode_budget``: the tokens each KV head of layer ``layer_idx``
+        keeps while decoding, when that is a fixed count per head (``None`` for a head that keeps every token)
+        and :meth:`choose` keeps each head's best-scored tokens up to it. ``None`` (the default) when the
+        counts depend on the scores (AdaKV's shared budget): the cache then decodes such rows one by one."""
+        return None
+
     def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState") -> "torch.Tensor | list[torch.Tensor]":
         """Which tokens each KV head keeps, given ``scores`` (``[kv_heads, n]``, ``-inf`` on padding slots).
 

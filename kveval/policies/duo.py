@@ -96,6 +96,13 @@ class DuoPolicy(SinkWindowPolicy):
                 chosen.append(scores[h].topk(count).indices.sort().values)
         return chosen
 
+    def head_decode_budgets(self, model, layer_idx: int, num_layers: int, kv_heads: int) -> list[int | None] | None:
+        """Retrieval heads keep every token; streaming heads ``sink + window`` (what :meth:`choose` keeps)."""
+        if self.decode_budget is None:
+            return None
+        retrieval = self.retrieval_mask(model, num_layers, kv_heads)[layer_idx]
+        return [None if bool(r) else self.decode_budget for r in retrieval]
+
     def retrieval_mask(self, model, num_layers: int, kv_heads: int) -> torch.Tensor:
         """``[layers, kv_heads]`` bool: which heads keep every token (calibrated once per model)."""
         if self.heads in (0, 1):  # nothing to rank
