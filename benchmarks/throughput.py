@@ -62,7 +62,9 @@ def _decode_mode(spec: str) -> tuple[str, str]:
 
 
 def _held_bytes(cache) -> dict[str, int]:
-    """What ``cache`` holds beside the rows' stores: batch buffers, batched codes and the shared scratch (bytes)."""
+    """What ``cache`` holds beside the rows' measured stores (bytes): the batch buffers' K/V (less the rows' tokens
+    that are views of them), their positions and scores, the batched codes (less the rows' codes, views of them)
+    and the scratch the layers share."""
     def size(t) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
@@ -72,8 +74,12 @@ def _held_bytes(cache) -> dict[str, int]:
         if buffer is not None:
             held["buffers K/V"] += size(buffer.keys) + size(buffer.values)
             held["buffers positions+scores"] += size(buffer.positions) + size(buffer.attention)
+            if buffer.keys is not None:  # dense rows whose stores are views of the buffer (kv_dtype = compute dtype)
+                shared = buffer.keys.untyped_storage().data_ptr()
+                held["buffers K/V"] -= sum(row.store.nbytes for row in layer.rows if getattr(row.store, "keys", None) is not None
+                                           and row.store.keys.untyped_storage().data_ptr() == shared)
         if decode is not None and decode.coded is not None:
-            held["batched codes"] += sum(side.held_bytes for side in decode.coded)
+            held["batched codes"] += sum(side.held_bytes - side.sealed_bytes for side in decode.coded)
     return held
 
 

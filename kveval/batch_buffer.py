@@ -75,20 +75,26 @@ class BatchBuffer:
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` slots per row (copying what is held once, into a larger tensor)."""
-        if slots <= self.capacity:
-            return
-        size = slots + max(_MIN_GROWTH, slots // 8)
+        if slots > self.capacity:
+            self._resize(slots + max(_MIN_GROWTH, slots // 8))
 
-        def grown(old: torch.Tensor, fill) -> torch.Tensor:
+    def fit(self) -> None:
+        """Give back room the rows no longer need (over twice what they hold, and over twice the minimum growth)
+        after an eviction shrank them: one copy into a smaller tensor."""
+        if self.capacity > 2 * max(_MIN_GROWTH, self.width):
+            self._resize(self.width + max(_MIN_GROWTH, self.width // 8))
+
+    def _resize(self, size: int) -> None:
+        """Reallocate every tensor with ``size`` slots, keeping the first :attr:`width`."""
+        def resized(old: torch.Tensor | None, fill) -> torch.Tensor | None:
+            if old is None:
+                return None
             new = old.new_full((*old.shape[:2], size, *old.shape[3:]), fill)
             new[:, :, :self.width] = old[:, :, :self.width]
             return new
 
-        if self.keys is not None:
-            self.keys, self.values = grown(self.keys, 0), grown(self.values, 0)
-        self.positions = grown(self.positions, PAD_POSITION)
-        if self.attention is not None:
-            self.attention = grown(self.attention, 0)
+        self.keys, self.values = resized(self.keys, 0), resized(self.values, 0)
+        self.positions, self.attention = resized(self.positions, PAD_POSITION), resized(self.attention, 0)
         self.grown = True
 
     def write_row(self, b: int, start: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:

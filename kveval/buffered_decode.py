@@ -144,6 +144,7 @@ class _BudgetEviction:
                 held[:, :, self.budget:width] = fill
         buffer.lengths = [min(n, self.budget) for n in buffer.lengths]
         buffer.width = max(buffer.lengths)
+        buffer.fit()
         return True
 
 
@@ -203,6 +204,7 @@ class _HeadBudgetEviction:
                 held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill(~real, fill)
                 held[:, :, new_width:width] = fill
         buffer.lengths, buffer.width = new_lengths, new_width
+        buffer.fit()
         return True
 
 

@@ -158,8 +158,12 @@ class CodedRows:
     @property
     def nbytes(self) -> int:
         """Bytes of the rows' real units and tail tokens: the sum of their ``QuantizedSequence.nbytes``."""
-        sealed = 0 if self.block is None else sum(self.units) * self.heads * self._unit_bytes()
-        return sealed + sum(self.tails) * self.heads * self.dim * self.tail.element_size()
+        return self.sealed_bytes + sum(self.tails) * self.heads * self.dim * self.tail.element_size()
+
+    @property
+    def sealed_bytes(self) -> int:
+        """Bytes of the rows' real units (codes, scales, zero points): what the rows' stores hold as views."""
+        return 0 if self.block is None else sum(self.units) * self.heads * self._unit_bytes()
 
     @property
     def held_bytes(self) -> int:

@@ -212,3 +212,18 @@ def test_duo_head_budgets(model, spec, monkeypatch):
     """DuoAttention-style budgets, fixed per head while decoding (retrieval heads keep every token, streaming heads
     sink + window): the heads of a row hold different counts, evicted for the batch at once."""
     _assert_batched_equals_rows(model, spec, monkeypatch)
+
+
+@pytest.mark.parametrize("spec, kept", [("snapkv(ratio=0.75)", 56), ("h2o(ratio=0.5,decode_budget=60)", 60), ("none", 206)])
+def test_compression_frees_the_buffer_room(model, spec, kept):
+    """Once the rows hold far fewer tokens than the prefill (selection, a decode budget), the buffer attention reads
+    is rebuilt to fit them: its room is not the prefill's for the rest of the decode."""
+    cache = CompressedCache(model, spec)
+    ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(200).expand(2, -1))
+        for step in range(6):
+            model(ids[:, :1], cache=cache, position_ids=torch.full((2, 1), 200 + step))
+    for layer in cache.attention_layers:
+        assert layer._buffer.width == kept
+        assert layer._buffer.capacity <= 2 * max(64, kept)
