@@ -20,7 +20,10 @@ Layout
   rarely (amortised constant per token). Row ``b``'s units are its first
   ``units[b]``; later units are padding, never read as tokens.
 * Tail: ``[B, H, tail capacity, D]`` in ``kv_dtype``, row ``b``'s full-precision
-  tokens left-aligned in its first ``tails[b]`` slots.
+  tokens in slots ``[starts[b], starts[b] + tails[b])``. New tokens go after them and sealing advances
+  ``starts[b]``, so no step moves held tokens and the rows' stores can hold views of their tails; when a row's
+  tail reaches the end of the room, every tail moves back to slot 0 (or into a larger tensor) at once and
+  :attr:`~CodedRows.grown` is set, so views are taken again.
 
 Row ``b`` holds ``units[b] * unit + tails[b]`` tokens: its sealed tokens, then its tail,
 in order, exactly as its ``QuantizedSequence`` would after the same appends and seals.
@@ -93,7 +96,8 @@ class CodedRows:
         self.tail = torch.zeros(batch, heads, 0, dim, dtype=kv_dtype, device=device)
         self.units = [0] * batch  # sealed units of each row
         self.tails = [0] * batch  # tail slots of each row
-        self.grown = False  # set when the block was reallocated (views of the old one no longer alias it)
+        self.starts = [0] * batch  # first tail slot of each row
+        self.grown = False  # set when the block or tail moved (views of the old tensors no longer alias them)
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -122,7 +126,7 @@ class CodedRows:
             raise UsageError("CodedRows.from_sequences: the rows name no kv_dtype and hold no tail to read it from")
         rows = cls(first.quant, first.residual, kv_dtype, len(sequences), heads, dim, device)
         units = [0 if s.block is None else s.block.units for s in sequences]
-        rows._reserve_tail(max(s.tail_slots for s in sequences))
+        rows._make_tail_room([s.tail_slots for s in sequences])
         blocks = [s.block for s in sequences if s.block is not None]
         if blocks:
             rows._allocate(blocks[0])
@@ -194,11 +198,30 @@ class CodedRows:
                              shape=(b.shape[0], capacity * self.unit, b.shape[2]))
         self.grown = True
 
-    def _reserve_tail(self, slots: int) -> None:
-        """Room for ``slots`` tail slots per row."""
-        if slots <= self.tail.shape[2]:
+    def _make_tail_room(self, counts: list[int]) -> None:
+        """Room for ``counts[b]`` more tail slots after each row's tail: when a row's would pass the end, every tail
+        moves to slot 0 of a tensor with room for them (the same one, or a larger one), and views must be retaken."""
+        if all(s + t + c <= self.tail.shape[2] for s, t, c in zip(self.starts, self.tails, counts)):
             return
-        self.tail = _with_capacity(self.tail, 2, _grown_capacity(slots, 1), max(self.tails, default=0))
+        needed = max(t + c for t, c in zip(self.tails, counts))
+        capacity = max(self.tail.shape[2], _grown_capacity(needed, 1))
+        tail = self.tail.new_zeros(self.batch, self.heads, capacity, self.dim)
+        longest = max(self.tails)
+        if longest:
+            tail[:, :, :longest] = self._tail_slots(longest)
+        self.tail, self.starts, self.grown = tail, [0] * self.batch, True
+
+    def _tail_slots(self, count: int, rows: list[int] | None = None) -> torch.Tensor:
+        """``[len(rows), H, count, D]``: each row's first ``count`` tail slots (slots past its tail: any values)."""
+        rows = list(range(self.batch)) if rows is None else rows
+        starts = [self.starts[b] for b in rows]
+        if len(set(starts)) == 1 and starts[0] + count <= self.tail.shape[2]:
+            held = self.tail[:, :, starts[0]:starts[0] + count]
+            return held if len(rows) == self.batch else held[torch.tensor(rows, device=held.device)]
+        device = self.tail.device
+        source = (torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)).clamp(max=self.tail.shape[2] - 1)
+        index = source[:, None, :, None].expand(-1, self.heads, -1, self.dim)
+        return self.tail[torch.tensor(rows, device=device)].gather(2, index)
 
     # --- decode step ------------------------------------------------------------------------
     def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int]) -> None:
@@ -208,20 +231,20 @@ class CodedRows:
         dropped, e.g. a row that has finished); ``counts`` its row sums, known to the caller without a device sync.
         """
         q = x.shape[2]
-        self._reserve_tail(max(t + c for t, c in zip(self.tails, counts)))
-        start = self.tails[0]
-        if all(c == q for c in counts) and all(t == start for t in self.tails):  # one slice write for every row
-            self.tail[:, :, start:start + q] = x
+        self._make_tail_room(counts)
+        ends = [s + t for s, t in zip(self.starts, self.tails)]
+        if all(c == q for c in counts) and len(set(ends)) == 1:  # one slice write for every row
+            self.tail[:, :, ends[0]:ends[0] + q] = x
         else:
-            tails = torch.tensor(self.tails, device=x.device)
-            slot = tails[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
+            ends = torch.tensor(ends, device=x.device)
+            slot = ends[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
             rows, columns = real.nonzero(as_tuple=True)
             self.tail[rows, :, slot[rows, columns]] = x[rows, :, columns]
         self.tails = [t + c for t, c in zip(self.tails, counts)]
         self._seal()
 
     def _seal(self) -> None:
-        """Encode each row's aged tail slots into its next units and shift its tail left (the rule of
+        """Encode each row's aged tail slots into its next units and start its tail after them (the rule of
         :meth:`QuantizedSequence.seal`: the oldest ``(tail - residual) // unit * unit`` slots)."""
         aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
         if not any(aged):
@@ -229,8 +252,7 @@ class CodedRows:
         encoded = []
         for count in sorted(set(aged) - {0}):  # usually one value: every row ages the same tokens at once
             rows = [b for b, a in enumerate(aged) if a == count]
-            everyone = len(rows) == self.batch
-            tokens = self.tail[:, :, :count] if everyone else self.tail[torch.tensor(rows, device=self.tail.device), :, :count]
+            tokens = self._tail_slots(count, rows)
             encoded.append((rows, encode(self.quant, tokens.reshape(len(rows) * self.heads, count, self.dim))))
         units = [u + a // self.unit for u, a in zip(self.units, aged)]
         if self.block is None:
@@ -238,7 +260,7 @@ class CodedRows:
         self._reserve_units(max(units))  # before any write: growth copies only the units held so far
         for rows, new in encoded:
             self._write_units(rows, new)
-        self._shift_tails(aged)
+        self.starts = [s + a for s, a in zip(self.starts, aged)]
         self.units = units
         self.tails = [t - a for t, a in zip(self.tails, aged)]
 
@@ -256,19 +278,6 @@ class CodedRows:
                 slots = torch.tensor(firsts, device=held.device)[:, None] + torch.arange(n, device=held.device)
                 held[index, :, slots] = part.transpose(1, 2)  # advanced indices first: [rows, n, H, ...]
 
-    def _shift_tails(self, aged: list[int]) -> None:
-        """Drop the first ``aged[b]`` tail slots of each row, moving the rest to the front."""
-        width = max(self.tails)
-        if len(set(aged)) == 1:
-            a = aged[0]
-            self.tail[:, :, :width - a] = self.tail[:, :, a:width].clone()  # overlapping ranges: copy first
-            return
-        device = self.tail.device
-        source = torch.tensor(aged, device=device)[:, None] + torch.arange(width, device=device)  # [B, width]
-        source = source.clamp(max=self.tail.shape[2] - 1)  # slots past a row's tail: padding, any value
-        index = source[:, None, :, None].expand(-1, self.heads, -1, self.dim)
-        self.tail[:, :, :width] = self.tail.gather(2, index)
-
     # --- one row, as its QuantizedSequence holds it -----------------------------------------------
     def row_block(self, b: int) -> QuantizedBlock | None:
         """Row ``b``'s sealed units, ``[H, units, ...]``: views of the batch's block (no copy), ``None`` if none."""
@@ -285,9 +294,9 @@ class CodedRows:
                        shape=(self.heads, units * self.unit, self.dim))
 
     def row_tail(self, b: int) -> torch.Tensor:
-        """Row ``b``'s full-precision tail, ``[H, tails[b], D]`` in ``kv_dtype``: a copy (later steps shift the batch's
-        tails in place), at most ``residual + unit`` tokens."""
-        return self.tail[b, :, :self.tails[b]].clone()
+        """Row ``b``'s full-precision tail, ``[H, tails[b], D]`` in ``kv_dtype``: a view (held tokens never move
+        until :attr:`grown` says so)."""
+        return self.tail[b, :, self.starts[b]:self.starts[b] + self.tails[b]]
 
     # --- read -------------------------------------------------------------------------------
     def read(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -322,14 +331,15 @@ class CodedRows:
         if not longest:
             return
         firsts = [u * self.unit for u in self.units]
-        if len(set(firsts)) == 1:  # every tail starts at the same slot: one slice (a shorter tail's spare slots are padding)
-            view[:, :, firsts[0]:firsts[0] + longest] = self.tail[:, :, :longest].to(dtype)
+        if len(set(firsts)) == 1:  # every tail goes to the same slot: one write (a shorter tail's spare slots are padding)
+            view[:, :, firsts[0]:firsts[0] + longest] = self._tail_slots(longest).to(dtype)
             return
         tails = torch.tensor(self.tails)  # index maths on the CPU from known lengths: no device sync
         rows, columns = (torch.arange(longest) < tails[:, None]).nonzero(as_tuple=True)
         slots = torch.tensor(firsts)[rows] + columns
-        rows, columns, slots = (t.to(view.device) for t in (rows, columns, slots))
-        view[rows, :, slots] = self.tail[rows, :, columns].to(dtype)
+        sources = torch.tensor(self.starts)[rows] + columns
+        rows, slots, sources = (t.to(view.device) for t in (rows, slots, sources))
+        view[rows, :, slots] = self.tail[rows, :, sources].to(dtype)
 
 
 class SharedScratch:

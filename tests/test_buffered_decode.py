@@ -177,7 +177,7 @@ def test_decoding_from_codes_finished_rows_at_batch_one(model, monkeypatch):
 
 def test_codes_hold_the_cache_once(model):
     """Held as codes, no layer keeps a dequantized copy: the layers' buffers hold positions only, the rows' codes
-    are views of the batch's, and the one shared scratch is the size of one layer's K/V."""
+    and full-precision residuals are views of the batch's, and the one shared scratch is the size of one layer's K/V."""
     cache = CompressedCache(model, "quant(bits=4,group=8,residual=4)", quantized_decode="codes", kv_dtype="bfloat16")
     batch, length = 3, 40
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(2))
@@ -193,6 +193,7 @@ def test_codes_hold_the_cache_once(model):
     coded = layers[0]._decode.coded[0]
     row = layers[0].rows[1].store.k
     assert row.block.data.untyped_storage().data_ptr() == coded.block.data.untyped_storage().data_ptr()
+    assert row.tail.untyped_storage().data_ptr() == coded.tail.untyped_storage().data_ptr()  # the residual too
     stats = cache.stats()
     assert stats.kept_tokens[0] == [length + 20] * batch
     assert sum(side.nbytes for layer in layers for side in layer._decode.coded) == stats.kv_bytes
