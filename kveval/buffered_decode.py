@@ -90,6 +90,21 @@ class _Residual:
         return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
 
 
+def _scored(buffer: BatchBuffer, scores, layer_idx: int, num_layers: int, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's ``scores`` of every slot of ``buffer`` (``[B, H, width]`` float32: ``-inf`` on padding, ``+inf`` on
+    each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row."""
+    width = buffer.width
+    positions = buffer.positions[:, :, :width]
+    padding = positions == PAD_POSITION
+    attention = None if buffer.attention is None else buffer.attention[:, :, :width]
+    state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
+                         attention=attention, layer_idx=layer_idx, num_layers=num_layers, model=model)
+    scored = scores(state).float().masked_fill(padding, float("-inf"))
+    newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
+    scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
+    return scored, padding
+
+
 class _BudgetEviction:
     """A decode budget kept for the whole batch at once.
 
@@ -126,14 +141,7 @@ class _BudgetEviction:
         width = buffer.width
         if width <= self.budget:
             return False
-        positions = buffer.positions[:, :, :width]
-        padding = positions == PAD_POSITION
-        attention = None if buffer.attention is None else buffer.attention[:, :, :width]
-        state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
-                             attention=attention, layer_idx=self.layer_idx, num_layers=self.num_layers, model=self.model)
-        scores = self.scores(state).float().masked_fill(padding, float("-inf"))
-        newest = torch.tensor(buffer.lengths, device=scores.device)[:, None, None] - 1
-        scores.scatter_(2, newest.clamp(min=0).expand(-1, scores.shape[1], 1), float("inf"))  # never evicted
+        scores, _ = _scored(buffer, self.scores, self.layer_idx, self.num_layers, self.model)
         keep = scores.topk(self.budget, dim=2).indices.sort(dim=2).values  # [B, H, budget]
         for held in (buffer.keys, buffer.values):
             index = keep[..., None].expand(-1, -1, -1, held.shape[3])
@@ -174,16 +182,9 @@ class _HeadBudgetEviction:
         lengths, width = buffer.lengths, buffer.width
         if not any(n > self.decode_budget for n in lengths):
             return False
-        positions = buffer.positions[:, :, :width]
-        padding = positions == PAD_POSITION
-        attention = None if buffer.attention is None else buffer.attention[:, :, :width]
-        state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
-                             attention=attention, layer_idx=self.layer_idx, num_layers=self.num_layers, model=self.model)
-        scores = self.selection.scores(state).float().masked_fill(padding, float("-inf"))
+        scores, padding = _scored(buffer, self.selection.scores, self.layer_idx, self.num_layers, self.model)
         device = scores.device
         over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
-        newest = torch.tensor(lengths, device=device)[:, None, None] - 1
-        scores.scatter_(2, newest.clamp(min=0).expand(-1, scores.shape[1], 1), float("inf"))  # never evicted
         budgets = torch.tensor([width if b is None else b for b in self.budgets], device=device)[None, :, None]
         rank = scores.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
         kept = ~padding & ((rank < budgets) | ~over)  # rows within the decode budget keep everything
