@@ -63,8 +63,8 @@ def _decode_mode(spec: str) -> tuple[str, str]:
 
 def _held_bytes(cache) -> dict[str, int]:
     """What ``cache`` holds beside the rows' measured stores (bytes): the batch buffers' K/V (less the rows' tokens
-    that are views of them), their positions and scores, the batched codes (less the rows' codes, views of them)
-    and the scratch the layers share."""
+    that are views of them), their positions and scores, the batched codes (less the rows' codes and residual
+    tails, views of them: what remains is room to grow) and the scratch the layers share."""
     def size(t) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
@@ -79,7 +79,7 @@ def _held_bytes(cache) -> dict[str, int]:
                 held["buffers K/V"] -= sum(row.store.nbytes for row in layer.rows if getattr(row.store, "keys", None) is not None
                                            and row.store.keys.untyped_storage().data_ptr() == shared)
         if decode is not None and decode.coded is not None:
-            held["batched codes"] += sum(side.held_bytes - side.sealed_bytes for side in decode.coded)
+            held["batched codes"] += sum(side.held_bytes - side.nbytes for side in decode.coded)  # its room
     return held
 
 
