@@ -78,10 +78,15 @@ class BatchBuffer:
         if slots > self.capacity:
             self._resize(slots + max(_MIN_GROWTH, slots // 8))
 
+    def oversized(self, slots: int) -> bool:
+        """Whether the room is over twice ``slots`` (the most any row holds) and over twice the minimum growth:
+        worth giving back once compression or an eviction shrank the rows."""
+        return self.capacity > 2 * max(_MIN_GROWTH, slots)
+
     def fit(self) -> None:
-        """Give back room the rows no longer need (over twice what they hold, and over twice the minimum growth)
-        after an eviction shrank them: one copy into a smaller tensor."""
-        if self.capacity > 2 * max(_MIN_GROWTH, self.width):
+        """Give back room the rows no longer need (:meth:`oversized`) after an eviction shrank them: one copy into
+        a smaller tensor."""
+        if self.oversized(self.width):
             self._resize(self.width + max(_MIN_GROWTH, self.width // 8))
 
     def _resize(self, size: int) -> None:

@@ -19,9 +19,10 @@ over rows or heads:
   layer (Gemma 3's local layers) keeps its tokens by one ``topk`` of the
   policy's own scores and one in-place gather (:class:`_BudgetEviction`).
 
-What still goes row by row: budgets that differ per head while decoding (DuoAttention, AdaKV with a decode
-budget), the ``random`` control's decode budget (seeded per row), low-rank, latent and KVQuant stores, and
-quantized sliding layers (a trim splits quantization units). Each is checked once per refresh
+Per-head budgets fixed per head (DuoAttention) are kept by :class:`_HeadBudgetEviction`. What still goes row
+by row: budgets whose per-head counts depend on the scores (AdaKV with a decode budget), the ``random``
+control's decode budget (seeded per row), low-rank, latent and KVQuant stores, and quantized sliding or
+per-head layers (a trim splits quantization units). Each is checked once per refresh
 (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
@@ -88,6 +89,11 @@ class _Residual:
         rows, heads, count, dim = tokens.shape
         flat = tokens.reshape(rows * heads, count, dim).to(kv_dtype)
         return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
+
+
+def _dense(store) -> bool:
+    """A dense store, or per-head stores whose every head is dense (what a batched append or eviction may load)."""
+    return type(store) is DenseStore or (type(store) is HeadwiseStore and all(type(h) is DenseStore for h in store.heads))
 
 
 def _scored(buffer: BatchBuffer, scores, layer_idx: int, num_layers: int, model) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,16 +281,14 @@ class BufferedDecode:
             return cls(kv_dtype, eviction=_BudgetEviction.of_window(sliding_window))
         if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
             budgets = selection.head_decode_budgets(model, layer_idx, num_layers, rows[0].positions.shape[0])
-            if budgets is None or not all(type(s) is HeadwiseStore and all(type(h) is DenseStore for h in s.heads)
-                                          for s in stores):
+            if budgets is None or not all(type(s) is HeadwiseStore and _dense(s) for s in stores):
                 return None
             eviction = _HeadBudgetEviction(selection, budgets, layer_idx, num_layers, model)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if selection is not None and selection.decode_budget is not None:
             eviction = _BudgetEviction(selection.decode_budget, selection.scores, layer_idx, num_layers, model)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
-        if all(type(s) is DenseStore or (type(s) is HeadwiseStore and all(type(h) is DenseStore for h in s.heads))
-               for s in stores):
+        if all(_dense(s) for s in stores):
             return cls(kv_dtype, accumulates=accumulates)
         if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
                and s.v.alive is None and s.v.tail_alive is None for s in stores):
@@ -349,7 +353,7 @@ class BufferedDecode:
         return len(self.pending) >= CATCH_UP_STEPS or (self.coded is not None and any(side.grown for side in self.coded))
 
     def _point_rows(self, rows) -> None:
-        """Every row's store holds views of its codes in the batch (and a copy of its short tail)."""
+        """Every row's store holds views of its codes and of its full-precision tail in the batch."""
         for b, row in enumerate(rows):
             for sequence, side in ((row.store.k, self.coded[0]), (row.store.v, self.coded[1])):
                 sequence.block, sequence.tail = side.row_block(b), side.row_tail(b)

@@ -25,7 +25,6 @@ from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.storage import DenseStore
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
-_MIN_ROOM = 64  # a batch buffer is rebuilt smaller once its room exceeds twice this, and twice what its rows hold
 
 
 @dataclass
@@ -165,7 +164,7 @@ class CompressedLayer(CacheLayerMixin):
         rows = self._rows
         if self._buffer is not None and not self._buffer.holds_values:  # it held codes' positions only: rebuild
             self._buffer = None
-        if self._buffer is not None and self._buffer.capacity > 2 * max(_MIN_ROOM, max(r.store.length for r in rows)):
+        if self._buffer is not None and self._buffer.oversized(max(r.store.length for r in rows)):
             self._buffer = None  # the rows now hold far fewer tokens (compressed, evicted): free the room, once
         if self._buffer is None:
             keys, values = next(((k, v) for k, v in (r.store.keys_values() for r in rows) if k is not None), (None, None))
