@@ -25,8 +25,8 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    ``--mixed-lengths`` draws prompts of 4 lengths (``--length`` down to 5/8 of
    it), so batches are left-padded.
 2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
-   for each ``--policy`` (default one per family, plus H2O and TOVA scored at
-   every step under a decode budget), as ratios to ``none``. A spec ending in
+   for each ``--policy`` (default one per family, plus H2O, TOVA, AdaKV and the
+   random control under a decode budget, evicting at every step), as ratios to ``none``. A spec ending in
    `` [codes]`` runs a quantized policy with its layers held as codes and
    dequantized at every step (``quantized_decode="codes"``, the default on CUDA);
    the others run as the device's ``auto`` does.
@@ -51,7 +51,8 @@ import statistics
 import time
 
 DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5,decode_budget=128)",
-                    "tova(ratio=0.5,decode_budget=128)", "kivi(bits=4)", "kivi(bits=4) [codes]", "quant(bits=8)",
+                    "tova(ratio=0.5,decode_budget=128)", "h2o(ratio=0.5,adaptive=true,decode_budget=128)",
+                    "random(ratio=0.5,decode_budget=128)", "kivi(bits=4)", "kivi(bits=4) [codes]", "quant(bits=8)",
                     "quant(bits=8) [codes]", "fp8", "lowrank(rank=32)"]
 CODES = " [codes]"
 

@@ -218,12 +218,10 @@ class AttentionKernel(Protocol):
         """``allowed``: boolean ``[B, 1 or heads, q, k]`` (True = visible), or ``None`` for right-aligned causal."""
 
     def probabilities(self, module, query, key, allowed: torch.Tensor, scaling: float, kwargs: dict) -> torch.Tensor:
-        """Attention probabilities ``[B, query_heads, q, k]`` (float32) the model gives each key."""
+        """Attention probabilities ``[B, query_heads, q, k]`` (float32) the model gives each key.
 
-
-def _repeat_heads(key: torch.Tensor, query_heads: int) -> torch.Tensor:
-    groups = query_heads // key.shape[1]
-    return key.repeat_interleave(groups, dim=1) if groups > 1 else key
+        ``allowed`` is ``[B, h, q, k]``, ``h`` being 1, the KV heads or the query heads: a KV head's mask stands
+        for every query head that reads it."""
 
 
 class SdpaKernel:
@@ -236,9 +234,18 @@ class SdpaKernel:
         return output
 
     def probabilities(self, module, query, key, allowed, scaling, kwargs):
-        k = _repeat_heads(key, query.shape[1])
-        logits = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scaling
-        return torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        # Each KV head's query heads as one [groups * q] matrix: no copy of K or of the mask per query head.
+        batch, heads, q_len, width = query.shape
+        kv_heads, k_len = key.shape[1], key.shape[2]
+        groups = heads // kv_heads
+        logits = torch.matmul(query.float().reshape(batch, kv_heads, groups * q_len, width), key.float().transpose(-1, -2))
+        logits = (logits * scaling).view(batch, kv_heads, groups, q_len, k_len)
+        if allowed.shape[1] == heads and groups > 1:
+            allowed = allowed.view(batch, kv_heads, groups, q_len, -1)
+        else:
+            allowed = allowed.unsqueeze(2)  # [B, 1 or KV heads, 1, q, k]
+        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        return probs.view(batch, heads, q_len, k_len)
 
 
 class EagerKernel:
@@ -250,6 +257,8 @@ class EagerKernel:
     def _call(self, module, query, key, value, allowed, dropout, scaling, kwargs):
         if allowed is None:
             allowed = causal_mask(query.shape[2], key.shape[2], kwargs.get("sliding_window"), query.device)
+        if allowed.shape[1] not in (1, query.shape[1]):  # one row per KV head: the eager function adds per query head
+            allowed = allowed.repeat_interleave(query.shape[1] // allowed.shape[1], dim=1)
         if allowed.dtype == torch.bool:
             additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
             allowed = additive.masked_fill(~allowed, torch.finfo(query.dtype).min)

@@ -29,6 +29,20 @@ PAD_POSITION = 2**62  # slot position of padding: never visible to any query
 _MIN_GROWTH = 64
 
 
+def take_slots(held: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``held[b, h, index[b, h, t]]`` for a ``[B, H, slots, D]`` tensor and a ``[B, H, n]`` slot index: ``[B, H, n, D]``.
+
+    Equal to ``held.gather(2, index[..., None].expand(..., D))``, but as one ``index_select`` of whole D-wide
+    rows, about 5x faster on a CPU than a gather through an index expanded over D (an eviction does this for
+    every layer at every decode step).
+    """
+    batch, heads, slots, width = held.shape
+    if not held.is_contiguous():
+        held = held.contiguous()
+    base = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * slots
+    return held.view(-1, width).index_select(0, (base + index).view(-1)).view(*index.shape, width)
+
+
 class BatchBuffer:
     """One layer's kept K/V for a whole batch, ``[B, H, slots, D]``, left-aligned per row.
 
@@ -151,4 +165,4 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "take_slots"]

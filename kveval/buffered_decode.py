@@ -15,15 +15,17 @@ over rows or heads:
   that all layers share, so the cache is never held a second time;
 - attention-scored selection (H2O, TOVA) adds or sets each step's attention
   mass in a ``[B, H, slots]`` tensor beside the tokens;
-- a decode budget (window, streaming, H2O, TOVA, knorm) or a sliding-window
+- a decode budget (window, streaming, H2O, TOVA, knorm, random) or a sliding-window
   layer (Gemma 3's local layers) keeps its tokens by one ``topk`` of the
-  policy's own scores and one in-place gather (:class:`_BudgetEviction`).
+  policy's own scores and one in-place gather (:class:`_BudgetEviction`);
+- per-head budgets, fixed per head (DuoAttention) or shared by the heads of a
+  row by score (AdaKV's decode budget), by one ranking and one gather
+  (:class:`_HeadBudgetEviction`).
 
-Per-head budgets fixed per head (DuoAttention) are kept by :class:`_HeadBudgetEviction`. What still goes row
-by row: budgets whose per-head counts depend on the scores (AdaKV with a decode budget), the ``random``
-control's decode budget (seeded per row), low-rank, latent and KVQuant stores, and quantized sliding or
-per-head layers (a trim splits quantization units). Each is checked once per refresh
-(:meth:`BufferedDecode.for_rows`).
+What still goes row by row: low-rank, latent and KVQuant stores, and quantized
+stores held per head (AdaKV, DuoAttention) or evicting while decoding (a decode
+budget, a sliding layer: an eviction splits quantization units). Each is
+checked once per refresh (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
 until the rows *catch up*: each row's store takes them (appending and sealing,
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.batch_buffer import PAD_POSITION, BatchBuffer
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, take_slots
 from kveval.coded_rows import CodedRows, SharedScratch
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
@@ -96,16 +98,30 @@ def _dense(store) -> bool:
     return type(store) is DenseStore or (type(store) is HeadwiseStore and all(type(h) is DenseStore for h in store.heads))
 
 
-def _scored(buffer: BatchBuffer, scores, layer_idx: int, num_layers: int, model) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's ``scores`` of every slot of ``buffer`` (``[B, H, width]`` float32: ``-inf`` on padding, ``+inf`` on
-    each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row."""
+@dataclass(frozen=True)
+class _LayerScoring:
+    """What a batched scoring gives a policy beside the buffer (:class:`~kveval.policies.base.ScoringState`):
+    the layer, the model, and each row's seed (the ``random`` control's), as the layer gives them for one row."""
+
+    layer_idx: int = 0
+    num_layers: int = 1
+    model: object = None
+    seeds: tuple[int, ...] = ()
+
+
+def _scored(buffer: BatchBuffer, scores, context: _LayerScoring) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's ``scores`` of every slot of ``buffer`` (``[B, H, width]``, float32 or wider: ``-inf`` on padding,
+    ``+inf`` on each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row."""
     width = buffer.width
     positions = buffer.positions[:, :, :width]
     padding = positions == PAD_POSITION
     attention = None if buffer.attention is None else buffer.attention[:, :, :width]
+    seeds = torch.tensor(context.seeds or [0] * positions.shape[0], device=positions.device)
     state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
-                         attention=attention, layer_idx=layer_idx, num_layers=num_layers, model=model)
-    scored = scores(state).float().masked_fill(padding, float("-inf"))
+                         attention=attention, layer_idx=context.layer_idx, num_layers=context.num_layers,
+                         seed=seeds, model=context.model)
+    scored = scores(state)
+    scored = scored.to(torch.promote_types(scored.dtype, torch.float32)).masked_fill(padding, float("-inf"))
     newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
     scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
     return scored, padding
@@ -117,7 +133,8 @@ class _BudgetEviction:
     After each step's attention, every row holding more than ``budget`` tokens keeps its ``budget`` best-scored,
     its newest always, exactly as the layer would for each row by itself
     (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, ``topk``, kept in order). The
-    buffer's K, V, positions and accumulated attention are compacted in place by one gather per tensor.
+    buffer's K, V, positions and accumulated attention are compacted in place by one gather per tensor
+    (:func:`~kveval.batch_buffer.take_slots` for K and V).
 
     Two sources:
 
@@ -128,9 +145,8 @@ class _BudgetEviction:
       holds consecutive positions, which :meth:`BufferedDecode.for_rows` checks).
     """
 
-    def __init__(self, budget: int, scores, layer_idx: int = 0, num_layers: int = 1, model=None):
-        self.budget, self.scores = budget, scores
-        self.layer_idx, self.num_layers, self.model = layer_idx, num_layers, model
+    def __init__(self, budget: int, scores, context: _LayerScoring = _LayerScoring()):
+        self.budget, self.scores, self.context = budget, scores, context
 
     @staticmethod
     def serves(selection) -> bool:
@@ -147,11 +163,10 @@ class _BudgetEviction:
         width = buffer.width
         if width <= self.budget:
             return False
-        scores, _ = _scored(buffer, self.scores, self.layer_idx, self.num_layers, self.model)
+        scores, _ = _scored(buffer, self.scores, self.context)
         keep = scores.topk(self.budget, dim=2).indices.sort(dim=2).values  # [B, H, budget]
         for held in (buffer.keys, buffer.values):
-            index = keep[..., None].expand(-1, -1, -1, held.shape[3])
-            held[:, :, :self.budget] = held[:, :, :width].gather(2, index)
+            held[:, :, :self.budget] = take_slots(held, keep)
         for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
             if held is not None:
                 held[:, :, :self.budget] = held[:, :, :width].gather(2, keep)
@@ -163,37 +178,45 @@ class _BudgetEviction:
 
 
 class _HeadBudgetEviction:
-    """A decode budget fixed per KV head (DuoAttention: retrieval heads keep every token, streaming heads
-    ``sink + window``), kept for the whole batch at once.
+    """A decode budget per KV head, kept for the whole batch at once. Two kinds:
+
+    - fixed per head (``budgets``; DuoAttention: retrieval heads keep every token, streaming heads
+      ``sink + window``): each head keeps its best-scored tokens up to its budget (one ranking ``argsort``);
+    - chosen by score across the heads of a row (``budgets=None``; AdaKV's ``decode_budget x heads`` shared
+      by the heads): the policy's :meth:`~kveval.policies.base.SelectionPolicy.choose_batch`.
 
     Rows hold per-head stores (:class:`~kveval.head_stores.HeadwiseStore`): in the buffer, each head's tokens end
     at its row's last slot, padding (an invisible position) before them. After each step's attention every row
-    holding more than ``decode_budget`` slots keeps, in each head, its best-scored tokens up to that head's budget
-    (its newest always), as :meth:`kveval.cache_layers.CompressedLayer._evict_to` and the policy's ``choose``
-    would for each row: one ``argsort`` ranks the slots, a stable ``argsort`` lines each head's kept tokens up
-    at its row's new last slot, and one gather per tensor moves them.
+    holding more than ``decode_budget`` slots keeps what :meth:`kveval.cache_layers.CompressedLayer._evict_to` and
+    the policy's ``choose`` would keep for it (its newest token always); a stable ``argsort`` lines each head's
+    kept tokens up at its row's new last slot, and one gather per tensor moves them.
     """
 
-    def __init__(self, selection, budgets: list[int | None], layer_idx: int, num_layers: int, model):
-        self.selection, self.decode_budget = selection, selection.decode_budget
-        self.budgets = budgets  # per head; None: every token
-        self.layer_idx, self.num_layers, self.model = layer_idx, num_layers, model
+    def __init__(self, selection, budgets: list[int | None] | None, context: _LayerScoring):
+        self.selection, self.decode_budget, self.context = selection, selection.decode_budget, context
+        self.budgets = budgets  # per head (None: every token); None: chosen by score (AdaKV)
 
     @staticmethod
     def serves(selection) -> bool:
         return selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
+
+    def _kept(self, scores: torch.Tensor, padding: torch.Tensor, width: int) -> torch.Tensor:
+        """``[B, H, width]``: the slots an over-budget row keeps."""
+        if self.budgets is None:
+            return self.selection.choose_batch(scores, self.decode_budget)
+        budgets = torch.tensor([width if b is None else b for b in self.budgets], device=scores.device)[None, :, None]
+        rank = scores.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
+        return ~padding & (rank < budgets)
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""
         lengths, width = buffer.lengths, buffer.width
         if not any(n > self.decode_budget for n in lengths):
             return False
-        scores, padding = _scored(buffer, self.selection.scores, self.layer_idx, self.num_layers, self.model)
+        scores, padding = _scored(buffer, self.selection.scores, self.context)
         device = scores.device
         over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
-        budgets = torch.tensor([width if b is None else b for b in self.budgets], device=device)[None, :, None]
-        rank = scores.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
-        kept = ~padding & ((rank < budgets) | ~over)  # rows within the decode budget keep everything
+        kept = self._kept(scores, padding, width) | (~padding & ~over)  # rows within the decode budget keep everything
         counts = kept.sum(dim=2)  # [B, H]
         new_lengths = counts.max(dim=1).values.tolist()
         new_width = max(new_lengths)
@@ -204,7 +227,7 @@ class _HeadBudgetEviction:
         real = (source >= width - counts[..., None]) & (source < width)  # [B, H, new_width]
         index = order.gather(2, source.clamp(max=width - 1).expand(-1, order.shape[1], -1))
         for held in (buffer.keys, buffer.values):
-            moved = held[:, :, :width].gather(2, index[..., None].expand(-1, -1, -1, held.shape[3]))
+            moved = take_slots(held, index)
             held[:, :, :new_width] = moved.masked_fill(~real[..., None], 0)
         for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
             if held is not None:
@@ -265,11 +288,13 @@ class BufferedDecode:
 
     @classmethod
     def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None, sliding_window: int | None = None,
-                 layer_idx: int = 0, num_layers: int = 1, model=None, codes: bool = False) -> "BufferedDecode | None":
+                 layer_idx: int = 0, num_layers: int = 1, model=None, codes: bool = False,
+                 seeds: "list[int] | None" = None) -> "BufferedDecode | None":
         """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`, all compressed), or ``None``
         where per-row work is needed (see :meth:`could_serve`; also quantized rows with evicted slots inside
         units, and sliding rows whose positions are not consecutive). ``codes``: quantized rows are held as codes
-        and dequantized at every step (see the class doc) rather than kept dequantized in the buffer."""
+        and dequantized at every step (see the class doc) rather than kept dequantized in the buffer. ``seeds``:
+        each row's seed, for scores drawn per row (``random``)."""
         stores = [row.store for row in rows]
         if not all(cls.could_serve(s, selection, sliding_window) for s in stores):
             return None
@@ -279,14 +304,16 @@ class BufferedDecode:
                        for row in rows):
                 return None
             return cls(kv_dtype, eviction=_BudgetEviction.of_window(sliding_window))
+        context = _LayerScoring(layer_idx, num_layers, model, tuple(seeds or ()))
         if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
             budgets = selection.head_decode_budgets(model, layer_idx, num_layers, rows[0].positions.shape[0])
-            if budgets is None or not all(type(s) is HeadwiseStore and _dense(s) for s in stores):
+            if ((budgets is None and not selection.chooses_in_batch)
+                    or not all(type(s) is HeadwiseStore and _dense(s) for s in stores)):
                 return None
-            eviction = _HeadBudgetEviction(selection, budgets, layer_idx, num_layers, model)
+            eviction = _HeadBudgetEviction(selection, budgets, context)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if selection is not None and selection.decode_budget is not None:
-            eviction = _BudgetEviction(selection.decode_budget, selection.scores, layer_idx, num_layers, model)
+            eviction = _BudgetEviction(selection.decode_budget, selection.scores, context)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if all(_dense(s) for s in stores):
             return cls(kv_dtype, accumulates=accumulates)

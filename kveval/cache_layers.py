@@ -149,7 +149,8 @@ class CompressedLayer(CacheLayerMixin):
         cache = self.cache
         decode = BufferedDecode.for_rows(self._rows, cache.kv_dtype, self.selection, self.sliding_window,
                                          self.layer_idx, cache.num_layers, cache.model,
-                                         codes=cache.decodes_from_codes(self.device))
+                                         codes=cache.decodes_from_codes(self.device),
+                                         seeds=[cache.seed_for(b) for b in range(len(self._rows))])
         if decode is not None:
             decode.start(self._rows, self._buffer)
         return decode
@@ -258,7 +259,7 @@ class CompressedLayer(CacheLayerMixin):
         self._slot_positions = slot_positions
         if kwargs is not None:
             kwargs["kveval_layer"] = self
-            kwargs["kveval_mask"] = None if self.contiguous else self.allowed_mask(positions, heads_of_query=None)
+            kwargs["kveval_mask"] = None if self.contiguous else self.allowed_mask(positions)
         return keys, values
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
@@ -291,11 +292,11 @@ class CompressedLayer(CacheLayerMixin):
             index = visible.nonzero().squeeze(1).unsqueeze(0).expand(row.positions.shape[0], -1)
             self._select(row, index)
 
-    def allowed_mask(self, query_positions: torch.Tensor, heads_of_query: int | None) -> torch.Tensor:
+    def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).
 
         ``heads`` is 1 when every KV head keeps the same tokens, else the number
-        of query heads (``heads_of_query``) or KV heads (when ``None``).
+        of stored KV heads; kernels broadcast it over the query heads that read each.
         """
         slots = self._slot_positions
         if bool((slots == slots[:, :1]).all()):
@@ -307,8 +308,6 @@ class CompressedLayer(CacheLayerMixin):
         elif self.is_sliding:
             allowed &= key_pos > query_pos - self.sliding_window
         allowed |= ~allowed.any(dim=-1, keepdim=True)  # padding queries: attend somewhere rather than produce NaN
-        if heads_of_query is not None and allowed.shape[1] > 1:
-            allowed = allowed.repeat_interleave(heads_of_query // allowed.shape[1], dim=1)
         return allowed
 
     # --- scoring and compression ----------------------------------------------------------------
@@ -386,12 +385,13 @@ class CompressedLayer(CacheLayerMixin):
         mass = None
         for start in range(first, q_len, _QUERY_CHUNK):
             stop = min(q_len, start + _QUERY_CHUNK)
-            allowed = self.allowed_mask(self._query_positions[:, start:stop], heads_of_query=query.shape[1])
+            allowed = self.allowed_mask(self._query_positions[:, start:stop])
             probs = probabilities(query[:, :, start:stop], keys, allowed)
-            probs = probs * real[:, None, start:stop, None]  # padding queries contribute nothing
             stored_heads = self._slot_positions.shape[1]
             groups = query.shape[1] // stored_heads
-            part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).mean(dim=2).sum(dim=2)
+            # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
+            part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
+            part = torch.matmul(real[:, None, None, start:stop].to(part.dtype), part).squeeze(2) / groups
             mass = part if mass is None else mass + part
         return mass
 

@@ -29,8 +29,12 @@ SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "
          # Scored by attention at every step, with or without a decode budget (the buffer accumulates the scores)
          "h2o(ratio=0.5,decode_budget=40,recent=8)", "tova(ratio=0.5,decode_budget=30)",
          "h2o(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "tova(ratio=0.3)", "knorm(ratio=0.5,decode_budget=25)",
+         "random(ratio=0.5,decode_budget=30,seed=3)",
          # Per-head budgets chosen at the prefill (AdaKV): heads of one row hold different counts
-         "snapkv(ratio=0.5,adaptive=true)", "h2o(ratio=0.6,adaptive=true)"]
+         "snapkv(ratio=0.5,adaptive=true)", "h2o(ratio=0.6,adaptive=true)",
+         # ... and kept while decoding, the heads sharing the row's budget by score (AdaKV's decode budget)
+         "h2o(ratio=0.5,adaptive=true,decode_budget=30)", "knorm(ratio=0.5,adaptive=true,decode_budget=25,floor=0.5)",
+         "random(ratio=0.5,adaptive=true,decode_budget=30)"]
 
 
 def _prompts(n=5, seed=11):

@@ -254,3 +254,27 @@ def test_one_prefill_for_many_ratios_equals_separate_runs(mode):
         alone = generate(model, Tok(), prompts, spec, max_new_tokens=8, mode=mode)
         assert [r.token_ids for r in shared[spec]] == [r.token_ids for r in alone]
         assert [r.stats.kv_bytes for r in shared[spec]] == [r.stats.kv_bytes for r in alone]
+
+
+def test_random_scores_are_uniform_and_independent_of_the_batch():
+    """The control's scores: uniform on [0, 1), different per head, per step and per sequence seed, and the same
+    for a sequence scored alone or in a batch (what lets a batch keep its decode budget at once)."""
+    from kveval.policies import ScoringState, parse_policy
+
+    policy = parse_policy("random(ratio=0.5,seed=5)").selection
+    positions = torch.arange(2000).expand(4, -1)
+
+    def scores(positions, seed, layer=3):
+        return policy.scores(ScoringState(keys=None, positions=positions, attention=None, layer_idx=layer,
+                                          num_layers=8, seed=seed))
+
+    alone = scores(positions, 7)
+    assert alone.shape == (4, 2000) and bool(((alone >= 0) & (alone < 1)).all())
+    assert abs(float(alone.mean()) - 0.5) < 0.02 and abs(float((alone < 0.25).double().mean()) - 0.25) < 0.02
+    assert abs(float(torch.corrcoef(alone)[0, 1])) < 0.1  # heads draw apart
+    assert not torch.equal(alone, scores(positions, 8)) and not torch.equal(alone, scores(positions, 7, layer=4))
+    assert not torch.equal(alone[:, :1000], scores(positions[:, :1000], 7))  # the next step draws again
+    batch = torch.stack([positions, positions.masked_fill(positions > 1500, -1)])
+    together = scores(batch, torch.tensor([7, 8]))
+    assert torch.equal(together[0], alone)
+    assert torch.equal(together[1][:, :1501], scores(positions[:, :1501], 8))

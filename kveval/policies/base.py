@@ -114,8 +114,21 @@ class SelectionPolicy(Policy):
         """With :attr:`per_head_budgets` and a ``decode_budget``: the tokens each KV head of layer ``layer_idx``
         keeps while decoding, when that is a fixed count per head (``None`` for a head that keeps every token)
         and :meth:`choose` keeps each head's best-scored tokens up to it. ``None`` (the default) when the
-        counts depend on the scores (AdaKV's shared budget): the cache then decodes such rows one by one."""
+        counts depend on the scores (AdaKV's shared budget: see :meth:`choose_batch`)."""
         return None
+
+    @property
+    def chooses_in_batch(self) -> bool:
+        """Whether :meth:`choose_batch` serves this policy's per-head decode budget (else rows decode one by one)."""
+        return False
+
+    def choose_batch(self, scores: "torch.Tensor", keep: int) -> "torch.Tensor":
+        """:meth:`choose` for a whole batch, where per-head counts depend on the scores (:attr:`chooses_in_batch`).
+
+        ``scores`` is ``[B, kv_heads, slots]`` (``-inf`` on padding slots); returns the boolean ``[B, kv_heads,
+        slots]`` of kept slots: for every row, the slots ``choose`` would keep for it alone.
+        """
+        raise NotImplementedError
 
     def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState") -> "torch.Tensor | list[torch.Tensor]":
         """Which tokens each KV head keeps, given ``scores`` (``[kv_heads, n]``, ``-inf`` on padding slots).
@@ -155,6 +168,24 @@ def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float) -> "list[to
     chosen = torch.zeros(heads * n, dtype=torch.bool, device=scores.device)
     chosen[ranked.flatten().topk(total).indices] = True
     return [row.nonzero().squeeze(1) for row in chosen.reshape(heads, n)]
+
+
+def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "torch.Tensor":
+    """:func:`adaptive_choice` for every row of ``[B, heads, slots]`` scores at once: the boolean kept mask.
+
+    Rows differ in how many real tokens they hold, so each row's share of the flattened top is a rank below its
+    own total rather than one ``topk``.
+    """
+    import torch
+
+    batch, heads, n = scores.shape
+    real = scores > float("-inf")
+    total = (real.sum(dim=(1, 2)).clamp(max=keep * heads))[:, None]  # [B, 1]
+    safe = min(n, max(1, math.floor(floor * keep)))
+    guaranteed = torch.zeros_like(real).scatter_(2, scores.topk(safe, dim=2).indices, True) & real
+    ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
+    rank = ranked.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
+    return (rank < total).reshape(batch, heads, n)
 
 
 @dataclass
@@ -222,6 +253,13 @@ class RatioSelectionPolicy(SelectionPolicy):
             return adaptive_choice(scores, keep, self.floor)
         return super().choose(scores, keep, state)
 
+    @property
+    def chooses_in_batch(self) -> bool:
+        return self.adaptive
+
+    def choose_batch(self, scores: "torch.Tensor", keep: int) -> "torch.Tensor":
+        return adaptive_choice_batch(scores, keep, self.floor)
+
 
 def ratio_keep_count(ratio: float, n_tokens: int) -> int:
     """Tokens kept of ``n_tokens`` when the fraction ``ratio`` is removed: ``ceil((1 - ratio) * n)``, at least 1.
@@ -254,8 +292,8 @@ class ScoringState:
         ``[kv_heads, tokens]``; ``None`` for ``attention == "none"``.
     layer_idx, num_layers : int
         Which layer this is, for layer-dependent budgets.
-    seed : int
-        Per-sequence seed for the ``random`` control.
+    seed : int or torch.Tensor
+        Per-sequence seed for the ``random`` control (``[rows]`` for a batch: see ``batch_scores``).
     model : PreTrainedModel or None
         The model the cache serves, for policies calibrated per model (``duo``).
 
@@ -269,7 +307,7 @@ class ScoringState:
     attention: "torch.Tensor | None"
     layer_idx: int
     num_layers: int
-    seed: int = 0
+    seed: "int | torch.Tensor" = 0
     model: object = None
 
 
