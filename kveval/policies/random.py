@@ -9,14 +9,15 @@ from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_po
 _LOW32 = 0xFFFFFFFF
 
 
-def _times(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant mod 2**32`` for ``x < 2**32`` in int64, without overflow: the high half multiplied apart."""
-    low, high = x & 0xFFFF, x >> 16
-    return (low * constant + (((high * constant) & 0xFFFF) << 16)) & _LOW32
+def _times(x, constant: int):
+    """``x * constant mod 2**32`` for ``0 <= x < 2**32`` (an int64 tensor or an int), without int64 overflow: a
+    constant of ``2**31`` or more is taken as ``constant - 2**32``, the same modulo ``2**32``."""
+    return (x * (constant - 2**32 if constant >= 2**31 else constant)) & _LOW32
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (the "lowbias32" finalizer: xorshift-multiply rounds), elementwise on int64 < 2**32."""
+def _mix(x):
+    """A 32-bit integer hash (the "lowbias32" finalizer: xorshift-multiply rounds), elementwise on int64 tensors
+    or ints in ``[0, 2**32)``; a bijection, so distinct inputs never tie."""
     x = x ^ (x >> 16)
     x = _times(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -44,10 +45,10 @@ class RandomPolicy(RatioSelectionPolicy):
     def scores(self, state: ScoringState) -> torch.Tensor:
         positions = state.positions  # [..., heads, tokens], -1 on padding
         device = positions.device
-        seeds = torch.as_tensor(state.seed, device=device).reshape(-1, *([1] * (positions.dim() - 1)))
-        base = _mix(_mix(torch.tensor(self.seed & _LOW32, device=device)) ^ (seeds & _LOW32))
-        base = _mix(base ^ state.layer_idx)
-        heads = torch.arange(positions.shape[-2], device=device)[:, None]
-        newest = positions.amax(dim=(-2, -1), keepdim=True)
-        hashed = _mix(_mix(_mix(base ^ heads) ^ (positions & _LOW32)) ^ (newest & _LOW32))
-        return (hashed.double() / 2**32).reshape(positions.shape)  # float64: every 32-bit hash apart, no ties
+        seed_layer = _mix(_mix(self.seed & _LOW32) ^ state.layer_idx)
+        seeds = torch.as_tensor(state.seed, device=device).reshape(-1, *([1] * (positions.dim() - 1))) & _LOW32
+        rows = _mix(seeds ^ seed_layer)  # [rows, 1, 1] (or [1, 1])
+        heads = _mix(rows ^ torch.arange(positions.shape[-2], device=device)[:, None])
+        step = _mix(rows ^ (positions.amax(dim=(-2, -1), keepdim=True) & _LOW32))  # the newest position held
+        hashed = _mix(_mix(heads ^ (positions & _LOW32)) ^ step)
+        return hashed.double() / 2**32  # float64: every 32-bit hash apart, so no ties
