@@ -131,6 +131,13 @@ class CompressedLayer(CacheLayerMixin):
     def rows(self, rows: list[RowState]) -> None:
         self._rows, self._buffer, self._decode = rows, None, None
 
+    def drop_decode(self) -> None:
+        """Stop decoding on the buffer alone (the rows first catch up); the next step's refresh checks again."""
+        if self._decode is not None and self._decode.pending:
+            self._decode.catch_up(self._rows, self._buffer)
+            self._share_dense_storage()
+        self._decode = None
+
     def drop_buffer(self) -> None:
         """Free the batch buffer (the rows first catch up); the next forward rebuilds it from the rows."""
         self.rows = self.rows
@@ -227,6 +234,8 @@ class CompressedLayer(CacheLayerMixin):
             # whether this step can be done for the batch at once.
             self._refresh_buffer()
             self._decode = self._batched_decode()
+        if self._decode is not None and not self._decode.takes(counts):
+            self.drop_decode()  # this step goes row by row; the next refresh checks the batch again
         self._buffer_only_step = self._can_decode_on_buffer(kwargs)
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.

@@ -356,6 +356,31 @@ class _Part:
     inner: object
     key_basis: torch.Tensor  # [h, D, r_k], float32
     value_basis: torch.Tensor  # [h, D, r_v], float32
+    bases_t: tuple | None = field(default=None, repr=False, compare=False)  # see transposed()
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bases as contiguous ``[h, r, D]`` (what :func:`reconstruct` multiplies by), made once per device."""
+        if self.bases_t is None or self.bases_t[0].device != self.key_basis.device:
+            self.bases_t = (self.key_basis.transpose(-1, -2).contiguous(), self.value_basis.transpose(-1, -2).contiguous())
+        return self.bases_t
+
+
+_RECONSTRUCT_TOKENS = 256  # tokens per elementwise product in reconstruct (bounds its [..., T, r, D] temporary)
+
+
+def reconstruct(coefficients: torch.Tensor, basis_t: torch.Tensor) -> torch.Tensor:
+    """``[..., h, T, r]`` float32 coefficients times a contiguous ``[h, r, D]`` basis: ``[..., h, T, D]``.
+
+    Elementwise products summed over the rank, not a matrix product: a matmul's blocking follows the matrix
+    sizes, so a token reconstructed alone, with the rest of its row or with other rows could differ in the last
+    bit; this way a token's K/V are the same whichever tokens and rows are reconstructed with it (a decode
+    step's one new token, a whole row, a batch). Chunks of tokens bound the temporary.
+    """
+    basis = basis_t[:, None]  # [h, 1, r, D]
+    tokens = coefficients.shape[-2]
+    chunks = [(coefficients[..., start:start + _RECONSTRUCT_TOKENS, :, None] * basis).sum(dim=-2)
+              for start in range(0, tokens, _RECONSTRUCT_TOKENS)]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
 class CoefficientStore(TokenStore):
@@ -501,8 +526,9 @@ class LowRankStore(CoefficientStore):
     def decode(self, coefficients: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = [], []
         for part, (ck, cv) in zip(self.parts, coefficients):
-            keys.append(torch.matmul(ck.float(), part.key_basis.transpose(-1, -2)).to(ck.dtype))
-            values.append(torch.matmul(cv.float(), part.value_basis.transpose(-1, -2)).to(cv.dtype))
+            key_t, value_t = part.transposed()
+            keys.append(reconstruct(ck.float(), key_t).to(ck.dtype))
+            values.append(reconstruct(cv.float(), value_t).to(cv.dtype))
         keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=0)
         values = values[0] if len(values) == 1 else torch.cat(values, dim=0)
         return keys, values

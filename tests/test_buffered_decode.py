@@ -211,6 +211,16 @@ def test_quantized_decode_mode_is_checked(model):
 
 
 @pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("spec", ["lowrank(rank=8)", "lowrank(k_rank=12,v_rank=4)", "lowrank(energy=0.9)",
+                                  "snapkv(ratio=0.5)+lowrank(rank=8)", "h2o(ratio=0.5)+lowrank(rank=12)"])
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_low_rank_rows(model, spec, mode, monkeypatch):
+    """Low-rank rows: each step projects and reconstructs every row's new token at once (steps of several tokens,
+    the query after the context, go row by row), bit for bit as each row's store would."""
+    _assert_batched_equals_rows(model, spec, monkeypatch, mode=mode)
+
+
+@pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("spec", ["duo(heads=0.5,sink=2,window=20)", "duo(heads=0.5,sink=2,ratio=0.5)",
                                   "duo(heads=0,sink=2,window=20)"])
 def test_duo_head_budgets(model, spec, monkeypatch):

@@ -258,6 +258,7 @@ def test_a_decode_step_decodes_its_new_tokens_only(spec, monkeypatch):
     """Once read, a token's K/V are re-decoded only when its coefficients change (sealed, or quantized out of the
     residual window): each step decodes its one new token, plus the ones a quantizer just sealed, never the row.
     What attention reads still equals the store's own reconstruction of every token."""
+    from kveval.cache_layers import CompressedLayer
     from kveval.lowrank import CoefficientStore
 
     decoded = []
@@ -269,6 +270,8 @@ def test_a_decode_step_decodes_its_new_tokens_only(spec, monkeypatch):
         return keys, values
 
     monkeypatch.setattr(CoefficientStore, "keys_values_from", counted)
+    # The row-by-row steps (dense low-rank rows otherwise step for the batch: tests/test_buffered_decode.py).
+    monkeypatch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
     model, context = tiny_llama(), random_ids(40, 5)
     _, cache = context_then_steps(model, spec, context, random_ids(8, 6))
     per_step = decoded[-len(cache.layers):]  # the last step, one read per layer
@@ -277,3 +280,20 @@ def test_a_decode_step_decodes_its_new_tokens_only(spec, monkeypatch):
         keys, values = layer.rows[0].store.keys_values()
         assert torch.allclose(layer._buffer.keys[0, :, :keys.shape[1]], keys, atol=1e-5)
         assert torch.allclose(layer._buffer.values[0, :, :values.shape[1]], values, atol=1e-5)
+
+
+def test_a_token_reconstructs_the_same_alone_in_its_row_or_in_a_batch():
+    """Reconstruction never depends on what is reconstructed with it: a decode step's one token, the whole row
+    (a refresh, a shared prefill's derived cache) and a batch of rows give the same K/V bit for bit, which is
+    what lets a batch step low-rank rows at once and a shared prefill equal each policy's own run."""
+    from kveval.lowrank import _RECONSTRUCT_TOKENS, reconstruct
+
+    g = torch.Generator().manual_seed(3)
+    basis_t = torch.randn(3, 32, 64, generator=g)
+    tokens = _RECONSTRUCT_TOKENS + 40  # two chunks
+    batch = torch.randn(4, 3, tokens, 32, generator=g).bfloat16().float()
+    together = reconstruct(batch, basis_t)
+    rows = torch.stack([reconstruct(row, basis_t) for row in batch])
+    one_by_one = torch.cat([reconstruct(batch[:, :, t:t + 1], basis_t) for t in range(tokens)], dim=2)
+    assert torch.equal(together, rows) and torch.equal(together, one_by_one)
+    assert torch.allclose(together, batch @ basis_t, rtol=1e-4, atol=1e-4)  # and it is the product
