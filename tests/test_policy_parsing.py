@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from cache_runs import assert_one_line_error
 from tiny_models import tiny_llama
 
 from kveval.cache import CompressedCache
@@ -24,9 +25,7 @@ from kveval.runspec import RunSpec
     ("streaming(ratio=0.5,window=8)", "not both"),
 ])
 def test_wrongly_typed_or_repeated_values_are_one_clear_error(spec, message):
-    with pytest.raises(PolicySpecError, match=message) as info:
-        parse_policy(spec)
-    assert "\n" not in str(info.value)
+    assert_one_line_error(lambda: parse_policy(spec), PolicySpecError, message)
 
 
 def test_typed_values_convert_and_floats_accept_ints():
