@@ -111,7 +111,7 @@ class _LayerScoring:
     layer_idx: int = 0
     num_layers: int = 1
     model: object = None
-    seeds: tuple[int, ...] = ()
+    seeds: "torch.Tensor | int" = 0  # [B] on the rows' device, made once per refresh
 
 
 def _scored(buffer: BatchBuffer, scores, context: _LayerScoring) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +121,9 @@ def _scored(buffer: BatchBuffer, scores, context: _LayerScoring) -> tuple[torch.
     positions = buffer.positions[:, :, :width]
     padding = positions == PAD_POSITION
     attention = None if buffer.attention is None else buffer.attention[:, :, :width]
-    seeds = torch.tensor(context.seeds or [0] * positions.shape[0], device=positions.device)
     state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
                          attention=attention, layer_idx=context.layer_idx, num_layers=context.num_layers,
-                         seed=seeds, model=context.model)
+                         seed=context.seeds, model=context.model)
     scored = scores(state)
     scored = scored.to(torch.promote_types(scored.dtype, torch.float32)).masked_fill(padding, float("-inf"))
     newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
@@ -298,13 +297,11 @@ class _LowRankSteps:
                  for i in range(len(steps[0]))]
         for b, row in enumerate(rows):
             keep = real[b]
-            n = int(keep.sum())
-            if not n:
+            if not bool(keep.any()):
                 continue
             for part, (ck, cv) in zip(row.store.parts, parts):
                 part.inner.append(ck[b][:, keep], cv[b][:, keep])
-            row.positions = torch.cat([row.positions, positions[b][keep].unsqueeze(0).expand(row.positions.shape[0], -1)], dim=1)
-            row.tokens_seen += n
+            row.took(positions[b][keep])
             row.store.mark_read()
 
 
@@ -376,7 +373,8 @@ class BufferedDecode:
                        for row in rows):
                 return None
             return cls(kv_dtype, eviction=_BudgetEviction.of_window(sliding_window))
-        context = _LayerScoring(layer_idx, num_layers, model, tuple(seeds or ()))
+        context = _LayerScoring(layer_idx, num_layers, model,
+                                torch.tensor(seeds, device=rows[0].positions.device) if seeds else 0)
         if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
             budgets = selection.head_decode_budgets(model, layer_idx, num_layers, rows[0].positions.shape[0])
             if ((budgets is None and not selection.chooses_in_batch)
@@ -483,11 +481,7 @@ class BufferedDecode:
                 positions, real = (torch.cat(parts, dim=1) for parts in list(zip(*self.pending))[2:])
                 self.pending = []
                 for b, row in enumerate(rows):
-                    keep = real[b]
-                    n = int(keep.sum())
-                    if n:
-                        row.positions = torch.cat([row.positions, positions[b][keep].unsqueeze(0).expand(row.positions.shape[0], -1)], dim=1)
-                        row.tokens_seen += n
+                    row.took(positions[b][real[b]])
                     self._catch_up_attention(row, buffer, b)
             self._point_rows(rows)
             return
@@ -518,12 +512,10 @@ class BufferedDecode:
         self.pending = []
         for b, row in enumerate(rows):
             keep = real[b]
-            n = int(keep.sum())
-            if not n:
+            if not bool(keep.any()):
                 continue
             row.store.append(keys[b][:, keep], values[b][:, keep])
-            row.positions = torch.cat([row.positions, positions[b][keep].unsqueeze(0).expand(row.positions.shape[0], -1)], dim=1)
-            row.tokens_seen += n
+            row.took(positions[b][keep])
             row.seal()
             row.store.mark_read()
         for b, row in enumerate(rows):

@@ -38,6 +38,11 @@ class RowState:
     compressed: bool = False
     scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
 
+    def took(self, positions: torch.Tensor) -> None:
+        """The store appended tokens at original ``positions`` (``[n]``): every head's positions extend by them."""
+        self.positions = torch.cat([self.positions, positions.unsqueeze(0).expand(self.positions.shape[0], -1)], dim=1)
+        self.tokens_seen += positions.shape[0]
+
     def seal(self) -> None:
         """Seal the store; a store that encodes by position (``place_positions``: kvquant's pre-RoPE keys) is first
         told every held token's original position, which only the cache knows (sliding trims, shared prefills)."""
@@ -122,10 +127,14 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def rows(self) -> list[RowState]:
         """Every sequence's :class:`RowState`, caught up with the decode steps done on the buffer alone."""
+        self._catch_up()
+        return self._rows
+
+    def _catch_up(self) -> None:
+        """Rows catch up with the decode steps done on the buffer alone (if any are pending)."""
         if self._decode is not None and self._decode.pending:
             self._decode.catch_up(self._rows, self._buffer)
             self._share_dense_storage()
-        return self._rows
 
     @rows.setter
     def rows(self, rows: list[RowState]) -> None:
@@ -133,9 +142,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def drop_decode(self) -> None:
         """Stop decoding on the buffer alone (the rows first catch up); the next step's refresh checks again."""
-        if self._decode is not None and self._decode.pending:
-            self._decode.catch_up(self._rows, self._buffer)
-            self._share_dense_storage()
+        self._catch_up()
         self._decode = None
 
     def drop_buffer(self) -> None:
@@ -225,7 +232,7 @@ class CompressedLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, heads, q_len, _ = key_states.shape
+        batch, _, q_len, _ = key_states.shape
         real = self.cache.input_real(batch, q_len, key_states.device)
         positions = self._new_positions(kwargs, real)
         counts, all_real = self.cache.input_counts(batch, q_len)
@@ -251,10 +258,8 @@ class CompressedLayer(CacheLayerMixin):
                 if self.is_sliding and row.positions.shape[1]:
                     self._trim_to_window(row, int(positions[b][keep].min()) if counts[b] else None)
                 if counts[b]:
-                    new_positions = positions[b][keep].unsqueeze(0).expand(heads, -1)
                     row.store.append(key_states[b][:, keep], value_states[b][:, keep])
-                    row.positions = torch.cat([row.positions, new_positions], dim=1)
-                    row.tokens_seen += counts[b]
+                    row.took(positions[b][keep])
                     if row.compressed:
                         row.seal()
             self._refresh_buffer()

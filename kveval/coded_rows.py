@@ -39,6 +39,7 @@ from dataclasses import replace
 
 import torch
 
+from kveval.batch_buffer import take_slots
 from kveval.errors import UsageError
 from kveval.quantization import FP8_FORMATS, QuantizedBlock, dequantize
 from kveval.storage import QuantizedSequence, encode
@@ -220,8 +221,7 @@ class CodedRows:
             return held if len(rows) == self.batch else held[torch.tensor(rows, device=held.device)]
         device = self.tail.device
         source = (torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)).clamp(max=self.tail.shape[2] - 1)
-        index = source[:, None, :, None].expand(-1, self.heads, -1, self.dim)
-        return self.tail[torch.tensor(rows, device=device)].gather(2, index)
+        return take_slots(self.tail[torch.tensor(rows, device=device)], source[:, None, :].expand(-1, self.heads, -1))
 
     # --- decode step ------------------------------------------------------------------------
     def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int]) -> None:
