@@ -22,11 +22,11 @@ over rows or heads:
   row by score (AdaKV's decode budget), by one ranking and one gather
   (:class:`_HeadBudgetEviction`).
 
-- low-rank rows over dense coefficients: each step projects and reconstructs
-  the batch's new tokens at once (:class:`_LowRankSteps`).
+- low-rank and latent rows over dense coefficients: each step encodes and
+  reconstructs the batch's new tokens at once (:class:`_CoefficientSteps`).
 
-What still goes row by row: latent and KVQuant stores, low-rank rows over
-quantized coefficients, steps of several tokens per row on low-rank rows, and
+What still goes row by row: KVQuant stores, low-rank and latent rows over
+quantized coefficients, steps of several tokens per row on those rows, and
 quantized stores held per head (AdaKV, DuoAttention) or evicting while decoding
 (a decode budget, a sliding layer: an eviction splits quantization units). Each
 is checked once per refresh (:meth:`BufferedDecode.for_rows`).
@@ -49,7 +49,7 @@ import torch
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer, take_slots
 from kveval.coded_rows import CodedRows, SharedScratch
 from kveval.head_stores import HeadwiseStore
-from kveval.lowrank import LowRankStore, reconstruct
+from kveval.lowrank import CoefficientStore
 from kveval.policies import ScoringState
 from kveval.policies.window import SinkWindowPolicy, WindowPolicy
 from kveval.quantization import dequantize
@@ -242,50 +242,40 @@ class _HeadBudgetEviction:
         return True
 
 
-class _LowRankSteps:
-    """Low-rank rows (:class:`~kveval.lowrank.LowRankStore` over dense inner stores) decoded for the batch.
+class _CoefficientSteps:
+    """Rows of coefficient stores (:class:`~kveval.lowrank.LowRankStore` per head,
+    :class:`~kveval.latent.LatentStore` per group of heads) over dense inner stores, decoded for the batch.
 
-    A row's store seals each new token at once: it projects it on the layer's per-head bases, keeps the
-    coefficients in ``kv_dtype``, and attention reads their reconstruction. A step does that for every row with
-    one projection and one reconstruction per part (:func:`~kveval.lowrank.reconstruct`, the same bit for bit
-    alone or in a batch); the coefficients wait, exactly as computed, for the rows to catch up. Steps of one
-    token per row only: a row's store projects several new tokens as one matrix, which a batch cannot repeat.
+    A row's store seals each new token at once: it encodes it on the layer's bases, keeps the coefficients in
+    ``kv_dtype``, and attention reads their reconstruction. A step does that for every row with one encoding and
+    one reconstruction, by the first row's store (the rows share its bases: :meth:`~kveval.lowrank.CoefficientStore.same_code`;
+    a token's coefficients and reconstruction are the same alone or in a batch); the coefficients wait, exactly
+    as computed, for the rows to catch up. Steps of one token per row only: a row's store encodes several new
+    tokens as one matrix, which a batch cannot repeat.
     """
 
-    def __init__(self, parts: list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]):
-        self.parts = parts  # (heads, key basis [h, D, r], value basis, their contiguous transposes [h, r, D])
+    def __init__(self, code: CoefficientStore):
+        self.code = code  # the first row's store: encodes and decodes for the batch
 
     @classmethod
-    def of(cls, stores) -> "_LowRankSteps | None":
-        """The steps of ``stores`` when every one is a low-rank store over dense inner stores, sealed, on one layout."""
-        if not all(type(s) is LowRankStore and not s.unsealed.length and all(type(p.inner) is DenseStore for p in s.parts)
-                   for s in stores):
+    def of(cls, stores) -> "_CoefficientSteps | None":
+        """The steps of ``stores`` when every one is a sealed coefficient store over dense inner stores, all on the
+        first one's bases."""
+        first = stores[0]
+        if not all(isinstance(s, CoefficientStore) and not s.unsealed.length and all(type(i) is DenseStore for i in s.inners)
+                   and (s is first or first.same_code(s)) for s in stores):
             return None
-        first = stores[0].parts
-        for store in stores[1:]:
-            if len(store.parts) != len(first) or any(p.heads != q.heads or not torch.equal(p.key_basis, q.key_basis)
-                                                     or not torch.equal(p.value_basis, q.value_basis)
-                                                     for p, q in zip(store.parts, first)):
-                return None
-        return cls([(p.heads, p.key_basis, p.value_basis, *p.transposed()) for p in first])
+        return cls(first)
 
     def step(self, keys: torch.Tensor, values: torch.Tensor, kv_dtype: torch.dtype):
-        """``[B, H, q, D]`` new K/V in the compute dtype -> (each part's ``kv_dtype`` coefficients, the
+        """``[B, H, q, D]`` new K/V in the compute dtype -> (each inner store's ``kv_dtype`` coefficients, the
         reconstructed K and V in the compute dtype), as each row's store seals and reads them."""
         compute = keys.dtype
         # As a row's store holds a token before sealing it: in kv_dtype, handed back in the compute dtype.
         keys, values = keys.to(kv_dtype).to(compute).contiguous(), values.to(kv_dtype).to(compute).contiguous()
-        coefficients, out_keys, out_values = [], [], []
-        for heads, key_basis, value_basis, key_t, value_t in self.parts:
-            ck = torch.matmul(keys[:, heads].float(), key_basis).to(compute).to(kv_dtype)
-            cv = torch.matmul(values[:, heads].float(), value_basis).to(compute).to(kv_dtype)
-            coefficients.append((ck, cv))
-            ck, cv = ck.to(compute), cv.to(compute)
-            out_keys.append(reconstruct(ck.float(), key_t).to(compute))
-            out_values.append(reconstruct(cv.float(), value_t).to(compute))
-        if len(self.parts) == 1:
-            return coefficients, out_keys[0], out_values[0]
-        return coefficients, torch.cat(out_keys, dim=1), torch.cat(out_values, dim=1)
+        coefficients = [(ck.to(kv_dtype), cv.to(kv_dtype)) for ck, cv in self.code.encode(keys, values)]
+        keys, values = self.code.decode([(ck.to(compute), cv.to(compute)) for ck, cv in coefficients])
+        return coefficients, keys, values
 
     @staticmethod
     def catch_up(rows, pending) -> None:
@@ -293,14 +283,14 @@ class _LowRankSteps:
         (``(coefficients, positions, real)``); positions and counts follow."""
         steps = [coefficients for coefficients, _, _ in pending]
         positions, real = (torch.cat([entry[i] for entry in pending], dim=1) for i in (1, 2))
-        parts = [(torch.cat([step[i][0] for step in steps], dim=2), torch.cat([step[i][1] for step in steps], dim=2))
-                 for i in range(len(steps[0]))]
+        inners = [(torch.cat([step[i][0] for step in steps], dim=-2), torch.cat([step[i][1] for step in steps], dim=-2))
+                  for i in range(len(steps[0]))]
         for b, row in enumerate(rows):
             keep = real[b]
             if not bool(keep.any()):
                 continue
-            for part, (ck, cv) in zip(row.store.parts, parts):
-                part.inner.append(ck[b][:, keep], cv[b][:, keep])
+            for inner, (ck, cv) in zip(row.store.inners, inners):
+                inner.append(ck[b][:, keep], cv[b][:, keep])
             row.took(positions[b][keep])
             row.store.mark_read()
 
@@ -327,10 +317,10 @@ class BufferedDecode:
 
     def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None = None, values: _Residual | None = None,
                  eviction: "_BudgetEviction | _HeadBudgetEviction | None" = None, accumulates: str | None = None,
-                 coded: "tuple[CodedRows, CodedRows] | None" = None, lowrank: _LowRankSteps | None = None):
+                 coded: "tuple[CodedRows, CodedRows] | None" = None, coefficients: _CoefficientSteps | None = None):
         self.kv_dtype = kv_dtype
         self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
-        self.coded, self.lowrank = coded, lowrank
+        self.coded, self.coefficients = coded, coefficients
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
     @staticmethod
@@ -345,7 +335,7 @@ class BufferedDecode:
         if type(store) is HeadwiseStore:
             return sliding_window is None and (selection is None or selection.decode_budget is None
                                                or _HeadBudgetEviction.serves(selection))
-        if type(store) is LowRankStore:
+        if isinstance(store, CoefficientStore):
             return sliding_window is None and (selection is None or selection.decode_budget is None)
         if type(store) not in (DenseStore, QuantizedStore):
             return False
@@ -387,9 +377,9 @@ class BufferedDecode:
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if all(_dense(s) for s in stores):
             return cls(kv_dtype, accumulates=accumulates)
-        lowrank = _LowRankSteps.of(stores)
-        if lowrank is not None:
-            return cls(kv_dtype, accumulates=accumulates, lowrank=lowrank)
+        coefficients = _CoefficientSteps.of(stores)
+        if coefficients is not None:
+            return cls(kv_dtype, accumulates=accumulates, coefficients=coefficients)
         if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
                and s.v.alive is None and s.v.tail_alive is None for s in stores):
             if codes:
@@ -425,8 +415,8 @@ class BufferedDecode:
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                real: torch.Tensor, counts: list[int]) -> None:
         """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``."""
-        if self.lowrank is not None:
-            coefficients, keys, values = self.lowrank.step(keys, values, self.kv_dtype)
+        if self.coefficients is not None:
+            coefficients, keys, values = self.coefficients.step(keys, values, self.kv_dtype)
             self.pending.append((coefficients, positions, real))
             buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
             return
@@ -452,9 +442,9 @@ class BufferedDecode:
         return keys.read(dtype, out[0]), values.read(dtype, out[1])
 
     def takes(self, counts: list[int]) -> bool:
-        """Whether a step appending ``counts`` new tokens per row can be done for the batch (low-rank rows: one
-        token per row at most, see :class:`_LowRankSteps`)."""
-        return self.lowrank is None or max(counts, default=0) <= 1
+        """Whether a step appending ``counts`` new tokens per row can be done for the batch (low-rank and latent
+        rows: one token per row at most, see :class:`_CoefficientSteps`)."""
+        return self.coefficients is None or max(counts, default=0) <= 1
 
     @property
     def due(self) -> bool:
@@ -487,8 +477,8 @@ class BufferedDecode:
             return
         if not self.pending:
             return
-        if self.lowrank is not None:
-            self.lowrank.catch_up(rows, self.pending)
+        if self.coefficients is not None:
+            self.coefficients.catch_up(rows, self.pending)
             self.pending = []
             for b, row in enumerate(rows):
                 self._catch_up_attention(row, buffer, b)

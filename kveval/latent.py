@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from kveval.lowrank import CALIBRATION_VERSION, CalibrationText, CoefficientStore, calibration_kv, load_versioned, save_atomic
+from kveval.lowrank import (CALIBRATION_VERSION, CalibrationText, CoefficientStore, calibration_kv, load_versioned,
+                            reconstruct, save_atomic)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,11 @@ class LatentLayout:
     def to(self, device) -> "LatentLayout":
         moved = [None if t is None else t.to(device) for t in (self.key_basis, self.value_basis, self.order, self.inverse)]
         return LatentLayout(self.group, self.rope_dims, *moved)
+
+    @cached_property
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bases as contiguous ``[G, r, g*n]`` (what :func:`~kveval.lowrank.reconstruct` multiplies by)."""
+        return self.key_basis.transpose(-1, -2).contiguous(), self.value_basis.transpose(-1, -2).contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -243,22 +250,22 @@ class LatentStore(CoefficientStore):
         return self.layout
 
     def _to_groups(self, x: torch.Tensor) -> torch.Tensor:
-        """``[H, T, n]`` -> ``[G, T, g*n]``: a token's heads of one group side by side."""
-        heads, tokens, n = x.shape
+        """``[..., H, T, n]`` -> ``[..., G, T, g*n]``: a token's heads of one group side by side."""
+        *lead, heads, tokens, n = x.shape
         g = self.layout.group
-        return x.reshape(heads // g, g, tokens, n).transpose(1, 2).reshape(heads // g, tokens, g * n)
+        return x.reshape(*lead, heads // g, g, tokens, n).transpose(-3, -2).reshape(*lead, heads // g, tokens, g * n)
 
     def _to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``[G, T, g*n]`` -> ``[H, T, n]`` (inverse of :meth:`_to_groups`)."""
-        groups, tokens, width = x.shape
+        """``[..., G, T, g*n]`` -> ``[..., H, T, n]`` (inverse of :meth:`_to_groups`)."""
+        *lead, groups, tokens, width = x.shape
         g = self.layout.group
-        return x.reshape(groups, tokens, g, width // g).transpose(1, 2).reshape(groups * g, tokens, width // g)
+        return x.reshape(*lead, groups, tokens, g, width // g).transpose(-3, -2).reshape(*lead, groups * g, tokens, width // g)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         layout = self._layout_on(keys.device)
         dtype, keys, values = keys.dtype, keys.float(), values.float()
         if layout.order is not None:
-            keys = keys.gather(-1, layout.order[:, None, :].expand(-1, keys.shape[1], -1))
+            keys = keys.gather(-1, layout.order[:, None, :].expand(keys.shape))
         latent_width = keys.shape[-1] - layout.rope_dims
         ck = torch.matmul(self._to_groups(keys[..., :latent_width]), layout.key_basis)
         if layout.rope_dims:
@@ -270,12 +277,20 @@ class LatentStore(CoefficientStore):
         (ck, cv), = coefficients
         layout = self._layout_on(ck.device)
         dtype, rank = ck.dtype, layout.rank
-        keys = self._to_heads(torch.matmul(ck[..., :rank].float(), layout.key_basis.transpose(-1, -2)))
+        key_t, value_t = layout.transposed
+        keys = self._to_heads(reconstruct(ck[..., :rank].float(), key_t))
         if layout.rope_dims:
             keys = torch.cat([keys, self._to_heads(ck[..., rank:].float())], dim=-1)
-            keys = keys.gather(-1, layout.inverse[:, None, :].expand(-1, keys.shape[1], -1))
-        values = self._to_heads(torch.matmul(cv.float(), layout.value_basis.transpose(-1, -2)))
+            keys = keys.gather(-1, layout.inverse[:, None, :].expand(keys.shape))
+        values = self._to_heads(reconstruct(cv.float(), value_t))
         return keys.to(dtype), values.to(dtype)
+
+    def same_code(self, other: CoefficientStore) -> bool:
+        mine, theirs = self.layout, getattr(other, "layout", None)
+        return type(other) is LatentStore and (mine is theirs or (
+            mine.group == theirs.group and mine.rope_dims == theirs.rope_dims
+            and all(a is b or (a is not None and b is not None and torch.equal(a, b))
+                    for a, b in zip((mine.key_basis, mine.value_basis, mine.order), (theirs.key_basis, theirs.value_basis, theirs.order)))))
 
     def select(self, index: torch.Tensor) -> None:
         g = self.layout.group

@@ -365,7 +365,8 @@ class _Part:
         return self.bases_t
 
 
-_RECONSTRUCT_TOKENS = 256  # tokens per elementwise product in reconstruct (bounds its [..., T, r, D] temporary)
+_RECONSTRUCT_TOKENS = 256  # at most this many tokens per elementwise product in reconstruct ...
+_RECONSTRUCT_ELEMENTS = 1 << 24  # ... and at most this many elements (64 MiB) in its [..., T, r, D] temporary
 
 
 def reconstruct(coefficients: torch.Tensor, basis_t: torch.Tensor) -> torch.Tensor:
@@ -378,8 +379,9 @@ def reconstruct(coefficients: torch.Tensor, basis_t: torch.Tensor) -> torch.Tens
     """
     basis = basis_t[:, None]  # [h, 1, r, D]
     tokens = coefficients.shape[-2]
-    chunks = [(coefficients[..., start:start + _RECONSTRUCT_TOKENS, :, None] * basis).sum(dim=-2)
-              for start in range(0, tokens, _RECONSTRUCT_TOKENS)]
+    per_token = coefficients.numel() // max(1, tokens) * basis_t.shape[-1]  # temporary elements per token
+    step = max(1, min(_RECONSTRUCT_TOKENS, _RECONSTRUCT_ELEMENTS // max(1, per_token)))
+    chunks = [(coefficients[..., start:start + step, :, None] * basis).sum(dim=-2) for start in range(0, tokens, step)]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
@@ -410,11 +412,20 @@ class CoefficientStore(TokenStore):
         self._sealed_read = 0  # sealed tokens at the last mark_read: later ones were shown unsealed, or not at all
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[H, T, D]`` keys and values -> K and V coefficients for each inner store, in the inputs' dtype."""
+        """``[..., H, T, D]`` keys and values -> K and V coefficients for each inner store, in the inputs' dtype.
+
+        Leading dims are rows of a batch (a batched decode step encodes every row's new token with the first
+        row's store); a token's coefficients are the same encoded alone (one row, ``T = 1``) or in a batch."""
         raise NotImplementedError
 
     def decode(self, coefficients: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Coefficients of each inner store -> ``[H, T, D]`` keys and values, in the coefficients' dtype."""
+        """Coefficients of each inner store -> ``[..., H, T, D]`` keys and values, in the coefficients' dtype;
+        a token's K/V depend on its own coefficients alone, bit for bit (:func:`reconstruct`)."""
+        raise NotImplementedError
+
+    def same_code(self, other: "CoefficientStore") -> bool:
+        """Whether ``other`` encodes and decodes as this store does (same class and bases): a batch of such rows
+        may be encoded by one of them."""
         raise NotImplementedError
 
     def inner_index(self, i: int, index: torch.Tensor) -> torch.Tensor:
@@ -513,12 +524,13 @@ class LowRankStore(CoefficientStore):
             part.key_basis, part.value_basis = part.key_basis.to(device), part.value_basis.to(device)
 
     def project(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Coefficients ``x B`` of each part, ``[h, T, r]``, in the inputs' dtype."""
+        """Coefficients ``x B`` of each part, ``[..., h, T, r]``, in the inputs' dtype (``[..., H, T, D]`` inputs:
+        one row, or a batch of rows' new tokens, :class:`kveval.buffered_decode.BufferedDecode`)."""
         out = []
         for part in self.parts:
             self._basis_on(part, keys.device)
-            out.append((torch.matmul(keys[part.heads].float(), part.key_basis).to(keys.dtype),
-                        torch.matmul(values[part.heads].float(), part.value_basis).to(values.dtype)))
+            out.append((torch.matmul(keys[..., part.heads, :, :].float(), part.key_basis).to(keys.dtype),
+                        torch.matmul(values[..., part.heads, :, :].float(), part.value_basis).to(values.dtype)))
         return out
 
     encode = project
@@ -529,12 +541,17 @@ class LowRankStore(CoefficientStore):
             key_t, value_t = part.transposed()
             keys.append(reconstruct(ck.float(), key_t).to(ck.dtype))
             values.append(reconstruct(cv.float(), value_t).to(cv.dtype))
-        keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=0)
-        values = values[0] if len(values) == 1 else torch.cat(values, dim=0)
+        keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=-3)
+        values = values[0] if len(values) == 1 else torch.cat(values, dim=-3)
         return keys, values
 
     def inner_index(self, i: int, index: torch.Tensor) -> torch.Tensor:
         return index[self.parts[i].heads]
+
+    def same_code(self, other: CoefficientStore) -> bool:
+        return (type(other) is LowRankStore and len(other.parts) == len(self.parts)
+                and all(p.heads == q.heads and torch.equal(p.key_basis, q.key_basis) and torch.equal(p.value_basis, q.value_basis)
+                        for p, q in zip(self.parts, other.parts)))
 
     def __deepcopy__(self, memo) -> "LowRankStore":
         # Bases are per model and read-only: copies share them; coefficients and pending tokens are copied.

@@ -212,11 +212,14 @@ def test_quantized_decode_mode_is_checked(model):
 
 @pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("spec", ["lowrank(rank=8)", "lowrank(k_rank=12,v_rank=4)", "lowrank(energy=0.9)",
-                                  "snapkv(ratio=0.5)+lowrank(rank=8)", "h2o(ratio=0.5)+lowrank(rank=12)"])
+                                  "snapkv(ratio=0.5)+lowrank(rank=8)", "h2o(ratio=0.5)+lowrank(rank=12)",
+                                  # Cross-head latent: one basis for both KV heads, with or without RoPE dims kept out
+                                  "latent(rank=12)", "latent(rank=10,rope_dims=4)", "latent(rank=6,group=1)",
+                                  "snapkv(ratio=0.5)+latent(rank=16)"])
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_low_rank_rows(model, spec, mode, monkeypatch):
-    """Low-rank rows: each step projects and reconstructs every row's new token at once (steps of several tokens,
-    the query after the context, go row by row), bit for bit as each row's store would."""
+    """Low-rank and latent rows: each step projects and reconstructs every row's new token at once (steps of
+    several tokens, the query after the context, go row by row), bit for bit as each row's store would."""
     _assert_batched_equals_rows(model, spec, monkeypatch, mode=mode)
 
 
