@@ -23,10 +23,12 @@ over rows or heads:
   (:class:`_HeadBudgetEviction`).
 
 - low-rank and latent rows over dense coefficients: each step encodes and
-  reconstructs the batch's new tokens at once (:class:`_CoefficientSteps`).
+  reconstructs the batch's new tokens at once (:class:`_CoefficientSteps`);
+- KVQuant rows: the tokens leaving the residual window are encoded by the
+  layer's codec at their positions and read back in place (:class:`_KVQuantResidual`).
 
-What still goes row by row: KVQuant stores, low-rank and latent rows over
-quantized coefficients, steps of several tokens per row on those rows, and
+What still goes row by row: low-rank and latent rows over quantized
+coefficients, steps of several tokens per row on those rows, and
 quantized stores held per head (AdaKV, DuoAttention) or evicting while decoding
 (a decode budget, a sliding layer: an eviction splits quantization units). Each
 is checked once per refresh (:meth:`BufferedDecode.for_rows`).
@@ -49,6 +51,7 @@ import torch
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer, take_slots
 from kveval.coded_rows import CodedRows, SharedScratch
 from kveval.head_stores import HeadwiseStore
+from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
 from kveval.policies import ScoringState
 from kveval.policies.window import SinkWindowPolicy, WindowPolicy
@@ -59,13 +62,65 @@ CATCH_UP_STEPS = 64  # decode steps between catch-ups of the rows' stores
 
 
 @dataclass
-class _Residual:
-    """One of K or V of a quantized layer: its encoding, residual window and unit, and each row's unencoded tail."""
+class _AgedRun:
+    """The slots of some rows that left the residual window in one step: ``count`` slots from ``firsts[i]`` in row
+    ``rows[i]``. :meth:`take` and :meth:`put` read and write them in a ``[B, H, slots, ...]`` buffer tensor as
+    ``[rows, H, count, ...]`` (a view when every row ages the same slots)."""
 
-    quant: object  # kveval.policies.quant.TensorQuant
+    rows: list[int]
+    firsts: list[int]
+    count: int
+    batch: int
+
+    def _where(self, device):
+        if len(self.rows) == self.batch and len(set(self.firsts)) == 1:
+            return None
+        index = torch.tensor(self.rows, device=device)[:, None]
+        return index, torch.tensor(self.firsts, device=device)[:, None] + torch.arange(self.count, device=device)
+
+    def take(self, held: torch.Tensor) -> torch.Tensor:
+        where = self._where(held.device)
+        if where is None:
+            return held[:, :, self.firsts[0]:self.firsts[0] + self.count]
+        return held[where[0], :, where[1]].movedim(1, 2)
+
+    def put(self, held: torch.Tensor, value: torch.Tensor) -> None:
+        where = self._where(held.device)
+        if where is None:
+            held[:, :, self.firsts[0]:self.firsts[0] + self.count] = value
+        else:
+            held[where[0], :, where[1]] = value.movedim(2, 1)
+
+
+@dataclass
+class _ResidualWindow:
+    """A residual window of ``residual`` recent tokens kept as they came, encoded ``unit`` tokens at a time once
+    they leave it, and each row's unencoded tail (slots at its end)."""
+
     residual: int
     unit: int  # tokens per quantization unit: 1 per token, ``group`` per channel
-    tails: list[int]  # slots at the end of each row not yet encoded
+    tails: list[int]
+
+    def aged(self, lengths: list[int], counts: list[int]) -> list[_AgedRun]:
+        """After each row appended ``counts[b]`` tokens (now ``lengths[b]`` slots), the slots that leave the
+        window, as each row's store seals them, grouped by count (usually one: every row ages one token at once)."""
+        self.tails = [t + c for t, c in zip(self.tails, counts)]
+        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
+        runs = []
+        for count in sorted(set(aged) - {0}):
+            rows = [b for b, a in enumerate(aged) if a == count]
+            runs.append(_AgedRun(rows, [lengths[b] - self.tails[b] for b in rows], count, len(aged)))
+            for b in rows:
+                self.tails[b] -= count
+        return runs
+
+
+class _Residual(_ResidualWindow):
+    """One of K or V of a quantized layer (:class:`~kveval.storage.QuantizedSequence`): its encoding and window."""
+
+    def __init__(self, quant, residual: int, unit: int, tails: list[int]):
+        super().__init__(residual, unit, tails)
+        self.quant = quant  # kveval.policies.quant.TensorQuant
 
     @classmethod
     def of(cls, sequences: list[QuantizedSequence]) -> "_Residual":
@@ -73,29 +128,45 @@ class _Residual:
         return cls(first.quant, first.residual, first.unit, [s.tail_slots for s in sequences])
 
     def encode_aged(self, held: torch.Tensor, lengths: list[int], counts: list[int], kv_dtype: torch.dtype) -> None:
-        """After each row appended ``counts[b]`` tokens (now ``lengths[b]`` slots), replace the slots that left the
-        residual window in ``held`` (``[B, H, slots, D]``, the buffer's K or V) by their dequantized values."""
-        self.tails = [t + c for t, c in zip(self.tails, counts)]
-        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
-        for count in sorted(set(aged) - {0}):  # usually one value: every row ages the same tokens at once
-            rows = [b for b, a in enumerate(aged) if a == count]
-            firsts = [lengths[b] - self.tails[b] for b in rows]
-            if len(rows) == len(aged) and len(set(firsts)) == 1:  # the same slots in every row: a view
-                first = firsts[0]
-                held[:, :, first:first + count] = self._decoded(held[:, :, first:first + count], kv_dtype)
-            else:
-                index = torch.tensor(rows, device=held.device)[:, None]
-                slots = torch.tensor(firsts, device=held.device)[:, None] + torch.arange(count, device=held.device)
-                tokens = held[index, :, slots].permute(0, 2, 1, 3)  # [rows, H, count, D]
-                held[index, :, slots] = self._decoded(tokens, kv_dtype).permute(0, 2, 1, 3)
-            for b in rows:
-                self.tails[b] -= count
+        """Replace the slots that left the window in ``held`` (``[B, H, slots, D]``, the buffer's K or V) by their
+        dequantized values."""
+        for run in self.aged(lengths, counts):
+            run.put(held, self._decoded(run.take(held), kv_dtype))
 
     def _decoded(self, tokens: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
         """``tokens`` (``[rows, H, count, D]``) encoded as the store encodes them, read back in their dtype."""
         rows, heads, count, dim = tokens.shape
         flat = tokens.reshape(rows * heads, count, dim).to(kv_dtype)
         return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
+
+
+class _KVQuantResidual(_ResidualWindow):
+    """KVQuant rows (:class:`~kveval.kvquant.KVQuantStore`): the layer's codec, sink and window. A token leaving
+    the window is encoded with its position (pre-RoPE keys are un-rotated there) and read back as the row's store
+    reads it, unless it is a sink (position below ``sink``), which stays as it came."""
+
+    def __init__(self, codec, sink: int, residual: int, tails: list[int]):
+        super().__init__(residual, 1, tails)
+        self.codec, self.sink = codec, sink
+
+    @classmethod
+    def of(cls, stores) -> "_KVQuantResidual | None":
+        """The window of ``stores`` when every one is a KVQuant store of one codec whose tail holds every head's
+        newest tokens (no evicted slots in it)."""
+        first = stores[0]
+        if not all(type(s) is KVQuantStore and s.codec is first.codec and (s.sink, s.residual) == (first.sink, first.residual)
+                   and s.tail.alive is None for s in stores):
+            return None
+        return cls(first.codec, first.sink, first.residual, [s.tail.slots for s in stores])
+
+    def encode_aged(self, buffer: BatchBuffer, counts: list[int], kv_dtype: torch.dtype) -> None:
+        for run in self.aged(buffer.lengths, counts):
+            keys, values, positions = (run.take(held).contiguous() for held in (buffer.keys, buffer.values, buffer.positions))
+            data = self.codec.encode(keys.to(kv_dtype), values.to(kv_dtype), positions, kv_dtype)
+            decoded_keys, decoded_values = self.codec.decode(data, positions, keys.dtype)
+            sink = (positions < self.sink)[..., None]
+            run.put(buffer.keys, torch.where(sink, keys, decoded_keys))
+            run.put(buffer.values, torch.where(sink, values, decoded_values))
 
 
 def _dense(store) -> bool:
@@ -317,9 +388,11 @@ class BufferedDecode:
 
     def __init__(self, kv_dtype: torch.dtype, keys: _Residual | None = None, values: _Residual | None = None,
                  eviction: "_BudgetEviction | _HeadBudgetEviction | None" = None, accumulates: str | None = None,
-                 coded: "tuple[CodedRows, CodedRows] | None" = None, coefficients: _CoefficientSteps | None = None):
+                 coded: "tuple[CodedRows, CodedRows] | None" = None, coefficients: _CoefficientSteps | None = None,
+                 kvquant: _KVQuantResidual | None = None):
         self.kv_dtype = kv_dtype
         self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
+        self.kvquant = kvquant
         self.coded, self.coefficients = coded, coefficients
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
@@ -335,7 +408,7 @@ class BufferedDecode:
         if type(store) is HeadwiseStore:
             return sliding_window is None and (selection is None or selection.decode_budget is None
                                                or _HeadBudgetEviction.serves(selection))
-        if isinstance(store, CoefficientStore):
+        if isinstance(store, (CoefficientStore, KVQuantStore)):
             return sliding_window is None and (selection is None or selection.decode_budget is None)
         if type(store) not in (DenseStore, QuantizedStore):
             return False
@@ -380,6 +453,9 @@ class BufferedDecode:
         coefficients = _CoefficientSteps.of(stores)
         if coefficients is not None:
             return cls(kv_dtype, accumulates=accumulates, coefficients=coefficients)
+        kvquant = _KVQuantResidual.of(stores)
+        if kvquant is not None:
+            return cls(kv_dtype, accumulates=accumulates, kvquant=kvquant)
         if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
                and s.v.alive is None and s.v.tail_alive is None for s in stores):
             if codes:
@@ -432,6 +508,8 @@ class BufferedDecode:
         for side, held in ((self.keys, buffer.keys), (self.values, buffer.values)):
             if side is not None:
                 side.encode_aged(held, buffer.lengths, counts, self.kv_dtype)
+        if self.kvquant is not None:
+            self.kvquant.encode_aged(buffer, counts, self.kv_dtype)
 
     def read(self, dtype: torch.dtype, scratch: SharedScratch) -> tuple[torch.Tensor, torch.Tensor]:
         """Held as codes: the layer's K and V, ``[B, H, width, D]`` in ``dtype``, dequantized into ``scratch``

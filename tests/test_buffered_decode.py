@@ -224,6 +224,18 @@ def test_low_rank_rows(model, spec, mode, monkeypatch):
 
 
 @pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("spec", ["kvquant(bits=4)", "kvquant(bits=3,outliers=0.1,residual=7,sink=60)",
+                                  "kvquant(bits=2,pre_rope=false,nuq=false,sink=0)", "snapkv(ratio=0.5)+kvquant(bits=4,residual=3)",
+                                  "h2o(ratio=0.5)+kvquant(bits=4,residual=5)"])
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_kvquant_rows(model, spec, mode, monkeypatch):
+    """KVQuant rows: the tokens leaving the residual window are encoded for the batch at once (pre-RoPE keys
+    un-rotated at their positions, sinks left as they came: ``sink=60`` is past the shorter prompts) and read back
+    as each row's store reads them."""
+    _assert_batched_equals_rows(model, spec, monkeypatch, mode=mode)
+
+
+@pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("spec", ["duo(heads=0.5,sink=2,window=20)", "duo(heads=0.5,sink=2,ratio=0.5)",
                                   "duo(heads=0,sink=2,window=20)"])
 def test_duo_head_budgets(model, spec, monkeypatch):
