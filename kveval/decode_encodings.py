@@ -1,0 +1,185 @@
+"""How a batched decode step encodes the batch's new tokens as each row's store would (:mod:`kveval.buffered_decode`).
+
+- :class:`QuantizedResidual`: plain quantized rows (INT/FP8, KIVI), whose tokens leaving the residual window are
+  encoded and replaced in the buffer by their dequantized values;
+- :class:`KVQuantResidual`: KVQuant rows, the same with the layer's codec at the tokens' positions;
+- :class:`CoefficientSteps`: low-rank and latent rows, whose every new token is encoded and reconstructed at once.
+
+Each is bit-identical to the rows' own stores (``tests/test_buffered_decode.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kveval.batch_buffer import BatchBuffer
+from kveval.kvquant import KVQuantStore
+from kveval.lowrank import CoefficientStore
+from kveval.quantization import dequantize
+from kveval.storage import DenseStore, QuantizedSequence, encode
+
+
+@dataclass
+class AgedRun:
+    """The slots of some rows that left the residual window in one step: ``count`` slots from ``firsts[i]`` in row
+    ``rows[i]``. :meth:`take` and :meth:`put` read and write them in a ``[B, H, slots, ...]`` buffer tensor as
+    ``[rows, H, count, ...]`` (a view when every row ages the same slots)."""
+
+    rows: list[int]
+    firsts: list[int]
+    count: int
+    batch: int
+
+    def _where(self, device):
+        if len(self.rows) == self.batch and len(set(self.firsts)) == 1:
+            return None
+        index = torch.tensor(self.rows, device=device)[:, None]
+        return index, torch.tensor(self.firsts, device=device)[:, None] + torch.arange(self.count, device=device)
+
+    def take(self, held: torch.Tensor) -> torch.Tensor:
+        where = self._where(held.device)
+        if where is None:
+            return held[:, :, self.firsts[0]:self.firsts[0] + self.count]
+        return held[where[0], :, where[1]].movedim(1, 2)
+
+    def put(self, held: torch.Tensor, value: torch.Tensor) -> None:
+        where = self._where(held.device)
+        if where is None:
+            held[:, :, self.firsts[0]:self.firsts[0] + self.count] = value
+        else:
+            held[where[0], :, where[1]] = value.movedim(2, 1)
+
+
+@dataclass
+class ResidualWindow:
+    """A residual window of ``residual`` recent tokens kept as they came, encoded ``unit`` tokens at a time once
+    they leave it, and each row's unencoded tail (slots at its end)."""
+
+    residual: int
+    unit: int  # tokens per quantization unit: 1 per token, ``group`` per channel
+    tails: list[int]
+
+    def aged(self, lengths: list[int], counts: list[int]) -> list[AgedRun]:
+        """After each row appended ``counts[b]`` tokens (now ``lengths[b]`` slots), the slots that leave the
+        window, as each row's store seals them, grouped by count (usually one: every row ages one token at once)."""
+        self.tails = [t + c for t, c in zip(self.tails, counts)]
+        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
+        runs = []
+        for count in sorted(set(aged) - {0}):
+            rows = [b for b, a in enumerate(aged) if a == count]
+            runs.append(AgedRun(rows, [lengths[b] - self.tails[b] for b in rows], count, len(aged)))
+            for b in rows:
+                self.tails[b] -= count
+        return runs
+
+
+class QuantizedResidual(ResidualWindow):
+    """One of K or V of a quantized layer (:class:`~kveval.storage.QuantizedSequence`): its encoding and window."""
+
+    def __init__(self, quant, residual: int, unit: int, tails: list[int]):
+        super().__init__(residual, unit, tails)
+        self.quant = quant  # kveval.policies.quant.TensorQuant
+
+    @classmethod
+    def of(cls, sequences: list[QuantizedSequence]) -> "QuantizedResidual":
+        first = sequences[0]
+        return cls(first.quant, first.residual, first.unit, [s.tail_slots for s in sequences])
+
+    def encode_aged(self, held: torch.Tensor, lengths: list[int], counts: list[int], kv_dtype: torch.dtype) -> None:
+        """Replace the slots that left the window in ``held`` (``[B, H, slots, D]``, the buffer's K or V) by their
+        dequantized values."""
+        for run in self.aged(lengths, counts):
+            run.put(held, self._decoded(run.take(held), kv_dtype))
+
+    def _decoded(self, tokens: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+        """``tokens`` (``[rows, H, count, D]``) encoded as the store encodes them, read back in their dtype."""
+        rows, heads, count, dim = tokens.shape
+        flat = tokens.reshape(rows * heads, count, dim).to(kv_dtype)
+        return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
+
+
+class KVQuantResidual(ResidualWindow):
+    """KVQuant rows (:class:`~kveval.kvquant.KVQuantStore`): the layer's codec, sink and window. A token leaving
+    the window is encoded with its position (pre-RoPE keys are un-rotated there) and read back as the row's store
+    reads it, unless it is a sink (position below ``sink``), which stays as it came."""
+
+    def __init__(self, codec, sink: int, residual: int, tails: list[int]):
+        super().__init__(residual, 1, tails)
+        self.codec, self.sink = codec, sink
+
+    @classmethod
+    def of(cls, stores) -> "KVQuantResidual | None":
+        """The window of ``stores`` when every one is a KVQuant store of one codec whose tail holds every head's
+        newest tokens (no evicted slots in it)."""
+        first = stores[0]
+        if not all(type(s) is KVQuantStore and s.codec is first.codec and (s.sink, s.residual) == (first.sink, first.residual)
+                   and s.tail.alive is None for s in stores):
+            return None
+        return cls(first.codec, first.sink, first.residual, [s.tail.slots for s in stores])
+
+    def encode_aged(self, buffer: BatchBuffer, counts: list[int], kv_dtype: torch.dtype) -> None:
+        for run in self.aged(buffer.lengths, counts):
+            keys, values, positions = (run.take(held).contiguous() for held in (buffer.keys, buffer.values, buffer.positions))
+            data = self.codec.encode(keys.to(kv_dtype), values.to(kv_dtype), positions, kv_dtype)
+            decoded_keys, decoded_values = self.codec.decode(data, positions, keys.dtype)
+            sink = (positions < self.sink)[..., None]
+            run.put(buffer.keys, torch.where(sink, keys, decoded_keys))
+            run.put(buffer.values, torch.where(sink, values, decoded_values))
+
+
+class CoefficientSteps:
+    """Rows of coefficient stores (:class:`~kveval.lowrank.LowRankStore` per head,
+    :class:`~kveval.latent.LatentStore` per group of heads) over dense inner stores, decoded for the batch.
+
+    A row's store seals each new token at once: it encodes it on the layer's bases, keeps the coefficients in
+    ``kv_dtype``, and attention reads their reconstruction. A step does that for every row with one encoding and
+    one reconstruction, by the first row's store (the rows share its bases: :meth:`~kveval.lowrank.CoefficientStore.same_code`;
+    a token's coefficients and reconstruction are the same alone or in a batch); the coefficients wait, exactly
+    as computed, for the rows to catch up. Steps of one token per row only: a row's store encodes several new
+    tokens as one matrix, which a batch cannot repeat.
+    """
+
+    def __init__(self, code: CoefficientStore):
+        self.code = code  # the first row's store: encodes and decodes for the batch
+
+    @classmethod
+    def of(cls, stores) -> "CoefficientSteps | None":
+        """The steps of ``stores`` when every one is a sealed coefficient store over dense inner stores, all on the
+        first one's bases."""
+        first = stores[0]
+        if not all(isinstance(s, CoefficientStore) and not s.unsealed.length and all(type(i) is DenseStore for i in s.inners)
+                   and (s is first or first.same_code(s)) for s in stores):
+            return None
+        return cls(first)
+
+    def step(self, keys: torch.Tensor, values: torch.Tensor, kv_dtype: torch.dtype):
+        """``[B, H, q, D]`` new K/V in the compute dtype -> (each inner store's ``kv_dtype`` coefficients, the
+        reconstructed K and V in the compute dtype), as each row's store seals and reads them."""
+        compute = keys.dtype
+        # As a row's store holds a token before sealing it: in kv_dtype, handed back in the compute dtype.
+        keys, values = keys.to(kv_dtype).to(compute).contiguous(), values.to(kv_dtype).to(compute).contiguous()
+        coefficients = [(ck.to(kv_dtype), cv.to(kv_dtype)) for ck, cv in self.code.encode(keys, values)]
+        keys, values = self.code.decode([(ck.to(compute), cv.to(compute)) for ck, cv in coefficients])
+        return coefficients, keys, values
+
+    @staticmethod
+    def catch_up(rows, pending) -> None:
+        """Every row's inner stores take its real tokens' coefficients of the ``pending`` steps
+        (``(coefficients, positions, real)``); positions and counts follow."""
+        steps = [coefficients for coefficients, _, _ in pending]
+        positions, real = (torch.cat([entry[i] for entry in pending], dim=1) for i in (1, 2))
+        inners = [(torch.cat([step[i][0] for step in steps], dim=-2), torch.cat([step[i][1] for step in steps], dim=-2))
+                  for i in range(len(steps[0]))]
+        for b, row in enumerate(rows):
+            keep = real[b]
+            if not bool(keep.any()):
+                continue
+            for inner, (ck, cv) in zip(row.store.inners, inners):
+                inner.append(ck[b][:, keep], cv[b][:, keep])
+            row.took(positions[b][keep])
+            row.store.mark_read()
+
+
+__all__ = ["AgedRun", "CoefficientSteps", "KVQuantResidual", "QuantizedResidual", "ResidualWindow"]

@@ -1,0 +1,157 @@
+"""Decode budgets kept for a whole batch at once (:mod:`kveval.buffered_decode`): one ranking and one gather per
+tensor of the layer's :class:`~kveval.batch_buffer.BatchBuffer`, as each row's layer would evict for itself.
+
+- :class:`BudgetEviction`: one budget for every head (window, streaming, H2O, TOVA, knorm, random; a sliding layer);
+- :class:`HeadBudgetEviction`: budgets per KV head, fixed (DuoAttention) or shared by score (AdaKV).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, take_slots
+from kveval.policies import ScoringState
+
+
+@dataclass(frozen=True)
+class LayerScoring:
+    """What a batched scoring gives a policy beside the buffer (:class:`~kveval.policies.base.ScoringState`):
+    the layer, the model, and each row's seed (the ``random`` control's), as the layer gives them for one row."""
+
+    layer_idx: int = 0
+    num_layers: int = 1
+    model: object = None
+    seeds: "torch.Tensor | int" = 0  # [B] on the rows' device, made once per refresh
+
+
+def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's ``scores`` of every slot of ``buffer`` (``[B, H, width]``, float32 or wider: ``-inf`` on padding,
+    ``+inf`` on each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row."""
+    width = buffer.width
+    positions = buffer.positions[:, :, :width]
+    padding = positions == PAD_POSITION
+    attention = None if buffer.attention is None else buffer.attention[:, :, :width]
+    state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
+                         attention=attention, layer_idx=context.layer_idx, num_layers=context.num_layers,
+                         seed=context.seeds, model=context.model)
+    scored = scores(state)
+    scored = scored.to(torch.promote_types(scored.dtype, torch.float32)).masked_fill(padding, float("-inf"))
+    newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
+    scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
+    return scored, padding
+
+
+class BudgetEviction:
+    """A decode budget kept for the whole batch at once.
+
+    After each step's attention, every row holding more than ``budget`` tokens keeps its ``budget`` best-scored,
+    its newest always, exactly as the layer would for each row by itself
+    (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, ``topk``, kept in order). The
+    buffer's K, V, positions and accumulated attention are compacted in place by one gather per tensor
+    (:func:`~kveval.batch_buffer.take_slots` for K and V).
+
+    Two sources:
+
+    - a selection's ``decode_budget`` whose :meth:`scores` take a batch (``batch_scores``: window, streaming, H2O,
+      TOVA, knorm), scored on the buffer's views (positions, the attention it accumulated, keys);
+    - a sliding-window layer of ``window`` positions, which keeps what its next query can see: the ``window - 1``
+      newest tokens, by position (:meth:`~kveval.cache_layers.CompressedLayer._trim_to_window`, while every row
+      holds consecutive positions, which :meth:`BufferedDecode.for_rows` checks).
+    """
+
+    def __init__(self, budget: int, scores, context: LayerScoring = LayerScoring()):
+        self.budget, self.scores, self.context = budget, scores, context
+
+    @staticmethod
+    def serves(selection) -> bool:
+        """Whether ``selection``'s decode budget can be kept for a batch (one budget for every head, batch scores)."""
+        return (selection.decode_budget is not None and selection.batch_scores and not selection.per_head_budgets
+                and selection.attention in ("none", "all", "last"))
+
+    @classmethod
+    def of_window(cls, window: int) -> "BudgetEviction":
+        return cls(window - 1, lambda state: state.positions.float())
+
+    def apply(self, buffer: BatchBuffer) -> bool:
+        """Keep the budget in every row; whether any row dropped a token."""
+        width = buffer.width
+        if width <= self.budget:
+            return False
+        scores, _ = scored_slots(buffer, self.scores, self.context)
+        keep = scores.topk(self.budget, dim=2).indices.sort(dim=2).values  # [B, H, budget]
+        for held in (buffer.keys, buffer.values):
+            held[:, :, :self.budget] = take_slots(held, keep)
+        for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
+            if held is not None:
+                held[:, :, :self.budget] = held[:, :, :width].gather(2, keep)
+                held[:, :, self.budget:width] = fill
+        buffer.lengths = [min(n, self.budget) for n in buffer.lengths]
+        buffer.width = max(buffer.lengths)
+        buffer.fit()
+        return True
+
+
+class HeadBudgetEviction:
+    """A decode budget per KV head, kept for the whole batch at once. Two kinds:
+
+    - fixed per head (``budgets``; DuoAttention: retrieval heads keep every token, streaming heads
+      ``sink + window``): each head keeps its best-scored tokens up to its budget (one ranking ``argsort``);
+    - chosen by score across the heads of a row (``budgets=None``; AdaKV's ``decode_budget x heads`` shared
+      by the heads): the policy's :meth:`~kveval.policies.base.SelectionPolicy.choose_batch`.
+
+    Rows hold per-head stores (:class:`~kveval.head_stores.HeadwiseStore`): in the buffer, each head's tokens end
+    at its row's last slot, padding (an invisible position) before them. After each step's attention every row
+    holding more than ``decode_budget`` slots keeps what :meth:`kveval.cache_layers.CompressedLayer._evict_to` and
+    the policy's ``choose`` would keep for it (its newest token always); a stable ``argsort`` lines each head's
+    kept tokens up at its row's new last slot, and one gather per tensor moves them.
+    """
+
+    def __init__(self, selection, budgets: list[int | None] | None, context: LayerScoring):
+        self.selection, self.decode_budget, self.context = selection, selection.decode_budget, context
+        self.budgets = budgets  # per head (None: every token); None: chosen by score (AdaKV)
+
+    @staticmethod
+    def serves(selection) -> bool:
+        return selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
+
+    def _kept(self, scores: torch.Tensor, padding: torch.Tensor, width: int) -> torch.Tensor:
+        """``[B, H, width]``: the slots an over-budget row keeps."""
+        if self.budgets is None:
+            return self.selection.choose_batch(scores, self.decode_budget)
+        budgets = torch.tensor([width if b is None else b for b in self.budgets], device=scores.device)[None, :, None]
+        rank = scores.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
+        return ~padding & (rank < budgets)
+
+    def apply(self, buffer: BatchBuffer) -> bool:
+        """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""
+        lengths, width = buffer.lengths, buffer.width
+        if not any(n > self.decode_budget for n in lengths):
+            return False
+        scores, padding = scored_slots(buffer, self.selection.scores, self.context)
+        device = scores.device
+        over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
+        kept = self._kept(scores, padding, width) | (~padding & ~over)  # rows within the decode budget keep everything
+        counts = kept.sum(dim=2)  # [B, H]
+        new_lengths = counts.max(dim=1).values.tolist()
+        new_width = max(new_lengths)
+        order = torch.argsort(kept.to(torch.int8), dim=2, stable=True)  # dropped first, kept last, each in slot order
+        # Slot t of row b takes order[t + width - new_lengths[b]]: each head's kept tokens end at its row's last slot.
+        shift = width - torch.tensor(new_lengths, device=device)[:, None, None]
+        source = torch.arange(new_width, device=device)[None, None, :] + shift  # [B, 1, new_width]
+        real = (source >= width - counts[..., None]) & (source < width)  # [B, H, new_width]
+        index = order.gather(2, source.clamp(max=width - 1).expand(-1, order.shape[1], -1))
+        for held in (buffer.keys, buffer.values):
+            moved = take_slots(held, index)
+            held[:, :, :new_width] = moved.masked_fill(~real[..., None], 0)
+        for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
+            if held is not None:
+                held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill(~real, fill)
+                held[:, :, new_width:width] = fill
+        buffer.lengths, buffer.width = new_lengths, new_width
+        buffer.fit()
+        return True
+
+
+__all__ = ["BudgetEviction", "HeadBudgetEviction", "LayerScoring", "scored_slots"]
