@@ -27,10 +27,15 @@ over rows or heads:
 - KVQuant rows: the tokens leaving the residual window are encoded by the
   layer's codec at their positions and read back in place (:class:`KVQuantResidual`).
 
+- quantized and KVQuant rows of a sliding layer, when its window holds each
+  row's unencoded tokens (``residual + unit <= window``): a trim then drops
+  only whole, encoded tokens, and the rows replay the steps when they catch up.
+
 What still goes row by row: low-rank and latent rows over quantized
-coefficients, steps of several tokens per row on those rows, and
-quantized stores held per head (AdaKV, DuoAttention) or evicting while decoding
-(a decode budget, a sliding layer: an eviction splits quantization units). Each
+coefficients, steps of several tokens per row on those rows, quantized stores
+held per head (AdaKV, DuoAttention) or under a decode budget (an eviction there
+may split a quantization unit or reach the residual window), and sliding
+layers whose residual window does not fit in the window. Each
 is checked once per refresh (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
@@ -63,7 +68,7 @@ def _dense(store) -> bool:
 
 
 class BufferedDecode:
-    """Batched decode steps for one layer whose rows are all dense or all plain quantized stores (see module doc).
+    """Batched decode steps for one layer whose rows all hold one kind of store (see the module doc).
 
     Parameters
     ----------
@@ -72,7 +77,14 @@ class BufferedDecode:
     keys, values : QuantizedResidual or None
         The quantizers' residual windows (quantized rows), else ``None``.
     eviction : BudgetEviction, HeadBudgetEviction or None
-        A decode budget (dense rows only), kept after each step's attention.
+        A decode budget (dense rows) or a sliding window, kept after each step's attention.
+    kvquant : KVQuantResidual or None
+        KVQuant rows' codec and residual window.
+    coefficients : CoefficientSteps or None
+        Low-rank or latent rows over dense coefficients.
+    window : int or None
+        Encoded rows (quantized, KVQuant) of a sliding layer of this many positions: their stores replay the
+        steps (append, seal, trim) when they catch up.
     accumulates : str or None
         ``"all"`` (H2O: attention summed over every query) or ``"last"`` (TOVA: the newest query's), when the
         selection scores with attention at every step; the buffer then holds it beside the tokens.
@@ -85,10 +97,10 @@ class BufferedDecode:
     def __init__(self, kv_dtype: torch.dtype, keys: QuantizedResidual | None = None, values: QuantizedResidual | None = None,
                  eviction: "BudgetEviction | HeadBudgetEviction | None" = None, accumulates: str | None = None,
                  coded: "tuple[CodedRows, CodedRows] | None" = None, coefficients: CoefficientSteps | None = None,
-                 kvquant: KVQuantResidual | None = None):
+                 kvquant: KVQuantResidual | None = None, window: int | None = None):
         self.kv_dtype = kv_dtype
         self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
-        self.kvquant = kvquant
+        self.kvquant, self.window = kvquant, window
         self.coded, self.coefficients = coded, coefficients
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
@@ -97,19 +109,21 @@ class BufferedDecode:
         """Whether rows holding stores like ``store`` under ``selection`` (in a sliding layer of ``sliding_window``
         positions, if given) may ever decode in batch: a cheap, static check; :meth:`for_rows` then checks every row.
 
-        Dense or plain quantized stores, or per-head stores (AdaKV's budgets) of dense heads, which append every new
-        token at one slot after the longest head, as dense rows do. Anything evicting while decoding (a decode
-        budget, a sliding window) needs dense stores and, for a budget, scores that take a batch
-        (:attr:`SelectionPolicy.batch_scores`)."""
+        Dense, quantized, KVQuant, low-rank or latent stores, or per-head stores (AdaKV's budgets) of dense heads,
+        which append every new token at one slot after the longest head, as dense rows do. A decode budget needs
+        dense stores (per head or not) and scores that take a batch (:attr:`SelectionPolicy.batch_scores`); a
+        sliding window, dense, quantized or KVQuant stores."""
         if type(store) is HeadwiseStore:
             return sliding_window is None and (selection is None or selection.decode_budget is None
                                                or HeadBudgetEviction.serves(selection))
-        if isinstance(store, (CoefficientStore, KVQuantStore)):
+        if isinstance(store, CoefficientStore):
             return sliding_window is None and (selection is None or selection.decode_budget is None)
+        if type(store) is KVQuantStore:
+            return selection is None or selection.decode_budget is None
         if type(store) not in (DenseStore, QuantizedStore):
             return False
         if sliding_window is not None:
-            return type(store) is DenseStore
+            return type(store) in (DenseStore, QuantizedStore, KVQuantStore)
         if selection is None or selection.decode_budget is None:
             return True
         return type(store) is DenseStore and BudgetEviction.serves(selection)
@@ -131,7 +145,10 @@ class BufferedDecode:
             if not all(row.positions.shape[1] == 0 or int(row.positions[0, -1] - row.positions[0, 0]) == row.positions.shape[1] - 1
                        for row in rows):
                 return None
-            return cls(kv_dtype, eviction=BudgetEviction.of_window(sliding_window))
+            eviction = BudgetEviction.of_window(sliding_window)
+            if all(type(s) is DenseStore for s in stores):
+                return cls(kv_dtype, eviction=eviction)
+            return cls._quantized_window(stores, kv_dtype, eviction, sliding_window)
         context = LayerScoring(layer_idx, num_layers, model,
                                 torch.tensor(seeds, device=rows[0].positions.device) if seeds else 0)
         if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
@@ -159,6 +176,21 @@ class BufferedDecode:
                 return cls(kv_dtype, accumulates=accumulates, coded=coded)
             return cls(kv_dtype, QuantizedResidual.of([s.k for s in stores]), QuantizedResidual.of([s.v for s in stores]), accumulates=accumulates)
         return None
+
+    @classmethod
+    def _quantized_window(cls, stores, kv_dtype, eviction: BudgetEviction, window: int) -> "BufferedDecode | None":
+        """Quantized or KVQuant rows of a sliding layer, when a trim can only drop encoded tokens: each row's
+        unencoded tokens (at most ``residual + unit - 1`` after a seal) stay below the ``window`` it holds, so the
+        buffer evicts whole encoded tokens and the rows replay the steps when they catch up (:meth:`catch_up`)."""
+        kvquant = KVQuantResidual.of(stores)
+        if kvquant is not None:
+            return cls(kv_dtype, eviction=eviction, kvquant=kvquant, window=window) if kvquant.residual + 1 <= window else None
+        if not all(type(s) is QuantizedStore and s.k.tail_alive is None and s.v.tail_alive is None for s in stores):
+            return None
+        keys, values = QuantizedResidual.of([s.k for s in stores]), QuantizedResidual.of([s.v for s in stores])
+        if any(side.residual + side.unit > window for side in (keys, values)):
+            return None
+        return cls(kv_dtype, keys, values, eviction=eviction, window=window)
 
     def start(self, rows, buffer: BatchBuffer) -> None:
         """Load what the steps update beside the tokens into ``buffer``: the rows' accumulated attention. Held as
@@ -257,6 +289,19 @@ class BufferedDecode:
             for b, row in enumerate(rows):
                 self._catch_up_attention(row, buffer, b)
             return
+        if self.window is not None:  # encoded rows of a sliding layer: append and seal, then trim as the layer would
+            keys, values, positions, real = self._pending_tokens()
+            for b, row in enumerate(rows):
+                keep = real[b]
+                if bool(keep.any()):
+                    row.store.append(keys[b][:, keep], values[b][:, keep])
+                    row.took(positions[b][keep])
+                    row.seal()
+                    index = row.window_index(self.window, int(positions[b][keep].max()) + 1)
+                    if index is not None:
+                        row.keep(index)
+                row.store.mark_read()
+            return
         if self.eviction is not None:  # the buffer holds the rows as they stand: only the counts are needed
             counts = torch.cat([real for *_, real in self.pending], dim=1).sum(dim=1).tolist()
             self.pending = []
@@ -272,8 +317,7 @@ class BufferedDecode:
                 row.tokens_seen += counts[b]
                 self._catch_up_attention(row, buffer, b)
             return
-        keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
-        self.pending = []
+        keys, values, positions, real = self._pending_tokens()
         for b, row in enumerate(rows):
             keep = real[b]
             if not bool(keep.any()):
@@ -284,6 +328,12 @@ class BufferedDecode:
             row.store.mark_read()
         for b, row in enumerate(rows):
             self._catch_up_attention(row, buffer, b)
+
+    def _pending_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pending steps' K, V (``[B, H, steps, D]``), positions and real flags (``[B, steps]``), taken."""
+        keys, values, positions, real = (torch.cat(parts, dim=-2 if i < 2 else 1) for i, parts in enumerate(zip(*self.pending)))
+        self.pending = []
+        return keys, values, positions, real
 
     def _catch_up_attention(self, row, buffer: BatchBuffer, b: int) -> None:
         if self.accumulates is not None:

@@ -51,6 +51,23 @@ class RowState:
             place(self.positions)
         self.store.seal()
 
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep slots ``index`` (``[H, T']``) of the store and of everything held per slot."""
+        self.store.select(index)
+        self.positions = self.positions.gather(1, index)
+        if self.attention is not None:
+            self.attention = self.attention.gather(1, index)
+        if self.scores:
+            self.scores = {key: scores.gather(1, index) for key, scores in self.scores.items()}
+
+    def window_index(self, window: int, first_new_position: int) -> torch.Tensor | None:
+        """The slots a sliding layer of ``window`` positions keeps for a query at ``first_new_position`` (the
+        model's own window), ``[H, T']``; ``None`` when it keeps them all."""
+        visible = self.positions[0] > first_new_position - window
+        if bool(visible.all()):
+            return None
+        return visible.nonzero().squeeze(1).unsqueeze(0).expand(self.positions.shape[0], -1)
+
     @property
     def padding(self) -> torch.Tensor | None:
         """``[kv_heads, slots]``: True on the padding slots of heads holding fewer tokens (per-head budgets), else ``None``."""
@@ -299,11 +316,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def _trim_to_window(self, row: RowState, first_new_position: int | None) -> None:
         """Sliding layers: drop tokens no upcoming query can see (the model's own window)."""
-        if first_new_position is None:
-            return
-        visible = row.positions[0] > first_new_position - self.sliding_window
-        if not bool(visible.all()):
-            index = visible.nonzero().squeeze(1).unsqueeze(0).expand(row.positions.shape[0], -1)
+        index = None if first_new_position is None else row.window_index(self.sliding_window, first_new_position)
+        if index is not None:
             self._select(row, index)
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
@@ -462,12 +476,7 @@ class CompressedLayer(CacheLayerMixin):
                 return
             index = torch.stack(index)
         self._decode = None
-        row.store.select(index)
-        row.positions = row.positions.gather(1, index)
-        if row.attention is not None:
-            row.attention = row.attention.gather(1, index)
-        if row.scores:
-            row.scores = {key: scores.gather(1, index) for key, scores in row.scores.items()}
+        row.keep(index)
         self.contiguous = False
 
     def _select_heads(self, row: RowState, index: list[torch.Tensor]) -> None:

@@ -138,18 +138,26 @@ def gemma():
     return tiny_gemma3(sliding_window=24)
 
 
-@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "h2o(ratio=0.5,decode_budget=40)", "kivi(bits=4,group=8,residual=4)"])
+@pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "h2o(ratio=0.5,decode_budget=40)", "kivi(bits=4,group=8,residual=4)",
+                                  "quant(bits=8,group=16)", "fp8(group=16,residual=3)", "kvquant(bits=4)",
+                                  "kvquant(bits=3,residual=5,sink=30)", "snapkv(ratio=0.5)+kivi(bits=2,group=8,residual=16)",
+                                  # residual + group past the window: trims would reach unencoded tokens (row by row)
+                                  "kivi(bits=2,group=8,residual=20)"])
 def test_sliding_window_layers(gemma, spec, monkeypatch):
     """Gemma 3's local layers (a window of 24 positions here) drop what their next query cannot see, for the batch
-    at once: prompts longer and shorter than the window, so some rows start trimming only while decoding."""
+    at once: prompts longer and shorter than the window, so some rows start trimming only while decoding. Quantized
+    rows too: a trim drops the oldest tokens, long encoded, and the rows replay the steps when they catch up."""
     prompts = _prompts(n=4, seed=5)
     prompts[0] = Prompt(prompts[0].context[:10], prompts[0].question)
     _assert_batched_equals_rows(gemma, spec, monkeypatch, prompts=prompts, batch_size=4)
 
 
-def test_sliding_layers_decode_in_batch(gemma):
-    """The dense sliding layers really take the batched path (the quantized ones cannot: trims split units)."""
-    cache = CompressedCache(gemma, "none")
+@pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("spec", ["none", "quant(bits=8,group=16)", "kivi(bits=4,group=8,residual=8)", "kvquant(bits=4)"])
+def test_sliding_layers_decode_in_batch(gemma, spec):
+    """The sliding layers really take the batched path, dense or quantized (the residual and a unit fit the window)."""
+    cache = CompressedCache(gemma, spec)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         gemma(ids, cache=cache, position_ids=torch.arange(40).expand(2, -1))
