@@ -20,23 +20,21 @@ over rows or heads:
   policy's own scores and one in-place gather (:class:`BudgetEviction`);
 - per-head budgets, fixed per head (DuoAttention) or shared by the heads of a
   row by score (AdaKV's decode budget), by one ranking and one gather
-  (:class:`HeadBudgetEviction`).
-
-- low-rank and latent rows over dense coefficients: each step encodes and
-  reconstructs the batch's new tokens at once (:class:`CoefficientSteps`);
+  (:class:`HeadBudgetEviction`);
+- low-rank and latent rows: each step encodes and reconstructs the batch's new
+  tokens at once (:class:`CoefficientSteps`); over quantized coefficients, the
+  tokens whose coefficients leave the residual window are reconstructed again;
 - KVQuant rows: the tokens leaving the residual window are encoded by the
-  layer's codec at their positions and read back in place (:class:`KVQuantResidual`).
-
+  layer's codec at their positions and read back in place (:class:`KVQuantResidual`);
 - quantized and KVQuant rows of a sliding layer, when its window holds each
   row's unencoded tokens (``residual + unit <= window``): a trim then drops
   only whole, encoded tokens, and the rows replay the steps when they catch up.
 
-What still goes row by row: low-rank and latent rows over quantized
-coefficients, steps of several tokens per row on those rows, quantized stores
-held per head (AdaKV, DuoAttention) or under a decode budget (an eviction there
-may split a quantization unit or reach the residual window), and sliding
-layers whose residual window does not fit in the window. Each
-is checked once per refresh (:meth:`BufferedDecode.for_rows`).
+What still goes row by row: steps of several tokens per row on low-rank and
+latent rows (the query after the context), quantized stores held per head
+(AdaKV, DuoAttention) or under a decode budget (an eviction there may split a
+quantization unit or reach the residual window), and sliding layers whose
+residual window does not fit in the window. Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
 until the rows *catch up*: each row's store takes them (appending and sealing,
@@ -198,6 +196,8 @@ class BufferedDecode:
         if self.coded is not None:
             buffer.release_values()
             self._point_rows(rows)
+        if self.coefficients is not None:
+            self.coefficients.start(rows)
         if self.accumulates is None:
             buffer.attention = None
             return
@@ -220,9 +220,10 @@ class BufferedDecode:
                real: torch.Tensor, counts: list[int]) -> None:
         """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``."""
         if self.coefficients is not None:
-            coefficients, keys, values = self.coefficients.step(keys, values, self.kv_dtype)
+            coefficients, keys, values = self.coefficients.step(keys, values, self.kv_dtype, positions, real, counts)
             self.pending.append((coefficients, positions, real))
             buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
+            self.coefficients.rewrite_aged(buffer)
             return
         keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
         if self.coded is not None:

@@ -18,7 +18,7 @@ from kveval.batch_buffer import BatchBuffer
 from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
 from kveval.quantization import dequantize
-from kveval.storage import DenseStore, QuantizedSequence, encode
+from kveval.storage import DenseStore, QuantizedSequence, QuantizedStore, encode
 
 
 @dataclass
@@ -87,11 +87,13 @@ class QuantizedResidual(ResidualWindow):
         first = sequences[0]
         return cls(first.quant, first.residual, first.unit, [s.tail_slots for s in sequences])
 
-    def encode_aged(self, held: torch.Tensor, lengths: list[int], counts: list[int], kv_dtype: torch.dtype) -> None:
+    def encode_aged(self, held: torch.Tensor, lengths: list[int], counts: list[int], kv_dtype: torch.dtype) -> list[AgedRun]:
         """Replace the slots that left the window in ``held`` (``[B, H, slots, D]``, the buffer's K or V) by their
-        dequantized values."""
-        for run in self.aged(lengths, counts):
+        dequantized values; those slots."""
+        runs = self.aged(lengths, counts)
+        for run in runs:
             run.put(held, self._decoded(run.take(held), kv_dtype))
+        return runs
 
     def _decoded(self, tokens: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
         """``tokens`` (``[rows, H, count, D]``) encoded as the store encodes them, read back in their dtype."""
@@ -131,42 +133,96 @@ class KVQuantResidual(ResidualWindow):
 
 class CoefficientSteps:
     """Rows of coefficient stores (:class:`~kveval.lowrank.LowRankStore` per head,
-    :class:`~kveval.latent.LatentStore` per group of heads) over dense inner stores, decoded for the batch.
+    :class:`~kveval.latent.LatentStore` per group of heads), decoded for the batch.
 
     A row's store seals each new token at once: it encodes it on the layer's bases, keeps the coefficients in
-    ``kv_dtype``, and attention reads their reconstruction. A step does that for every row with one encoding and
-    one reconstruction, by the first row's store (the rows share its bases: :meth:`~kveval.lowrank.CoefficientStore.same_code`;
-    a token's coefficients and reconstruction are the same alone or in a batch); the coefficients wait, exactly
-    as computed, for the rows to catch up. Steps of one token per row only: a row's store encodes several new
-    tokens as one matrix, which a batch cannot repeat.
+    ``kv_dtype`` (in dense inner stores, or quantized ones with their own residual window), and attention reads
+    their reconstruction. A step does that for every row with one encoding and one reconstruction, by the first
+    row's store (the rows share its bases: :meth:`~kveval.lowrank.CoefficientStore.same_code`; a token's
+    coefficients and reconstruction are the same alone or in a batch); the coefficients wait, exactly as
+    computed, for the rows to catch up. Steps of one token per row only: a row's store encodes several new tokens
+    as one matrix, which a batch cannot repeat.
+
+    Over quantized inner stores, the batch also holds every row's coefficients as its stores read them back
+    (one :class:`~kveval.batch_buffer.BatchBuffer` per inner store, loaded by :meth:`start`): coefficients
+    leaving the residual window are replaced by their dequantized values (:class:`QuantizedResidual`), and
+    their tokens are reconstructed again into the layer's buffer (:meth:`rewrite_aged`).
     """
 
-    def __init__(self, code: CoefficientStore):
+    def __init__(self, code: CoefficientStore, residuals: "list[tuple[QuantizedResidual, QuantizedResidual]] | None" = None):
         self.code = code  # the first row's store: encodes and decodes for the batch
+        self.residuals = residuals  # per inner store, its K and V quantizers' windows (quantized inners)
+        self.held: list[BatchBuffer] = []  # per inner store, the rows' coefficients (quantized inners)
+        self.aged: list[tuple[str, AgedRun]] = []  # this step's slots whose K ("keys") or V ("values") changed
 
     @classmethod
     def of(cls, stores) -> "CoefficientSteps | None":
-        """The steps of ``stores`` when every one is a sealed coefficient store over dense inner stores, all on the
-        first one's bases."""
+        """The steps of ``stores`` when every one is a sealed coefficient store on the first one's bases, over
+        dense inner stores or plain quantized ones with no evicted slots."""
         first = stores[0]
-        if not all(isinstance(s, CoefficientStore) and not s.unsealed.length and all(type(i) is DenseStore for i in s.inners)
-                   and (s is first or first.same_code(s)) for s in stores):
+        if not all(isinstance(s, CoefficientStore) and not s.unsealed.length and (s is first or first.same_code(s))
+                   for s in stores):
             return None
-        return cls(first)
+        inners = [inner for s in stores for inner in s.inners]
+        if all(type(i) is DenseStore for i in inners):
+            return cls(first)
+        if not all(type(i) is QuantizedStore and i.k.alive is None and i.k.tail_alive is None
+                   and i.v.alive is None and i.v.tail_alive is None for i in inners):
+            return None
+        return cls(first, [(QuantizedResidual.of([s.inners[i].k for s in stores]), QuantizedResidual.of([s.inners[i].v for s in stores]))
+                           for i in range(len(first.inners))])
 
-    def step(self, keys: torch.Tensor, values: torch.Tensor, kv_dtype: torch.dtype):
+    def start(self, rows) -> None:
+        """Quantized inner stores: load every row's coefficients, as its stores read them back, into the batch."""
+        if self.residuals is None:
+            return
+        self.held = []
+        for i in range(len(self.code.inners)):
+            held = None
+            for b, row in enumerate(rows):
+                ck, cv = row.store.inners[i].keys_values()
+                if held is None:
+                    held = BatchBuffer(len(rows), ck.shape[0], ck.shape[-1], cv.shape[-1], ck.dtype, ck.device)
+                held.write_row(b, 0, ck, cv, torch.zeros(ck.shape[:2], dtype=torch.long, device=ck.device))
+            self.held.append(held)
+
+    def step(self, keys: torch.Tensor, values: torch.Tensor, kv_dtype: torch.dtype, positions: torch.Tensor,
+             real: torch.Tensor, counts: list[int]):
         """``[B, H, q, D]`` new K/V in the compute dtype -> (each inner store's ``kv_dtype`` coefficients, the
         reconstructed K and V in the compute dtype), as each row's store seals and reads them."""
         compute = keys.dtype
         # As a row's store holds a token before sealing it: in kv_dtype, handed back in the compute dtype.
         keys, values = keys.to(kv_dtype).to(compute).contiguous(), values.to(kv_dtype).to(compute).contiguous()
         coefficients = [(ck.to(kv_dtype), cv.to(kv_dtype)) for ck, cv in self.code.encode(keys, values)]
-        keys, values = self.code.decode([(ck.to(compute), cv.to(compute)) for ck, cv in coefficients])
-        return coefficients, keys, values
+        if self.residuals is None:
+            keys, values = self.code.decode([(ck.to(compute), cv.to(compute)) for ck, cv in coefficients])
+            return coefficients, keys, values
+        self.aged = []
+        for i, (held, (key_side, value_side), (ck, cv)) in enumerate(zip(self.held, self.residuals, coefficients)):
+            held.append(ck.to(held.keys.dtype), cv.to(held.values.dtype), positions, real, counts)
+            key_runs = key_side.encode_aged(held.keys, held.lengths, counts, kv_dtype)
+            value_runs = value_side.encode_aged(held.values, held.lengths, counts, kv_dtype)
+            if i == 0:  # every inner store holds the same tokens: its slots age alike
+                self.aged = [("keys", run) for run in key_runs] + [("values", run) for run in value_runs]
+        # Each row's new token, as read after its store sealed it (its coefficients may have aged at once).
+        last = torch.tensor(self.held[0].lengths, device=keys.device).sub(1).clamp(min=0)
+        rows = torch.arange(len(last), device=keys.device)
+        keys, values = self.code.decode([(held.keys[rows, :, last].unsqueeze(2), held.values[rows, :, last].unsqueeze(2))
+                                         for held in self.held])
+        return coefficients, keys.to(compute), values.to(compute)
+
+    def rewrite_aged(self, buffer: BatchBuffer) -> None:
+        """After the step's tokens went into the layer's ``buffer``: reconstruct again the K (or V) of the slots
+        whose coefficients left the residual window at this step."""
+        for side, run in self.aged:
+            keys, values = self.code.decode([(run.take(held.keys), run.take(held.values)) for held in self.held])
+            held = getattr(buffer, side)
+            run.put(held, (keys if side == "keys" else values).to(held.dtype))
+        self.aged = []
 
     @staticmethod
     def catch_up(rows, pending) -> None:
-        """Every row's inner stores take its real tokens' coefficients of the ``pending`` steps
+        """Every row's inner stores take (and seal) its real tokens' coefficients of the ``pending`` steps
         (``(coefficients, positions, real)``); positions and counts follow."""
         steps = [coefficients for coefficients, _, _ in pending]
         positions, real = (torch.cat([entry[i] for entry in pending], dim=1) for i in (1, 2))
@@ -178,6 +234,7 @@ class CoefficientSteps:
                 continue
             for inner, (ck, cv) in zip(row.store.inners, inners):
                 inner.append(ck[b][:, keep], cv[b][:, keep])
+                inner.seal()
             row.took(positions[b][keep])
             row.store.mark_read()
 

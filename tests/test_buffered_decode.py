@@ -223,11 +223,17 @@ def test_quantized_decode_mode_is_checked(model):
                                   "snapkv(ratio=0.5)+lowrank(rank=8)", "h2o(ratio=0.5)+lowrank(rank=12)",
                                   # Cross-head latent: one basis for both KV heads, with or without RoPE dims kept out
                                   "latent(rank=12)", "latent(rank=10,rope_dims=4)", "latent(rank=6,group=1)",
-                                  "snapkv(ratio=0.5)+latent(rank=16)"])
+                                  "snapkv(ratio=0.5)+latent(rank=16)",
+                                  # Over quantized coefficients: those leaving the residual window change their K/V
+                                  "lowrank(rank=8)+quant(bits=8,group=4)", "lowrank(energy=0.9)+kivi(bits=4,group=4,residual=4)",
+                                  "latent(rank=12)+quant(bits=4,group=4,residual=3)",
+                                  "latent(rank=10,rope_dims=4)+kivi(bits=2,group=2,residual=5)",
+                                  "h2o(ratio=0.5)+lowrank(rank=8)+kivi(bits=4,group=8,residual=2)"])
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_low_rank_rows(model, spec, mode, monkeypatch):
     """Low-rank and latent rows: each step projects and reconstructs every row's new token at once (steps of
-    several tokens, the query after the context, go row by row), bit for bit as each row's store would."""
+    several tokens, the query after the context, go row by row), bit for bit as each row's store would; over
+    quantized coefficients, the tokens whose coefficients leave the residual window are reconstructed again."""
     _assert_batched_equals_rows(model, spec, monkeypatch, mode=mode)
 
 
