@@ -24,6 +24,9 @@ over rows or heads:
 - low-rank and latent rows: each step encodes and reconstructs the batch's new
   tokens at once (:class:`CoefficientSteps`); over quantized coefficients, the
   tokens whose coefficients leave the residual window are reconstructed again;
+- quantized rows held per head (AdaKV's budgets at the prefill): each row's
+  head is a row of its own for the residual windows, on a ``[B * H, 1, slots, D]``
+  view of the buffer;
 - KVQuant rows: the tokens leaving the residual window are encoded by the
   layer's codec at their positions and read back in place (:class:`KVQuantResidual`);
 - quantized and KVQuant rows of a sliding layer, when its window holds each
@@ -31,10 +34,10 @@ over rows or heads:
   only whole, encoded tokens, and the rows replay the steps when they catch up.
 
 What still goes row by row: steps of several tokens per row on low-rank and
-latent rows (the query after the context), quantized stores held per head
-(AdaKV, DuoAttention) or under a decode budget (an eviction there may split a
-quantization unit or reach the residual window), and sliding layers whose
-residual window does not fit in the window. Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
+latent rows (the query after the context), quantized rows under a decode
+budget, per head (DuoAttention, AdaKV's decode budget) or not (an eviction
+there may split a quantization unit or reach the residual window), and sliding
+layers whose residual window does not fit in the window. Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
 until the rows *catch up*: each row's store takes them (appending and sealing,
@@ -65,6 +68,12 @@ def _dense(store) -> bool:
     return type(store) is DenseStore or (type(store) is HeadwiseStore and all(type(h) is DenseStore for h in store.heads))
 
 
+def _plain_quantized(store) -> bool:
+    """A quantized store with no evicted slot (inside a unit or in the residual window)."""
+    return (type(store) is QuantizedStore and store.k.alive is None and store.k.tail_alive is None
+            and store.v.alive is None and store.v.tail_alive is None)
+
+
 class BufferedDecode:
     """Batched decode steps for one layer whose rows all hold one kind of store (see the module doc).
 
@@ -83,6 +92,9 @@ class BufferedDecode:
     window : int or None
         Encoded rows (quantized, KVQuant) of a sliding layer of this many positions: their stores replay the
         steps (append, seal, trim) when they catch up.
+    per_head : bool
+        Quantized rows held per head (:class:`~kveval.head_stores.HeadwiseStore`: AdaKV's budgets at the
+        prefill): ``keys``/``values`` then hold one residual window per row and head, in that order.
     accumulates : str or None
         ``"all"`` (H2O: attention summed over every query) or ``"last"`` (TOVA: the newest query's), when the
         selection scores with attention at every step; the buffer then holds it beside the tokens.
@@ -95,10 +107,10 @@ class BufferedDecode:
     def __init__(self, kv_dtype: torch.dtype, keys: QuantizedResidual | None = None, values: QuantizedResidual | None = None,
                  eviction: "BudgetEviction | HeadBudgetEviction | None" = None, accumulates: str | None = None,
                  coded: "tuple[CodedRows, CodedRows] | None" = None, coefficients: CoefficientSteps | None = None,
-                 kvquant: KVQuantResidual | None = None, window: int | None = None):
+                 kvquant: KVQuantResidual | None = None, window: int | None = None, per_head: bool = False):
         self.kv_dtype = kv_dtype
         self.keys, self.values, self.eviction, self.accumulates = keys, values, eviction, accumulates
-        self.kvquant, self.window = kvquant, window
+        self.kvquant, self.window, self.per_head = kvquant, window, per_head
         self.coded, self.coefficients = coded, coefficients
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (K, V, positions, real)
 
@@ -161,14 +173,19 @@ class BufferedDecode:
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if all(_dense(s) for s in stores):
             return cls(kv_dtype, accumulates=accumulates)
+        if all(type(s) is HeadwiseStore for s in stores):  # per-head budgets at the prefill: each head is a row
+            heads = [head for s in stores for head in s.heads]
+            if not all(_plain_quantized(head) for head in heads):
+                return None
+            return cls(kv_dtype, QuantizedResidual.of([h.k for h in heads]), QuantizedResidual.of([h.v for h in heads]),
+                       accumulates=accumulates, per_head=True)
         coefficients = CoefficientSteps.of(stores)
         if coefficients is not None:
             return cls(kv_dtype, accumulates=accumulates, coefficients=coefficients)
         kvquant = KVQuantResidual.of(stores)
         if kvquant is not None:
             return cls(kv_dtype, accumulates=accumulates, kvquant=kvquant)
-        if all(type(s) is QuantizedStore and s.k.alive is None and s.k.tail_alive is None
-               and s.v.alive is None and s.v.tail_alive is None for s in stores):
+        if all(_plain_quantized(s) for s in stores):
             if codes:
                 coded = (CodedRows.from_sequences([s.k for s in stores]), CodedRows.from_sequences([s.v for s in stores]))
                 return cls(kv_dtype, accumulates=accumulates, coded=coded)
@@ -234,9 +251,13 @@ class BufferedDecode:
             return
         self.pending.append((keys, values, positions, real))
         buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
+        lengths = buffer.lengths
+        if self.per_head:  # each (row, head) its own residual window: [B * H, 1, slots, D] views, heads ending together
+            heads = buffer.keys.shape[1]
+            lengths, counts = [n for n in lengths for _ in range(heads)], [c for c in counts for _ in range(heads)]
         for side, held in ((self.keys, buffer.keys), (self.values, buffer.values)):
             if side is not None:
-                side.encode_aged(held, buffer.lengths, counts, self.kv_dtype)
+                side.encode_aged(held.view(-1, 1, *held.shape[2:]) if self.per_head else held, lengths, counts, self.kv_dtype)
         if self.kvquant is not None:
             self.kvquant.encode_aged(buffer, counts, self.kv_dtype)
 

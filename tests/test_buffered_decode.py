@@ -34,7 +34,10 @@ SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "
          "snapkv(ratio=0.5,adaptive=true)", "h2o(ratio=0.6,adaptive=true)",
          # ... and kept while decoding, the heads sharing the row's budget by score (AdaKV's decode budget)
          "h2o(ratio=0.5,adaptive=true,decode_budget=30)", "knorm(ratio=0.5,adaptive=true,decode_budget=25,floor=0.5)",
-         "random(ratio=0.5,adaptive=true,decode_budget=30)"]
+         "random(ratio=0.5,adaptive=true,decode_budget=30)",
+         # ... over quantized heads: each head ages its own residual window (per-channel groups out of phase)
+         "snapkv(ratio=0.5,adaptive=true)+quant(bits=8,group=16)", "snapkv(ratio=0.5,adaptive=true)+kivi(bits=4,group=8,residual=4)",
+         "h2o(ratio=0.6,adaptive=true)+kivi(bits=2,group=8,residual=12)"]
 
 
 def _prompts(n=5, seed=11):
