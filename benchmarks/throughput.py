@@ -53,7 +53,8 @@ import time
 DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5,decode_budget=128)",
                     "tova(ratio=0.5,decode_budget=128)", "h2o(ratio=0.5,adaptive=true,decode_budget=128)",
                     "random(ratio=0.5,decode_budget=128)", "kivi(bits=4)", "kivi(bits=4) [codes]", "quant(bits=8)",
-                    "quant(bits=8) [codes]", "fp8", "lowrank(rank=32)"]
+                    "quant(bits=8) [codes]", "fp8", "kvquant(bits=4)", "lowrank(rank=32)", "latent(rank=96)",
+                    "lowrank(rank=32)+quant(bits=8)", "snapkv(ratio=0.5,adaptive=true)+kivi(bits=4)"]
 CODES = " [codes]"
 
 

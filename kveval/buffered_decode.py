@@ -33,11 +33,16 @@ over rows or heads:
   row's unencoded tokens (``residual + unit <= window``): a trim then drops
   only whole, encoded tokens, and the rows replay the steps when they catch up.
 
+- quantized rows under a decode budget, when each token is encoded alone as it
+  arrives (per-token groups, no residual window): the buffer evicts whole
+  encoded tokens, and the rows append, seal and keep what the buffer kept when
+  they catch up.
+
 What still goes row by row: steps of several tokens per row on low-rank and
 latent rows (the query after the context), quantized rows under a decode
-budget, per head (DuoAttention, AdaKV's decode budget) or not (an eviction
-there may split a quantization unit or reach the residual window), and sliding
-layers whose residual window does not fit in the window. Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
+budget per head (DuoAttention, AdaKV's decode budget) or with a residual
+window or per-channel groups (an eviction may reach the window or split a
+unit), and sliding layers whose residual window does not fit in the window. Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
 until the rows *catch up*: each row's store takes them (appending and sealing,
@@ -72,6 +77,13 @@ def _plain_quantized(store) -> bool:
     """A quantized store with no evicted slot (inside a unit or in the residual window)."""
     return (type(store) is QuantizedStore and store.k.alive is None and store.k.tail_alive is None
             and store.v.alive is None and store.v.tail_alive is None)
+
+
+def _tokenwise_quantized(store) -> bool:
+    """A quantized store that encodes each token alone, as it arrives (per-token groups, no residual window): an
+    eviction then drops whole encoded tokens, whatever it drops."""
+    return type(store) is QuantizedStore and all(side.unit == 1 and side.residual == 0 and side.tail_alive is None
+                                                 for side in (store.k, store.v))
 
 
 class BufferedDecode:
@@ -119,10 +131,10 @@ class BufferedDecode:
         """Whether rows holding stores like ``store`` under ``selection`` (in a sliding layer of ``sliding_window``
         positions, if given) may ever decode in batch: a cheap, static check; :meth:`for_rows` then checks every row.
 
-        Dense, quantized, KVQuant, low-rank or latent stores, or per-head stores (AdaKV's budgets) of dense heads,
-        which append every new token at one slot after the longest head, as dense rows do. A decode budget needs
-        dense stores (per head or not) and scores that take a batch (:attr:`SelectionPolicy.batch_scores`); a
-        sliding window, dense, quantized or KVQuant stores."""
+        Dense, quantized, KVQuant, low-rank or latent stores, or per-head stores (AdaKV's budgets), which append
+        every new token at one slot after the longest head, as dense rows do. A decode budget needs scores that
+        take a batch (:attr:`SelectionPolicy.batch_scores`) and, in :meth:`for_rows`, dense stores (per head or
+        not) or tokens quantized alone as they arrive; a sliding window, dense, quantized or KVQuant stores."""
         if type(store) is HeadwiseStore:
             return sliding_window is None and (selection is None or selection.decode_budget is None
                                                or HeadBudgetEviction.serves(selection))
@@ -136,7 +148,7 @@ class BufferedDecode:
             return type(store) in (DenseStore, QuantizedStore, KVQuantStore)
         if selection is None or selection.decode_budget is None:
             return True
-        return type(store) is DenseStore and BudgetEviction.serves(selection)
+        return BudgetEviction.serves(selection)
 
     @classmethod
     def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None, sliding_window: int | None = None,
@@ -170,7 +182,12 @@ class BufferedDecode:
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if selection is not None and selection.decode_budget is not None:
             eviction = BudgetEviction(selection.decode_budget, selection.scores, context)
-            return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
+            if all(type(s) is DenseStore for s in stores):
+                return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
+            if not all(_tokenwise_quantized(s) for s in stores):
+                return None
+            return cls(kv_dtype, QuantizedResidual.of([s.k for s in stores]), QuantizedResidual.of([s.v for s in stores]),
+                       eviction=eviction, accumulates=accumulates)
         if all(_dense(s) for s in stores):
             return cls(kv_dtype, accumulates=accumulates)
         if all(type(s) is HeadwiseStore for s in stores):  # per-head budgets at the prefill: each head is a row
@@ -323,6 +340,23 @@ class BufferedDecode:
                     if index is not None:
                         row.keep(index)
                 row.store.mark_read()
+            return
+        if self.eviction is not None and self.keys is not None:  # quantized rows under a decode budget
+            keys, values, positions, real = self._pending_tokens()
+            for b, row in enumerate(rows):
+                keep = real[b]
+                if bool(keep.any()):
+                    row.store.append(keys[b][:, keep], values[b][:, keep])
+                    row.took(positions[b][keep])
+                    row.seal()
+                # Keep what the buffer kept: each head's positions, ascending in both, located in the row's. The
+                # row's attention (not extended by the appends) is the buffer's, taken below.
+                if self.accumulates is not None:
+                    row.attention = None
+                kept = buffer.positions[b, :, :buffer.lengths[b]].contiguous()
+                row.keep(torch.searchsorted(row.positions.contiguous(), kept))
+                row.store.mark_read()
+                self._catch_up_attention(row, buffer, b)
             return
         if self.eviction is not None:  # the buffer holds the rows as they stand: only the counts are needed
             counts = torch.cat([real for *_, real in self.pending], dim=1).sum(dim=1).tolist()

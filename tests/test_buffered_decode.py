@@ -37,7 +37,10 @@ SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "
          "random(ratio=0.5,adaptive=true,decode_budget=30)",
          # ... over quantized heads: each head ages its own residual window (per-channel groups out of phase)
          "snapkv(ratio=0.5,adaptive=true)+quant(bits=8,group=16)", "snapkv(ratio=0.5,adaptive=true)+kivi(bits=4,group=8,residual=4)",
-         "h2o(ratio=0.6,adaptive=true)+kivi(bits=2,group=8,residual=12)"]
+         "h2o(ratio=0.6,adaptive=true)+kivi(bits=2,group=8,residual=12)",
+         # Decode budgets over tokens quantized alone as they arrive: evictions drop whole encoded tokens
+         "h2o(ratio=0.5,decode_budget=40,recent=8)+quant(bits=8,group=16)", "streaming(sink=2,window=20)+fp8(group=16)",
+         "tova(ratio=0.5,decode_budget=30)+quant(bits=4,group=8)", "knorm(ratio=0.5,decode_budget=25)+quant(bits=2,group=4)"]
 
 
 def _prompts(n=5, seed=11):
