@@ -239,12 +239,12 @@ class SdpaKernel:
         kv_heads, k_len = key.shape[1], key.shape[2]
         groups = heads // kv_heads
         logits = torch.matmul(query.float().reshape(batch, kv_heads, groups * q_len, width), key.float().transpose(-1, -2))
-        logits = (logits * scaling).view(batch, kv_heads, groups, q_len, k_len)
+        logits = logits.mul_(scaling).view(batch, kv_heads, groups, q_len, k_len)  # in place: the logits are this call's
         if allowed.shape[1] == heads and groups > 1:
             allowed = allowed.view(batch, kv_heads, groups, q_len, -1)
         else:
             allowed = allowed.unsqueeze(2)  # [B, 1 or KV heads, 1, q, k]
-        probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        probs = torch.softmax(logits.masked_fill_(~allowed, float("-inf")), dim=-1)
         return probs.view(batch, heads, q_len, k_len)
 
 

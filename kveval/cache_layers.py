@@ -134,6 +134,7 @@ class CompressedLayer(CacheLayerMixin):
         self.contiguous = True  # every row holds every column: the model's own causal mask is exact
         self._query_positions: torch.Tensor | None = None
         self._slot_positions: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
         self.token_elements = 0  # K and V elements per token, all heads: what the model's own cache layer holds
         self._buffer: BatchBuffer | None = None  # what attention reads, kept in step with the rows
         # Decode steps done on the buffer alone (None: the rows do not allow it, or changed since the last check).
@@ -288,9 +289,11 @@ class CompressedLayer(CacheLayerMixin):
             keys, values = self._decode.read(self.dtype, self.cache.scratch)
         self._query_positions = positions
         self._slot_positions = slot_positions
+        # The mask of this forward's queries over the slots, which scoring reuses (None: the model's own causal mask).
+        self._mask = None if self.contiguous else self.allowed_mask(positions)
         if kwargs is not None:
             kwargs["kveval_layer"] = self
-            kwargs["kveval_mask"] = None if self.contiguous else self.allowed_mask(positions)
+            kwargs["kveval_mask"] = self._mask
         return keys, values
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
@@ -413,7 +416,8 @@ class CompressedLayer(CacheLayerMixin):
         mass = None
         for start in range(first, q_len, _QUERY_CHUNK):
             stop = min(q_len, start + _QUERY_CHUNK)
-            allowed = self.allowed_mask(self._query_positions[:, start:stop])
+            whole = start == 0 and stop == q_len and self._mask is not None
+            allowed = self._mask if whole else self.allowed_mask(self._query_positions[:, start:stop])
             probs = probabilities(query[:, :, start:stop], keys, allowed)
             stored_heads = self._slot_positions.shape[1]
             groups = query.shape[1] // stored_heads
