@@ -31,8 +31,7 @@ over rows or heads:
   layer's codec at their positions and read back in place (:class:`KVQuantResidual`);
 - quantized and KVQuant rows of a sliding layer, when its window holds each
   row's unencoded tokens (``residual + unit <= window``): a trim then drops
-  only whole, encoded tokens, and the rows replay the steps when they catch up.
-
+  only whole, encoded tokens, and the rows replay the steps when they catch up;
 - quantized rows under a decode budget, when each token is encoded alone as it
   arrives (per-token groups, no residual window): the buffer evicts whole
   encoded tokens, and the rows append, seal and keep what the buffer kept when
@@ -42,7 +41,8 @@ What still goes row by row: steps of several tokens per row on low-rank and
 latent rows (the query after the context), quantized rows under a decode
 budget per head (DuoAttention, AdaKV's decode budget) or with a residual
 window or per-channel groups (an eviction may reach the window or split a
-unit), and sliding layers whose residual window does not fit in the window. Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
+unit), and sliding layers whose residual window does not fit in the window.
+Each is checked once per refresh (:meth:`BufferedDecode.for_rows`).
 
 The new tokens' positions (and, for plain quantized rows, the tokens) are kept
 until the rows *catch up*: each row's store takes them (appending and sealing,
