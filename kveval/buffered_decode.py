@@ -329,26 +329,16 @@ class BufferedDecode:
                 self._catch_up_attention(row, buffer, b)
             return
         if self.window is not None:  # encoded rows of a sliding layer: append and seal, then trim as the layer would
-            keys, values, positions, real = self._pending_tokens()
-            for b, row in enumerate(rows):
-                keep = real[b]
-                if bool(keep.any()):
-                    row.store.append(keys[b][:, keep], values[b][:, keep])
-                    row.took(positions[b][keep])
-                    row.seal()
-                    index = row.window_index(self.window, int(positions[b][keep].max()) + 1)
+            for row, took in zip(rows, self._append_pending(rows)):
+                if took:  # its newest token is its last: the trim is the one its next query sees
+                    index = row.window_index(self.window, int(row.positions[0, -1]) + 1)
                     if index is not None:
                         row.keep(index)
                 row.store.mark_read()
             return
         if self.eviction is not None and self.keys is not None:  # quantized rows under a decode budget
-            keys, values, positions, real = self._pending_tokens()
+            self._append_pending(rows)
             for b, row in enumerate(rows):
-                keep = real[b]
-                if bool(keep.any()):
-                    row.store.append(keys[b][:, keep], values[b][:, keep])
-                    row.took(positions[b][keep])
-                    row.seal()
                 # Keep what the buffer kept: each head's positions, ascending in both, located in the row's. The
                 # row's attention (not extended by the appends) is the buffer's, taken below.
                 if self.accumulates is not None:
@@ -373,17 +363,25 @@ class BufferedDecode:
                 row.tokens_seen += counts[b]
                 self._catch_up_attention(row, buffer, b)
             return
-        keys, values, positions, real = self._pending_tokens()
-        for b, row in enumerate(rows):
-            keep = real[b]
-            if not bool(keep.any()):
-                continue
-            row.store.append(keys[b][:, keep], values[b][:, keep])
-            row.took(positions[b][keep])
-            row.seal()
-            row.store.mark_read()
+        for row, took in zip(rows, self._append_pending(rows)):
+            if took:
+                row.store.mark_read()
         for b, row in enumerate(rows):
             self._catch_up_attention(row, buffer, b)
+
+    def _append_pending(self, rows) -> list[bool]:
+        """Each row's store appends its real pending tokens and seals (encoding what leaves its residual window, as
+        the row would have step by step); whether each row took any."""
+        keys, values, positions, real = self._pending_tokens()
+        took = []
+        for b, row in enumerate(rows):
+            keep = real[b]
+            took.append(bool(keep.any()))
+            if took[-1]:
+                row.store.append(keys[b][:, keep], values[b][:, keep])
+                row.took(positions[b][keep])
+                row.seal()
+        return took
 
     def _pending_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pending steps' K, V (``[B, H, steps, D]``), positions and real flags (``[B, steps]``), taken."""
