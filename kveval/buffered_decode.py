@@ -339,12 +339,11 @@ class BufferedDecode:
         if self.eviction is not None and self.keys is not None:  # quantized rows under a decode budget
             self._append_pending(rows)
             for b, row in enumerate(rows):
-                # Keep what the buffer kept: each head's positions, ascending in both, located in the row's. The
-                # row's attention (not extended by the appends) is the buffer's, taken below.
-                if self.accumulates is not None:
-                    row.attention = None
-                kept = buffer.positions[b, :, :buffer.lengths[b]].contiguous()
-                row.keep(torch.searchsorted(row.positions.contiguous(), kept))
+                # Keep what the buffer kept, as the dense rows below take it: each head's positions (ascending in
+                # both) located in the row's; positions and attention are then the buffer's.
+                kept = buffer.positions[b, :, :buffer.lengths[b]].clone()
+                row.store.select(torch.searchsorted(row.positions.contiguous(), kept))
+                row.positions = kept
                 row.store.mark_read()
                 self._catch_up_attention(row, buffer, b)
             return
