@@ -25,6 +25,45 @@ from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.storage import DenseStore
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
+_QUERY_BLOCK = 64  # queries whose probabilities are computed together, over only the slots they may see
+# Slots of a block's probabilities, a multiple of this: a vectorized softmax then puts every visible logit in the
+# lane and unrolled accumulator it uses over all the slots (vectors of up to 16 floats, unrolled 4 times). A guard:
+# on this project's CPUs unaligned widths gave the same bits too; small blocks of queries did not (see above).
+_SLOT_ALIGN = 64
+
+
+def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
+                          real: torch.Tensor | None = None) -> torch.Tensor:
+    """``probabilities(query, keys, allowed)`` (``[B, query heads, q, slots]``), computed :data:`_QUERY_BLOCK`
+    queries at a time (the last block up to twice that) over only the slots up to the last one a query of the
+    block may see (rounded up to :data:`_SLOT_ALIGN` slots). ``real`` (``[B, q]``, bool): the queries that count;
+    padding queries, which see every slot rather than none, do not widen a block, and their probabilities (over
+    the block's slots only) are for weighting by 0.
+
+    The slots beyond get probability 0 either way (a masked logit's ``exp`` is exactly 0), and each query's
+    softmax sums the same visible logits in the same order: on a CPU the result is bit-identical to one call over
+    every slot (``tests/test_cache.py`` checks it), at a little over half the work of a causal prefill's scoring,
+    which grows as the square of its length. Elsewhere any rounding difference is the same for every path of kveval
+    (row by row, in batch, shared prefill): they all score through this function.
+    """
+    q_len = query.shape[2]
+    blocks = q_len // _QUERY_BLOCK
+    if blocks < 2:
+        return probabilities(query, keys, allowed)
+    seen = allowed if real is None else allowed & real[:, None, :, None]
+    seen = seen.flatten(0, 1).any(dim=0)  # [q, slots]: what some row and head of each real query sees
+    probs = None
+    for start in range(0, blocks * _QUERY_BLOCK, _QUERY_BLOCK):
+        # The last block takes the remainder: a matmul of a few query rows may round differently.
+        stop = q_len if start + 2 * _QUERY_BLOCK > q_len else start + _QUERY_BLOCK
+        columns = seen[start:stop].any(dim=0).nonzero()
+        needed = int(columns[-1]) + 1 if len(columns) else keys.shape[2]
+        width = min(keys.shape[2], -(-needed // _SLOT_ALIGN) * _SLOT_ALIGN)
+        block = probabilities(query[:, :, start:stop], keys[:, :, :width], allowed[:, :, start:stop, :width])
+        if probs is None:
+            probs = block.new_zeros(*block.shape[:2], q_len, keys.shape[2])
+        probs[:, :, start:stop, :width] = block
+    return probs
 
 
 @dataclass
@@ -418,7 +457,7 @@ class CompressedLayer(CacheLayerMixin):
             stop = min(q_len, start + _QUERY_CHUNK)
             whole = start == 0 and stop == q_len and self._mask is not None
             allowed = self._mask if whole else self.allowed_mask(self._query_positions[:, start:stop])
-            probs = probabilities(query[:, :, start:stop], keys, allowed)
+            probs = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop].bool())
             stored_heads = self._slot_positions.shape[1]
             groups = query.shape[1] // stored_heads
             # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).

@@ -97,18 +97,28 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     flat = codes.reshape(codes.shape[0], codes.shape[1], -1)
     if bits == 8:
         return flat
+    return _pack_whole_codes(flat, bits)
+
+
+def _pack_whole_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., n]`` codes of ``bits`` dividing 8 -> ``[..., ceil(n*bits/8)]``: code ``i`` in bits
+    ``(i % per_byte) * bits`` onwards of byte ``i // per_byte`` (the last byte zero-padded)."""
     per_byte = 8 // bits
-    flat = torch.nn.functional.pad(flat, (0, -flat.shape[-1] % per_byte))
-    flat = flat.reshape(flat.shape[0], flat.shape[1], -1, per_byte)
+    flat = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % per_byte)).reshape(*codes.shape[:-1], -1, per_byte)
     shifts = torch.arange(per_byte, device=codes.device, dtype=torch.uint8) * bits
     return (flat << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def _unpack_whole_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_whole_codes`, padding included: ``[..., bytes]`` -> ``[..., bytes * 8 // bits]``."""
+    shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.uint8) * bits
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], -1)
 
 
 def unpack(packed: torch.Tensor, bits: int, shape: torch.Size) -> torch.Tensor:
     """Inverse of :func:`pack`: codes of the given grouped ``shape`` (``[H, U, ...]``)."""
     if bits != 8:
-        shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.uint8) * bits
-        packed = ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], packed.shape[1], -1)
+        packed = _unpack_whole_codes(packed, bits)
     per_unit = shape[2:].numel()
     return packed[..., :per_unit].reshape(shape)
 
@@ -218,8 +228,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``bits``-bit codes (``uint8``, any ``bits`` in 1..8) along the last dim: ``[..., n]`` -> ``[..., ceil(n*bits/8)]``.
 
     A bit stream, least significant bit first, so widths that do not divide 8
-    (3 bits) waste at most the last byte's spare bits per vector.
+    (3 bits) waste at most the last byte's spare bits per vector. For widths that divide 8 that stream is
+    :func:`pack`'s layout, built by whole codes (several times faster than bit by bit).
     """
+    if 8 % bits == 0:
+        return codes if bits == 8 else _pack_whole_codes(codes, bits)
     shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
     stream = ((codes.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], -1)
     stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).reshape(*codes.shape[:-1], -1, 8)
@@ -228,6 +241,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``[..., bytes]`` -> ``[..., n]`` ``uint8`` codes."""
+    if 8 % bits == 0:
+        return packed[..., :n] if bits == 8 else _unpack_whole_codes(packed, bits)[..., :n]
     stream = ((packed.unsqueeze(-1) >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1)
     stream = stream.reshape(*packed.shape[:-1], -1)[..., : n * bits].reshape(*packed.shape[:-1], n, bits)
     return (stream << torch.arange(bits, device=packed.device, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)

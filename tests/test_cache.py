@@ -278,3 +278,39 @@ def test_random_scores_are_uniform_and_independent_of_the_batch():
     together = scores(batch, torch.tensor([7, 8]))
     assert torch.equal(together[0], alone)
     assert torch.equal(together[1][:, :1501], scores(positions[:, :1501], 8))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256), (4, 4, 16)])
+def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(heads, kv_heads, dim):
+    """Policies that score every prefill query (H2O, the deferred shared prefill) compute probabilities 64 queries
+    at a time over the slots those queries may see; on a CPU that must equal one call over every slot, bit for bit,
+    whatever the prefill's length, left padding or (after compression) slot layout, else scores and so kept tokens
+    would move with it."""
+    from kveval.architectures import SdpaKernel
+    from kveval.cache_layers import visible_probabilities
+
+    kernel, generator = SdpaKernel(), torch.Generator().manual_seed(heads * dim)
+
+    def probabilities(query, keys, allowed):
+        return kernel.probabilities(None, query, keys, allowed, dim ** -0.5, {})
+
+    calls = []
+    for q_len in (63, 64, 127, 128, 129, 191, 257, 300):
+        batch, pad = 3, torch.tensor([0, 5, 70])
+        query = torch.randn(batch, heads, q_len, dim, generator=generator) * 2
+        keys = torch.randn(batch, kv_heads, q_len, dim, generator=generator) * 2
+        slots = torch.arange(q_len)
+        allowed = (slots[None, :] <= slots[:, None])[None, None] & (slots >= pad[:, None])[:, None, None, :]
+        allowed = allowed | ~allowed.any(dim=-1, keepdim=True)  # padding queries see everything, as allowed_mask does
+        for mask in (allowed, allowed.expand(-1, heads, -1, -1) & (torch.rand(batch, heads, q_len, q_len, generator=generator) > 0.2)
+                     | torch.eye(q_len, dtype=torch.bool)):
+            seen = []
+            blocked = visible_probabilities(lambda q, k, a: seen.append(k.shape[2]) or probabilities(q, k, a), query, keys,
+                                            mask, slots[None, :] >= pad[:, None])
+            every = probabilities(query, keys, mask)
+            real = (slots[None, :] >= pad[:, None])[:, None, :, None]
+            assert torch.equal(blocked * real, every * real), q_len  # padding queries' probabilities are weighted 0
+            assert torch.equal(blocked[0], every[0]) and torch.equal(blocked[2, :, 70:], every[2, :, 70:])
+            calls.append(seen)
+    # Blocks of 64 queries (the last one up to 127) over the slots their real queries see, in 64s.
+    assert calls[0] == [63] and calls[-2] == [64, 128, 192, 300]

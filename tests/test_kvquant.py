@@ -35,6 +35,24 @@ def _codec(heads=2, dim=16, bits=4, k=2):
 
 
 # --- bytes ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_codes_pack_into_a_least_significant_bit_first_stream(bits):
+    """The codes' layout, bit by bit, for every width (4 and 2 bits take a whole-code path): code i's bit j is bit
+    i * bits + j of the vector's stream, byte k holding its bits 8k..8k+7; the last byte is zero-padded."""
+    from kveval.quantization import pack_bits, unpack_bits
+
+    generator = torch.Generator().manual_seed(bits)
+    for n in (1, 3, 8, 13, 64):
+        codes = torch.randint(0, 2**bits, (2, 3, n), dtype=torch.uint8, generator=generator)
+        stream = [(int(c) >> j) & 1 for c in codes.reshape(-1, n)[4] for j in range(bits)]
+        stream += [0] * (-len(stream) % 8)
+        expected = [sum(bit << j for j, bit in enumerate(stream[k:k + 8])) for k in range(0, len(stream), 8)]
+        packed = pack_bits(codes, bits)
+        assert packed.shape == (2, 3, -(-n * bits // 8)) and packed.dtype == torch.uint8
+        assert packed.reshape(-1, packed.shape[-1])[4].tolist() == expected
+        assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
 def test_bytes_are_codes_outliers_ranges_sinks_and_residual():
     # 2 heads, head_dim 16, 4 bits, 2 outliers a vector, float32: per encoded token and head
     # K: 8 code bytes + 2 x (4 + 1) outlier bytes = 18; V: the same + float16 lo and hi = 22; 40 together.
