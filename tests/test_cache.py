@@ -280,19 +280,35 @@ def test_random_scores_are_uniform_and_independent_of_the_batch():
     assert torch.equal(together[1][:, :1501], scores(positions[:, :1501], 8))
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256), (4, 4, 16)])
-def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(heads, kv_heads, dim):
+@pytest.mark.parametrize("variant", ["sdpa 9/3x64", "sdpa 4/1x256", "sdpa 4/4x16", "gpt_oss", "gemma2"])
+def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant):
     """Policies that score every prefill query (H2O, the deferred shared prefill) compute probabilities 64 queries
     at a time over the slots those queries may see; on a CPU that must equal one call over every slot, bit for bit,
-    whatever the prefill's length, left padding or (after compression) slot layout, else scores and so kept tokens
-    would move with it."""
-    from kveval.architectures import SdpaKernel
+    whatever the prefill's length, left padding or (after compression) slot layout, and through a model's eager
+    function (gpt-oss's learned sinks, Gemma 2's softcapping) as through SDPA, else scores and so kept tokens would
+    move with it."""
+    import sys
+
+    from tiny_models import tiny_model
+
+    from kveval.architectures import EagerKernel, SdpaKernel
     from kveval.cache_layers import visible_probabilities
 
-    kernel, generator = SdpaKernel(), torch.Generator().manual_seed(heads * dim)
+    if variant.startswith("sdpa"):  # "sdpa H/KVxD": query heads, KV heads, head width
+        module, extra, kernel = None, {}, SdpaKernel()
+        heads, rest = variant.split()[1].split("/")
+        heads, (kv_heads, dim) = int(heads), map(int, rest.split("x"))
+    else:  # a tiny model's first attention module, through its own eager function
+        model = tiny_model(variant)
+        module = next(m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj"))
+        extra = {"softcap": 50.0} if variant == "gemma2" else {}
+        heads, kv_heads, dim = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+        kernel = EagerKernel(sys.modules[type(module).__module__].eager_attention_forward)
+    generator = torch.Generator().manual_seed(heads * dim)
 
     def probabilities(query, keys, allowed):
-        return kernel.probabilities(None, query, keys, allowed, dim ** -0.5, {})
+        with torch.no_grad():
+            return kernel.probabilities(module, query, keys, allowed, dim ** -0.5, dict(extra))
 
     calls = []
     for q_len in (63, 64, 127, 128, 129, 191, 257, 300):
@@ -312,5 +328,5 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(heads, 
             assert torch.equal(blocked * real, every * real), q_len  # padding queries' probabilities are weighted 0
             assert torch.equal(blocked[0], every[0]) and torch.equal(blocked[2, :, 70:], every[2, :, 70:])
             calls.append(seen)
-    # Blocks of 64 queries (the last one up to 127) over the slots their real queries see, in 64s.
-    assert calls[0] == [63] and calls[-2] == [64, 128, 192, 300]
+    # Blocks of 64 queries (the last one up to 127) over the slots their real queries see, less multiples of 64.
+    assert calls[0] == [63] and calls[-2] == [108, 172, 236, 300]  # 300 less 192, 128 and 64 trailing slots
