@@ -34,10 +34,10 @@ _SLOT_ALIGN = 64
 
 
 def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
-                          real: torch.Tensor | None = None) -> torch.Tensor:
+                          real: torch.Tensor) -> torch.Tensor:
     """``probabilities(query, keys, allowed)`` (``[B, query heads, q, slots]``), computed :data:`_QUERY_BLOCK`
     queries at a time (the last block up to twice that) over only the slots up to the last one a query of the
-    block may see (leaving out a multiple of :data:`_SLOT_ALIGN` slots). ``real`` (``[B, q]``, bool): the queries that count;
+    block may see (leaving out a multiple of :data:`_SLOT_ALIGN` slots). ``real`` (``[B, q]``, any dtype): the queries that count;
     padding queries, which see every slot rather than none, do not widen a block, and their probabilities (over
     the block's slots only) are for weighting by 0.
 
@@ -52,8 +52,7 @@ def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor
     blocks = q_len // _QUERY_BLOCK
     if blocks < 2:
         return probabilities(query, keys, allowed)
-    seen = allowed if real is None else allowed & real[:, None, :, None]
-    seen = seen.flatten(0, 1).any(dim=0)  # [q, slots]: what some row and head of each real query sees
+    seen = (allowed & real.bool()[:, None, :, None]).flatten(0, 1).any(dim=0)  # [q, slots]: seen by a real query
     probs = None
     for start in range(0, blocks * _QUERY_BLOCK, _QUERY_BLOCK):
         # The last block takes the remainder: a matmul of a few query rows rounded differently on a CPU.
@@ -459,7 +458,7 @@ class CompressedLayer(CacheLayerMixin):
             stop = min(q_len, start + _QUERY_CHUNK)
             whole = start == 0 and stop == q_len and self._mask is not None
             allowed = self._mask if whole else self.allowed_mask(self._query_positions[:, start:stop])
-            probs = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop].bool())
+            probs = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop])
             stored_heads = self._slot_positions.shape[1]
             groups = query.shape[1] // stored_heads
             # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
