@@ -15,14 +15,24 @@ import torch
 from cache_runs import fingerprint
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-from kveval import buffered_decode
+from kveval import batch_buffer, buffered_decode, coded_rows
 from kveval.batch_buffer import BatchBuffer
 from kveval.buffered_decode import BufferedDecode
 from kveval.cache import CompressedCache
 from kveval.cache_layers import CompressedLayer
 from kveval.generation import Prompt, generate
 
-STEPS = buffered_decode.CATCH_UP_STEPS + 6
+#: Catch-ups, buffer growth and code growth come every 16 steps or slots here (64 in use): the same code, reached
+#: in 30 decode steps instead of 70 (:func:`dense_events`).
+CATCH_UP_STEPS, MIN_GROWTH = 16, 16
+STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def dense_events(monkeypatch):
+    monkeypatch.setattr(buffered_decode, "CATCH_UP_STEPS", CATCH_UP_STEPS)
+    monkeypatch.setattr(batch_buffer, "_MIN_GROWTH", MIN_GROWTH)
+    monkeypatch.setattr(coded_rows, "_MIN_GROWTH_TOKENS", MIN_GROWTH)
 SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
          "fp8(group=16,residual=3)", "snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)",
          "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)",

@@ -19,7 +19,7 @@ CONFIG = """
 name: resume-test
 models: [smollm2-135m]
 batch_size: 2
-policies: [kivi(bits=4), window(32)]
+policies: [window(32)]
 probes: {families: [passkey], lengths: [256], depths: [0.5], n: 3}
 """
 
@@ -57,7 +57,7 @@ def test_killed_sweep_resumes_to_the_uninterrupted_result(tmp_path):
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     partial = sum(len(p.read_text().splitlines()) for p in (tmp_path / "killed").glob("runs/*/*/items.jsonl"))
-    assert 3 <= partial < 9
+    assert 3 <= partial < 6
     # A half-written line, as a kill in the middle of a write would leave.
     next((tmp_path / "killed").glob("runs/*/none/items.jsonl")).open("a").write('{"id": "passkey-256')
 
