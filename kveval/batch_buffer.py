@@ -23,6 +23,8 @@ dequantized copy attention needs, in the one reusable tensor.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 PAD_POSITION = 2**62  # slot position of padding: never visible to any query
@@ -36,11 +38,28 @@ def take_slots(held: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     rows, about 5x faster on a CPU than a gather through an index expanded over D (an eviction does this for
     every layer at every decode step).
     """
-    batch, heads, slots, width = held.shape
+    return take_rows(held, slot_rows(held, index), index.shape)
+
+
+def slot_rows(held: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of ``held.view(-1, D)`` that :func:`take_slots` reads for ``index``: one flat index, which serves
+    every tensor of ``held``'s ``[B, H, slots]`` (K and V alike)."""
+    batch, heads, slots = held.shape[:3]
+    return (_row_offsets(batch, heads, slots, index.device) + index).view(-1)
+
+
+def take_rows(held: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
+    """``held``'s D-wide rows ``rows`` (:func:`slot_rows`), shaped ``[*shape, D]``."""
     if not held.is_contiguous():
         held = held.contiguous()
-    base = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * slots
-    return held.view(-1, width).index_select(0, (base + index).view(-1)).view(*index.shape, width)
+    return held.view(-1, held.shape[-1]).index_select(0, rows).view(*shape, held.shape[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _row_offsets(batch: int, heads: int, slots: int, device: torch.device) -> torch.Tensor:
+    """``[B, H, 1]``: where each (row, head)'s slots start in a flat ``[B * H * slots]`` view (one tensor per shape:
+    two ops fewer at every eviction)."""
+    return torch.arange(batch * heads, device=device).view(batch, heads, 1) * slots
 
 
 class BatchBuffer:
@@ -165,4 +184,4 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION", "take_slots"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "slot_rows", "take_rows", "take_slots"]

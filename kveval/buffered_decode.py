@@ -17,7 +17,8 @@ over rows or heads:
   mass in a ``[B, H, slots]`` tensor beside the tokens;
 - a decode budget (window, streaming, H2O, TOVA, knorm, random) or a sliding-window
   layer (Gemma 3's local layers) keeps its tokens by one ``topk`` of the
-  policy's own scores and one in-place gather (:class:`BudgetEviction`);
+  policy's own scores (a ``min`` when each row drops one) and one in-place
+  gather of the slots from the first dropped one (:class:`BudgetEviction`);
 - per-head budgets, fixed per head (DuoAttention) or shared by the heads of a
   row by score (AdaKV's decode budget), by one ranking and one gather
   (:class:`HeadBudgetEviction`);

@@ -447,6 +447,7 @@ class CompressedLayer(CacheLayerMixin):
         needs, window = key
         q_len = query.shape[2]
         real = self.cache.input_real(query.shape[0], q_len, query.device)
+        all_real = self.cache.input_counts(query.shape[0], q_len)[1]
         if needs == "window":
             first = max(0, q_len - window)
         elif needs == "last":
@@ -463,7 +464,11 @@ class CompressedLayer(CacheLayerMixin):
             groups = query.shape[1] // stored_heads
             # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
             part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
-            part = torch.matmul(real[:, None, None, start:stop].to(part.dtype), part).squeeze(2) / groups
+            if stop - start == 1:  # a decode step: the "sum" over one query is one product, by 1 where all are real
+                part = part.squeeze(2) if all_real else part.squeeze(2) * real[:, None, start:stop].to(part.dtype)
+                part = part / groups
+            else:
+                part = torch.matmul(real[:, None, None, start:stop].to(part.dtype), part).squeeze(2) / groups
             mass = part if mass is None else mass + part
         return mass
 

@@ -7,11 +7,12 @@ tensor of the layer's :class:`~kveval.batch_buffer.BatchBuffer`, as each row's l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from kveval.batch_buffer import PAD_POSITION, BatchBuffer, take_slots
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, slot_rows, take_rows, take_slots
 from kveval.policies import ScoringState
 
 
@@ -26,21 +27,71 @@ class LayerScoring:
     seeds: "torch.Tensor | int" = 0  # [B] on the rows' device, made once per refresh
 
 
-def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring) -> tuple[torch.Tensor, torch.Tensor]:
+def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
+                 tokens_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The policy's ``scores`` of every slot of ``buffer`` (``[B, H, width]``, float32 or wider: ``-inf`` on padding,
-    ``+inf`` on each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row."""
+    ``+inf`` on each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row.
+
+    ``tokens_first``: each row's tokens are its first ``lengths[b]`` slots in every head (not per-head stores). When
+    every row then fills the width, there is no padding, and the scores come as the policy gave them: the mask
+    returned is ``None`` and every row's newest slot, the last, is left for the caller to spare.
+    """
     width = buffer.width
     positions = buffer.positions[:, :, :width]
-    padding = positions == PAD_POSITION
+    full = tokens_first and all(n == width for n in buffer.lengths)
+    padding = None if full else positions == PAD_POSITION
     attention = None if buffer.attention is None else buffer.attention[:, :, :width]
-    state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions.masked_fill(padding, -1),
+    state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions if full else positions.masked_fill(padding, -1),
                          attention=attention, layer_idx=context.layer_idx, num_layers=context.num_layers,
                          seed=context.seeds, model=context.model)
     scored = scores(state)
-    scored = scored.to(torch.promote_types(scored.dtype, torch.float32)).masked_fill(padding, float("-inf"))
+    scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
+    if full:
+        return scored, None
+    scored = scored.masked_fill(padding, float("-inf"))
     newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
     scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
     return scored, padding
+
+
+def single_drops(scores: torch.Tensor, decisive: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The slot of each row's and head's lowest score (``[B, H]``) where ``topk`` of all but one would leave out
+    just that slot: wherever the lowest score is unique (``decisive``, ``[B, 1]``: the rows where it must be; all
+    if ``None``). ``None`` when a tie (or a NaN) makes ``topk``'s own choice among equal scores decide."""
+    lowest, drop = scores.min(dim=2)  # [B, H]
+    unclear = (scores == lowest[..., None]).sum(dim=2) != 1
+    if decisive is not None:
+        unclear &= decisive
+    return None if bool(unclear.any()) else drop
+
+
+def kept_slots(scores: torch.Tensor, budget: int, lengths: list[int]) -> tuple[torch.Tensor, int]:
+    """The ``[B, H, budget]`` slots each row keeps of ``scores`` (:func:`scored_slots`, newest marked), ascending:
+    its ``budget`` best-scored, as ``topk`` then ``sort`` picks them; and the first slot any row drops (0 if unknown).
+
+    A decode step over budget appends one token per row, so rows hold ``budget + 1`` slots and each drops one:
+    its lowest score (:func:`single_drops`), one ``min`` rather than a ``topk`` and a ``sort``. Rows holding fewer
+    slots drop a padding slot (``-inf``); which one does not matter, as every padding slot is invisible.
+    """
+    if scores.shape[2] == budget + 1:
+        full = None if all(n == budget + 1 for n in lengths) else \
+            torch.tensor([n == budget + 1 for n in lengths], device=scores.device)[:, None]
+        drop = single_drops(scores, full)
+        if drop is not None:
+            return _skipping(drop, budget), int(drop.min())
+    return scores.topk(budget, dim=2).indices.sort(dim=2).values, 0
+
+
+def _skipping(drop: torch.Tensor, budget: int) -> torch.Tensor:
+    """``[B, H, budget]``: the slots ``0 .. budget`` less each row's and head's ``drop``."""
+    slots = _slots(budget, drop.device)
+    return slots + (slots >= drop[..., None])
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(count: int, device: torch.device) -> torch.Tensor:
+    """``arange(count)`` made once per count and device (never written to)."""
+    return torch.arange(count, device=device)
 
 
 class BudgetEviction:
@@ -48,9 +99,11 @@ class BudgetEviction:
 
     After each step's attention, every row holding more than ``budget`` tokens keeps its ``budget`` best-scored,
     its newest always, exactly as the layer would for each row by itself
-    (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, ``topk``, kept in order). The
-    buffer's K, V, positions and accumulated attention are compacted in place by one gather per tensor
-    (:func:`~kveval.batch_buffer.take_slots` for K and V).
+    (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, ``topk``, kept in order; one
+    ``min`` when each row drops one token, :func:`kept_slots`). The buffer's K, V, positions and accumulated
+    attention are compacted in place by one gather per tensor (:func:`~kveval.batch_buffer.take_slots` for K and
+    V), of the slots from the first one any row dropped: H2O, whose recent tokens are never dropped, mostly drops
+    late slots (in SmolLM2 at batch 8, the first dropped slot was at 80% of the budget in the median step).
 
     Two sources:
 
@@ -79,13 +132,23 @@ class BudgetEviction:
         width = buffer.width
         if width <= self.budget:
             return False
-        scores, _ = scored_slots(buffer, self.scores, self.context)
-        keep = scores.topk(self.budget, dim=2).indices.sort(dim=2).values  # [B, H, budget]
+        scores, padding = scored_slots(buffer, self.scores, self.context, tokens_first=True)
+        drop = None
+        if padding is None and width == self.budget + 1:  # every row full: its newest slot is the last, kept
+            drop = single_drops(scores[:, :, :self.budget])
+        if drop is not None:
+            keep, first = _skipping(drop, self.budget), int(drop.min())
+        else:
+            if padding is None:
+                scores = scores.index_fill(2, torch.tensor([width - 1], device=scores.device), float("inf"))
+            keep, first = kept_slots(scores, self.budget, buffer.lengths)
+        keep = keep[:, :, first:]  # slots before the first dropped one stay where they are
+        rows = slot_rows(buffer.keys, keep)  # K and V: the same slots
         for held in (buffer.keys, buffer.values):
-            held[:, :, :self.budget] = take_slots(held, keep)
+            held[:, :, first:self.budget] = take_rows(held, rows, keep.shape)
         for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
             if held is not None:
-                held[:, :, :self.budget] = held[:, :, :width].gather(2, keep)
+                held[:, :, first:self.budget] = held[:, :, :width].gather(2, keep)
                 held[:, :, self.budget:width] = fill
         buffer.lengths = [min(n, self.budget) for n in buffer.lengths]
         buffer.width = max(buffer.lengths)
@@ -154,4 +217,4 @@ class HeadBudgetEviction:
         return True
 
 
-__all__ = ["BudgetEviction", "HeadBudgetEviction", "LayerScoring", "scored_slots"]
+__all__ = ["BudgetEviction", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots", "single_drops"]

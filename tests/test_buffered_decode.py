@@ -20,6 +20,7 @@ from kveval.batch_buffer import BatchBuffer
 from kveval.buffered_decode import BufferedDecode
 from kveval.cache import CompressedCache
 from kveval.cache_layers import CompressedLayer
+from kveval.decode_evictions import kept_slots
 from kveval.generation import Prompt, generate
 
 #: Catch-ups, buffer growth and code growth come every 16 steps or slots here (64 in use): the same code, reached
@@ -129,6 +130,39 @@ def test_finished_rows_and_query_mode(model, monkeypatch):
     spec = "quant(bits=4,group=8,residual=5)"
     batched = _assert_batched_equals_rows(model, spec, monkeypatch, mode="query", eos=_eos_ending_some_rows(model, spec, monkeypatch))
     assert len({len(r[1]) for r in batched}) >= 2  # rows stopped at different steps
+
+
+def _topk_kept(scores, budget):
+    return scores.topk(budget, dim=2).indices.sort(dim=2).values
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_drop_per_row_keeps_what_topk_keeps(seed):
+    """A step over budget drops each row's lowest score (one ``min``): the slots ``topk`` keeps, from the first
+    dropped slot on; a tie or a NaN at a full row's lowest score goes to ``topk`` itself."""
+    g = torch.Generator().manual_seed(seed)
+    budget, lengths = 8, [9, 9, 7, 8]  # two full rows, two with padding slots (-inf)
+    scores = torch.rand(4, 3, budget + 1, generator=g) + 1
+    scores[:, :, :5] += 1  # every row's lowest score is at slot 5 or later
+    for b, n in enumerate(lengths):
+        scores[b, :, n:] = float("-inf")
+        scores[b, :, n - 1] = float("inf")  # the newest slot
+    keep, first = kept_slots(scores, budget, lengths)
+    reference = _topk_kept(scores, budget)
+    assert first >= 5 and torch.equal(keep[:, :, :first], torch.arange(first).expand(4, 3, -1))
+    assert torch.equal(keep[:2], reference[:2])  # full rows: the same slots
+    for b, n in enumerate(lengths[2:], start=2):  # padded rows drop a padding slot: every real slot stays in place
+        assert torch.equal(keep[b, :, :n], torch.arange(n).expand(3, -1))
+    for planted in (scores[1, 2].min(), float("nan")):  # a tie at a full row's lowest score, then a NaN
+        unclear = scores.clone()
+        unclear[1, 2, 0] = planted
+        keep, first = kept_slots(unclear, budget, lengths)
+        assert first == 0 and torch.equal(keep, _topk_kept(unclear, budget))
+    tied_padding = scores.clone()
+    tied_padding[2, 0, 0] = tied_padding[2, 0, 1] = 1.5  # a tie in a padded row does not matter: it drops padding
+    assert kept_slots(tied_padding, budget, lengths)[1] >= 5
+    wider = torch.cat([scores, scores[:, :, -1:]], dim=2)  # two over budget: topk
+    assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], _topk_kept(wider, budget))
 
 
 def test_no_step_copies_the_cache(model):

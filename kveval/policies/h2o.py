@@ -40,7 +40,5 @@ class H2OPolicy(RatioSelectionPolicy):
     batch_scores = True
 
     def scores(self, state: ScoringState) -> torch.Tensor:
-        scores = state.attention.clone()
         newest = state.positions.max(dim=-1, keepdim=True).values
-        scores[state.positions > newest - self.recent] = float("inf")
-        return scores
+        return torch.where(state.positions > newest - self.recent, float("inf"), state.attention)
