@@ -134,7 +134,9 @@ class BudgetEviction:
             return False
         scores, padding = scored_slots(buffer, self.scores, self.context, tokens_first=True)
         drop = None
-        if padding is None and width == self.budget + 1:  # every row full: its newest slot is the last, kept
+        # Every row full: its newest slot, the last, is kept (+inf to topk). With a budget of 1, the other slot
+        # alone could tie with it (+inf too, H2O's recent tokens), which only the whole width shows.
+        if padding is None and width == self.budget + 1 and self.budget > 1:
             drop = single_drops(scores[:, :, :self.budget])
         if drop is not None:
             keep, first = _skipping(drop, self.budget), int(drop.min())
