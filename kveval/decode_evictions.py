@@ -33,8 +33,8 @@ def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
     ``+inf`` on each row's newest slot, which is never evicted) and the padding mask, as the layer scores one row.
 
     ``tokens_first``: each row's tokens are its first ``lengths[b]`` slots in every head (not per-head stores). When
-    every row then fills the width, there is no padding, and the scores come as the policy gave them: the mask
-    returned is ``None`` and every row's newest slot, the last, is left for the caller to spare.
+    every row then fills the width, there is no padding to mask (the mask returned is ``None``) and every row's
+    newest slot is the last.
     """
     width = buffer.width
     positions = buffer.positions[:, :, :width]
@@ -46,8 +46,8 @@ def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
                          seed=context.seeds, model=context.model)
     scored = scores(state)
     scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
-    if full:
-        return scored, None
+    if full:  # out of place: a policy may hand back the buffer's own attention (TOVA)
+        return scored.index_fill(2, torch.tensor([width - 1], device=scored.device), float("inf")), None
     scored = scored.masked_fill(padding, float("-inf"))
     newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
     scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
@@ -132,18 +132,8 @@ class BudgetEviction:
         width = buffer.width
         if width <= self.budget:
             return False
-        scores, padding = scored_slots(buffer, self.scores, self.context, tokens_first=True)
-        drop = None
-        # Every row full: its newest slot, the last, is kept (+inf to topk). With a budget of 1, the other slot
-        # alone could tie with it (+inf too, H2O's recent tokens), which only the whole width shows.
-        if padding is None and width == self.budget + 1 and self.budget > 1:
-            drop = single_drops(scores[:, :, :self.budget])
-        if drop is not None:
-            keep, first = _skipping(drop, self.budget), int(drop.min())
-        else:
-            if padding is None:
-                scores = scores.index_fill(2, torch.tensor([width - 1], device=scores.device), float("inf"))
-            keep, first = kept_slots(scores, self.budget, buffer.lengths)
+        scores, _ = scored_slots(buffer, self.scores, self.context, tokens_first=True)
+        keep, first = kept_slots(scores, self.budget, buffer.lengths)
         keep = keep[:, :, first:]  # slots before the first dropped one stay where they are
         rows = slot_rows(buffer.keys, keep)  # K and V: the same slots
         for held in (buffer.keys, buffer.values):
