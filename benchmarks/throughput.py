@@ -27,7 +27,10 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
 2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
    for each ``--policy`` (default one per family, plus H2O, TOVA, AdaKV and the
    random control under a decode budget, evicting at every step), as ratios to ``none``, and the ratio of
-   their fastest repeats (best-run ratio: the least disturbed by a busy machine). A spec ending in
+   their fastest repeats (best-run ratio: the least disturbed by a busy machine), and the paired time ratio:
+   the median over repeats of the policy's time over ``none``'s in the same repeat, with its range (the paths
+   run back to back, so a slow spell of the machine, which moves medians by 10-20% here, falls on both; section 1
+   prints it for kveval over transformers). A spec ending in
    `` [codes]`` runs a quantized policy with its layers held as codes and
    dequantized at every step (``quantized_decode="codes"``, the default on CUDA);
    the others run as the device's ``auto`` does.
@@ -109,7 +112,8 @@ def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
     The paths take turns within each repeat (a, b, a, b, ...) and each figure is
     the median over repeats, so a slow spell of a shared machine falls on every
     path alike instead of on whichever ran during it; ``best_item`` is the fastest
-    repeat's seconds per item (what the code costs when nothing else slowed it).
+    repeat's seconds per item (what the code costs when nothing else slowed it);
+    ``whole`` keeps every repeat's seconds, for ratios paired within a repeat (:func:`_paired`).
     """
     for run in runs.values():
         run(prompts[:1], 2)  # one-off costs (a low-rank policy's calibration, first kernels) stay out of the timings
@@ -129,8 +133,15 @@ def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
     for name in runs:
         t_first, t_whole = statistics.median(first[name]), statistics.median(whole[name])
         out[name] = {"per_item": t_whole / len(prompts), "decode_tps": decoded / max(t_whole - t_first, 1e-9),
-                     "best_item": min(whole[name]) / len(prompts), "tokens": tokens[name]}
+                     "best_item": min(whole[name]) / len(prompts), "tokens": tokens[name], "whole": whole[name]}
     return out
+
+
+def _paired(path: dict, reference: dict) -> str:
+    """The median over repeats of ``path``'s time over ``reference``'s in the same repeat (adjacent runs: a slow
+    spell of the machine falls on both), with the lowest and highest such ratio: ``"1.12x (1.05-1.30)"``."""
+    ratios = sorted(a / b for a, b in zip(path["whole"], reference["whole"]))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def ray_sweep(config: str, workers: int) -> None:
@@ -222,7 +233,7 @@ def main() -> None:
     print()
     print("1. kveval none vs transformers generate (DynamicCache)")
     print(f"{'batch':>5} | {'hf s/item':>9} {'hf tok/s':>9} | {'kveval s/item':>13} {'kveval tok/s':>12} | "
-          f"{'time ratio':>10} {'tok/s ratio':>11} | rows equal to hf batch 1: {'kveval':>6} {'hf':>6} "
+          f"{'time ratio':>10} {'tok/s ratio':>11} {'paired time ratio':>19} | rows equal to hf batch 1: {'kveval':>6} {'hf':>6} "
           f"{'kveval(kv=' + str(model.dtype).removeprefix('torch.') + ')':>18}")
     for size in batches:
         batch = prompts[:size]
@@ -234,7 +245,8 @@ def main() -> None:
         def agree(tokens):
             return f"{sum(a == b for a, b in zip(tokens, hf_alone))}/{size}"
         print(f"{size:>5} | {hf['per_item']:>9.3f} {hf['decode_tps']:>9.1f} | {kv['per_item']:>13.3f} "
-              f"{kv['decode_tps']:>12.1f} | {kv['per_item'] / hf['per_item']:>9.2f}x {kv['decode_tps'] / hf['decode_tps']:>10.2f}x | "
+              f"{kv['decode_tps']:>12.1f} | {kv['per_item'] / hf['per_item']:>9.2f}x {kv['decode_tps'] / hf['decode_tps']:>10.2f}x "
+              f"{_paired(kv, hf):>19} | "
               f"{'':>24} {agree(kv['tokens']):>7} {agree(hf['tokens']):>6} {agree(exact):>18}")
 
     print()
@@ -243,13 +255,14 @@ def main() -> None:
     policies = args.policy or DEFAULT_POLICIES
     timed = _paths({spec: kveval_run(spec) for spec in ["none", *policies]}, batch, args.new_tokens, args.repeats)
     base = timed["none"]
-    print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'time ratio':>10} {'tok/s ratio':>11} {'best-run ratio':>14}")
+    print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'time ratio':>10} {'tok/s ratio':>11} {'best-run ratio':>14} "
+          f"{'paired time ratio':>19}")
     print(f"{'none':<24} | {base['per_item']:>7.3f} {base['decode_tps']:>8.1f} | {1:>9.2f}x {1:>10.2f}x {1:>13.2f}x")
     for policy in policies:
         got = timed[policy]
         print(f"{policy:<24} | {got['per_item']:>7.3f} {got['decode_tps']:>8.1f} | "
               f"{got['per_item'] / base['per_item']:>9.2f}x {got['decode_tps'] / base['decode_tps']:>10.2f}x "
-              f"{got['best_item'] / base['best_item']:>13.2f}x")
+              f"{got['best_item'] / base['best_item']:>13.2f}x {_paired(got, base):>19}")
 
     print()
     print(f"3. memory vs measured cache bytes at batch {args.policy_batch}")

@@ -355,15 +355,17 @@ class RopeHook:
         half = x.shape[-1] // 2
         return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos_sin(positions)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """``x`` rotated at ``positions``; ``cos_sin``: :meth:`cos_sin` of ``positions`` when the caller has it."""
+        cos, sin = cos_sin or self.cos_sin(positions)
         x = x.float()
         r = cos.shape[-1]
         turned = x[..., :r] * cos + self._rotate_half(x[..., :r]) * sin
         return turned if r == x.shape[-1] else torch.cat([turned, x[..., r:]], dim=-1)
 
-    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos_sin(positions)
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, cos_sin=None) -> torch.Tensor:
+        """The inverse of :meth:`rotate`; ``cos_sin`` likewise."""
+        cos, sin = cos_sin or self.cos_sin(positions)
         x = x.float()
         r = cos.shape[-1]
         back = (x[..., :r] * cos - self._rotate_half(x[..., :r]) * sin) / (cos * cos + sin * sin)

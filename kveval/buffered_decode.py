@@ -65,7 +65,7 @@ from kveval.decode_evictions import BudgetEviction, HeadBudgetEviction, LayerSco
 from kveval.head_stores import HeadwiseStore
 from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
-from kveval.storage import DenseStore, QuantizedStore
+from kveval.storage import DenseStore, QuantizedStore, seal_together
 
 CATCH_UP_STEPS = 64  # decode steps between catch-ups of the rows' stores
 
@@ -380,7 +380,8 @@ class BufferedDecode:
             if took[-1]:
                 row.store.append(keys[b][:, keep], values[b][:, keep])
                 row.took(positions[b][keep])
-                row.seal()
+                row.place_positions()  # as RowState.seal does, before the rows seal together
+        seal_together([row.store for row, t in zip(rows, took) if t])
         return took
 
     def _pending_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -300,7 +300,7 @@ class CompressedCache(Cache):
         the same for all: each row's tokens (stored in ``kv_dtype``, as any store
         holds them before it seals) go into a fresh store of ``policy``'s
         representation, the selection scores with the attention kept for it
-        (``scores_for``), then the row is compressed as :meth:`CompressedLayer.compress_row`
+        (``scores_for``), then the rows are compressed as :meth:`CompressedLayer.compress_rows`
         does at the end of a prefill. Nothing of this cache is modified (the copy
         may share tensors it never writes in place), so it can be decoded and
         released while this one serves the next policy. Bit-exact when the compute dtype holds every ``kv_dtype``
@@ -331,8 +331,7 @@ class CompressedCache(Cache):
             new.cache = clone
             new.selection = None if layer.is_sliding else target.selection
             new.rows = [self._derived_row(new, row, None if layer.is_sliding else key) for row in layer.rows]
-            for b, row in enumerate(new.rows):
-                new.compress_row(row, clone.protected(b))
+            new.compress_rows(new.rows, [clone.protected(b) for b in range(len(new.rows))])
             clone.layers.append(new)
         return clone
 

@@ -23,7 +23,7 @@ from kveval.batch_buffer import BatchBuffer
 from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
-from kveval.storage import DenseStore
+from kveval.storage import DenseStore, seal_together
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
 _QUERY_BLOCK = 64  # queries whose probabilities are computed together, over only the slots they may see
 # A block's probabilities leave out a multiple of this many trailing slots: a column the model's softmax appends
@@ -83,12 +83,16 @@ class RowState:
         self.positions = torch.cat([self.positions, positions.unsqueeze(0).expand(self.positions.shape[0], -1)], dim=1)
         self.tokens_seen += positions.shape[0]
 
-    def seal(self) -> None:
-        """Seal the store; a store that encodes by position (``place_positions``: kvquant's pre-RoPE keys) is first
-        told every held token's original position, which only the cache knows (sliding trims, shared prefills)."""
+    def place_positions(self) -> None:
+        """Before sealing: a store that encodes by position (``place_positions``: kvquant's pre-RoPE keys) is told
+        every held token's original position, which only the cache knows (sliding trims, shared prefills)."""
         place = getattr(self.store, "place_positions", None)
         if place is not None:
             place(self.positions)
+
+    def seal(self) -> None:
+        """Seal the store (see :func:`seal_rows` for several rows at once)."""
+        self.place_positions()
         self.store.seal()
 
     def keep(self, index: torch.Tensor) -> None:
@@ -131,6 +135,14 @@ class RowState:
         if self.attention is not None:
             total += real * self.attention.element_size()
         return total
+
+
+def seal_rows(rows: list[RowState]) -> None:
+    """Seal every row of ``rows`` as :meth:`RowState.seal` does, the stores of one class together
+    (:func:`~kveval.storage.seal_together`: one encoding for the batch where a store's encoding is per token)."""
+    for row in rows:
+        row.place_positions()
+    seal_together([row.store for row in rows])
 
 
 def score_key(selection) -> tuple | None:
@@ -215,7 +227,7 @@ class CompressedLayer(CacheLayerMixin):
         """The batched decode the rows allow (:meth:`BufferedDecode.for_rows`): compressed rows, dense or plainly
         quantized, with selection done at the prefill or scored by attention (H2O, TOVA), or dense rows that
         evict while decoding (a decode budget whose scores take a batch, a sliding window). Checked after each
-        refresh; any change to a row (:meth:`_select`, :meth:`compress_row`) clears it until the next refresh."""
+        refresh; any change to a row (:meth:`_select`, :meth:`compress_rows`) clears it until the next refresh."""
         if not self._could_batch() or not all(row.compressed for row in self._rows):
             return None
         cache = self.cache
@@ -311,6 +323,7 @@ class CompressedLayer(CacheLayerMixin):
             elif self._buffer.grown:
                 self._share_dense_storage()
         else:
+            sealing = []
             for b, row in enumerate(self.rows):
                 keep = real[b]
                 if self.is_sliding and row.positions.shape[1]:
@@ -319,7 +332,8 @@ class CompressedLayer(CacheLayerMixin):
                     row.store.append(key_states[b][:, keep], value_states[b][:, keep])
                     row.took(positions[b][keep])
                     if row.compressed:
-                        row.seal()
+                        sealing.append(row)
+            seal_rows(sealing)
             self._refresh_buffer()
         self.columns_seen += q_len
         if not all_real:
@@ -410,11 +424,17 @@ class CompressedLayer(CacheLayerMixin):
                     self._trim_to_window(row, int(row.positions.max()) + 1)
         if self.cache.defer_compression:
             return
-        for b, row in enumerate(self.rows):
-            if not row.compressed:
-                self.compress_row(row, self.cache.protected(b))
-            elif policy is not None and policy.decode_budget is not None and row.store.length > policy.decode_budget:
-                self._evict_to(row, policy.decode_budget, protect_last=1)
+        rows = self.rows
+        fresh = [b for b, row in enumerate(rows) if not row.compressed]
+        evicted = []
+        if policy is not None and policy.decode_budget is not None:
+            for row in rows:
+                if row.compressed and row.store.length > policy.decode_budget:
+                    self._evict_to(row, policy.decode_budget, protect_last=1)
+                    evicted.append(row)
+        seal_rows(evicted)
+        if fresh:
+            self.compress_rows([rows[b] for b in fresh], [self.cache.protected(b) for b in fresh])
 
     def _observe(self, query, keys, probabilities, key: tuple) -> None:
         """Accumulate, per row, the attention mass each kept token received from the queries ``key`` names.
@@ -489,33 +509,39 @@ class CompressedLayer(CacheLayerMixin):
             scores[padding] = float("-inf")
         return scores, state
 
-    def compress_row(self, row: RowState, protect_last: int = 0, policy=None) -> None:
-        """Prefill compression of one row: keep the selection's budget of context tokens, then seal the store."""
+    def compress_rows(self, rows: list[RowState], protect_last: list[int], policy=None) -> None:
+        """Prefill compression of ``rows``: each keeps the selection's budget of context tokens (its last
+        ``protect_last[i]`` tokens always), then their stores seal together (:func:`seal_rows`)."""
         policy = policy or self.selection
         if policy is not None:
-            n = row.store.length
-            candidates = n - min(protect_last, n)
-            keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
-            if keep < candidates:
-                scores, state = self._scores(row, policy)
-                chosen = policy.choose(scores[:, :candidates], keep, state)
-                protected = torch.arange(candidates, n, device=scores.device)
-                if isinstance(chosen, list):
-                    chosen = [torch.cat([c, protected]) for c in chosen]
-                else:
-                    chosen = torch.cat([chosen, protected.expand(chosen.shape[0], -1)], dim=1)
-                self._select(row, chosen)
-        row.seal()
-        row.compressed = True
+            for row, protect in zip(rows, protect_last):
+                self._keep_budget(row, protect, policy)
+        seal_rows(rows)
+        for row in rows:
+            row.compressed = True
         self._decode = None
 
+    def _keep_budget(self, row: RowState, protect_last: int, policy) -> None:
+        """Keep ``policy``'s budget of ``row``'s context tokens, and its last ``protect_last`` tokens."""
+        n = row.store.length
+        candidates = n - min(protect_last, n)
+        keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
+        if keep < candidates:
+            scores, state = self._scores(row, policy)
+            chosen = policy.choose(scores[:, :candidates], keep, state)
+            protected = torch.arange(candidates, n, device=scores.device)
+            if isinstance(chosen, list):
+                chosen = [torch.cat([c, protected]) for c in chosen]
+            else:
+                chosen = torch.cat([chosen, protected.expand(chosen.shape[0], -1)], dim=1)
+            self._select(row, chosen)
+
     def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
-        """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always)."""
+        """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always); the caller seals."""
         n = row.store.length
         scores, state = self._scores(row, self.selection)
         scores[:, n - protect_last:] = float("inf")
         self._select(row, self.selection.choose(scores, budget, state))
-        row.seal()
 
     def _select(self, row: RowState, index: "torch.Tensor | list[torch.Tensor]") -> None:
         """Keep slots ``index`` of ``row``: ``[H, T']``, or one index tensor per head (per-head budgets)."""
@@ -584,4 +610,4 @@ class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):
         CompressedLayer.reset(self)
 
 
-__all__ = ["CompressedHybridLayer", "CompressedLayer", "RowState", "score_key"]
+__all__ = ["CompressedHybridLayer", "CompressedLayer", "RowState", "score_key", "seal_rows"]

@@ -124,8 +124,8 @@ class KVQuantResidual(ResidualWindow):
     def encode_aged(self, buffer: BatchBuffer, counts: list[int], kv_dtype: torch.dtype) -> None:
         for run in self.aged(buffer.lengths, counts):
             keys, values, positions = (run.take(held).contiguous() for held in (buffer.keys, buffer.values, buffer.positions))
-            data = self.codec.encode(keys.to(kv_dtype), values.to(kv_dtype), positions, kv_dtype)
-            decoded_keys, decoded_values = self.codec.decode(data, positions, keys.dtype)
+            decoded_keys, decoded_values = self.codec.read_encoded(keys.to(kv_dtype), values.to(kv_dtype), positions,
+                                                                   kv_dtype, keys.dtype)
             sink = (positions < self.sink)[..., None]
             run.put(buffer.keys, torch.where(sink, keys, decoded_keys))
             run.put(buffer.values, torch.where(sink, values, decoded_values))

@@ -118,6 +118,14 @@ class TokenStore(ABC):
     def seal(self) -> None:
         """Encode the tokens that are due (quantize what left the residual window, project onto a basis)."""
 
+    @classmethod
+    def seal_all(cls, stores: "list[TokenStore]") -> None:
+        """Seal every store of ``stores`` (one layer's rows, all of this class). This default seals them one by
+        one; a store whose encoding is per token overrides it to encode the batch's due tokens at once, with the
+        same result bit for bit."""
+        for store in stores:
+            store.seal()
+
     @abstractmethod
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The held tokens as attention sees them, ``[H, length, D]`` each, in the compute dtype."""
@@ -141,6 +149,15 @@ class TokenStore(ABC):
         """Slots ``start`` onwards of :meth:`keys_values`, ``[H, length - start, D]`` each."""
         keys, values = self.keys_values()
         return keys[:, start:], values[:, start:]
+
+
+def seal_together(stores: "list[TokenStore]") -> None:
+    """Seal every store of ``stores`` (one layer's rows): those of one class together, by its :meth:`TokenStore.seal_all`."""
+    by_class: dict[type, list[TokenStore]] = {}
+    for store in stores:
+        by_class.setdefault(type(store), []).append(store)
+    for cls, group in by_class.items():
+        cls.seal_all(group)
 
 
 class DenseStore(TokenStore):

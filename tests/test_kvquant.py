@@ -172,6 +172,72 @@ def test_eviction_keeps_kept_tokens_exactly_as_encoded():
     assert store.length == 6 and store.nbytes < before
 
 
+def _stores_to_seal(codec, seed):
+    """Four stores of one layer as a batch leaves them before sealing: different lengths and original positions
+    (left-padded rows, an eviction), a sink, evicted slots in a tail, and one with nothing due."""
+    generator = torch.Generator().manual_seed(seed)
+    stores = []
+    for length, first, evict in ((30, 0, False), (17, 5, False), (25, 0, True), (3, 0, False)):
+        store = KVQuantStore(codec, sink=2, residual=4, kv_dtype=torch.bfloat16, compute_dtype=torch.float32)
+        store.append(torch.randn(2, length, 16, generator=generator) * 3, torch.randn(2, length, 16, generator=generator))
+        if evict:  # heads keep different slots: the tail has dead slots when it seals
+            keep = length - 6
+            store.select(torch.stack([torch.randperm(length, generator=generator)[:keep].sort().values for _ in range(2)]))
+        positions = first + torch.arange(store.length).expand(2, -1) * 2  # not the order of appending
+        store.place_positions(positions)
+        stores.append(store)
+    return stores
+
+
+def test_sealing_stores_together_encodes_each_exactly_as_alone():
+    """``KVQuantStore.seal_all`` encodes the batch's due tokens in one call: every store then holds, bit for bit,
+    what sealing it alone gives (codes, outliers, ranges, sinks, tail, positions, liveness), reads back the same
+    K/V and counts the same bytes. Sealed twice (a decode step after the prefill), too."""
+    codec = _codec(k=2)
+    codec.rope = rope_hook(tiny_llama(), 0)  # pre-RoPE keys: encoded at their own positions
+    alone, together = _stores_to_seal(codec, 3), _stores_to_seal(codec, 3)
+    for round_ in range(2):
+        for store in alone:
+            store.seal()
+        KVQuantStore.seal_all(together)
+        for a, b in zip(alone, together):
+            for mine, theirs in zip(a.segments, b.segments):
+                assert mine.data.keys() == theirs.data.keys()
+                for name in mine.data:
+                    assert torch.equal(mine.data[name], theirs.data[name]), name
+                assert (mine.alive is None) == (theirs.alive is None)
+                assert mine.alive is None or torch.equal(mine.alive, theirs.alive)
+            for x, y in zip(a.keys_values(), b.keys_values()):
+                assert torch.equal(x, y)
+            assert a.nbytes == b.nbytes and a.length == b.length
+        if round_ == 0:  # three stores had tokens due (the short one none), encoded side by side
+            assert [bool(s.body.data) for s in together] == [True, True, True, False]
+        for a, b in zip(alone, together):  # the next step: one new token each
+            new = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(a.length))
+            a.append(new[:, :3], new[:, 3:])
+            b.append(new[:, :3], new[:, 3:])
+
+
+@pytest.mark.parametrize("bits,outliers,rope,nuq", [(4, 2, True, True), (3, 1, True, False), (2, 0, False, True),
+                                                    (8, 16, True, True)])
+def test_reading_an_encoding_at_once_equals_decoding_it(bits, outliers, rope, nuq):
+    """``read_encoded`` (a batched decode step's encode-then-read, without packing) gives ``decode(encode(...))``
+    bit for bit: codes, outliers (also every entry one), value ranges, and keys rotated back at their positions."""
+    generator = torch.Generator().manual_seed(bits)
+    levels = torch.linspace(-1, 1, 2**bits)
+    if nuq:
+        levels = (torch.rand(2**bits, generator=generator) * 2 - 1).sort().values
+    codec = KVQuantCodec(bits, torch.randn(2, 16, generator=generator), torch.rand(2, 16, generator=generator) + 0.5,
+                         levels, levels.flip(0).neg(), outliers, rope_hook(tiny_llama(), 1) if rope else None)
+    keys, values = (torch.randn(2, 9, 16, generator=generator) * 2 for _ in range(2))
+    positions = torch.tensor([[0, 1, 2, 7, 8, 30, 31, 32, 500]]).expand(2, -1)
+    for kv_dtype, dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        expected = codec.decode(codec.encode(keys, values, positions, kv_dtype), positions, dtype)
+        got = codec.read_encoded(keys, values, positions, kv_dtype, dtype)
+        for e, g in zip(expected, got):
+            assert g.dtype == dtype and torch.equal(e, g)
+
+
 def test_batches_give_the_tokens_and_bytes_of_batch_size_one():
     model, prompts = tiny_llama(), random_prompts([(12, 3), (20, 3), (7, 3)], seed=20)
     for spec in ("kvquant(bits=4)", "snapkv(ratio=0.5)+kvquant(bits=2,residual=2)"):
