@@ -10,7 +10,10 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
 1. *kveval none vs transformers*: at each ``--batch`` size, one batch of that
    many items through :func:`kveval.generation.generate` (policy ``none``,
    ``context`` mode: the context is prefilled, then the question) and through
-   ``model.generate`` with its default ``DynamicCache``. Per path: seconds per
+   ``model.generate`` with its default ``DynamicCache``; ``paired, one forward``
+   times kveval in ``query`` mode too (context and question in one forward, as
+   transformers runs the prompt), which leaves out the cost of the question's
+   own forward pass (at batch 1 a forward reads every weight once more). Per path: seconds per
    item (whole generation / items), decode tokens/s (``items x (new - 1)``
    over the generation time less the time to the first token, which is timed
    by the same call with one new token), and kveval/transformers ratios
@@ -26,11 +29,14 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    it), so batches are left-padded.
 2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
    for each ``--policy`` (default one per family, plus H2O, TOVA, AdaKV and the
-   random control under a decode budget, evicting at every step), as ratios to ``none``, and the ratio of
-   their fastest repeats (best-run ratio: the least disturbed by a busy machine), and the paired time ratio:
-   the median over repeats of the policy's time over ``none``'s in the same repeat, with its range (the paths
-   run back to back, so a slow spell of the machine, which moves medians by 10-20% here, falls on both; section 1
-   prints it for kveval over transformers). A spec ending in
+   random control under a decode budget, evicting at every step), as ratios to
+   ``none``, the ratio of their fastest repeats (best-run ratio: the least
+   disturbed by a busy machine) and the paired time ratio: the median over
+   repeats of the policy's time over ``none``'s in the same repeat, with its
+   range. Each policy takes turns with ``none`` runs of its own, back to back:
+   this machine's speed drifts by 10-20% over the minutes that a round of every
+   policy takes, so a ``none`` timed that long before is no reference (section 1
+   pairs kveval with transformers the same way). A spec ending in
    `` [codes]`` runs a quantized policy with its layers held as codes and
    dequantized at every step (``quantized_decode="codes"``, the default on CUDA);
    the others run as the device's ``auto`` does.
@@ -212,13 +218,13 @@ def main() -> None:
         items = generate_items("passkey", tokenizer, args.length, count, seed=0)
     prompts = [Prompt(*encode_item(tokenizer, it)) for it in items]
 
-    def kveval_run(spec: str, kv_dtype=None):
+    def kveval_run(spec: str, kv_dtype=None, mode: str = "context"):
         spec, decode_mode = _decode_mode(spec)
         policy = RunSpec.parse(spec).for_model(model).policy  # unset quantization groups fit the model's head width
 
         def run(batch, new_tokens):
             results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch),
-                               kv_dtype=kv_dtype, quantized_decode=decode_mode)
+                               kv_dtype=kv_dtype, quantized_decode=decode_mode, mode=mode)
             return [r.token_ids for r in results]
         return run
 
@@ -233,12 +239,13 @@ def main() -> None:
     print()
     print("1. kveval none vs transformers generate (DynamicCache)")
     print(f"{'batch':>5} | {'hf s/item':>9} {'hf tok/s':>9} | {'kveval s/item':>13} {'kveval tok/s':>12} | "
-          f"{'time ratio':>10} {'tok/s ratio':>11} {'paired time ratio':>19} | rows equal to hf batch 1: {'kveval':>6} {'hf':>6} "
+          f"{'time ratio':>10} {'tok/s ratio':>11} {'paired time ratio':>19} {'paired, one forward':>19} | "
+          f"rows equal to hf batch 1: {'kveval':>6} {'hf':>6} "
           f"{'kveval(kv=' + str(model.dtype).removeprefix('torch.') + ')':>18}")
     for size in batches:
         batch = prompts[:size]
-        timed = _paths({"hf": lambda b, n: _hf_generate(model, b, n, pad_id), "kveval": kveval_run("none")},
-                       batch, args.new_tokens, args.repeats)
+        timed = _paths({"hf": lambda b, n: _hf_generate(model, b, n, pad_id), "kveval": kveval_run("none"),
+                        "kveval one forward": kveval_run("none", mode="query")}, batch, args.new_tokens, args.repeats)
         hf, kv = timed["hf"], timed["kveval"]
         exact = kveval_run("none", kv_dtype=model.dtype)(batch, args.new_tokens)
 
@@ -246,23 +253,23 @@ def main() -> None:
             return f"{sum(a == b for a, b in zip(tokens, hf_alone))}/{size}"
         print(f"{size:>5} | {hf['per_item']:>9.3f} {hf['decode_tps']:>9.1f} | {kv['per_item']:>13.3f} "
               f"{kv['decode_tps']:>12.1f} | {kv['per_item'] / hf['per_item']:>9.2f}x {kv['decode_tps'] / hf['decode_tps']:>10.2f}x "
-              f"{_paired(kv, hf):>19} | "
+              f"{_paired(kv, hf):>19} {_paired(timed['kveval one forward'], hf):>19} | "
               f"{'':>24} {agree(kv['tokens']):>7} {agree(hf['tokens']):>6} {agree(exact):>18}")
 
     print()
     print(f"2. policy families vs kveval none at batch {args.policy_batch}")
     batch = prompts[:args.policy_batch]
     policies = args.policy or DEFAULT_POLICIES
-    timed = _paths({spec: kveval_run(spec) for spec in ["none", *policies]}, batch, args.new_tokens, args.repeats)
-    base = timed["none"]
-    print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'time ratio':>10} {'tok/s ratio':>11} {'best-run ratio':>14} "
-          f"{'paired time ratio':>19}")
-    print(f"{'none':<24} | {base['per_item']:>7.3f} {base['decode_tps']:>8.1f} | {1:>9.2f}x {1:>10.2f}x {1:>13.2f}x")
+    print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'none s/item':>11} | {'time ratio':>10} {'tok/s ratio':>11} "
+          f"{'best-run ratio':>14} {'paired time ratio':>19}")
     for policy in policies:
-        got = timed[policy]
-        print(f"{policy:<24} | {got['per_item']:>7.3f} {got['decode_tps']:>8.1f} | "
+        # Each policy takes turns with its own runs of none: this machine's speed drifts by 10-20% over minutes,
+        # so a none timed one round of every policy earlier is no reference.
+        timed = _paths({"none": kveval_run("none"), policy: kveval_run(policy)}, batch, args.new_tokens, args.repeats)
+        base, got = timed["none"], timed[policy]
+        print(f"{policy:<24} | {got['per_item']:>7.3f} {got['decode_tps']:>8.1f} | {base['per_item']:>11.3f} | "
               f"{got['per_item'] / base['per_item']:>9.2f}x {got['decode_tps'] / base['decode_tps']:>10.2f}x "
-              f"{got['best_item'] / base['best_item']:>13.2f}x {_paired(got, base):>19}")
+              f"{got['best_item'] / base['best_item']:>13.2f}x {_paired(got, base):>19}", flush=True)
 
     print()
     print(f"3. memory vs measured cache bytes at batch {args.policy_batch}")

@@ -34,7 +34,7 @@ _SLOT_ALIGN = 64
 
 
 def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
-                          real: torch.Tensor) -> torch.Tensor:
+                          real: torch.Tensor, reduce=None) -> torch.Tensor:
     """``probabilities(query, keys, allowed)`` (``[B, query heads, q, slots]``), computed :data:`_QUERY_BLOCK`
     queries at a time (the last block up to twice that) over only the slots up to the last one a query of the
     block may see (leaving out a multiple of :data:`_SLOT_ALIGN` slots). ``real`` (``[B, q]``, any dtype): the queries that count;
@@ -47,11 +47,16 @@ def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor
     ``tests/test_cache.py`` checks, at about 0.55-0.75x the time of a causal prefill's scoring, which grows as the
     square of its length. Elsewhere any rounding difference is the same for every path of kveval (row by row, in
     batch, shared prefill): they all score through this function.
+
+    ``reduce``: applied to each block's probabilities as they come, a reduction within each query and slot (the
+    sum over the query heads that read one stored head), so that the whole ``[B, query heads, q, slots]`` tensor
+    is never held; it gives per block the bits it gives over the whole.
     """
     q_len = query.shape[2]
     blocks = q_len // _QUERY_BLOCK
     if blocks < 2:
-        return probabilities(query, keys, allowed)
+        probs = probabilities(query, keys, allowed)
+        return probs if reduce is None else reduce(probs)
     seen = (allowed & real.bool()[:, None, :, None]).flatten(0, 1).any(dim=0)  # [q, slots]: seen by a real query
     probs = None
     for start in range(0, blocks * _QUERY_BLOCK, _QUERY_BLOCK):
@@ -61,6 +66,8 @@ def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor
         needed = int(columns[-1]) + 1 if len(columns) else keys.shape[2]
         width = keys.shape[2] - (keys.shape[2] - needed) // _SLOT_ALIGN * _SLOT_ALIGN
         block = probabilities(query[:, :, start:stop], keys[:, :, :width], allowed[:, :, start:stop, :width])
+        if reduce is not None:
+            block = reduce(block)
         if probs is None:
             probs = block.new_zeros(*block.shape[:2], q_len, keys.shape[2])
         probs[:, :, start:stop, :width] = block
@@ -479,11 +486,15 @@ class CompressedLayer(CacheLayerMixin):
             stop = min(q_len, start + _QUERY_CHUNK)
             whole = start == 0 and stop == q_len and self._mask is not None
             allowed = self._mask if whole else self.allowed_mask(self._query_positions[:, start:stop])
-            probs = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop])
             stored_heads = self._slot_positions.shape[1]
             groups = query.shape[1] // stored_heads
+
+            def by_stored_head(probs):
+                return probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
+
             # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
-            part = probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
+            part = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop],
+                                         by_stored_head)
             if stop - start == 1:  # a decode step: the "sum" over one query is one product, by 1 where all are real
                 part = part.squeeze(2) if all_real else part.squeeze(2) * real[:, None, start:stop].to(part.dtype)
                 part = part / groups

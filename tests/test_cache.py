@@ -328,5 +328,10 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
             assert torch.equal(blocked * real, every * real), q_len  # padding queries' probabilities are weighted 0
             assert torch.equal(blocked[0], every[0]) and torch.equal(blocked[2, :, 70:], every[2, :, 70:])
             calls.append(seen)
+            # Summed over each KV head's query heads block by block (what scoring keeps): the same bits.
+            by_kv_head = lambda p: p.reshape(batch, kv_heads, heads // kv_heads, *p.shape[2:]).sum(dim=2)  # noqa: E731
+            reduced = visible_probabilities(probabilities, query, keys, mask, slots[None, :] >= pad[:, None], by_kv_head)
+            assert reduced.shape == (batch, kv_heads, q_len, q_len)
+            assert torch.equal(reduced * real, by_kv_head(every) * real), q_len
     # Blocks of 64 queries (the last one up to 127) over the slots their real queries see, less multiples of 64.
     assert calls[0] == [63] and calls[-2] == [108, 172, 236, 300]  # 300 less 192, 128 and 64 trailing slots
