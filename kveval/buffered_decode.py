@@ -380,7 +380,7 @@ class BufferedDecode:
             if took[-1]:
                 row.store.append(keys[b][:, keep], values[b][:, keep])
                 row.took(positions[b][keep])
-                row.place_positions()  # as RowState.seal does, before the rows seal together
+                row.place_positions()  # as seal_rows does (it lives in cache_layers, which imports this module)
         seal_together([row.store for row, t in zip(rows, took) if t])
         return took
 

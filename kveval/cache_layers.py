@@ -91,16 +91,12 @@ class RowState:
         self.tokens_seen += positions.shape[0]
 
     def place_positions(self) -> None:
-        """Before sealing: a store that encodes by position (``place_positions``: kvquant's pre-RoPE keys) is told
-        every held token's original position, which only the cache knows (sliding trims, shared prefills)."""
+        """Before sealing (:func:`seal_rows`): a store that encodes by position (``place_positions``: kvquant's
+        pre-RoPE keys) is told every held token's original position, which only the cache knows (sliding trims,
+        shared prefills)."""
         place = getattr(self.store, "place_positions", None)
         if place is not None:
             place(self.positions)
-
-    def seal(self) -> None:
-        """Seal the store (see :func:`seal_rows` for several rows at once)."""
-        self.place_positions()
-        self.store.seal()
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep slots ``index`` (``[H, T']``) of the store and of everything held per slot."""
@@ -145,8 +141,9 @@ class RowState:
 
 
 def seal_rows(rows: list[RowState]) -> None:
-    """Seal every row of ``rows`` as :meth:`RowState.seal` does, the stores of one class together
-    (:func:`~kveval.storage.seal_together`: one encoding for the batch where a store's encoding is per token)."""
+    """Seal every row's store, once told its tokens' positions (:meth:`RowState.place_positions`); the stores of one
+    class together (:func:`~kveval.storage.seal_together`: one encoding for the batch where a store's encoding is
+    per token)."""
     for row in rows:
         row.place_positions()
     seal_together([row.store for row in rows])
@@ -481,17 +478,17 @@ class CompressedLayer(CacheLayerMixin):
             first = q_len - 1
         else:
             first = 0
+        stored_heads = self._slot_positions.shape[1]
+        groups = query.shape[1] // stored_heads
+
+        def by_stored_head(probs):
+            return probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
+
         mass = None
         for start in range(first, q_len, _QUERY_CHUNK):
             stop = min(q_len, start + _QUERY_CHUNK)
             whole = start == 0 and stop == q_len and self._mask is not None
             allowed = self._mask if whole else self.allowed_mask(self._query_positions[:, start:stop])
-            stored_heads = self._slot_positions.shape[1]
-            groups = query.shape[1] // stored_heads
-
-            def by_stored_head(probs):
-                return probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
-
             # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
             part = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop],
                                          by_stored_head)

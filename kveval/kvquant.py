@@ -434,11 +434,7 @@ class KVQuantStore(TokenStore):
                 start += s.slots
 
     def seal(self) -> None:
-        due = self._take_due()
-        if due is not None:
-            old, body_live = due
-            encoded = self.codec.encode(old.data["keys"], old.data["values"], old.data["positions"], old.data["keys"].dtype)
-            self.body.extend({**encoded, "positions": old.data["positions"]}, body_live)
+        self.seal_all([self])
 
     def _take_due(self) -> "tuple[_Segment, torch.Tensor] | None":
         """Move the tokens leaving the residual window out of the tail, the sinks among them into ``sinks``; the
@@ -457,8 +453,8 @@ class KVQuantStore(TokenStore):
     def seal_all(cls, stores: "list[KVQuantStore]") -> None:
         """Seal ``stores`` (one layer's rows) with one encoding per codec and dtype: the codec encodes each token
         alone (keys per channel on calibrated ranges, values per token, outliers and codes per vector, RoPE per
-        position), so encoding the stores' due tokens side by side gives each store, bit for bit, what its own
-        :meth:`seal` gives, for a fraction of the small operations."""
+        position), so encoding the stores' due tokens side by side gives each store, bit for bit, what encoding
+        its own due tokens alone gives, for a fraction of the small operations."""
         groups: dict[tuple, list] = {}
         for store in stores:
             due = store._take_due()
@@ -467,8 +463,8 @@ class KVQuantStore(TokenStore):
                 groups.setdefault((id(store.codec), keys.dtype, keys.shape[0]), []).append((store, *due))
         for group in groups.values():
             olds = [old for _, old, _ in group]
-            keys, values, positions = (torch.cat([old.data[name] for old in olds], dim=1)
-                                       for name in ("keys", "values", "positions"))
+            keys, values, positions = (torch.cat([old.data[name] for old in olds], dim=1) if len(olds) > 1
+                                       else olds[0].data[name] for name in ("keys", "values", "positions"))
             encoded = group[0][0].codec.encode(keys, values, positions, keys.dtype)
             sizes = [old.slots for old in olds]
             parts = {name: tensor.split(sizes, dim=1) for name, tensor in encoded.items()}
