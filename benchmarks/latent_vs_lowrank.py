@@ -51,7 +51,7 @@ def main() -> None:
 
     from kveval.evaluate import evaluate_policies
     from kveval.fidelity import kl_bounds, read_fidelity
-    from kveval.memory import load_model_spec
+    from kveval.model_specs import load_model_spec
     from kveval.models import load_model
     from kveval.probes import generate_items
     from kveval.records import read_items, read_run_info

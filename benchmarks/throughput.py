@@ -15,9 +15,11 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    transformers runs the prompt), which leaves out the cost of the question's
    own forward pass (at batch 1 a forward reads every weight once more). Per path: seconds per
    item (whole generation / items), decode tokens/s (``items x (new - 1)``
-   over the generation time less the time to the first token, which is timed
-   by the same call with one new token), and kveval/transformers ratios
-   (time: <1 is faster; tokens/s: >1 is faster). Then token agreement, in
+   over the decode loop's own time, read inside the same run: from the first
+   new token to the last, the ``new - 1`` forwards between them; for
+   transformers, by a logits processor that notes the time of each step), and
+   kveval/transformers ratios (time: <1 is faster; tokens/s: >1 is faster),
+   the decode ratio also paired within each repeat. Then token agreement, in
    rows identical to transformers at *batch 1* (each prompt alone: no padding):
    kveval at this batch, transformers at this batch, and kveval with its cache
    in the compute dtype (``kv_dtype`` = the model's dtype, untimed). A row that
@@ -31,9 +33,9 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    for each ``--policy`` (default one per family, plus H2O, TOVA, AdaKV and the
    random control under a decode budget, evicting at every step), as ratios to
    ``none``, the ratio of their fastest repeats (best-run ratio: the least
-   disturbed by a busy machine) and the paired time ratio: the median over
-   repeats of the policy's time over ``none``'s in the same repeat, with its
-   range. Each policy takes turns with ``none`` runs of its own, back to back:
+   disturbed by a busy machine) and the paired time ratios, of the whole
+   generation and of the decode loop: the median over repeats of the policy's
+   time over ``none``'s in the same repeat, with its range. Each policy takes turns with ``none`` runs of its own, back to back:
    this machine's speed drifts by 10-20% over the minutes that a round of every
    policy takes, so a ``none`` timed that long before is no reference (section 1
    pairs kveval with transformers the same way). A spec ending in
@@ -95,9 +97,21 @@ def _held_bytes(cache) -> dict[str, int]:
     return held
 
 
-def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> list[list[int]]:
-    """Plain transformers greedy generation of left-padded ``prompts`` (DynamicCache, the default); new ids per row."""
+def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> tuple[list[list[int]], float]:
+    """Plain transformers greedy generation of left-padded ``prompts`` (DynamicCache, the default): the new ids per
+    row, and the seconds from the first new token's step to the last one's (the ``new_tokens - 1`` decode forwards)."""
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        """Notes when each step's logits arrive (the first: right after the prompt's forward)."""
+
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
 
     rows = [p.context + p.question for p in prompts]
     width = max(map(len, rows))
@@ -106,47 +120,49 @@ def _hf_generate(model, prompts, new_tokens: int, pad_id: int) -> list[list[int]
     for b, row in enumerate(rows):
         ids[b, width - len(row):] = torch.tensor(row, device=model.device)
         mask[b, width - len(row):] = 1
+    clock = StepClock()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=pad_id)
-    return [row.tolist() for row in out[:, width:]]
+                             pad_token_id=pad_id, logits_processor=LogitsProcessorList([clock]))
+    return [row.tolist() for row in out[:, width:]], clock.times[-1] - clock.times[0]
 
 
 def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
-    """Per path of ``runs`` (name -> ``run(prompts, n_new)``): seconds per item, decode tokens/s, tokens at ``new_tokens``.
+    """Per path of ``runs`` (name -> ``run(prompts, n_new)`` giving the new ids and the decode loop's seconds):
+    seconds per item, decode tokens/s, tokens at ``new_tokens``.
 
     The paths take turns within each repeat (a, b, a, b, ...) and each figure is
     the median over repeats, so a slow spell of a shared machine falls on every
     path alike instead of on whichever ran during it; ``best_item`` is the fastest
     repeat's seconds per item (what the code costs when nothing else slowed it);
-    ``whole`` keeps every repeat's seconds, for ratios paired within a repeat (:func:`_paired`).
+    ``whole`` and ``decode`` keep every repeat's seconds, for ratios paired within a repeat (:func:`_paired`).
     """
     for run in runs.values():
         run(prompts[:1], 2)  # one-off costs (a low-rank policy's calibration, first kernels) stay out of the timings
-    first = {name: [] for name in runs}
     whole = {name: [] for name in runs}
+    decode = {name: [] for name in runs}
     tokens = {}
     for _ in range(repeats):
         for name, run in runs.items():
             start = time.perf_counter()
-            run(prompts, 1)
-            first[name].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            tokens[name] = run(prompts, new_tokens)
+            tokens[name], seconds = run(prompts, new_tokens)
             whole[name].append(time.perf_counter() - start)
+            decode[name].append(seconds)
     decoded = len(prompts) * (new_tokens - 1)
     out = {}
     for name in runs:
-        t_first, t_whole = statistics.median(first[name]), statistics.median(whole[name])
-        out[name] = {"per_item": t_whole / len(prompts), "decode_tps": decoded / max(t_whole - t_first, 1e-9),
-                     "best_item": min(whole[name]) / len(prompts), "tokens": tokens[name], "whole": whole[name]}
+        out[name] = {"per_item": statistics.median(whole[name]) / len(prompts),
+                     "decode_tps": decoded / max(statistics.median(decode[name]), 1e-9),
+                     "best_item": min(whole[name]) / len(prompts), "tokens": tokens[name], "whole": whole[name],
+                     "decode": decode[name]}
     return out
 
 
-def _paired(path: dict, reference: dict) -> str:
-    """The median over repeats of ``path``'s time over ``reference``'s in the same repeat (adjacent runs: a slow
-    spell of the machine falls on both), with the lowest and highest such ratio: ``"1.12x (1.05-1.30)"``."""
-    ratios = sorted(a / b for a, b in zip(path["whole"], reference["whole"]))
+def _paired(path: dict, reference: dict, key: str = "whole") -> str:
+    """The median over repeats of ``path``'s time (``key``: ``"whole"`` generation or ``"decode"`` loop) over
+    ``reference``'s in the same repeat (adjacent runs: a slow spell of the machine falls on both), with the lowest
+    and highest such ratio: ``"1.12x (1.05-1.30)"``."""
+    ratios = sorted(a / b for a, b in zip(path[key], reference[key]))
     return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
@@ -225,21 +241,23 @@ def main() -> None:
         def run(batch, new_tokens):
             results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch),
                                kv_dtype=kv_dtype, quantized_decode=decode_mode, mode=mode)
-            return [r.token_ids for r in results]
+            # One batch: every row's decode_seconds is the loop's, from the first new token to the last.
+            return [r.token_ids for r in results], results[0].decode_seconds
         return run
 
     generate(model, tokenizer, prompts[:1], "none", max_new_tokens=2)  # warm-up: first-call costs out of the timings
     _hf_generate(model, prompts[:1], 2, pad_id)
     mean_tokens = statistics.fmean(p.length for p in prompts)
     # The reference of token agreement: each prompt alone through transformers (no padding, untimed).
-    hf_alone = [_hf_generate(model, [p], args.new_tokens, pad_id)[0] for p in prompts[:max(batches)]]
+    hf_alone = [_hf_generate(model, [p], args.new_tokens, pad_id)[0][0] for p in prompts[:max(batches)]]
     device = str(model.device)
     print(f"model {args.model} on {device} ({model.dtype}), prompts ~{mean_tokens:.0f} tokens, {args.new_tokens} new tokens, "
           f"greedy, median of {args.repeats}")
     print()
     print("1. kveval none vs transformers generate (DynamicCache)")
     print(f"{'batch':>5} | {'hf s/item':>9} {'hf tok/s':>9} | {'kveval s/item':>13} {'kveval tok/s':>12} | "
-          f"{'time ratio':>10} {'tok/s ratio':>11} {'paired time ratio':>19} {'paired, one forward':>19} | "
+          f"{'time ratio':>10} {'tok/s ratio':>11} {'paired time ratio':>19} {'paired, one forward':>19} "
+          f"{'paired decode time':>19} | "
           f"rows equal to hf batch 1: {'kveval':>6} {'hf':>6} "
           f"{'kveval(kv=' + str(model.dtype).removeprefix('torch.') + ')':>18}")
     for size in batches:
@@ -247,13 +265,13 @@ def main() -> None:
         timed = _paths({"hf": lambda b, n: _hf_generate(model, b, n, pad_id), "kveval": kveval_run("none"),
                         "kveval one forward": kveval_run("none", mode="query")}, batch, args.new_tokens, args.repeats)
         hf, kv = timed["hf"], timed["kveval"]
-        exact = kveval_run("none", kv_dtype=model.dtype)(batch, args.new_tokens)
+        exact = kveval_run("none", kv_dtype=model.dtype)(batch, args.new_tokens)[0]
 
         def agree(tokens):
             return f"{sum(a == b for a, b in zip(tokens, hf_alone))}/{size}"
         print(f"{size:>5} | {hf['per_item']:>9.3f} {hf['decode_tps']:>9.1f} | {kv['per_item']:>13.3f} "
               f"{kv['decode_tps']:>12.1f} | {kv['per_item'] / hf['per_item']:>9.2f}x {kv['decode_tps'] / hf['decode_tps']:>10.2f}x "
-              f"{_paired(kv, hf):>19} {_paired(timed['kveval one forward'], hf):>19} | "
+              f"{_paired(kv, hf):>19} {_paired(timed['kveval one forward'], hf):>19} {_paired(kv, hf, 'decode'):>19} | "
               f"{'':>24} {agree(kv['tokens']):>7} {agree(hf['tokens']):>6} {agree(exact):>18}")
 
     print()
@@ -261,7 +279,7 @@ def main() -> None:
     batch = prompts[:args.policy_batch]
     policies = args.policy or DEFAULT_POLICIES
     print(f"{'policy':<24} | {'s/item':>7} {'tok/s':>8} | {'none s/item':>11} | {'time ratio':>10} {'tok/s ratio':>11} "
-          f"{'best-run ratio':>14} {'paired time ratio':>19}")
+          f"{'best-run ratio':>14} {'paired time ratio':>19} {'paired decode time':>19}")
     for policy in policies:
         # Each policy takes turns with its own runs of none: this machine's speed drifts by 10-20% over minutes,
         # so a none timed one round of every policy earlier is no reference.
@@ -269,7 +287,8 @@ def main() -> None:
         base, got = timed["none"], timed[policy]
         print(f"{policy:<24} | {got['per_item']:>7.3f} {got['decode_tps']:>8.1f} | {base['per_item']:>11.3f} | "
               f"{got['per_item'] / base['per_item']:>9.2f}x {got['decode_tps'] / base['decode_tps']:>10.2f}x "
-              f"{got['best_item'] / base['best_item']:>13.2f}x {_paired(got, base):>19}", flush=True)
+              f"{got['best_item'] / base['best_item']:>13.2f}x {_paired(got, base):>19} {_paired(got, base, 'decode'):>19}",
+              flush=True)
 
     print()
     print(f"3. memory vs measured cache bytes at batch {args.policy_batch}")

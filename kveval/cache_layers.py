@@ -545,11 +545,12 @@ class CompressedLayer(CacheLayerMixin):
             self._select(row, chosen)
 
     def _evict_to(self, row: RowState, budget: int, protect_last: int) -> None:
-        """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always); the caller seals."""
+        """Decode phase: keep the ``budget`` best-scored tokens (the newest ``protect_last`` always), ranked stably as
+        the batched decode ranks them (:func:`~kveval.policies.base.best_first`); the caller seals."""
         n = row.store.length
         scores, state = self._scores(row, self.selection)
         scores[:, n - protect_last:] = float("inf")
-        self._select(row, self.selection.choose(scores, budget, state))
+        self._select(row, self.selection.choose(scores, budget, state, stable=True))
 
     def _select(self, row: RowState, index: "torch.Tensor | list[torch.Tensor]") -> None:
         """Keep slots ``index`` of ``row``: ``[H, T']``, or one index tensor per head (per-head budgets)."""

@@ -14,6 +14,7 @@ import torch
 
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer, slot_rows, take_rows, take_slots
 from kveval.policies import ScoringState
+from kveval.policies.base import best_first, top_slots
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,10 @@ def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
 
 
 def single_drops(scores: torch.Tensor, decisive: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The slot of each row's and head's lowest score (``[B, H]``) where ``topk`` of all but one would leave out
-    just that slot: wherever the lowest score is unique (``decisive``, ``[B, 1]``: the rows where it must be; all
-    if ``None``). ``None`` when a tie (or a NaN) makes ``topk``'s own choice among equal scores decide."""
+    """The slot of each row's and head's lowest score (``[B, H]``) where keeping all but one leaves out just that
+    slot whatever the order of equal scores: wherever the lowest score is unique (``decisive``, ``[B, 1]``: the
+    rows where it must be; all if ``None``). ``None`` when a tie (or a NaN) leaves it to the ranking
+    (:func:`~kveval.policies.base.top_slots`)."""
     lowest, drop = scores.min(dim=2)  # [B, H]
     unclear = (scores == lowest[..., None]).sum(dim=2) != 1
     if decisive is not None:
@@ -67,10 +69,11 @@ def single_drops(scores: torch.Tensor, decisive: torch.Tensor | None = None) -> 
 
 def kept_slots(scores: torch.Tensor, budget: int, lengths: list[int]) -> tuple[torch.Tensor, int]:
     """The ``[B, H, budget]`` slots each row keeps of ``scores`` (:func:`scored_slots`, newest marked), ascending:
-    its ``budget`` best-scored, as ``topk`` then ``sort`` picks them; and the first slot any row drops (0 if unknown).
+    its ``budget`` best-scored, as one row's eviction ranks them (``choose(..., stable=True)``: equal scores in slot
+    order, padding last); and the first slot any row drops (0 if unknown).
 
     A decode step over budget appends one token per row, so rows hold ``budget + 1`` slots and each drops one:
-    its lowest score (:func:`single_drops`), one ``min`` rather than a ``topk`` and a ``sort``. Rows holding fewer
+    its lowest score (:func:`single_drops`), one ``min`` rather than a ranking and a ``sort``. Rows holding fewer
     slots drop a padding slot (``-inf``); which one does not matter, as every padding slot is invisible.
     """
     if scores.shape[2] == budget + 1:
@@ -79,7 +82,7 @@ def kept_slots(scores: torch.Tensor, budget: int, lengths: list[int]) -> tuple[t
         drop = single_drops(scores, full)
         if drop is not None:
             return _skipping(drop, budget), int(drop.min())
-    return scores.topk(budget, dim=2).indices.sort(dim=2).values, 0
+    return top_slots(scores, budget, dim=2), 0
 
 
 def _skipping(drop: torch.Tensor, budget: int) -> torch.Tensor:
@@ -99,7 +102,7 @@ class BudgetEviction:
 
     After each step's attention, every row holding more than ``budget`` tokens keeps its ``budget`` best-scored,
     its newest always, exactly as the layer would for each row by itself
-    (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, ``topk``, kept in order; one
+    (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, the best ranked, kept in order; one
     ``min`` when each row drops one token, :func:`kept_slots`). The buffer's K, V, positions and accumulated
     attention are compacted in place by one gather per tensor (:func:`~kveval.batch_buffer.take_slots` for K and
     V), of the slots from the first one any row dropped: H2O, whose recent tokens are never dropped, mostly drops
@@ -152,15 +155,16 @@ class HeadBudgetEviction:
     """A decode budget per KV head, kept for the whole batch at once. Two kinds:
 
     - fixed per head (``budgets``; DuoAttention: retrieval heads keep every token, streaming heads
-      ``sink + window``): each head keeps its best-scored tokens up to its budget (one ranking ``argsort``);
+      ``sink + window``): each head keeps its best-scored tokens up to its budget (one ranking, :func:`~kveval.policies.base.best_first`);
     - chosen by score across the heads of a row (``budgets=None``; AdaKV's ``decode_budget x heads`` shared
       by the heads): the policy's :meth:`~kveval.policies.base.SelectionPolicy.choose_batch`.
 
     Rows hold per-head stores (:class:`~kveval.head_stores.HeadwiseStore`): in the buffer, each head's tokens end
     at its row's last slot, padding (an invisible position) before them. After each step's attention every row
     holding more than ``decode_budget`` slots keeps what :meth:`kveval.cache_layers.CompressedLayer._evict_to` and
-    the policy's ``choose`` would keep for it (its newest token always); a stable ``argsort`` lines each head's
-    kept tokens up at its row's new last slot, and one gather per tensor moves them.
+    the policy's ``choose`` would keep for it (its newest token always); each head's kept tokens, in slot order,
+    are lined up at its row's new last slot (their ranks by a ``cumsum``, placed by one ``scatter``), and one
+    gather per tensor moves them.
     """
 
     def __init__(self, selection, budgets: list[int | None] | None, context: LayerScoring):
@@ -176,7 +180,7 @@ class HeadBudgetEviction:
         if self.budgets is None:
             return self.selection.choose_batch(scores, self.decode_budget)
         budgets = torch.tensor([width if b is None else b for b in self.budgets], device=scores.device)[None, :, None]
-        rank = scores.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
+        rank = best_first(scores, 2).argsort(dim=2)  # each slot's rank in its head
         return ~padding & (rank < budgets)
 
     def apply(self, buffer: BatchBuffer) -> bool:
@@ -191,18 +195,19 @@ class HeadBudgetEviction:
         counts = kept.sum(dim=2)  # [B, H]
         new_lengths = counts.max(dim=1).values.tolist()
         new_width = max(new_lengths)
-        order = torch.argsort(kept.to(torch.int8), dim=2, stable=True)  # dropped first, kept last, each in slot order
-        # Slot t of row b takes order[t + width - new_lengths[b]]: each head's kept tokens end at its row's last slot.
-        shift = width - torch.tensor(new_lengths, device=device)[:, None, None]
-        source = torch.arange(new_width, device=device)[None, None, :] + shift  # [B, 1, new_width]
-        real = (source >= width - counts[..., None]) & (source < width)  # [B, H, new_width]
-        index = order.gather(2, source.clamp(max=width - 1).expand(-1, order.shape[1], -1))
+        # Each head's kept tokens, in slot order, end at its row's new last slot: a kept slot goes to its rank among
+        # them from there; a dropped one to a spare column past new_width. Padding slots read slot 0 (then refilled).
+        ends = torch.tensor(new_lengths, device=device)[:, None, None]  # [B, 1, 1]
+        target = (kept.cumsum(dim=2) + (ends - 1 - counts[..., None])).masked_fill_(~kept, new_width)
+        slots = _slots(width, device).expand(*kept.shape)
+        index = kept.new_zeros(*kept.shape[:2], new_width + 1, dtype=torch.long).scatter_(2, target, slots)[..., :new_width]
+        column = _slots(new_width, device)
+        padded = (column < ends - counts[..., None]) | (column >= ends)  # [B, H, new_width]
         for held in (buffer.keys, buffer.values):
-            moved = take_slots(held, index)
-            held[:, :, :new_width] = moved.masked_fill(~real[..., None], 0)
+            held[:, :, :new_width] = take_slots(held, index).masked_fill_(padded[..., None], 0)
         for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
             if held is not None:
-                held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill(~real, fill)
+                held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill_(padded, fill)
                 held[:, :, new_width:width] = fill
         buffer.lengths, buffer.width = new_lengths, new_width
         buffer.fit()

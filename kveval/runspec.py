@@ -156,7 +156,7 @@ def _copy_stack(stack: PolicyStack) -> PolicyStack:
 
 def _model_shape(model):
     """The cache-relevant shape of ``model`` (name, config or loaded model), or ``None`` if its config is unreadable."""
-    from kveval.memory import load_model_spec
+    from kveval.model_specs import load_model_spec
 
     if hasattr(model, "config") and not isinstance(model, dict):
         model = model.config

@@ -22,6 +22,7 @@ from kveval.cache import CompressedCache
 from kveval.cache_layers import CompressedLayer
 from kveval.decode_evictions import kept_slots
 from kveval.generation import Prompt, generate
+from kveval.policies.base import top_slots
 
 #: Catch-ups, buffer growth and code growth come every 16 steps or slots here (64 in use): the same code, reached
 #: in 30 decode steps instead of 70 (:func:`dense_events`).
@@ -39,6 +40,7 @@ SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "
          "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)",
          # Scored by attention at every step, with or without a decode budget (the buffer accumulates the scores)
          "h2o(ratio=0.5,decode_budget=40,recent=8)", "tova(ratio=0.5,decode_budget=30)",
+         "h2o(ratio=0.5,decode_budget=6)",  # more recent tokens (scored +inf) than the budget: ties decide
          "h2o(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "tova(ratio=0.3)", "knorm(ratio=0.5,decode_budget=25)",
          "random(ratio=0.5,decode_budget=30,seed=3)",
          # Per-head budgets chosen at the prefill (AdaKV): heads of one row hold different counts
@@ -46,6 +48,8 @@ SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "
          # ... and kept while decoding, the heads sharing the row's budget by score (AdaKV's decode budget)
          "h2o(ratio=0.5,adaptive=true,decode_budget=30)", "knorm(ratio=0.5,adaptive=true,decode_budget=25,floor=0.5)",
          "random(ratio=0.5,adaptive=true,decode_budget=30)",
+         # ... with more recent tokens (scored +inf) than the layer's budget: ties decide, as each row alone decides them
+         "h2o(ratio=0.5,adaptive=true,decode_budget=6)",
          # ... over quantized heads: each head ages its own residual window (per-channel groups out of phase)
          "snapkv(ratio=0.5,adaptive=true)+quant(bits=8,group=16)", "snapkv(ratio=0.5,adaptive=true)+kivi(bits=4,group=8,residual=4)",
          "h2o(ratio=0.6,adaptive=true)+kivi(bits=2,group=8,residual=12)",
@@ -132,14 +136,15 @@ def test_finished_rows_and_query_mode(model, monkeypatch):
     assert len({len(r[1]) for r in batched}) >= 2  # rows stopped at different steps
 
 
-def _topk_kept(scores, budget):
-    return scores.topk(budget, dim=2).indices.sort(dim=2).values
+def _ranked_kept(scores, budget):
+    return top_slots(scores, budget, dim=2)
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_one_drop_per_row_keeps_what_topk_keeps(seed):
-    """A step over budget drops each row's lowest score (one ``min``): the slots ``topk`` keeps, from the first
-    dropped slot on; a tie or a NaN at a full row's lowest score goes to ``topk`` itself."""
+def test_one_drop_per_row_keeps_what_the_ranking_keeps(seed):
+    """A step over budget drops each row's lowest score (one ``min``): the slots the ranking keeps (``top_slots``:
+    best first, equal scores in slot order), from the first dropped slot on; a tie or a NaN at a full row's lowest
+    score goes to the ranking itself."""
     g = torch.Generator().manual_seed(seed)
     budget, lengths = 8, [9, 9, 7, 8]  # two full rows, two with padding slots (-inf)
     scores = torch.rand(4, 3, budget + 1, generator=g) + 1
@@ -148,7 +153,7 @@ def test_one_drop_per_row_keeps_what_topk_keeps(seed):
         scores[b, :, n:] = float("-inf")
         scores[b, :, n - 1] = float("inf")  # the newest slot
     keep, first = kept_slots(scores, budget, lengths)
-    reference = _topk_kept(scores, budget)
+    reference = _ranked_kept(scores, budget)
     assert first >= 5 and torch.equal(keep[:, :, :first], torch.arange(first).expand(4, 3, -1))
     assert torch.equal(keep[:2], reference[:2])  # full rows: the same slots
     for b, n in enumerate(lengths[2:], start=2):  # padded rows drop a padding slot: every real slot stays in place
@@ -157,12 +162,12 @@ def test_one_drop_per_row_keeps_what_topk_keeps(seed):
         unclear = scores.clone()
         unclear[1, 2, 0] = planted
         keep, first = kept_slots(unclear, budget, lengths)
-        assert first == 0 and torch.equal(keep, _topk_kept(unclear, budget))
+        assert first == 0 and torch.equal(keep, _ranked_kept(unclear, budget))
     tied_padding = scores.clone()
     tied_padding[2, 0, 0] = tied_padding[2, 0, 1] = 1.5  # a tie in a padded row does not matter: it drops padding
     assert kept_slots(tied_padding, budget, lengths)[1] >= 5
-    wider = torch.cat([scores, scores[:, :, -1:]], dim=2)  # two over budget: topk
-    assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], _topk_kept(wider, budget))
+    wider = torch.cat([scores, scores[:, :, -1:]], dim=2)  # two over budget: the ranking
+    assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], _ranked_kept(wider, budget))
 
 
 def test_no_step_copies_the_cache(model):

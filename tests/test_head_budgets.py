@@ -23,7 +23,8 @@ from kveval.errors import PolicySpecError
 from kveval.generation import Prompt, generate
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import parse_policy
-from kveval.policies.base import adaptive_choice
+from kveval.decode_evictions import kept_slots
+from kveval.policies.base import adaptive_choice, adaptive_choice_batch
 
 ADAPTIVE = ["snapkv(ratio=0.5,window=4,adaptive=true)", "h2o(ratio=0.5,adaptive=true)", "knorm(ratio=0.5,adaptive=true)",
             "pyramidkv(ratio=0.5,window=4,adaptive=true)"]
@@ -52,6 +53,54 @@ def test_adaptive_choice_moves_budget_to_the_head_that_scores_higher_with_the_fl
     padded = scores.clone()
     padded[1, :15] = float("-inf")  # head 1 holds 5 real tokens: padding is never kept
     assert sum(c.numel() for c in adaptive_choice(padded, keep=20, floor=0.2)) == 25
+
+
+def _tied_rows(g, heads, lowest):
+    """Four rows of ``[heads, n]`` scores with few distinct values (many ties, +inf as H2O scores its recent
+    tokens), ``n`` from ``lowest`` up."""
+    rows = []
+    for _ in range(4):
+        scores = torch.randint(0, 4, (heads, int(torch.randint(lowest, 30, (1,), generator=g))), generator=g).float()
+        rows.append(scores.masked_fill(scores == 3, float("inf")))
+    return rows
+
+
+def test_adakv_ties_are_broken_alike_by_a_row_alone_and_in_a_padded_batch():
+    """A decode eviction ranks equal scores in slot order on every path: a row chosen alone keeps what it keeps in
+    a batch, where its heads end at the batch's last slot with padding (-inf) before them. With topk, which leaves
+    the order of equal scores to the kernel, the two disagreed."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(100):
+        keep, floor = int(torch.randint(1, 8, (1,), generator=g)), float(torch.rand(1, generator=g))
+        rows = _tied_rows(g, 3, 9)
+        width = max(r.shape[1] for r in rows) + 2
+        batch = torch.full((len(rows), 3, width), float("-inf"))
+        for b, scores in enumerate(rows):
+            batch[b, :, width - scores.shape[1]:] = scores
+        kept = adaptive_choice_batch(batch, keep, floor)
+        for b, scores in enumerate(rows):
+            alone = torch.zeros(scores.shape, dtype=torch.bool)
+            for h, index in enumerate(adaptive_choice(scores, keep, floor, stable=True)):
+                alone[h, index] = True
+            assert torch.equal(kept[b, :, width - scores.shape[1]:], alone)
+            assert not kept[b, :, :width - scores.shape[1]].any()
+
+
+def test_decode_budget_ties_are_broken_alike_by_a_row_alone_and_in_a_padded_batch():
+    """The same for one budget for every head: a row alone (``choose``) and the batch (``kept_slots``, each row's
+    tokens first, padding after) keep the same slots among equal scores."""
+    policy = parse_policy("h2o(ratio=0.5,decode_budget=4)").selection
+    g = torch.Generator().manual_seed(6)
+    for _ in range(100):
+        rows = _tied_rows(g, 2, 4)
+        budget = min(r.shape[1] for r in rows) - 1
+        width = max(r.shape[1] for r in rows)
+        batch = torch.full((len(rows), 2, width), float("-inf"))
+        for b, scores in enumerate(rows):
+            batch[b, :, :scores.shape[1]] = scores
+        kept, _ = kept_slots(batch, budget, [r.shape[1] for r in rows])
+        for b, scores in enumerate(rows):
+            assert torch.equal(kept[b], policy.choose(scores, budget, None, stable=True))
 
 
 @pytest.mark.parametrize("spec", ADAPTIVE)

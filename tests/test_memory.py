@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from kveval import cli, memory
-from kveval.memory import load_model_spec, max_fit, parse_headroom, parse_size, plan
+from kveval import cli, model_specs
+from kveval.memory import max_fit, parse_headroom, parse_size, plan
+from kveval.model_specs import load_model_spec
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -69,7 +70,7 @@ def test_gemma3_hybrid_below_and_above_the_window():
     assert halved.sequence_bytes == (15 * 512 + 3 * 1000) * per_layer_token
     # the same model written with layer_types, and with the Gemma 3 default pattern
     kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]
-    base = {k: v for k, v in memory.PRESETS["gemma3-270m"].items() if k != "sliding_window_pattern"}
+    base = {k: v for k, v in model_specs.PRESETS["gemma3-270m"].items() if k != "sliding_window_pattern"}
     assert plan(base | {"layer_types": kinds}, 2000).sequence_bytes == (15 * 512 + 3 * 2000) * per_layer_token
     assert plan(base, 2000).sequence_bytes == (15 * 512 + 3 * 2000) * per_layer_token
     # Gemma 3 27B: 62 layers, 52 sliding (1024) + 10 full, 16 KV heads x 128
@@ -78,7 +79,7 @@ def test_gemma3_hybrid_below_and_above_the_window():
 
 
 def test_multimodal_config_reads_text_config():
-    outer = {"model_type": "gemma3", "text_config": dict(memory.PRESETS["gemma3-270m"])}
+    outer = {"model_type": "gemma3", "text_config": dict(model_specs.PRESETS["gemma3-270m"])}
     assert plan(outer, 2000).sequence_bytes == plan("gemma3-270m", 2000).sequence_bytes
 
 
@@ -258,9 +259,9 @@ def test_local_config_file_and_folder(tmp_path):
     assert plan(str(tmp_path / "config.json"), 1).bytes_per_token == 32 * 8 * 128 * 4
     assert plan(str(tmp_path), 1).model == "my/llama"
     # the parameter estimate for a dense Llama equals Llama-2-7B's count
-    preset = {k: v for k, v in memory.PRESETS["llama-2-7b"].items() if k != "num_parameters"}
+    preset = {k: v for k, v in model_specs.PRESETS["llama-2-7b"].items() if k != "num_parameters"}
     assert load_model_spec(preset).num_parameters == 6_738_415_616
-    smol = {k: v for k, v in memory.PRESETS["smollm2-135m"].items() if k != "num_parameters"}
+    smol = {k: v for k, v in model_specs.PRESETS["smollm2-135m"].items() if k != "num_parameters"}
     assert load_model_spec(smol).num_parameters == 134_515_008
 
 

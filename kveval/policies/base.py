@@ -130,14 +130,16 @@ class SelectionPolicy(Policy):
         """
         raise NotImplementedError
 
-    def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState") -> "torch.Tensor | list[torch.Tensor]":
+    def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState",
+               stable: bool = False) -> "torch.Tensor | list[torch.Tensor]":
         """Which tokens each KV head keeps, given ``scores`` (``[kv_heads, n]``, ``-inf`` on padding slots).
 
         ``keep`` is the per-head budget (:meth:`keep_count`). Returns ``[kv_heads, keep]``
         increasing indices (every head keeps ``keep``), or, when :attr:`per_head_budgets`,
-        one increasing index tensor per head.
+        one increasing index tensor per head. ``stable``: equal scores ranked in slot order
+        (:func:`best_first`), as every decode eviction ranks them (see :func:`top_slots`).
         """
-        return scores.topk(keep, dim=1).indices.sort(dim=1).values
+        return top_slots(scores, keep, dim=1, stable=stable)
 
     @property
     def nominal_ratio(self) -> float | None:
@@ -148,14 +150,44 @@ class SelectionPolicy(Policy):
 ADAKV_FLOOR = 0.2
 
 
-def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float) -> "list[torch.Tensor]":
+def best_first(scores: "torch.Tensor", dim: int = -1) -> "torch.Tensor":
+    """Indices along ``dim``, the best score first and equal scores in slot order (a stable sort).
+
+    Decode evictions rank by this order, row by row and in batch alike, so a row keeps the same tokens alone and
+    in a batch, where it is padded to the batch's width (padding scores ``-inf`` and ranks last), even where
+    scores tie: H2O scores its recent tokens ``+inf`` (all of them tie under a budget below ``recent``), and max
+    pooling gives neighbours one score. ``topk`` leaves the order of equal scores to its kernel, which differs
+    with the width: such a row kept other tokens in a batch than alone.
+    """
+    return scores.argsort(dim=dim, descending=True, stable=True)
+
+
+def best(scores: "torch.Tensor", count: int, dim: int = -1, stable: bool = True) -> "torch.Tensor":
+    """The indices of the ``count`` best scores along ``dim``, best first: by :func:`best_first` (``stable``) or by
+    ``topk`` (its own order of equal scores)."""
+    if stable:
+        return best_first(scores, dim).narrow(dim, 0, count)
+    return scores.topk(count, dim=dim).indices
+
+
+def top_slots(scores: "torch.Tensor", keep: int, dim: int = -1, stable: bool = True) -> "torch.Tensor":
+    """The ``keep`` best slots along ``dim`` (:func:`best`), in increasing slot order.
+
+    A prefill ranks each row alone, at its own width whatever its batch, by ``topk`` (``stable=False``): its order
+    of equal scores is then the same in any batch, and runs kept what they kept. A decode eviction ranks stably.
+    """
+    return best(scores, keep, dim, stable).sort(dim=dim).values
+
+
+def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float, stable: bool = False) -> "list[torch.Tensor]":
     """AdaKV's allocation: ``keep x heads`` tokens chosen by score across all heads of a layer.
 
     Each head first keeps its top ``max(1, floor(floor x keep))`` tokens (the
     paper's fair-guaranteed safeguard); the rest of the layer's budget goes
     to the best scores over the flattened ``[heads, tokens]`` scores. Padding
     slots (``-inf``) are never kept; the budget shrinks to the real tokens
-    there are. Returns one increasing index tensor per head.
+    there are. Returns one increasing index tensor per head. ``stable``: ranked by :func:`best_first` (decode
+    evictions; :func:`adaptive_choice_batch` ranks so), else by ``topk`` (a prefill, each row alone).
     """
     import torch
 
@@ -163,29 +195,32 @@ def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float) -> "list[to
     real = scores > float("-inf")
     total = min(keep * heads, int(real.sum()))
     safe = min(n, max(1, math.floor(floor * keep)))
-    guaranteed = torch.zeros_like(real).scatter_(1, scores.topk(safe, dim=1).indices, True) & real
+    guaranteed = torch.zeros_like(real).scatter_(1, best(scores, safe, 1, stable), True) & real
     ranked = scores.masked_fill(guaranteed, float("inf"))
     chosen = torch.zeros(heads * n, dtype=torch.bool, device=scores.device)
-    chosen[ranked.flatten().topk(total).indices] = True
+    chosen[best(ranked.flatten(), total, 0, stable)] = True
     return [row.nonzero().squeeze(1) for row in chosen.reshape(heads, n)]
 
 
 def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "torch.Tensor":
-    """:func:`adaptive_choice` for every row of ``[B, heads, slots]`` scores at once: the boolean kept mask.
+    """:func:`adaptive_choice` (``stable``: the decode eviction's ranking) for every row of ``[B, heads, slots]``
+    scores at once: the boolean kept mask.
 
-    Rows differ in how many real tokens they hold, so each row's share of the flattened top is a rank below its
-    own total rather than one ``topk``.
+    Rows differ in how many real tokens they hold: one ranking (:func:`best_first`) of the flattened scores, of
+    which each row keeps its own total's first.
     """
     import torch
 
     batch, heads, n = scores.shape
     real = scores > float("-inf")
-    total = (real.sum(dim=(1, 2)).clamp(max=keep * heads))[:, None]  # [B, 1]
+    total = real.sum(dim=(1, 2)).clamp(max=keep * heads)  # [B]
     safe = min(n, max(1, math.floor(floor * keep)))
-    guaranteed = torch.zeros_like(real).scatter_(2, scores.topk(safe, dim=2).indices, True) & real
+    guaranteed = torch.zeros_like(real).scatter_(2, best_first(scores, 2)[..., :safe], True) & real
     ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
-    rank = ranked.argsort(dim=1, descending=True, stable=True).argsort(dim=1)
-    return (rank < total).reshape(batch, heads, n)
+    most = min(keep * heads, heads * n)
+    best = best_first(ranked, 1)[:, :most]  # [B, most]: padding (-inf) ranks last, so each row's real tokens first
+    own = torch.arange(most, device=scores.device)[None, :] < total[:, None]  # each row's first total[b]
+    return torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, best, own).reshape(batch, heads, n)
 
 
 @dataclass
@@ -248,10 +283,11 @@ class RatioSelectionPolicy(SelectionPolicy):
     def per_head_budgets(self) -> bool:
         return self.adaptive
 
-    def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState") -> "torch.Tensor | list[torch.Tensor]":
+    def choose(self, scores: "torch.Tensor", keep: int, state: "ScoringState",
+               stable: bool = False) -> "torch.Tensor | list[torch.Tensor]":
         if self.adaptive:
-            return adaptive_choice(scores, keep, self.floor)
-        return super().choose(scores, keep, state)
+            return adaptive_choice(scores, keep, self.floor, stable)
+        return super().choose(scores, keep, state, stable)
 
     @property
     def chooses_in_batch(self) -> bool:

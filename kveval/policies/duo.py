@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import ScoringState, register_policy
+from kveval.policies.base import ScoringState, register_policy, top_slots
 from kveval.policies.window import SinkWindowPolicy
 
 SCOPES = ("global", "layer")
@@ -84,7 +84,7 @@ class DuoPolicy(SinkWindowPolicy):
         """Share of KV heads that keep every token, as the memory planner counts it (``heads``, before rounding)."""
         return self.heads
 
-    def choose(self, scores: torch.Tensor, keep: int, state: ScoringState) -> list[torch.Tensor]:
+    def choose(self, scores: torch.Tensor, keep: int, state: ScoringState, stable: bool = False) -> list[torch.Tensor]:
         retrieval = self.retrieval_mask(state.model, state.num_layers, scores.shape[0])[state.layer_idx]
         real = scores > float("-inf")
         chosen = []
@@ -93,7 +93,7 @@ class DuoPolicy(SinkWindowPolicy):
                 chosen.append(real[h].nonzero().squeeze(1))
             else:
                 count = min(keep, int(real[h].sum()))
-                chosen.append(scores[h].topk(count).indices.sort().values)
+                chosen.append(top_slots(scores[h], count, dim=0, stable=stable))
         return chosen
 
     def head_decode_budgets(self, model, layer_idx: int, num_layers: int, kv_heads: int) -> list[int | None] | None:
