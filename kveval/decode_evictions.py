@@ -155,7 +155,8 @@ class HeadBudgetEviction:
     """A decode budget per KV head, kept for the whole batch at once. Two kinds:
 
     - fixed per head (``budgets``; DuoAttention: retrieval heads keep every token, streaming heads
-      ``sink + window``): each head keeps its best-scored tokens up to its budget (one ranking, :func:`~kveval.policies.base.best_first`);
+      ``sink + window``): each head keeps its best-scored tokens up to its budget (one ranking,
+      :func:`~kveval.policies.base.best_first`);
     - chosen by score across the heads of a row (``budgets=None``; AdaKV's ``decode_budget x heads`` shared
       by the heads): the policy's :meth:`~kveval.policies.base.SelectionPolicy.choose_batch`.
 

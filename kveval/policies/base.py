@@ -162,7 +162,7 @@ def best_first(scores: "torch.Tensor", dim: int = -1) -> "torch.Tensor":
     return scores.argsort(dim=dim, descending=True, stable=True)
 
 
-def best(scores: "torch.Tensor", count: int, dim: int = -1, stable: bool = True) -> "torch.Tensor":
+def best_indices(scores: "torch.Tensor", count: int, dim: int = -1, stable: bool = True) -> "torch.Tensor":
     """The indices of the ``count`` best scores along ``dim``, best first: by :func:`best_first` (``stable``) or by
     ``topk`` (its own order of equal scores)."""
     if stable:
@@ -171,12 +171,12 @@ def best(scores: "torch.Tensor", count: int, dim: int = -1, stable: bool = True)
 
 
 def top_slots(scores: "torch.Tensor", keep: int, dim: int = -1, stable: bool = True) -> "torch.Tensor":
-    """The ``keep`` best slots along ``dim`` (:func:`best`), in increasing slot order.
+    """The ``keep`` best slots along ``dim`` (:func:`best_indices`), in increasing slot order.
 
     A prefill ranks each row alone, at its own width whatever its batch, by ``topk`` (``stable=False``): its order
     of equal scores is then the same in any batch, and runs kept what they kept. A decode eviction ranks stably.
     """
-    return best(scores, keep, dim, stable).sort(dim=dim).values
+    return best_indices(scores, keep, dim, stable).sort(dim=dim).values
 
 
 def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float, stable: bool = False) -> "list[torch.Tensor]":
@@ -195,10 +195,10 @@ def adaptive_choice(scores: "torch.Tensor", keep: int, floor: float, stable: boo
     real = scores > float("-inf")
     total = min(keep * heads, int(real.sum()))
     safe = min(n, max(1, math.floor(floor * keep)))
-    guaranteed = torch.zeros_like(real).scatter_(1, best(scores, safe, 1, stable), True) & real
+    guaranteed = torch.zeros_like(real).scatter_(1, best_indices(scores, safe, 1, stable), True) & real
     ranked = scores.masked_fill(guaranteed, float("inf"))
     chosen = torch.zeros(heads * n, dtype=torch.bool, device=scores.device)
-    chosen[best(ranked.flatten(), total, 0, stable)] = True
+    chosen[best_indices(ranked.flatten(), total, 0, stable)] = True
     return [row.nonzero().squeeze(1) for row in chosen.reshape(heads, n)]
 
 
