@@ -19,7 +19,7 @@ COMMANDS = {
     "probes": ("kveval.probes.cli", "write long-context recall probe items as jsonlines"),
     "eval": ("kveval.evaluate", "run probe items under one policy and write a run folder"),
     "compare": ("kveval.compare", "paired comparison of a candidate run against its baseline"),
-    "gate": ("kveval.gate", "regression gate before deployment (exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 error); --plan sizes a run"),
+    "gate": ("kveval.gate_cli", "regression gate before deployment (exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 error); --plan sizes a run"),
     "report": ("kveval.report", "leaderboard (markdown, CSV, HTML) and plots from run folders"),
     "sweep": ("kveval.sweep", "models x policies x probes sweep, ending in a leaderboard and a gate verdict"),
     "memory": ("kveval.memory", "KV-cache memory planner: bytes per token, largest context or batch that fits"),
