@@ -181,8 +181,9 @@ class HeadBudgetEviction:
         if self.budgets is None:
             return self.selection.choose_batch(scores, self.decode_budget)
         budgets = torch.tensor([width if b is None else b for b in self.budgets], device=scores.device)[None, :, None]
-        rank = best_first(scores, 2).argsort(dim=2)  # each slot's rank in its head
-        return ~padding & (rank < budgets)
+        # The slot ranked r in its head (best_first) is kept where r is under the head's budget: one sort.
+        within = (_slots(width, scores.device) < budgets).expand(*scores.shape)
+        return ~padding & torch.zeros_like(padding).scatter_(2, best_first(scores, 2), within)
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""

@@ -136,10 +136,6 @@ def test_finished_rows_and_query_mode(model, monkeypatch):
     assert len({len(r[1]) for r in batched}) >= 2  # rows stopped at different steps
 
 
-def _ranked_kept(scores, budget):
-    return top_slots(scores, budget, dim=2)
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_one_drop_per_row_keeps_what_the_ranking_keeps(seed):
     """A step over budget drops each row's lowest score (one ``min``): the slots the ranking keeps (``top_slots``:
@@ -153,7 +149,7 @@ def test_one_drop_per_row_keeps_what_the_ranking_keeps(seed):
         scores[b, :, n:] = float("-inf")
         scores[b, :, n - 1] = float("inf")  # the newest slot
     keep, first = kept_slots(scores, budget, lengths)
-    reference = _ranked_kept(scores, budget)
+    reference = top_slots(scores, budget, dim=2)
     assert first >= 5 and torch.equal(keep[:, :, :first], torch.arange(first).expand(4, 3, -1))
     assert torch.equal(keep[:2], reference[:2])  # full rows: the same slots
     for b, n in enumerate(lengths[2:], start=2):  # padded rows drop a padding slot: every real slot stays in place
@@ -162,12 +158,12 @@ def test_one_drop_per_row_keeps_what_the_ranking_keeps(seed):
         unclear = scores.clone()
         unclear[1, 2, 0] = planted
         keep, first = kept_slots(unclear, budget, lengths)
-        assert first == 0 and torch.equal(keep, _ranked_kept(unclear, budget))
+        assert first == 0 and torch.equal(keep, top_slots(unclear, budget, dim=2))
     tied_padding = scores.clone()
     tied_padding[2, 0, 0] = tied_padding[2, 0, 1] = 1.5  # a tie in a padded row does not matter: it drops padding
     assert kept_slots(tied_padding, budget, lengths)[1] >= 5
     wider = torch.cat([scores, scores[:, :, -1:]], dim=2)  # two over budget: the ranking
-    assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], _ranked_kept(wider, budget))
+    assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], top_slots(wider, budget, dim=2))
 
 
 def test_no_step_copies_the_cache(model):

@@ -215,10 +215,10 @@ def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "t
     real = scores > float("-inf")
     total = real.sum(dim=(1, 2)).clamp(max=keep * heads)  # [B]
     safe = min(n, max(1, math.floor(floor * keep)))
-    guaranteed = torch.zeros_like(real).scatter_(2, best_first(scores, 2)[..., :safe], True) & real
+    guaranteed = torch.zeros_like(real).scatter_(2, best_indices(scores, safe, 2), True) & real
     ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
     most = min(keep * heads, heads * n)
-    best = best_first(ranked, 1)[:, :most]  # [B, most]: padding (-inf) ranks last, so each row's real tokens first
+    best = best_indices(ranked, most, 1)  # [B, most]: padding (-inf) ranks last, so each row's real tokens first
     own = torch.arange(most, device=scores.device)[None, :] < total[:, None]  # each row's first total[b]
     return torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, best, own).reshape(batch, heads, n)
 
