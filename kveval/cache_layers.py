@@ -559,6 +559,9 @@ class CompressedLayer(CacheLayerMixin):
                 self._select_heads(row, index)
                 return
             index = torch.stack(index)
+        n = row.store.length
+        if index.shape[-1] == n and bool((index == torch.arange(n, device=index.device)).all()):
+            return  # every token kept (DuoAttention's retrieval heads): the model's own mask stays exact
         self._decode = None
         row.keep(index)
         self.contiguous = False

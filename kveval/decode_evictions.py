@@ -194,19 +194,25 @@ class HeadBudgetEviction:
         device = scores.device
         over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
         kept = self._kept(scores, padding, width) | (~padding & ~over)  # rows within the decode budget keep everything
+        if bool((kept == ~padding).all()):  # nothing dropped (retrieval heads keep every token): the layout stands
+            return False
         counts = kept.sum(dim=2)  # [B, H]
         new_lengths = counts.max(dim=1).values.tolist()
         new_width = max(new_lengths)
         # Each head's kept tokens, in slot order, end at its row's new last slot: a kept slot goes to its rank among
-        # them from there; a dropped one to a spare column past new_width. Padding slots read slot 0 (then refilled).
+        # them from there; a dropped one to a spare column past new_width. Padding slots read slot 0.
         ends = torch.tensor(new_lengths, device=device)[:, None, None]  # [B, 1, 1]
         target = (kept.cumsum(dim=2) + (ends - 1 - counts[..., None])).masked_fill_(~kept, new_width)
         slots = _slots(width, device).expand(*kept.shape)
         index = kept.new_zeros(*kept.shape[:2], new_width + 1, dtype=torch.long).scatter_(2, target, slots)[..., :new_width]
         column = _slots(new_width, device)
         padded = (column < ends - counts[..., None]) | (column >= ends)  # [B, H, new_width]
+        # Padding slots are zeroed by their rows in the flat [B * H * new_width, D] view: a few rows, about 3x faster
+        # on a CPU than a mask broadcast over D.
+        padding_rows = padded.view(-1).nonzero().squeeze(1)
         for held in (buffer.keys, buffer.values):
-            held[:, :, :new_width] = take_slots(held, index).masked_fill_(padded[..., None], 0)
+            taken = take_slots(held, index)
+            held[:, :, :new_width] = taken.view(-1, taken.shape[-1]).index_fill_(0, padding_rows, 0).view(taken.shape)
         for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
             if held is not None:
                 held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill_(padded, fill)
