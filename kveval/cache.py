@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
-from kveval import architectures
+from kveval import architectures, retrieval_heads
 from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, RowState, score_key
 from kveval.coded_rows import SharedScratch
 from kveval.errors import UsageError
@@ -391,5 +391,7 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
     element = (deployment_kv_dtype(model) if dtype is None else parse_kv_dtype(dtype)).itemsize
     return attention_layers * sum(architectures.cache_widths(model.config)) * element
 
+
+retrieval_heads.use_cache(CompressedCache)  # DuoAttention calibrates its retrieval heads through this cache
 
 __all__ = ["CacheStats", "CompressedCache", "CompressedHybridLayer", "CompressedLayer", "nominal_bytes_per_token"]

@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from kveval.errors import run_command  # the one place exceptions become exit codes (re-exported)
+
 # name -> (module, one-line help). Modules keep heavy imports (torch, transformers) inside `run`.
 COMMANDS = {
     "generate": ("kveval.generate_cli", "greedy generation under a compression policy, with measured cache bytes"),
@@ -43,33 +45,6 @@ def main(argv: list[str] | None = None) -> int:
             module.configure(command_parser)
     args = parser.parse_args(argv)
     return run_command(args.command, lambda: module.run(args))
-
-
-def run_command(command: str, body) -> int:
-    """Run ``body()`` and map what it raises to an exit code (the one place that does; see :mod:`kveval.errors`)."""
-    import os
-    import traceback
-
-    from kveval.errors import EXIT_ERROR, EXIT_INTERRUPTED, is_user_error
-
-    try:
-        return int(body() or 0)
-    except KeyboardInterrupt:
-        print("kveval: interrupted; results written so far are kept", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except SystemExit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
-        if os.environ.get("KVEVAL_DEBUG"):
-            raise
-        # ValueError stays a user error: library callers (and transformers) raise it for bad input.
-        if is_user_error(exc) or type(exc) is ValueError:
-            print(f"kveval {command}: error: {exc}", file=sys.stderr)
-        else:
-            traceback.print_exc()
-            print(f"kveval {command}: internal error ({type(exc).__name__}); this is a bug in kveval, "
-                  f"please report it with the traceback above. Results written so far are kept.", file=sys.stderr)
-        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Every error a user can cause (a bad spec, config, path, result file or model)
 is a :class:`KvevalError` subclass with a one-line message that names the fix.
-The command line (:mod:`kveval.cli`) maps exceptions to exit codes here, in one
-place:
+The command lines (:mod:`kveval.cli`, ``python -m kveval.lm_eval``) map exceptions to exit codes here, in
+one place (:func:`run_command`):
 
 ====  ==========================================================================
 0     success; for ``gate``: PASS (non-inferiority shown within the margin)
@@ -19,6 +19,9 @@ place:
 from __future__ import annotations
 
 import errno
+import os
+import sys
+import traceback
 
 EXIT_OK = 0
 EXIT_PASS = 0
@@ -79,8 +82,30 @@ def is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, (KvevalError, FileNotFoundError)) or is_storage_error(exc)
 
 
+def run_command(command: str, body) -> int:
+    """Run ``body()`` and map what it raises to an exit code: the one place that does (the table above)."""
+    try:
+        return int(body() or 0)
+    except KeyboardInterrupt:
+        print("kveval: interrupted; results written so far are kept", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
+        if os.environ.get("KVEVAL_DEBUG"):
+            raise
+        # ValueError stays a user error: library callers (and transformers) raise it for bad input.
+        if is_user_error(exc) or type(exc) is ValueError:
+            print(f"kveval {command}: error: {exc}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+            print(f"kveval {command}: internal error ({type(exc).__name__}); this is a bug in kveval, "
+                  f"please report it with the traceback above. Results written so far are kept.", file=sys.stderr)
+        return EXIT_ERROR
+
+
 __all__ = [
     "EXIT_ERROR", "EXIT_FAIL", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PASS",
     "ConfigError", "KvevalError", "ModelNotFoundError", "PolicySpecError", "ResultFileError", "RunFolderError",
-    "StorageError", "UnsupportedModelError", "UsageError", "is_storage_error", "is_user_error",
+    "StorageError", "UnsupportedModelError", "UsageError", "is_storage_error", "is_user_error", "run_command",
 ]

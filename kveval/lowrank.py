@@ -62,6 +62,7 @@ from typing import ClassVar
 
 import torch
 
+from kveval.paths import cache_dir
 from kveval.storage import DenseStore, QuantizedStore, TokenStore
 
 CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
@@ -127,13 +128,9 @@ def model_fingerprint(model) -> str:
 
 
 def tokenize_for(model, text: str) -> list[int]:
-    """Token ids of ``text`` for ``model``: ``model.kveval_tokenizer``, kveval's or the Hub tokenizer, else bytes."""
+    """Token ids of ``text`` for ``model``: ``model.kveval_tokenizer`` (:func:`kveval.models.load_model` sets it),
+    else the Hub tokenizer of its ``_name_or_path``, else bytes."""
     tokenizer = getattr(model, "kveval_tokenizer", None)
-    name = getattr(model, "kveval_name", None)
-    if tokenizer is None and name:
-        from kveval.models import load_tokenizer
-
-        tokenizer = load_tokenizer(name)
     path = getattr(model.config, "_name_or_path", "")
     if tokenizer is None and path:
         from transformers import AutoTokenizer
@@ -282,8 +279,6 @@ def calibration_path(model, text: CalibrationText, tokens: int, kind: str = "") 
     ``kind`` names another statistic of the same pass (``""``: the per-head PCA
     of this module; :mod:`kveval.latent` keeps cross-head second moments).
     """
-    from kveval.models import cache_dir
-
     model_key = model_fingerprint(model)
     kind_key = f":{kind}" if kind else ""
     key = hashlib.sha256(f"{CALIBRATION_VERSION}:{model_key}:{text.sha256}:{tokens}{kind_key}".encode()).hexdigest()[:20]

@@ -19,6 +19,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 from kveval.errors import ModelNotFoundError, UsageError  # noqa: E402  (ModelNotFoundError is re-exported)
+from kveval.paths import cache_dir  # noqa: E402  (re-exported: callers and tests ask kveval.models)
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,6 @@ EMBEDDED = {
         assemble=True,
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Folder for dequantized weights and calibration data (``$KVEVAL_CACHE``, default ``~/.cache/kveval``)."""
-    return Path(os.environ.get("KVEVAL_CACHE", Path.home() / ".cache" / "kveval"))
 
 
 def resolve_device_dtype(device: str = "auto", dtype: str = "auto"):
@@ -234,6 +230,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
                          f"raise max_memory or add GPUs so that every layer fits on a GPU or the CPU")
     model.eval()
     model.kveval_name = name
+    model.kveval_tokenizer = tokenizer  # calibrations read their text with it (kveval.lowrank.tokenize_for)
     _check_architecture(model, name, self_check)
     model.kveval_kv_dtype = kv_dtype
     return model, tokenizer

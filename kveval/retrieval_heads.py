@@ -30,7 +30,19 @@ from pathlib import Path
 import torch
 
 from kveval.lowrank import load_or_compute, load_versioned, model_fingerprint, model_name, save_atomic, tokenize_for
+from kveval.paths import cache_dir
 from kveval.probes.text import REPEAT_SENTENCES
+
+#: The cache class calibration runs the model with: :class:`kveval.cache.CompressedCache`, which hands itself over
+#: here when its module loads (:func:`use_cache`). Handed over, not imported: the cache imports the policies, whose
+#: DuoAttention calls this module, so an import would close a cycle.
+_calibration_cache = None
+
+
+def use_cache(cache_type) -> None:
+    """Calibrate with ``cache_type`` (a :class:`~kveval.cache.CompressedCache`-like class)."""
+    global _calibration_cache
+    _calibration_cache = cache_type
 
 CALIBRATION_VERSION = 1
 DEPTHS = (0.2, 0.5, 0.8)
@@ -107,14 +119,14 @@ def passkey_probe(model, tokens: int, depth: float, seed: int = 0) -> tuple[list
 
 def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
     """Score every KV head on passkey probes at :data:`DEPTHS` (one forward pass each)."""
-    from kveval.cache import CompressedCache
-
+    if _calibration_cache is None:
+        raise RuntimeError("retrieval heads calibrate through kveval.cache: import it first")
     total = None
     for i, depth in enumerate(DEPTHS):
         ids, needle, answer = passkey_probe(model, tokens, depth, seed=i)
         # The last `answer` queries of ids[:-1] are those that write the answer's tokens.
         window = f"snapkv(ratio=0.5,window={answer},kernel=1)"
-        cache = CompressedCache(model, window, defer_compression=True, kv_dtype=model.dtype)
+        cache = _calibration_cache(model, window, defer_compression=True, kv_dtype=model.dtype)
         with torch.no_grad():
             model(input_ids=torch.tensor([ids[:-1]], device=model.device), cache=cache, use_cache=True)
         per_layer = []
@@ -133,8 +145,6 @@ def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
 
 def load_or_calibrate(model, tokens: int) -> RetrievalScores:
     """The model's retrieval scores from memory, then disk, else computed once and stored."""
-    from kveval.models import cache_dir
-
     model_key = model_fingerprint(model)
     key = hashlib.sha256(f"duo:{CALIBRATION_VERSION}:{model_key}:{tokens}".encode()).hexdigest()[:20]
     path = cache_dir() / "calibration" / f"{model_name(model)}-duo-{key}.pt"
@@ -150,4 +160,4 @@ def clear_memory_cache() -> None:
     _MEMORY.clear()
 
 
-__all__ = ["RetrievalScores", "calibrate", "clear_memory_cache", "load_or_calibrate", "passkey_probe"]
+__all__ = ["RetrievalScores", "calibrate", "clear_memory_cache", "load_or_calibrate", "passkey_probe", "use_cache"]

@@ -27,6 +27,7 @@ def _passkey_prompt(tokenizer, key: str, before: int, after: int) -> Prompt:
 @pytest.mark.parametrize("policy, answered", [("none", True), ("kivi(bits=4)", True), ("window(32)", False)])
 def test_passkey_of_300_tokens(smollm2, policy, answered):
     model, tokenizer = smollm2
+    assert model.kveval_tokenizer is tokenizer  # calibrations tokenize their text with it (lowrank.tokenize_for)
     prompt = _passkey_prompt(tokenizer, "68142", 5, 5)
     assert 250 <= prompt.length <= 350
     text = generate(model, tokenizer, [prompt], policy, max_new_tokens=12)[0].text

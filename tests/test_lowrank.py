@@ -231,8 +231,10 @@ def test_smollm2_generates_with_fewer_bytes(monkeypatch):
 
 def test_tokenize_for_loads_a_models_tokenizer_once(monkeypatch):
     """Calibration probes tokenize many times (retrieval heads: once per filler sentence); each call reloading the
-    tokenizer made Gemma-3-270M's duo calibration take minutes."""
-    import kveval.models
+    tokenizer made Gemma-3-270M's duo calibration take minutes. A model kveval loaded carries its tokenizer
+    (``kveval_tokenizer``, tested with the embedded models); another one loads its Hub tokenizer once."""
+    import transformers
+
     from kveval.lowrank import tokenize_for
 
     loads = []
@@ -241,15 +243,18 @@ def test_tokenize_for_loads_a_models_tokenizer_once(monkeypatch):
         def __call__(self, text):
             return {"input_ids": [ord(c) % 7 for c in text]}
 
-    def load_tokenizer(name):
-        loads.append(name)
+    def from_pretrained(path, *args, **kwargs):
+        loads.append(path)
         return Tokenizer()
 
-    monkeypatch.setattr(kveval.models, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     model = tiny_llama()
-    model.kveval_name = "some-model"
+    model.config._name_or_path = "some-model"
     assert tokenize_for(model, "abc") == tokenize_for(model, "abc") == [ord(c) % 7 for c in "abc"]
     assert loads == ["some-model"]
+    bare = tiny_llama()
+    bare.config._name_or_path = ""
+    assert tokenize_for(bare, "ab") == [b % bare.config.vocab_size for b in b"ab"]  # no tokenizer at all: bytes
 
 
 @pytest.mark.parametrize("spec", ["lowrank(k_rank=8,v_rank=4)", "lowrank(k_rank=8,v_rank=4)+quant(bits=4,group=4,residual=3)",

@@ -93,6 +93,6 @@ def _fallback(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from kveval.cli import run_command  # the one place exceptions become exit codes
+    from kveval.errors import run_command  # the one place exceptions become exit codes
 
     sys.exit(run_command("lm-eval", main))
