@@ -196,6 +196,7 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
         if (recorded.get("hash") or identity["hash"]) != identity["hash"] or (not recorded and info.model != model_name):
             raise RunFolderError(f"{run_dir} holds runs of model {recorded.get('source') or info.model}, not {identity['source']}; "
                                  f"pass --out to a new folder, or delete {run_dir}")
+        done = set()
         if (run_dir / "items.jsonl").is_file():
             cut_partial_item(run_dir)  # a killed run's half-written line: it is rerun
             wanted = {item.id: item.hash for item in items}
@@ -203,14 +204,53 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
                 if record.id in wanted and wanted[record.id] != record.hash:
                     raise RunFolderError(f"{run_dir}: item {record.id} was run on another prompt (hash {record.hash[:12]}, "
                                          f"now {wanted[record.id][:12]}); pass --out to a new folder, or delete {run_dir}")
+                done.add(record.id)
+        hardware, recorded_hardware = hardware_of(model), info.extra.get("hardware")
+        if (recorded_hardware and recorded_hardware != hardware and not recorded_hardware.startswith("mixed")
+                and any(item.id not in done for item in items)):
+            # Items to compute elsewhere (a lost node's cell retried on another machine): the run now mixes two
+            # kinds of rounding, which no comparison may take for one run's (kveval.results.pair_runs).
+            info.extra["hardware"] = f"mixed: {recorded_hardware} + {hardware}"
+            write_run_info(run_dir, info)
         return run_dir
     stack = spec.policy
     info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
                    family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype or deployment_dtype_name(model),
                    model_identity=identity,
-                   extra={**(extra or {}), **representation_info(stack, model)})
+                   extra={**(extra or {}), **representation_info(stack, model), "hardware": hardware_of(model)})
     write_run_info(run_dir, info)
     return run_dir
+
+
+def hardware_of(model) -> str:
+    """What computed ``model``'s runs, as far as it decides the bits: the device kind and model, on a CPU the
+    instruction set torch's kernels use, and torch's version, e.g. ``"cpu AVX512 (AMD EPYC), torch 2.13.0+cpu"``.
+
+    Float kernels differ between them: on a CPU with AVX512-BF16 the quickstart sweep gave other text for 12 of
+    480 items than on an AVX2 one, its baseline included. A comparison of runs made on two of them would count
+    the hardware's rounding as the policy's effect (:func:`kveval.results.pair_runs` refuses it)."""
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        name = f"cuda {torch.cuda.get_device_name(device)}"
+    elif device.type == "cpu":
+        name = f"cpu {torch.backends.cpu.get_cpu_capability()} ({_cpu_model()})"
+    else:
+        name = device.type
+    return f"{name}, torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 def deployment_dtype_name(model) -> str:

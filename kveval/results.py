@@ -410,7 +410,8 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
     ------
     ResultFileError
         Duplicate ids, items present in only one run, prompt-hash or task
-        mismatches, different result formats, or (kveval runs) different models.
+        mismatches, different result formats, (kveval runs) different models, or runs computed on different
+        hardware (``extra["hardware"]``, :func:`kveval.evaluate.hardware_of`; runs that predate it pair as before).
     """
     if baseline.source != candidate.source:
         raise ResultFileError(
@@ -420,6 +421,13 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
         raise ResultFileError(
             f"cannot pair runs of different models: baseline {baseline.info.model!r} ({baseline.path}) "
             f"vs candidate {candidate.info.model!r} ({candidate.path})"
+        )
+    hardware = [run.info.extra.get("hardware") for run in (baseline, candidate)]
+    if all(hardware) and (hardware[0] != hardware[1] or hardware[0].startswith("mixed")):
+        raise ResultFileError(
+            f"cannot pair runs computed on different hardware: baseline {hardware[0]!r} ({baseline.path}) vs candidate "
+            f"{hardware[1]!r} ({candidate.path}); float kernels round differently there, which would count as the "
+            f"policy's effect: run both on one machine (kveval sweep runs a baseline with its candidates)"
         )
     if baseline.source == "lm-eval":
         for key in ("revision", "tokenizer"):

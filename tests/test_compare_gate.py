@@ -351,6 +351,24 @@ def test_gate_other_model_is_error(runs, capsys):
     _one_error_line(capsys, "different models")
 
 
+def test_runs_computed_on_different_hardware_are_not_paired(runs, capsys):
+    """Float kernels round differently on another CPU or GPU (12 of the quickstart's 480 answers moved between an
+    AVX2 and an AVX512-BF16 CPU, the baseline's too): pairing such runs would count that as the policy's effect."""
+    avx2, avx512 = "cpu AVX2 (some CPU), torch 2.13.0+cpu", "cpu AVX512 (AMD EPYC), torch 2.13.0+cpu"
+    base = write_run(runs["tmp"] / "base-hw", runs["items"], extra={"hardware": avx2})
+    elsewhere = write_run(runs["tmp"] / "elsewhere", runs["items"], policy="snapkv(ratio=0.25)", extra={"hardware": avx512})
+    here = write_run(runs["tmp"] / "here", runs["items"], policy="snapkv(ratio=0.25)", extra={"hardware": avx2})
+    mixed = write_run(runs["tmp"] / "mixed", runs["items"], policy="snapkv(ratio=0.25)",
+                      extra={"hardware": f"mixed: {avx2} + {avx512}"})
+    argv = ["gate", "--config", str(GATE_YAML), "--baseline", str(base), "--out", str(runs["tmp"] / "gate-hw")]
+    assert cli.main(argv + ["--candidate", str(elsewhere)]) == 2
+    _one_error_line(capsys, "different hardware", "AVX2", "AVX512")
+    assert cli.main(argv + ["--candidate", str(mixed)]) == 2  # a run resumed on another machine pairs with nothing
+    _one_error_line(capsys, "different hardware", "mixed")
+    assert cli.main(argv + ["--candidate", str(here)]) == 0  # same machine, same items: PASS
+    assert cli.main(argv + ["--candidate", str(runs["same"])]) == 0  # a run that predates the record pairs as before
+
+
 def test_gate_missing_baseline_is_error(runs, capsys):
     argv = ["gate", "--config", str(GATE_YAML), "--baseline", str(runs["tmp"] / "nope"), "--candidate", str(runs["bad"])]
     assert cli.main(argv) == 2

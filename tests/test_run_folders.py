@@ -77,6 +77,23 @@ def test_resuming_a_folder_of_another_model_or_prompt_is_refused(tmp_path):
     evaluate_policies(model, tok, _items(), ["window(size=8)"], tmp_path, "org1/M")
 
 
+def test_the_hardware_is_recorded_and_a_resume_elsewhere_marks_the_run_mixed(tmp_path, monkeypatch):
+    import kveval.evaluate
+
+    model, tok = tiny_llama(), CharTok()
+    [run_dir] = evaluate_policies(model, tok, _items(n=1), ["window(size=8)"], tmp_path, "org1/M")
+    here = kveval.evaluate.hardware_of(model)
+    assert here.startswith("cpu ") and "torch " in here
+    assert read_run_info(run_dir).extra["hardware"] == here
+    evaluate_policies(model, tok, _items(n=2), ["window(size=8)"], tmp_path, "org1/M")  # resumed here: unchanged
+    assert read_run_info(run_dir).extra["hardware"] == here
+    monkeypatch.setattr(kveval.evaluate, "hardware_of", lambda model: "cuda NVIDIA H200, torch 2.13.0")
+    evaluate_policies(model, tok, _items(n=2), ["window(size=8)"], tmp_path, "org1/M")  # nothing left to compute
+    assert read_run_info(run_dir).extra["hardware"] == here
+    evaluate_policies(model, tok, _items(n=3), ["window(size=8)"], tmp_path, "org1/M")  # item 3 computed elsewhere
+    assert read_run_info(run_dir).extra["hardware"] == f"mixed: {here} + cuda NVIDIA H200, torch 2.13.0"
+
+
 def test_low_rank_calibration_is_recorded_in_run_json(tmp_path):
     model, tok = tiny_llama(), CharTok()
     [run_dir] = evaluate_policies(model, tok, _items(n=1), ["lowrank(rank=8)"], tmp_path, "org1/M")
