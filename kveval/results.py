@@ -390,6 +390,7 @@ def _lm_eval_run_info(path: Path, folder: Path, date: str) -> RunInfo:
             # what must agree between paired lm-eval runs besides the model name
             "revision": first("revision"),
             "tokenizer": first("tokenizer"),
+            "hardware": fields.hardware,  # what pair_runs checks, as for kveval runs
         },
     )
 

@@ -534,6 +534,18 @@ def test_bad_item_values_are_refused_naming_file_and_item(runs, capsys, field, v
     assert "item 4" in err or "niah_multikey/3" in err
 
 
+def test_lm_eval_runs_computed_on_different_hardware_are_refused(tmp_path):
+    base, cand = lm_eval_pair(tmp_path)
+    compare_runs(base, cand)  # neither records its hardware (written before kveval did): paired as before
+    for run, hardware in ((base, "cpu AVX2 (some CPU), torch 2.13.0"), (cand, "cuda NVIDIA H200, torch 2.13.0")):
+        results = next(run.rglob("results_*.json"))
+        data = json.loads(results.read_text())
+        data.setdefault("config", {})["kveval_hardware"] = hardware
+        results.write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="different hardware"):
+        compare_runs(base, cand)
+
+
 def test_lm_eval_runs_of_different_models_are_refused(tmp_path):
     base, cand = lm_eval_pair(tmp_path)
     results = next((cand / "my__model").glob("results_*.json"))

@@ -110,7 +110,7 @@ import kveval
 from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.generation import MODES, Prompt, can_share_prefill, check_request, forward_rows, generate_each
 from kveval.errors import UsageError
-from kveval.evaluate import deployment_dtype_name, model_identity
+from kveval.evaluate import deployment_dtype_name, hardware_of, model_identity
 from kveval.lm_eval import data_parallel, schema
 from kveval.lm_eval.arguments import (HFLM_KEYS, UNSUPPORTED, parse_model_args, placement_args, policy_from_arg,
                                      runspec_from_args, split_model_args, unescape)
@@ -588,6 +588,7 @@ class KVEvalLM(HFLM):
             schema.NOMINAL_BYTES: nominal_bytes_per_token(model, self.kv_dtype),
             schema.ROLLING: "uncompressed (stock HFLM)",
             schema.VERSION: getattr(kveval, "__version__", "unknown"),
+            schema.HARDWARE: hardware_of(model),
             "transformers_version": _version("transformers"),
             "torch_version": torch.__version__,
             "lm_eval_version": _version("lm_eval"),

@@ -32,6 +32,7 @@ QUESTION_MARKER = "kveval_question_marker"
 SEED = "kveval_seed"
 ROLLING = "kveval_loglikelihood_rolling"
 VERSION = "kveval_version"
+HARDWARE = "kveval_hardware"
 
 KEYS: dict[str, str] = {
     POLICY: "canonical policy spec of the run (`none` for the baseline)",
@@ -50,6 +51,7 @@ KEYS: dict[str, str] = {
     SEED: "base seed of the random control",
     ROLLING: "how loglikelihood_rolling ran (uncompressed, stock HFLM)",
     VERSION: "kveval version",
+    HARDWARE: "device, CPU instruction set or GPU, and torch version that computed the run (`compare` pairs no two that differ)",
 }
 
 
@@ -64,6 +66,7 @@ class RunFields:
     nominal_bytes_per_token: float | None
     kv_dtype: str | None
     model_identity: dict
+    hardware: str | None = None  # kveval.evaluate.hardware_of; None in runs that predate it
 
 
 def as_float(value: Any) -> float | None:
@@ -99,9 +102,10 @@ def read_run_fields(config: dict, model_args: dict | None = None) -> RunFields:
         nominal_bytes_per_token=as_float(get(NOMINAL_BYTES)),
         kv_dtype=get(KV_DTYPE, "kv_dtype"),
         model_identity=identity if isinstance(identity, dict) else {},
+        hardware=get(HARDWARE),
     )
 
 
-__all__ = ["COMPRESS", "INDEX_BYTES", "KEYS", "KV_DTYPE", "MEASURED_BYTES", "MEASURED_RATIO", "MEASURED_REQUESTS",
+__all__ = ["COMPRESS", "HARDWARE", "INDEX_BYTES", "KEYS", "KV_DTYPE", "MEASURED_BYTES", "MEASURED_RATIO", "MEASURED_REQUESTS",
            "MEASURED_TOKENS", "MODEL_IDENTITY", "NOMINAL_BYTES", "NOMINAL_RATIO", "POLICY", "QUESTION_MARKER", "ROLLING",
            "RunFields", "as_float", "SEED", "UNCOMPRESSED_MEASURED_BYTES", "VERSION", "read_run_fields"]
