@@ -13,8 +13,9 @@ over rows or heads:
   dequantized values; or, held as codes (:class:`~kveval.coded_rows.CodedRows`,
   the default on CUDA), the layer is dequantized at each step into a scratch
   that all layers share, so the cache is never held a second time;
-- attention-scored selection (H2O, TOVA) adds or sets each step's attention
-  mass in a ``[B, H, slots]`` tensor beside the tokens;
+- attention-scored selection (H2O, TOVA) under a decode budget adds or sets
+  each step's attention mass in a ``[B, H, slots]`` tensor beside the tokens
+  (without a budget, nothing ranks the tokens again after the prefill);
 - a decode budget (window, streaming, H2O, TOVA, knorm, random) or a sliding-window
   layer (Gemma 3's local layers) keeps its tokens by one ``topk`` of the
   policy's own scores (a ``min`` when each row drops one) and one in-place
@@ -110,7 +111,8 @@ class BufferedDecode:
         prefill): ``keys``/``values`` then hold one residual window per row and head, in that order.
     accumulates : str or None
         ``"all"`` (H2O: attention summed over every query) or ``"last"`` (TOVA: the newest query's), when the
-        selection scores with attention at every step; the buffer then holds it beside the tokens.
+        selection scores with attention at every step (under a decode budget); the buffer then holds it beside the
+        tokens.
     coded : (CodedRows, CodedRows) or None
         Quantized rows held as codes instead (``codes=True`` in :meth:`for_rows`): the buffer releases its
         dequantized K/V, every step dequantizes the layer into a scratch shared by the layers (:meth:`read`), and
@@ -163,7 +165,9 @@ class BufferedDecode:
         stores = [row.store for row in rows]
         if not all(cls.could_serve(s, selection, sliding_window) for s in stores):
             return None
-        accumulates = selection.attention if selection is not None and selection.attention in ("all", "last") else None
+        # Attention scores are kept while decoding only for a decode budget to rank (see CompressedLayer.after_attention).
+        accumulates = (selection.attention if selection is not None and selection.attention in ("all", "last")
+                       and selection.decode_budget is not None else None)
         if sliding_window is not None:
             if not all(row.positions.shape[1] == 0 or int(row.positions[0, -1] - row.positions[0, 0]) == row.positions.shape[1] - 1
                        for row in rows):

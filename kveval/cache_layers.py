@@ -419,7 +419,9 @@ class CompressedLayer(CacheLayerMixin):
             # One prefill for many policies: keep every score they need, compress nothing (derived later).
             for key in ([] if self.is_sliding else self.cache.score_keys):
                 self._observe(query, keys, probabilities, key)
-        elif needs != "none" and (needs in ("all", "last") or not all(r.compressed for r in self.rows)):
+        elif needs != "none" and (not all(r.compressed for r in self.rows)
+                                  or (needs in ("all", "last") and policy.decode_budget is not None)):
+            # Compressed rows are scored again only under a decode budget: without one nothing ranks them again.
             self._observe(query, keys, probabilities, score_key(policy))
         if self.is_sliding:
             # Like the model's own sliding layer: keep only what the next query can still see.
@@ -525,8 +527,11 @@ class CompressedLayer(CacheLayerMixin):
             for row, protect in zip(rows, protect_last):
                 self._keep_budget(row, protect, policy)
         seal_rows(rows)
+        rescored = policy is not None and policy.decode_budget is not None
         for row in rows:
             row.compressed = True
+            if not rescored and not self.cache.defer_compression:
+                row.attention = None  # no decode budget: these scores rank nothing again
         self._decode = None
 
     def _keep_budget(self, row: RowState, protect_last: int, policy) -> None:

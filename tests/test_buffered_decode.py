@@ -113,6 +113,34 @@ def test_batched_decode_equals_row_by_row_decode(model, spec, monkeypatch):
     _assert_batched_equals_rows(model, spec, monkeypatch)
 
 
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("spec", ["h2o(ratio=0.5)", "tova(ratio=0.3)", "h2o(ratio=0.6,adaptive=true)",
+                                  "h2o(ratio=0.5)+kivi(bits=4,group=8,residual=4)"])
+def test_no_attention_is_scored_once_nothing_can_use_it(model, spec, batched, monkeypatch):
+    """H2O and TOVA without a decode budget select once, at the prefill: no later step computes attention
+    probabilities for them (their scores would rank nothing), so their decode steps cost what ``none``'s do. The
+    probabilities are counted for a short and a long generation: the same calls, those of the prefill."""
+    from kveval.architectures import SdpaKernel
+
+    calls = []
+    original = SdpaKernel.probabilities
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SdpaKernel, "probabilities", counted)
+    counts = []
+    for steps in (2, 12):
+        calls.clear()
+        with monkeypatch.context() as patch:
+            if not batched:
+                patch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
+            generate(model, Tok(), _prompts(), spec, max_new_tokens=steps, batch_size=5)
+        counts.append(len(calls))
+    assert counts[0] > 0 and counts[0] == counts[1]
+
+
 @pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "quant(bits=4,group=8,residual=5)", "streaming(sink=2,window=20)"])
 def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
     """kv_dtype = compute dtype (a bf16 model on a GPU): dense rows' stores are views of the buffer, across its
