@@ -30,8 +30,9 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    ``--mixed-lengths`` draws prompts of 4 lengths (``--length`` down to 5/8 of
    it), so batches are left-padded.
 2. *policy families vs kveval none* at ``--policy-batch``: the same two figures
-   for each ``--policy`` (default one per family, plus H2O, TOVA, AdaKV and the
-   random control under a decode budget, evicting at every step), as ratios to
+   for each ``--policy`` (default one per family, H2O and TOVA selecting at the
+   prefill, and H2O, TOVA, AdaKV and the random control under a decode budget,
+   evicting at every step), as ratios to
    ``none``, the ratio of their fastest repeats (best-run ratio: the least
    disturbed by a busy machine) and the paired time ratios, of the whole
    generation and of the decode loop: the median over repeats of the policy's
@@ -62,7 +63,8 @@ import argparse
 import statistics
 import time
 
-DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5,decode_budget=128)",
+DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5)", "tova(ratio=0.5)",
+                    "h2o(ratio=0.5,decode_budget=128)",
                     "tova(ratio=0.5,decode_budget=128)", "h2o(ratio=0.5,adaptive=true,decode_budget=128)",
                     "random(ratio=0.5,decode_budget=128)", "kivi(bits=4)", "kivi(bits=4) [codes]", "quant(bits=8)",
                     "quant(bits=8) [codes]", "fp8", "kvquant(bits=4)", "lowrank(rank=32)", "latent(rank=96)",
