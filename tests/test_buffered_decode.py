@@ -141,6 +141,24 @@ def test_no_attention_is_scored_once_nothing_can_use_it(model, spec, batched, mo
     assert counts[0] > 0 and counts[0] == counts[1]
 
 
+@pytest.mark.parametrize("spec, scores_held", [("h2o(ratio=0.5)", False), ("tova(ratio=0.3)", False),
+                                                ("h2o(ratio=0.5,decode_budget=40)", True)])
+def test_scores_are_held_and_counted_only_while_a_budget_ranks_them(model, spec, scores_held):
+    """Once the prefill has selected, a policy without a decode budget holds no scores: its index bytes are the
+    kept tokens' positions alone (8 B each). Under a decode budget the scores stay, and are counted (4 B each)."""
+    cache = CompressedCache(model, spec)
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(60).expand(2, -1))
+        for step in range(3):
+            model(ids[:, :1], cache=cache, position_ids=torch.full((2, 1), 60 + step))
+    stats = cache.stats()
+    rows = [row for layer in cache.layers for row in layer.rows]
+    positions = sum(row.positions.numel() for row in rows)
+    assert all((row.attention is not None) == scores_held for row in rows)
+    assert stats.index_bytes == positions * 8 + (positions * 4 if scores_held else 0)
+
+
 @pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "quant(bits=4,group=8,residual=5)", "streaming(sink=2,window=20)"])
 def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
     """kv_dtype = compute dtype (a bf16 model on a GPU): dense rows' stores are views of the buffer, across its
