@@ -133,9 +133,10 @@ def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
     """Per path of ``runs`` (name -> ``run(prompts, n_new)`` giving the new ids and the decode loop's seconds):
     seconds per item, decode tokens/s, tokens at ``new_tokens``.
 
-    The paths take turns within each repeat (a, b, a, b, ...) and each figure is
-    the median over repeats, so a slow spell of a shared machine falls on every
-    path alike instead of on whichever ran during it; ``best_item`` is the fastest
+    The paths take turns within each repeat, each repeat starting one path later
+    (a, b; b, a; ...: no path always runs first), and each
+    figure is the median over repeats, so a slow spell of a shared machine falls
+    on every path alike instead of on whichever ran during it; ``best_item`` is the fastest
     repeat's seconds per item (what the code costs when nothing else slowed it);
     ``whole`` and ``decode`` keep every repeat's seconds, for ratios paired within a repeat (:func:`_paired`).
     """
@@ -144,8 +145,10 @@ def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
     whole = {name: [] for name in runs}
     decode = {name: [] for name in runs}
     tokens = {}
-    for _ in range(repeats):
-        for name, run in runs.items():
+    names = list(runs)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            run = runs[name]
             start = time.perf_counter()
             tokens[name], seconds = run(prompts, new_tokens)
             whole[name].append(time.perf_counter() - start)
