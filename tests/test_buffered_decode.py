@@ -141,17 +141,23 @@ def test_no_attention_is_scored_once_nothing_can_use_it(model, spec, batched, mo
     assert counts[0] > 0 and counts[0] == counts[1]
 
 
+def _prefill_and_decode(model, spec, prompt_tokens: int, steps: int = 3) -> CompressedCache:
+    """A 2-row cache of ``spec`` after a ``prompt_tokens`` prefill and ``steps`` one-token decode steps."""
+    cache = CompressedCache(model, spec)
+    ids = torch.randint(3, 128, (2, prompt_tokens), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(prompt_tokens).expand(2, -1))
+        for step in range(steps):
+            model(ids[:, :1], cache=cache, position_ids=torch.full((2, 1), prompt_tokens + step))
+    return cache
+
+
 @pytest.mark.parametrize("spec, scores_held", [("h2o(ratio=0.5)", False), ("tova(ratio=0.3)", False),
                                                 ("h2o(ratio=0.5,decode_budget=40)", True)])
 def test_scores_are_held_and_counted_only_while_a_budget_ranks_them(model, spec, scores_held):
     """Once the prefill has selected, a policy without a decode budget holds no scores: its index bytes are the
     kept tokens' positions alone (8 B each). Under a decode budget the scores stay, and are counted (4 B each)."""
-    cache = CompressedCache(model, spec)
-    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        model(ids, cache=cache, position_ids=torch.arange(60).expand(2, -1))
-        for step in range(3):
-            model(ids[:, :1], cache=cache, position_ids=torch.full((2, 1), 60 + step))
+    cache = _prefill_and_decode(model, spec, 60)
     stats = cache.stats()
     rows = [row for layer in cache.layers for row in layer.rows]
     positions = sum(row.positions.numel() for row in rows)
@@ -254,12 +260,7 @@ def test_sliding_window_layers(gemma, spec, monkeypatch):
 @pytest.mark.parametrize("spec", ["none", "quant(bits=8,group=16)", "kivi(bits=4,group=8,residual=8)", "kvquant(bits=4)"])
 def test_sliding_layers_decode_in_batch(gemma, spec):
     """The sliding layers really take the batched path, dense or quantized (the residual and a unit fit the window)."""
-    cache = CompressedCache(gemma, spec)
-    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        gemma(ids, cache=cache, position_ids=torch.arange(40).expand(2, -1))
-        for step in range(3):
-            gemma(ids[:, :1], cache=cache, position_ids=torch.full((2, 1), 40 + step))
+    cache = _prefill_and_decode(gemma, spec, 40)
     sliding = [layer for layer in cache.layers if layer.is_sliding]
     assert sliding and all(layer._decode is not None and layer._decode.eviction is not None for layer in sliding)
     assert all(layer._buffer.width == 23 for layer in sliding)  # window - 1 tokens between forwards
