@@ -66,7 +66,8 @@ from kveval.decode_evictions import BudgetEviction, HeadBudgetEviction, LayerSco
 from kveval.head_stores import HeadwiseStore
 from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
-from kveval.storage import DenseStore, QuantizedStore, seal_together
+from kveval.rows import seal_rows
+from kveval.storage import DenseStore, QuantizedStore
 
 CATCH_UP_STEPS = 64  # decode steps between catch-ups of the rows' stores
 
@@ -157,7 +158,7 @@ class BufferedDecode:
     def for_rows(cls, rows, kv_dtype: torch.dtype, selection=None, sliding_window: int | None = None,
                  layer_idx: int = 0, num_layers: int = 1, model=None, codes: bool = False,
                  seeds: "list[int] | None" = None) -> "BufferedDecode | None":
-        """The batched decode of ``rows`` (:class:`~kveval.cache_layers.RowState`, all compressed), or ``None``
+        """The batched decode of ``rows`` (:class:`~kveval.rows.RowState`, all compressed), or ``None``
         where per-row work is needed (see :meth:`could_serve`; also quantized rows with evicted slots inside
         units, and sliding rows whose positions are not consecutive). ``codes``: quantized rows are held as codes
         and dequantized at every step (see the class doc) rather than kept dequantized in the buffer. ``seeds``:
@@ -384,8 +385,7 @@ class BufferedDecode:
             if took[-1]:
                 row.store.append(keys[b][:, keep], values[b][:, keep])
                 row.took(positions[b][keep])
-                row.place_positions()  # as seal_rows does (it lives in cache_layers, which imports this module)
-        seal_together([row.store for row, t in zip(rows, took) if t])
+        seal_rows([row for row, t in zip(rows, took) if t])
         return took
 
     def _pending_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

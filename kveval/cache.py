@@ -52,7 +52,8 @@ import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from kveval import architectures, retrieval_heads
-from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, RowState, score_key
+from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_key
+from kveval.rows import RowState
 from kveval.coded_rows import SharedScratch
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy

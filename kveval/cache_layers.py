@@ -1,7 +1,7 @@
 """The layers of a :class:`~kveval.cache.CompressedCache`: per-sequence stores, masks, scoring and compression.
 
 :class:`CompressedLayer` keeps, for every sequence of the batch separately, a
-token store (:mod:`kveval.storage`) plus each kept token's original position,
+:class:`~kveval.rows.RowState` (its token store plus each kept token's original position),
 and a :class:`~kveval.batch_buffer.BatchBuffer` of the whole batch that
 attention reads (updated in place, or by :mod:`kveval.buffered_decode` alone in
 decode steps that treat every row alike); it builds the mask attention must use once kept tokens no longer line up with
@@ -13,7 +13,6 @@ the life of a sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
@@ -23,7 +22,8 @@ from kveval.batch_buffer import BatchBuffer
 from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
-from kveval.storage import DenseStore, seal_together
+from kveval.rows import RowState, seal_rows
+from kveval.storage import DenseStore
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
 _QUERY_BLOCK = 64  # queries whose probabilities are computed together, over only the slots they may see
 # A block's probabilities leave out a multiple of this many trailing slots: a column the model's softmax appends
@@ -72,81 +72,6 @@ def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor
             probs = block.new_zeros(*block.shape[:2], q_len, keys.shape[2])
         probs[:, :, start:stop, :width] = block
     return probs
-
-
-@dataclass
-class RowState:
-    """One sequence in one layer: its store, the original position of every kept token, and policy scores."""
-
-    store: object
-    positions: torch.Tensor  # [kv_heads, tokens], int64
-    attention: torch.Tensor | None = None  # [kv_heads, tokens], accumulated as the policy asks
-    tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
-    compressed: bool = False
-    scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
-
-    def took(self, positions: torch.Tensor) -> None:
-        """The store appended tokens at original ``positions`` (``[n]``): every head's positions extend by them."""
-        self.positions = torch.cat([self.positions, positions.unsqueeze(0).expand(self.positions.shape[0], -1)], dim=1)
-        self.tokens_seen += positions.shape[0]
-
-    def place_positions(self) -> None:
-        """Before sealing (:func:`seal_rows`): a store that encodes by position (``place_positions``: kvquant's
-        pre-RoPE keys) is told every held token's original position, which only the cache knows (sliding trims,
-        shared prefills)."""
-        place = getattr(self.store, "place_positions", None)
-        if place is not None:
-            place(self.positions)
-
-    def keep(self, index: torch.Tensor) -> None:
-        """Keep slots ``index`` (``[H, T']``) of the store and of everything held per slot."""
-        self.store.select(index)
-        self.positions = self.positions.gather(1, index)
-        if self.attention is not None:
-            self.attention = self.attention.gather(1, index)
-        if self.scores:
-            self.scores = {key: scores.gather(1, index) for key, scores in self.scores.items()}
-
-    def window_index(self, window: int, first_new_position: int) -> torch.Tensor | None:
-        """The slots a sliding layer of ``window`` positions keeps for a query at ``first_new_position`` (the
-        model's own window), ``[H, T']``; ``None`` when it keeps them all."""
-        visible = self.positions[0] > first_new_position - window
-        if bool(visible.all()):
-            return None
-        return visible.nonzero().squeeze(1).unsqueeze(0).expand(self.positions.shape[0], -1)
-
-    @property
-    def padding(self) -> torch.Tensor | None:
-        """``[kv_heads, slots]``: True on the padding slots of heads holding fewer tokens (per-head budgets), else ``None``."""
-        if not isinstance(self.store, HeadwiseStore):
-            return None
-        padding = self.positions == _PAD_POSITION
-        return padding if bool(padding.any()) else None
-
-    def kept_tokens(self) -> int:
-        """Tokens held per KV head (rounded mean over heads when per-head budgets differ)."""
-        if isinstance(self.store, HeadwiseStore) and self.store.heads:
-            lengths = self.store.head_lengths
-            return round(sum(lengths) / len(lengths))
-        return self.store.length
-
-    def index_bytes(self) -> int:
-        """Bookkeeping bytes: the original position (and any score) of every real token; padding slots not counted."""
-        padding = self.padding
-        real = self.positions.numel() - (0 if padding is None else int(padding.sum()))
-        total = real * self.positions.element_size()
-        if self.attention is not None:
-            total += real * self.attention.element_size()
-        return total
-
-
-def seal_rows(rows: list[RowState]) -> None:
-    """Seal every row's store, once told its tokens' positions (:meth:`RowState.place_positions`); the stores of one
-    class together (:func:`~kveval.storage.seal_together`: one encoding for the batch where a store's encoding is
-    per token)."""
-    for row in rows:
-        row.place_positions()
-    seal_together([row.store for row in rows])
 
 
 def score_key(selection) -> tuple | None:
@@ -627,4 +552,4 @@ class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):
         CompressedLayer.reset(self)
 
 
-__all__ = ["CompressedHybridLayer", "CompressedLayer", "RowState", "score_key", "seal_rows"]
+__all__ = ["CompressedHybridLayer", "CompressedLayer", "score_key"]

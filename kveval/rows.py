@@ -1,0 +1,95 @@
+"""One sequence's state in one layer of a :class:`~kveval.cache.CompressedCache`: its token store, the original
+position of every kept token, and the scores a selection policy accumulates for it.
+
+:class:`RowState` is what :mod:`kveval.cache_layers` compresses row by row and what
+:mod:`kveval.buffered_decode` brings up to date after batched decode steps; :func:`seal_rows` seals rows'
+stores together once told their tokens' positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
+from kveval.head_stores import HeadwiseStore
+from kveval.storage import seal_together
+
+
+@dataclass
+class RowState:
+    """One sequence in one layer: its store, the original position of every kept token, and policy scores."""
+
+    store: object
+    positions: torch.Tensor  # [kv_heads, tokens], int64
+    attention: torch.Tensor | None = None  # [kv_heads, tokens], accumulated as the policy asks
+    tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
+    compressed: bool = False
+    scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
+
+    def took(self, positions: torch.Tensor) -> None:
+        """The store appended tokens at original ``positions`` (``[n]``): every head's positions extend by them."""
+        self.positions = torch.cat([self.positions, positions.unsqueeze(0).expand(self.positions.shape[0], -1)], dim=1)
+        self.tokens_seen += positions.shape[0]
+
+    def place_positions(self) -> None:
+        """Before sealing (:func:`seal_rows`): a store that encodes by position (``place_positions``: kvquant's
+        pre-RoPE keys) is told every held token's original position, which only the cache knows (sliding trims,
+        shared prefills)."""
+        place = getattr(self.store, "place_positions", None)
+        if place is not None:
+            place(self.positions)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep slots ``index`` (``[H, T']``) of the store and of everything held per slot."""
+        self.store.select(index)
+        self.positions = self.positions.gather(1, index)
+        if self.attention is not None:
+            self.attention = self.attention.gather(1, index)
+        if self.scores:
+            self.scores = {key: scores.gather(1, index) for key, scores in self.scores.items()}
+
+    def window_index(self, window: int, first_new_position: int) -> torch.Tensor | None:
+        """The slots a sliding layer of ``window`` positions keeps for a query at ``first_new_position`` (the
+        model's own window), ``[H, T']``; ``None`` when it keeps them all."""
+        visible = self.positions[0] > first_new_position - window
+        if bool(visible.all()):
+            return None
+        return visible.nonzero().squeeze(1).unsqueeze(0).expand(self.positions.shape[0], -1)
+
+    @property
+    def padding(self) -> torch.Tensor | None:
+        """``[kv_heads, slots]``: True on the padding slots of heads holding fewer tokens (per-head budgets), else ``None``."""
+        if not isinstance(self.store, HeadwiseStore):
+            return None
+        padding = self.positions == _PAD_POSITION
+        return padding if bool(padding.any()) else None
+
+    def kept_tokens(self) -> int:
+        """Tokens held per KV head (rounded mean over heads when per-head budgets differ)."""
+        if isinstance(self.store, HeadwiseStore) and self.store.heads:
+            lengths = self.store.head_lengths
+            return round(sum(lengths) / len(lengths))
+        return self.store.length
+
+    def index_bytes(self) -> int:
+        """Bookkeeping bytes: the original position (and any score) of every real token; padding slots not counted."""
+        padding = self.padding
+        real = self.positions.numel() - (0 if padding is None else int(padding.sum()))
+        total = real * self.positions.element_size()
+        if self.attention is not None:
+            total += real * self.attention.element_size()
+        return total
+
+
+def seal_rows(rows: list[RowState]) -> None:
+    """Seal every row's store, once told its tokens' positions (:meth:`RowState.place_positions`); the stores of one
+    class together (:func:`~kveval.storage.seal_together`: one encoding for the batch where a store's encoding is
+    per token)."""
+    for row in rows:
+        row.place_positions()
+    seal_together([row.store for row in rows])
+
+
+__all__ = ["RowState", "seal_rows"]
