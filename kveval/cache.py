@@ -53,10 +53,10 @@ from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from kveval import architectures, retrieval_heads
 from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_key
-from kveval.rows import RowState
 from kveval.coded_rows import SharedScratch
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
+from kveval.rows import RowState
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
 
 

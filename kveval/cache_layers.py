@@ -13,7 +13,6 @@ the life of a sequence.
 
 from __future__ import annotations
 
-
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
