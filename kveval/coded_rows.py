@@ -41,7 +41,7 @@ import torch
 
 from kveval.batch_buffer import take_slots
 from kveval.errors import UsageError
-from kveval.quantization import FP8_FORMATS, QuantizedBlock, dequantize
+from kveval.quantization import FP8_FORMATS, QuantizedBlock, dequantize_into
 from kveval.storage import QuantizedSequence, encode
 
 _MIN_GROWTH_TOKENS = 64  # capacity grows by at least this many tokens' worth (of units, of tail slots)
@@ -305,7 +305,8 @@ class CodedRows:
 
         With ``out`` (``[B, H, >= width, D]`` in ``dtype``, e.g. a scratch shared by a model's layers) the result is
         written into, and returned as, the view ``out[:, :, :width]``. Only the first ``max(units)`` units are
-        dequantized (the float32 math of :func:`~kveval.quantization.dequantize`, into a temporary of that size).
+        dequantized, straight into the view (:func:`~kveval.quantization.dequantize_into`: the bits of
+        :func:`~kveval.quantization.dequantize`).
         """
         lengths, width = self.lengths, self.width
         view = (torch.empty(self.batch, self.heads, width, self.dim, dtype=dtype, device=self.tail.device)
@@ -316,7 +317,7 @@ class CodedRows:
             b = self.block
             head = replace(b, data=b.data[:, :sealed_units], scale=b.scale[:, :sealed_units],
                            zero=None if b.zero is None else b.zero[:, :sealed_units], shape=(b.shape[0], sealed, self.dim))
-            view[:, :, :sealed] = dequantize(head, dtype).view(self.batch, self.heads, sealed, self.dim)
+            dequantize_into(head, view[:, :, :sealed].view(-1, sealed, self.dim))  # [B * H, sealed, D], in place
         self._read_tails(view, dtype)
         shortest = min(lengths)
         if shortest < width:  # padding: slots at or past a row's length
@@ -332,7 +333,7 @@ class CodedRows:
             return
         firsts = [u * self.unit for u in self.units]
         if len(set(firsts)) == 1:  # every tail goes to the same slot: one write (a shorter tail's spare slots are padding)
-            view[:, :, firsts[0]:firsts[0] + longest] = self._tail_slots(longest).to(dtype)
+            view[:, :, firsts[0]:firsts[0] + longest].copy_(self._tail_slots(longest))  # converted as it is copied
             return
         tails = torch.tensor(self.tails)  # index maths on the CPU from known lengths: no device sync
         rows, columns = (torch.arange(longest) < tails[:, None]).nonzero(as_tuple=True)

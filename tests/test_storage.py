@@ -1,5 +1,6 @@
 """Token stores: the deployment dtype, eviction without re-quantization, the declared store interface."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UsageError
 from kveval.lowrank import LowRankStore
 from kveval.policies import parse_policy
-from kveval.quantization import dequantize, quantize
+from kveval.quantization import dequantize, dequantize_into, quantize, quantize_fp8
 from kveval.storage import (
     DenseStore,
     QuantizedStore,
@@ -237,6 +238,42 @@ def test_masked_slots_do_not_widen_a_group_range():
     assert float(block.scale.float().max()) == pytest.approx(2 / 255, rel=1e-3)
     assert torch.allclose(restored[0, [0, 1, 3], 0], torch.tensor([0.0, 1.0, 2.0]), atol=0.01)
 
+
+
+def _reference_dequantize(block, dtype):
+    """Codes unpacked bit by bit (shift and mask, least significant code first in a byte), then
+    ``codes x scale + zero`` in float32 (codes offset by ``2**(bits-1)`` when symmetric), rounded to ``dtype``."""
+    heads, tokens, dim = block.shape
+    grouped = (heads, tokens, dim // block.group, block.group) if block.axis == "token" else \
+        (heads, tokens // block.group, dim, block.group)
+    if block.fp8 is not None:
+        g = block.data.float() * block.scale.float()
+    else:
+        per_byte = 8 // block.bits
+        codes = torch.stack([(block.data >> (i * block.bits)) & ((1 << block.bits) - 1) for i in range(per_byte)], dim=-1)
+        codes = codes.reshape(*block.data.shape[:-1], -1)[..., :math.prod(grouped[2:])].reshape(grouped).float()
+        g = (codes - 2 ** (block.bits - 1)) * block.scale.float() if block.zero is None else \
+            codes * block.scale.float() + block.zero.float()
+    if block.axis == "channel":
+        g = g.transpose(-1, -2)
+    return g.reshape(heads, tokens, dim).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_into_a_strided_scratch_gives_the_bits_of_unpacking_code_by_code(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 64, 24) * torch.linspace(0.1, 8, 24)  # channels of different ranges
+    blocks = [quantize(x, bits, axis, group, symmetric=symmetric)
+              for bits in (2, 4, 8) for axis, group in (("token", 8), ("token", 24), ("channel", 16))
+              for symmetric in (False, True)]
+    blocks += [quantize_fp8(x, fmt, "token", 8) for fmt in ("e4m3", "e5m2")]
+    for block in blocks:
+        expected = _reference_dequantize(block, dtype)
+        assert torch.equal(dequantize(block, dtype), expected)
+        scratch = torch.full((3, 2, 80, 24), float("nan"), dtype=dtype)  # rows x heads, 16 slots of room
+        written = dequantize_into(block, scratch[:, :, :64].view(6, 64, 24))
+        assert torch.equal(scratch[:, :, :64].reshape(6, 64, 24), expected)
+        assert written.data_ptr() == scratch.data_ptr() and scratch[:, :, 64:].isnan().all()
 
 # --- the store interface and the import graph ------------------------------------------------------
 
