@@ -204,7 +204,7 @@ def dequantize_into(block: QuantizedBlock, out: torch.Tensor) -> torch.Tensor:
     The float32 math is that of a separate product and sum (``codes x scale + zero``), rounded to ``out``'s dtype
     once at the end: the bits of ``dequantize(block, out.dtype)`` wherever it is written.
     """
-    heads, tokens, dim = block.shape
+    _, tokens, dim = block.shape
     if block.axis == "token":
         target = out.unflatten(2, (dim // block.group, block.group))
     else:  # the grouped layout [H, units, D, group] is the transpose of each unit's tokens

@@ -239,7 +239,6 @@ def test_masked_slots_do_not_widen_a_group_range():
     assert torch.allclose(restored[0, [0, 1, 3], 0], torch.tensor([0.0, 1.0, 2.0]), atol=0.01)
 
 
-
 def _reference_dequantize(block, dtype):
     """Codes unpacked bit by bit (shift and mask, least significant code first in a byte), then
     ``codes x scale + zero`` in float32 (codes offset by ``2**(bits-1)`` when symmetric), rounded to ``dtype``."""
@@ -274,6 +273,7 @@ def test_dequantizing_into_a_strided_scratch_gives_the_bits_of_unpacking_code_by
         written = dequantize_into(block, scratch[:, :, :64].view(6, 64, 24))
         assert torch.equal(scratch[:, :, :64].reshape(6, 64, 24), expected)
         assert written.data_ptr() == scratch.data_ptr() and scratch[:, :, 64:].isnan().all()
+
 
 # --- the store interface and the import graph ------------------------------------------------------
 
