@@ -38,6 +38,7 @@ No policy imports this module: policies never know which architecture they run o
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -210,6 +211,35 @@ EAGER_VARIANTS: dict[str, Callable[[torch.nn.Module, dict], bool]] = {
 }
 
 
+_EVERY_SLOT_VISIBLE: dict[tuple, torch.Tensor] = {}  # (batch, width, device) -> the mask; cleared past 64 shapes
+
+
+def every_slot_visible(batch: int, width: int, device) -> torch.Tensor:
+    """The boolean mask ``[batch, 1, 1, width]`` of one query per row that sees every slot: one tensor per shape
+    and device, never written to, which kernels recognise (:func:`is_every_slot_visible`) to skip masking."""
+    key = (batch, width, torch.device(device))
+    mask = _EVERY_SLOT_VISIBLE.get(key)
+    if mask is None:
+        if len(_EVERY_SLOT_VISIBLE) >= 64:
+            _EVERY_SLOT_VISIBLE.clear()
+        mask = _EVERY_SLOT_VISIBLE[key] = torch.ones(batch, 1, 1, width, dtype=torch.bool, device=device)
+    return mask
+
+
+def is_every_slot_visible(allowed: torch.Tensor) -> bool:
+    """Whether ``allowed`` is the mask :func:`every_slot_visible` made for its shape (a mask equal to it but made
+    elsewhere is masked as any other)."""
+    return (allowed.dim() == 4 and allowed.shape[1] == 1 and allowed.shape[2] == 1
+            and allowed is _EVERY_SLOT_VISIBLE.get((allowed.shape[0], allowed.shape[3], allowed.device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _nothing_masked(batch: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive mask ``[batch, 1, 1, width]`` (zeros) SDPA makes of :func:`every_slot_visible`: made once per
+    shape, rather than by SDPA at every layer and step (the same bits)."""
+    return torch.zeros(batch, 1, 1, width, dtype=dtype, device=device)
+
+
 class AttentionKernel(Protocol):
     """Computes one attention module's output over given K/V under a boolean mask, exactly as the model would."""
 
@@ -230,22 +260,27 @@ class SdpaKernel:
     def attend(self, module, query, key, value, allowed, dropout, scaling, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if allowed is not None and is_every_slot_visible(allowed):  # SDPA would turn it into these zeros itself
+            allowed = _nothing_masked(allowed.shape[0], allowed.shape[3], query.dtype, allowed.device)
         output, _ = sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling, **kwargs)
         return output
 
     def probabilities(self, module, query, key, allowed, scaling, kwargs):
-        # Each KV head's query heads as one [groups * q] matrix: no copy of K or of the mask per query head.
+        # Each KV head's query heads as one [groups * q] matrix: no copy of K or of the mask per query head. One
+        # bmm over [B * KV heads] matrices, the product matmul makes of these 4-D tensors (the same bits), in fewer ops.
         batch, heads, q_len, width = query.shape
         kv_heads, k_len = key.shape[1], key.shape[2]
         groups = heads // kv_heads
-        logits = torch.matmul(query.float().reshape(batch, kv_heads, groups * q_len, width), key.float().transpose(-1, -2))
+        logits = torch.bmm(query.float().reshape(batch * kv_heads, groups * q_len, width),
+                           key.float().reshape(batch * kv_heads, k_len, width).transpose(1, 2))
         logits = logits.mul_(scaling).view(batch, kv_heads, groups, q_len, k_len)  # in place: the logits are this call's
-        if allowed.shape[1] == heads and groups > 1:
-            allowed = allowed.view(batch, kv_heads, groups, q_len, -1)
-        else:
-            allowed = allowed.unsqueeze(2)  # [B, 1 or KV heads, 1, q, k]
-        probs = torch.softmax(logits.masked_fill_(~allowed, float("-inf")), dim=-1)
-        return probs.view(batch, heads, q_len, k_len)
+        if not is_every_slot_visible(allowed):  # masking nothing leaves the logits as they are
+            if allowed.shape[1] == heads and groups > 1:
+                allowed = allowed.view(batch, kv_heads, groups, q_len, -1)
+            else:
+                allowed = allowed.unsqueeze(2)  # [B, 1 or KV heads, 1, q, k]
+            logits = logits.masked_fill_(~allowed, float("-inf"))
+        return torch.softmax(logits, dim=-1).view(batch, heads, q_len, k_len)
 
 
 class EagerKernel:

@@ -150,7 +150,8 @@ class BatchBuffer:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
                counts: list[int]) -> None:
-        """Append the real tokens of ``keys``/``values`` (``[B, H, q, D]``) after each row's last slot, in one write.
+        """Append the real tokens of ``keys``/``values`` (``[B, H, q, D]``, any float dtype: converted to the
+        buffer's as they are written) after each row's last slot, in one write.
 
         ``positions`` is ``[B, q]`` (the tokens' original positions), ``real`` the ``[B, q]`` mask of real tokens
         and ``counts`` its row sums (known to the caller without a device sync). Once the values are released,
@@ -165,18 +166,18 @@ class BatchBuffer:
             if held:
                 self.keys[:, :, start:start + q] = keys
                 self.values[:, :, start:start + q] = values
-            self.positions[:, :, start:start + q] = positions[:, None, :]
+            self.positions.narrow(2, start, q).copy_(positions.unsqueeze(1))  # broadcast over heads by the copy
             if self.attention is not None:
-                self.attention[:, :, start:start + q] = 0
+                self.attention.narrow(2, start, q).zero_()
         else:
             self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
             lengths = torch.tensor(self.lengths, device=positions.device)
             slot = lengths[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
             rows, columns = real.nonzero(as_tuple=True)
             slots = slot[rows, columns]
-            if held:
-                self.keys[rows, :, slots] = keys[rows, :, columns]
-                self.values[rows, :, slots] = values[rows, :, columns]
+            if held:  # an indexed write takes the buffer's dtype only
+                self.keys[rows, :, slots] = keys[rows, :, columns].to(self.keys.dtype)
+                self.values[rows, :, slots] = values[rows, :, columns].to(self.values.dtype)
             self.positions[rows, :, slots] = positions[rows, columns][:, None]
             if self.attention is not None:
                 self.attention[rows, :, slots] = 0

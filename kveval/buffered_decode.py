@@ -251,9 +251,9 @@ class BufferedDecode:
         """What a step does once attention has read the buffer: add (``"all"``) or set (``"last"``) the step's
         attention ``mass`` (``[B, H, width]``), then keep the decode budget. Whether any row dropped a token."""
         if self.accumulates == "all":
-            buffer.attention[:, :, :buffer.width] += mass
+            buffer.attention.narrow(2, 0, buffer.width).add_(mass)
         elif self.accumulates == "last":
-            buffer.attention[:, :, :buffer.width] = mass
+            buffer.attention.narrow(2, 0, buffer.width).copy_(mass)
         return self.eviction is not None and self.eviction.apply(buffer)
 
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -265,7 +265,8 @@ class BufferedDecode:
             buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
             self.coefficients.rewrite_aged(buffer)
             return
-        keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
+        if keys.dtype != self.kv_dtype:  # the cache's rounding (a no-op .to costs a dispatch, per layer and step)
+            keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
         if self.coded is not None:
             self.pending.append((None, None, positions, real))
             buffer.append(None, None, positions, real, counts)
@@ -273,7 +274,7 @@ class BufferedDecode:
                 side.append(x, real, counts)
             return
         self.pending.append((keys, values, positions, real))
-        buffer.append(keys.to(buffer.keys.dtype), values.to(buffer.values.dtype), positions, real, counts)
+        buffer.append(keys, values, positions, real, counts)  # converted to the buffer's dtype as they are written
         lengths = buffer.lengths
         if self.per_head:  # each (row, head) its own residual window: [B * H, 1, slots, D] views, heads ending together
             heads = buffer.keys.shape[1]

@@ -13,9 +13,12 @@ the life of a sequence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
+from kveval.architectures import every_slot_visible
 from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
 from kveval.batch_buffer import BatchBuffer
 from kveval.buffered_decode import BufferedDecode
@@ -30,6 +33,18 @@ _QUERY_BLOCK = 64  # queries whose probabilities are computed together, over onl
 # sum (vectors of up to 16 floats, unrolled 4 times) as over every slot. Blocks cut at other widths changed its
 # probabilities by one float32 ulp.
 _SLOT_ALIGN = 64
+
+
+def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor:
+    """``[B, 1, 1, width]`` boolean: slot ``s`` of row ``b`` is visible where ``s < lengths[b]`` (never written to)."""
+    if all(n == width for n in lengths):
+        return every_slot_visible(len(lengths), width, device)
+    return _slot_range(width, device) < torch.tensor(lengths, device=device)[:, None, None, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_range(width: int, device) -> torch.Tensor:
+    return torch.arange(width, device=device)
 
 
 def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
@@ -272,7 +287,7 @@ class CompressedLayer(CacheLayerMixin):
         self._query_positions = positions
         self._slot_positions = slot_positions
         # The mask of this forward's queries over the slots, which scoring reuses (None: the model's own causal mask).
-        self._mask = None if self.contiguous else self.allowed_mask(positions)
+        self._mask = None if self.contiguous else self._step_mask(positions, all_real)
         if kwargs is not None:
             kwargs["kveval_layer"] = self
             kwargs["kveval_mask"] = self._mask
@@ -304,6 +319,20 @@ class CompressedLayer(CacheLayerMixin):
         index = None if first_new_position is None else row.window_index(self.sliding_window, first_new_position)
         if index is not None:
             self._select(row, index)
+
+    def _step_mask(self, query_positions: torch.Tensor, all_real: bool) -> torch.Tensor:
+        """:meth:`allowed_mask` for this forward's queries, made from the rows' lengths alone where that is all it
+        depends on: one real query per row (a decode step) in a layer without a window or chunks, whose rows hold
+        their tokens in their first ``lengths[b]`` slots (no per-head budgets, which leave padding before a
+        head's tokens). Every kept token then comes before the query, so the query sees exactly those slots, in
+        every head: ``[B, 1, 1, width]``, the same for all heads (which SDPA reads with no copy per query head).
+        Where every row fills the width it is one all-True tensor made once per shape. The same mask as
+        :meth:`allowed_mask`, which ``tests/test_buffered_decode.py`` checks for every policy family."""
+        buffer = self._buffer
+        if (query_positions.shape[1] != 1 or not all_real or self.is_sliding or buffer is None
+                or (self.selection is not None and self.selection.per_head_budgets)):
+            return self.allowed_mask(query_positions)
+        return visible_prefix(tuple(buffer.lengths), buffer.width, query_positions.device)
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).

@@ -46,9 +46,10 @@ def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
                          attention=attention, layer_idx=context.layer_idx, num_layers=context.num_layers,
                          seed=context.seeds, model=context.model)
     scored = scores(state)
-    scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
+    if scored.dtype not in (torch.float32, torch.float64):
+        scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
     if full:  # out of place: a policy may hand back the buffer's own attention (TOVA)
-        return scored.index_fill(2, torch.tensor([width - 1], device=scored.device), float("inf")), None
+        return scored.index_fill(2, _slots(width, scored.device)[-1:], float("inf")), None
     scored = scored.masked_fill(padding, float("-inf"))
     newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
     scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))

@@ -101,6 +101,47 @@ def _assert_batched_equals_rows(model, spec, monkeypatch, codes=False, **kwargs)
     return batched
 
 
+MASK_SPECS = ["snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "streaming(sink=2,window=20)",
+              "h2o(ratio=0.5,decode_budget=40,recent=8)", "tova(ratio=0.5,decode_budget=30)",
+              "random(ratio=0.5,decode_budget=30,seed=3)", "knorm(ratio=0.5,decode_budget=25)+quant(bits=2,group=4)",
+              "h2o(ratio=0.5,adaptive=true,decode_budget=30)"]  # per-head budgets: masks from positions only
+
+
+@pytest.mark.parametrize("spec", MASK_SPECS)
+def test_decode_step_masks_from_lengths_are_the_masks_of_positions(model, spec, monkeypatch):
+    """A decode step's mask made from the rows' lengths (``[B, 1, 1, width]``, :func:`visible_prefix`) is, in every
+    head, the mask the slots' positions give (:meth:`CompressedLayer.allowed_mask`), at every step of every layer,
+    and the generation (finished rows feeding padding) has the bits of building every mask from positions."""
+    from kveval import cache_layers
+
+    made_from_lengths = []
+    original_step_mask, original_prefix = CompressedLayer._step_mask, cache_layers.visible_prefix
+
+    def checked_step_mask(self, positions, all_real):
+        mask = original_step_mask(self, positions, all_real)
+        reference = self.allowed_mask(positions)
+        heads = max(mask.shape[1], reference.shape[1])
+        assert torch.equal(mask.expand(-1, heads, -1, -1), reference.expand(-1, heads, -1, -1))
+        return mask
+
+    def counted_prefix(*args):
+        made_from_lengths.append(1)
+        return original_prefix(*args)
+
+    for eos in (None, _eos_ending_some_rows(model, spec, monkeypatch)):
+        with monkeypatch.context() as patch:
+            patch.setattr(CompressedLayer, "_step_mask", checked_step_mask)
+            patch.setattr(cache_layers, "visible_prefix", counted_prefix)
+            from_lengths, _ = _run(model, spec, True, monkeypatch, eos=eos)
+        with monkeypatch.context() as patch:
+            patch.setattr(CompressedLayer, "_step_mask", lambda self, positions, all_real: self.allowed_mask(positions))
+            from_positions, _ = _run(model, spec, True, monkeypatch, eos=eos)
+        assert from_lengths == from_positions
+        if eos is None:  # every row decodes every step: each layer's mask after its compression, from lengths
+            assert (len(made_from_lengths) == 0) == ("adaptive" in spec)
+    assert len({len(r[1]) for r in from_lengths}) >= 2  # with the EOS, rows stopped at different steps
+
+
 def _eos_ending_some_rows(model, spec, monkeypatch) -> int:
     """A token that at least 2 rows, but not all, generate in query mode: as EOS it ends rows at different steps."""
     free, _ = _run(model, spec, True, monkeypatch, mode="query")

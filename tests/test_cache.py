@@ -280,6 +280,32 @@ def test_random_scores_are_uniform_and_independent_of_the_batch():
     assert torch.equal(together[1][:, :1501], scores(positions[:, :1501], 8))
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim, q_len", [(9, 3, 64, 1), (9, 3, 64, 40), (4, 1, 32, 1), (8, 8, 16, 7)])
+def test_sdpa_scoring_probabilities_are_the_softmax_of_the_masked_logits(heads, kv_heads, dim, q_len):
+    """SDPA's scoring probabilities (one ``bmm`` of each KV head's query heads as one ``[groups * q]`` matrix, over
+    a view of the buffer's keys) have the bits of ``softmax(masked(q k^T * scale))`` written with a 4-D ``matmul``
+    of the same matrices; with the mask that sees every slot (:func:`every_slot_visible`, recognised and not
+    applied) as with any other."""
+    from kveval.architectures import SdpaKernel, every_slot_visible
+
+    generator = torch.Generator().manual_seed(heads * dim + q_len)
+    batch, width, capacity = 5, 77, 100
+    keys = (torch.randn(batch, kv_heads, capacity, dim, generator=generator) * 2)[:, :, :width]  # strided, as a buffer's
+    query = torch.randn(batch, heads, q_len, dim, generator=generator) * 2
+    groups = heads // kv_heads
+    logits = torch.matmul(query.reshape(batch, kv_heads, groups * q_len, dim), keys.transpose(-1, -2)) * dim ** -0.5
+    logits = logits.view(batch, heads, q_len, width)
+    masks = [torch.rand(batch, 1, q_len, width, generator=generator) > 0.3,
+             torch.rand(batch, kv_heads, q_len, width, generator=generator) > 0.3]
+    if q_len == 1:
+        masks.append(every_slot_visible(batch, width, torch.device("cpu")))
+    for mask in masks:
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+        expected = torch.softmax(logits.masked_fill(~mask.repeat_interleave(heads // mask.shape[1], dim=1), float("-inf")), -1)
+        got = SdpaKernel().probabilities(None, query, keys, mask, dim ** -0.5, {})
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("variant", ["sdpa 9/3x64", "sdpa 4/1x256", "sdpa 4/4x16", "gpt_oss", "gemma2"])
 def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant):
     """Policies that score every prefill query (H2O, the deferred shared prefill) compute probabilities 64 queries
