@@ -256,6 +256,40 @@ def test_one_prefill_for_many_ratios_equals_separate_runs(mode):
         assert [r.stats.kv_bytes for r in shared[spec]] == [r.stats.kv_bytes for r in alone]
 
 
+def test_random_scores_are_the_documented_hash():
+    """Each score is lowbias32(lowbias32(head hash ^ position) ^ step hash) / 2**32, from the policy seed, the
+    sequence's seed, the layer, the KV head and the newest position held, as the policy's doc says: written here in
+    plain Python integers, so that a change of the hash (which would move every committed random run) or of how
+    its parts are cached across steps, layers or seeds is seen."""
+    from kveval.policies import ScoringState, parse_policy
+
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    def expected(seed, row_seed, layer, head, position, newest):
+        row = mix(row_seed ^ mix(mix(seed) ^ layer))
+        return mix(mix(mix(row ^ head) ^ position) ^ mix(row ^ newest)) / 2**32
+
+    policy = parse_policy("random(ratio=0.5,seed=5)").selection
+    positions = torch.tensor([[[0, 3, 9, 2**33 + 1], [1, 4, 8, 11]], [[5, 6, 7, 12], [0, 2, 13, -1]]])  # [rows, heads, slots]
+    for layer in (0, 3, 3):  # the same layer twice: what is made once must give the same
+        for seeds in (torch.tensor([7, 2**40 + 3]), torch.tensor([9, 7])):
+            got = policy.scores(ScoringState(keys=None, positions=positions, attention=None, layer_idx=layer,
+                                             num_layers=8, seed=seeds))
+            for b in range(2):
+                newest = int(positions[b].max()) & 0xFFFFFFFF
+                for h in range(2):
+                    for t in range(4):
+                        p = int(positions[b, h, t]) & 0xFFFFFFFF
+                        assert got[b, h, t].item() == expected(5, int(seeds[b]) & 0xFFFFFFFF, layer, h, p, newest)
+    one = policy.scores(ScoringState(keys=None, positions=positions[0], attention=None, layer_idx=2, num_layers=8, seed=11))
+    assert one[1, 2].item() == expected(5, 11, 2, 1, 8, 2**33 + 1 & 0xFFFFFFFF)
+
+
 def test_random_scores_are_uniform_and_independent_of_the_batch():
     """The control's scores: uniform on [0, 1), different per head, per step and per sequence seed, and the same
     for a sequence scored alone or in a batch (what lets a batch keep its decode budget at once)."""
