@@ -55,6 +55,16 @@ def take_rows(held: torch.Tensor, rows: torch.Tensor, shape) -> torch.Tensor:
     return held.view(-1, held.shape[-1]).index_select(0, rows).view(*shape, held.shape[-1])
 
 
+def move_rows(tensors, sources: torch.Tensor, targets: torch.Tensor, cleared: torch.Tensor) -> None:
+    """In place, for each ``[B, H, slots, D]`` tensor (contiguous, as a buffer's are): the D-wide rows ``targets``
+    of its flat view take the values of rows ``sources`` (all read before any is written), then rows ``cleared``
+    are zeroed (flat rows: :func:`slot_rows`)."""
+    for held in tensors:
+        flat = held.view(-1, held.shape[-1])
+        flat.index_copy_(0, targets, flat.index_select(0, sources))
+        flat.index_fill_(0, cleared, 0)
+
+
 @functools.lru_cache(maxsize=64)
 def _row_offsets(batch: int, heads: int, slots: int, device: torch.device) -> torch.Tensor:
     """``[B, H, 1]``: where each (row, head)'s slots start in a flat ``[B * H * slots]`` view (one tensor per shape:
@@ -185,4 +195,4 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION", "slot_rows", "take_rows", "take_slots"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "slot_rows", "take_rows", "take_slots"]
