@@ -21,8 +21,11 @@ over rows or heads:
   policy's own scores (a ``min`` when each row drops one) and one in-place
   gather of the slots from the first dropped one (:class:`BudgetEviction`);
 - per-head budgets, fixed per head (DuoAttention) or shared by the heads of a
-  row by score (AdaKV's decode budget), by one ranking and one gather
-  (:class:`HeadBudgetEviction`);
+  row by score (AdaKV's decode budget), by one ranking, moving K and V only
+  where a kept token changes slot (:class:`HeadBudgetEviction`);
+- a decode step's mask is made from the rows' lengths where that is all it
+  depends on (one query per row, no window, tokens first):
+  :meth:`~kveval.cache_layers.CompressedLayer._step_mask`;
 - low-rank and latent rows: each step encodes and reconstructs the batch's new
   tokens at once (:class:`CoefficientSteps`); over quantized coefficients, the
   tokens whose coefficients leave the residual window are reconstructed again;

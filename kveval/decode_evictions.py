@@ -1,5 +1,5 @@
-"""Decode budgets kept for a whole batch at once (:mod:`kveval.buffered_decode`): one ranking and one gather per
-tensor of the layer's :class:`~kveval.batch_buffer.BatchBuffer`, as each row's layer would evict for itself.
+"""Decode budgets kept for a whole batch at once (:mod:`kveval.buffered_decode`): one ranking, and gathers in place
+in the layer's :class:`~kveval.batch_buffer.BatchBuffer`, as each row's layer would evict for itself.
 
 - :class:`BudgetEviction`: one budget for every head (window, streaming, H2O, TOVA, knorm, random; a sliding layer);
 - :class:`HeadBudgetEviction`: budgets per KV head, fixed (DuoAttention) or shared by score (AdaKV).
