@@ -87,6 +87,58 @@ def test_adakv_ties_are_broken_alike_by_a_row_alone_and_in_a_padded_batch():
             assert not kept[b, :, :width - scores.shape[1]].any()
 
 
+def test_adakv_single_drops_keep_what_the_ranking_keeps(monkeypatch):
+    """A decode step leaves a row over AdaKV's budget by one token: it drops its unique lowest score, found by one
+    ``min`` (``_adaptive_single_drops``), exactly as the ranking and each row alone (``adaptive_choice``) would.
+    Rows within the budget keep every token. A tie at the lowest score, a NaN, the lowest score in a head holding
+    no more than its guaranteed tokens, or a row two over goes to the ranking, which must then give the same."""
+    from kveval.policies import base
+
+    g = torch.Generator().manual_seed(9)
+    fast, ranked = [], []
+    original = base._adaptive_single_drops
+
+    def spied(*args):
+        out = original(*args)
+        (fast if out is not None else ranked).append(1)
+        return out
+
+    monkeypatch.setattr(base, "_adaptive_single_drops", spied)
+    for trial in range(300):
+        heads, keep, floor = 3, int(torch.randint(2, 7, (1,), generator=g)), float(torch.rand(1, generator=g)) * 0.6
+        budget = keep * heads
+        width = budget + 4
+        batch = torch.full((4, heads, width), float("-inf"))
+        rows = []
+        for b in range(4):
+            total = budget + int(torch.randint(-2, 2, (1,), generator=g)) + (trial % 7 == 0 and b == 0)  # a few rows 2 over
+            counts = [1] * heads
+            for _ in range(total - heads):  # the rest at random, up to the width
+                h = int(torch.randint(heads, (1,), generator=g))
+                counts[h] = counts[h] + 1 if counts[h] < width else counts[h]
+            scores = torch.full((heads, max(counts)), float("-inf"))
+            for h, c in enumerate(counts):  # each head's tokens end at the row's last slot, as in the buffer
+                values = (torch.randint(0, 6, (c,), generator=g).double() if trial % 3 == 0 else torch.rand(c, generator=g, dtype=torch.float64))
+                values[-1] = float("inf")  # the newest token (and, with ties, H2O's +inf recent tokens)
+                scores[h, max(counts) - c:] = values
+            if trial % 11 == 0 and b == 1:
+                scores[0, -2] = float("nan")
+            batch[b, :, width - scores.shape[1]:] = scores
+            rows.append(scores)
+        kept = base.adaptive_choice_batch(batch, keep, floor)
+        with monkeypatch.context() as patch:
+            patch.setattr(base, "_adaptive_single_drops", lambda *args: None)
+            assert torch.equal(kept, base.adaptive_choice_batch(batch, keep, floor))
+        for b, scores in enumerate(rows):
+            if scores.isnan().any():
+                continue  # a NaN score: what the ranking does with it is the ranking's (the fast path left it)
+            alone = torch.zeros(scores.shape, dtype=torch.bool)
+            for h, index in enumerate(adaptive_choice(scores, keep, floor, stable=True)):
+                alone[h, index] = True
+            assert torch.equal(kept[b, :, width - scores.shape[1]:], alone)
+    assert len(fast) > 50 and len(ranked) > 50  # both paths ran, many times
+
+
 def test_decode_budget_ties_are_broken_alike_by_a_row_alone_and_in_a_padded_batch():
     """The same for one budget for every head: a row alone (``choose``) and the batch (``kept_slots``, each row's
     tokens first, padding after) keep the same slots among equal scores."""
