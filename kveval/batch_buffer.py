@@ -66,6 +66,13 @@ def move_rows(tensors, sources: torch.Tensor, targets: torch.Tensor, cleared: to
 
 
 @functools.lru_cache(maxsize=64)
+def slot_range(count: int, device: torch.device) -> torch.Tensor:
+    """``arange(count)`` made once per count and device (never written to): slot numbers, which masks and
+    evictions compare and index with at every decode step."""
+    return torch.arange(count, device=device)
+
+
+@functools.lru_cache(maxsize=64)
 def _row_offsets(batch: int, heads: int, slots: int, device: torch.device) -> torch.Tensor:
     """``[B, H, 1]``: where each (row, head)'s slots start in a flat ``[B * H * slots]`` view (one tensor per shape:
     two ops fewer at every eviction)."""
@@ -195,4 +202,4 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "slot_rows", "take_rows", "take_slots"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "slot_range", "slot_rows", "take_rows", "take_slots"]

@@ -13,14 +13,12 @@ the life of a sequence.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from kveval.architectures import every_slot_visible
 from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
-from kveval.batch_buffer import BatchBuffer
+from kveval.batch_buffer import BatchBuffer, slot_range
 from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
@@ -39,12 +37,7 @@ def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor
     """``[B, 1, 1, width]`` boolean: slot ``s`` of row ``b`` is visible where ``s < lengths[b]`` (never written to)."""
     if all(n == width for n in lengths):
         return every_slot_visible(len(lengths), width, device)
-    return _slot_range(width, device) < torch.tensor(lengths, device=device)[:, None, None, None]
-
-
-@functools.lru_cache(maxsize=64)
-def _slot_range(width: int, device) -> torch.Tensor:
-    return torch.arange(width, device=device)
+    return slot_range(width, device) < torch.tensor(lengths, device=device)[:, None, None, None]
 
 
 def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
@@ -230,9 +223,15 @@ class CompressedLayer(CacheLayerMixin):
                      for _ in range(key_states.shape[0])]
         self.is_initialized = True
 
+    @property
+    def heads_apart(self) -> bool:
+        """Whether the selection budgets KV heads apart: rows then hold per-head stores, and in the batch buffer each
+        head's tokens end at its row's last slot, padding before them."""
+        return self.selection is not None and self.selection.per_head_budgets
+
     def new_store(self, dtype: torch.dtype):
         """An empty store for one sequence: one inner store per KV head when the selection budgets heads apart."""
-        if self.selection is not None and self.selection.per_head_budgets:
+        if self.heads_apart:
             cache, layer_idx = self.cache, self.layer_idx
             return HeadwiseStore(lambda: cache.new_store(layer_idx, dtype))
         return self.cache.new_store(self.layer_idx, dtype)
@@ -330,7 +329,7 @@ class CompressedLayer(CacheLayerMixin):
         :meth:`allowed_mask`, which ``tests/test_buffered_decode.py`` checks for every policy family."""
         buffer = self._buffer
         if (query_positions.shape[1] != 1 or not all_real or self.is_sliding or buffer is None
-                or (self.selection is not None and self.selection.per_head_budgets)):
+                or self.heads_apart):
             return self.allowed_mask(query_positions)
         return visible_prefix(tuple(buffer.lengths), buffer.width, query_positions.device)
 

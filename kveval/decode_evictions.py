@@ -7,12 +7,11 @@ in the layer's :class:`~kveval.batch_buffer.BatchBuffer`, as each row's layer wo
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from kveval.batch_buffer import PAD_POSITION, BatchBuffer, move_rows, slot_rows, take_rows
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, move_rows, slot_range, slot_rows, take_rows
 from kveval.policies import ScoringState
 from kveval.policies.base import best_first, top_slots
 
@@ -49,7 +48,7 @@ def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
     if scored.dtype not in (torch.float32, torch.float64):
         scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
     if full:  # out of place: a policy may hand back the buffer's own attention (TOVA)
-        return scored.index_fill(2, _slots(width, scored.device)[-1:], float("inf")), None
+        return scored.index_fill(2, slot_range(width, scored.device)[-1:], float("inf")), None
     scored = scored.masked_fill(padding, float("-inf"))
     newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
     scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
@@ -88,14 +87,8 @@ def kept_slots(scores: torch.Tensor, budget: int, lengths: list[int]) -> tuple[t
 
 def _skipping(drop: torch.Tensor, budget: int) -> torch.Tensor:
     """``[B, H, budget]``: the slots ``0 .. budget`` less each row's and head's ``drop``."""
-    slots = _slots(budget, drop.device)
+    slots = slot_range(budget, drop.device)
     return slots + (slots >= drop[..., None])
-
-
-@functools.lru_cache(maxsize=64)
-def _slots(count: int, device: torch.device) -> torch.Tensor:
-    """``arange(count)`` made once per count and device (never written to)."""
-    return torch.arange(count, device=device)
 
 
 class BudgetEviction:
@@ -184,7 +177,7 @@ class HeadBudgetEviction:
             return self.selection.choose_batch(scores, self.decode_budget)
         budgets = torch.tensor([width if b is None else b for b in self.budgets], device=scores.device)[None, :, None]
         # The slot ranked r in its head (best_first) is kept where r is under the head's budget: one sort.
-        within = (_slots(width, scores.device) < budgets).expand(*scores.shape)
+        within = (slot_range(width, scores.device) < budgets).expand(*scores.shape)
         return ~padding & torch.zeros_like(padding).scatter_(2, best_first(scores, 2), within)
 
     def apply(self, buffer: BatchBuffer) -> bool:
@@ -205,9 +198,9 @@ class HeadBudgetEviction:
         # them from there; a dropped one to a spare column past new_width. Padding slots read slot 0.
         ends = torch.tensor(new_lengths, device=device)[:, None, None]  # [B, 1, 1]
         target = (kept.cumsum(dim=2) + (ends - 1 - counts[..., None])).masked_fill_(~kept, new_width)
-        slots = _slots(width, device).expand(*kept.shape)
+        slots = slot_range(width, device).expand(*kept.shape)
         index = kept.new_zeros(*kept.shape[:2], new_width + 1, dtype=torch.long).scatter_(2, target, slots)[..., :new_width]
-        column = _slots(new_width, device)
+        column = slot_range(new_width, device)
         padded = (column < ends - counts[..., None]) | (column >= ends)  # [B, H, new_width]
         # K and V move only where a kept token changes slot (in a step that drops one token per row, the tokens of
         # one head before the dropped one, not the whole cache), and every padding slot is zeroed: the rows of the

@@ -214,11 +214,12 @@ def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "t
     batch, heads, n = scores.shape
     real = scores > float("-inf")
     counts = real.sum(dim=2)  # [B, heads]
+    total = counts.sum(dim=1)  # [B]
     safe = min(n, max(1, math.floor(floor * keep)))
-    single = _adaptive_single_drops(scores, real, counts, keep * heads, safe)
+    single = _adaptive_single_drops(scores, real, counts, total, keep * heads, safe)
     if single is not None:
         return single
-    total = counts.sum(dim=1).clamp(max=keep * heads)  # [B]
+    total = total.clamp(max=keep * heads)
     guaranteed = torch.zeros_like(real).scatter_(2, best_indices(scores, safe, 2), True) & real
     ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
     most = min(keep * heads, heads * n)
@@ -227,18 +228,18 @@ def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "t
     return torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, best, own).reshape(batch, heads, n)
 
 
-def _adaptive_single_drops(scores: "torch.Tensor", real: "torch.Tensor", counts: "torch.Tensor", budget: int,
-                           safe: int) -> "torch.Tensor | None":
+def _adaptive_single_drops(scores: "torch.Tensor", real: "torch.Tensor", counts: "torch.Tensor", total: "torch.Tensor",
+                           budget: int, safe: int) -> "torch.Tensor | None":
     """:func:`adaptive_choice_batch`'s kept mask where a decode step leaves it no choice to rank: no row holds more
     than ``budget + 1`` real tokens, and each row holding ``budget + 1`` drops its lowest score, unique in the row,
     in a head holding more than ``safe`` tokens (so it is none of that head's guaranteed best, and the ranking puts
     it last). ``None`` where the ranking must decide: a tie or a NaN, the lowest score in a head whose tokens are
-    all guaranteed, or a row two or more over. One ``min`` rather than two stable sorts."""
+    all guaranteed, or a row two or more over. One ``min`` rather than two stable sorts. ``counts``: each head's
+    real tokens (``[B, heads]``); ``total``: each row's (``[B]``)."""
     import torch
 
     batch, heads, n = scores.shape
     flat = scores.reshape(batch, heads * n)
-    total = counts.sum(dim=1)  # [B]
     lowest, drop = flat.masked_fill(~real.reshape(batch, -1), float("inf")).min(dim=1)  # padding never lowest
     ties = (flat == lowest[:, None]).sum(dim=1)  # a NaN equals nothing: 0, so it goes to the ranking
     heads_held = counts.gather(1, (drop // n)[:, None]).squeeze(1)
