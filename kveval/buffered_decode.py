@@ -65,7 +65,7 @@ import torch
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer
 from kveval.coded_rows import CodedRows, SharedScratch
 from kveval.decode_encodings import CoefficientSteps, KVQuantResidual, QuantizedResidual
-from kveval.decode_evictions import BudgetEviction, HeadBudgetEviction, LayerScoring
+from kveval.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction, LayerScoring
 from kveval.head_stores import HeadwiseStore
 from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
@@ -190,7 +190,8 @@ class BufferedDecode:
             eviction = HeadBudgetEviction(selection, budgets, context)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if selection is not None and selection.decode_budget is not None:
-            eviction = BudgetEviction(selection.decode_budget, selection.scores, context)
+            eviction = BudgetEviction(selection.decode_budget, selection.scores, context,
+                                      stacks=selection.scores_stack_layers)
             if all(type(s) is DenseStore for s in stores):
                 return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
             if not all(_tokenwise_quantized(s) for s in stores):
@@ -250,14 +251,22 @@ class BufferedDecode:
             if row.attention is not None:
                 buffer.attention[b, :, :row.attention.shape[1]] = row.attention
 
-    def after_attention(self, buffer: BatchBuffer, mass: torch.Tensor | None) -> bool:
+    def after_attention(self, buffer: BatchBuffer, mass: torch.Tensor | None,
+                        deferred: "DeferredEvictions | None" = None) -> bool:
         """What a step does once attention has read the buffer: add (``"all"``) or set (``"last"``) the step's
-        attention ``mass`` (``[B, H, width]``), then keep the decode budget. Whether any row dropped a token."""
+        attention ``mass`` (``[B, H, width]``), then keep the decode budget, or leave it to ``deferred`` where it
+        may wait for the forward's other layers (:meth:`BudgetEviction.defers`). Whether any row dropped (or will
+        drop) a token."""
         if self.accumulates == "all":
             buffer.attention.narrow(2, 0, buffer.width).add_(mass)
         elif self.accumulates == "last":
             buffer.attention.narrow(2, 0, buffer.width).copy_(mass)
-        return self.eviction is not None and self.eviction.apply(buffer)
+        if self.eviction is None:
+            return False
+        if deferred is not None and self.eviction.defers(buffer):
+            deferred.add(self.eviction, buffer)
+            return True  # a row holds more than the budget: it will drop a token
+        return self.eviction.apply(buffer)
 
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                real: torch.Tensor, counts: list[int]) -> None:

@@ -54,6 +54,7 @@ from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 from kveval import architectures, retrieval_heads
 from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.coded_rows import SharedScratch
+from kveval.decode_evictions import DeferredEvictions
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
 from kveval.rows import RowState
@@ -176,7 +177,11 @@ class CompressedCache(Cache):
         self._input_counts: list[int] | None = None
         self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
+        #: Decode budgets of the current forward's layers, kept together after its last attention layer.
+        self.evictions = DeferredEvictions()
         super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
+        #: The index of the last layer that runs attention in a forward (it keeps the deferred evictions).
+        self.last_attention_layer = max((layer.layer_idx for layer in self.attention_layers), default=-1)
 
     def _check_representation(self, policy: PolicyStack, value_dim: int) -> None:
         """Refuse a quantizer whose groups do not divide the head dims (at construction, before any forward)."""

@@ -138,6 +138,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def _catch_up(self) -> None:
         """Rows catch up with the decode steps done on the buffer alone (if any are pending)."""
+        if self.cache.evictions.pending:  # read mid-forward: every deferred eviction first
+            self.cache.evictions.flush()
         if self._decode is not None and self._decode.pending:
             self._decode.catch_up(self._rows, self._buffer)
             self._share_dense_storage()
@@ -244,6 +246,8 @@ class CompressedLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.cache.evictions.pending and self.cache.evictions.holds(self._buffer):
+            self.cache.evictions.flush()  # this layer runs again before the forward's last one did: evict first
         batch, _, q_len, _ = key_states.shape
         real = self.cache.input_real(batch, q_len, key_states.device)
         positions = self._new_positions(kwargs, real)
@@ -357,12 +361,19 @@ class CompressedLayer(CacheLayerMixin):
 
         ``probabilities(query, keys, allowed)`` gives the model's own attention
         probabilities ``[B, query_heads, q, slots]`` (softcapped, sink-diluted, ...)
-        under a boolean mask; selection policies score with them.
+        under a boolean mask; selection policies score with them. Decode budgets that
+        may wait (:class:`~kveval.decode_evictions.DeferredEvictions`) are kept once the
+        forward's last attention layer has run.
         """
+        self._score_and_compress(query, keys, probabilities)
+        if self.layer_idx == self.cache.last_attention_layer and self.cache.evictions.pending:
+            self.cache.evictions.flush()
+
+    def _score_and_compress(self, query: torch.Tensor, keys: torch.Tensor, probabilities) -> None:
         if self._buffer_only_step:  # the batch at once (see _batched_decode): scores, then any budget
             decode = self._decode
             mass = None if decode.accumulates is None else self._mass(query, keys, probabilities, score_key(self.selection))
-            if decode.after_attention(self._buffer, mass):
+            if decode.after_attention(self._buffer, mass, self.cache.evictions):
                 self.contiguous = False  # tokens were dropped: the model's own mask no longer lines up
             return
         policy = self.selection

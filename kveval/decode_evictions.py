@@ -37,22 +37,40 @@ def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,
     newest slot is the last.
     """
     width = buffer.width
-    positions = buffer.positions[:, :, :width]
-    full = tokens_first and all(n == width for n in buffer.lengths)
-    padding = None if full else positions == PAD_POSITION
     attention = None if buffer.attention is None else buffer.attention[:, :, :width]
-    state = ScoringState(keys=buffer.keys[:, :, :width], positions=positions if full else positions.masked_fill(padding, -1),
+    return _scored(buffer.positions[:, :, :width], attention, buffer.keys[:, :, :width], buffer.lengths, scores,
+                   context, tokens_first)
+
+
+def _scored(positions: torch.Tensor, attention: torch.Tensor | None, keys: torch.Tensor | None, lengths: list[int],
+            scores, context: LayerScoring, tokens_first: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`scored_slots` of rows given as tensors (``[rows, H, width]``; ``lengths``: each row's slots)."""
+    width = positions.shape[2]
+    full = tokens_first and all(n == width for n in lengths)
+    padding = None if full else positions == PAD_POSITION
+    state = ScoringState(keys=keys, positions=positions if full else positions.masked_fill(padding, -1),
                          attention=attention, layer_idx=context.layer_idx, num_layers=context.num_layers,
                          seed=context.seeds, model=context.model)
-    scored = scores(state)
-    if scored.dtype not in (torch.float32, torch.float64):
-        scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
-    if full:  # out of place: a policy may hand back the buffer's own attention (TOVA)
-        return scored.index_fill(2, slot_range(width, scored.device)[-1:], float("inf")), None
+    scored = _float_scores(scores(state))
+    if full:
+        return _newest_kept(scored), None
     scored = scored.masked_fill(padding, float("-inf"))
-    newest = torch.tensor(buffer.lengths, device=scored.device)[:, None, None] - 1
+    newest = torch.tensor(lengths, device=scored.device)[:, None, None] - 1
     scored.scatter_(2, newest.clamp(min=0).expand(-1, scored.shape[1], 1), float("inf"))
     return scored, padding
+
+
+def _float_scores(scored: torch.Tensor) -> torch.Tensor:
+    """A policy's scores as float32 or wider (what the rankings compare)."""
+    if scored.dtype not in (torch.float32, torch.float64):
+        scored = scored.to(torch.promote_types(scored.dtype, torch.float32))
+    return scored
+
+
+def _newest_kept(scored: torch.Tensor) -> torch.Tensor:
+    """``scored`` (``[..., width]``, every row full) with its last slot, each row's newest, scored ``+inf``: out of
+    place, as a policy may hand back the buffer's own attention (TOVA)."""
+    return scored.index_fill(-1, slot_range(scored.shape[-1], scored.device)[-1:], float("inf"))
 
 
 def single_drops(scores: torch.Tensor, decisive: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -76,13 +94,20 @@ def kept_slots(scores: torch.Tensor, budget: int, lengths: list[int]) -> tuple[t
     its lowest score (:func:`single_drops`), one ``min`` rather than a ranking and a ``sort``. Rows holding fewer
     slots drop a padding slot (``-inf``); which one does not matter, as every padding slot is invisible.
     """
+    keep, drop = _kept_and_drops(scores, budget, lengths)
+    return keep, 0 if drop is None else int(drop.min())
+
+
+def _kept_and_drops(scores: torch.Tensor, budget: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kept_slots`' ``[B, H, budget]`` kept slots, and the ``[B, H]`` slot each row and head drops where
+    each drops one (:func:`single_drops`), else ``None`` (ranked)."""
     if scores.shape[2] == budget + 1:
         full = None if all(n == budget + 1 for n in lengths) else \
             torch.tensor([n == budget + 1 for n in lengths], device=scores.device)[:, None]
         drop = single_drops(scores, full)
         if drop is not None:
-            return _skipping(drop, budget), int(drop.min())
-    return top_slots(scores, budget, dim=2), 0
+            return _skipping(drop, budget), drop
+    return top_slots(scores, budget, dim=2), None
 
 
 def _skipping(drop: torch.Tensor, budget: int) -> torch.Tensor:
@@ -111,8 +136,14 @@ class BudgetEviction:
       holds consecutive positions, which :meth:`BufferedDecode.for_rows` checks).
     """
 
-    def __init__(self, budget: int, scores, context: LayerScoring = LayerScoring()):
+    def __init__(self, budget: int, scores, context: LayerScoring = LayerScoring(), stacks: bool = False):
         self.budget, self.scores, self.context = budget, scores, context
+        self.stacks = stacks  # the scores read positions and attention alone (SelectionPolicy.scores_stack_layers)
+
+    def defers(self, buffer: BatchBuffer) -> bool:
+        """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): the
+        scores stack across layers, and some row holds more than the budget (the eviction drops a token)."""
+        return self.stacks and buffer.width > self.budget
 
     @staticmethod
     def serves(selection) -> bool:
@@ -131,18 +162,111 @@ class BudgetEviction:
             return False
         scores, _ = scored_slots(buffer, self.scores, self.context, tokens_first=True)
         keep, first = kept_slots(scores, self.budget, buffer.lengths)
-        keep = keep[:, :, first:]  # slots before the first dropped one stay where they are
-        rows = slot_rows(buffer.keys, keep)  # K and V: the same slots
-        for held in (buffer.keys, buffer.values):
-            held[:, :, first:self.budget] = take_rows(held, rows, keep.shape)
-        for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
-            if held is not None:
-                held[:, :, first:self.budget] = held[:, :, :width].gather(2, keep)
-                held[:, :, self.budget:width] = fill
-        buffer.lengths = [min(n, self.budget) for n in buffer.lengths]
-        buffer.width = max(buffer.lengths)
-        buffer.fit()
+        _compact(buffer, keep[:, :, first:], first, self.budget)
         return True
+
+
+def _compact(buffer: BatchBuffer, keep: torch.Tensor, first: int, budget: int,
+             kept_positions: torch.Tensor | None = None, kept_attention: torch.Tensor | None = None) -> None:
+    """Every row of ``buffer`` keeps slots ``keep`` (``[B, H, budget - first]``, ascending) in its slots ``first`` to
+    ``budget``: slots before ``first`` stay where they are. ``kept_positions``/``kept_attention``: the positions and
+    attention of those slots, where the caller gathered them already."""
+    width = buffer.width
+    rows = slot_rows(buffer.keys, keep)  # K and V: the same slots
+    for held in (buffer.keys, buffer.values):
+        held[:, :, first:budget] = take_rows(held, rows, keep.shape)
+    for held, kept, fill in ((buffer.positions, kept_positions, PAD_POSITION), (buffer.attention, kept_attention, 0)):
+        if held is not None:
+            held[:, :, first:budget] = held[:, :, :width].gather(2, keep) if kept is None else kept
+            held[:, :, budget:width] = fill
+    buffer.lengths = [min(n, budget) for n in buffer.lengths]
+    buffer.width = max(buffer.lengths)
+    buffer.fit()
+
+
+#: Most slots (layers x rows x heads x slots) whose positions and attention one stacked eviction copies at once.
+STACKED_SLOTS = 2**20
+
+
+class DeferredEvictions:
+    """The decode budgets of one forward's layers, kept together once its last attention layer has run.
+
+    A layer's eviction reads and writes that layer's buffer alone, and nothing reads the buffer between the layer's
+    attention and its next step, so it may wait for the layers after it (:meth:`BudgetEviction.defers`). Layers
+    whose budgets ask the same (one budget, scores that read positions and attention alone:
+    :attr:`BudgetEviction.stacks`) and whose buffers hold the same width are then scored and ranked together, on
+    their positions and attention stacked into one ``[layers * B, H, width]`` tensor: the same elementwise scores,
+    the same padding and newest-slot marks, the same ranking per row (rows of finished sequences, under the budget,
+    drop a padding slot), so each layer keeps exactly the slots it would keep alone, in one set of operations per
+    forward rather than one per layer; each layer's K and V are then gathered as :meth:`BudgetEviction.apply`
+    gathers them. A decode step of a small model at batch 8 otherwise spends as long on its budgets' 20-odd small
+    operations per layer as on the layer's own attention. At most :data:`STACKED_SLOTS` slots are stacked at once.
+
+    Whatever reads a waiting layer first ends the wait: the forward's last attention layer
+    (:meth:`kveval.cache_layers.CompressedLayer.after_attention`), else the layer's next update or any read of its
+    rows (bytes, kept tokens, a catch-up).
+    """
+
+    def __init__(self):
+        self.pending: list[tuple[BudgetEviction, BatchBuffer]] = []
+
+    def add(self, eviction: BudgetEviction, buffer: BatchBuffer) -> None:
+        self.pending.append((eviction, buffer))
+
+    def holds(self, buffer: BatchBuffer | None) -> bool:
+        return any(held is buffer for _, held in self.pending)
+
+    def flush(self) -> None:
+        """Keep every pending budget (each layer's buffer then holds ``budget`` slots per row)."""
+        pending, self.pending = self.pending, []
+        groups: list[list[tuple[BudgetEviction, BatchBuffer]]] = []
+        for eviction, buffer in pending:
+            like = next((g for g in groups if _stack_together(g[0], (eviction, buffer))), None)
+            if like is None:
+                groups.append([(eviction, buffer)])
+            else:
+                like.append((eviction, buffer))
+        for group in groups:
+            per_layer = group[0][1].positions[:, :, :group[0][1].width].numel()
+            step = max(1, STACKED_SLOTS // per_layer)
+            for start in range(0, len(group), step):
+                chunk = group[start:start + step]
+                if len(chunk) == 1:
+                    chunk[0][0].apply(chunk[0][1])
+                else:
+                    _apply_stacked(chunk)
+
+
+def _stack_together(a: tuple[BudgetEviction, BatchBuffer], b: tuple[BudgetEviction, BatchBuffer]) -> bool:
+    (first, held), (other, buffer) = a, b
+    return (first.budget == other.budget and first.scores == other.scores and held.width == buffer.width
+            and held.positions.shape[:2] == buffer.positions.shape[:2] and held.positions.device == buffer.positions.device
+            and (held.attention is None) == (buffer.attention is None))
+
+
+def _apply_stacked(chunk: list[tuple[BudgetEviction, BatchBuffer]]) -> None:
+    """:meth:`BudgetEviction.apply` for layers of one budget whose buffers hold the same width (see
+    :class:`DeferredEvictions`), scored and ranked at once."""
+    eviction, budget = chunk[0][0], chunk[0][0].budget
+    buffers = [buffer for _, buffer in chunk]
+    width = buffers[0].width
+    positions = torch.stack([buffer.positions[:, :, :width] for buffer in buffers])  # [L, B, H, width]
+    layers, batch, heads = positions.shape[:3]
+    attention = (None if buffers[0].attention is None
+                 else torch.stack([buffer.attention[:, :, :width] for buffer in buffers]))
+    lengths = [n for buffer in buffers for n in buffer.lengths]
+    flat = (layers * batch, heads, width)
+    scores, _ = _scored(positions.view(flat), None if attention is None else attention.view(flat), None, lengths,
+                        eviction.scores, eviction.context, tokens_first=True)
+    keep, drop = _kept_and_drops(scores, budget, lengths)
+    keep = keep.view(layers, batch, heads, budget)
+    # Each layer compacts from the first slot any of its rows drops, as it would alone (kept_slots).
+    firsts = [0] * layers if drop is None else drop.view(layers, -1).amin(dim=1).tolist()
+    kept_positions = positions.gather(3, keep)
+    kept_attention = None if attention is None else attention.gather(3, keep)
+    for layer, (buffer, first) in enumerate(zip(buffers, firsts)):
+        _compact(buffer, keep[layer, :, :, first:], first, budget, kept_positions[layer, :, :, first:],
+                 None if kept_attention is None else kept_attention[layer, :, :, first:])
 
 
 class HeadBudgetEviction:
@@ -170,6 +294,10 @@ class HeadBudgetEviction:
     @staticmethod
     def serves(selection) -> bool:
         return selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
+
+    def defers(self, buffer: BatchBuffer) -> bool:
+        """Per-head budgets are kept at once, layer by layer (see :meth:`BudgetEviction.defers`)."""
+        return False
 
     def _kept(self, scores: torch.Tensor, padding: torch.Tensor, width: int) -> torch.Tensor:
         """``[B, H, width]``: the slots an over-budget row keeps."""
@@ -217,4 +345,4 @@ class HeadBudgetEviction:
         return True
 
 
-__all__ = ["BudgetEviction", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots", "single_drops"]
+__all__ = ["BudgetEviction", "DeferredEvictions", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots", "single_drops"]

@@ -96,6 +96,10 @@ class SelectionPolicy(Policy):
     #: (``[rows, kv_heads, tokens]``), and each row's scores depend on that row alone, as they would for the row
     #: by itself. The cache then keeps a decode budget for the batch at once (:mod:`kveval.buffered_decode`).
     batch_scores: ClassVar[bool] = False
+    #: With ``batch_scores``, :meth:`scores` reads the state's positions and attention alone (never its keys, layer,
+    #: seed or model): the decode budgets of a forward's layers may then be scored at once, on their rows stacked
+    #: (:class:`kveval.decode_evictions.DeferredEvictions`).
+    scores_stack_layers: ClassVar[bool] = False
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         """How many of ``n_tokens`` context tokens to keep in layer ``layer_idx``."""

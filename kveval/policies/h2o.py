@@ -38,6 +38,7 @@ class H2OPolicy(RatioSelectionPolicy):
             raise PolicySpecError(f"h2o: recent={self.recent!r} must be a number of tokens >= 0")
 
     batch_scores = True
+    scores_stack_layers = True
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         newest = state.positions.max(dim=-1, keepdim=True).values

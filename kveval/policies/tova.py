@@ -24,6 +24,7 @@ class TOVAPolicy(RatioSelectionPolicy):
     attention = "last"
     head_shared_scores = True
     batch_scores = True
+    scores_stack_layers = True
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         return state.attention.mean(dim=-2, keepdim=True).expand_as(state.attention)

@@ -58,6 +58,7 @@ class WindowPolicy(SelectionPolicy):
         return self.size
 
     batch_scores: ClassVar[bool] = True
+    scores_stack_layers: ClassVar[bool] = True
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.ratio is not None:
@@ -80,6 +81,7 @@ class SinkWindowPolicy(SelectionPolicy):
 
     default_window: ClassVar[int]
     batch_scores: ClassVar[bool] = True
+    scores_stack_layers: ClassVar[bool] = True
 
     def check_sink_window(self) -> None:
         """Validate ``sink``/``window``/``ratio``; store the default window as ``None`` (one canonical spec)."""

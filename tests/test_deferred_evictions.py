@@ -1,0 +1,185 @@
+"""Decode budgets kept once per forward, for its layers stacked (kveval.decode_evictions.DeferredEvictions), keep
+exactly what each layer keeps alone.
+
+Two levels: hand-built layer buffers (ties, a NaN, a layer with another budget, a layer with a short row, chunks
+smaller than the forward) compared with each layer's own eviction tensor by tensor; and whole generations (EOS
+ending rows at different steps) compared with generations in which no eviction waits, fingerprint by fingerprint.
+"""
+
+import pytest
+import torch
+from cache_runs import fingerprint, random_prompts
+from tiny_models import Tok, tiny_llama
+
+from kveval import decode_evictions
+from kveval.batch_buffer import BatchBuffer
+from kveval.cache import CompressedCache
+from kveval.cache_layers import CompressedLayer
+from kveval.decode_evictions import BudgetEviction, DeferredEvictions
+from kveval.generation import generate
+from kveval.policies import parse_policy
+
+BATCH, HEADS, DIM = 3, 2, 4
+
+
+def _buffer(seed: int, lengths: list[int], width: int, attention: bool = True) -> BatchBuffer:
+    """A layer's buffer holding ``lengths`` slots per row (padding after), random K/V, shuffled positions, and
+    attention with ties (values on a coarse grid) in every row."""
+    g = torch.Generator().manual_seed(seed)
+    buffer = BatchBuffer(BATCH, HEADS, DIM, DIM, torch.float32, "cpu")
+    buffer.reserve(width + 3)
+    buffer.keys[:, :, :width] = torch.randn(BATCH, HEADS, width, DIM, generator=g)
+    buffer.values[:, :, :width] = torch.randn(BATCH, HEADS, width, DIM, generator=g)
+    for b, n in enumerate(lengths):
+        buffer.positions[b, :, :n] = torch.randperm(3 * width, generator=g)[:n].sort().values
+    if attention:
+        buffer.attention = torch.zeros(buffer.positions.shape)
+        buffer.attention[:, :, :width] = torch.randint(0, 4, (BATCH, HEADS, width), generator=g).float() / 4
+        for b, n in enumerate(lengths):
+            buffer.attention[b, :, n:] = 0
+    buffer.lengths, buffer.width = list(lengths), max(lengths)
+    return buffer
+
+
+def _state(buffer: BatchBuffer) -> tuple:
+    width = buffer.width
+    held = (buffer.keys, buffer.values, buffer.positions) + (() if buffer.attention is None else (buffer.attention,))
+    return tuple(t[:, :, :width].clone() for t in held) + (list(buffer.lengths), width, buffer.capacity)
+
+
+def _eviction(spec: str) -> BudgetEviction:
+    selection = parse_policy(spec).selection
+    return BudgetEviction(selection.decode_budget, selection.scores, stacks=selection.scores_stack_layers)
+
+
+def _count_stacked(monkeypatch) -> list[int]:
+    """The number of layers of each stacked eviction that runs from now on."""
+    calls, original = [], decode_evictions._apply_stacked
+    monkeypatch.setattr(decode_evictions, "_apply_stacked", lambda chunk: (calls.append(len(chunk)), original(chunk))[1])
+    return calls
+
+
+@pytest.mark.parametrize("spec, other", [
+    ("h2o(ratio=0.5,decode_budget=8,recent=2)", "h2o(ratio=0.5,decode_budget=7,recent=2)"),
+    ("tova(ratio=0.5,decode_budget=8)", "tova(ratio=0.5,decode_budget=7)"),
+    ("window(size=8)", "window(size=7)"), ("streaming(sink=2,window=6)", "streaming(sink=2,window=5)")])
+@pytest.mark.parametrize("chunk_layers", [None, 2])
+def test_stacked_layers_keep_what_each_keeps_alone(spec, other, chunk_layers, monkeypatch):
+    """Layers evicted stacked end bit for bit as each layer's own :meth:`BudgetEviction.apply` leaves it: K, V,
+    positions, attention, lengths, width and room, through ties and a NaN at the lowest score (ranked, not one
+    ``min``) and a finished row (under the budget). Layers that cannot stack (another budget or width) are kept
+    alone, a layer within its budget does not wait, and
+    ``chunk_layers`` caps the layers stacked at once (:data:`~kveval.decode_evictions.STACKED_SLOTS`)."""
+    eviction, smaller = _eviction(spec), _eviction(other)
+    width = eviction.budget + 1
+    if chunk_layers is not None:
+        monkeypatch.setattr(decode_evictions, "STACKED_SLOTS", chunk_layers * BATCH * HEADS * width)
+    stacked = _count_stacked(monkeypatch)
+    scored_by_attention = parse_policy(spec).selection.attention != "none"
+    made = [_buffer(seed, [width] * BATCH, width, scored_by_attention) for seed in range(5)]
+    if scored_by_attention:
+        made[2].attention[0, 1, :width] = 0.25  # every slot of a head ties
+        made[3].attention[2, 0, width // 2] = float("nan")
+    layers = [(eviction, b) for b in made] + [
+        (eviction, _buffer(60, [width, width - 3, width], width, scored_by_attention)),  # a finished row: stacks
+        (smaller, _buffer(50, [width - 1] * BATCH, width - 1, scored_by_attention)),  # another budget: alone
+        (eviction, _buffer(70, [width + 1, width, width - 2], width + 1, scored_by_attention)),  # wider: alone, ranked
+        (eviction, _buffer(80, [width - 1] * BATCH, width - 1, scored_by_attention))]  # within the budget: no wait
+    alone = [(e, _copy(b)) for e, b in layers]
+
+    deferred = DeferredEvictions()
+    for e, buffer in layers:
+        if e.defers(buffer):
+            deferred.add(e, buffer)
+        else:
+            e.apply(buffer)
+    assert len(deferred.pending) == 8  # the layer within its budget did not wait
+    assert deferred.holds(layers[0][1]) and not deferred.holds(layers[-1][1])
+    deferred.flush()
+    assert deferred.pending == [] and not deferred.holds(layers[0][1])
+    for e, buffer in alone:
+        e.apply(buffer)
+    for (_, got), (_, want) in zip(layers, alone):
+        for a, b in zip(_state(got), _state(want), strict=True):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) if isinstance(a, torch.Tensor) else a == b
+    assert layers[0][1].width == eviction.budget and layers[0][1].lengths == [eviction.budget] * BATCH
+    assert stacked == ([6] if chunk_layers is None else [2, 2, 2])  # 6 layers of one budget and width; chunks of 2
+
+
+def _copy(buffer: BatchBuffer) -> BatchBuffer:
+    copy = BatchBuffer(BATCH, HEADS, DIM, DIM, torch.float32, "cpu")
+    copy.keys, copy.values, copy.positions = buffer.keys.clone(), buffer.values.clone(), buffer.positions.clone()
+    copy.attention = None if buffer.attention is None else buffer.attention.clone()
+    copy.lengths, copy.width = list(buffer.lengths), buffer.width
+    return copy
+
+
+def test_only_budgets_that_read_positions_and_attention_stack():
+    """Scores that read keys, seeds or the layer (knorm, random) never wait; nor a sliding layer's window."""
+    for spec in ["knorm(ratio=0.5,decode_budget=8)", "random(ratio=0.5,decode_budget=8,seed=1)"]:
+        assert not _eviction(spec).defers(_buffer(0, [9] * BATCH, 9))
+    assert not BudgetEviction.of_window(9).defers(_buffer(0, [9] * BATCH, 9))
+    assert _eviction("h2o(ratio=0.5,decode_budget=8)").defers(_buffer(0, [9] * BATCH, 9))
+    assert not _eviction("h2o(ratio=0.5,decode_budget=8)").defers(_buffer(0, [8] * BATCH, 8))  # under budget
+    assert _eviction("h2o(ratio=0.5,decode_budget=8)").defers(_buffer(0, [9, 6, 4], 9))  # one row over
+
+
+STEPS = 24
+SPECS = ["h2o(ratio=0.5,decode_budget=30,recent=4)", "tova(ratio=0.5,decode_budget=25)", "window(size=28)",
+         "streaming(sink=2,window=20)", "h2o(ratio=0.5,decode_budget=6)",  # more recent tokens than the budget: ties
+         "h2o(ratio=0.5,decode_budget=30,recent=8)+quant(bits=8,group=16)"]
+
+
+#: Context lengths the prefill halves to 11-26 tokens: rows reach the decode budgets at different steps.
+SIZES = [(41, 4), (52, 4), (23, 4), (35, 4), (27, 4)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def _generate(model, spec, monkeypatch, defer=True, flush_at_last_layer=True, eos=None, mode="context"):
+    checks = []
+    original_update = CompressedLayer.update
+
+    def checked_update(self, *args, **kwargs):
+        if self.layer_idx == 0:  # a forward begins: nothing waits from the last one
+            checks.append(self.cache.evictions.pending == [])
+        return original_update(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        if not defer:
+            patch.setattr(BudgetEviction, "defers", lambda self, buffer: False)
+        if not flush_at_last_layer:  # every wait is ended by the next read of a waiting layer instead
+            patch.setattr(CompressedLayer, "after_attention", lambda self, q, k, p: self._score_and_compress(q, k, p))
+        patch.setattr(CompressedLayer, "update", checked_update)
+        model.generation_config.eos_token_id = eos
+        try:
+            results = generate(model, Tok(), random_prompts(SIZES, seed=5), spec, max_new_tokens=STEPS, batch_size=5, mode=mode)
+        finally:
+            model.generation_config.eos_token_id = None
+    assert len(checks) >= STEPS and all(checks) == flush_at_last_layer
+    return [fingerprint(r) for r in results]
+
+
+def _eos_ending_some_rows(model, spec, monkeypatch) -> int:
+    free = _generate(model, spec, monkeypatch, mode="query")
+    return next(t for t in sorted({t for row in free for t in row[1][2:]})
+                if 2 <= sum(t in row[1] for row in free) < len(free))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_generation_with_deferred_evictions_equals_evictions_layer_by_layer(model, spec, monkeypatch):
+    """Tokens, log-probabilities, bytes and kept tokens of every row are those of evicting layer by layer, with and
+    without an EOS that ends rows at different steps (finished rows feed padding, so their rows stop being full),
+    and with the forward's last layer not flushing (a layer's next step or a read of its rows then does)."""
+    stacked = _count_stacked(monkeypatch)
+    eos = _eos_ending_some_rows(model, spec, monkeypatch)
+    for kwargs in ({}, {"eos": eos, "mode": "query"}):
+        stacked.clear()
+        deferred = _generate(model, spec, monkeypatch, **kwargs)
+        assert len(stacked) > 0 and set(stacked) == {model.config.num_hidden_layers}
+        assert deferred == _generate(model, spec, monkeypatch, defer=False, **kwargs)
+        assert deferred == _generate(model, spec, monkeypatch, flush_at_last_layer=False, **kwargs)
+    assert len({len(r[1]) for r in deferred}) >= 2  # with the EOS, rows stopped at different steps
