@@ -9,7 +9,7 @@ ending rows at different steps) compared with generations in which no eviction w
 import pytest
 import torch
 from cache_runs import fingerprint, random_prompts
-from tiny_models import Tok, tiny_llama
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval import decode_evictions
 from kveval.batch_buffer import BatchBuffer
@@ -183,3 +183,19 @@ def test_generation_with_deferred_evictions_equals_evictions_layer_by_layer(mode
         assert deferred == _generate(model, spec, monkeypatch, defer=False, **kwargs)
         assert deferred == _generate(model, spec, monkeypatch, flush_at_last_layer=False, **kwargs)
     assert len({len(r[1]) for r in deferred}) >= 2  # with the EOS, rows stopped at different steps
+
+
+def test_hybrid_layers_stack_the_global_layers_budgets(monkeypatch):
+    """Gemma 3 with its last attention layer a sliding one (whose window is kept layer by layer, never deferred):
+    the two global layers' budgets wait for it and are stacked, with the bits of evicting layer by layer, with and
+    without an EOS."""
+    gemma = tiny_gemma3(sliding_window=24, layer_types=["full_attention", "sliding_attention"] * 2)
+    spec = "h2o(ratio=0.5,decode_budget=30,recent=4)"
+    stacked = _count_stacked(monkeypatch)
+    eos = _eos_ending_some_rows(gemma, spec, monkeypatch)
+    for kwargs in ({}, {"eos": eos, "mode": "query"}):
+        stacked.clear()
+        deferred = _generate(gemma, spec, monkeypatch, **kwargs)
+        assert len(stacked) > 0 and set(stacked) == {2}  # the global layers, stacked
+        assert deferred == _generate(gemma, spec, monkeypatch, defer=False, **kwargs)
+        assert deferred == _generate(gemma, spec, monkeypatch, flush_at_last_layer=False, **kwargs)

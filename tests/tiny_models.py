@@ -15,12 +15,13 @@ def tiny_llama(attn: str = "kveval", seed: int = 0):
     return _without_eos(LlamaForCausalLM(config))
 
 
-def tiny_gemma3(attn: str = "kveval", seed: int = 0, sliding_window: int = 16):
+def tiny_gemma3(attn: str = "kveval", seed: int = 0, sliding_window: int = 16, layer_types=None):
     register_attention()
     torch.manual_seed(seed)
     config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                              sliding_window=sliding_window, layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                              sliding_window=sliding_window,
+                              layer_types=layer_types or ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
                               attn_implementation=attn, query_pre_attn_scalar=32)
     return _without_eos(Gemma3ForCausalLM(config))
 
