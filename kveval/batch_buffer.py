@@ -186,6 +186,19 @@ class BatchBuffer:
             self.positions.narrow(2, start, q).copy_(positions.unsqueeze(1))  # broadcast over heads by the copy
             if self.attention is not None:
                 self.attention.narrow(2, start, q).zero_()
+        elif q == 1 and all(n == 1 for n in counts):
+            # A decode step over rows of different lengths (mixed prompt lengths, per-head budgets): each row's one
+            # token goes to its own next slot, one flat index per (row, head) and one index_copy_ per tensor.
+            self.reserve(max(self.lengths) + 1)
+            batch, heads, capacity = self.positions.shape
+            slots = (_row_offsets(batch, heads, capacity, positions.device)
+                     + torch.tensor(self.lengths, device=positions.device)[:, None, None]).view(-1)
+            if held:
+                for buffer, new in ((self.keys, keys), (self.values, values)):
+                    buffer.view(-1, buffer.shape[-1]).index_copy_(0, slots, new.reshape(-1, new.shape[-1]).to(buffer.dtype))
+            self.positions.view(-1).index_copy_(0, slots, positions.expand(batch, heads).reshape(-1))
+            if self.attention is not None:
+                self.attention.view(-1).index_fill_(0, slots, 0)
         else:
             self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
             lengths = torch.tensor(self.lengths, device=positions.device)

@@ -40,6 +40,11 @@ def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor
     return slot_range(width, device) < torch.tensor(lengths, device=device)[:, None, None, None]
 
 
+def held_slots(positions: torch.Tensor) -> torch.Tensor:
+    """``[B, H, 1, width]`` boolean of the slots whose ``positions`` (``[B, H, width]``) are not padding's."""
+    return (positions != _PAD_POSITION).unsqueeze(2)
+
+
 def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
                           real: torch.Tensor, reduce=None) -> torch.Tensor:
     """``probabilities(query, keys, allowed)`` (``[B, query heads, q, slots]``), computed :data:`_QUERY_BLOCK`
@@ -325,16 +330,18 @@ class CompressedLayer(CacheLayerMixin):
 
     def _step_mask(self, query_positions: torch.Tensor, all_real: bool) -> torch.Tensor:
         """:meth:`allowed_mask` for this forward's queries, made from the rows' lengths alone where that is all it
-        depends on: one real query per row (a decode step) in a layer without a window or chunks, whose rows hold
-        their tokens in their first ``lengths[b]`` slots (no per-head budgets, which leave padding before a
-        head's tokens). Every kept token then comes before the query, so the query sees exactly those slots, in
-        every head: ``[B, 1, 1, width]``, the same for all heads (which SDPA reads with no copy per query head).
-        Where every row fills the width it is one all-True tensor made once per shape. The same mask as
-        :meth:`allowed_mask`, which ``tests/test_buffered_decode.py`` checks for every policy family."""
+        depends on: one real query per row (a decode step) in a layer without a window or chunks. Every kept token
+        then comes before the query, so the query sees exactly the slots that hold one. Where rows hold their
+        tokens in their first ``lengths[b]`` slots, that is ``[B, 1, 1, width]``, the same for all heads (which SDPA
+        reads with no copy per query head), and where every row fills the width one all-True tensor made once per
+        shape; under per-head budgets, which leave padding before a head's tokens, the slots whose position is not
+        padding's (``[B, heads, 1, width]``). The same mask as :meth:`allowed_mask`, which
+        ``tests/test_buffered_decode.py`` checks for every policy family."""
         buffer = self._buffer
-        if (query_positions.shape[1] != 1 or not all_real or self.is_sliding or buffer is None
-                or self.heads_apart):
+        if query_positions.shape[1] != 1 or not all_real or self.is_sliding or buffer is None:
             return self.allowed_mask(query_positions)
+        if self.heads_apart:  # padding before a head's tokens: a slot is visible where it holds a token
+            return held_slots(self._slot_positions)
         return visible_prefix(tuple(buffer.lengths), buffer.width, query_positions.device)
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:

@@ -199,8 +199,11 @@ class DeferredEvictions:
     the same padding and newest-slot marks, the same ranking per row (rows of finished sequences, under the budget,
     drop a padding slot), so each layer keeps exactly the slots it would keep alone, in one set of operations per
     forward rather than one per layer; each layer's K and V are then gathered as :meth:`BudgetEviction.apply`
-    gathers them. A decode step of a small model at batch 8 otherwise spends as long on its budgets' 20-odd small
-    operations per layer as on the layer's own attention. At most :data:`STACKED_SLOTS` slots are stacked at once.
+    gathers them. AdaKV's budget shared by a row's heads (:class:`HeadBudgetEviction`, H2O's scores) stacks
+    likewise, layers of any width (each padded to the widest, as a shorter row is): its scores, its choice and the
+    plan of each head's new slots are made once per forward, and each layer's K and V moved as it would move them.
+    A decode step of a small model at batch 8 otherwise spends as long on its budgets' 20 to 100 small operations
+    per layer as on the layer's own attention. At most :data:`STACKED_SLOTS` slots are stacked at once.
 
     Whatever reads a waiting layer first ends the wait: the forward's last attention layer
     (:meth:`kveval.cache_layers.CompressedLayer.after_attention`), else the layer's next update or any read of its
@@ -208,9 +211,9 @@ class DeferredEvictions:
     """
 
     def __init__(self):
-        self.pending: list[tuple[BudgetEviction, BatchBuffer]] = []
+        self.pending: list[tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer]] = []
 
-    def add(self, eviction: BudgetEviction, buffer: BatchBuffer) -> None:
+    def add(self, eviction: "BudgetEviction | HeadBudgetEviction", buffer: BatchBuffer) -> None:
         self.pending.append((eviction, buffer))
 
     def holds(self, buffer: BatchBuffer | None) -> bool:
@@ -219,7 +222,7 @@ class DeferredEvictions:
     def flush(self) -> None:
         """Keep every pending budget (each layer's buffer then holds ``budget`` slots per row)."""
         pending, self.pending = self.pending, []
-        groups: list[list[tuple[BudgetEviction, BatchBuffer]]] = []
+        groups: list[list[tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer]]] = []
         for eviction, buffer in pending:
             like = next((g for g in groups if _stack_together(g[0], (eviction, buffer))), None)
             if like is None:
@@ -233,15 +236,40 @@ class DeferredEvictions:
                 chunk = group[start:start + step]
                 if len(chunk) == 1:
                     chunk[0][0].apply(chunk[0][1])
+                elif isinstance(chunk[0][0], HeadBudgetEviction):
+                    _apply_stacked_heads(chunk)
                 else:
                     _apply_stacked(chunk)
 
 
-def _stack_together(a: tuple[BudgetEviction, BatchBuffer], b: tuple[BudgetEviction, BatchBuffer]) -> bool:
+def _stack_together(a: tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer],
+                    b: tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer]) -> bool:
+    """Whether two layers' pending evictions are kept in one stack: the same kind and budget, buffers of the same
+    rows and heads on one device (and, one budget for every head, of the same width)."""
     (first, held), (other, buffer) = a, b
-    return (first.budget == other.budget and first.scores == other.scores and held.width == buffer.width
-            and held.positions.shape[:2] == buffer.positions.shape[:2] and held.positions.device == buffer.positions.device
-            and (held.attention is None) == (buffer.attention is None))
+    if type(first) is not type(other) or not (held.positions.shape[:2] == buffer.positions.shape[:2]
+                                              and held.positions.device == buffer.positions.device
+                                              and (held.attention is None) == (buffer.attention is None)):
+        return False
+    if isinstance(first, HeadBudgetEviction):
+        return first.stacks_with(other)
+    return first.budget == other.budget and first.scores == other.scores and held.width == buffer.width
+
+
+def _stacked(buffers: list[BatchBuffer], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The buffers' positions and attention (if held) stacked as ``[layers, B, H, width]``: one ``stack`` where every
+    buffer holds ``width`` slots, else each narrower layer's slots past its own width are padding (no attention)."""
+    if all(buffer.width == width for buffer in buffers):
+        return (torch.stack([buffer.positions[:, :, :width] for buffer in buffers]),
+                None if buffers[0].attention is None else torch.stack([buffer.attention[:, :, :width] for buffer in buffers]))
+    layers, (batch, heads) = len(buffers), buffers[0].positions.shape[:2]
+    positions = buffers[0].positions.new_full((layers, batch, heads, width), PAD_POSITION)
+    attention = None if buffers[0].attention is None else buffers[0].attention.new_zeros(positions.shape)
+    for layer, buffer in enumerate(buffers):
+        positions[layer, :, :, :buffer.width] = buffer.positions[:, :, :buffer.width]
+        if attention is not None:
+            attention[layer, :, :, :buffer.width] = buffer.attention[:, :, :buffer.width]
+    return positions, attention
 
 
 def _apply_stacked(chunk: list[tuple[BudgetEviction, BatchBuffer]]) -> None:
@@ -250,10 +278,8 @@ def _apply_stacked(chunk: list[tuple[BudgetEviction, BatchBuffer]]) -> None:
     eviction, budget = chunk[0][0], chunk[0][0].budget
     buffers = [buffer for _, buffer in chunk]
     width = buffers[0].width
-    positions = torch.stack([buffer.positions[:, :, :width] for buffer in buffers])  # [L, B, H, width]
+    positions, attention = _stacked(buffers, width)  # [L, B, H, width]
     layers, batch, heads = positions.shape[:3]
-    attention = (None if buffers[0].attention is None
-                 else torch.stack([buffer.attention[:, :, :width] for buffer in buffers]))
     lengths = [n for buffer in buffers for n in buffer.lengths]
     flat = (layers * batch, heads, width)
     scores, _ = _scored(positions.view(flat), None if attention is None else attention.view(flat), None, lengths,
@@ -290,14 +316,21 @@ class HeadBudgetEviction:
     def __init__(self, selection, budgets: list[int | None] | None, context: LayerScoring):
         self.selection, self.decode_budget, self.context = selection, selection.decode_budget, context
         self.budgets = budgets  # per head (None: every token); None: chosen by score (AdaKV)
+        # AdaKV's choice over scores that read positions and attention alone may wait for the forward's other layers
+        # (DeferredEvictions); fixed per-head budgets differ from layer to layer (DuoAttention's retrieval heads).
+        self.stacks = budgets is None and selection.scores_stack_layers
 
     @staticmethod
     def serves(selection) -> bool:
         return selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
 
     def defers(self, buffer: BatchBuffer) -> bool:
-        """Per-head budgets are kept at once, layer by layer (see :meth:`BudgetEviction.defers`)."""
-        return False
+        """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): a
+        budget shared by the heads by scores that read positions and attention alone, and some row over it."""
+        return self.stacks and any(n > self.decode_budget for n in buffer.lengths)
+
+    def stacks_with(self, other: "HeadBudgetEviction") -> bool:
+        return self.stacks and other.stacks and self.selection == other.selection
 
     def _kept(self, scores: torch.Tensor, padding: torch.Tensor, width: int) -> torch.Tensor:
         """``[B, H, width]``: the slots an over-budget row keeps."""
@@ -310,39 +343,89 @@ class HeadBudgetEviction:
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""
-        lengths, width = buffer.lengths, buffer.width
-        if not any(n > self.decode_budget for n in lengths):
+        if not any(n > self.decode_budget for n in buffer.lengths):
             return False
         scores, padding = scored_slots(buffer, self.selection.scores, self.context)
-        device = scores.device
+        plan = self._plan(scores, padding, buffer.lengths)
+        if plan is None:  # nothing dropped (retrieval heads keep every token): the layout stands
+            return False
+        _line_up(buffer, *plan)
+        return True
+
+    def _plan(self, scores: torch.Tensor, padding: torch.Tensor, lengths: list[int]):
+        """Where each row's kept tokens go (``[rows, H, width]`` scores and padding; ``lengths``: each row's slots):
+        ``(index, padded, new_lengths)``, ``index``/``padded`` ``[rows, H, new width]`` (the slot each new slot
+        takes, and the new slots that are padding); ``None`` where no row drops a token. Each row's plan is its
+        own whatever the rows beside it (rows of other layers, padded to another width)."""
+        device, width = scores.device, scores.shape[2]
         over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
         kept = self._kept(scores, padding, width) | (~padding & ~over)  # rows within the decode budget keep everything
-        if bool((kept == ~padding).all()):  # nothing dropped (retrieval heads keep every token): the layout stands
-            return False
-        counts = kept.sum(dim=2)  # [B, H]
+        if bool((kept == ~padding).all()):
+            return None
+        counts = kept.sum(dim=2)  # [rows, H]
         new_lengths = counts.max(dim=1).values.tolist()
         new_width = max(new_lengths)
         # Each head's kept tokens, in slot order, end at its row's new last slot: a kept slot goes to its rank among
         # them from there; a dropped one to a spare column past new_width. Padding slots read slot 0.
-        ends = torch.tensor(new_lengths, device=device)[:, None, None]  # [B, 1, 1]
+        ends = torch.tensor(new_lengths, device=device)[:, None, None]  # [rows, 1, 1]
         target = (kept.cumsum(dim=2) + (ends - 1 - counts[..., None])).masked_fill_(~kept, new_width)
         slots = slot_range(width, device).expand(*kept.shape)
         index = kept.new_zeros(*kept.shape[:2], new_width + 1, dtype=torch.long).scatter_(2, target, slots)[..., :new_width]
         column = slot_range(new_width, device)
-        padded = (column < ends - counts[..., None]) | (column >= ends)  # [B, H, new_width]
-        # K and V move only where a kept token changes slot (in a step that drops one token per row, the tokens of
-        # one head before the dropped one, not the whole cache), and every padding slot is zeroed: the rows of the
-        # flat [B * H * slots, D] views (a few rows, about 3x faster on a CPU than a mask broadcast over D).
-        sources, targets = slot_rows(buffer.keys, index), slot_rows(buffer.keys, column.expand_as(index))
-        moved = ((index != column) & ~padded).view(-1).nonzero().squeeze(1)
-        move_rows((buffer.keys, buffer.values), sources[moved], targets[moved], targets[padded.view(-1)])
-        for held, fill in ((buffer.positions, PAD_POSITION), (buffer.attention, 0)):
-            if held is not None:
-                held[:, :, :new_width] = held[:, :, :width].gather(2, index).masked_fill_(padded, fill)
-                held[:, :, new_width:width] = fill
-        buffer.lengths, buffer.width = new_lengths, new_width
-        buffer.fit()
-        return True
+        padded = (column < ends - counts[..., None]) | (column >= ends)  # [rows, H, new_width]
+        return index, padded, new_lengths
+
+
+def _line_up(buffer: BatchBuffer, index: torch.Tensor, padded: torch.Tensor, new_lengths: list[int],
+             kept_positions: torch.Tensor | None = None, kept_attention: torch.Tensor | None = None) -> None:
+    """Move ``buffer``'s slots as :meth:`HeadBudgetEviction._plan` planned (``index``/``padded`` may be wider than
+    the buffer's new width: their first columns serve). ``kept_positions``/``kept_attention``: the planned
+    positions and attention, padding filled, where the caller gathered them already."""
+    width, new_width = buffer.width, max(new_lengths)
+    index, padded = index[..., :new_width], padded[..., :new_width]
+    column = slot_range(new_width, index.device)
+    # K and V move only where a kept token changes slot (in a step that drops one token per row, the tokens of one
+    # head before the dropped one, not the whole cache), and every padding slot is zeroed: the rows of the flat
+    # [B * H * slots, D] views (a few rows, about 3x faster on a CPU than a mask broadcast over D).
+    sources, targets = slot_rows(buffer.keys, index), slot_rows(buffer.keys, column.expand_as(index))
+    moved = ((index != column) & ~padded).view(-1).nonzero().squeeze(1)
+    move_rows((buffer.keys, buffer.values), sources[moved], targets[moved], targets[padded.reshape(-1)])
+    for held, kept, fill in ((buffer.positions, kept_positions, PAD_POSITION), (buffer.attention, kept_attention, 0)):
+        if held is not None:
+            held[:, :, :new_width] = (held[:, :, :width].gather(2, index).masked_fill_(padded, fill) if kept is None
+                                      else kept[..., :new_width])
+            held[:, :, new_width:width] = fill
+    buffer.lengths, buffer.width = new_lengths, new_width
+    buffer.fit()
+
+
+def _apply_stacked_heads(chunk: list[tuple[HeadBudgetEviction, BatchBuffer]]) -> None:
+    """:meth:`HeadBudgetEviction.apply` for layers of one AdaKV budget (see :class:`DeferredEvictions`): scored,
+    chosen and planned at once, on their positions and attention stacked into ``[layers * B, H, width]``, the
+    widest layer's width (a narrower layer's extra slots are padding, as a shorter row's are); each layer's K and
+    V are then moved, and its positions and attention written, as it would alone."""
+    eviction = chunk[0][0]
+    buffers = [buffer for _, buffer in chunk]
+    width = max(buffer.width for buffer in buffers)
+    positions, attention = _stacked(buffers, width)  # [L, B, H, width]
+    layers, batch, heads = positions.shape[:3]
+    lengths = [n for buffer in buffers for n in buffer.lengths]
+    flat = (layers * batch, heads, width)
+    positions = positions.view(flat)
+    attention = None if attention is None else attention.view(flat)
+    scores, padding = _scored(positions, attention, None, lengths, eviction.selection.scores, eviction.context,
+                              tokens_first=False)
+    plan = eviction._plan(scores, padding, lengths)
+    if plan is None:
+        return
+    index, padded, new_lengths = plan
+    kept_positions = positions.gather(2, index).masked_fill_(padded, PAD_POSITION).view(layers, batch, heads, -1)
+    kept_attention = (None if attention is None
+                      else attention.gather(2, index).masked_fill_(padded, 0).view(layers, batch, heads, -1))
+    index, padded = index.view(layers, batch, heads, -1), padded.view(layers, batch, heads, -1)
+    for layer, buffer in enumerate(buffers):
+        _line_up(buffer, index[layer], padded[layer], new_lengths[layer * batch:(layer + 1) * batch],
+                 kept_positions[layer], None if kept_attention is None else kept_attention[layer])
 
 
 __all__ = ["BudgetEviction", "DeferredEvictions", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots", "single_drops"]

@@ -104,18 +104,20 @@ def _assert_batched_equals_rows(model, spec, monkeypatch, codes=False, **kwargs)
 MASK_SPECS = ["snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "streaming(sink=2,window=20)",
               "h2o(ratio=0.5,decode_budget=40,recent=8)", "tova(ratio=0.5,decode_budget=30)",
               "random(ratio=0.5,decode_budget=30,seed=3)", "knorm(ratio=0.5,decode_budget=25)+quant(bits=2,group=4)",
-              "h2o(ratio=0.5,adaptive=true,decode_budget=30)"]  # per-head budgets: masks from positions only
+              "h2o(ratio=0.5,adaptive=true,decode_budget=30)"]  # per-head budgets: masks from the held slots
 
 
 @pytest.mark.parametrize("spec", MASK_SPECS)
 def test_decode_step_masks_from_lengths_are_the_masks_of_positions(model, spec, monkeypatch):
-    """A decode step's mask made from the rows' lengths (``[B, 1, 1, width]``, :func:`visible_prefix`) is, in every
+    """A decode step's mask made from the rows' lengths (``[B, 1, 1, width]``, :func:`visible_prefix`), or under
+    per-head budgets from the slots that hold a token (:func:`held_slots`), is, in every
     head, the mask the slots' positions give (:meth:`CompressedLayer.allowed_mask`), at every step of every layer,
     and the generation (finished rows feeding padding) has the bits of building every mask from positions."""
     from kveval import cache_layers
 
-    made_from_lengths = []
-    original_step_mask, original_prefix = CompressedLayer._step_mask, cache_layers.visible_prefix
+    made_from_lengths, made_from_held = [], []
+    original_step_mask, original_prefix, original_held = (CompressedLayer._step_mask, cache_layers.visible_prefix,
+                                                          cache_layers.held_slots)
 
     def checked_step_mask(self, positions, all_real):
         mask = original_step_mask(self, positions, all_real)
@@ -128,17 +130,23 @@ def test_decode_step_masks_from_lengths_are_the_masks_of_positions(model, spec, 
         made_from_lengths.append(1)
         return original_prefix(*args)
 
+    def counted_held(*args):
+        made_from_held.append(1)
+        return original_held(*args)
+
     for eos in (None, _eos_ending_some_rows(model, spec, monkeypatch)):
         with monkeypatch.context() as patch:
             patch.setattr(CompressedLayer, "_step_mask", checked_step_mask)
             patch.setattr(cache_layers, "visible_prefix", counted_prefix)
+            patch.setattr(cache_layers, "held_slots", counted_held)
             from_lengths, _ = _run(model, spec, True, monkeypatch, eos=eos)
         with monkeypatch.context() as patch:
             patch.setattr(CompressedLayer, "_step_mask", lambda self, positions, all_real: self.allowed_mask(positions))
             from_positions, _ = _run(model, spec, True, monkeypatch, eos=eos)
         assert from_lengths == from_positions
         if eos is None:  # every row decodes every step: each layer's mask after its compression, from lengths
-            assert (len(made_from_lengths) == 0) == ("adaptive" in spec)
+            assert (len(made_from_lengths) == 0) == ("adaptive" in spec)  # or, heads apart, from the held slots
+            assert (len(made_from_held) == 0) == ("adaptive" not in spec)
     assert len({len(r[1]) for r in from_lengths}) >= 2  # with the EOS, rows stopped at different steps
 
 
@@ -257,6 +265,46 @@ def test_one_drop_per_row_keeps_what_the_ranking_keeps(seed):
     assert kept_slots(tied_padding, budget, lengths)[1] >= 5
     wider = torch.cat([scores, scores[:, :, -1:]], dim=2)  # two over budget: the ranking
     assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], top_slots(wider, budget, dim=2))
+
+
+@pytest.mark.parametrize("with_values, with_attention", [(True, True), (True, False), (False, True)])
+def test_one_token_per_row_of_different_lengths_goes_to_each_rows_next_slot(with_values, with_attention):
+    """A decode step over rows of different lengths (mixed prompt lengths, per-head budgets) writes each row's token
+    by one flat index per tensor: the same tensors as writing row by row, a bfloat16 token converted to the
+    buffer's float32, room grown where the longest row needed it, nothing else touched."""
+    g = torch.Generator().manual_seed(0)
+    lengths, heads, dim = [5, 9, 2, 9], 3, 4
+    buffer = BatchBuffer(len(lengths), heads, dim, dim, torch.float32, "cpu")
+    buffer.reserve(9)
+    capacity = buffer.capacity
+    for b, n in enumerate(lengths):
+        buffer.write_row(b, 0, torch.randn(heads, n, dim, generator=g), torch.randn(heads, n, dim, generator=g),
+                         torch.arange(n).expand(heads, -1) + 10 * b)
+    if with_attention:
+        buffer.attention = torch.rand(buffer.positions.shape, generator=g)
+    for step in range(capacity - 9 + 1):  # the last step outgrows the room
+        expected = [None if t is None else t.clone() for t in (buffer.keys, buffer.values, buffer.positions, buffer.attention)]
+        if not with_values:
+            buffer.release_values()
+        keys, values = (torch.randn(len(lengths), heads, 1, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+        positions = torch.tensor([[100 + step + 10 * b] for b in range(len(lengths))])
+        starts = list(buffer.lengths)
+        buffer.append(keys if with_values else None, values if with_values else None, positions,
+                      torch.ones(len(lengths), 1, dtype=torch.bool), [1] * len(lengths))
+        if buffer.capacity > capacity:  # grown: the old room is the reference's too
+            expected = [None if t is None else torch.cat([t, t.new_zeros(*t.shape[:2], buffer.capacity - capacity,
+                                                                         *t.shape[3:])], dim=2) for t in expected]
+            expected[2][:, :, capacity:] = batch_buffer.PAD_POSITION
+        for b, n in enumerate(starts):
+            if with_values:
+                expected[0][b, :, n], expected[1][b, :, n] = keys[b, :, 0].float(), values[b, :, 0].float()
+            expected[2][b, :, n] = positions[b, 0]
+            if with_attention:
+                expected[3][b, :, n] = 0
+        for got, want in zip((buffer.keys, buffer.values, buffer.positions, buffer.attention), expected):
+            assert (got is None and (want is None or not with_values)) or torch.equal(got, want)
+        assert buffer.lengths == [n + 1 for n in starts] and buffer.width == max(starts) + 1
+    assert buffer.capacity > capacity
 
 
 def test_no_step_copies_the_cache(model):

@@ -15,7 +15,7 @@ from kveval import decode_evictions
 from kveval.batch_buffer import BatchBuffer
 from kveval.cache import CompressedCache
 from kveval.cache_layers import CompressedLayer
-from kveval.decode_evictions import BudgetEviction, DeferredEvictions
+from kveval.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction
 from kveval.generation import generate
 from kveval.policies import parse_policy
 
@@ -52,10 +52,17 @@ def _eviction(spec: str) -> BudgetEviction:
     return BudgetEviction(selection.decode_budget, selection.scores, stacks=selection.scores_stack_layers)
 
 
-def _count_stacked(monkeypatch) -> list[int]:
-    """The number of layers of each stacked eviction that runs from now on."""
-    calls, original = [], decode_evictions._apply_stacked
-    monkeypatch.setattr(decode_evictions, "_apply_stacked", lambda chunk: (calls.append(len(chunk)), original(chunk))[1])
+def _count_stacked(monkeypatch, widths: list | None = None) -> list[int]:
+    """The number of layers of each stacked eviction that runs from now on (one budget for every head, or AdaKV's
+    shared by the heads); ``widths``, if given, gets the set of the stacked layers' widths of each."""
+    calls = []
+    for name in ("_apply_stacked", "_apply_stacked_heads"):
+        def counted(chunk, original=getattr(decode_evictions, name)):
+            calls.append(len(chunk))
+            if widths is not None:
+                widths.append({buffer.width for _, buffer in chunk})
+            return original(chunk)
+        monkeypatch.setattr(decode_evictions, name, counted)
     return calls
 
 
@@ -127,7 +134,9 @@ def test_only_budgets_that_read_positions_and_attention_stack():
 STEPS = 24
 SPECS = ["h2o(ratio=0.5,decode_budget=30,recent=4)", "tova(ratio=0.5,decode_budget=25)", "window(size=28)",
          "streaming(sink=2,window=20)", "h2o(ratio=0.5,decode_budget=6)",  # more recent tokens than the budget: ties
-         "h2o(ratio=0.5,decode_budget=30,recent=8)+quant(bits=8,group=16)"]
+         "h2o(ratio=0.5,decode_budget=30,recent=8)+quant(bits=8,group=16)",
+         # AdaKV: a budget shared by each row's heads, on layers of different widths; then ties (+inf recent tokens)
+         "h2o(ratio=0.5,adaptive=true,decode_budget=12,recent=4)", "h2o(ratio=0.5,adaptive=true,decode_budget=6)"]
 
 
 #: Context lengths the prefill halves to 11-26 tokens: rows reach the decode budgets at different steps.
@@ -137,6 +146,17 @@ SIZES = [(41, 4), (52, 4), (23, 4), (35, 4), (27, 4)]
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """tiny_llama with peaked attention (queries x 8): its heads' attention mass differs, so AdaKV gives them
+    different numbers of tokens and layers of different widths (near-uniform attention splits the budget evenly)."""
+    sharp = tiny_llama()
+    with torch.no_grad():
+        for layer in sharp.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+    return sharp
 
 
 def _generate(model, spec, monkeypatch, defer=True, flush_at_last_layer=True, eos=None, mode="context"):
@@ -151,6 +171,7 @@ def _generate(model, spec, monkeypatch, defer=True, flush_at_last_layer=True, eo
     with monkeypatch.context() as patch:
         if not defer:
             patch.setattr(BudgetEviction, "defers", lambda self, buffer: False)
+            patch.setattr(HeadBudgetEviction, "defers", lambda self, buffer: False)
         if not flush_at_last_layer:  # every wait is ended by the next read of a waiting layer instead
             patch.setattr(CompressedLayer, "after_attention", lambda self, q, k, p: self._score_and_compress(q, k, p))
         patch.setattr(CompressedLayer, "update", checked_update)
@@ -170,11 +191,13 @@ def _eos_ending_some_rows(model, spec, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_generation_with_deferred_evictions_equals_evictions_layer_by_layer(model, spec, monkeypatch):
+def test_generation_with_deferred_evictions_equals_evictions_layer_by_layer(model, sharp, spec, monkeypatch):
     """Tokens, log-probabilities, bytes and kept tokens of every row are those of evicting layer by layer, with and
     without an EOS that ends rows at different steps (finished rows feed padding, so their rows stop being full),
     and with the forward's last layer not flushing (a layer's next step or a read of its rows then does)."""
-    stacked = _count_stacked(monkeypatch)
+    model = sharp if "adaptive" in spec else model
+    widths = []
+    stacked = _count_stacked(monkeypatch, widths)
     eos = _eos_ending_some_rows(model, spec, monkeypatch)
     for kwargs in ({}, {"eos": eos, "mode": "query"}):
         stacked.clear()
@@ -182,6 +205,8 @@ def test_generation_with_deferred_evictions_equals_evictions_layer_by_layer(mode
         assert len(stacked) > 0 and set(stacked) == {model.config.num_hidden_layers}
         assert deferred == _generate(model, spec, monkeypatch, defer=False, **kwargs)
         assert deferred == _generate(model, spec, monkeypatch, flush_at_last_layer=False, **kwargs)
+    if "recent=4" in spec and "adaptive" in spec:  # heads keep different numbers of tokens: layers of two widths
+        assert any(len(w) > 1 for w in widths)
     assert len({len(r[1]) for r in deferred}) >= 2  # with the EOS, rows stopped at different steps
 
 

@@ -220,9 +220,9 @@ def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "t
     counts = real.sum(dim=2)  # [B, heads]
     total = counts.sum(dim=1)  # [B]
     safe = min(n, max(1, math.floor(floor * keep)))
-    single = _adaptive_single_drops(scores, real, counts, total, keep * heads, safe)
-    if single is not None:
-        return single
+    few = _adaptive_few_drops(scores, real, counts, total, keep * heads, safe)
+    if few is not None:
+        return few
     total = total.clamp(max=keep * heads)
     guaranteed = torch.zeros_like(real).scatter_(2, best_indices(scores, safe, 2), True) & real
     ranked = scores.masked_fill(guaranteed, float("inf")).reshape(batch, heads * n)
@@ -232,28 +232,45 @@ def adaptive_choice_batch(scores: "torch.Tensor", keep: int, floor: float) -> "t
     return torch.zeros_like(ranked, dtype=torch.bool).scatter_(1, best, own).reshape(batch, heads, n)
 
 
-def _adaptive_single_drops(scores: "torch.Tensor", real: "torch.Tensor", counts: "torch.Tensor", total: "torch.Tensor",
-                           budget: int, safe: int) -> "torch.Tensor | None":
-    """:func:`adaptive_choice_batch`'s kept mask where a decode step leaves it no choice to rank: no row holds more
-    than ``budget + 1`` real tokens, and each row holding ``budget + 1`` drops its lowest score, unique in the row,
-    in a head holding more than ``safe`` tokens (so it is none of that head's guaranteed best, and the ranking puts
-    it last). ``None`` where the ranking must decide: a tie or a NaN, the lowest score in a head whose tokens are
-    all guaranteed, or a row two or more over. One ``min`` rather than two stable sorts. ``counts``: each head's
-    real tokens (``[B, heads]``); ``total``: each row's (``[B]``)."""
+#: Most tokens a row may be over AdaKV's budget for :func:`_adaptive_few_drops` to find them by one ``topk``.
+FEW_DROPS = 64
+
+
+def _adaptive_few_drops(scores: "torch.Tensor", real: "torch.Tensor", counts: "torch.Tensor", total: "torch.Tensor",
+                        budget: int, safe: int) -> "torch.Tensor | None":
+    """:func:`adaptive_choice_batch`'s kept mask where a decode step leaves it nothing to rank: each row over
+    ``budget`` by ``e`` tokens (at most :data:`FEW_DROPS`) drops its ``e`` lowest scores, found by one ``topk``.
+
+    A decode step appends one token to every head, so a row at the budget comes back ``heads`` over. The ranking
+    keeps each head's ``safe`` best (guaranteed), then the best of the rest: it drops exactly the ``e`` lowest
+    where they are told apart from the others (the ``e``-th lowest below the next, so the order of equal scores
+    cannot matter) and none of them is guaranteed (a head losing ``d`` tokens keeps at least ``safe``, all above
+    the dropped ones). ``None`` where the ranking must decide: a tie at that boundary, a NaN, a guaranteed token
+    among the lowest, or a row more than :data:`FEW_DROPS` over. ``counts``: each head's real tokens
+    (``[B, heads]``); ``total``: each row's (``[B]``)."""
     import torch
 
     batch, heads, n = scores.shape
+    excess = (total - budget).clamp(min=0)  # [B]
     flat = scores.reshape(batch, heads * n)
-    lowest, drop = flat.masked_fill(~real.reshape(batch, -1), float("inf")).min(dim=1)  # padding never lowest
-    ties = (flat == lowest[:, None]).sum(dim=1)  # a NaN equals nothing: 0, so it goes to the ranking
-    heads_held = counts.gather(1, (drop // n)[:, None]).squeeze(1)
-    over = total > budget
-    unclear = (total > budget + 1) | (over & ((ties != 1) | (heads_held <= safe))) | flat.isnan().any(dim=1)
+    most = int(excess.max())
+    if most == 0:
+        return real.clone()
+    if most > FEW_DROPS or most + 1 > heads * n:
+        return None
+    # The e + 1 lowest real scores of each row, ascending (padding never among them: +inf, above any real score
+    # but an +inf one, and a tie with that is no boundary).
+    lowest, slots = flat.masked_fill(~real.reshape(batch, -1), float("inf")).topk(most + 1, dim=1, largest=False)
+    at = excess[:, None]
+    told_apart = lowest.gather(1, (at - 1).clamp(min=0)) < lowest.gather(1, at)  # [B, 1]
+    dropped = torch.zeros_like(flat, dtype=torch.bool).scatter_(
+        1, slots, torch.arange(most + 1, device=scores.device)[None, :] < at)
+    lost = dropped.view(batch, heads, n).sum(dim=2)  # [B, heads]
+    unclear = (excess > 0) & ~told_apart.squeeze(1)
+    unclear |= ((lost > 0) & (counts - lost < safe)).any(dim=1) | flat.isnan().any(dim=1)
     if bool(unclear.any()):
         return None
-    kept = real.reshape(batch, -1).clone()
-    kept.scatter_(1, drop[:, None], kept.gather(1, drop[:, None]) & ~over[:, None])
-    return kept.view(batch, heads, n)
+    return (real.reshape(batch, -1) & ~dropped).view(batch, heads, n)
 
 
 @dataclass
