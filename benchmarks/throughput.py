@@ -44,7 +44,9 @@ left-padded per batch), greedy, ``--new-tokens`` tokens per item:
    dequantized at every step (``quantized_decode="codes"``, the default on CUDA);
    the others run as the device's ``auto`` does.
 3. Memory against the cache bytes kveval measured (all rows of the batch):
-   on CUDA, peak allocated memory during generation above the weights; on any
+   on CUDA, peak allocated memory above the weights during the prefill and during
+   the decode (from the prefill's end), and the decode's activations: its peak less
+   the measured cache and what the cache holds beside it; on any
    device, what the cache holds beside its measured bytes once generation
    ends (a count of tensors, not an allocator figure): the layers' batch
    buffers (dequantized K/V in the compute dtype, positions, scores), the codes
@@ -140,8 +142,14 @@ def _paths(runs: dict, prompts, new_tokens: int, repeats: int) -> dict:
     repeat's seconds per item (what the code costs when nothing else slowed it);
     ``whole`` and ``decode`` keep every repeat's seconds, for ratios paired within a repeat (:func:`_paired`).
     """
+    import torch
+
+    # One-off costs (a low-rank policy's calibration, first kernels) stay out of the timings. On CUDA the warm-up
+    # runs the whole batch: kernels, library heuristics and the allocator's pools are per shape, and a first run
+    # at a new batch shape took 2-30x a warm one on an H200.
+    warm = prompts if torch.cuda.is_available() else prompts[:1]
     for run in runs.values():
-        run(prompts[:1], 2)  # one-off costs (a low-rank policy's calibration, first kernels) stay out of the timings
+        run(warm, 2)
     whole = {name: [] for name in runs}
     decode = {name: [] for name in runs}
     tokens = {}
@@ -211,6 +219,9 @@ def main() -> None:
                         help="prompts of --length, 7/8, 3/4 and 5/8 of it in turn (left-padded batches)")
     parser.add_argument("--ray-sweep", metavar="CONFIG", help="run only section 4 on this sweep config")
     parser.add_argument("--workers", type=int, default=2, help="CPUs of the local Ray cluster for --ray-sweep")
+    parser.add_argument("--skip-self-check", action="store_true",
+                        help="load a model that kveval's exactness check refuses (speed only: a random-weight model "
+                             "from benchmarks/random_model.py, whose small bf16 logits can fall outside its tolerance)")
     args = parser.parse_args()
     if args.ray_sweep:
         ray_sweep(args.ray_sweep, args.workers)
@@ -225,7 +236,7 @@ def main() -> None:
     from kveval.probes import encode_item, generate_items
     from kveval.runspec import RunSpec
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)
     # Every path generates exactly --new-tokens tokens per row: EOS is ignored by both (the decode loop is timed).
     model.generation_config.eos_token_id = None
     kveval.generation.eos_ids = lambda model, tokenizer: set()
@@ -300,30 +311,51 @@ def main() -> None:
     print("held beside the measured cache once generation ends (tensors the cache holds; bytes):")
     columns = list(_held_bytes(CompressedCache(model, "none")))
     print(f"{'policy':<30} | {'measured cache':>14} | " + " ".join(f"{c:>24}" for c in columns) + f" | {'held / cache':>12}")
+    peaks = {}
     for spec in ["none", *policies]:
         plain, decode_mode = _decode_mode(spec)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            weights = torch.cuda.memory_allocated()  # the model alone: the last policy's cache is gone
+            torch.cuda.reset_peak_memory_stats()
         cache = CompressedCache(model, RunSpec.parse(plain).for_model(model).policy, quantized_decode=decode_mode)
         with torch.no_grad():
             logits, seen = prefill_prompts(model, cache, batch, "context", pad_id)
+            if cuda:  # the decode's own peak: from the prefill's end, its logits and cache held
+                torch.cuda.synchronize()
+                prefill_peak = torch.cuda.max_memory_allocated() - weights
+                torch.cuda.reset_peak_memory_stats()
             _continue(model, tokenizer, cache, batch, "context", logits, seen, args.new_tokens, [], time.perf_counter())
         measured, held = cache.stats().kv_bytes, _held_bytes(cache)
+        if cuda:
+            torch.cuda.synchronize()
+            peaks[spec] = (measured, held, prefill_peak, torch.cuda.max_memory_allocated() - weights)
         print(f"{spec:<30} | {measured:>14,} | " + " ".join(f"{held[c]:>24,}" for c in columns)
               + f" | {(measured + sum(held.values())) / measured:>11.2f}x")
-    if not torch.cuda.is_available():
+        del cache, logits, seen
+    if not peaks:
         print("peak allocated memory: no CUDA device, skipped (a CUDA allocator measurement)")
         return
-    print(f"{'policy':<30} | {'cache bytes (measured)':>22} {'peak above weights':>18} | {'peak / cache':>12}")
-    for spec in ["none", *policies]:
-        plain, decode_mode = _decode_mode(spec)
-        torch.cuda.synchronize()
-        weights = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        results = generate(model, tokenizer, batch, RunSpec.parse(plain).for_model(model).policy,
-                           max_new_tokens=args.new_tokens, batch_size=len(batch), quantized_decode=decode_mode)
-        peak = torch.cuda.max_memory_allocated() - weights
-        cache = sum(r.stats.kv_bytes for r in results)
-        print(f"{spec:<30} | {cache:>22,} {peak:>18,} | {peak / cache:>11.2f}x")
+    _print_peaks(peaks)
 
+
+def _print_peaks(peaks: dict) -> None:
+    """CUDA peak allocated memory above the weights against the measured cache (bytes). The decode's peak is read
+    from the prefill's end; what it holds beyond the measured cache and the held tensors (buffers, codes' room,
+    the scratch of one layer's dequantized K/V) is the step's activations, which no policy should raise much
+    above ``none``'s: a second copy of the cache would show there as about the cache's size again."""
+    print("peak allocated memory above the weights (CUDA allocator; bytes):")
+    print(f"{'policy':<30} | {'measured cache':>14} {'held beside it':>14} {'prefill peak':>14} {'decode peak':>14} | "
+          f"{'decode activations':>18} {'of none':>8} {'peak / (cache + held)':>22}")
+    base = None
+    for spec, (measured, held, prefill_peak, decode_peak) in peaks.items():
+        beside = sum(held.values())
+        activations = decode_peak - measured - beside
+        base = activations if base is None else base
+        print(f"{spec:<30} | {measured:>14,} {beside:>14,} {prefill_peak:>14,} {decode_peak:>14,} | "
+              f"{activations:>18,} {activations / base if base else float('nan'):>7.2f}x "
+              f"{decode_peak / (measured + beside):>21.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -139,9 +139,9 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
             progress.update(sum(item.id in finished for finished in done for item in items))
         for needed, batch in _pending_batches(items, done, batch_size):
             prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
-            max_new = max(item.max_new_tokens for item in batch)
-            check_request(model, prompts, max_new, specs[0].mode, len(batch))
-            outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=max_new,
+            limits = [item.max_new_tokens for item in batch]  # each its own: a batch's mix changes no answer
+            check_request(model, prompts, limits, specs[0].mode, len(batch))
+            outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=limits,
                                     seed=seed, **specs[0].generation_kwargs())
             for i, (_, results) in zip(needed, outputs):  # written as each policy finishes
                 for item, result in zip(batch, results):

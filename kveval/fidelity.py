@@ -85,12 +85,12 @@ class FidelityItem:
 
 
 def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "list[list[int]] | None" = None,
-                         max_new_tokens: int = 32, mode: str = "context", seed: int = 0, kv_dtype=None):
+                         max_new_tokens: "int | list[int]" = 32, mode: str = "context", seed: int = 0, kv_dtype=None):
     """Next-token log-distributions along an answer, for one batch of prompts.
 
     With ``answers=None`` the answer is the greedy one under ``policy`` (the
     baseline pass: its own answer, EOS included when it stopped on EOS, at
-    most ``max_new_tokens`` tokens); otherwise each row's given answer is
+    most ``max_new_tokens`` tokens, one limit for all rows or one per row); otherwise each row's given answer is
     teacher-forced. Padding is declared to the cache as
     :func:`kveval.generation.generate` declares it, so a row's result does
     not depend on the batch it ran in.
@@ -104,11 +104,11 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
     import torch
 
     from kveval.cache import CompressedCache
-    from kveval.generation import eos_ids, prefill_prompts, check_request, forward_rows
+    from kveval.generation import check_request, eos_ids, forward_rows, prefill_prompts, row_limits
     from kveval.policies import parse_policy
 
-    check_request(model, prompts, max(1, max_new_tokens if answers is None else max(map(len, answers), default=1)), mode,
-                  len(prompts))
+    limits = row_limits(max_new_tokens, len(prompts)) if answers is None else [len(a) for a in answers]
+    check_request(model, prompts, [max(1, n) for n in limits], mode, len(prompts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
     with torch.no_grad():
@@ -117,7 +117,7 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
         if mode == "context" and any(p.question for p in prompts):
             logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)
             last = torch.where(mask[:, -1:], logits[:, -1].float(), last)
-        steps = max_new_tokens if answers is None else max(map(len, answers), default=0)
+        steps = max(limits, default=0)
         ids: list[list[int]] = [[] for _ in prompts] if answers is None else [list(a) for a in answers]
         rows: list[list[torch.Tensor]] = [[] for _ in prompts]
         done = [answers is not None and not a for a in (answers or [None] * len(prompts))]
@@ -132,7 +132,7 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
                 if answers is None:
                     ids[b].append(int(log_probs[b].argmax()))
                 token = ids[b][step]
-                done[b] = token in eos or step + 1 >= (max_new_tokens if answers is None else len(ids[b]))
+                done[b] = token in eos or step + 1 >= limits[b]
                 feed.append([] if done[b] else [token])
             if all(done):
                 break
@@ -216,7 +216,7 @@ def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequen
         batch = pending[first:first + batch_size]
         prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
         reference = answer_distributions(model, tokenizer, prompts, baseline.policy,
-                                         max_new_tokens=max(it.max_new_tokens for it in batch), seed=seed, **kwargs)
+                                         max_new_tokens=[it.max_new_tokens for it in batch], seed=seed, **kwargs)
         answers = [ids for ids, _ in reference]
         for spec, run_dir in candidates:
             todo = [b for b, it in enumerate(batch) if it.id not in done[run_dir] or done[run_dir][it.id].hash != it.hash]

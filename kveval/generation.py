@@ -22,7 +22,7 @@ whatever dtype the model computes in.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -122,18 +122,34 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     return logits, mask
 
 
-def check_request(model, prompts: list[Prompt], max_new_tokens: int, mode: str, batch_size: int) -> None:
+def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
+    """Each of ``rows`` prompts' limit of new tokens: one integer for all, or one per prompt.
+
+    A batch of items whose answers differ in length (probe families) gives each row its own limit, so that a row
+    decodes in any batch exactly as alone: given the batch's longest limit, it would answer with more tokens and
+    hold more of them in its cache."""
+    def valid(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if valid(max_new_tokens):
+        return [max_new_tokens] * rows
+    if isinstance(max_new_tokens, (list, tuple)) and len(max_new_tokens) == rows and all(map(valid, max_new_tokens)):
+        return list(max_new_tokens)
+    raise UsageError(f"max_new_tokens={max_new_tokens!r} must be an integer of at least 1, or a list of one such "
+                     f"integer per prompt ({rows})")
+
+
+def check_request(model, prompts: list[Prompt], max_new_tokens: "int | Sequence[int]", mode: str, batch_size: int) -> None:
     """Refuse a generation request that cannot run as asked (one line naming the fix); shared by every entry point."""
     if mode not in MODES:
         raise UsageError(f"mode={mode!r}; use 'context' (compress before the question) or 'query' (compress with it)")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UsageError(f"batch_size={batch_size!r} must be an integer of at least 1")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens={max_new_tokens!r} must be an integer of at least 1")
+    limits = row_limits(max_new_tokens, len(prompts))
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    for p in prompts:
-        if limit and p.length + max_new_tokens > limit:
-            raise UsageError(f"prompt of {p.length} tokens + {max_new_tokens} new tokens exceeds the model's {limit} positions; use a shorter context")
+    for p, new_tokens in zip(prompts, limits):
+        if limit and p.length + new_tokens > limit:
+            raise UsageError(f"prompt of {p.length} tokens + {new_tokens} new tokens exceeds the model's {limit} positions; use a shorter context")
         if not p.context:
             raise UsageError("a prompt needs at least one context token")
 
@@ -152,12 +168,13 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
         Token ids; see :func:`encode_prompt` for plain text.
     policy : str or PolicyStack
         Compression policy spec.
-    max_new_tokens : int
-        Generation stops at EOS, a stop string, or this many tokens.
+    max_new_tokens : int or list of int
+        Generation stops at EOS, a stop string, or this many tokens (one limit for all, or one per prompt).
     mode : {"context", "query"}
         Compress the context before the question is seen, or with it.
     batch_size : int
-        Rows per forward pass; results do not depend on it.
+        Rows per forward pass; results do not depend on it (bit for bit on a CPU; on CUDA, whose bf16 kernels
+        change with the batch's shape, as far as transformers' own batches match its batch 1).
     stop : list of str, optional
         Stop strings; the text is cut before the first one.
     seed : int
@@ -170,11 +187,13 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
         :class:`~kveval.cache.CompressedCache`.
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
+    limits = row_limits(max_new_tokens, len(prompts))
     policy = parse_policy(policy)
     results = []
     for first in range(0, len(prompts), batch_size):
-        results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy, max_new_tokens, mode,
-                                   stop or [], seed + first, kv_dtype, quantized_decode)
+        results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy,
+                                   limits[first:first + batch_size], mode, stop or [], seed + first, kv_dtype,
+                                   quantized_decode)
     return results
 
 
@@ -201,8 +220,9 @@ def prefill_prompts(model, cache: CompressedCache, prompts: list[Prompt], mode: 
 
 
 def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], mode: str, last_logits, seen,
-              max_new_tokens: int, stop: list[str], started: float) -> list[GenerationResult]:
-    """Append the question (``context`` mode) to the compressed cache, then decode greedily."""
+              max_new_tokens: "int | Sequence[int]", stop: list[str], started: float) -> list[GenerationResult]:
+    """Append the question (``context`` mode) to the compressed cache, then decode greedily, each row up to its
+    own limit (:func:`row_limits`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     seen = list(seen)
     if mode == "context" and any(p.question for p in prompts):
@@ -211,11 +231,12 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     prefill_seconds = time.perf_counter() - started
     eos = eos_ids(model, tokenizer)
     batch = len(prompts)
+    limits = row_limits(max_new_tokens, batch)
     tokens = [[] for _ in range(batch)]
     logprobs = [[] for _ in range(batch)]
     done = [False] * batch
     decode_started = time.perf_counter()
-    for step in range(max_new_tokens):
+    for _ in range(max(limits)):
         log_probs = torch.log_softmax(last_logits, dim=-1)
         next_ids = log_probs.argmax(dim=-1)
         for b in range(batch):
@@ -227,9 +248,10 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
                 continue
             tokens[b].append(token)
             logprobs[b].append(float(log_probs[b, token]))
-            if stop and any(s in tokenizer.decode(tokens[b], skip_special_tokens=True) for s in stop):
+            if len(tokens[b]) == limits[b] or (stop and any(s in tokenizer.decode(tokens[b], skip_special_tokens=True)
+                                                            for s in stop)):
                 done[b] = True
-        if all(done) or step == max_new_tokens - 1:
+        if all(done):  # a row at its limit is done: its last token is never fed back, as alone
             break
         # Finished rows get nothing (an all-padding row, never stored): their cache stays as at batch size 1.
         logits, _ = forward_rows(model, cache, [[] if done[b] else [int(next_ids[b])] for b in range(batch)], seen, pad_id)
@@ -266,7 +288,7 @@ def can_share_prefill(model, kv_dtype: "str | torch.dtype | None" = None) -> boo
 
 
 @torch.no_grad()
-def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: int = 32,
+def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: "int | Sequence[int]" = 32,
                   mode: str = "context", stop: list[str] | None = None, seed: int = 0,
                   kv_dtype: "str | torch.dtype | None" = None) -> Iterator[tuple[PolicyStack, list[GenerationResult]]]:
     """One batch (all ``prompts`` in one forward pass) under each policy in turn, from one prefill.
@@ -301,7 +323,8 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
 
 
 @torch.no_grad()
-def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: int = 32, mode: str = "context",
+def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: "int | Sequence[int]" = 32,
+                  mode: str = "context",
                   batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
                   kv_dtype: "str | torch.dtype | None" = None) -> dict[str, list[GenerationResult]]:
     """Generate under several policies with one prefill per batch for all of them (:func:`generate_each`).
@@ -310,10 +333,11 @@ def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     is checked as :func:`generate` checks it. Returns ``{policy spec: results}``.
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
+    limits = row_limits(max_new_tokens, len(prompts))
     stacks = list({s.spec: s for s in map(parse_policy, policies)}.values())
     out = {s.spec: [] for s in stacks}
     for first in range(0, len(prompts), batch_size):
-        for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks, max_new_tokens,
-                                            mode, stop, seed + first, kv_dtype):
+        for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks,
+                                            limits[first:first + batch_size], mode, stop, seed + first, kv_dtype):
             out[stack.spec] += results
     return out

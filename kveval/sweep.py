@@ -225,7 +225,7 @@ class CellRunner:
 
     Picklable (for Ray): the loaded model is kept only between calls in one
     process (consecutive cells of one model reuse it) and is not pickled.
-    ``placement``: ``device_map`` / ``max_memory`` for :func:`kveval.models.load_model`.
+    ``placement``: ``device_map`` / ``max_memory`` (and ``self_check``) for :func:`kveval.models.load_model`.
     """
 
     def __init__(self, config: SweepConfig, out: Path, placement: dict | None = None, quiet: bool = False):
@@ -457,6 +457,8 @@ def configure(parser) -> None:
     parser.add_argument("--policies-per-cell", type=int,
                         help="policies one cell evaluates, sharing its prefill (default: all of a model's policies "
                              "in process, 1 with --executor ray)")
+    parser.add_argument("--skip-self-check", action="store_true",
+                        help="load models that kveval's load-time exactness check refuses (only if you know why)")
     add_placement_arguments(parser)
 
 
@@ -474,7 +476,7 @@ def run(args) -> int:
     from kveval.executors import make_executor
     from kveval.models import placement_from_args
 
-    placement = placement_from_args(args)
+    placement = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
     executor = make_executor(args.executor, args.address, args.workers,
                              progress=None if args.quiet else lambda cell: print(f"kveval sweep: done {cell.label}", file=sys.stderr))
     out = Path(args.out or config.out or Path("runs") / config.name)

@@ -205,3 +205,21 @@ def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "2",
                  "--raw", "--dtype", "float32", "--device", "cpu"]) == 0
     assert "B/token" in capsys.readouterr().out
+
+
+def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkeypatch):
+    """The self-check's refusal names --skip-self-check: kveval sweep must have it and pass it to load_model."""
+    from kveval import sweep
+    from kveval.cli import main
+    from kveval.errors import UsageError
+
+    loaded = []
+
+    def fake_run_sweep(config, out, placement=None, **kwargs):
+        loaded.append(dict(placement))
+        raise UsageError("stop here")  # the flag's way to load_model is all this test follows
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
+    for flags in ([], ["--skip-self-check"]):
+        assert main(["sweep", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), *flags]) == 2
+    assert loaded == [{}, {"self_check": False}]

@@ -1,0 +1,64 @@
+"""A batch's composition changes no item's record: items whose answers may run to different lengths (families
+with different ``max_new_tokens``) decode in one batch exactly as each does alone.
+
+The tiny model has no EOS, so every row runs to its own limit: a row given the batch's longest limit instead
+would answer with more tokens, hold more of them in its cache (bytes) and could turn right or wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_run_folders import CharTok, _items
+from test_shared_prefill import _records
+from tiny_models import tiny_llama
+
+from kveval.errors import UsageError
+from kveval.evaluate import evaluate_policies
+from kveval.fidelity import read_fidelity
+from kveval.generation import Prompt, generate, generate_many
+
+LIMITS = [2, 7, 3, 5, 1]
+
+
+def _mixed_items():
+    items = _items("the pass key is 42. " * 3, n=3) + _items("a note: the key is 7. then filler text follows. " * 2, n=2)
+    return [replace(item, id=f"item-{i}", max_new_tokens=limit) for i, (item, limit) in enumerate(zip(items, LIMITS))]
+
+
+@pytest.mark.parametrize("policies", [["none", "h2o(ratio=0.5,decode_budget=24)+quant(bits=4,group=8)"],
+                                      ["none", "kivi(bits=2,group=4,residual=4)"]])
+def test_items_of_different_answer_lengths_in_one_batch_equal_their_runs_alone(tmp_path, policies):
+    model, items = tiny_llama(), _mixed_items()
+    alone = evaluate_policies(model, CharTok(), items, policies, tmp_path / "alone", "org/M", batch_size=1, fidelity=True)
+    mixed = evaluate_policies(model, CharTok(), items, policies, tmp_path / "mixed", "org/M", batch_size=len(items),
+                              fidelity=True)
+    for one, many in zip(alone, mixed):
+        assert _records(one) == _records(many)
+    # Each answer is as long as its own item allows (no EOS here), not as the batch's longest.
+    for record, limit in zip(_records(alone[0]), LIMITS):
+        assert len(record["answer"]) == limit
+        assert record["metrics"]["tokens_seen"] == record["length"] + limit - 1  # the last token is never fed back
+    fidelity_alone, fidelity_mixed = read_fidelity(alone[1]), read_fidelity(mixed[1])
+    assert {k: f.positions for k, f in fidelity_alone.items()} == {k: f.positions for k, f in fidelity_mixed.items()}
+    assert [fidelity_alone[it.id].positions for it in items] == LIMITS
+
+
+def test_generate_takes_one_limit_per_prompt():
+    model, tok = tiny_llama(), CharTok()
+    prompts = [Prompt(tok(it.context)["input_ids"], tok(it.question)["input_ids"]) for it in _mixed_items()]
+    alone = [generate(model, tok, [p], "window(size=16)", max_new_tokens=n)[0].token_ids for p, n in zip(prompts, LIMITS)]
+    assert [len(t) for t in alone] == LIMITS
+    batched = generate(model, tok, prompts, "window(size=16)", max_new_tokens=LIMITS, batch_size=3)
+    assert [r.token_ids for r in batched] == alone
+    many = generate_many(model, tok, prompts, ["none", "window(size=16)"], max_new_tokens=LIMITS, batch_size=3)
+    assert [r.token_ids for r in many["window(size=16)"]] == alone
+
+
+@pytest.mark.parametrize("limits", [[2, 3], [2, 0, 1, 1, 1], [2.0] * 5, "7", [True] * 5, None])
+def test_a_wrong_limit_is_refused_in_one_line(limits):
+    model, tok = tiny_llama(), CharTok()
+    prompts = [Prompt(tok(it.context)["input_ids"], tok(it.question)["input_ids"]) for it in _mixed_items()]
+    with pytest.raises(UsageError, match="max_new_tokens"):
+        generate(model, tok, prompts, "none", max_new_tokens=limits, batch_size=2)
