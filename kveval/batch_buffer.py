@@ -65,6 +65,36 @@ def move_rows(tensors, sources: torch.Tensor, targets: torch.Tensor, cleared: to
         flat.index_fill_(0, cleared, 0)
 
 
+def _room(slots: int) -> int:
+    """The capacity a buffer takes to hold ``slots`` slots: an eighth more (at least :data:`_MIN_GROWTH`)."""
+    return slots + max(_MIN_GROWTH, slots // 8)
+
+
+def real_runs(real: torch.Tensor) -> tuple[list[int], list[slice | None]]:
+    """Per row of ``real`` (``[B, q]`` boolean, True on real tokens): how many real tokens, and the columns holding
+    them as a slice where they are contiguous (a left- or right-padded row, or one without padding), else ``None``.
+
+    Read from the device in one transfer. A slice selects a row's tokens as a view, where a boolean index would
+    call ``nonzero``, which on a GPU waits for the device: once per row and layer, the batch's rows then run at
+    the host's pace."""
+    q = real.shape[1]
+    counts = real.sum(dim=1)
+    if q == 0:
+        return counts.tolist(), [slice(0, 0)] * real.shape[0]
+    flags = real.to(torch.uint8)
+    first = flags.argmax(dim=1)  # the first real column (0 for a row without any)
+    last = (q - 1) - flags.flip(1).argmax(dim=1)
+    counts, first, span = torch.stack([counts, first, last - first + 1]).tolist()
+    return counts, [slice(f, f + n) if n == 0 or s == n else None for n, f, s in zip(counts, first, span)]
+
+
+@functools.lru_cache(maxsize=256)
+def uploaded(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, made once per distinct tuple (never written to). Each layer of a
+    forward reads the same row lengths; a copy from the host per layer would also make a GPU's host wait per layer."""
+    return torch.tensor(values, device=device)
+
+
 @functools.lru_cache(maxsize=64)
 def slot_range(count: int, device: torch.device) -> torch.Tensor:
     """``arange(count)`` made once per count and device (never written to): slot numbers, which masks and
@@ -90,18 +120,59 @@ class BatchBuffer:
         Head widths of K and V as attention sees them.
     dtype, device
         The compute dtype and device of the layer.
+    capacity : int
+        Slots to make room for at once (the room grows as writes need it).
     """
 
-    def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device):
-        self.keys = torch.zeros(batch, heads, 0, key_dim, dtype=dtype, device=device)
-        self.values = torch.zeros(batch, heads, 0, value_dim, dtype=dtype, device=device)
-        self.positions = torch.full((batch, heads, 0), PAD_POSITION, dtype=torch.long, device=device)
+    def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device,
+                 capacity: int = 0):
+        self.keys = torch.zeros(batch, heads, capacity, key_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, capacity, value_dim, dtype=dtype, device=device)
+        self.positions = torch.full((batch, heads, capacity), PAD_POSITION, dtype=torch.long, device=device)
         # [B, H, capacity] attention accumulated per slot, while a batched decode scores with it (0 on padding);
         # kept in step by append and grown by reserve, loaded by kveval.buffered_decode.BufferedDecode.start.
         self.attention: torch.Tensor | None = None
         self.lengths = [0] * batch  # slots held by each row
         self.width = 0  # max(lengths): the slots attention reads
         self.grown = False  # set when a write reallocated (views of the old tensors no longer alias)
+
+    @classmethod
+    def packed(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, columns: list[slice],
+               kv_dtype: torch.dtype) -> tuple["BatchBuffer", torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A buffer of the first tokens of every row, built for the whole batch at once (no loop over rows).
+
+        Row ``b`` takes the input columns ``columns[b]`` of ``keys``/``values`` (``[B, H, q, D]``, the compute
+        dtype) at ``positions`` (``[B, q]``), rounded through ``kv_dtype`` as a store holds them. Returns the
+        buffer, and the packed ``[B, H, width, D]`` keys and values in ``kv_dtype`` and ``[B, H, width]``
+        positions (row ``b``: its first ``len(columns[b])`` slots, zeros and :data:`PAD_POSITION` after), of which
+        the rows' stores and positions may hold views. The same tensors, bit for bit, as appending each row's
+        tokens to a store and writing them row by row (:meth:`write_row`)."""
+        batch, heads, q = keys.shape[:3]
+        counts = [c.stop - c.start for c in columns]
+        width, device = max(counts), keys.device
+
+        def stored(x: torch.Tensor) -> torch.Tensor:
+            return x.to(kv_dtype, memory_format=torch.contiguous_format)
+
+        if all(n == q for n in counts):  # no padding: every column of every row
+            stored_keys, stored_values, held = stored(keys), stored(values), positions
+        else:
+            index = (uploaded(tuple(c.start for c in columns), device)[:, None] + slot_range(width, device)).clamp_(max=q - 1)
+            padding = slot_range(width, device) >= uploaded(tuple(counts), device)[:, None]  # [B, width]
+
+            def gathered(x: torch.Tensor) -> torch.Tensor:
+                taken = x.gather(2, index[:, None, :, None].expand(batch, heads, width, x.shape[-1]))
+                return stored(taken.masked_fill_(padding[:, None, :, None], 0))
+
+            stored_keys, stored_values = gathered(keys), gathered(values)
+            held = positions.gather(1, index).masked_fill_(padding, PAD_POSITION)
+        buffer = cls(batch, heads, keys.shape[-1], values.shape[-1], keys.dtype, device, capacity=_room(width))
+        buffer.keys[:, :, :width].copy_(stored_keys)
+        buffer.values[:, :, :width].copy_(stored_values)
+        held = held[:, None, :].expand(batch, heads, width).contiguous()
+        buffer.positions[:, :, :width].copy_(held)
+        buffer.lengths, buffer.width = counts, width
+        return buffer, stored_keys, stored_values, held
 
     @property
     def capacity(self) -> int:
@@ -126,7 +197,7 @@ class BatchBuffer:
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` slots per row (copying what is held once, into a larger tensor)."""
         if slots > self.capacity:
-            self._resize(slots + max(_MIN_GROWTH, slots // 8))
+            self._resize(_room(slots))
 
     def oversized(self, slots: int) -> bool:
         """Whether the room is over twice ``slots`` (the most any row holds) and over twice the minimum growth:
@@ -137,7 +208,7 @@ class BatchBuffer:
         """Give back room the rows no longer need (:meth:`oversized`) after an eviction shrank them: one copy into
         a smaller tensor."""
         if self.oversized(self.width):
-            self._resize(self.width + max(_MIN_GROWTH, self.width // 8))
+            self._resize(_room(self.width))
 
     def _resize(self, size: int) -> None:
         """Reallocate every tensor with ``size`` slots, keeping the first :attr:`width`."""
@@ -192,7 +263,7 @@ class BatchBuffer:
             self.reserve(max(self.lengths) + 1)
             batch, heads, capacity = self.positions.shape
             slots = (_row_offsets(batch, heads, capacity, positions.device)
-                     + torch.tensor(self.lengths, device=positions.device)[:, None, None]).view(-1)
+                     + uploaded(tuple(self.lengths), positions.device)[:, None, None]).view(-1)
             if held:
                 for buffer, new in ((self.keys, keys), (self.values, values)):
                     buffer.view(-1, buffer.shape[-1]).index_copy_(0, slots, new.reshape(-1, new.shape[-1]).to(buffer.dtype))
@@ -201,7 +272,7 @@ class BatchBuffer:
                 self.attention.view(-1).index_fill_(0, slots, 0)
         else:
             self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
-            lengths = torch.tensor(self.lengths, device=positions.device)
+            lengths = uploaded(tuple(self.lengths), positions.device)
             slot = lengths[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
             rows, columns = real.nonzero(as_tuple=True)
             slots = slot[rows, columns]
@@ -215,4 +286,4 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "slot_range", "slot_rows", "take_rows", "take_slots"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "real_runs", "slot_range", "uploaded", "slot_rows", "take_rows", "take_slots"]

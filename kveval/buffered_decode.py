@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from kveval.batch_buffer import PAD_POSITION, BatchBuffer
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
 from kveval.coded_rows import CodedRows, SharedScratch
 from kveval.decode_encodings import CoefficientSteps, KVQuantResidual, QuantizedResidual
 from kveval.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction, LayerScoring
@@ -181,7 +181,7 @@ class BufferedDecode:
                 return cls(kv_dtype, eviction=eviction)
             return cls._quantized_window(stores, kv_dtype, eviction, sliding_window)
         context = LayerScoring(layer_idx, num_layers, model,
-                                torch.tensor(seeds, device=rows[0].positions.device) if seeds else 0)
+                                tuple(seeds) if seeds else 0)
         if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
             budgets = selection.head_decode_budgets(model, layer_idx, num_layers, rows[0].positions.shape[0])
             if ((budgets is None and not selection.chooses_in_batch)
@@ -334,8 +334,9 @@ class BufferedDecode:
             if self.pending:
                 positions, real = (torch.cat(parts, dim=1) for parts in list(zip(*self.pending))[2:])
                 self.pending = []
+                columns = real_runs(real)[1]
                 for b, row in enumerate(rows):
-                    row.took(positions[b][real[b]])
+                    row.took(positions[b][real[b] if columns[b] is None else columns[b]])
                     self._catch_up_attention(row, buffer, b)
             self._point_rows(rows)
             return
@@ -391,13 +392,11 @@ class BufferedDecode:
         """Each row's store appends its real pending tokens and seals (encoding what leaves its residual window, as
         the row would have step by step); whether each row took any."""
         keys, values, positions, real = self._pending_tokens()
-        took = []
+        counts, columns = real_runs(real)  # a finished row's real steps are a prefix: a slice, no sync per row
+        took = [n > 0 for n in counts]
         for b, row in enumerate(rows):
-            keep = real[b]
-            took.append(bool(keep.any()))
-            if took[-1]:
-                row.store.append(keys[b][:, keep], values[b][:, keep])
-                row.took(positions[b][keep])
+            if took[b]:
+                row.take(keys[b], values[b], positions[b], real[b] if columns[b] is None else columns[b])
         seal_rows([row for row, t in zip(rows, took) if t])
         return took
 

@@ -52,6 +52,7 @@ import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from kveval import architectures, retrieval_heads
+from kveval.batch_buffer import real_runs
 from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.coded_rows import SharedScratch
 from kveval.decode_evictions import DeferredEvictions
@@ -175,6 +176,7 @@ class CompressedCache(Cache):
         self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None
         self._input_counts: list[int] | None = None
+        self._input_columns: list[slice | None] | None = None  # per row: its real columns, when contiguous
         self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
         #: Decode budgets of the current forward's layers, kept together after its last attention layer.
@@ -209,11 +211,13 @@ class CompressedCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, LinearAttentionLayer)]
 
     # --- what the driver declares before a forward pass -----------------------------------------
-    def set_input_mask(self, mask: torch.Tensor | None) -> None:
-        """Declare which input tokens of the next forward are real (``[B, q]``, 1 = real, 0 = padding)."""
+    def set_input_mask(self, mask: torch.Tensor | None, runs: "tuple[list[int], list[slice | None]] | None" = None) -> None:
+        """Declare which input tokens of the next forward are real (``[B, q]``, 1 = real, 0 = padding).
+
+        ``runs``: what :func:`~kveval.batch_buffer.real_runs` gives for ``mask``, where the caller knows it
+        (it built the mask on the host); else it is read from the device, once per forward."""
         self._input_mask = None if mask is None else mask.bool()
-        # Read once per forward (one device sync), not once per layer.
-        self._input_counts = None if mask is None else self._input_mask.sum(dim=1).tolist()
+        self._input_counts, self._input_columns = (None, None) if mask is None else runs or real_runs(self._input_mask)
         if mask is not None:
             self._column_mask = self._input_mask if self._column_mask is None else torch.cat([self._column_mask, self._input_mask], 1)
 
@@ -242,6 +246,14 @@ class CompressedCache(Cache):
         if self._input_mask is None:
             return [q_len] * batch, True
         return self._input_counts, all(n == q_len for n in self._input_counts)
+
+    def real_columns(self, b: int) -> "slice | torch.Tensor":
+        """The columns of row ``b``'s real tokens in the next forward: a slice (a view, no device sync) where they
+        are contiguous, as in the left-padded batches of :mod:`kveval.generation`, else the row's boolean mask."""
+        if self._input_mask is None:
+            return slice(None)
+        columns = self._input_columns[b]
+        return self._input_mask[b] if columns is None else columns
 
     def protected(self, b: int) -> int:
         return 0 if self._protect_last is None else self._protect_last[b]

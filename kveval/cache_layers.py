@@ -18,72 +18,27 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from kveval.architectures import every_slot_visible
 from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
-from kveval.batch_buffer import BatchBuffer, slot_range
+from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
+from kveval.block_probabilities import visible_probabilities
 from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.rows import RowState, seal_rows
 from kveval.storage import DenseStore
+
 _QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
-_QUERY_BLOCK = 64  # queries whose probabilities are computed together, over only the slots they may see
-# A block's probabilities leave out a multiple of this many trailing slots: a column the model's softmax appends
-# after the slots (gpt-oss's learned sink) then falls in the same lane and unrolled accumulator of a vectorized
-# sum (vectors of up to 16 floats, unrolled 4 times) as over every slot. Blocks cut at other widths changed its
-# probabilities by one float32 ulp.
-_SLOT_ALIGN = 64
 
 
 def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor:
     """``[B, 1, 1, width]`` boolean: slot ``s`` of row ``b`` is visible where ``s < lengths[b]`` (never written to)."""
     if all(n == width for n in lengths):
         return every_slot_visible(len(lengths), width, device)
-    return slot_range(width, device) < torch.tensor(lengths, device=device)[:, None, None, None]
+    return slot_range(width, device) < uploaded(lengths, device)[:, None, None, None]
 
 
 def held_slots(positions: torch.Tensor) -> torch.Tensor:
     """``[B, H, 1, width]`` boolean of the slots whose ``positions`` (``[B, H, width]``) are not padding's."""
     return (positions != _PAD_POSITION).unsqueeze(2)
-
-
-def visible_probabilities(probabilities, query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
-                          real: torch.Tensor, reduce=None) -> torch.Tensor:
-    """``probabilities(query, keys, allowed)`` (``[B, query heads, q, slots]``), computed :data:`_QUERY_BLOCK`
-    queries at a time (the last block up to twice that) over only the slots up to the last one a query of the
-    block may see (leaving out a multiple of :data:`_SLOT_ALIGN` slots). ``real`` (``[B, q]``, any dtype): the queries that count;
-    padding queries, which see every slot rather than none, do not widen a block, and their probabilities (over
-    the block's slots only) are for weighting by 0.
-
-    The slots beyond get probability 0 either way (a masked logit's ``exp`` is exactly 0), and each query's
-    softmax sums the same visible logits in the same order: on a CPU the result is bit-identical to one call over
-    every slot, through SDPA's kernel and through a model's eager function (softcapping, learned sinks), which
-    ``tests/test_cache.py`` checks, at about 0.55-0.75x the time of a causal prefill's scoring, which grows as the
-    square of its length. Elsewhere any rounding difference is the same for every path of kveval (row by row, in
-    batch, shared prefill): they all score through this function.
-
-    ``reduce``: applied to each block's probabilities as they come, a reduction within each query and slot (the
-    sum over the query heads that read one stored head), so that the whole ``[B, query heads, q, slots]`` tensor
-    is never held; it gives per block the bits it gives over the whole.
-    """
-    q_len = query.shape[2]
-    blocks = q_len // _QUERY_BLOCK
-    if blocks < 2:
-        probs = probabilities(query, keys, allowed)
-        return probs if reduce is None else reduce(probs)
-    seen = (allowed & real.bool()[:, None, :, None]).flatten(0, 1).any(dim=0)  # [q, slots]: seen by a real query
-    probs = None
-    for start in range(0, blocks * _QUERY_BLOCK, _QUERY_BLOCK):
-        # The last block takes the remainder: a matmul of a few query rows rounded differently on a CPU.
-        stop = q_len if start + 2 * _QUERY_BLOCK > q_len else start + _QUERY_BLOCK
-        columns = seen[start:stop].any(dim=0).nonzero()
-        needed = int(columns[-1]) + 1 if len(columns) else keys.shape[2]
-        width = keys.shape[2] - (keys.shape[2] - needed) // _SLOT_ALIGN * _SLOT_ALIGN
-        block = probabilities(query[:, :, start:stop], keys[:, :, :width], allowed[:, :, start:stop, :width])
-        if reduce is not None:
-            block = reduce(block)
-        if probs is None:
-            probs = block.new_zeros(*block.shape[:2], q_len, keys.shape[2])
-        probs[:, :, start:stop, :width] = block
-    return probs
 
 
 def score_key(selection) -> tuple | None:
@@ -226,8 +181,8 @@ class CompressedLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         heads = key_states.shape[1]
         self.token_elements = heads * key_states.shape[-1] + value_states.shape[1] * value_states.shape[-1]
-        self.rows = [RowState(self.new_store(key_states.dtype), torch.empty(heads, 0, dtype=torch.long, device=self.device))
-                     for _ in range(key_states.shape[0])]
+        no_positions = torch.empty(heads, 0, dtype=torch.long, device=self.device)  # shared: never written in place
+        self.rows = [RowState(self.new_store(key_states.dtype), no_positions) for _ in range(key_states.shape[0])]
         self.is_initialized = True
 
     @property
@@ -273,19 +228,8 @@ class CompressedLayer(CacheLayerMixin):
                 self._share_dense_storage()
             elif self._buffer.grown:
                 self._share_dense_storage()
-        else:
-            sealing = []
-            for b, row in enumerate(self.rows):
-                keep = real[b]
-                if self.is_sliding and row.positions.shape[1]:
-                    self._trim_to_window(row, int(positions[b][keep].min()) if counts[b] else None)
-                if counts[b]:
-                    row.store.append(key_states[b][:, keep], value_states[b][:, keep])
-                    row.took(positions[b][keep])
-                    if row.compressed:
-                        sealing.append(row)
-            seal_rows(sealing)
-            self._refresh_buffer()
+        elif self._buffer is not None or not self._pack_first_tokens(self.rows, key_states, value_states, positions):
+            self._append_row_by_row(key_states, value_states, positions, real, counts)
         self.columns_seen += q_len
         if not all_real:
             self.contiguous = False
@@ -300,6 +244,50 @@ class CompressedLayer(CacheLayerMixin):
             kwargs["kveval_layer"] = self
             kwargs["kveval_mask"] = self._mask
         return keys, values
+
+    def _append_row_by_row(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
+                           counts: list[int]) -> None:
+        """Each row's store appends its real tokens (sliding rows first drop what the new tokens' window leaves
+        out; compressed rows seal), then the buffer is brought in step from the first slot each row changed."""
+        rows, sealing = self.rows, []
+        if self.is_sliding and any(row.positions.shape[1] for row in rows):
+            # Each row's first new position, read once for the layer (padding never the least).
+            firsts = positions.masked_fill(~real, torch.iinfo(positions.dtype).max).amin(dim=1).tolist()
+            for row, n, first in zip(rows, counts, firsts):
+                if row.positions.shape[1]:
+                    self._trim_to_window(row, first if n else None)
+        for b, row in enumerate(rows):
+            if counts[b]:
+                row.take(keys[b], values[b], positions[b], self.cache.real_columns(b))
+                if row.compressed:
+                    sealing.append(row)
+        seal_rows(sealing)
+        self._refresh_buffer()
+
+    def _pack_first_tokens(self, rows: list[RowState], keys: torch.Tensor, values: torch.Tensor,
+                           positions: torch.Tensor) -> bool:
+        """A layer's first tokens (the prefill), for the whole batch at once, where every row is an empty dense
+        store and holds contiguous input columns (:meth:`BatchBuffer.packed`): its stores hold views of the packed
+        tokens, or of the buffer when ``kv_dtype`` is the compute dtype. Whether it did; else the rows append one
+        by one."""
+        if any(type(row.store) is not DenseStore or row.store.length or row.positions.shape[1] or row.compressed
+               for row in rows):
+            return False
+        columns = [self.cache.real_columns(b) for b in range(len(rows))]
+        if not all(isinstance(c, slice) for c in columns):
+            return False
+        q = keys.shape[2]
+        columns = [slice(*c.indices(q)[:2]) for c in columns]
+        if all(c.start == c.stop for c in columns):
+            return False
+        buffer, stored_keys, stored_values, held = BatchBuffer.packed(keys, values, positions, columns, self.cache.kv_dtype)
+        for b, (row, n) in enumerate(zip(rows, buffer.lengths)):
+            if n:  # a row of padding alone holds nothing, as when it appends nothing
+                row.store.hold(stored_keys[b, :, :n], stored_values[b, :, :n])
+                row.positions, row.tokens_seen = held[b, :, :n], row.tokens_seen + n
+        self._buffer = buffer
+        self._share_dense_storage()
+        return True
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.columns_seen + query_length, 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.batch_buffer import BatchBuffer
+from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
 from kveval.quantization import dequantize
@@ -35,8 +35,8 @@ class AgedRun:
     def _where(self, device):
         if len(self.rows) == self.batch and len(set(self.firsts)) == 1:
             return None
-        index = torch.tensor(self.rows, device=device)[:, None]
-        return index, torch.tensor(self.firsts, device=device)[:, None] + torch.arange(self.count, device=device)
+        index = uploaded(tuple(self.rows), device)[:, None]
+        return index, uploaded(tuple(self.firsts), device)[:, None] + slot_range(self.count, device)
 
     def take(self, held: torch.Tensor) -> torch.Tensor:
         where = self._where(held.device)

@@ -24,7 +24,7 @@ class LayerScoring:
     layer_idx: int = 0
     num_layers: int = 1
     model: object = None
-    seeds: "torch.Tensor | int" = 0  # [B] on the rows' device, made once per refresh
+    seeds: "tuple[int, ...] | int" = 0  # one per row, on the host (the random control hashes them once per layer)
 
 
 def scored_slots(buffer: BatchBuffer, scores, context: LayerScoring,

@@ -90,15 +90,13 @@ def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None
     return Prompt(*encode_text(tokenizer, context, question, chat))
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(rows: list[list[int]], pad_id: int, seen: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ``[B, width]`` ids and real-token mask of ``rows``, and ``seen`` as ``[B, 1]``: built on the
+    host and copied to ``device`` once (on a GPU each copy from the host also waits for the device)."""
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long, device=device)
-            mask[b, width - len(r):] = True
-    return ids, mask
+    table = torch.tensor([[pad_id] * (width - len(r)) + list(r) + [0] * (width - len(r)) + [1] * len(r) + [s]
+                          for r, s in zip(rows, seen)], dtype=torch.long).to(device)
+    return table[:, :width], table[:, width:2 * width].bool(), table[:, 2 * width:]
 
 
 def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int,
@@ -109,11 +107,10 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     Returns the logits of the last ``logits_to_keep`` columns (0: all) ``[B, columns, vocab]``
     and the real-token mask ``[B, width]``.
     """
-    device = model.device
-    ids, mask = _left_pad(rows, pad_id, device)
-    start = torch.tensor(seen, device=device)[:, None]
+    ids, mask, start = _left_pad(rows, pad_id, seen, model.device)
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    cache.set_input_mask(mask)
+    width = ids.shape[1]
+    cache.set_input_mask(mask, runs=([len(r) for r in rows], [slice(width - len(r), width) for r in rows]))
     # Generation needs the last column only: skip the [B, width, vocab] projection of the rest.
     logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
                    attention_mask=cache.model_attention_mask()).logits  # None unless state layers must skip padding
@@ -238,23 +235,26 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     decode_started = time.perf_counter()
     for _ in range(max(limits)):
         log_probs = torch.log_softmax(last_logits, dim=-1)
-        next_ids = log_probs.argmax(dim=-1)
+        next_ids = log_probs.argmax(dim=-1, keepdim=True)
+        # One read from the device per step, not two per row (float64 holds every id and float32 exactly).
+        chosen, chosen_logprobs = torch.cat([next_ids.double(), log_probs.gather(1, next_ids).double()], dim=1).T.tolist()
+        chosen = [int(token) for token in chosen]
         for b in range(batch):
             if done[b]:
                 continue
-            token = int(next_ids[b])
+            token = chosen[b]
             if token in eos:
                 done[b] = True
                 continue
             tokens[b].append(token)
-            logprobs[b].append(float(log_probs[b, token]))
+            logprobs[b].append(chosen_logprobs[b])
             if len(tokens[b]) == limits[b] or (stop and any(s in tokenizer.decode(tokens[b], skip_special_tokens=True)
                                                             for s in stop)):
                 done[b] = True
         if all(done):  # a row at its limit is done: its last token is never fed back, as alone
             break
         # Finished rows get nothing (an all-padding row, never stored): their cache stays as at batch size 1.
-        logits, _ = forward_rows(model, cache, [[] if done[b] else [int(next_ids[b])] for b in range(batch)], seen, pad_id)
+        logits, _ = forward_rows(model, cache, [[] if done[b] else [chosen[b]] for b in range(batch)], seen, pad_id)
         last_logits = logits[:, -1].float()
     decode_seconds = max(time.perf_counter() - decode_started, 1e-9)
     results = []

@@ -241,6 +241,14 @@ def units_from(block: QuantizedBlock, first: int) -> QuantizedBlock:
     return _with_units(block, lambda t: t[:, first:], block.units - first)
 
 
+def split_units(block: QuantizedBlock, units: list[int]) -> list[QuantizedBlock]:
+    """``block`` cut along its units into blocks of ``units[i]`` units each, in order (views, no copy)."""
+    parts = [t.split(units, dim=1) if t is not None else [None] * len(units) for t in (block.data, block.scale, block.zero)]
+    heads, _, dim = block.shape
+    return [replace(block, data=data, scale=scale, zero=zero, shape=(heads, n * block.unit, dim))
+            for n, data, scale, zero in zip(units, *parts)]
+
+
 def concat_blocks(first: QuantizedBlock | None, second: QuantizedBlock) -> QuantizedBlock:
     """``second``'s units after ``first``'s (same encoding)."""
     if first is None:

@@ -14,7 +14,7 @@ import torch
 
 from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
 from kveval.head_stores import HeadwiseStore
-from kveval.storage import seal_together
+from kveval.storage import DenseStore, seal_together
 
 
 @dataclass
@@ -27,6 +27,19 @@ class RowState:
     tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
     compressed: bool = False
     scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
+
+    def take(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, columns: "slice | torch.Tensor") -> None:
+        """Append the tokens in ``columns`` of one row's ``keys``/``values`` (``[H, q, D]``) at ``positions`` (``[q]``).
+
+        ``columns``: a slice (no device sync), or a boolean mask. The store gets tensors of its own, as a boolean
+        index gives, except a :class:`~kveval.storage.DenseStore`, which makes its own contiguous copy in its
+        ``kv_dtype`` where the view is not one already, and is otherwise pointed at the layer's batch buffer within
+        the same update: no store keeps the whole batch's tensor alive."""
+        keys, values = keys[:, columns], values[:, columns]
+        if isinstance(columns, slice) and type(self.store) is not DenseStore:
+            keys, values = (x.clone(memory_format=torch.contiguous_format) for x in (keys, values))
+        self.store.append(keys, values)
+        self.took(positions[columns])
 
     def took(self, positions: torch.Tensor) -> None:
         """The store appended tokens at original ``positions`` (``[n]``): every head's positions extend by them."""

@@ -25,7 +25,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from kveval.errors import UsageError
-from kveval.quantization import QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8, units_from
+from kveval.quantization import (QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8, split_units,
+                                 units_from)
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -180,13 +181,19 @@ class DenseStore(TokenStore):
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.compute_dtype is None:
             self.compute_dtype = keys.dtype
-        if self.kv_dtype is not None:
-            keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
+        # Contiguous, in kv_dtype: one copy at most (none for a contiguous tensor already in it).
+        keys, values = (x.to(self.kv_dtype or x.dtype, memory_format=torch.contiguous_format) for x in (keys, values))
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
             self.keys = torch.cat([self.keys, keys], dim=1)
             self.values = torch.cat([self.values, values], dim=1)
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold exactly ``keys`` and ``values`` (``[H, T, D]``, already in ``kv_dtype``; views are kept as views),
+        in place of any tokens held, all of them read (a batch buffer holds them: see :class:`~kveval.batch_buffer.BatchBuffer`)."""
+        self.keys, self.values = keys, values
+        self.mark_read()
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys is None:
@@ -291,12 +298,42 @@ class QuantizedSequence:
             self.tail_alive = torch.cat([self.tail_alive, self.tail_alive.new_ones(x.shape[0], x.shape[1])], dim=1)
 
     def seal(self) -> None:
+        due = self._take_aged()
+        if due is not None:
+            self._hold_encoded(encode(self.quant, *due), due[1])
+
+    @staticmethod
+    def seal_many(sequences: "list[QuantizedSequence]") -> None:
+        """:meth:`seal` each of ``sequences`` (one layer's rows, K or V), with one encoding for the aged slots of
+        those that evicted none, side by side: a group (of tokens, or of ``group`` tokens per channel) never spans
+        two sequences, since each one's aged slots are whole units, and min, max, rounding and division are exact,
+        so each gets the bits of its own encoding."""
+        together: dict[tuple, list] = {}
+        for sequence in sequences:
+            due = sequence._take_aged()
+            if due is None:
+                continue
+            old, valid = due
+            if valid is not None:  # evicted slots inside its units: encoded alone
+                sequence._hold_encoded(encode(sequence.quant, old, valid), valid)
+            else:
+                together.setdefault((sequence.quant, old.dtype, old.shape[0], old.shape[2]), []).append((sequence, old))
+        for (quant, *_), group in together.items():
+            olds = [old for _, old in group]
+            encoded = encode(quant, torch.cat(olds, dim=1) if len(olds) > 1 else olds[0])
+            blocks = split_units(encoded, [old.shape[1] // sequence.unit for sequence, old in group]) if len(olds) > 1 else [encoded]
+            for (sequence, _), block in zip(group, blocks):
+                sequence._hold_encoded(block, None)
+
+    def _take_aged(self) -> "tuple[torch.Tensor, torch.Tensor | None] | None":
+        """Take the slots that left the residual window, whole units, out of the tail: ``(tokens, valid)``
+        (``valid``: which of them are alive, ``None`` for all), or ``None`` when there are none."""
         if self.tail is None:
-            return
+            return None
         aged = self.tail.shape[1] - self.residual
         aged = (aged // self.unit) * self.unit
         if aged <= 0:
-            return
+            return None
         # The aged slots now read back dequantized. With every slot alive they follow the block's tokens; otherwise
         # where they stand among the live slots is not worth working out: everything counts as changed.
         plain = self.alive is None and self.tail_alive is None
@@ -305,13 +342,16 @@ class QuantizedSequence:
         valid = None
         if self.tail_alive is not None:
             valid, self.tail_alive = self.tail_alive[:, :aged], self.tail_alive[:, aged:]
-        new = encode(self.quant, old, valid)
+        return old, valid
+
+    def _hold_encoded(self, new: QuantizedBlock, valid: "torch.Tensor | None") -> None:
+        """Append ``new``, the encoding of the slots :meth:`_take_aged` took (``valid``: which were alive)."""
         if self.alive is not None or valid is not None:
             def everyone(slots: int) -> torch.Tensor:
-                return torch.ones(old.shape[0], slots, dtype=torch.bool, device=old.device)
+                return torch.ones(new.shape[0], slots, dtype=torch.bool, device=new.scale.device)
 
             self.alive = torch.cat([self.alive if self.alive is not None else everyone(self.sealed_slots),
-                                    valid if valid is not None else everyone(aged)], dim=1)
+                                    valid if valid is not None else everyone(new.tokens)], dim=1)
         self.block = concat_blocks(self.block, new)
         self._compact()
 
@@ -411,6 +451,12 @@ class QuantizedStore(TokenStore):
     def select(self, index: torch.Tensor) -> None:
         self.k.select(index)
         self.v.select(index)
+
+    @classmethod
+    def seal_all(cls, stores: "list[QuantizedStore]") -> None:
+        """Seal one layer's rows: their keys' aged slots encoded together, then their values' (:meth:`QuantizedSequence.seal_many`)."""
+        QuantizedSequence.seal_many([store.k for store in stores])
+        QuantizedSequence.seal_many([store.v for store in stores])
 
     def seal(self) -> None:
         self.k.seal()

@@ -28,7 +28,7 @@ import yaml
 
 from typing import TYPE_CHECKING
 
-from kveval.errors import UsageError
+from kveval.errors import ConfigError, RunFolderError, UsageError
 from kveval.records import atomic_write_text
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class SweepConfig:
 
 
 def load_config(path: str | Path) -> SweepConfig:
-    """Read and validate a sweep YAML; every problem is one ValueError line."""
+    """Read and validate a sweep YAML; every problem is one :class:`~kveval.errors.ConfigError` line."""
     from kveval.probes import FAMILIES
     from kveval.runspec import RunSpec, parse_kv_dtype
 
@@ -87,17 +87,17 @@ def load_config(path: str | Path) -> SweepConfig:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
     unknown = set(raw) - CONFIG_KEYS
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(CONFIG_KEYS))}")
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(CONFIG_KEYS))}")
     probes = raw.get("probes") or {}
     unknown = set(probes) - PROBE_KEYS
     if unknown:
-        raise ValueError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
+        raise ConfigError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
     mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
     if mode not in ("context", "query"):
-        raise ValueError(f"{path}: mode={mode!r}; use context or query")
+        raise ConfigError(f"{path}: mode={mode!r}; use context or query")
     try:
         kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
         parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)) for entry in raw.get("policies") or []]
@@ -111,18 +111,18 @@ def load_config(path: str | Path) -> SweepConfig:
         first_entry[spec.key] = entry
         policies.append(spec)
     if not policies:
-        raise ValueError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
+        raise ConfigError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
     families = probes.get("families") or ["passkey"]
     for family in families:
         if family not in FAMILIES:
-            raise ValueError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
+            raise ConfigError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
     lm_eval = raw.get("lm_eval") or {}
     unknown = set(lm_eval) - LM_EVAL_KEYS
     if unknown or (lm_eval and not lm_eval.get("tasks")):
-        raise ValueError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
+        raise ConfigError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
     fidelity = raw.get("fidelity", False)
     if not isinstance(fidelity, bool):
-        raise ValueError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
+        raise ConfigError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
     gate = raw.get("gate")
     if gate is not None:
         from kveval.gate_config import load_gate_config
@@ -151,8 +151,6 @@ def sweep_lock(out: Path):
     import socket
     import sys
     import time
-
-    from kveval.errors import RunFolderError
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
@@ -225,11 +223,12 @@ class CellRunner:
 
     Picklable (for Ray): the loaded model is kept only between calls in one
     process (consecutive cells of one model reuse it) and is not pickled.
-    ``placement``: ``device_map`` / ``max_memory`` (and ``self_check``) for :func:`kveval.models.load_model`.
+    ``load_options``: keyword arguments of :func:`kveval.models.load_model` (``device_map``, ``max_memory``,
+    ``self_check``), the same for every model of the sweep.
     """
 
-    def __init__(self, config: SweepConfig, out: Path, placement: dict | None = None, quiet: bool = False):
-        self.config, self.out, self.placement, self.quiet = config, Path(out), dict(placement or {}), quiet
+    def __init__(self, config: SweepConfig, out: Path, load_options: dict | None = None, quiet: bool = False):
+        self.config, self.out, self.load_options, self.quiet = config, Path(out), dict(load_options or {}), quiet
         self._loaded: tuple | None = None
 
     def __getstate__(self) -> dict:
@@ -240,7 +239,7 @@ class CellRunner:
 
         if self._loaded is None or self._loaded[0] != name:
             self._loaded = None  # free the previous model before the next one loads
-            self._loaded = (name, *load_model(name, **self.placement))
+            self._loaded = (name, *load_model(name, **self.load_options))
         return self._loaded[1], self._loaded[2]
 
     def _items(self, tokenizer) -> list:
@@ -321,7 +320,7 @@ class CellRunner:
 
 
 def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Executor | None = None,
-              placement: dict | None = None, policies_per_cell: int | None = None) -> list[Path]:
+              load_options: dict | None = None, policies_per_cell: int | None = None) -> list[Path]:
     """Run (or resume) a sweep; return its run folders (baseline first for each model).
 
     ``executor``: where the cells (:func:`plan_cells`) run (:mod:`kveval.executors`;
@@ -340,14 +339,14 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     if manifest_path.is_file():
         previous = json.loads(manifest_path.read_text())
         if previous.get("config_hash") != config.hash:
-            raise ValueError(f"{out} holds a sweep with another config (hash {previous.get('config_hash')}); "
+            raise RunFolderError(f"{out} holds a sweep with another config (hash {previous.get('config_hash')}); "
                              f"pass --out to a new folder, or delete {out} to start over")
     device, _ = resolve_device_dtype()
     manifest = _manifest(config, device)
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
     cells = plan_cells(config, policies_per_cell)
     absolute = out.resolve()  # cells may run in another working directory (Ray workers do)
-    results = (executor or InProcessExecutor()).run(cells, CellRunner(config, absolute, placement, quiet))
+    results = (executor or InProcessExecutor()).run(cells, CellRunner(config, absolute, load_options, quiet))
     by_spec, peaks = {}, {}
     for cell, result in zip(cells, results):
         for spec, run_dir in zip(cell.specs, result.run_dirs):
@@ -476,13 +475,13 @@ def run(args) -> int:
     from kveval.executors import make_executor
     from kveval.models import placement_from_args
 
-    placement = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
+    load_options = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
     executor = make_executor(args.executor, args.address, args.workers,
                              progress=None if args.quiet else lambda cell: print(f"kveval sweep: done {cell.label}", file=sys.stderr))
     out = Path(args.out or config.out or Path("runs") / config.name)
     with sweep_lock(out):
         run_dirs = run_sweep(config, out, quiet=args.quiet or args.executor != "inprocess", executor=executor,
-                             placement=placement,
+                             load_options=load_options,
                              policies_per_cell=args.policies_per_cell or (1 if args.executor == "ray" else None))
         code = summarize(out, run_dirs, config.gate, deploy)
     return code if args.strict else (2 if code == 2 else 0)

@@ -209,17 +209,17 @@ def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
 
 def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkeypatch):
     """The self-check's refusal names --skip-self-check: kveval sweep must have it and pass it to load_model."""
-    from kveval import sweep
+    from kveval import models
     from kveval.cli import main
     from kveval.errors import UsageError
 
     loaded = []
 
-    def fake_run_sweep(config, out, placement=None, **kwargs):
-        loaded.append(dict(placement))
+    def fake_load_model(name, **kwargs):
+        loaded.append((name, kwargs))
         raise UsageError("stop here")  # the flag's way to load_model is all this test follows
 
-    monkeypatch.setattr(sweep, "run_sweep", fake_run_sweep)
-    for flags in ([], ["--skip-self-check"]):
-        assert main(["sweep", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), *flags]) == 2
-    assert loaded == [{}, {"self_check": False}]
+    monkeypatch.setattr(models, "load_model", fake_load_model)
+    for n, flags in enumerate(([], ["--skip-self-check"])):
+        assert main(["sweep", "configs/quickstart.yaml", "--out", str(tmp_path / f"run{n}"), *flags]) == 2
+    assert loaded == [("smollm2-135m", {}), ("smollm2-135m", {"self_check": False})]

@@ -277,7 +277,7 @@ def test_random_scores_are_the_documented_hash():
     policy = parse_policy("random(ratio=0.5,seed=5)").selection
     positions = torch.tensor([[[0, 3, 9, 2**33 + 1], [1, 4, 8, 11]], [[5, 6, 7, 12], [0, 2, 13, -1]]])  # [rows, heads, slots]
     for layer in (0, 3, 3):  # the same layer twice: what is made once must give the same
-        for seeds in (torch.tensor([7, 2**40 + 3]), torch.tensor([9, 7])):
+        for seeds in ((7, 2**40 + 3), (9, 7)):
             got = policy.scores(ScoringState(keys=None, positions=positions, attention=None, layer_idx=layer,
                                              num_layers=8, seed=seeds))
             for b in range(2):
@@ -309,7 +309,7 @@ def test_random_scores_are_uniform_and_independent_of_the_batch():
     assert not torch.equal(alone, scores(positions, 8)) and not torch.equal(alone, scores(positions, 7, layer=4))
     assert not torch.equal(alone[:, :1000], scores(positions[:, :1000], 7))  # the next step draws again
     batch = torch.stack([positions, positions.masked_fill(positions > 1500, -1)])
-    together = scores(batch, torch.tensor([7, 8]))
+    together = scores(batch, (7, 8))  # a batch: one seed per row
     assert torch.equal(together[0], alone)
     assert torch.equal(together[1][:, :1501], scores(positions[:, :1501], 8))
 
@@ -352,7 +352,7 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
     from tiny_models import tiny_model
 
     from kveval.architectures import EagerKernel, SdpaKernel
-    from kveval.cache_layers import visible_probabilities
+    from kveval.block_probabilities import visible_probabilities
 
     if variant.startswith("sdpa"):  # "sdpa H/KVxD": query heads, KV heads, head width
         module, extra, kernel = None, {}, SdpaKernel()

@@ -194,6 +194,56 @@ def test_a_token_once_encoded_never_changes_through_decode_steps_and_evictions()
     assert len(first_encoding) > 100  # the check saw many encoded tokens
 
 
+@pytest.mark.parametrize("policy", [KIVI, QUANT4, FP8_CHANNEL, FP8, parse_policy("quant(bits=8,group=4,symmetric=true)").quantization],
+                         ids=["kivi", "quant4", "fp8-channel", "fp8", "int8-symmetric"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_sealing_stores_together_encodes_each_exactly_as_alone(policy, kv_dtype):
+    """``QuantizedStore.seal_all`` (one layer's rows) encodes the rows' aged slots side by side in one call: each
+    store then holds, bit for bit, what sealing it alone gives (codes, scales, zero points, tail, liveness), reads
+    back the same K/V and counts the same bytes; through a prefill of rows of different lengths (one too short to
+    age any slot, one whose heads evicted different slots) and decode steps after it."""
+    generator = torch.Generator().manual_seed(7)
+    lengths = [45, 30, 3, 61]
+
+    def stores():
+        made = []
+        for n in lengths:
+            store = _store(policy, kv_dtype)
+            x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n))
+            store.append(x, x * 2)
+            made.append(store)
+        return made
+
+    alone, together = stores(), stores()
+    for step in range(12):
+        if step == 1:  # the longest row's heads evict different sealed slots: its units then hold dead slots
+            index = torch.stack([torch.arange(0, 60), torch.arange(1, 61)])
+            alone[3].select(index)
+            together[3].select(index)
+        for store in alone:
+            store.seal()
+        QuantizedStore.seal_all(together)
+        for a, b in zip(alone, together):
+            for mine, theirs in ((a.k, b.k), (a.v, b.v)):
+                assert (mine.block is None) == (theirs.block is None)
+                if mine.block is not None:
+                    for name in ("data", "scale", "zero"):
+                        x, y = getattr(mine.block, name), getattr(theirs.block, name)
+                        assert (x is None and y is None) or torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x,
+                                                                       y.view(torch.uint8) if y.dtype.itemsize == 1 else y)
+                    assert mine.block.shape == theirs.block.shape
+                for x, y in ((mine.tail, theirs.tail), (mine.alive, theirs.alive), (mine.tail_alive, theirs.tail_alive)):
+                    assert (x is None and y is None) or torch.equal(x, y)
+            for x, y in zip(a.keys_values(), b.keys_values()):
+                assert torch.equal(x, y)
+            assert a.nbytes == b.nbytes and a.length == b.length
+        new = torch.randn(2, 1, 16, generator=generator)  # a decode step: one token each
+        for a, b in zip(alone, together):
+            a.append(new, -new)
+            b.append(new, -new)
+    assert sum(s.k.block is not None for s in together) >= 3  # most rows encoded some slots
+
+
 def test_a_channel_group_keeps_its_bytes_until_every_slot_is_evicted():
     store = _store(KIVI)
     x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(4))

@@ -378,8 +378,8 @@ class ScoringState:
         ``[kv_heads, tokens]``; ``None`` for ``attention == "none"``.
     layer_idx, num_layers : int
         Which layer this is, for layer-dependent budgets.
-    seed : int or torch.Tensor
-        Per-sequence seed for the ``random`` control (``[rows]`` for a batch: see ``batch_scores``).
+    seed : int or tuple of int
+        Per-sequence seed for the ``random`` control (one per row for a batch: see ``batch_scores``).
     model : PreTrainedModel or None
         The model the cache serves, for policies calibrated per model (``duo``).
 
@@ -393,7 +393,7 @@ class ScoringState:
     attention: "torch.Tensor | None"
     layer_idx: int
     num_layers: int
-    seed: "int | torch.Tensor" = 0
+    seed: "int | tuple[int, ...]" = 0
     model: object = None
 
 

@@ -45,9 +45,8 @@ class RandomPolicy(RatioSelectionPolicy):
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         positions = state.positions  # [..., heads, tokens], -1 on padding
-        seeds = state.seed.tolist() if isinstance(state.seed, torch.Tensor) else state.seed
-        rows, heads = _row_and_head_hashes(self.seed, tuple(seeds) if isinstance(seeds, list) else seeds,
-                                           state.layer_idx, positions.shape[-2], positions.dim(), positions.device)
+        rows, heads = _row_and_head_hashes(self.seed, state.seed, state.layer_idx, positions.shape[-2], positions.dim(),
+                                           positions.device)
         step = _mix(rows ^ (positions.amax(dim=(-2, -1), keepdim=True) & _LOW32))  # the newest position held
         hashed = _mix(_mix(heads ^ (positions & _LOW32)) ^ step)
         return hashed.double() / 2**32  # float64: every 32-bit hash apart, so no ties

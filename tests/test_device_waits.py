@@ -1,0 +1,134 @@
+"""A batch costs a GPU no work per row: the prefill's tokens reach the cache for the whole batch at once, and no
+forward makes the host wait for the device once per row.
+
+On a GPU a boolean index (``nonzero``), ``int(t)`` or ``tolist`` waits for every kernel queued before it; once per
+row and layer, a batch of 32 runs at the host's pace. The counts (:mod:`kveval.device_waits`) are exact on a CPU.
+The packed prefill (:meth:`BatchBuffer.packed`) must hold the bits that appending row by row held.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_runs import fingerprint, random_prompts
+from tiny_models import Tok, tiny_gemma3, tiny_llama
+
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
+from kveval.cache_layers import CompressedLayer
+from kveval.device_waits import OpCounter
+from kveval.generation import generate
+from kveval.storage import DenseStore
+
+#: Contexts of three lengths and questions of two: every batch of three or more is left-padded in both forwards.
+SIZES = [(41, 4), (52, 6), (23, 4), (35, 6), (27, 4), (44, 4)]
+#: Policies whose rows hold dense stores (packed at the prefill), and policies whose stores encode (row by row).
+DENSE = ["none", "window(size=16)", "h2o(ratio=0.5,decode_budget=20)", "snapkv(ratio=0.5)", "random(ratio=0.5)",
+         "tova(ratio=0.5,decode_budget=20)"]
+ENCODED = ["kivi(bits=2,group=4,residual=4)", "snapkv(ratio=0.5)+quant(bits=4,group=8)", "lowrank(rank=8)",
+           "h2o(ratio=0.5,adaptive=true,decode_budget=20)"]
+
+
+def test_real_runs_reads_each_rows_contiguous_columns():
+    real = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 0, 1, 0],
+                         [0, 0, 0, 0, 1]], dtype=torch.bool)
+    counts, columns = real_runs(real)
+    assert counts == [3, 5, 0, 2, 2, 1]
+    assert columns == [slice(2, 5), slice(0, 5), slice(0, 0), slice(0, 2), None, slice(4, 5)]
+    assert real_runs(torch.ones(2, 0, dtype=torch.bool)) == ([0, 0], [slice(0, 0)] * 2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_a_packed_buffer_holds_the_bits_of_rows_written_one_by_one(kv_dtype):
+    """Rows of every kind of run (left-, right- and un-padded, empty) from keys in a transposed layout, as a
+    model's projections give them: the same buffer, stores and positions as a store per row and ``write_row``."""
+    batch, heads, q, dim = 5, 3, 9, 4
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(batch, q, heads, dim, generator=generator).transpose(1, 2)
+    values = torch.randn(batch, q, heads, dim + 2, generator=generator).transpose(1, 2)
+    positions = torch.arange(q).expand(batch, -1) + torch.tensor([0, 7, 3, 0, 11])[:, None]
+    columns = [slice(5, 9), slice(0, 9), slice(9, 9), slice(0, 3), slice(2, 8)]
+    packed, stored_keys, stored_values, held = BatchBuffer.packed(keys, values, positions, columns, kv_dtype)
+
+    rowwise = BatchBuffer(batch, heads, dim, dim + 2, keys.dtype, keys.device)
+    for b, c in enumerate(columns):
+        store = DenseStore(kv_dtype, keys.dtype)
+        store.append(keys[b][:, c], values[b][:, c])
+        n = store.length
+        if n:
+            rowwise.write_row(b, 0, *store.keys_values(), positions[b, c].expand(heads, -1))
+            assert torch.equal(stored_keys[b, :, :n], store.keys) and torch.equal(stored_values[b, :, :n], store.values)
+            assert torch.equal(held[b, :, :n], positions[b, c].expand(heads, -1))
+    assert packed.lengths == rowwise.lengths == [4, 9, 0, 3, 6] and packed.width == rowwise.width == 9
+    for got, expected in zip(packed.views(), rowwise.views()):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert stored_keys.dtype == kv_dtype and bool((held[2] == PAD_POSITION).all()) and bool((stored_keys[2] == 0).all())
+    assert packed.capacity >= packed.width + 64  # room to grow: the question and the decode steps append in place
+
+
+def _generate(model, spec, monkeypatch, packed=True, eos=None, mode="context", sizes=SIZES):
+    """Fingerprints of one batch of ``sizes`` prompts; ``packed=False`` appends the prefill row by row."""
+    taken = []
+    original = CompressedLayer._pack_first_tokens
+
+    def counted(self, *args):
+        taken.append(original(self, *args))
+        return taken[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CompressedLayer, "_pack_first_tokens", counted if packed else lambda self, *args: False)
+        model.generation_config.eos_token_id = eos
+        try:
+            results = generate(model, Tok(), random_prompts(sizes, seed=3), spec, max_new_tokens=6,
+                               batch_size=len(sizes), mode=mode)
+        finally:
+            model.generation_config.eos_token_id = None
+    # Every layer's prefill was packed where the rows hold dense stores, none where they encode.
+    assert not packed or (len(taken) == model.config.num_hidden_layers and set(taken) == {spec in DENSE})
+    return [fingerprint(r) for r in results]
+
+
+@pytest.mark.parametrize("spec", DENSE + ENCODED)
+def test_a_packed_prefill_gives_the_bits_of_appending_row_by_row(spec, monkeypatch):
+    """Tokens, log-probabilities, bytes and kept tokens, in both modes, and with an EOS that ends rows at
+    different steps. Stores that encode (quantized, low-rank, per-head) append row by row either way."""
+    model = tiny_llama()
+    free = _generate(model, spec, monkeypatch, mode="query")
+    eos = next(t for t in sorted({t for row in free for t in row[1][1:]}) if 1 <= sum(t in row[1] for row in free) < len(free))
+    for kwargs in ({}, {"mode": "query"}, {"eos": eos, "mode": "query"}):
+        assert _generate(model, spec, monkeypatch, **kwargs) == _generate(model, spec, monkeypatch, packed=False, **kwargs)
+
+
+def test_a_packed_prefill_of_sliding_layers_gives_the_bits_of_appending_row_by_row(monkeypatch):
+    model = tiny_gemma3()  # contexts longer than its window of 16: the sliding layers trim after the prefill
+    for spec in ("none", "snapkv(ratio=0.5)"):
+        assert _generate(model, spec, monkeypatch) == _generate(model, spec, monkeypatch, packed=False)
+
+
+def _phases(model, spec: str, sizes) -> list:
+    """Counts per forward of a second, warm run (tensors made once per shape are made by the first)."""
+    for _ in range(2):
+        with OpCounter(model) as counter:
+            generate(model, Tok(), random_prompts(sizes, seed=3), spec, max_new_tokens=5, batch_size=len(sizes))
+    return counter.phases()
+
+
+@pytest.mark.parametrize("spec", ["none", "window(size=16)", "h2o(ratio=0.5,decode_budget=20)",
+                                  "kivi(bits=2,group=4,residual=4)", "quant(bits=8,group=8)"])
+def test_a_batch_makes_no_device_wait_and_launches_no_kernel_per_row(spec):
+    """Twice the rows (the same three prompt lengths, twice): the same host waits and uploads in every forward
+    (the prefill, the question, each decode step), and the same kernels in the decode steps, and for ``none`` in
+    the prefill and the question too. Compression still selects and encodes row by row at the prefill's end, and
+    the question's forward rewrites the rows it changed in the batch buffer. The last phase runs to the end:
+    every row's store catches up with the steps done on the buffer, row by row. Before the prefill was packed,
+    each row of each layer cost three boolean indexes (a wait each) and about ten kernels, and each decode step
+    read every row's token and log-probability from the device one by one."""
+    model = tiny_llama()
+    three, six = _phases(model, spec, SIZES[:3]), _phases(model, spec, SIZES[:3] * 2)
+    assert len(three) == len(six) == 6  # prefill, question, four decode steps (the last one to the end)
+    layers = model.config.num_hidden_layers
+    for phase, (a, b) in enumerate(zip(three, six)):
+        assert b["waits"] == a["waits"] and b["uploads"] == a["uploads"], (phase, a, b)
+        if spec == "none" and phase < 5:
+            assert b["ops"] == a["ops"], (phase, a, b)
+        elif 1 < phase < 5:  # less than a kernel per added row and layer (a residual's aged slots may group apart)
+            assert b["ops"] - a["ops"] < 3 * layers, (phase, a, b)
