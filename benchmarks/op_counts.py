@@ -46,7 +46,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--batch", action="append", type=int, default=None, help="repeat; default 1, 8, 32")
-    parser.add_argument("--policy", action="append", default=None, help="kveval policies (default: none)")
+    parser.add_argument("--policy", action="append", default=None,
+                        help="kveval policies (default: none); a spec ending in ' [codes]' holds quantized layers as "
+                             "codes, the default on CUDA")
     parser.add_argument("--mixed-lengths", action="store_true", help="prompts of 4 lengths (left-padded batches)")
     args = parser.parse_args()
 
@@ -57,7 +59,7 @@ def main() -> None:
     from kveval.models import load_model
     from kveval.probes import encode_item, generate_items
 
-    from throughput import _hf_generate
+    from throughput import _decode_mode, _hf_generate
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
@@ -81,8 +83,10 @@ def main() -> None:
         print(_row("transformers decode step", phases[1:-1], batch))
         print(_row("transformers last step+end", phases[-1:], batch))
         for policy in args.policy or ["none"]:
+            spec, decode_mode = _decode_mode(policy)
             with OpCounter(model) as ours:
-                generate(model, tokenizer, chosen, policy, max_new_tokens=args.new_tokens, batch_size=batch)
+                generate(model, tokenizer, chosen, spec, max_new_tokens=args.new_tokens, batch_size=batch,
+                         quantized_decode=decode_mode)
             phases = ours.phases()
             print(_row(f"{policy} prefill", phases[:1], batch))
             print(_row(f"{policy} question", phases[1:2], batch))

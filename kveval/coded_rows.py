@@ -35,11 +35,12 @@ batched seal writes the codes the row's own sequence would write, bit for bit.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 
-from kveval.batch_buffer import take_slots
+from kveval.batch_buffer import slot_range, slot_rows, take_slots, uploaded
 from kveval.errors import UsageError
 from kveval.quantization import FP8_FORMATS, QuantizedBlock, dequantize_into
 from kveval.storage import QuantizedSequence, encode
@@ -218,10 +219,10 @@ class CodedRows:
         starts = [self.starts[b] for b in rows]
         if len(set(starts)) == 1 and starts[0] + count <= self.tail.shape[2]:
             held = self.tail[:, :, starts[0]:starts[0] + count]
-            return held if len(rows) == self.batch else held[torch.tensor(rows, device=held.device)]
+            return held if len(rows) == self.batch else held[uploaded(tuple(rows), held.device)]
         device = self.tail.device
-        source = (torch.tensor(starts, device=device)[:, None] + torch.arange(count, device=device)).clamp(max=self.tail.shape[2] - 1)
-        return take_slots(self.tail[torch.tensor(rows, device=device)], source[:, None, :].expand(-1, self.heads, -1))
+        source = (uploaded(tuple(starts), device)[:, None] + slot_range(count, device)).clamp(max=self.tail.shape[2] - 1)
+        return take_slots(self.tail[uploaded(tuple(rows), device)], source[:, None, :].expand(-1, self.heads, -1))
 
     # --- decode step ------------------------------------------------------------------------
     def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int]) -> None:
@@ -235,9 +236,20 @@ class CodedRows:
         ends = [s + t for s, t in zip(self.starts, self.tails)]
         if all(c == q for c in counts) and len(set(ends)) == 1:  # one slice write for every row
             self.tail[:, :, ends[0]:ends[0] + q] = x
+        elif q == 1:
+            # A decode step over rows of different lengths, or with finished rows: each real token to its row's next
+            # tail slot, by one flat index per (row, head) made on the host (a boolean one calls nonzero, which on a
+            # GPU waits for the device, per layer and step).
+            rows = tuple(b for b, c in enumerate(counts) if c)
+            if rows:
+                ends = uploaded(tuple(ends), x.device)[:, None, None].expand(self.batch, self.heads, 1)
+                slots = slot_rows(self.tail, ends).view(self.batch, self.heads)  # [B, H]: rows of the flat tail
+                if len(rows) < self.batch:
+                    picked = uploaded(rows, x.device)
+                    slots, x = slots.index_select(0, picked), x.index_select(0, picked)
+                self.tail.view(-1, self.dim).index_copy_(0, slots.reshape(-1), x.reshape(-1, self.dim).to(self.tail.dtype))
         else:
-            ends = torch.tensor(ends, device=x.device)
-            slot = ends[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
+            slot = uploaded(tuple(ends), x.device)[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
             rows, columns = real.nonzero(as_tuple=True)
             self.tail[rows, :, slot[rows, columns]] = x[rows, :, columns]
         self.tails = [t + c for t, c in zip(self.tails, counts)]
@@ -274,8 +286,8 @@ class CodedRows:
             if len(rows) == self.batch and len(set(firsts)) == 1:  # every row's next units are the same: a slice
                 held[:, :, firsts[0]:firsts[0] + n] = part
             else:
-                index = torch.tensor(rows, device=held.device)[:, None]
-                slots = torch.tensor(firsts, device=held.device)[:, None] + torch.arange(n, device=held.device)
+                index = uploaded(tuple(rows), held.device)[:, None]
+                slots = uploaded(tuple(firsts), held.device)[:, None] + slot_range(n, held.device)
                 held[index, :, slots] = part.transpose(1, 2)  # advanced indices first: [rows, n, H, ...]
 
     # --- one row, as its QuantizedSequence holds it -----------------------------------------------
@@ -321,8 +333,8 @@ class CodedRows:
         self._read_tails(view, dtype)
         shortest = min(lengths)
         if shortest < width:  # padding: slots at or past a row's length
-            slots = torch.arange(shortest, width, device=view.device)
-            padding = slots >= torch.tensor(lengths, device=view.device)[:, None]  # [B, width - shortest]
+            slots = slot_range(width, view.device)[shortest:]
+            padding = slots >= uploaded(tuple(lengths), view.device)[:, None]  # [B, width - shortest]
             view[:, :, shortest:].masked_fill_(padding[:, None, :, None], 0)
         return view
 
@@ -335,12 +347,18 @@ class CodedRows:
         if len(set(firsts)) == 1:  # every tail goes to the same slot: one write (a shorter tail's spare slots are padding)
             view[:, :, firsts[0]:firsts[0] + longest].copy_(self._tail_slots(longest))  # converted as it is copied
             return
-        tails = torch.tensor(self.tails)  # index maths on the CPU from known lengths: no device sync
-        rows, columns = (torch.arange(longest) < tails[:, None]).nonzero(as_tuple=True)
-        slots = torch.tensor(firsts)[rows] + columns
-        sources = torch.tensor(self.starts)[rows] + columns
-        rows, slots, sources = (t.to(view.device) for t in (rows, slots, sources))
+        rows, slots, sources = _tail_reads(tuple(self.tails), tuple(firsts), tuple(self.starts), view.device)
         view[rows, :, slots] = self.tail[rows, :, sources].to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_reads(tails: tuple[int, ...], firsts: tuple[int, ...], starts: tuple[int, ...], device: torch.device):
+    """``(rows, slots, sources)`` on ``device`` (never written to): for each row ``b``, its ``tails[b]`` tail slots
+    from ``starts[b]`` go to slots ``firsts[b]`` onwards. Index maths on the host from known lengths (no device
+    sync), made once for every layer and side that reads the same lengths."""
+    longest = max(tails)
+    rows, columns = (torch.arange(longest) < torch.tensor(tails)[:, None]).nonzero(as_tuple=True)
+    return tuple(t.to(device) for t in (rows, torch.tensor(firsts)[rows] + columns, torch.tensor(starts)[rows] + columns))
 
 
 class SharedScratch:

@@ -17,6 +17,7 @@ from kveval.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
 from kveval.cache_layers import CompressedLayer
 from kveval.device_waits import OpCounter
 from kveval.generation import generate
+from kveval.policies import parse_policy
 from kveval.storage import DenseStore
 
 #: Contexts of three lengths and questions of two: every batch of three or more is left-padded in both forwards.
@@ -104,31 +105,39 @@ def test_a_packed_prefill_of_sliding_layers_gives_the_bits_of_appending_row_by_r
         assert _generate(model, spec, monkeypatch) == _generate(model, spec, monkeypatch, packed=False)
 
 
-def _phases(model, spec: str, sizes) -> list:
+def _phases(model, spec: str, sizes, quantized_decode: str = "auto") -> list:
     """Counts per forward of a second, warm run (tensors made once per shape are made by the first)."""
     for _ in range(2):
         with OpCounter(model) as counter:
-            generate(model, Tok(), random_prompts(sizes, seed=3), spec, max_new_tokens=5, batch_size=len(sizes))
+            generate(model, Tok(), random_prompts(sizes, seed=3), spec, max_new_tokens=5, batch_size=len(sizes),
+                     quantized_decode=quantized_decode)
     return counter.phases()
 
 
-@pytest.mark.parametrize("spec", ["none", "window(size=16)", "h2o(ratio=0.5,decode_budget=20)",
-                                  "kivi(bits=2,group=4,residual=4)", "quant(bits=8,group=8)"])
-def test_a_batch_makes_no_device_wait_and_launches_no_kernel_per_row(spec):
+@pytest.mark.parametrize("spec, quantized_decode", [("none", "auto"), ("window(size=16)", "auto"),
+                                                    ("h2o(ratio=0.5,decode_budget=20)", "auto"),
+                                                    ("kivi(bits=2,group=4,residual=4)", "buffer"),
+                                                    ("kivi(bits=2,group=4,residual=4)", "codes"),
+                                                    ("quant(bits=8,group=8)", "codes")])
+def test_a_batch_makes_no_device_wait_and_launches_no_kernel_per_row(spec, quantized_decode):
     """Twice the rows (the same three prompt lengths, twice): the same host waits and uploads in every forward
     (the prefill, the question, each decode step), and the same kernels in the decode steps, and for ``none`` in
     the prefill and the question too. Compression still selects and encodes row by row at the prefill's end, and
     the question's forward rewrites the rows it changed in the batch buffer. The last phase runs to the end:
     every row's store catches up with the steps done on the buffer, row by row. Before the prefill was packed,
     each row of each layer cost three boolean indexes (a wait each) and about ten kernels, and each decode step
-    read every row's token and log-probability from the device one by one."""
+    read every row's token and log-probability from the device one by one. Quantized layers held as codes (the
+    default on CUDA) write a step's tokens at each row's own tail slot by an index made on the host."""
     model = tiny_llama()
-    three, six = _phases(model, spec, SIZES[:3]), _phases(model, spec, SIZES[:3] * 2)
+    three, six = (_phases(model, spec, sizes, quantized_decode) for sizes in (SIZES[:3], SIZES[:3] * 2))
     assert len(three) == len(six) == 6  # prefill, question, four decode steps (the last one to the end)
     layers = model.config.num_hidden_layers
+    evicts = None if parse_policy(spec).selection is None else parse_policy(spec).selection.decode_budget
     for phase, (a, b) in enumerate(zip(three, six)):
         assert b["waits"] == a["waits"] and b["uploads"] == a["uploads"], (phase, a, b)
         if spec == "none" and phase < 5:
             assert b["ops"] == a["ops"], (phase, a, b)
         elif 1 < phase < 5:  # less than a kernel per added row and layer (a residual's aged slots may group apart)
             assert b["ops"] - a["ops"] < 3 * layers, (phase, a, b)
+        if 1 < phase < 5 and evicts is None:  # a step that evicts nothing reads the device once: the new tokens
+            assert b["waits"] == 1, (phase, b)
