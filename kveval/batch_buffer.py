@@ -88,6 +88,18 @@ def real_runs(real: torch.Tensor) -> tuple[list[int], list[slice | None]]:
     return counts, [slice(f, f + n) if n == 0 or s == n else None for n, f, s in zip(counts, first, span)]
 
 
+@functools.lru_cache(maxsize=64)
+def run_targets(runs: tuple[tuple[int, int], ...], ends: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Where a forward's real tokens go, for rows whose real tokens are the contiguous input columns
+    ``[start, stop)`` of ``runs[b]``: each token's row, its column and its slot (row ``b``'s from ``ends[b]`` on),
+    row by row, as ``real.nonzero(as_tuple=True)`` orders them. Made on the host once per distinct runs and ends,
+    for every layer that appends the same (never written to); ``nonzero`` would make a GPU's host wait, per layer."""
+    rows = [b for b, (start, stop) in enumerate(runs) for _ in range(start, stop)]
+    columns = [j for start, stop in runs for j in range(start, stop)]
+    slots = [ends[b] + j for b, (start, stop) in enumerate(runs) for j in range(stop - start)]
+    return tuple(torch.tensor(values, dtype=torch.long).to(device) for values in (rows, columns, slots))
+
+
 @functools.lru_cache(maxsize=256)
 def uploaded(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``torch.tensor(values)`` on ``device``, made once per distinct tuple (never written to). Each layer of a
@@ -237,12 +249,13 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, real: torch.Tensor,
-               counts: list[int]) -> None:
+               counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None) -> None:
         """Append the real tokens of ``keys``/``values`` (``[B, H, q, D]``, any float dtype: converted to the
         buffer's as they are written) after each row's last slot, in one write.
 
         ``positions`` is ``[B, q]`` (the tokens' original positions), ``real`` the ``[B, q]`` mask of real tokens
-        and ``counts`` its row sums (known to the caller without a device sync). Once the values are released,
+        and ``counts`` its row sums (known to the caller without a device sync); ``runs``, where the caller knows
+        them, each row's real columns ``[start, stop)`` (:func:`run_targets`). Once the values are released,
         ``keys``/``values`` are ignored (pass ``None``): only positions and lengths advance.
         """
         q = positions.shape[1]
@@ -272,10 +285,13 @@ class BatchBuffer:
                 self.attention.view(-1).index_fill_(0, slots, 0)
         else:
             self.reserve(max(n + c for n, c in zip(self.lengths, counts)))
-            lengths = uploaded(tuple(self.lengths), positions.device)
-            slot = lengths[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
-            rows, columns = real.nonzero(as_tuple=True)
-            slots = slot[rows, columns]
+            if runs is not None:
+                rows, columns, slots = run_targets(runs, tuple(self.lengths), positions.device)
+            else:
+                lengths = uploaded(tuple(self.lengths), positions.device)
+                slot = lengths[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
+                rows, columns = real.nonzero(as_tuple=True)
+                slots = slot[rows, columns]
             if held:  # an indexed write takes the buffer's dtype only
                 self.keys[rows, :, slots] = keys[rows, :, columns].to(self.keys.dtype)
                 self.values[rows, :, slots] = values[rows, :, columns].to(self.values.dtype)
@@ -286,4 +302,4 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "real_runs", "slot_range", "uploaded", "slot_rows", "take_rows", "take_slots"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "real_runs", "run_targets", "slot_range", "uploaded", "slot_rows", "take_rows", "take_slots"]

@@ -269,8 +269,9 @@ class BufferedDecode:
         return self.eviction.apply(buffer)
 
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               real: torch.Tensor, counts: list[int]) -> None:
-        """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``."""
+               real: torch.Tensor, counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None) -> None:
+        """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``
+        (``runs``: each row's real columns ``[start, stop)``, where known: :func:`~kveval.batch_buffer.run_targets`)."""
         if self.coefficients is not None:
             coefficients, keys, values = self.coefficients.step(keys, values, self.kv_dtype, positions, real, counts)
             self.pending.append((coefficients, positions, real))
@@ -281,12 +282,12 @@ class BufferedDecode:
             keys, values = keys.to(self.kv_dtype), values.to(self.kv_dtype)
         if self.coded is not None:
             self.pending.append((None, None, positions, real))
-            buffer.append(None, None, positions, real, counts)
+            buffer.append(None, None, positions, real, counts, runs)
             for side, x in zip(self.coded, (keys, values)):
-                side.append(x, real, counts)
+                side.append(x, real, counts, runs)
             return
         self.pending.append((keys, values, positions, real))
-        buffer.append(keys, values, positions, real, counts)  # converted to the buffer's dtype as they are written
+        buffer.append(keys, values, positions, real, counts, runs)  # converted to the buffer's dtype as they are written
         lengths = buffer.lengths
         if self.per_head:  # each (row, head) its own residual window: [B * H, 1, slots, D] views, heads ending together
             heads = buffer.keys.shape[1]

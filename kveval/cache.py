@@ -247,6 +247,14 @@ class CompressedCache(Cache):
             return [q_len] * batch, True
         return self._input_counts, all(n == q_len for n in self._input_counts)
 
+    def input_runs(self, batch: int, q_len: int) -> "tuple[tuple[int, int], ...] | None":
+        """Every row's real input columns ``[start, stop)`` in the next forward (host-known: no device sync), or
+        ``None`` where some row's are not contiguous."""
+        if self._input_mask is None:
+            return ((0, q_len),) * batch
+        columns = self._input_columns
+        return None if any(c is None for c in columns) else tuple((c.start, c.stop) for c in columns)
+
     def real_columns(self, b: int) -> "slice | torch.Tensor":
         """The columns of row ``b``'s real tokens in the next forward: a slice (a view, no device sync) where they
         are contiguous, as in the left-padded batches of :mod:`kveval.generation`, else the row's boolean mask."""

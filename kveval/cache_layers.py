@@ -222,7 +222,8 @@ class CompressedLayer(CacheLayerMixin):
         self._buffer_only_step = self._can_decode_on_buffer(kwargs)
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.
-            self._decode.append(self._buffer, key_states, value_states, positions, real, counts)
+            runs = self.cache.input_runs(batch, q_len)
+            self._decode.append(self._buffer, key_states, value_states, positions, real, counts, runs)
             if self._decode.due:
                 self._decode.catch_up(self._rows, self._buffer)
                 self._share_dense_storage()

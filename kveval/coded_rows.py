@@ -40,7 +40,7 @@ from dataclasses import replace
 
 import torch
 
-from kveval.batch_buffer import slot_range, slot_rows, take_slots, uploaded
+from kveval.batch_buffer import run_targets, slot_range, slot_rows, take_slots, uploaded
 from kveval.errors import UsageError
 from kveval.quantization import FP8_FORMATS, QuantizedBlock, dequantize_into
 from kveval.storage import QuantizedSequence, encode
@@ -225,11 +225,13 @@ class CodedRows:
         return take_slots(self.tail[uploaded(tuple(rows), device)], source[:, None, :].expand(-1, self.heads, -1))
 
     # --- decode step ------------------------------------------------------------------------
-    def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int]) -> None:
+    def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None) -> None:
         """Append each row's real tokens, then seal what aged out of the residual window, as ``QuantizedSequence``.
 
         ``x`` is ``[B, H, q, D]`` in ``kv_dtype``; ``real`` the ``[B, q]`` bool mask of real tokens (the others are
-        dropped, e.g. a row that has finished); ``counts`` its row sums, known to the caller without a device sync.
+        dropped, e.g. a row that has finished); ``counts`` its row sums, known to the caller without a device sync;
+        ``runs`` each row's real columns ``[start, stop)``, where the caller knows them
+        (:func:`~kveval.batch_buffer.run_targets`).
         """
         q = x.shape[2]
         self._make_tail_room(counts)
@@ -248,6 +250,9 @@ class CodedRows:
                     picked = uploaded(rows, x.device)
                     slots, x = slots.index_select(0, picked), x.index_select(0, picked)
                 self.tail.view(-1, self.dim).index_copy_(0, slots.reshape(-1), x.reshape(-1, self.dim).to(self.tail.dtype))
+        elif runs is not None:
+            rows, columns, slots = run_targets(runs, tuple(ends), x.device)
+            self.tail[rows, :, slots] = x[rows, :, columns]
         else:
             slot = uploaded(tuple(ends), x.device)[:, None] + real.long().cumsum(dim=1) - 1  # [B, q]: where each real token goes
             rows, columns = real.nonzero(as_tuple=True)
