@@ -149,18 +149,18 @@ class BatchBuffer:
         self.grown = False  # set when a write reallocated (views of the old tensors no longer alias)
 
     @classmethod
-    def packed(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, columns: list[slice],
+    def packed(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, runs: tuple[tuple[int, int], ...],
                kv_dtype: torch.dtype) -> tuple["BatchBuffer", torch.Tensor, torch.Tensor, torch.Tensor]:
         """A buffer of the first tokens of every row, built for the whole batch at once (no loop over rows).
 
-        Row ``b`` takes the input columns ``columns[b]`` of ``keys``/``values`` (``[B, H, q, D]``, the compute
+        Row ``b`` takes the input columns ``[start, stop)`` of ``runs[b]`` of ``keys``/``values`` (``[B, H, q, D]``, the compute
         dtype) at ``positions`` (``[B, q]``), rounded through ``kv_dtype`` as a store holds them. Returns the
         buffer, and the packed ``[B, H, width, D]`` keys and values in ``kv_dtype`` and ``[B, H, width]``
-        positions (row ``b``: its first ``len(columns[b])`` slots, zeros and :data:`PAD_POSITION` after), of which
+        positions (row ``b``: its first ``stop - start`` slots, zeros and :data:`PAD_POSITION` after), of which
         the rows' stores and positions may hold views. The same tensors, bit for bit, as appending each row's
         tokens to a store and writing them row by row (:meth:`write_row`)."""
         batch, heads, q = keys.shape[:3]
-        counts = [c.stop - c.start for c in columns]
+        counts = [stop - start for start, stop in runs]
         width, device = max(counts), keys.device
 
         def stored(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ class BatchBuffer:
         if all(n == q for n in counts):  # no padding: every column of every row
             stored_keys, stored_values, held = stored(keys), stored(values), positions
         else:
-            index = (uploaded(tuple(c.start for c in columns), device)[:, None] + slot_range(width, device)).clamp_(max=q - 1)
+            index = (uploaded(tuple(start for start, _ in runs), device)[:, None] + slot_range(width, device)).clamp_(max=q - 1)
             padding = slot_range(width, device) >= uploaded(tuple(counts), device)[:, None]  # [B, width]
 
             def gathered(x: torch.Tensor) -> torch.Tensor:
@@ -302,4 +302,5 @@ class BatchBuffer:
         self.width = max(self.lengths)
 
 
-__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "real_runs", "run_targets", "slot_range", "uploaded", "slot_rows", "take_rows", "take_slots"]
+__all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "real_runs", "run_targets", "slot_range", "slot_rows", "take_rows",
+           "take_slots", "uploaded"]

@@ -177,6 +177,7 @@ class CompressedCache(Cache):
         self._input_mask: torch.Tensor | None = None
         self._input_counts: list[int] | None = None
         self._input_columns: list[slice | None] | None = None  # per row: its real columns, when contiguous
+        self._input_runs: tuple[tuple[int, int], ...] | None = None  # every row's, when all are contiguous
         self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
         #: Decode budgets of the current forward's layers, kept together after its last attention layer.
@@ -218,6 +219,8 @@ class CompressedCache(Cache):
         (it built the mask on the host); else it is read from the device, once per forward."""
         self._input_mask = None if mask is None else mask.bool()
         self._input_counts, self._input_columns = (None, None) if mask is None else runs or real_runs(self._input_mask)
+        columns = self._input_columns or []
+        self._input_runs = None if any(c is None for c in columns) else tuple((c.start, c.stop) for c in columns)
         if mask is not None:
             self._column_mask = self._input_mask if self._column_mask is None else torch.cat([self._column_mask, self._input_mask], 1)
 
@@ -252,8 +255,7 @@ class CompressedCache(Cache):
         ``None`` where some row's are not contiguous."""
         if self._input_mask is None:
             return ((0, q_len),) * batch
-        columns = self._input_columns
-        return None if any(c is None for c in columns) else tuple((c.start, c.stop) for c in columns)
+        return self._input_runs
 
     def real_columns(self, b: int) -> "slice | torch.Tensor":
         """The columns of row ``b``'s real tokens in the next forward: a slice (a view, no device sync) where they

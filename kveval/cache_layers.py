@@ -274,14 +274,10 @@ class CompressedLayer(CacheLayerMixin):
         if any(type(row.store) is not DenseStore or row.store.length or row.positions.shape[1] or row.compressed
                for row in rows):
             return False
-        columns = [self.cache.real_columns(b) for b in range(len(rows))]
-        if not all(isinstance(c, slice) for c in columns):
+        runs = self.cache.input_runs(len(rows), keys.shape[2])
+        if runs is None or all(start == stop for start, stop in runs):
             return False
-        q = keys.shape[2]
-        columns = [slice(*c.indices(q)[:2]) for c in columns]
-        if all(c.start == c.stop for c in columns):
-            return False
-        buffer, stored_keys, stored_values, held = BatchBuffer.packed(keys, values, positions, columns, self.cache.kv_dtype)
+        buffer, stored_keys, stored_values, held = BatchBuffer.packed(keys, values, positions, runs, self.cache.kv_dtype)
         for b, (row, n) in enumerate(zip(rows, buffer.lengths)):
             if n:  # a row of padding alone holds nothing, as when it appends nothing
                 row.store.hold(stored_keys[b, :, :n], stored_values[b, :, :n])

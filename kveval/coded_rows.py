@@ -35,7 +35,6 @@ batched seal writes the codes the row's own sequence would write, bit for bit.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
@@ -352,18 +351,11 @@ class CodedRows:
         if len(set(firsts)) == 1:  # every tail goes to the same slot: one write (a shorter tail's spare slots are padding)
             view[:, :, firsts[0]:firsts[0] + longest].copy_(self._tail_slots(longest))  # converted as it is copied
             return
-        rows, slots, sources = _tail_reads(tuple(self.tails), tuple(firsts), tuple(self.starts), view.device)
+        # Row b's tail slots [start, start + tail) go to slots firsts[b] onwards: index maths on the host, made once
+        # for every layer and side that reads the same lengths.
+        runs = tuple((start, start + tail) for start, tail in zip(self.starts, self.tails))
+        rows, sources, slots = run_targets(runs, tuple(firsts), view.device)
         view[rows, :, slots] = self.tail[rows, :, sources].to(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _tail_reads(tails: tuple[int, ...], firsts: tuple[int, ...], starts: tuple[int, ...], device: torch.device):
-    """``(rows, slots, sources)`` on ``device`` (never written to): for each row ``b``, its ``tails[b]`` tail slots
-    from ``starts[b]`` go to slots ``firsts[b]`` onwards. Index maths on the host from known lengths (no device
-    sync), made once for every layer and side that reads the same lengths."""
-    longest = max(tails)
-    rows, columns = (torch.arange(longest) < torch.tensor(tails)[:, None]).nonzero(as_tuple=True)
-    return tuple(t.to(device) for t in (rows, torch.tensor(firsts)[rows] + columns, torch.tensor(starts)[rows] + columns))
 
 
 class SharedScratch:

@@ -47,11 +47,12 @@ def test_a_packed_buffer_holds_the_bits_of_rows_written_one_by_one(kv_dtype):
     keys = torch.randn(batch, q, heads, dim, generator=generator).transpose(1, 2)
     values = torch.randn(batch, q, heads, dim + 2, generator=generator).transpose(1, 2)
     positions = torch.arange(q).expand(batch, -1) + torch.tensor([0, 7, 3, 0, 11])[:, None]
-    columns = [slice(5, 9), slice(0, 9), slice(9, 9), slice(0, 3), slice(2, 8)]
-    packed, stored_keys, stored_values, held = BatchBuffer.packed(keys, values, positions, columns, kv_dtype)
+    runs = ((5, 9), (0, 9), (9, 9), (0, 3), (2, 8))
+    packed, stored_keys, stored_values, held = BatchBuffer.packed(keys, values, positions, runs, kv_dtype)
 
     rowwise = BatchBuffer(batch, heads, dim, dim + 2, keys.dtype, keys.device)
-    for b, c in enumerate(columns):
+    for b, (start, stop) in enumerate(runs):
+        c = slice(start, stop)
         store = DenseStore(kv_dtype, keys.dtype)
         store.append(keys[b][:, c], values[b][:, c])
         n = store.length
