@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kveval.architectures import attention_kernel
+from kveval.block_probabilities import AttentionProbabilities
 
 ATTENTION_NAME = "kveval"
 
@@ -37,7 +38,8 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
     kernel = attention_kernel(module, kwargs)
     output = kernel.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if layer is not None:
-        layer.after_attention(query, key, partial(kernel.probabilities, module, scaling=scaling, kwargs=kwargs))
+        probabilities = partial(kernel.probabilities, module, scaling=scaling, kwargs=kwargs)
+        layer.after_attention(query, key, AttentionProbabilities(probabilities, kernel.slot_step(module)))
     return output, None
 
 

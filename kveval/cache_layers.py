@@ -19,7 +19,7 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 from kveval.architectures import every_slot_visible
 from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
 from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
-from kveval.block_probabilities import visible_probabilities
+from kveval.block_probabilities import AttentionProbabilities, visible_probabilities
 from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
@@ -147,8 +147,7 @@ class CompressedLayer(CacheLayerMixin):
         rows = self._rows
         if self._buffer is not None and not self._buffer.holds_values:  # it held codes' positions only: rebuild
             self._buffer = None
-        if self._buffer is not None and self._buffer.oversized(max(r.store.length for r in rows)):
-            self._buffer = None  # the rows now hold far fewer tokens (compressed, evicted): free the room, once
+        self._give_back_room()
         if self._buffer is None:
             keys, values = next(((k, v) for k, v in (r.store.keys_values() for r in rows) if k is not None), (None, None))
             if keys is None:
@@ -163,6 +162,27 @@ class CompressedLayer(CacheLayerMixin):
                 buffer.write_row(b, start, keys, values, row.positions[:, start:])
             row.store.mark_read()
         self._share_dense_storage()
+
+    def _settle_compressed_rows(self) -> None:
+        """Bring the buffer in step with the rows the prefill just compressed, now rather than at the next forward
+        (the question's): until then every layer would hold its prefill K/V beside the rows' compressed copy, or
+        codes, of them (on a GPU, in the decode's peak memory). Where the batch decodes on the buffer, the next
+        forward finds the refresh and the batched decode it would have started with done here, on the same rows
+        (a buffer that fits them; held as codes, no dequantized K/V); elsewhere an oversized buffer is freed, and
+        the next forward's row-by-row append builds one that fits."""
+        if self._could_batch():
+            self._refresh_buffer()
+            self._decode = self._batched_decode()
+        else:
+            self._give_back_room()
+
+    def _give_back_room(self) -> bool:
+        """Free the buffer once the rows hold far fewer tokens than its room (compressed, evicted), for one that
+        fits them (:meth:`_refresh_buffer`); whether it did."""
+        if self._buffer is not None and self._rows and self._buffer.oversized(max(r.store.length for r in self._rows)):
+            self._buffer = None
+            return True
+        return False
 
     def _share_dense_storage(self) -> None:
         """Dense rows whose ``kv_dtype`` is the compute dtype hold views of the buffer: the cache is held once."""
@@ -348,7 +368,7 @@ class CompressedLayer(CacheLayerMixin):
         return allowed
 
     # --- scoring and compression ----------------------------------------------------------------
-    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities) -> None:
+    def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities: AttentionProbabilities) -> None:
         """Called by the attention function once this layer's output is computed.
 
         ``probabilities(query, keys, allowed)`` gives the model's own attention
@@ -361,7 +381,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.layer_idx == self.cache.last_attention_layer and self.cache.evictions.pending:
             self.cache.evictions.flush()
 
-    def _score_and_compress(self, query: torch.Tensor, keys: torch.Tensor, probabilities) -> None:
+    def _score_and_compress(self, query: torch.Tensor, keys: torch.Tensor,
+                            probabilities: AttentionProbabilities) -> None:
         if self._buffer_only_step:  # the batch at once (see _batched_decode): scores, then any budget
             decode = self._decode
             mass = None if decode.accumulates is None else self._mass(query, keys, probabilities, score_key(self.selection))
@@ -396,8 +417,9 @@ class CompressedLayer(CacheLayerMixin):
         seal_rows(evicted)
         if fresh:
             self.compress_rows([rows[b] for b in fresh], [self.cache.protected(b) for b in fresh])
+            self._settle_compressed_rows()
 
-    def _observe(self, query, keys, probabilities, key: tuple) -> None:
+    def _observe(self, query, keys, probabilities: AttentionProbabilities, key: tuple) -> None:
         """Accumulate, per row, the attention mass each kept token received from the queries ``key`` names.
 
         ``key`` is a :func:`score_key`. The mass goes to ``row.attention``; in a
@@ -422,7 +444,7 @@ class CompressedLayer(CacheLayerMixin):
             if not deferred or key == own:
                 row.attention = row_mass
 
-    def _mass(self, query, keys, probabilities, key: tuple) -> torch.Tensor:
+    def _mass(self, query, keys, probabilities: AttentionProbabilities, key: tuple) -> torch.Tensor:
         """``[B, stored heads, slots]``: the attention mass each slot received from this forward's queries that
         ``key`` names, summed over them, averaged over the query heads reading each stored head (0 on padding)."""
         needs, window = key
@@ -457,8 +479,10 @@ class CompressedLayer(CacheLayerMixin):
             mass = part if mass is None else mass + part
         return mass
 
-    def scoring_state(self, row: RowState, seed: int) -> ScoringState:
-        keys, _ = row.store.keys_values()
+    def scoring_state(self, row: RowState, seed: int, reads_keys: bool = True) -> ScoringState:
+        """What a policy scores ``row`` on; its keys only where the policy may read them (``reads_keys``: else
+        ``None``, and the row's keys and values are not copied to the compute dtype for nothing)."""
+        keys = row.store.keys_values()[0] if reads_keys else None
         padding = row.padding
         positions = row.positions if padding is None else row.positions.masked_fill(padding, -1)
         return ScoringState(keys=keys, positions=positions, attention=row.attention, layer_idx=self.layer_idx,
@@ -466,7 +490,8 @@ class CompressedLayer(CacheLayerMixin):
 
     def _scores(self, row: RowState, policy) -> tuple[torch.Tensor, ScoringState]:
         """The policy's scores of ``row`` (``-inf`` on padding slots, a fresh tensor) and the state they came from."""
-        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)))
+        # Policies whose scores stack across layers read positions and attention alone (never keys).
+        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)), not policy.scores_stack_layers)
         scores = policy.scores(state).clone()
         scores = shared_by_group(scores, row.store)
         padding = row.padding

@@ -342,7 +342,7 @@ def test_sdpa_scoring_probabilities_are_the_softmax_of_the_masked_logits(heads, 
 
 @pytest.mark.parametrize("variant", ["sdpa 9/3x64", "sdpa 4/1x256", "sdpa 4/4x16", "gpt_oss", "gemma2"])
 def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant):
-    """Policies that score every prefill query (H2O, the deferred shared prefill) compute probabilities 64 queries
+    """Policies that score every prefill query (H2O, the deferred shared prefill) compute probabilities 32 queries
     at a time over the slots those queries may see; on a CPU that must equal one call over every slot, bit for bit,
     whatever the prefill's length, left padding or (after compression) slot layout, and through a model's eager
     function (gpt-oss's learned sinks, Gemma 2's softcapping) as through SDPA, else scores and so kept tokens would
@@ -352,7 +352,7 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
     from tiny_models import tiny_model
 
     from kveval.architectures import EagerKernel, SdpaKernel
-    from kveval.block_probabilities import visible_probabilities
+    from kveval.block_probabilities import SINK_SLOT_STEP, AttentionProbabilities, visible_probabilities
 
     if variant.startswith("sdpa"):  # "sdpa H/KVxD": query heads, KV heads, head width
         module, extra, kernel = None, {}, SdpaKernel()
@@ -370,6 +370,9 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
         with torch.no_grad():
             return kernel.probabilities(module, query, keys, allowed, dim ** -0.5, dict(extra))
 
+    step = kernel.slot_step(module)
+    assert step == (SINK_SLOT_STEP if variant == "gpt_oss" else 1)
+
     calls = []
     for q_len in (63, 64, 127, 128, 129, 191, 257, 300):
         batch, pad = 3, torch.tensor([0, 5, 70])
@@ -381,8 +384,8 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
         for mask in (allowed, allowed.expand(-1, heads, -1, -1) & (torch.rand(batch, heads, q_len, q_len, generator=generator) > 0.2)
                      | torch.eye(q_len, dtype=torch.bool)):
             seen = []
-            blocked = visible_probabilities(lambda q, k, a: seen.append(k.shape[2]) or probabilities(q, k, a), query, keys,
-                                            mask, slots[None, :] >= pad[:, None])
+            counted = AttentionProbabilities(lambda q, k, a: seen.append(k.shape[2]) or probabilities(q, k, a), step)
+            blocked = visible_probabilities(counted, query, keys, mask, slots[None, :] >= pad[:, None])
             every = probabilities(query, keys, mask)
             real = (slots[None, :] >= pad[:, None])[:, None, :, None]
             assert torch.equal(blocked * real, every * real), q_len  # padding queries' probabilities are weighted 0
@@ -390,8 +393,14 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
             calls.append(seen)
             # Summed over each KV head's query heads block by block (what scoring keeps): the same bits.
             by_kv_head = lambda p: p.reshape(batch, kv_heads, heads // kv_heads, *p.shape[2:]).sum(dim=2)  # noqa: E731
-            reduced = visible_probabilities(probabilities, query, keys, mask, slots[None, :] >= pad[:, None], by_kv_head)
+            reduced = visible_probabilities(AttentionProbabilities(probabilities, step), query, keys, mask,
+                                            slots[None, :] >= pad[:, None], by_kv_head)
             assert reduced.shape == (batch, kv_heads, q_len, q_len)
             assert torch.equal(reduced * real, by_kv_head(every) * real), q_len
-    # Blocks of 64 queries (the last one up to 127) over the slots their real queries see, less multiples of 64.
-    assert calls[0] == [63] and calls[-2] == [108, 172, 236, 300]  # 300 less 192, 128 and 64 trailing slots
+    # Blocks of 32 queries (the last one up to 63) over the slots their real queries see: exactly those for a
+    # softmax over the slots alone, less multiples of 64 trailing slots where a sink column follows them.
+    assert calls[0] == [63]
+    if step == 1:
+        assert calls[-2] == [32, 64, 96, 128, 160, 192, 224, 256, 300]
+    else:
+        assert calls[-2] == [44, 108, 108, 172, 172, 236, 236, 300, 300]  # 300 less 256, 192, ... trailing slots

@@ -367,8 +367,9 @@ class ScoringState:
 
     Attributes
     ----------
-    keys : torch.Tensor
-        Stored keys (dequantized), ``[kv_heads, tokens, head_dim]``, after RoPE.
+    keys : torch.Tensor or None
+        Stored keys (dequantized), ``[kv_heads, tokens, head_dim]``, after RoPE; ``None`` for a policy that
+        declares it never reads them (``scores_stack_layers``).
     positions : torch.Tensor
         Original sequence position of every stored token, ``[kv_heads, tokens]``.
     attention : torch.Tensor or None
@@ -388,7 +389,7 @@ class ScoringState:
     and whatever a policy scores them is replaced by ``-inf``.
     """
 
-    keys: "torch.Tensor"
+    keys: "torch.Tensor | None"
     positions: "torch.Tensor"
     attention: "torch.Tensor | None"
     layer_idx: int
