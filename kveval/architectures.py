@@ -241,8 +241,11 @@ def _nothing_masked(batch: int, width: int, dtype: torch.dtype, device) -> torch
     return torch.zeros(batch, 1, 1, width, dtype=dtype, device=device)
 
 
-# 0-dim host tensors, which torch.where takes beside a mask on any device as it takes numbers, without making them.
-_ZERO, _MINUS_INF = torch.tensor(0.0), torch.tensor(float("-inf"))
+@functools.lru_cache(maxsize=16)
+def _mask_addends(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0 and -inf as float32 0-dim tensors on ``device``, made once: ``torch.where`` would make tensors of numbers
+    at every call, and copies a host tensor beside a mask on a GPU to the GPU (a copy that waits)."""
+    return torch.zeros((), device=device), torch.full((), float("-inf"), device=device)
 
 
 class AttentionKernel(Protocol):
@@ -290,7 +293,7 @@ class SdpaKernel:
                 allowed = allowed.unsqueeze(2)  # [B, 1 or KV heads, 1, q, k]
             # Adding 0 or -inf: the bits of masked_fill_(~allowed, -inf) (x + 0 is x, and a -0 logit's exp is
             # a +0 one's), at a tenth of its time on a CPU, whose masked_fill_ over a broadcast mask is not vectorized.
-            logits = logits.add_(torch.where(allowed, _ZERO, _MINUS_INF))
+            logits = logits.add_(torch.where(allowed, *_mask_addends(allowed.device)))
         return torch.softmax(logits, dim=-1).view(batch, heads, q_len, k_len)
 
     def slot_step(self, module) -> int:

@@ -78,14 +78,18 @@ def visible_probabilities(probabilities: AttentionProbabilities, query: torch.Te
         return probs if reduce is None else reduce(probs)
     seen = (allowed & real.bool()[:, None, :, None]).flatten(0, 1).any(dim=0)  # [q, slots]: seen by a real query
     slots = keys.shape[2]
-    # Per query, one past the last slot a real query sees there (0 where none does): one read for every block.
-    ends = torch.where(seen, torch.arange(1, slots + 1, device=seen.device), 0).amax(dim=1).tolist()
+    # Per run of `size` queries (and the remainder), one past the last slot a real query of it sees (0 where none
+    # does): one read for every block, and an integer per run and slot, not per query and slot.
+    runs = seen[:blocks * size].view(blocks, size, slots).any(dim=1)
+    if q_len > blocks * size:
+        runs = torch.cat([runs, seen[blocks * size:].any(dim=0, keepdim=True)])
+    ends = torch.where(runs, torch.arange(1, slots + 1, device=seen.device), 0).amax(dim=1).tolist()
     step = probabilities.slot_step
     probs = None
     for start in range(0, blocks * size, size):
         # The last block takes the remainder: a matmul of a few query rows rounded differently on a CPU.
         stop = q_len if start + 2 * size > q_len else start + size
-        needed = max(ends[start:stop]) or slots
+        needed = max(ends[start // size:-(-stop // size)]) or slots
         width = slots - (slots - needed) // step * step
         block = probabilities(query[:, :, start:stop], keys[:, :, :width], allowed[:, :, start:stop, :width])
         if reduce is not None:

@@ -119,6 +119,31 @@ class CacheStats:
                 + (f", plus {self.state_bytes:,} B of linear-attention/SSM state" if self.state_bytes else ""))
 
 
+def _compact_views(row: RowState, memo: dict) -> dict:
+    """``memo`` for deep-copying ``row``, with a compact copy of each tensor of the row that views a larger one.
+
+    A row's tensors may be views of the batch's (its store's K/V of the batch buffer, its codes of the batch's
+    codes, its positions of the packed prefill's); a deep copy of a view copies the whole storage under it, so
+    each forked row would hold the whole batch. Only kveval's own objects and plain containers are walked.
+    """
+    pending, walked = [row], set()
+    while pending:
+        obj = pending.pop()
+        if id(obj) in walked or id(obj) in memo:
+            continue
+        walked.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size():
+                memo[id(obj)] = obj.clone()
+        elif isinstance(obj, dict):
+            pending.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            pending.extend(obj)
+        elif type(obj).__module__.startswith("kveval.") and hasattr(obj, "__dict__"):
+            pending.extend(vars(obj).values())
+    return memo
+
+
 class CompressedCache(Cache):
     """A ``transformers.Cache`` that applies a compression policy and measures what it holds.
 
@@ -307,7 +332,7 @@ class CompressedCache(Cache):
             for layer, rows in zip(self.attention_layers, saved):
                 layer.rows = rows
         for layer, rows in zip(clone.attention_layers, saved):
-            layer.rows = [copy.deepcopy(rows[i], dict(memo)) for i in index]
+            layer.rows = [copy.deepcopy(rows[i], _compact_views(rows[i], dict(memo))) for i in index]
         picked = torch.tensor(index, dtype=torch.long)
         for layer in clone.state_layers:
             for states in (layer.conv_states, layer.recurrent_states):

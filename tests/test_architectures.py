@@ -173,6 +173,42 @@ def test_forked_rows_continue_as_the_row_would_alone(name):
     assert fork.stats(0).kv_bytes == alone.stats().kv_bytes and fork.stats(0).state_bytes == alone.stats().state_bytes
 
 
+@pytest.mark.parametrize("spec", ["none", "snapkv(ratio=0.5)", "kivi(bits=2,group=4,residual=4)"])
+def test_a_forked_row_holds_its_own_tokens_not_the_batchs(spec):
+    """lm-eval forks each prefilled row for its continuations. A row's tensors may view the batch's (the packed
+    prefill's; the batch buffer's, where the cache is in the compute dtype; the batch's codes), and a deep copy of
+    a view copies all the storage under it: each forked row held the whole batch's K/V. It holds its own, and
+    continues as the row itself does."""
+    from kveval.generation import forward_rows
+
+    def tensors(obj, found):
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                tensors(item, found)
+        elif type(obj).__module__.startswith("kveval.") and hasattr(obj, "__dict__"):
+            for item in vars(obj).values():
+                tensors(item, found)
+        return found
+
+    model = tiny_model("llama")
+    rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist(), _ids(26, 22)[0].tolist()]
+    with torch.no_grad():
+        cache, seen = CompressedCache(model, spec, kv_dtype=torch.float32, quantized_decode="codes"), [0, 0, 0]
+        forward_rows(model, cache, rows, seen, pad_id=0)
+        fork = cache.fork_rows([1, 1])
+        viewed = [t for layer in cache.attention_layers for t in tensors(layer.rows, [])
+                  if t.untyped_storage().nbytes() > t.numel() * t.element_size()]
+        held = tensors([layer.rows for layer in fork.attention_layers], [])
+        forked = forward_rows(model, fork, [[9, 10, 11]] * 2, [seen[1]] * 2, pad_id=0, logits_to_keep=0)[0]
+        expected = forward_rows(model, cache, [[9, 10, 11]] * 3, seen, pad_id=0, logits_to_keep=0)[0]
+    assert viewed  # the batch's rows view the batch's tensors
+    assert held and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
+    for row in forked:  # the same row twice in a batch (a matrix product may round two rows apart)
+        torch.testing.assert_close(row, expected[1], atol=1e-5, rtol=1e-5)
+
+
 def _save_with_tokenizer(model, folder):
     """A model folder as a user would give it: weights, config and a (word-level) tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
