@@ -245,7 +245,8 @@ def _nothing_masked(batch: int, width: int, dtype: torch.dtype, device) -> torch
 def _mask_addends(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """0 and -inf as float32 0-dim tensors on ``device``, made once: ``torch.where`` would make tensors of numbers
     at every call, and copies a host tensor beside a mask on a GPU to the GPU (a copy that waits)."""
-    return torch.zeros((), device=device), torch.full((), float("-inf"), device=device)
+    return (torch.zeros((), dtype=torch.float32, device=device),
+            torch.full((), float("-inf"), dtype=torch.float32, device=device))
 
 
 class AttentionKernel(Protocol):

@@ -204,7 +204,7 @@ def test_a_forked_row_holds_its_own_tokens_not_the_batchs(spec):
         forked = forward_rows(model, fork, [[9, 10, 11]] * 2, [seen[1]] * 2, pad_id=0, logits_to_keep=0)[0]
         expected = forward_rows(model, cache, [[9, 10, 11]] * 3, seen, pad_id=0, logits_to_keep=0)[0]
     assert viewed  # the batch's rows view the batch's tensors
-    assert held and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
+    assert held and all(t.untyped_storage().nbytes() <= t.numel() * t.element_size() for t in held)
     for row in forked:  # the same row twice in a batch (a matrix product may round two rows apart)
         torch.testing.assert_close(row, expected[1], atol=1e-5, rtol=1e-5)
 
