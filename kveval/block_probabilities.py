@@ -4,7 +4,8 @@ Policies that score every prefill query (H2O, a deferred shared prefill) need th
 model's attention probabilities, which fused attention kernels do not return:
 :func:`visible_probabilities` computes them again, in blocks, with the bits of one
 call over every slot (see its docstring), and reduces each block as it comes so
-the whole ``[B, heads, q, slots]`` tensor is never held.
+the whole ``[B, heads, q, slots]`` tensor is never held. :func:`attention_mass` sums them into what scoring
+keeps: each slot's mass from the queries a policy asks for.
 """
 
 from __future__ import annotations
@@ -100,4 +101,34 @@ def visible_probabilities(probabilities: AttentionProbabilities, query: torch.Te
     return probs
 
 
-__all__ = ["SINK_SLOT_STEP", "AttentionProbabilities", "visible_probabilities"]
+_QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
+
+
+def attention_mass(probabilities: AttentionProbabilities, query: torch.Tensor, keys: torch.Tensor, real: torch.Tensor,
+                   all_real: bool, first: int, stored_heads: int, allowed) -> torch.Tensor:
+    """``[B, stored heads, slots]``: the attention mass each slot received from queries ``first`` onward, summed
+    over the real ones (``real``, ``[B, q]``; ``all_real``: every query is), averaged over the query heads reading
+    each stored head. ``allowed(start, stop)``: the boolean mask of queries ``start`` to ``stop`` over the slots.
+    Queries are scored :data:`_QUERY_CHUNK` at a time, each chunk through :func:`visible_probabilities`."""
+    q_len = query.shape[2]
+    groups = query.shape[1] // stored_heads
+
+    def by_stored_head(probs):
+        return probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
+
+    mass = None
+    for start in range(first, q_len, _QUERY_CHUNK):
+        stop = min(q_len, start + _QUERY_CHUNK)
+        # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
+        part = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed(start, stop),
+                                     real[:, start:stop], by_stored_head)
+        if stop - start == 1:  # a decode step: the "sum" over one query is one product, by 1 where all are real
+            part = part.squeeze(2) if all_real else part.squeeze(2) * real[:, None, start:stop].to(part.dtype)
+            part = part / groups
+        else:
+            part = torch.matmul(real[:, None, None, start:stop].to(part.dtype), part).squeeze(2) / groups
+        mass = part if mass is None else mass + part
+    return mass
+
+
+__all__ = ["SINK_SLOT_STEP", "AttentionProbabilities", "attention_mass", "visible_probabilities"]

@@ -19,14 +19,13 @@ from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 from kveval.architectures import every_slot_visible
 from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
 from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
-from kveval.block_probabilities import AttentionProbabilities, visible_probabilities
+from kveval.block_probabilities import AttentionProbabilities, attention_mass
 from kveval.buffered_decode import BufferedDecode
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.rows import RowState, seal_rows
 from kveval.storage import DenseStore
 
-_QUERY_CHUNK = 1024  # queries scored at once when a policy needs every query's attention
 
 
 def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor:
@@ -457,27 +456,13 @@ class CompressedLayer(CacheLayerMixin):
             first = q_len - 1
         else:
             first = 0
-        stored_heads = self._slot_positions.shape[1]
-        groups = query.shape[1] // stored_heads
 
-        def by_stored_head(probs):
-            return probs.reshape(probs.shape[0], stored_heads, groups, *probs.shape[2:]).sum(dim=2)
+        def allowed(start: int, stop: int) -> torch.Tensor:
+            if start == 0 and stop == q_len and self._mask is not None:
+                return self._mask
+            return self.allowed_mask(self._query_positions[:, start:stop])
 
-        mass = None
-        for start in range(first, q_len, _QUERY_CHUNK):
-            stop = min(q_len, start + _QUERY_CHUNK)
-            whole = start == 0 and stop == q_len and self._mask is not None
-            allowed = self._mask if whole else self.allowed_mask(self._query_positions[:, start:stop])
-            # Mean over the heads reading a stored head, then the sum over real queries (padding ones give nothing).
-            part = visible_probabilities(probabilities, query[:, :, start:stop], keys, allowed, real[:, start:stop],
-                                         by_stored_head)
-            if stop - start == 1:  # a decode step: the "sum" over one query is one product, by 1 where all are real
-                part = part.squeeze(2) if all_real else part.squeeze(2) * real[:, None, start:stop].to(part.dtype)
-                part = part / groups
-            else:
-                part = torch.matmul(real[:, None, None, start:stop].to(part.dtype), part).squeeze(2) / groups
-            mass = part if mass is None else mass + part
-        return mass
+        return attention_mass(probabilities, query, keys, real, all_real, first, self._slot_positions.shape[1], allowed)
 
     def scoring_state(self, row: RowState, seed: int, reads_keys: bool = True) -> ScoringState:
         """What a policy scores ``row`` on; its keys only where the policy may read them (``reads_keys``: else
