@@ -293,7 +293,7 @@ class SdpaKernel:
             else:
                 allowed = allowed.unsqueeze(2)  # [B, 1 or KV heads, 1, q, k]
             # Adding 0 or -inf: the bits of masked_fill_(~allowed, -inf) (x + 0 is x, and a -0 logit's exp is
-            # a +0 one's), at a tenth of its time on a CPU, whose masked_fill_ over a broadcast mask is not vectorized.
+            # a +0 one's), at a sixth of its time on a CPU, whose masked_fill_ over a broadcast mask is not vectorized.
             logits = logits.add_(torch.where(allowed, *_mask_addends(allowed.device)))
         return torch.softmax(logits, dim=-1).view(batch, heads, q_len, k_len)
 

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from kveval.batch_buffer import slot_range
+
 
 def _query_block(device: torch.device) -> int:
     """Queries whose probabilities are computed together, over only the slots they may see. A block's arithmetic
@@ -22,6 +24,7 @@ def _query_block(device: torch.device) -> int:
     of 32 queries compute 0.6x the area of blocks of 64 at 256 prompt tokens (less of each lies beyond its causal
     diagonal); a GPU pays a launch per kernel, and keeps blocks of 64 (half the kernels)."""
     return 32 if device.type == "cpu" else 64
+
 
 #: Where the model's softmax appends a column after the slots (gpt-oss's learned sink), a block's probabilities
 #: leave out a multiple of this many trailing slots: the sink then falls in the same lane and unrolled accumulator
@@ -54,8 +57,8 @@ class AttentionProbabilities:
 def visible_probabilities(probabilities: AttentionProbabilities, query: torch.Tensor, keys: torch.Tensor,
                           allowed: torch.Tensor, real: torch.Tensor, reduce=None) -> torch.Tensor:
     """``probabilities(query, keys, allowed)`` (``[B, query heads, q, slots]``), computed a block of queries at a
-    time (:func:`_query_block`) (the last block up to twice that) over only the slots up to the last one a query of the
-    block may see (leaving out a multiple of ``probabilities.slot_step`` slots). ``real`` (``[B, q]``, any dtype):
+    time (:func:`_query_block`; the last block up to twice that) over only the slots up to the last one a query of
+    the block may see (leaving out a multiple of ``probabilities.slot_step`` slots). ``real`` (``[B, q]``, any dtype):
     the queries that count; padding queries, which see every slot rather than none, do not widen a block, and
     their probabilities (over the block's slots only) are for weighting by 0. The blocks' widths are read from the
     device once per call, not once per block.
@@ -64,9 +67,9 @@ def visible_probabilities(probabilities: AttentionProbabilities, query: torch.Te
     softmax sums the same visible logits in the same order: on a CPU the result is bit-identical to one call over
     every slot, through SDPA's kernel and through a model's eager function (softcapping, learned sinks), which
     ``tests/test_cache.py`` checks, at about 0.5-0.6x the time of one call over every slot for a causal prefill of
-    256 tokens and 0.35x at 1,024 (on a CPU; the code before, blocks of 64 cut at multiples of 64 slots and masked by
-    ``masked_fill_``, took 20% and 28% more). Elsewhere any rounding difference is the same for every path of kveval (row by row, in
-    batch, shared prefill): they all score through this function.
+    256 tokens and 0.35x at 1,024 (on a CPU; the code before, blocks of 64 cut at multiples of 64 slots and masked
+    by ``masked_fill_``, took 20% and 28% more). Elsewhere any rounding difference is the same for every path of
+    kveval (row by row, in batch, shared prefill): they all score through this function.
 
     ``reduce``: applied to each block's probabilities as they come, a reduction within each query and slot (the
     sum over the query heads that read one stored head), so that the whole ``[B, query heads, q, slots]`` tensor
@@ -84,7 +87,7 @@ def visible_probabilities(probabilities: AttentionProbabilities, query: torch.Te
     runs = seen[:blocks * size].view(blocks, size, slots).any(dim=1)
     if q_len > blocks * size:
         runs = torch.cat([runs, seen[blocks * size:].any(dim=0, keepdim=True)])
-    ends = torch.where(runs, torch.arange(1, slots + 1, device=seen.device), 0).amax(dim=1).tolist()
+    ends = (torch.where(runs, slot_range(slots, seen.device), -1).amax(dim=1) + 1).tolist()
     step = probabilities.slot_step
     probs = None
     for start in range(0, blocks * size, size):

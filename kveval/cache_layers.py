@@ -27,7 +27,6 @@ from kveval.rows import RowState, seal_rows
 from kveval.storage import DenseStore
 
 
-
 def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor:
     """``[B, 1, 1, width]`` boolean: slot ``s`` of row ``b`` is visible where ``s < lengths[b]`` (never written to)."""
     if all(n == width for n in lengths):
