@@ -16,15 +16,17 @@ over rows or heads:
 - attention-scored selection (H2O, TOVA) under a decode budget adds or sets
   each step's attention mass in a ``[B, H, slots]`` tensor beside the tokens
   (without a budget, nothing ranks the tokens again after the prefill);
-- a decode budget (window, streaming, H2O, TOVA, knorm, random) or a sliding-window
-  layer (Gemma 3's local layers) keeps its tokens by one ``topk`` of the
-  policy's own scores (a ``min`` when each row drops one) and one in-place
-  gather of the slots from the first dropped one (:class:`BudgetEviction`);
+- a decode budget (window, streaming, H2O, TOVA, knorm, random) keeps its tokens
+  by one ``topk`` of the policy's own scores (a ``min`` when each row drops one)
+  and one in-place gather of the slots from the first dropped one
+  (:class:`BudgetEviction`); a sliding-window layer (Gemma 3's local layers)
+  keeps each row's newest tokens, slots known from the rows' lengths alone;
 - per-head budgets, fixed per head (DuoAttention) or shared by the heads of a
   row by score (AdaKV's decode budget), by one ranking, moving K and V only
   where a kept token changes slot (:class:`HeadBudgetEviction`);
 - a decode step's mask is made from the rows' lengths where that is all it
-  depends on (one query per row, no window, tokens first):
+  depends on (one query per row, tokens first, no chunks, and no window or
+  one that holds only what the query sees):
   :meth:`~kveval.cache_layers.CompressedLayer._step_mask`;
 - low-rank and latent rows: each step encodes and reconstructs the batch's new
   tokens at once (:class:`CoefficientSteps`); over quantized coefficients, the
@@ -63,8 +65,8 @@ from __future__ import annotations
 import torch
 
 from kveval.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
-from kveval.coded_rows import CodedRows, SharedScratch
-from kveval.decode_encodings import CoefficientSteps, KVQuantResidual, QuantizedResidual
+from kveval.coded_rows import CodedRows, SharedScratch, seal_together
+from kveval.decode_encodings import CoefficientSteps, KVQuantResidual, QuantizedResidual, encode_aged_sides
 from kveval.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction, LayerScoring
 from kveval.head_stores import HeadwiseStore
 from kveval.kvquant import KVQuantStore
@@ -284,7 +286,8 @@ class BufferedDecode:
             self.pending.append((None, None, positions, real))
             buffer.append(None, None, positions, real, counts, runs)
             for side, x in zip(self.coded, (keys, values)):
-                side.append(x, real, counts, runs)
+                side.append(x, real, counts, runs, seal=False)
+            seal_together(*self.coded)
             return
         self.pending.append((keys, values, positions, real))
         buffer.append(keys, values, positions, real, counts, runs)  # converted to the buffer's dtype as they are written
@@ -292,9 +295,10 @@ class BufferedDecode:
         if self.per_head:  # each (row, head) its own residual window: [B * H, 1, slots, D] views, heads ending together
             heads = buffer.keys.shape[1]
             lengths, counts = [n for n in lengths for _ in range(heads)], [c for c in counts for _ in range(heads)]
-        for side, held in ((self.keys, buffer.keys), (self.values, buffer.values)):
-            if side is not None:
-                side.encode_aged(held.view(-1, 1, *held.shape[2:]) if self.per_head else held, lengths, counts, self.kv_dtype)
+        if self.keys is not None or self.values is not None:
+            held_keys, held_values = ((held.view(-1, 1, *held.shape[2:]) if self.per_head else held)
+                                      for held in (buffer.keys, buffer.values))
+            encode_aged_sides(self.keys, self.values, held_keys, held_values, lengths, counts, self.kv_dtype)
         if self.kvquant is not None:
             self.kvquant.encode_aged(buffer, counts, self.kv_dtype)
 

@@ -333,19 +333,29 @@ class CompressedLayer(CacheLayerMixin):
 
     def _step_mask(self, query_positions: torch.Tensor, all_real: bool) -> torch.Tensor:
         """:meth:`allowed_mask` for this forward's queries, made from the rows' lengths alone where that is all it
-        depends on: one real query per row (a decode step) in a layer without a window or chunks. Every kept token
-        then comes before the query, so the query sees exactly the slots that hold one. Where rows hold their
+        depends on: one real query per row (a decode step) in a layer without chunks, and without a window or with
+        one that holds no more than the query sees (:meth:`_window_holds_all`). Every kept token then comes before
+        the query, so the query sees exactly the slots that hold one. Where rows hold their
         tokens in their first ``lengths[b]`` slots, that is ``[B, 1, 1, width]``, the same for all heads (which SDPA
         reads with no copy per query head), and where every row fills the width one all-True tensor made once per
         shape; under per-head budgets, which leave padding before a head's tokens, the slots whose position is not
         padding's (``[B, heads, 1, width]``). The same mask as :meth:`allowed_mask`, which
         ``tests/test_buffered_decode.py`` checks for every policy family."""
         buffer = self._buffer
-        if query_positions.shape[1] != 1 or not all_real or self.is_sliding or buffer is None:
+        if query_positions.shape[1] != 1 or not all_real or buffer is None or (self.is_sliding and not self._window_holds_all()):
             return self.allowed_mask(query_positions)
         if self.heads_apart:  # padding before a head's tokens: a slot is visible where it holds a token
             return held_slots(self._slot_positions)
         return visible_prefix(tuple(buffer.lengths), buffer.width, query_positions.device)
+
+    def _window_holds_all(self) -> bool:
+        """Whether this step's query sees every token its sliding layer holds: the step ran on the buffer alone with
+        the window's eviction, so each row holds consecutive positions (checked when the batched decode starts, and
+        each step's position follows the last) ending at the query's, and no row holds more than the window
+        (:func:`~kveval.decode_evictions._window_kept`). Not a chunked layer: its query sees its own chunk only."""
+        eviction = self._decode.eviction if self._buffer_only_step else None
+        return (not self.chunked and getattr(eviction, "trims_window", False)
+                and self._buffer.width <= self.sliding_window)
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).

@@ -224,13 +224,15 @@ class CodedRows:
         return take_slots(self.tail[uploaded(tuple(rows), device)], source[:, None, :].expand(-1, self.heads, -1))
 
     # --- decode step ------------------------------------------------------------------------
-    def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None) -> None:
+    def append(self, x: torch.Tensor, real: torch.Tensor, counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None,
+               seal: bool = True) -> None:
         """Append each row's real tokens, then seal what aged out of the residual window, as ``QuantizedSequence``.
 
         ``x`` is ``[B, H, q, D]`` in ``kv_dtype``; ``real`` the ``[B, q]`` bool mask of real tokens (the others are
         dropped, e.g. a row that has finished); ``counts`` its row sums, known to the caller without a device sync;
         ``runs`` each row's real columns ``[start, stop)``, where the caller knows them
-        (:func:`~kveval.batch_buffer.run_targets`).
+        (:func:`~kveval.batch_buffer.run_targets`). ``seal=False`` leaves the seal to the caller
+        (:func:`seal_together`), before anything reads the rows.
         """
         q = x.shape[2]
         self._make_tail_room(counts)
@@ -257,19 +259,39 @@ class CodedRows:
             rows, columns = real.nonzero(as_tuple=True)
             self.tail[rows, :, slot[rows, columns]] = x[rows, :, columns]
         self.tails = [t + c for t, c in zip(self.tails, counts)]
-        self._seal()
+        if seal:
+            self._seal()
+
+    def _aged(self) -> tuple[list[int], list[tuple[list[int], torch.Tensor]]]:
+        """Each row's tail slots that aged out of the residual window (the rule of :meth:`QuantizedSequence.seal`: the
+        oldest ``(tail - residual) // unit * unit``), and those tokens by count: ``(rows, [len(rows), H, count,
+        D])`` per count (usually one: every row ages the same tokens at once)."""
+        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
+        groups = []
+        for count in sorted(set(aged) - {0}):
+            rows = [b for b, a in enumerate(aged) if a == count]
+            groups.append((rows, self._tail_slots(count, rows)))
+        return aged, groups
 
     def _seal(self) -> None:
-        """Encode each row's aged tail slots into its next units and start its tail after them (the rule of
-        :meth:`QuantizedSequence.seal`: the oldest ``(tail - residual) // unit * unit`` slots)."""
-        aged = [max(0, (t - self.residual) // self.unit * self.unit) for t in self.tails]
-        if not any(aged):
-            return
-        encoded = []
-        for count in sorted(set(aged) - {0}):  # usually one value: every row ages the same tokens at once
-            rows = [b for b, a in enumerate(aged) if a == count]
-            tokens = self._tail_slots(count, rows)
-            encoded.append((rows, encode(self.quant, tokens.reshape(len(rows) * self.heads, count, self.dim))))
+        """Encode each row's aged tail slots into its next units and start its tail after them."""
+        aged, groups = self._aged()
+        if groups:
+            self._store(aged, [(rows, self._encoded(tokens)) for rows, tokens in groups])
+
+    def _encoded(self, tokens: torch.Tensor) -> QuantizedBlock:
+        """``[rows, H, count, D]`` tokens encoded as one block of ``rows * H`` heads (row-major)."""
+        rows, heads, count, dim = tokens.shape
+        return encode(self.quant, tokens.reshape(rows * heads, count, dim))
+
+    def pairs_with(self, other: "CodedRows") -> bool:
+        """Whether ``other`` encodes as this one does, holds the same shapes and ages the same slots (K and V of
+        ``quant`` and ``fp8``), so that their seals can encode both sides' tokens as one tensor."""
+        return (self.quant == other.quant and (self.residual, self.batch, self.heads, self.dim, self.tails)
+                == (other.residual, other.batch, other.heads, other.dim, other.tails) and self.tail.dtype == other.tail.dtype)
+
+    def _store(self, aged: list[int], encoded: list[tuple[list[int], QuantizedBlock]]) -> None:
+        """Write the encoded aged slots (:meth:`_aged`'s groups) at each row's next units; start its tail after them."""
         units = [u + a // self.unit for u, a in zip(self.units, aged)]
         if self.block is None:
             self._allocate(encoded[0][1])
@@ -358,6 +380,30 @@ class CodedRows:
         view[rows, :, slots] = self.tail[rows, :, sources].to(dtype)
 
 
+def seal_together(keys: CodedRows, values: CodedRows) -> None:
+    """Seal both sides after an append (``seal=False``). Where they encode alike and age the same slots, one encoding
+    of both sides' aged tokens (stacked on the rows, which no group spans) serves both: the codes each gets alone,
+    in about half the operations."""
+    if not keys.pairs_with(values):
+        keys._seal()
+        values._seal()
+        return
+    aged, groups = keys._aged()
+    if not groups:
+        return
+    _, other = values._aged()
+    encoded = [(rows, keys._encoded(torch.cat((k, v))), len(rows) * keys.heads) for (rows, k), (_, v) in zip(groups, other)]
+    keys._store(aged, [(rows, _heads(both, slice(0, n))) for rows, both, n in encoded])
+    values._store(aged, [(rows, _heads(both, slice(n, None))) for rows, both, n in encoded])
+
+
+def _heads(block: QuantizedBlock, heads: slice) -> QuantizedBlock:
+    """Heads ``heads`` of ``block`` (views)."""
+    data, scale = block.data[heads], block.scale[heads]
+    return replace(block, data=data, scale=scale, zero=None if block.zero is None else block.zero[heads],
+                   shape=(scale.shape[0], *block.shape[1:]))
+
+
 class SharedScratch:
     """Reusable tensors a model's layers dequantize into, one at a time (a cache holds one of these).
 
@@ -382,4 +428,4 @@ class SharedScratch:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
 
-__all__ = ["CodedRows", "SharedScratch"]
+__all__ = ["CodedRows", "SharedScratch", "seal_together"]

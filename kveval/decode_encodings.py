@@ -17,8 +17,8 @@ import torch
 from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.kvquant import KVQuantStore
 from kveval.lowrank import CoefficientStore
-from kveval.quantization import dequantize
-from kveval.storage import DenseStore, QuantizedSequence, QuantizedStore, encode
+from kveval.quantization import quantized_values
+from kveval.storage import DenseStore, QuantizedSequence, QuantizedStore
 
 
 @dataclass
@@ -95,11 +95,37 @@ class QuantizedResidual(ResidualWindow):
             run.put(held, self._decoded(run.take(held), kv_dtype))
         return runs
 
+    def pairs_with(self, other: "QuantizedResidual") -> bool:
+        """Whether ``other`` encodes as this one does and ages the same slots at every step (K and V of ``quant`` and
+        ``fp8``: one encoding, one window): their aged tokens can then be encoded as one tensor."""
+        return (self.quant == other.quant and (self.residual, self.unit, self.tails) == (other.residual, other.unit, other.tails))
+
     def _decoded(self, tokens: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-        """``tokens`` (``[rows, H, count, D]``) encoded as the store encodes them, read back in their dtype."""
+        """``tokens`` (``[rows, H, count, D]``) encoded as the store encodes them, read back in their dtype: the bits
+        of the store's ``dequantize(encode(...))`` (:func:`~kveval.quantization.quantized_values`)."""
         rows, heads, count, dim = tokens.shape
+        q = self.quant
         flat = tokens.reshape(rows * heads, count, dim).to(kv_dtype)
-        return dequantize(encode(self.quant, flat), tokens.dtype).reshape(rows, heads, count, dim)
+        return quantized_values(flat, q.bits, q.axis, q.group, q.symmetric, q.fp8, tokens.dtype).reshape(rows, heads, count, dim)
+
+
+def encode_aged_sides(keys: QuantizedResidual | None, values: QuantizedResidual | None, held_keys: torch.Tensor,
+                      held_values: torch.Tensor, lengths: list[int], counts: list[int], kv_dtype: torch.dtype) -> None:
+    """:meth:`QuantizedResidual.encode_aged` for K and V (either ``None``: not quantized); where both encode and age
+    alike, their aged tokens go through one encoding (about half the operations of two), which gives each
+    group the bits it gets alone (groups never span K and V)."""
+    if keys is not None and values is not None and keys.pairs_with(values) and held_keys.shape == held_values.shape:
+        runs = keys.aged(lengths, counts)
+        values.aged(lengths, counts)
+        for run in runs:
+            rows = len(run.rows)
+            both = keys._decoded(torch.cat((run.take(held_keys), run.take(held_values))), kv_dtype)
+            run.put(held_keys, both[:rows])
+            run.put(held_values, both[rows:])
+        return
+    for side, held in ((keys, held_keys), (values, held_values)):
+        if side is not None:
+            side.encode_aged(held, lengths, counts, kv_dtype)
 
 
 class KVQuantResidual(ResidualWindow):
@@ -239,4 +265,4 @@ class CoefficientSteps:
             row.store.mark_read()
 
 
-__all__ = ["AgedRun", "CoefficientSteps", "KVQuantResidual", "QuantizedResidual", "ResidualWindow"]
+__all__ = ["AgedRun", "CoefficientSteps", "KVQuantResidual", "QuantizedResidual", "ResidualWindow", "encode_aged_sides"]

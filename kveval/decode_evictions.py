@@ -7,6 +7,7 @@ in the layer's :class:`~kveval.batch_buffer.BatchBuffer`, as each row's layer wo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -136,9 +137,11 @@ class BudgetEviction:
       holds consecutive positions, which :meth:`BufferedDecode.for_rows` checks).
     """
 
-    def __init__(self, budget: int, scores, context: LayerScoring = LayerScoring(), stacks: bool = False):
+    def __init__(self, budget: int, scores, context: LayerScoring = LayerScoring(), stacks: bool = False,
+                 trims_window: bool = False):
         self.budget, self.scores, self.context = budget, scores, context
         self.stacks = stacks  # the scores read positions and attention alone (SelectionPolicy.scores_stack_layers)
+        self.trims_window = trims_window  # a sliding layer's window over consecutive positions (of_window)
 
     def defers(self, buffer: BatchBuffer) -> bool:
         """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): the
@@ -153,17 +156,50 @@ class BudgetEviction:
 
     @classmethod
     def of_window(cls, window: int) -> "BudgetEviction":
-        return cls(window - 1, lambda state: state.positions.float())
+        """A sliding layer's window: the ``window - 1`` newest positions. Scored by position, but
+        :meth:`apply` needs no scores: see :func:`_window_kept`."""
+        return cls(window - 1, lambda state: state.positions.float(), trims_window=True)
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep the budget in every row; whether any row dropped a token."""
         width = buffer.width
         if width <= self.budget:
             return False
+        if self.trims_window:
+            _compact(buffer, _window_kept(tuple(buffer.lengths), buffer.positions.shape[1], self.budget,
+                                          buffer.positions.device), 0, self.budget)
+            return True
         scores, _ = scored_slots(buffer, self.scores, self.context, tokens_first=True)
+        if not self.stacks:  # scores per layer (random, key norms): rank without reading the device
+            _compact(buffer, _ranked_kept(scores, self.budget), 0, self.budget)
+            return True
         keep, first = kept_slots(scores, self.budget, buffer.lengths)
         _compact(buffer, keep[:, :, first:], first, self.budget)
         return True
+
+
+def _ranked_kept(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """:func:`kept_slots`' kept slots, with no device read: where each row drops one slot (``budget + 1`` slots),
+    every slot but the one ranked last by :func:`~kveval.policies.base.best_first` (one stable sort: equal scores
+    in slot order, NaN first, so the ranking's own choice); else the ranking. :func:`kept_slots` reads whether a
+    ``min`` is unique and the first slot any row drops, two waits that spare a GPU's sort and the copy of the slots
+    before that one; for scores made per layer (the random control's, key norms), which drop anywhere, the
+    slots before are few, and the waits, per layer and step, cost more."""
+    if scores.shape[2] == budget + 1:
+        return _skipping(best_first(scores, dim=2).select(2, -1), budget)
+    return top_slots(scores, budget, dim=2)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_kept(lengths: tuple[int, ...], heads: int, budget: int, device) -> torch.Tensor:
+    """``[B, heads, budget]``: the slots a sliding window keeps of rows holding ``lengths`` tokens at consecutive
+    positions in slot order (what :meth:`BufferedDecode.for_rows` checks and the window keeps so): a row's newest
+    ``budget``, its last slots, exactly as the ranking by position keeps them (a row holding no more than the
+    budget keeps its first ``budget`` slots, its tokens and padding). Known on the host from the lengths alone,
+    so the step reads nothing from the device (scoring and ranking took about 12 operations and two waits per
+    layer) and makes nothing new once a batch's lengths repeat."""
+    shifts = torch.tensor([max(0, n - budget) for n in lengths], device=device)
+    return (shifts[:, None, None] + slot_range(budget, device)).expand(-1, heads, -1)
 
 
 def _compact(buffer: BatchBuffer, keep: torch.Tensor, first: int, budget: int,

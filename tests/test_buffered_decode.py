@@ -13,14 +13,14 @@ a short residual window at different steps in different rows.
 import pytest
 import torch
 from cache_runs import fingerprint
-from tiny_models import Tok, tiny_gemma3, tiny_llama
+from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
 from kveval import batch_buffer, buffered_decode, coded_rows
 from kveval.batch_buffer import BatchBuffer
 from kveval.buffered_decode import BufferedDecode
 from kveval.cache import CompressedCache
 from kveval.cache_layers import CompressedLayer
-from kveval.decode_evictions import kept_slots
+from kveval.decode_evictions import _ranked_kept, kept_slots
 from kveval.generation import Prompt, generate
 from kveval.policies.base import top_slots
 
@@ -35,7 +35,8 @@ def dense_events(monkeypatch):
     monkeypatch.setattr(buffered_decode, "CATCH_UP_STEPS", CATCH_UP_STEPS)
     monkeypatch.setattr(batch_buffer, "_MIN_GROWTH", MIN_GROWTH)
     monkeypatch.setattr(coded_rows, "_MIN_GROWTH_TOKENS", MIN_GROWTH)
-SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
+SPECS = ["none", "quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "quant(bits=2,group=8,symmetric=true)",
+         "kivi(bits=2,group=8,residual=12)",
          "fp8(group=16,residual=3)", "snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)",
          "streaming(sink=2,window=20)", "window(size=30)", "streaming(ratio=0.5)",
          # Scored by attention at every step, with or without a decode budget (the buffer accumulates the scores)
@@ -265,6 +266,11 @@ def test_one_drop_per_row_keeps_what_the_ranking_keeps(seed):
     assert kept_slots(tied_padding, budget, lengths)[1] >= 5
     wider = torch.cat([scores, scores[:, :, -1:]], dim=2)  # two over budget: the ranking
     assert torch.equal(kept_slots(wider, budget, [n + 1 for n in lengths])[0], top_slots(wider, budget, dim=2))
+    # Without reading the device (scores per layer): the ranking's slots, ties and NaN included, padded rows too
+    tie, nan = scores.clone(), scores.clone()
+    tie[1, 2, 0], nan[1, 2, 0] = scores[1, 2].min(), float("nan")
+    for case in (scores, tied_padding, wider, tie, nan):
+        assert torch.equal(_ranked_kept(case, budget), top_slots(case, budget, dim=2))
 
 
 @pytest.mark.parametrize("with_values, with_attention", [(True, True), (True, False), (False, True)])
@@ -345,6 +351,58 @@ def test_sliding_window_layers(gemma, spec, monkeypatch):
     _assert_batched_equals_rows(gemma, spec, monkeypatch, prompts=prompts, batch_size=4)
 
 
+@pytest.mark.parametrize("name, spec", [("gemma3", "none"), ("gemma3", "quant(bits=8,group=16)"),
+                                        ("gemma3", "kivi(bits=4,group=8,residual=4)"), ("llama4", "none")])
+def test_sliding_layers_step_masks_from_lengths_are_the_masks_of_positions(gemma, name, spec, monkeypatch):
+    """A sliding layer decoding on its buffer with the window's eviction holds no more than its query sees, so its
+    decode step's mask comes from the rows' lengths (no device read of whether heads share slots) and equals, at
+    every step, the mask of the slots' positions and window; rows shorter and longer than the window, rows that
+    finish early. Not so a chunked layer (Llama 4, chunks of 16), whose query sees its own chunk only. The
+    generation has the bits of building every mask from positions, and the window's eviction
+    (:func:`~kveval.decode_evictions._window_kept`, known from the lengths) keeps what ranking by position keeps."""
+    from kveval import decode_evictions
+
+    model = gemma if name == "gemma3" else tiny_model(name)
+
+    sliding_from_lengths = []
+    original_step_mask = CompressedLayer._step_mask
+
+    def checked_step_mask(self, positions, all_real):
+        mask = original_step_mask(self, positions, all_real)
+        reference = self.allowed_mask(positions)
+        heads = max(mask.shape[1], reference.shape[1])
+        assert torch.equal(mask.expand(-1, heads, -1, -1), reference.expand(-1, heads, -1, -1))
+        if self.is_sliding and positions.shape[1] == 1 and all_real and self._window_holds_all():
+            sliding_from_lengths.append(1)
+        return mask
+
+    def ranked_window(self, buffer):  # the eviction as before: scored by position, ranked, a min per row
+        if buffer.width <= self.budget:
+            return False
+        scores, _ = decode_evictions.scored_slots(buffer, self.scores, self.context, tokens_first=True)
+        keep, first = kept_slots(scores, self.budget, buffer.lengths)
+        decode_evictions._compact(buffer, keep[:, :, first:], first, self.budget)
+        return True
+
+    prompts = _prompts(n=4, seed=5)
+    prompts[0] = Prompt(prompts[0].context[:10], prompts[0].question)
+    for eos in (None, _eos_ending_some_rows(model, spec, monkeypatch)):
+        with monkeypatch.context() as patch:
+            patch.setattr(CompressedLayer, "_step_mask", checked_step_mask)
+            from_lengths, used = _run(model, spec, True, monkeypatch, eos=eos, prompts=prompts, batch_size=4)
+        with monkeypatch.context() as patch:
+            patch.setattr(CompressedLayer, "_step_mask", lambda self, positions, all_real: self.allowed_mask(positions))
+            patch.setattr(decode_evictions.BudgetEviction, "apply", ranked_window)
+            from_positions, _ = _run(model, spec, True, monkeypatch, eos=eos, prompts=prompts, batch_size=4)
+        # Llama 4's attention passes no position_ids in transformers 5.24, so its layers decode row by row; the
+        # case guards the chunk's mask for a version that does
+        assert (used > 0 or name == "llama4") and from_lengths == from_positions
+    if name == "gemma3":
+        assert len(sliding_from_lengths) > STEPS  # several sliding layers, most steps
+    else:
+        assert not sliding_from_lengths
+
+
 @pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("spec", ["none", "quant(bits=8,group=16)", "kivi(bits=4,group=8,residual=8)", "kvquant(bits=4)"])
 def test_sliding_layers_decode_in_batch(gemma, spec):
@@ -357,8 +415,8 @@ def test_sliding_layers_decode_in_batch(gemma, spec):
 
 
 CODED_SPECS = ["quant(bits=8,group=16)", "quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)",
-               "fp8(group=16,residual=3)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)",
-               "h2o(ratio=0.5)+quant(bits=4,group=8)"]
+               "fp8(group=16,residual=3)", "quant(bits=2,group=8,symmetric=true)",
+               "snapkv(ratio=0.5)+kivi(bits=4,group=8,residual=4)", "h2o(ratio=0.5)+quant(bits=4,group=8)"]
 
 
 @pytest.mark.parametrize("spec", CODED_SPECS)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kveval.coded_rows import CodedRows
+from kveval.coded_rows import CodedRows, seal_together
 from kveval.errors import UsageError
 from kveval.policies.quant import TensorQuant
-from kveval.storage import QuantizedSequence
+from kveval.storage import QuantizedSequence, encode
 
 KV, COMPUTE = torch.bfloat16, torch.float32
 STEPS = 70
@@ -90,6 +90,44 @@ def test_batched_rows_read_back_as_each_rows_sequence(name):
     assert any(rows.units), "the decode never sealed a unit: the test would not exercise the codes"
     assert all(t < residual + unit + 3 for t in rows.tails)  # the tails stay bounded: tokens do age
     assert moves <= 2, f"the block's storage moved {moves} times in {STEPS} steps"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("v_residual", ["same", "other"])
+def test_k_and_v_sealed_together_read_back_as_each_rows_sequences(name, v_residual, monkeypatch):
+    """``seal_together``: K and V of one encoding and window are encoded as one tensor (one ``encode`` per seal, not
+    two), and each side still holds each row's own codes, over mixed steps (rows sitting out, several tokens);
+    sides that age differently seal apart."""
+    import kveval.coded_rows as coded_rows
+
+    calls = []
+    monkeypatch.setattr(coded_rows, "encode", lambda quant, x: calls.append(x.shape) or encode(quant, x))
+    quant, residual, heads, dim = CASES[name]
+    other = residual if v_residual == "same" else residual + quant.group
+    generator = torch.Generator().manual_seed(3)
+    prompts = [37, 5, 64, 0]
+    refs = {"k": _prefilled(quant, residual, heads, dim, prompts, generator),
+            "v": _prefilled(quant, other, heads, dim, prompts, generator)}
+    sides = {kind: CodedRows.from_sequences(refs[kind]) for kind in refs}
+    seals = expected = 0
+    for step in range(STEPS):
+        real = _step_mask(step, len(prompts))
+        counts = real.sum(dim=1).tolist()
+        units = [list(side.units) for side in sides.values()]
+        for kind, side in sides.items():
+            x = torch.randn(len(prompts), heads, real.shape[1], dim, generator=generator)
+            side.append(x.to(KV), real, counts, seal=False)
+            for b, ref in enumerate(refs[kind]):
+                if counts[b]:
+                    ref.append(x[b][:, real[b]])
+                    ref.seal()
+        groups = [len(side._aged()[1]) for side in sides.values()]  # encodings each side's seal needs alone
+        expected += groups[0] if v_residual == "same" else sum(groups)
+        seal_together(sides["k"], sides["v"])
+        seals += sum(u != list(side.units) for u, side in zip(units, sides.values()))
+        for kind, side in sides.items():
+            _check(side, refs[kind])
+    assert seals > 0 and len(calls) == expected
 
 
 @pytest.mark.parametrize("name", ["int4-token-g32", "int2-channel-g32-kivi"])

@@ -146,6 +146,22 @@ def test_a_batch_makes_no_device_wait_and_launches_no_kernel_per_row(spec, quant
             assert b["waits"] == 1, (phase, b)
 
 
+@pytest.mark.parametrize("name, spec", [("gemma3", "none"), ("gemma3", "quant(bits=8,group=8)"),
+                                        ("llama", "random(ratio=0.5,decode_budget=20)"),
+                                        ("llama", "knorm(ratio=0.5,decode_budget=20)")])
+def test_a_decode_step_keeping_a_window_or_a_budget_scored_per_layer_reads_the_device_once(name, spec):
+    """Gemma 3's sliding layers (a window of 16 here, prompts past it) keep each row's newest tokens, slots known
+    from the rows' lengths, and see them all (a mask from the lengths); a decode budget whose scores do not stack
+    across layers (the random control's, key norms) drops each row's last-ranked slot by one stable sort. Neither
+    reads the device: a decode step waits once, for its new tokens. The code before waited twice per sliding layer
+    to rank by position and once more to ask whether the heads share slots (10 waits a step here), and twice per
+    layer under those budgets (whether the lowest score is unique; the first slot any row dropped)."""
+    model = tiny_gemma3(sliding_window=16) if name == "gemma3" else tiny_llama()
+    phases = _phases(model, spec, [(30, 4), (23, 4), (27, 4)])
+    assert len(phases) == 6
+    for phase in phases[2:5]:
+        assert phase["waits"] == 1, phases
+
 def test_scoring_every_prefill_query_reads_the_device_once_per_layer_whatever_the_length():
     """H2O scores every prefill query, a block of queries at a time over only the slots the block sees: the
     blocks' widths come from one read per layer, not one per block (on a GPU each read waits for the blocks

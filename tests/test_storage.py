@@ -15,7 +15,7 @@ from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UsageError
 from kveval.lowrank import LowRankStore
 from kveval.policies import parse_policy
-from kveval.quantization import dequantize, dequantize_into, quantize, quantize_fp8
+from kveval.quantization import FP8_FORMATS, dequantize, dequantize_into, quantize, quantize_fp8, quantized_values
 from kveval.storage import (
     DenseStore,
     QuantizedStore,
@@ -323,6 +323,57 @@ def test_dequantizing_into_a_strided_scratch_gives_the_bits_of_unpacking_code_by
         written = dequantize_into(block, scratch[:, :, :64].view(6, 64, 24))
         assert torch.equal(scratch[:, :, :64].reshape(6, 64, 24), expected)
         assert written.data_ptr() == scratch.data_ptr() and scratch[:, :, 64:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_reading_its_tokens_back_gives_the_bits_of_quantize_and_dequantize(dtype):
+    """``quantized_values`` (no packing, no uint8 round trip) equals ``dequantize(quantize(...))`` bit for bit, for
+    every width, axis, symmetry and FP8 format, constant groups included."""
+    torch.manual_seed(1)
+    x = (torch.randn(6, 32, 24) * torch.linspace(0.1, 8, 24)).to(dtype)
+    x[1] = 0.0  # whole groups of zeros
+    x[2, :, :8] = 0.25  # constant per-token groups
+    x[3, :, 8:16] = torch.linspace(-0.001, 3.0, 8)  # a small negative: symmetric codes round it to -0.0
+    for bits, axis, group, symmetric, fp8 in [(b, a, g, s, None) for b in (2, 4, 8) for a, g in (("token", 8), ("channel", 16))
+                                              for s in (False, True)] + [(8, a, g, False, f) for f in ("e4m3", "e5m2")
+                                                                          for a, g in (("token", 8), ("channel", 16))]:
+        block = quantize_fp8(x, fp8, axis, group) if fp8 else quantize(x, bits, axis, group, symmetric=symmetric)
+        for out in (torch.float32, torch.bfloat16):
+            got, expected = quantized_values(x, bits, axis, group, symmetric, fp8, out), dequantize(block, out)
+            assert got.dtype == out and torch.equal(got, expected), (bits, axis, symmetric, fp8, out)
+            assert torch.equal(got.signbit(), expected.signbit()), (bits, axis, symmetric, fp8, out)  # zeros too
+
+
+@pytest.mark.parametrize("fmt", [None, "e4m3", "e5m2"])
+def test_a_group_of_zeros_or_of_one_value_reads_back_as_it_was(fmt):
+    """A scale below float16's smallest positive value used to round to 0, and the codes became 0/0: an FP8 group
+    of zeros read back as NaN (which attention spreads to every query that sees it), and integer codes rested on
+    how NaN casts to uint8, which C++ leaves undefined."""
+    x = torch.zeros(2, 4, 16)
+    x[1, :, :8] = 3e-6  # one value, far below float16's smallest normal
+    x[1, :, 8:] = torch.linspace(1e-6, 2e-6, 8)  # a range of 1e-6: a scale of 4e-9 at 8 bits
+    block = quantize_fp8(x, fmt, "token", 8) if fmt else quantize(x, 8, "token", 8)
+    restored = dequantize(block, torch.float32)
+    assert not restored.isnan().any() and (block.scale.float() > 0).all()
+    assert torch.equal(restored[0], x[0])
+    # int8: within half a step of 2**-24; FP8: within half its spacing (2 mantissa bits in e5m2: 12.5%)
+    assert torch.allclose(restored[1], x[1], rtol=0.125 if fmt else 0, atol=0 if fmt else 3e-8)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_an_fp8_group_whose_scale_is_float16_subnormal_saturates_instead_of_overflowing(fmt):
+    """A scale in float16's subnormal range rounds by up to a third: 1.4 x 2**-24 becomes 2**-24, and the group's
+    largest value lands at 1.4 x the format's largest, which the cast turned into inf in e5m2 (torch 2.13's CPU
+    cast to e4m3 saturated a tensor of them; a cast that does not gives NaN)."""
+    largest = torch.finfo(FP8_FORMATS[fmt]).max
+    x = torch.full((1, 2, 8), largest * 1.4 * 2**-24)
+    x[0, 1] = torch.linspace(-1.0, 1.0, 8)  # an ordinary group beside it keeps its bits
+    block = quantize_fp8(x, fmt, "token", 8)
+    restored = dequantize(block, torch.float32)
+    assert restored.isfinite().all()
+    assert torch.equal(restored[0, 0], torch.full((8,), largest * 2**-24))  # saturated: the format's largest
+    assert torch.equal(restored[0, 1], quantized_values(x, 8, "token", 8, False, fmt, torch.float32)[0, 1])
+    assert torch.allclose(restored[0, 1], x[0, 1], rtol=0.13)
 
 
 # --- the store interface and the import graph ------------------------------------------------------
