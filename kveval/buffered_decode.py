@@ -17,10 +17,11 @@ over rows or heads:
   each step's attention mass in a ``[B, H, slots]`` tensor beside the tokens
   (without a budget, nothing ranks the tokens again after the prefill);
 - a decode budget (window, streaming, H2O, TOVA, knorm, random) keeps its tokens
-  by one ``topk`` of the policy's own scores (a ``min`` when each row drops one)
-  and one in-place gather of the slots from the first dropped one
-  (:class:`BudgetEviction`); a sliding-window layer (Gemma 3's local layers)
-  keeps each row's newest tokens, slots known from the rows' lengths alone;
+  by one ranking of the policy's own scores (a ``min`` when each row drops one,
+  or for scores made per layer, knorm and random, one stable sort and no device
+  read) and one in-place gather (:class:`BudgetEviction`); a sliding-window
+  layer (Gemma 3's local layers) keeps each row's newest tokens, slots known
+  from the rows' lengths alone;
 - per-head budgets, fixed per head (DuoAttention) or shared by the heads of a
   row by score (AdaKV's decode budget), by one ranking, moving K and V only
   where a kept token changes slot (:class:`HeadBudgetEviction`);

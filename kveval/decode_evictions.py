@@ -126,7 +126,10 @@ class BudgetEviction:
     ``min`` when each row drops one token, :func:`kept_slots`). The buffer's K, V, positions and accumulated
     attention are compacted in place by one gather per tensor (:func:`~kveval.batch_buffer.take_slots` for K and
     V), of the slots from the first one any row dropped: H2O, whose recent tokens are never dropped, mostly drops
-    late slots (in SmolLM2 at batch 8, the first dropped slot was at 80% of the budget in the median step).
+    late slots (in SmolLM2 at batch 8, the first dropped slot was at 80% of the budget in the median step). Scores
+    that do not stack across layers (the random control's, key norms: they drop anywhere) are ranked by one stable
+    sort and compacted from slot 0, with no device read (:func:`_ranked_kept`); a sliding window keeps each row's
+    newest tokens, known from the lengths (:func:`_window_kept`).
 
     Two sources:
 
@@ -166,8 +169,9 @@ class BudgetEviction:
         if width <= self.budget:
             return False
         if self.trims_window:
-            _compact(buffer, _window_kept(tuple(buffer.lengths), buffer.positions.shape[1], self.budget,
-                                          buffer.positions.device), 0, self.budget)
+            shifts = tuple(max(0, n - self.budget) for n in buffer.lengths)
+            _compact(buffer, _window_kept(shifts, buffer.positions.shape[1], self.budget, buffer.positions.device),
+                     0, self.budget)
             return True
         scores, _ = scored_slots(buffer, self.scores, self.context, tokens_first=True)
         if not self.stacks:  # scores per layer (random, key norms): rank without reading the device
@@ -191,15 +195,14 @@ def _ranked_kept(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _window_kept(lengths: tuple[int, ...], heads: int, budget: int, device) -> torch.Tensor:
-    """``[B, heads, budget]``: the slots a sliding window keeps of rows holding ``lengths`` tokens at consecutive
-    positions in slot order (what :meth:`BufferedDecode.for_rows` checks and the window keeps so): a row's newest
-    ``budget``, its last slots, exactly as the ranking by position keeps them (a row holding no more than the
-    budget keeps its first ``budget`` slots, its tokens and padding). Known on the host from the lengths alone,
-    so the step reads nothing from the device (scoring and ranking took about 12 operations and two waits per
-    layer) and makes nothing new once a batch's lengths repeat."""
-    shifts = torch.tensor([max(0, n - budget) for n in lengths], device=device)
-    return (shifts[:, None, None] + slot_range(budget, device)).expand(-1, heads, -1)
+def _window_kept(shifts: tuple[int, ...], heads: int, budget: int, device) -> torch.Tensor:
+    """``[B, heads, budget]``: the slots a sliding window keeps of rows holding tokens at consecutive positions in
+    slot order (what :meth:`BufferedDecode.for_rows` checks and the window keeps so), row ``b`` holding
+    ``shifts[b] + budget`` of them: its newest ``budget``, its last slots, exactly as the ranking by position keeps
+    them (a row holding no more than the budget, shift 0, keeps its first ``budget`` slots, its tokens and
+    padding). Known on the host from the rows' lengths alone, so the step reads nothing from the device (scoring
+    and ranking took about 12 operations and two waits per layer) and makes nothing new once the shifts repeat."""
+    return (torch.tensor(shifts, device=device)[:, None, None] + slot_range(budget, device)).expand(-1, heads, -1)
 
 
 def _compact(buffer: BatchBuffer, keep: torch.Tensor, first: int, budget: int,
