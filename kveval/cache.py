@@ -213,6 +213,7 @@ class CompressedCache(Cache):
         self._input_counts: list[int] | None = None
         self._input_columns: list[slice | None] | None = None  # per row: its real columns, when contiguous
         self._input_runs: tuple[tuple[int, int], ...] | None = None  # every row's, when all are contiguous
+        self.input_positions: torch.Tensor | None = None  # [B, q] the next forward's position_ids, where declared
         self._column_mask: torch.Tensor | None = None
         self._protect_last: list[int] | None = None
         #: Decode budgets of the current forward's layers, kept together after its last attention layer.
@@ -247,11 +248,16 @@ class CompressedCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, LinearAttentionLayer)]
 
     # --- what the driver declares before a forward pass -----------------------------------------
-    def set_input_mask(self, mask: torch.Tensor | None, runs: "tuple[list[int], list[slice | None]] | None" = None) -> None:
+    def set_input_mask(self, mask: torch.Tensor | None, runs: "tuple[list[int], list[slice | None]] | None" = None,
+                       positions: torch.Tensor | None = None) -> None:
         """Declare which input tokens of the next forward are real (``[B, q]``, 1 = real, 0 = padding).
 
         ``runs``: what :func:`~kveval.batch_buffer.real_runs` gives for ``mask``, where the caller knows it
-        (it built the mask on the host); else it is read from the device, once per forward."""
+        (it built the mask on the host); else it is read from the device, once per forward. ``positions``: the
+        ``position_ids`` the forward gives the model (``[B, q]``), for attention modules that do not pass them on
+        to the cache (Llama 4's): the layers then need not count each row's tokens, and may decode on the batch
+        buffer alone. Every call replaces what the last one declared."""
+        self.input_positions = positions
         self._input_mask = None if mask is None else mask.bool()
         self._input_counts, self._input_columns = (None, None) if mask is None else runs or real_runs(self._input_mask)
         columns = self._input_columns or []

@@ -115,9 +115,19 @@ class CompressedLayer(CacheLayerMixin):
         """Free the batch buffer (the rows first catch up); the next forward rebuilds it from the rows."""
         self.rows = self.rows
 
-    def _can_decode_on_buffer(self, kwargs) -> bool:
-        """Whether this forward may write the buffer alone (see :meth:`_batched_decode`): positions must be given."""
-        return self._decode is not None and kwargs is not None and kwargs.get("position_ids") is not None
+    def _can_decode_on_buffer(self, kwargs, q_len: int) -> bool:
+        """Whether this forward may write the buffer alone (see :meth:`_batched_decode`): positions must be given,
+        by the attention module or declared to the cache (:meth:`CompressedCache.set_input_mask`)."""
+        return self._decode is not None and kwargs is not None and self._given_positions(kwargs, q_len) is not None
+
+    def _given_positions(self, kwargs, q_len: int) -> torch.Tensor | None:
+        """The forward's ``position_ids``: the attention module's, else those declared to the cache for ``q_len``
+        input columns."""
+        given = None if kwargs is None else kwargs.get("position_ids")
+        declared = self.cache.input_positions
+        if given is None and declared is not None and declared.shape[-1] == q_len:
+            return declared
+        return given
 
     def _batched_decode(self) -> "BufferedDecode | None":
         """The batched decode the rows allow (:meth:`BufferedDecode.for_rows`): compressed rows, dense or plainly
@@ -237,7 +247,7 @@ class CompressedLayer(CacheLayerMixin):
             self._decode = self._batched_decode()
         if self._decode is not None and not self._decode.takes(counts):
             self.drop_decode()  # this step goes row by row; the next refresh checks the batch again
-        self._buffer_only_step = self._can_decode_on_buffer(kwargs)
+        self._buffer_only_step = self._can_decode_on_buffer(kwargs, q_len)
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.
             runs = self.cache.input_runs(batch, q_len)
@@ -318,10 +328,11 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- positions and masks --------------------------------------------------------------------
     def _new_positions(self, kwargs, real: torch.Tensor) -> torch.Tensor:
-        """Original positions of the incoming tokens, ``[B, q]``: ``position_ids`` if given, else each row's count."""
-        given = None if kwargs is None else kwargs.get("position_ids")
-        if given is not None:
-            return given.to(torch.long).expand(real.shape[0], -1)
+        """Original positions of the incoming tokens, ``[B, q]``: ``position_ids`` if the attention module gives
+        them or the driver declared them (:meth:`_given_positions`), on this layer's device; else each row's count."""
+        given = self._given_positions(kwargs, real.shape[1])
+        if given is not None:  # declared positions sit on the model's first device, not on this layer's (device_map)
+            return given.to(device=real.device, dtype=torch.long).expand(real.shape[0], -1)
         starts = torch.tensor([row.tokens_seen for row in self.rows], device=real.device)
         return starts[:, None] + real.long().cumsum(dim=1) - 1
 

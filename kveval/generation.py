@@ -110,10 +110,13 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     ids, mask, start = _left_pad(rows, pad_id, seen, model.device)
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
     width = ids.shape[1]
-    cache.set_input_mask(mask, runs=([len(r) for r in rows], [slice(width - len(r), width) for r in rows]))
-    # Generation needs the last column only: skip the [B, width, vocab] projection of the rest.
-    logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                   attention_mask=cache.model_attention_mask()).logits  # None unless state layers must skip padding
+    cache.set_input_mask(mask, runs=([len(r) for r in rows], [slice(width - len(r), width) for r in rows]),
+                         positions=position_ids)
+    try:  # Generation needs the last column only: skip the [B, width, vocab] projection of the rest.
+        logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                       attention_mask=cache.model_attention_mask()).logits  # None unless state layers must skip padding
+    finally:
+        cache.input_positions = None  # declared for this forward only
     for b, r in enumerate(rows):
         seen[b] += len(r)
     return logits, mask

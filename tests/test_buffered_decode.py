@@ -351,6 +351,36 @@ def test_sliding_window_layers(gemma, spec, monkeypatch):
     _assert_batched_equals_rows(gemma, spec, monkeypatch, prompts=prompts, batch_size=4)
 
 
+@pytest.mark.parametrize("spec", ["none", "quant(bits=8,group=16)", "kivi(bits=4,group=8,residual=4)",
+                                  "snapkv(ratio=0.5)", "h2o(ratio=0.5,decode_budget=40)"])
+def test_chunked_layers_decode_in_batch_from_the_positions_the_driver_declares(spec, monkeypatch):
+    """Llama 4's attention passes no ``position_ids`` to the cache, so its layers decoded row by row, counting each
+    row's tokens; the driver declares the positions it gives the model (``set_input_mask(..., positions=)``), and
+    its chunked layers (chunks of 16 here) and full layers decode on the batch buffer, with the bits of row by row
+    from counted positions; rows finishing early too."""
+    model = tiny_model("llama4")
+    prompts = _prompts(n=4, seed=5)
+    prompts[0] = Prompt(prompts[0].context[:10], prompts[0].question)
+    batched_layers = set()
+    original = CompressedLayer._can_decode_on_buffer
+
+    def noted(self, kwargs, q_len):
+        can = original(self, kwargs, q_len)
+        if can:
+            batched_layers.add(self.chunked)
+        return can
+
+    for eos in (None, _eos_ending_some_rows(model, spec, monkeypatch)):
+        with monkeypatch.context() as patch:
+            patch.setattr(CompressedLayer, "_can_decode_on_buffer", noted)
+            batched, used = _run(model, spec, True, monkeypatch, eos=eos, prompts=prompts, batch_size=4)
+        with monkeypatch.context() as patch:  # the reference: row by row, positions counted per row as before
+            patch.setattr(CompressedLayer, "_given_positions", lambda self, kwargs, q_len: (kwargs or {}).get("position_ids"))
+            rows, unused = _run(model, spec, False, monkeypatch, eos=eos, prompts=prompts, batch_size=4)
+        assert used > 0 and unused == 0 and batched == rows
+    assert batched_layers == {True, False}  # the chunked layer and the full one
+
+
 @pytest.mark.parametrize("name, spec", [("gemma3", "none"), ("gemma3", "quant(bits=8,group=16)"),
                                         ("gemma3", "kivi(bits=4,group=8,residual=4)"), ("llama4", "none")])
 def test_sliding_layers_step_masks_from_lengths_are_the_masks_of_positions(gemma, name, spec, monkeypatch):
@@ -394,9 +424,7 @@ def test_sliding_layers_step_masks_from_lengths_are_the_masks_of_positions(gemma
             patch.setattr(CompressedLayer, "_step_mask", lambda self, positions, all_real: self.allowed_mask(positions))
             patch.setattr(decode_evictions.BudgetEviction, "apply", ranked_window)
             from_positions, _ = _run(model, spec, True, monkeypatch, eos=eos, prompts=prompts, batch_size=4)
-        # Llama 4's attention passes no position_ids in transformers 5.24, so its layers decode row by row; the
-        # case guards the chunk's mask for a version that does
-        assert (used > 0 or name == "llama4") and from_lengths == from_positions
+        assert used and from_lengths == from_positions
     if name == "gemma3":
         assert len(sliding_from_lengths) > STEPS  # several sliding layers, most steps
     else:
