@@ -393,9 +393,15 @@ class RopeHook:
         self._cos: torch.Tensor | None = None  # [P, rot_dim] float32 for positions 0 .. P-1
         self._sin: torch.Tensor | None = None
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[*positions.shape, rot_dim]`` (float32, on ``positions``' device)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
+    def cos_sin(self, positions: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[*positions.shape, rot_dim]`` (float32, on ``positions``' device).
+
+        ``bound``: a number above every position, where the caller knows one on the host (the table then grows
+        without reading the largest position from the device, a wait per call on a GPU)."""
+        if bound is not None:
+            needed = bound
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 0
         if self._cos is None or self._cos.shape[0] < needed or self._cos.device != positions.device:
             size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             ids = torch.arange(size, device=positions.device)[None]

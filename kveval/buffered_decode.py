@@ -272,9 +272,11 @@ class BufferedDecode:
         return self.eviction.apply(buffer)
 
     def append(self, buffer: BatchBuffer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               real: torch.Tensor, counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None) -> None:
+               real: torch.Tensor, counts: list[int], runs: "tuple[tuple[int, int], ...] | None" = None,
+               bound: int | None = None) -> None:
         """One decode step: ``keys``/``values`` ``[B, H, q, D]`` in the compute dtype, ``positions``/``real`` ``[B, q]``
-        (``runs``: each row's real columns ``[start, stop)``, where known: :func:`~kveval.batch_buffer.run_targets`)."""
+        (``runs``: each row's real columns ``[start, stop)``, where known: :func:`~kveval.batch_buffer.run_targets`;
+        ``bound``: a number above every position the layer holds, where it knows one on the host)."""
         if self.coefficients is not None:
             coefficients, keys, values = self.coefficients.step(keys, values, self.kv_dtype, positions, real, counts)
             self.pending.append((coefficients, positions, real))
@@ -301,7 +303,7 @@ class BufferedDecode:
                                       for held in (buffer.keys, buffer.values))
             encode_aged_sides(self.keys, self.values, held_keys, held_values, lengths, counts, self.kv_dtype)
         if self.kvquant is not None:
-            self.kvquant.encode_aged(buffer, counts, self.kv_dtype)
+            self.kvquant.encode_aged(buffer, counts, self.kv_dtype, bound)
 
     def read(self, dtype: torch.dtype, scratch: SharedScratch) -> tuple[torch.Tensor, torch.Tensor]:
         """Held as codes: the layer's K and V, ``[B, H, width, D]`` in ``dtype``, dequantized into ``scratch``

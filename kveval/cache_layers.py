@@ -251,7 +251,8 @@ class CompressedLayer(CacheLayerMixin):
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.
             runs = self.cache.input_runs(batch, q_len)
-            self._decode.append(self._buffer, key_states, value_states, positions, real, counts, runs)
+            self._decode.append(self._buffer, key_states, value_states, positions, real, counts, runs,
+                                self._positions_bound(kwargs, q_len))
             if self._decode.due:
                 self._decode.catch_up(self._rows, self._buffer)
                 self._share_dense_storage()
@@ -327,6 +328,17 @@ class CompressedLayer(CacheLayerMixin):
         self.rows, self.columns_seen, self.contiguous, self.is_initialized = [], 0, True, False
 
     # --- positions and masks --------------------------------------------------------------------
+    def _positions_bound(self, kwargs, q_len: int) -> int | None:
+        """A number above every position this layer holds once this forward's ``q_len`` columns are in, known on
+        the host, where the positions are kveval's own: counted per row, or declared by its driver (the
+        ``position_ids`` it gives the model, which count each row's tokens). A row's position is below its count
+        of tokens, which is at most the columns seen, padding included. ``None`` where the attention module gives
+        positions of its own making."""
+        given = None if kwargs is None else kwargs.get("position_ids")
+        if given is not None and given is not self.cache.input_positions:
+            return None
+        return self.columns_seen + q_len
+
     def _new_positions(self, kwargs, real: torch.Tensor) -> torch.Tensor:
         """Original positions of the incoming tokens, ``[B, q]``: ``position_ids`` if the attention module gives
         them or the driver declared them (:meth:`_given_positions`), on this layer's device; else each row's count."""

@@ -147,11 +147,13 @@ class KVQuantResidual(ResidualWindow):
             return None
         return cls(first.codec, first.sink, first.residual, [s.tail.slots for s in stores])
 
-    def encode_aged(self, buffer: BatchBuffer, counts: list[int], kv_dtype: torch.dtype) -> None:
+    def encode_aged(self, buffer: BatchBuffer, counts: list[int], kv_dtype: torch.dtype, bound: int | None = None) -> None:
+        """The tokens leaving the window, encoded at their positions and read back in place; ``bound``: a number
+        above every position, where the layer knows one on the host."""
         for run in self.aged(buffer.lengths, counts):
             keys, values, positions = (run.take(held).contiguous() for held in (buffer.keys, buffer.values, buffer.positions))
             decoded_keys, decoded_values = self.codec.read_encoded(keys.to(kv_dtype), values.to(kv_dtype), positions,
-                                                                   kv_dtype, keys.dtype)
+                                                                   kv_dtype, keys.dtype, bound)
             sink = (positions < self.sink)[..., None]
             run.put(buffer.keys, torch.where(sink, keys, decoded_keys))
             run.put(buffer.values, torch.where(sink, values, decoded_values))

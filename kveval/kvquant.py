@@ -165,17 +165,17 @@ class KVQuantCodec:
         return self._encode(keys, values, positions, kv_dtype, None)[0]
 
     def read_encoded(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, kv_dtype: torch.dtype,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                     dtype: torch.dtype, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``decode(encode(keys, values, positions, kv_dtype), positions, dtype)``, bit for bit, from the encoding's
         own codes, ranges and RoPE angles, with no packing and unpacking and no second lookup of the angles: what a
         batched decode step needs (each row's newest token as its store will read it) in about a third fewer
-        small operations."""
-        return self._encode(keys, values, positions, kv_dtype, dtype)[1:]
+        small operations. ``bound``: a number above every position, known on the host (:meth:`RopeHook.cos_sin`)."""
+        return self._encode(keys, values, positions, kv_dtype, dtype, bound)[1:]
 
-    def _encode(self, keys, values, positions, kv_dtype, read_dtype):
+    def _encode(self, keys, values, positions, kv_dtype, read_dtype, bound: int | None = None):
         """``(encode's tensors, None, None)``, or with ``read_dtype`` (:meth:`read_encoded`) ``(None, keys, values)``."""
         t, data = self._tensors(keys.device), {}
-        angles = self.rope.cos_sin(positions) if self.rope is not None else None
+        angles = self.rope.cos_sin(positions, bound) if self.rope is not None else None
         x = self.rope.unrotate(keys, positions, angles) if self.rope is not None else keys.float()
         z = (x - t["mid"][:, None]) / t["half"][:, None]
         self._sparse(x, z.abs(), kv_dtype, data, "k")

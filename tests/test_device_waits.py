@@ -149,7 +149,9 @@ def test_a_batch_makes_no_device_wait_and_launches_no_kernel_per_row(spec, quant
 @pytest.mark.parametrize("name, spec, waits", [("gemma3", "none", 1), ("gemma3", "quant(bits=8,group=8)", 1),
                                                ("llama", "random(ratio=0.5,decode_budget=20)", 1),
                                                ("llama", "knorm(ratio=0.5,decode_budget=20)", 1),
-                                               ("llama4", "none", 2)])
+                                               ("llama4", "none", 2), ("llama", "kvquant(bits=4)", 1),
+                                               ("gemma3", "kvquant(bits=4)", 1)])
+@pytest.mark.usefixtures("calibration_cache")
 def test_a_decode_step_keeping_a_window_or_a_budget_scored_per_layer_reads_the_device_once(name, spec, waits):
     """Gemma 3's sliding layers (a window of 16 here, prompts past it) keep each row's newest tokens, slots known
     from the rows' lengths, and see them all (a mask from the lengths); a decode budget whose scores do not stack
@@ -159,7 +161,8 @@ def test_a_decode_step_keeping_a_window_or_a_budget_scored_per_layer_reads_the_d
     layer under those budgets (whether the lowest score is unique; the first slot any row dropped). Llama 4, whose
     attention passes no positions to the cache, decoded row by row (18 waits a step for 3 rows and 2 layers here);
     from the positions its driver declares, on the buffer: one wait more than the new tokens', its chunked layer's
-    mask (whether the heads share slots)."""
+    mask (whether the heads share slots). KVQuant read each layer's largest position to size its RoPE table; the
+    layer knows a bound on the host when the positions are kveval's own (counted, or declared by its driver)."""
     model = {"gemma3": lambda: tiny_gemma3(sliding_window=16), "llama": tiny_llama,
              "llama4": lambda: tiny_model("llama4")}[name]()
     phases = _phases(model, spec, [(30, 4), (23, 4), (27, 4)])
