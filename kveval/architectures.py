@@ -390,6 +390,11 @@ class RopeHook:
 
         self.rotary, self.layer_type = rotary, layer_type
         self._takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        rope_type = getattr(rotary, "rope_type", "default")
+        rope_type = rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type
+        # Dynamic NTK and longrope change every angle with the length the module is called for: a table sized past
+        # what the model saw would hold other angles, so only positions read from the device size it.
+        self._length_dependent = "dynamic" in str(rope_type) or rope_type == "longrope"
         self._cos: torch.Tensor | None = None  # [P, rot_dim] float32 for positions 0 .. P-1
         self._sin: torch.Tensor | None = None
 
@@ -397,8 +402,9 @@ class RopeHook:
         """``cos, sin`` of shape ``[*positions.shape, rot_dim]`` (float32, on ``positions``' device).
 
         ``bound``: a number above every position, where the caller knows one on the host (the table then grows
-        without reading the largest position from the device, a wait per call on a GPU)."""
-        if bound is not None:
+        without reading the largest position from the device, a wait per call on a GPU); not for a RoPE whose
+        angles depend on the length (dynamic NTK, longrope), whose table only the positions themselves size."""
+        if bound is not None and not self._length_dependent:
             needed = bound
         else:
             needed = int(positions.max()) + 1 if positions.numel() else 0

@@ -256,7 +256,9 @@ class CompressedCache(Cache):
         (it built the mask on the host); else it is read from the device, once per forward. ``positions``: the
         ``position_ids`` the forward gives the model (``[B, q]``), for attention modules that do not pass them on
         to the cache (Llama 4's): the layers then need not count each row's tokens, and may decode on the batch
-        buffer alone. Every call replaces what the last one declared."""
+        buffer alone. Each row's positions must count its tokens (below the tokens it will have seen once this
+        forward is in, as ``position_ids`` made from the mask are): the layers bound positions by the columns
+        they have seen. Every call replaces what the last one declared."""
         self.input_positions = positions
         self._input_mask = None if mask is None else mask.bool()
         self._input_counts, self._input_columns = (None, None) if mask is None else runs or real_runs(self._input_mask)

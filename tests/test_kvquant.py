@@ -118,7 +118,6 @@ def test_rope_round_trip_is_exact_in_float32():
     assert (hook.rotate(hook.unrotate(x, positions), positions) - x).abs().max().item() < 1e-6
 
 
-
 def test_rope_angles_sized_by_a_host_bound_read_no_device_and_equal_the_angles_sized_by_reading():
     """A batched decode step knows a bound above its positions on the host (the columns seen): the table of angles
     grows to it without reading the largest position (a wait per layer and step on a GPU), and the angles are
@@ -129,10 +128,16 @@ def test_rope_angles_sized_by_a_host_bound_read_no_device_and_equal_the_angles_s
     positions = torch.tensor([[3, 700, 1299]])
     reading, bounded = rope_hook(model, 0), rope_hook(model, 0)
     with OpCounter(model) as counter:
-        cos, sin = bounded.cos_sin(positions, bound=1300)
-    assert counter.counts["waits"] == 0 and bounded._cos.shape[0] >= 1300
+        cos, sin = bounded.cos_sin(positions, bound=2048)  # a table larger than reading would make
+    assert counter.counts["waits"] == 0 and bounded._cos.shape[0] >= 2048
     expected = reading.cos_sin(positions)
     assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
+    # Longrope (Phi-3) and dynamic NTK change every angle past the length they were made for: sized by reading only
+    longrope = rope_hook(model, 0)
+    longrope._length_dependent = True
+    longrope.cos_sin(torch.tensor([[3, 5]]), bound=8192)
+    assert longrope._cos.shape[0] == 256
+
 
 def _layer0_keys(model, token=7, n=24):
     seen = {}
