@@ -21,6 +21,7 @@ from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
 from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.block_probabilities import AttentionProbabilities, attention_mass
 from kveval.buffered_decode import BufferedDecode
+from kveval.decode_evictions import BudgetEviction
 from kveval.head_stores import HeadwiseStore
 from kveval.policies import ScoringState
 from kveval.rows import RowState, seal_rows
@@ -184,13 +185,11 @@ class CompressedLayer(CacheLayerMixin):
         else:
             self._give_back_room()
 
-    def _give_back_room(self) -> bool:
+    def _give_back_room(self) -> None:
         """Free the buffer once the rows hold far fewer tokens than its room (compressed, evicted), for one that
-        fits them (:meth:`_refresh_buffer`); whether it did."""
+        fits them (:meth:`_refresh_buffer`)."""
         if self._buffer is not None and self._rows and self._buffer.oversized(max(r.store.length for r in self._rows)):
             self._buffer = None
-            return True
-        return False
 
     def _share_dense_storage(self) -> None:
         """Dense rows whose ``kv_dtype`` is the compute dtype hold views of the buffer: the cache is held once."""
@@ -377,7 +376,7 @@ class CompressedLayer(CacheLayerMixin):
         each step's position follows the last) ending at the query's, and no row holds more than the window
         (:func:`~kveval.decode_evictions._window_kept`). Not a chunked layer: its query sees its own chunk only."""
         eviction = self._decode.eviction if self._buffer_only_step else None
-        return (not self.chunked and getattr(eviction, "trims_window", False)
+        return (not self.chunked and isinstance(eviction, BudgetEviction) and eviction.trims_window
                 and self._buffer.width <= self.sliding_window)
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:

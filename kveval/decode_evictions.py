@@ -159,9 +159,9 @@ class BudgetEviction:
 
     @classmethod
     def of_window(cls, window: int) -> "BudgetEviction":
-        """A sliding layer's window: the ``window - 1`` newest positions. Scored by position, but
-        :meth:`apply` needs no scores: see :func:`_window_kept`."""
-        return cls(window - 1, lambda state: state.positions.float(), trims_window=True)
+        """A sliding layer's window: the ``window - 1`` newest positions, known from the rows' lengths with no
+        scores (:func:`_window_kept`)."""
+        return cls(window - 1, None, trims_window=True)
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep the budget in every row; whether any row dropped a token."""

@@ -409,7 +409,8 @@ def test_sliding_layers_step_masks_from_lengths_are_the_masks_of_positions(gemma
     def ranked_window(self, buffer):  # the eviction as before: scored by position, ranked, a min per row
         if buffer.width <= self.budget:
             return False
-        scores, _ = decode_evictions.scored_slots(buffer, self.scores, self.context, tokens_first=True)
+        scores, _ = decode_evictions.scored_slots(buffer, lambda state: state.positions.float(), self.context,
+                                                  tokens_first=True)
         keep, first = kept_slots(scores, self.budget, buffer.lengths)
         decode_evictions._compact(buffer, keep[:, :, first:], first, self.budget)
         return True
