@@ -38,8 +38,10 @@ No policy imports this module: policies never know which architecture they run o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -363,6 +365,66 @@ def attention_kernel(module, kwargs: dict) -> AttentionKernel:
                                         f"modeling file {modeling} has no eager_attention_forward to compute it exactly")
         _EAGER[modeling] = EagerKernel(function)
     return _EAGER[modeling]
+
+
+# --- Llama 4's query temperature ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QueryTemperature:
+    """Llama 4's temperature tuning (arXiv 2501.19399) of its layers without RoPE: the query at position ``p`` is
+    scaled by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` in float32, then cast back to its dtype.
+
+    transformers takes ``p`` from the cache's length (``get_seq_length``), which in a left-padded batch counts the
+    row's padding: a row padded across a multiple of ``floor_scale`` (8,192 in Llama 4) is scaled as a longer row
+    is, so batch N gave other answers than batch 1. :func:`row_query_temperatures` takes the scaling over for a
+    forward whose positions are declared, and :meth:`apply` scales each row by its own positions, elementwise as
+    transformers does (the same bits as the row alone)."""
+
+    attn_scale: float
+    floor_scale: float
+
+    def apply(self, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``query`` ``[B, heads, q, head_dim]`` scaled at ``positions`` (``[B, q]``, each row's own)."""
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        return (query * scales[:, None, :, None]).to(query.dtype)
+
+
+#: Attention modules whose query temperature kveval applies during the current forward.
+_TAKEN_TEMPERATURES: "weakref.WeakKeyDictionary[torch.nn.Module, QueryTemperature]" = weakref.WeakKeyDictionary()
+_TUNED_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _tuned_modules(model) -> tuple:
+    """The attention modules of ``model`` that tune their queries' temperature (Llama 4's layers without RoPE)."""
+    if model not in _TUNED_MODULES:
+        _TUNED_MODULES[model] = tuple(
+            module for module in model.modules()
+            if getattr(module, "attn_temperature_tuning", False) is True and not getattr(module, "use_rope", True)
+            and hasattr(module, "attn_scale") and hasattr(module, "floor_scale"))
+    return _TUNED_MODULES[model]
+
+
+@contextlib.contextmanager
+def row_query_temperatures(model):
+    """During one forward whose positions the driver declares to the cache, kveval's attention scales the
+    queries of ``model``'s temperature-tuned modules by each row's positions (:class:`QueryTemperature`), and
+    the modules do not: their flag is off for the forward and restored after it, even on an error, so the same
+    model under another cache runs as transformers runs it."""
+    modules = _tuned_modules(model)
+    for module in modules:
+        _TAKEN_TEMPERATURES[module] = QueryTemperature(module.attn_scale, module.floor_scale)
+        module.attn_temperature_tuning = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.attn_temperature_tuning = True
+            _TAKEN_TEMPERATURES.pop(module, None)
+
+
+def taken_query_temperature(module) -> QueryTemperature | None:
+    """The temperature kveval applies to ``module``'s queries in this forward, if it took it over."""
+    return _TAKEN_TEMPERATURES.get(module) if _TAKEN_TEMPERATURES else None
 
 
 # --- RoPE hook (pre-RoPE key quantization: kveval.kvquant) ------------------------------------------

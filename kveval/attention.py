@@ -19,7 +19,7 @@ from functools import partial
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kveval.architectures import attention_kernel
+from kveval.architectures import attention_kernel, taken_query_temperature
 from kveval.block_probabilities import AttentionProbabilities
 
 ATTENTION_NAME = "kveval"
@@ -35,6 +35,12 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
         if own_mask.shape[1] > 1 and own_mask.shape[1] != query.shape[1]:
             own_mask = own_mask.repeat_interleave(query.shape[1] // own_mask.shape[1], dim=1)
         attention_mask = own_mask
+    temperature = taken_query_temperature(module)
+    if temperature is not None:  # Llama 4 without RoPE: each row's queries by its own positions, not the batch's
+        if layer is None or layer.cache.input_positions is None:
+            raise RuntimeError(f"{type(module).__name__}'s query temperature was taken over in a forward without "
+                               "declared positions")
+        query = temperature.apply(query, layer.cache.input_positions.to(query.device))
     kernel = attention_kernel(module, kwargs)
     output = kernel.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if layer is not None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kveval.architectures import row_query_temperatures
 from kveval.cache import CacheStats, CompressedCache
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
@@ -113,8 +114,9 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     cache.set_input_mask(mask, runs=([len(r) for r in rows], [slice(width - len(r), width) for r in rows]),
                          positions=position_ids)
     try:  # Generation needs the last column only: skip the [B, width, vocab] projection of the rest.
-        logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                       attention_mask=cache.model_attention_mask()).logits  # None unless state layers must skip padding
+        with row_query_temperatures(model):  # Llama 4: scaled by each row's positions, not by the padded length
+            logits = model(input_ids=ids, position_ids=position_ids, cache=cache, use_cache=True,
+                           logits_to_keep=logits_to_keep, attention_mask=cache.model_attention_mask()).logits  # None unless state layers skip padding
     finally:
         cache.input_positions = None  # declared for this forward only
     for b, r in enumerate(rows):

@@ -70,3 +70,50 @@ def test_batch_n_equals_batch_1_equals_transformers_batch_1(make):
     # The deployment dtype (bfloat16 storage) changes the arithmetic, never the batch independence.
     rounded = _kveval(model, prompts, 1, None)
     assert _kveval(model, prompts, len(prompts), None) == rounded
+
+
+@pytest.mark.parametrize("spec", ["none", "h2o(ratio=0.5,decode_budget=24)"])
+def test_llama4_query_temperature_counts_each_rows_own_positions(spec):
+    """Llama 4's layers without RoPE scale their queries by ``1 + attn_scale * log1p(floor((position + 1) /
+    floor_scale))`` (temperature tuning), the position taken by transformers from the cache's length: in a
+    left-padded batch, padding included. Every 8,192 positions in a real Llama 4 the scale steps, so a row padded
+    across a step was scaled as another row would be, and batch N gave other answers than batch 1 (at 8k to 128k
+    tokens, where users evaluate). Here the step comes every 16 positions, so every batch crosses some; kveval
+    scales each row's queries by its own positions: batch N equals batch 1 equals transformers' batch 1."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama4", attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5)
+    assert any(not layer.self_attn.use_rope for layer in model.model.layers)  # a NoPE layer, tuned
+    with torch.no_grad():  # sharper attention than random weights give, so that the queries' scale shows in tokens
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(16)
+            layer.self_attn.k_proj.weight.mul_(16)
+    prompts = _prompts()
+    hf_one = [_hf_generate(model, [p], None)[0] for p in prompts]
+    one = [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=STEPS, batch_size=1,
+                                         kv_dtype=model.dtype)]
+    if spec == "none":
+        assert one == hf_one
+    for size in (5, len(prompts)):
+        assert [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=STEPS, batch_size=size,
+                                              kv_dtype=model.dtype)] == one, size
+    # The padding counted matters here: transformers' own batch gives other tokens (its scale counts padding).
+    assert _hf_generate(model, prompts, None) != hf_one
+    # The modules scale their own queries again outside kveval's forwards: transformers alone gives what it gave.
+    assert [_hf_generate(model, [p], None)[0] for p in prompts] == hf_one
+
+
+def test_llama4_query_temperature_is_given_back_after_a_failed_forward():
+    from tiny_models import tiny_model
+
+    from kveval.architectures import row_query_temperatures, taken_query_temperature
+
+    model = tiny_model("llama4")
+    tuned = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
+    assert tuned and all(module.attn_temperature_tuning for module in tuned)
+    with pytest.raises(ZeroDivisionError):
+        with row_query_temperatures(model):
+            assert not any(module.attn_temperature_tuning for module in tuned)
+            assert taken_query_temperature(tuned[0]).floor_scale == model.config.floor_scale
+            1 / 0
+    assert all(module.attn_temperature_tuning for module in tuned) and taken_query_temperature(tuned[0]) is None

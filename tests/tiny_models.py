@@ -76,14 +76,15 @@ ARCHITECTURES = {
 }
 
 
-def tiny_model(name: str, attn: str = "kveval", seed: int = 0):
-    """A tiny random model of architecture ``name`` (a key of :data:`ARCHITECTURES`); same seed, same weights."""
+def tiny_model(name: str, attn: str = "kveval", seed: int = 0, **config):
+    """A tiny random model of architecture ``name`` (a key of :data:`ARCHITECTURES`); same seed, same weights.
+    ``config``: overrides of its config."""
     import transformers
 
     register_attention()
     config_class, model_class, overrides = ARCHITECTURES[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+    config = getattr(transformers, config_class)(**{**_BASE, **overrides, **config})
     config._attn_implementation = attn
     return _without_eos(getattr(transformers, model_class)(config))
 
