@@ -454,9 +454,10 @@ class RopeHook:
         self._takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
         rope_type = getattr(rotary, "rope_type", "default")
         rope_type = rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type
-        # Dynamic NTK and longrope change every angle with the length the module is called for: a table sized past
-        # what the model saw would hold other angles, so only positions read from the device size it.
-        self._length_dependent = "dynamic" in str(rope_type) or rope_type == "longrope"
+        #: Dynamic NTK and longrope change every angle once a forward's positions pass a length of their own (the
+        #: model's original context): positions below it, the only ones the table then holds, else ``None``.
+        self.static_positions = _static_rope_positions(rotary, str(rope_type), layer_type if self._takes_layer_type else None)
+        self._rope_type = rope_type
         self._cos: torch.Tensor | None = None  # [P, rot_dim] float32 for positions 0 .. P-1
         self._sin: torch.Tensor | None = None
 
@@ -464,21 +465,38 @@ class RopeHook:
         """``cos, sin`` of shape ``[*positions.shape, rot_dim]`` (float32, on ``positions``' device).
 
         ``bound``: a number above every position, where the caller knows one on the host (the table then grows
-        without reading the largest position from the device, a wait per call on a GPU); not for a RoPE whose
-        angles depend on the length (dynamic NTK, longrope), whose table only the positions themselves size."""
-        if bound is not None and not self._length_dependent:
+        without reading the largest position from the device, a wait per call on a GPU).
+
+        A RoPE whose angles change with the length (:attr:`static_positions`) gets a table of the angles below
+        that length only, made as the model makes them there; a position past it is refused
+        (:class:`~kveval.errors.UnsupportedModelError`): the model rotates the keys of a forward past it with other
+        angles than those of the forwards before, and keeps both, which keys rotated again from their pre-RoPE
+        values at one set of angles cannot reproduce. A bound past that length is checked by reading."""
+        limit = self.static_positions
+        if bound is not None and (limit is None or bound <= limit):
             needed = bound
         else:
             needed = int(positions.max()) + 1 if positions.numel() else 0
+        if limit is not None and needed > limit:
+            raise UnsupportedModelError(
+                f"{self._rope_type} RoPE turns keys by other angles past {limit} positions, and the model keeps "
+                f"earlier keys at the angles before, which keys quantized before RoPE cannot reproduce: use "
+                f"pre_rope=false, or contexts of at most {limit} tokens")
         if self._cos is None or self._cos.shape[0] < needed or self._cos.device != positions.device:
             size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            ids = torch.arange(size, device=positions.device)[None]
-            probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-            args = (probe, ids, self.layer_type) if self._takes_layer_type else (probe, ids)
-            with torch.no_grad():
-                cos, sin = self.rotary(*args)
-            self._cos, self._sin = cos[0].float(), sin[0].float()
+            size = size if limit is None else min(size, limit)  # past it, the module would turn to other angles
+            self._cos, self._sin = self.one_forward_cos_sin(size, positions.device)
         return self._cos[positions], self._sin[positions]
+
+    def one_forward_cos_sin(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[length, rot_dim]`` (float32) of positions ``0 .. length - 1`` as the model turns them in
+        one forward over them: what a calibration pass of ``length`` tokens used, whatever the RoPE."""
+        ids = torch.arange(length, device=device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        args = (probe, ids, self.layer_type) if self._takes_layer_type else (probe, ids)
+        with torch.no_grad():
+            cos, sin = self.rotary(*args)
+        return cos[0].float(), sin[0].float()
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -500,6 +518,19 @@ class RopeHook:
         r = cos.shape[-1]
         back = (x[..., :r] * cos - self._rotate_half(x[..., :r]) * sin) / (cos * cos + sin * sin)
         return back if r == x.shape[-1] else torch.cat([back, x[..., r:]], dim=-1)
+
+
+def _static_rope_positions(rotary, rope_type: str, layer_type: str | None) -> int | None:
+    """The positions below which a length-dependent RoPE keeps its angles, as transformers'
+    ``dynamic_rope_update`` decides: longrope turns to its long factors once a forward's length passes
+    ``original_max_position_embeddings``; dynamic NTK grows its base once it passes the module's original
+    ``max_seq_len_cached``. ``None`` for a RoPE whose angles do not depend on the length."""
+    if rope_type == "longrope":
+        parameters = rotary.config.rope_parameters
+        return int((parameters[layer_type] if layer_type is not None else parameters)["original_max_position_embeddings"])
+    if "dynamic" in rope_type:
+        return int(rotary.original_max_seq_len)
+    return None
 
 
 def rope_hook(model, layer_idx: int) -> RopeHook:

@@ -308,9 +308,11 @@ def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model
     kv, used = calibration_kv(model, text, tokens)
     layers = []
     for i, (keys, values) in enumerate(kv):
-        if settings.pre_rope:
-            positions = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
-            keys = rope_hook(model, i).unrotate(keys.to(model.device), positions.to(model.device)).cpu()
+        if settings.pre_rope:  # at the angles of the calibration's one forward (a longrope's long ones past its length)
+            hook = rope_hook(model, i)
+            cos, sin = hook.one_forward_cos_sin(keys.shape[1], model.device)
+            positions = torch.arange(keys.shape[1], device=model.device).expand(keys.shape[0], -1)
+            keys = hook.unrotate(keys.to(model.device), positions, (cos[positions], sin[positions])).cpu()
         layers.append(_calibrate_layer(keys, values, settings))
     return KVQuantCalibration(settings, layers, used, text.sha256, model_key)
 

@@ -132,11 +132,6 @@ def test_rope_angles_sized_by_a_host_bound_read_no_device_and_equal_the_angles_s
     assert counter.counts["waits"] == 0 and bounded._cos.shape[0] >= 2048
     expected = reading.cos_sin(positions)
     assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
-    # Longrope (Phi-3) and dynamic NTK change every angle past the length they were made for: sized by reading only
-    longrope = rope_hook(model, 0)
-    longrope._length_dependent = True
-    longrope.cos_sin(torch.tensor([[3, 5]]), bound=8192)
-    assert longrope._cos.shape[0] == 256
 
 
 def _layer0_keys(model, token=7, n=24):
@@ -158,6 +153,52 @@ def test_unrotated_keys_are_the_models_pre_rope_keys(name):
     pre = rope_hook(model, 0).unrotate(keys, positions)
     assert (pre - pre[:, :1]).abs().max().item() < 1e-5
     assert (keys - keys[:, :1]).abs().max().item() > 1e-2  # the cached keys themselves do rotate
+
+
+def _length_dependent_rope(kind: str):
+    """Tiny models whose RoPE angles change past 64 positions: Phi-3's longrope (short factors up to 64 positions,
+    long ones past), Llama's dynamic NTK (its base grows past 64)."""
+    if kind == "longrope":
+        return tiny_model("phi3", hidden_size=128, max_position_embeddings=256, original_max_position_embeddings=64,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+                                           "long_factor": [3.0] * 16, "original_max_position_embeddings": 64})
+    return tiny_model("llama", max_position_embeddings=64,
+                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_a_rope_that_changes_with_the_length_is_unrotated_at_the_models_own_angles(kind):
+    """Longrope and dynamic NTK rotate with other angles once a forward passes their original length (64 here).
+    The table of angles grew by doubling from 256 positions, so a context of 24 tokens was unrotated at the long
+    angles (and dynamic NTK's module, grown by the table, rotated the model's next forwards so too): pre-RoPE keys
+    were wrong before any quantization. The table now stops at that length, and a position past it, where the
+    model rotates earlier keys with other angles than later ones, is refused in one line."""
+    model = _length_dependent_rope(kind)
+    keys = _layer0_keys(model)
+    positions = torch.arange(keys.shape[1]).expand(keys.shape[0], -1)
+    hook = rope_hook(model, 0)
+    for bound in (None, 64, 4096):
+        pre = hook.unrotate(keys, positions) if bound is None else hook.unrotate(keys, positions, hook.cos_sin(positions, bound))
+        assert (pre - pre[:, :1]).abs().max().item() < 1e-5, bound
+    assert hook._cos.shape[0] == 64
+    assert torch.equal(_layer0_keys(model), keys)  # the model's own rotation is as it was
+    with pytest.raises(UnsupportedModelError, match="pre_rope=false"):
+        hook.cos_sin(torch.tensor([[3, 64]]))
+    with pytest.raises(UnsupportedModelError, match="pre_rope=false"):
+        hook.cos_sin(torch.tensor([[3, 64]]), bound=65)
+    # A calibration is one forward: past the length, its keys are unrotated at that forward's (long) angles.
+    long_keys = _layer0_keys(model, n=100)
+    cos, sin = hook.one_forward_cos_sin(100, "cpu")
+    at = torch.arange(100).expand(long_keys.shape[0], -1)
+    pre = hook.unrotate(long_keys, at, (cos[at], sin[at]))
+    assert (pre - pre[:, :1]).abs().max().item() < 1e-5
+    # Through the cache: contexts within the length run; one past it is one line naming the fix, and runs after.
+    logits, cache = _logits(model, "kvquant(bits=4)", random_ids(40, 0), random_ids(4, 1))
+    assert torch.isfinite(logits).all() and cache.stats().kv_bytes > 0
+    assert_one_line_error(lambda: _logits(model, "kvquant(bits=4)", random_ids(70, 0), random_ids(2, 1)),
+                          UnsupportedModelError, "use pre_rope=false")
+    logits, cache = _logits(model, "kvquant(bits=4,pre_rope=false)", random_ids(70, 0), random_ids(2, 1))
+    assert torch.isfinite(logits).all()
 
 
 def test_gemma3_rope_follows_the_layer_type():
