@@ -533,6 +533,47 @@ def _static_rope_positions(rotary, rope_type: str, layer_type: str | None) -> in
     return None
 
 
+_ROPE_SWITCHES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, int], ...]]" = weakref.WeakKeyDictionary()
+
+
+def rope_length_switches(model) -> tuple[tuple[str, int], ...]:
+    """``(rope type, positions)`` of each RoPE of ``model``'s decoder whose angles change once a forward's length
+    passes ``positions`` (:func:`_static_rope_positions`); empty for every other model."""
+    if model not in _ROPE_SWITCHES:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+        rotary = getattr(decoder, "rotary_emb", None)
+        rope_type = getattr(rotary, "rope_type", "default")
+        kinds = rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]
+        switches = []
+        for layer_type, kind in kinds:
+            limit = None if rotary is None else _static_rope_positions(rotary, str(kind), layer_type)
+            if limit is not None:
+                switches.append((str(kind), limit))
+        _ROPE_SWITCHES[model] = tuple(switches)
+    return _ROPE_SWITCHES[model]
+
+
+def check_rope_batch(model, lengths: list[int], active: list[bool]) -> None:
+    """Refuse a batched forward whose rows a length-dependent RoPE would turn otherwise than each row alone.
+
+    transformers makes one choice of angles per forward, from its longest row (``lengths``: each row's tokens
+    once the forward is in; ``active``: rows with tokens in it): longrope's long factors once it passes the
+    original length, dynamic NTK's base scaled to that length. A row alone makes the choice from its own length.
+    So a longrope batch must lie on one side of the switch, and a dynamic NTK batch past it must be of one length;
+    else :class:`~kveval.errors.UnsupportedModelError`, naming the fix (batch size 1)."""
+    switches = rope_length_switches(model) if len(lengths) > 1 else ()
+    longest = max(lengths, default=0)
+    for kind, limit in switches:
+        if longest <= limit:
+            continue
+        own = [n for n, on in zip(lengths, active) if on]
+        if any(n <= limit for n in own) or ("dynamic" in kind and any(n != longest for n in own)):
+            raise UnsupportedModelError(
+                f"a batch of rows {min(own)} to {longest} tokens long meets {kind} RoPE's switch at {limit} "
+                f"positions, where transformers turns every row of a forward by the longest row's angles, so a "
+                f"row would not get the tokens it gets alone: use batch_size=1")
+
+
 def rope_hook(model, layer_idx: int) -> RopeHook:
     """The :class:`RopeHook` of attention layer ``layer_idx``; :class:`UnsupportedModelError` where kveval has none.
 
@@ -553,4 +594,4 @@ def rope_hook(model, layer_idx: int) -> RopeHook:
 
 __all__ = ["ATTENTION", "HYBRID", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "ROTATE_HALF_ROPE", "RopeHook", "STATE",
            "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan", "cache_widths",
-           "causal_mask", "check_mla_modules", "check_supported", "eager_variant", "mla_dims", "rope_hook"]
+           "causal_mask", "check_mla_modules", "check_rope_batch", "check_supported", "eager_variant", "mla_dims", "rope_hook"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kveval.architectures import row_query_temperatures
+from kveval.architectures import check_rope_batch, row_query_temperatures
 from kveval.cache import CacheStats, CompressedCache
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
@@ -108,6 +108,7 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     Returns the logits of the last ``logits_to_keep`` columns (0: all) ``[B, columns, vocab]``
     and the real-token mask ``[B, width]``.
     """
+    check_rope_batch(model, [max(s + len(r), 1) for r, s in zip(rows, seen)], [bool(r) for r in rows])
     ids, mask, start = _left_pad(rows, pad_id, seen, model.device)
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
     width = ids.shape[1]

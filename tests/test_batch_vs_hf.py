@@ -117,3 +117,68 @@ def test_llama4_query_temperature_is_given_back_after_a_failed_forward():
             assert taken_query_temperature(tuned[0]).floor_scale == model.config.floor_scale
             1 / 0
     assert all(module.attn_temperature_tuning for module in tuned) and taken_query_temperature(tuned[0]) is None
+
+
+def _longrope_phi3():
+    """Phi-3's longrope, switching to its long factors once a forward passes 64 positions (3x slower angles)."""
+    from tiny_models import tiny_model
+
+    model = tiny_model("phi3", hidden_size=128, max_position_embeddings=256, original_max_position_embeddings=64,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+                                        "long_factor": [3.0] * 16, "original_max_position_embeddings": 64})
+    with torch.no_grad():  # sharper attention than random weights give, so that the angles show in tokens
+        for layer in model.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8)
+    return model
+
+
+def _prompts_of(lengths, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return [Prompt(torch.randint(3, 128, (k,), generator=g).tolist(), torch.randint(3, 128, (3,), generator=g).tolist())
+            for k in lengths]
+
+
+def test_a_batch_across_longropes_switch_is_refused_and_one_side_of_it_equals_batch_1():
+    """transformers turns every row of a forward by one choice of longrope factors, made from the longest row:
+    a row of 40 tokens beside one of 80 gets the long factors it would not get alone, so the batch gives other
+    tokens than its rows alone (transformers' own batch shows it). kveval refuses such a forward in one line
+    naming batch size 1; batches on one side of the switch equal batch 1 and transformers' batch 1."""
+    from kveval.errors import UnsupportedModelError
+
+    model = _longrope_phi3()
+    steps = 6
+    across = _prompts_of([40, 80, 45])
+    hf_alone = [_hf_generate(model, [p], None)[0] for p in across]
+    assert _hf_generate(model, across, None) != hf_alone  # the batch-wide choice changes tokens
+    with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
+        generate(model, Tok(), across, "none", max_new_tokens=steps, batch_size=3, kv_dtype=model.dtype)
+    alone = [r.token_ids for r in generate(model, Tok(), across, "none", max_new_tokens=STEPS, batch_size=1,
+                                           kv_dtype=model.dtype)]
+    assert alone == hf_alone
+    for lengths in ([20, 30, 44], [70, 90, 66]):  # every forward under the switch, or every one past it
+        prompts = _prompts_of(lengths)
+        hf_one = [_hf_generate(model, [p], None)[0] for p in prompts]
+        batched = [r.token_ids for r in generate(model, Tok(), prompts, "none", max_new_tokens=STEPS, batch_size=3,
+                                                 kv_dtype=model.dtype)]
+        assert batched == hf_one, lengths
+
+
+def test_dynamic_ntk_batches_past_its_length_must_be_of_one_length():
+    """Dynamic NTK scales its base to the forward's longest row once past its original length: a batch past it
+    gives each row its own angles only where every row with tokens in the forward is that long."""
+    from tiny_models import tiny_model
+
+    from kveval.architectures import check_rope_batch, rope_length_switches
+    from kveval.errors import UnsupportedModelError
+
+    model = tiny_model("llama", max_position_embeddings=64,
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    assert rope_length_switches(model) == (("dynamic", 64),)
+    check_rope_batch(model, [40, 64, 1], [True, True, True])  # under the switch: the static angles
+    check_rope_batch(model, [80, 80, 80], [True, True, False])  # past it, of one length
+    for lengths, active in (([80, 90], [True, True]), ([80, 80, 90], [True, True, False])):
+        # A finished row (no tokens in the forward) still sets the longest position the module sees.
+        with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
+            check_rope_batch(model, lengths, active)
+    check_rope_batch(model, [90], [True])  # one row: its own choice
+    assert rope_length_switches(tiny_model("llama")) == ()
