@@ -16,28 +16,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from kveval.architectures import every_slot_visible
-from kveval.batch_buffer import PAD_POSITION as _PAD_POSITION
-from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
+from kveval.batch_buffer import BatchBuffer
 from kveval.block_probabilities import AttentionProbabilities, attention_mass
 from kveval.buffered_decode import BufferedDecode
 from kveval.decode_evictions import BudgetEviction
 from kveval.head_stores import HeadwiseStore
+from kveval.layer_masks import held_slots, positions_mask, visible_prefix
 from kveval.policies import ScoringState
 from kveval.rows import RowState, seal_rows
 from kveval.storage import DenseStore
-
-
-def visible_prefix(lengths: tuple[int, ...], width: int, device) -> torch.Tensor:
-    """``[B, 1, 1, width]`` boolean: slot ``s`` of row ``b`` is visible where ``s < lengths[b]`` (never written to)."""
-    if all(n == width for n in lengths):
-        return every_slot_visible(len(lengths), width, device)
-    return slot_range(width, device) < uploaded(lengths, device)[:, None, None, None]
-
-
-def held_slots(positions: torch.Tensor) -> torch.Tensor:
-    """``[B, H, 1, width]`` boolean of the slots whose ``positions`` (``[B, H, width]``) are not padding's."""
-    return (positions != _PAD_POSITION).unsqueeze(2)
 
 
 def score_key(selection) -> tuple | None:
@@ -380,22 +367,8 @@ class CompressedLayer(CacheLayerMixin):
                 and self._buffer.width <= self.sliding_window)
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
-        """Boolean ``[B, heads, q, slots]``: a query sees a kept token at or before its position (and inside the window or chunk).
-
-        ``heads`` is 1 when every KV head keeps the same tokens, else the number
-        of stored KV heads; kernels broadcast it over the query heads that read each.
-        """
-        slots = self._slot_positions
-        if bool((slots == slots[:, :1]).all()):
-            slots = slots[:, :1]
-        key_pos, query_pos = slots[:, :, None, :], query_positions[:, None, :, None]
-        allowed = key_pos <= query_pos
-        if self.chunked:
-            allowed &= key_pos // self.sliding_window == query_pos // self.sliding_window
-        elif self.is_sliding:
-            allowed &= key_pos > query_pos - self.sliding_window
-        allowed |= ~allowed.any(dim=-1, keepdim=True)  # padding queries: attend somewhere rather than produce NaN
-        return allowed
+        """Boolean ``[B, heads, q, slots]`` over the buffer's slots (:func:`~kveval.layer_masks.positions_mask`)."""
+        return positions_mask(self._slot_positions, query_positions, self.sliding_window, self.chunked)
 
     # --- scoring and compression ----------------------------------------------------------------
     def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities: AttentionProbabilities) -> None:
@@ -568,33 +541,15 @@ class CompressedLayer(CacheLayerMixin):
         self.contiguous = False
 
     def _select_heads(self, row: RowState, index: list[torch.Tensor]) -> None:
-        """Heads keep different numbers of tokens: each its own; bookkeeping left-padded (padding slots invisible)."""
-        if not isinstance(row.store, HeadwiseStore):
-            raise TypeError(f"{type(row.store).__name__} holds the same tokens count in every head; "
-                            "per-head budgets need the layer's HeadwiseStore")
+        """Heads keep different numbers of tokens: each its own (:meth:`RowState.keep_heads`)."""
         self._decode = None
-        row.store.select_heads(index)
-        slots = max(i.numel() for i in index)
-        row.positions = _left_pad([p[i] for p, i in zip(row.positions, index)], slots, _PAD_POSITION)
-        if row.attention is not None:
-            row.attention = _left_pad([a[i] for a, i in zip(row.attention, index)], slots, 0)
-        if row.scores:
-            row.scores = {key: _left_pad([t[i] for t, i in zip(scores, index)], slots, 0) for key, scores in row.scores.items()}
+        row.keep_heads(index)
         self.contiguous = False
 
     # --- measurement ----------------------------------------------------------------------------
     def nominal_tokens(self, row: RowState) -> int:
         # A sliding layer of the model's own cache holds the last window - 1 tokens between forwards.
         return row.tokens_seen if not self.is_sliding else min(row.tokens_seen, self.sliding_window - 1)
-
-
-def _left_pad(rows: list[torch.Tensor], slots: int, fill) -> torch.Tensor:
-    """``[len(rows), slots]``: each 1-D row right-aligned, ``fill`` before it."""
-    out = rows[0].new_full((len(rows), slots), fill)
-    for h, r in enumerate(rows):
-        if r.numel():
-            out[h, slots - r.numel():] = r
-    return out
 
 
 class CompressedHybridLayer(LinearAttentionLayer, CompressedLayer):

@@ -17,6 +17,15 @@ from kveval.head_stores import HeadwiseStore
 from kveval.storage import DenseStore, seal_together
 
 
+def _left_pad(rows: list[torch.Tensor], slots: int, fill) -> torch.Tensor:
+    """``[len(rows), slots]``: each 1-D row right-aligned, ``fill`` before it."""
+    out = rows[0].new_full((len(rows), slots), fill)
+    for h, r in enumerate(rows):
+        if r.numel():
+            out[h, slots - r.numel():] = r
+    return out
+
+
 @dataclass
 class RowState:
     """One sequence in one layer: its store, the original position of every kept token, and policy scores."""
@@ -62,6 +71,22 @@ class RowState:
             self.attention = self.attention.gather(1, index)
         if self.scores:
             self.scores = {key: scores.gather(1, index) for key, scores in self.scores.items()}
+
+    def keep_heads(self, index: list[torch.Tensor]) -> None:
+        """Keep slots ``index[h]`` of each head ``h``, heads keeping different numbers of tokens (per-head budgets,
+        a :class:`~kveval.head_stores.HeadwiseStore`): what is held per slot is left-padded, padding slots at the
+        padding position (invisible) with no attention or score."""
+        if not isinstance(self.store, HeadwiseStore):
+            raise TypeError(f"{type(self.store).__name__} holds the same tokens count in every head; "
+                            "per-head budgets need the layer's HeadwiseStore")
+        self.store.select_heads(index)
+        slots = max(i.numel() for i in index)
+        self.positions = _left_pad([p[i] for p, i in zip(self.positions, index)], slots, _PAD_POSITION)
+        if self.attention is not None:
+            self.attention = _left_pad([a[i] for a, i in zip(self.attention, index)], slots, 0)
+        if self.scores:
+            self.scores = {key: _left_pad([t[i] for t, i in zip(scores, index)], slots, 0)
+                           for key, scores in self.scores.items()}
 
     def window_index(self, window: int, first_new_position: int) -> torch.Tensor | None:
         """The slots a sliding layer of ``window`` positions keeps for a query at ``first_new_position`` (the
