@@ -176,8 +176,9 @@ class BufferedDecode:
         accumulates = (selection.attention if selection is not None and selection.attention in ("all", "last")
                        and selection.decode_budget is not None else None)
         if sliding_window is not None:
-            if not all(row.positions.shape[1] == 0 or int(row.positions[0, -1] - row.positions[0, 0]) == row.positions.shape[1] - 1
-                       for row in rows):
+            held = [row for row in rows if row.positions.shape[1]]
+            spans = torch.stack([row.positions[0, -1] - row.positions[0, 0] for row in held]).tolist() if held else []
+            if any(span != row.positions.shape[1] - 1 for span, row in zip(spans, held)):  # one read for the rows
                 return None
             eviction = BudgetEviction.of_window(sliding_window)
             if all(type(s) is DenseStore for s in stores):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from kveval.batch_buffer import BatchBuffer
+from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.block_probabilities import AttentionProbabilities, attention_mass
 from kveval.buffered_decode import BufferedDecode
 from kveval.decode_evictions import BudgetEviction
@@ -267,11 +267,9 @@ class CompressedLayer(CacheLayerMixin):
         out; compressed rows seal), then the buffer is brought in step from the first slot each row changed."""
         rows, sealing = self.rows, []
         if self.is_sliding and any(row.positions.shape[1] for row in rows):
-            # Each row's first new position, read once for the layer (padding never the least).
-            firsts = positions.masked_fill(~real, torch.iinfo(positions.dtype).max).amin(dim=1).tolist()
-            for row, n, first in zip(rows, counts, firsts):
-                if row.positions.shape[1]:
-                    self._trim_to_window(row, first if n else None)
+            # Each row's first new position (padding never the least), None where it has no new token.
+            firsts = positions.masked_fill(~real, torch.iinfo(positions.dtype).max).amin(dim=1)
+            self._trim_rows_to_window(rows, [firsts[b] if n else None for b, n in enumerate(counts)])
         for b, row in enumerate(rows):
             if counts[b]:
                 row.take(keys[b], values[b], positions[b], self.cache.real_columns(b))
@@ -340,6 +338,38 @@ class CompressedLayer(CacheLayerMixin):
         if index is not None:
             self._select(row, index)
 
+    def _trim_rows_to_window(self, rows: list[RowState], firsts: "list[torch.Tensor | None] | None") -> None:
+        """:meth:`_trim_to_window` for every row, with one device read for the layer rather than up to four per row.
+
+        ``firsts[b]``: row ``b``'s first new position (a 0-dim tensor), or ``None`` where no token comes; ``firsts``
+        ``None``: the position after each row's last (the prefill's end). A row's tokens at positions past
+        ``first - window`` stay. Where a row holds its tokens in ascending positions (as every driver of kveval
+        appends them), those are its last slots, and how many is all the host needs; the read brings each row's
+        count and whether its positions ascend, and a row whose positions do not is trimmed alone, as before."""
+        held = [b for b, row in enumerate(rows) if row.positions.shape[1] and (firsts is None or firsts[b] is not None)]
+        if not held:
+            return
+        lengths = tuple(rows[b].positions.shape[1] for b in held)
+        device = rows[held[0]].positions.device
+        padded = torch.nn.utils.rnn.pad_sequence([rows[b].positions[0] for b in held], batch_first=True,
+                                                 padding_value=-1)  # every head holds the same positions
+        inside = slot_range(max(lengths), device) < uploaded(lengths, device)[:, None]
+        if firsts is None:
+            ends = padded.amax(dim=1) + 1  # padding slots (-1) are never the largest
+        else:
+            ends = torch.stack([firsts[b] for b in held]).to(device)
+        visible = (padded > (ends - self.sliding_window)[:, None]) & inside
+        ascending = ((padded[:, 1:] > padded[:, :-1]) | ~inside[:, 1:]).all(dim=1)
+        counts, ordered = torch.stack([visible.sum(dim=1), ascending.long()]).tolist()
+        for b, n, count, in_order, end in zip(held, lengths, counts, ordered, ends):
+            row = rows[b]
+            if not in_order:
+                self._trim_to_window(row, int(end))
+            elif count < n:  # its last ``count`` slots, in every head
+                self._decode = None
+                row.keep(torch.arange(n - count, n, device=device).expand(row.positions.shape[0], -1))
+                self.contiguous = False
+
     def _step_mask(self, query_positions: torch.Tensor, all_real: bool) -> torch.Tensor:
         """:meth:`allowed_mask` for this forward's queries, made from the rows' lengths alone where that is all it
         depends on: one real query per row (a decode step) in a layer without chunks, and without a window or with
@@ -402,11 +432,8 @@ class CompressedLayer(CacheLayerMixin):
                                   or (needs in ("all", "last") and policy.decode_budget is not None)):
             # Compressed rows are scored again only under a decode budget: without one nothing ranks them again.
             self._observe(query, keys, probabilities, score_key(policy))
-        if self.is_sliding:
-            # Like the model's own sliding layer: keep only what the next query can still see.
-            for row in self.rows:
-                if row.positions.shape[1]:
-                    self._trim_to_window(row, int(row.positions.max()) + 1)
+        if self.is_sliding:  # like the model's own sliding layer: keep only what the next query can still see
+            self._trim_rows_to_window(self.rows, None)
         if self.cache.defer_compression:
             return
         rows = self.rows

@@ -171,6 +171,21 @@ def test_a_decode_step_keeping_a_window_or_a_budget_scored_per_layer_reads_the_d
         assert phase["waits"] == waits, phases
 
 
+@pytest.mark.parametrize("rows", [3, 6])
+def test_sliding_layers_trim_the_prefill_to_their_window_with_reads_per_layer_not_per_row(rows):
+    """At the prefill's end each sliding layer keeps what the next query can see (a window of 16 here, prompts
+    past it). The rows' counts of tokens kept, and whether their positions ascend, come in one read per layer, and
+    whether their positions are consecutive (so the batch decodes on its buffer) in one more: as many waits for 6
+    rows as for 3. The code before read four times per row and layer (its largest position, whether all stay,
+    which stay, whether the index is every slot) and once per row for the consecutive check: this prefill (3
+    sliding layers, 4 layers) waited 40 times for 3 rows and 76 for 6; now 10 for either."""
+    model = tiny_gemma3(sliding_window=16)
+    lengths = [(30, 4), (23, 4), (27, 4), (41, 4), (19, 4), (33, 4)][:rows]
+    prefill = _phases(model, "none", lengths)[0]
+    sliding = sum(1 for kind in model.config.layer_types if kind == "sliding_attention")
+    assert prefill["waits"] <= 2 * sliding + len(model.config.layer_types), prefill
+
+
 def test_scoring_every_prefill_query_reads_the_device_once_per_layer_whatever_the_length():
     """H2O scores every prefill query, a block of queries at a time over only the slots the block sees: the
     blocks' widths come from one read per layer, not one per block (on a GPU each read waits for the blocks
