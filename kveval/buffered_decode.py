@@ -359,10 +359,11 @@ class BufferedDecode:
             return
         if self.window is not None:  # encoded rows of a sliding layer: append and seal, then trim as the layer would
             for row, took in zip(rows, self._append_pending(rows)):
-                if took:  # its newest token is its last: the trim is the one its next query sees
-                    index = row.window_index(self.window, int(row.positions[0, -1]) + 1)
-                    if index is not None:
-                        row.keep(index)
+                # The trim its next query sees: its positions are consecutive (checked when the batched decode
+                # started; each step appends the next), so the window keeps its last window - 1, known on the host.
+                held = row.positions.shape[1]
+                if took and held > self.window - 1:
+                    row.keep_last(self.window - 1)
                 row.store.mark_read()
             return
         if self.eviction is not None and self.keys is not None:  # quantized rows under a decode budget

@@ -367,7 +367,7 @@ class CompressedLayer(CacheLayerMixin):
                 self._trim_to_window(row, int(end))
             elif count < n:  # its last ``count`` slots, in every head
                 self._decode = None
-                row.keep(torch.arange(n - count, n, device=device).expand(row.positions.shape[0], -1))
+                row.keep_last(count)
                 self.contiguous = False
 
     def _step_mask(self, query_positions: torch.Tensor, all_real: bool) -> torch.Tensor:

@@ -66,11 +66,23 @@ class RowState:
     def keep(self, index: torch.Tensor) -> None:
         """Keep slots ``index`` (``[H, T']``) of the store and of everything held per slot."""
         self.store.select(index)
+        self._keep_held(index)
+
+    def _keep_held(self, index: torch.Tensor) -> None:
+        """What is held per slot beside the store keeps slots ``index`` (``[H, T']``)."""
         self.positions = self.positions.gather(1, index)
         if self.attention is not None:
             self.attention = self.attention.gather(1, index)
         if self.scores:
             self.scores = {key: scores.gather(1, index) for key, scores in self.scores.items()}
+
+    def keep_last(self, count: int) -> None:
+        """Keep each head's last ``count`` slots (a sliding window's trim): :meth:`keep` of them, the store's part
+        without reading the device (:meth:`~kveval.storage.TokenStore.keep_last`)."""
+        n = self.positions.shape[1]
+        index = torch.arange(n - count, n, device=self.positions.device).expand(self.positions.shape[0], -1)
+        self.store.keep_last(index)
+        self._keep_held(index)
 
     def keep_heads(self, index: list[torch.Tensor]) -> None:
         """Keep slots ``index[h]`` of each head ``h``, heads keeping different numbers of tokens (per-head budgets,

@@ -21,12 +21,13 @@ zero points, full-precision tokens); nothing is simulated.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 
 import torch
 
 from kveval.errors import UsageError
-from kveval.quantization import (QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8, split_units,
-                                 units_from)
+from kveval.quantization import (FP8_FORMATS, QuantizedBlock, concat_blocks, dequantize, gather_units, quantize,
+                                 quantize_fp8, split_units, units_from)
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -114,6 +115,11 @@ class TokenStore(ABC):
     @abstractmethod
     def select(self, index: torch.Tensor) -> None:
         """Keep tokens ``index[h, j]`` of head ``h`` (``[H, T']``, increasing in ``j``); never re-encodes kept tokens."""
+
+    def keep_last(self, index: torch.Tensor) -> None:
+        """Keep slots ``index``, ``[H, count]``: each head's last ``count`` tokens (a sliding window's trim). This
+        default is :meth:`select`; a store that knows it keeps a suffix may do it without reading the device."""
+        self.select(index)
 
     @abstractmethod
     def seal(self) -> None:
@@ -224,6 +230,13 @@ class DenseStore(TokenStore):
     @property
     def nbytes(self) -> int:
         return _nbytes(self.keys) + _nbytes(self.values)
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t``, as stored (FP8 codes moved as bytes: a CPU has no FP8 copy for every layout)."""
+    if t.dtype in FP8_FORMATS.values():
+        return t.view(torch.uint8).clone(memory_format=torch.contiguous_format).view(t.dtype)
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedBlock:
@@ -390,6 +403,32 @@ class QuantizedSequence:
         self.read = 0
         self._compact()
 
+    def keep_last(self, count: int) -> None:
+        """:meth:`select` of each head's last ``count`` tokens, the same units, alive slots and tail, with no
+        device read where every slot is alive: the units before the first kept token are dropped (a per-channel
+        group cut by it stays, its earlier slots dead), then the tail's slots before it."""
+        if self.alive is not None or self.tail_alive is not None:
+            heads = self.block.shape[0] if self.block is not None else self.tail.shape[0]
+            device = self.block.scale.device if self.block is not None else self.tail.device
+            self.select(torch.arange(self.count - count, self.count, device=device).expand(heads, -1))
+            return
+        drop, sealed = self.count - count, self.sealed_slots
+        if drop >= sealed:
+            self.block = None
+            if drop > sealed:  # a copy, as select's gather makes: the dropped slots are freed
+                self.tail = self.tail[:, drop - sealed:].clone(memory_format=torch.contiguous_format)
+        elif drop:
+            first, cut = divmod(drop, self.unit)
+            if first:
+                kept = units_from(self.block, first)
+                self.block = replace(kept, data=_copied(kept.data), scale=_copied(kept.scale),
+                                     zero=None if kept.zero is None else _copied(kept.zero))
+            if cut:
+                self.alive = torch.ones(self.block.shape[0], self.sealed_slots, dtype=torch.bool,
+                                        device=self.block.scale.device)
+                self.alive[:, :cut] = False
+        self.count, self.read = count, 0
+
     def _compact(self) -> None:
         """Drop units dead in their head (gathering each head's live units first) and tail slots likewise."""
         if self.alive is not None:
@@ -451,6 +490,10 @@ class QuantizedStore(TokenStore):
     def select(self, index: torch.Tensor) -> None:
         self.k.select(index)
         self.v.select(index)
+
+    def keep_last(self, index: torch.Tensor) -> None:
+        self.k.keep_last(index.shape[1])
+        self.v.keep_last(index.shape[1])
 
     @classmethod
     def seal_all(cls, stores: "list[QuantizedStore]") -> None:

@@ -167,6 +167,48 @@ def test_reconstruction_after_100_evictions_equals_the_reconstruction_without(po
     assert torch.equal(v, ref_v.gather(1, index[..., None].expand(-1, -1, 16)))
 
 
+def _held(sequence):
+    block = sequence.block
+    stored = [] if block is None else [t.view(torch.uint8) if t.dtype in FP8_FORMATS.values() else t
+                                       for t in (block.data, block.scale, block.zero) if t is not None]
+    return stored, sequence.alive, sequence.tail, sequence.count
+
+
+@pytest.mark.parametrize("policy", [KIVI, QUANT4, FP8_CHANNEL, FP8], ids=["kivi", "quant4", "fp8-channel", "fp8"])
+@pytest.mark.parametrize("tokens, keep", [(60, 40), (60, 20), (60, 13), (60, 5), (60, 59), (61, 8), (7, 3)])
+@pytest.mark.parametrize("dead", [False, True])
+def test_keeping_the_last_tokens_holds_what_selecting_them_holds(policy, tokens, keep, dead):
+    """A sliding window's trim keeps each head's last tokens (:meth:`QuantizedStore.keep_last`): without reading
+    the device where every slot is alive, it holds the units, codes, scales, dead slots, tail and count that
+    :meth:`select` of those slots holds, and reads back the same bits; with dead slots it is that select. Cuts
+    inside the tail, at a unit's edge, inside a per-channel group, and of every sealed unit."""
+    from kveval.device_waits import OpCounter
+
+    g = torch.Generator().manual_seed(tokens + keep)
+    keys, values = torch.randn(2, tokens, 16, generator=g), torch.randn(2, tokens, 16, generator=g)
+    trimmed, selected = _store(policy), _store(policy)
+    for store in (trimmed, selected):
+        store.append(keys, values)
+        store.seal()
+        if dead:  # evicted slots inside the units: the general path
+            store.select(torch.cat([torch.arange(2), torch.arange(3, tokens)]).expand(2, -1))
+    n = trimmed.length
+    index = torch.arange(n - keep, n).expand(2, -1)
+    with OpCounter(torch.nn.Module()) as counter:
+        trimmed.keep_last(index)
+    selected.select(index)
+    if not dead:
+        assert counter.counts["waits"] == 0, counter.counts
+    for mine, theirs in ((trimmed.k, selected.k), (trimmed.v, selected.v)):
+        (m_stored, m_alive, m_tail, m_count), (t_stored, t_alive, t_tail, t_count) = _held(mine), _held(theirs)
+        assert m_count == t_count == keep and len(m_stored) == len(t_stored)
+        assert all(torch.equal(a, b) for a, b in zip(m_stored, t_stored))
+        assert (m_alive is None) == (t_alive is None) and (m_alive is None or torch.equal(m_alive, t_alive))
+        assert (m_tail is None) == (t_tail is None) and (m_tail is None or torch.equal(m_tail, t_tail))
+    assert all(torch.equal(a, b) for a, b in zip(trimmed.keys_values(), selected.keys_values()))
+    assert trimmed.nbytes == selected.nbytes
+
+
 def test_a_token_once_encoded_never_changes_through_decode_steps_and_evictions():
     """Decode-like: append, seal, evict (heads disagree); every token reads back as itself or as its first encoding."""
     heads, dim = 2, 16
