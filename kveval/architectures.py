@@ -50,6 +50,9 @@ import torch
 from kveval.block_probabilities import SINK_SLOT_STEP
 from kveval.errors import UnsupportedModelError
 
+#: The name kveval's attention function is registered under (``attn_implementation="kveval"``).
+KVEVAL_ATTENTION = "kveval"
+
 ATTENTION = "attention"
 STATE = "state"
 HYBRID = "hybrid"  # attention and a state in the same layer (Falcon-H1)
@@ -391,34 +394,41 @@ class QueryTemperature:
 
 #: Attention modules whose query temperature kveval applies during the current forward.
 _TAKEN_TEMPERATURES: "weakref.WeakKeyDictionary[torch.nn.Module, QueryTemperature]" = weakref.WeakKeyDictionary()
-_TUNED_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_TUNING_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _tuned_modules(model) -> tuple:
-    """The attention modules of ``model`` that tune their queries' temperature (Llama 4's layers without RoPE)."""
-    if model not in _TUNED_MODULES:
-        _TUNED_MODULES[model] = tuple(
+def _tuned_modules(model) -> list:
+    """The attention modules of ``model`` that tune their queries' temperature (Llama 4's layers without RoPE) and
+    whose attention is kveval's, which alone scales them again (:func:`kveval.attention.kveval_attention`)."""
+    config = model.config.get_text_config(decoder=True)
+    layers = getattr(config, "no_rope_layers", None)
+    if not getattr(config, "attn_temperature_tuning", False) or layers is None or all(layers):
+        return []  # most models: nothing to look for in every forward
+    if model not in _TUNING_MODULES:
+        _TUNING_MODULES[model] = tuple(
             module for module in model.modules()
-            if getattr(module, "attn_temperature_tuning", False) is True and not getattr(module, "use_rope", True)
+            if hasattr(module, "attn_temperature_tuning") and not getattr(module, "use_rope", True)
             and hasattr(module, "attn_scale") and hasattr(module, "floor_scale"))
-    return _TUNED_MODULES[model]
+    return [module for module in _TUNING_MODULES[model] if module.attn_temperature_tuning
+            and getattr(getattr(module, "config", None), "_attn_implementation", None) == KVEVAL_ATTENTION]
 
 
 @contextlib.contextmanager
 def row_query_temperatures(model):
     """During one forward whose positions the driver declares to the cache, kveval's attention scales the
     queries of ``model``'s temperature-tuned modules by each row's positions (:class:`QueryTemperature`), and
-    the modules do not: their flag is off for the forward and restored after it, even on an error, so the same
-    model under another cache runs as transformers runs it."""
+    the modules do not: their flag is off for the forward and given back after it, even on an error, so the same
+    model under another cache runs as transformers runs it. The one place kveval changes a module's state."""
     modules = _tuned_modules(model)
+    flags = [module.attn_temperature_tuning for module in modules]
     for module in modules:
         _TAKEN_TEMPERATURES[module] = QueryTemperature(module.attn_scale, module.floor_scale)
         module.attn_temperature_tuning = False
     try:
         yield
     finally:
-        for module in modules:
-            module.attn_temperature_tuning = True
+        for module, flag in zip(modules, flags):
+            module.attn_temperature_tuning = flag
             _TAKEN_TEMPERATURES.pop(module, None)
 
 
@@ -469,9 +479,9 @@ class RopeHook:
 
         A RoPE whose angles change with the length (:attr:`static_positions`) gets a table of the angles below
         that length only, made as the model makes them there; a position past it is refused
-        (:class:`~kveval.errors.UnsupportedModelError`): the model rotates the keys of a forward past it with other
-        angles than those of the forwards before, and keeps both, which keys rotated again from their pre-RoPE
-        values at one set of angles cannot reproduce. A bound past that length is checked by reading."""
+        (:class:`~kveval.errors.UnsupportedModelError`): past it the angles depend on each forward's length
+        (longrope's long factors, dynamic NTK's grown base), and a stored key re-rotated when read would need the
+        angles of its own forward, which the hook does not track. A bound past that length is checked by reading."""
         limit = self.static_positions
         if bound is not None and (limit is None or bound <= limit):
             needed = bound
@@ -479,9 +489,9 @@ class RopeHook:
             needed = int(positions.max()) + 1 if positions.numel() else 0
         if limit is not None and needed > limit:
             raise UnsupportedModelError(
-                f"{self._rope_type} RoPE turns keys by other angles past {limit} positions, and the model keeps "
-                f"earlier keys at the angles before, which keys quantized before RoPE cannot reproduce: use "
-                f"pre_rope=false, or contexts of at most {limit} tokens")
+                f"keys quantized before RoPE are re-rotated at angles known up to {limit} positions, where "
+                f"{self._rope_type} RoPE turns to angles that depend on each forward's length, which kveval does "
+                f"not track: use pre_rope=false, or rows of at most {limit} tokens")
         if self._cos is None or self._cos.shape[0] < needed or self._cos.device != positions.device:
             size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             size = size if limit is None else min(size, limit)  # past it, the module would turn to other angles
@@ -533,12 +543,58 @@ def _static_rope_positions(rotary, rope_type: str, layer_type: str | None) -> in
     return None
 
 
-_ROPE_SWITCHES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, int], ...]]" = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class RopeSwitch:
+    """A RoPE of a model's decoder whose angles change once a forward's length (its largest position + 1, over
+    every row) passes ``positions``: longrope turns to its long factors, dynamic NTK grows its base to that
+    length. transformers makes the choice once per forward, for every row of the batch."""
+
+    kind: str
+    positions: int
+    rotary: torch.nn.Module
+    layer_type: str | None
+
+    @property
+    def dynamic(self) -> bool:
+        """Past the switch the angles depend on the length itself (dynamic NTK), not only on which side it is."""
+        return "dynamic" in self.kind
+
+    def agrees(self, lengths: list[int], longest: int) -> bool:
+        """Whether rows of ``lengths`` (tokens once the forward is in) get, in a forward whose longest row has
+        ``longest``, the angles each gets alone: all under the switch, or all past a longrope's, or all of the
+        longest's length past a dynamic NTK's."""
+        if longest <= self.positions:
+            return True
+        return all(n > self.positions and (not self.dynamic or n == longest) for n in lengths)
+
+    def crosses(self, before: int, after: int) -> bool:
+        """Whether a row growing from ``before`` tokens (at least one) to ``after`` in a later forward crosses a
+        longrope's switch. Its earlier keys then keep the short factors and its later ones get the long, where
+        transformers' own generation for Phi-3 recomputes the whole cache with the long factors at that point:
+        kveval reproduces neither, so such a row is refused. Dynamic NTK's mix of bases is what transformers keeps
+        too, and what kveval's rows keep."""
+        return not self.dynamic and 0 < before <= self.positions < after
+
+    def refusal(self, shortest: int, longest: int) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"a batch of rows {shortest} to {longest} tokens long meets {self.kind} RoPE's switch at "
+            f"{self.positions} positions, where transformers turns every row of a forward by the longest row's "
+            f"angles, so a row would not get the tokens it gets alone: use batch_size=1")
+
+    def crossing(self, before: int, after: int) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"a row grows from {before} to {after} tokens across {self.kind} RoPE's switch at {self.positions} "
+            f"positions, after which its keys turn by other factors than before (transformers' generate "
+            f"recomputes the whole cache there), which kveval does not reproduce: keep prompt + max_new_tokens "
+            f"within {self.positions} tokens, or the first forward (the context) past it")
 
 
-def rope_length_switches(model) -> tuple[tuple[str, int], ...]:
-    """``(rope type, positions)`` of each RoPE of ``model``'s decoder whose angles change once a forward's length
-    passes ``positions`` (:func:`_static_rope_positions`); empty for every other model."""
+_ROPE_SWITCHES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[RopeSwitch, ...]]" = weakref.WeakKeyDictionary()
+
+
+def rope_switches(model) -> tuple[RopeSwitch, ...]:
+    """The :class:`RopeSwitch` of each RoPE of ``model``'s decoder whose angles change with the length
+    (:func:`_static_rope_positions`); empty for every other model."""
     if model not in _ROPE_SWITCHES:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
         rotary = getattr(decoder, "rotary_emb", None)
@@ -548,30 +604,46 @@ def rope_length_switches(model) -> tuple[tuple[str, int], ...]:
         for layer_type, kind in kinds:
             limit = None if rotary is None else _static_rope_positions(rotary, str(kind), layer_type)
             if limit is not None:
-                switches.append((str(kind), limit))
+                switches.append(RopeSwitch(str(kind), limit, rotary, layer_type))
         _ROPE_SWITCHES[model] = tuple(switches)
     return _ROPE_SWITCHES[model]
 
 
-def check_rope_batch(model, lengths: list[int], active: list[bool]) -> None:
-    """Refuse a batched forward whose rows a length-dependent RoPE would turn otherwise than each row alone.
+def check_rope_batch(model, seen: list[int], lengths: list[int], active: list[bool]) -> None:
+    """Refuse a forward a length-dependent RoPE would turn otherwise than transformers turns each row alone:
+    a row crossing a longrope's switch after its first forward (:meth:`RopeSwitch.crosses`), or, in a batch, rows
+    the forward's one choice of angles does not suit (:meth:`RopeSwitch.agrees`). ``seen``: each row's tokens
+    before the forward; ``lengths``: after it, which set the longest position transformers sees, finished rows'
+    too; ``active``: rows with tokens in it."""
+    switches = rope_switches(model)
+    if not switches:
+        return
+    longest = max(lengths)
+    own = [n for n, on in zip(lengths, active) if on]
+    for switch in switches:
+        for before, after, on in zip(seen, lengths, active):
+            if on and switch.crosses(before, after):
+                raise switch.crossing(before, after)
+        if len(lengths) > 1 and not switch.agrees(own, longest):
+            raise switch.refusal(min(own), longest)
 
-    transformers makes one choice of angles per forward, from its longest row (``lengths``: each row's tokens
-    once the forward is in; ``active``: rows with tokens in it): longrope's long factors once it passes the
-    original length, dynamic NTK's base scaled to that length. A row alone makes the choice from its own length.
-    So a longrope batch must lie on one side of the switch, and a dynamic NTK batch past it must be of one length;
-    else :class:`~kveval.errors.UnsupportedModelError`, naming the fix (batch size 1)."""
-    switches = rope_length_switches(model) if len(lengths) > 1 else ()
-    longest = max(lengths, default=0)
-    for kind, limit in switches:
-        if longest <= limit:
-            continue
-        own = [n for n, on in zip(lengths, active) if on]
-        if any(n <= limit for n in own) or ("dynamic" in kind and any(n != longest for n in own)):
-            raise UnsupportedModelError(
-                f"a batch of rows {min(own)} to {longest} tokens long meets {kind} RoPE's switch at {limit} "
-                f"positions, where transformers turns every row of a forward by the longest row's angles, so a "
-                f"row would not get the tokens it gets alone: use batch_size=1")
+
+def reset_rope_lengths(model) -> None:
+    """Give a dynamic NTK RoPE back the base it was loaded with. transformers keeps the base its longest forward
+    grew it to, and resets it only for a forward shorter than the original length, so a batch's angles would
+    depend on the batches run before it. One call of the rotary module at position 0 takes that reset (the
+    module's own code) before a batch's first forward; longrope keeps no such state."""
+    for switch in rope_switches(model):
+        if switch.dynamic:
+            rotary = switch.rotary
+            device = next((b.device for b in rotary.buffers()), torch.device("cpu"))
+            ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+            probe = torch.zeros(1, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                if switch.layer_type is None:
+                    rotary(probe, ids)
+                else:
+                    rotary(probe, ids, switch.layer_type)
 
 
 def rope_hook(model, layer_idx: int) -> RopeHook:
@@ -592,6 +664,9 @@ def rope_hook(model, layer_idx: int) -> RopeHook:
     return RopeHook(rotary, layer_types[layer_idx] if layer_types else None)
 
 
-__all__ = ["ATTENTION", "HYBRID", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "LayerPlan", "MlaDims", "NONE", "ROTATE_HALF_ROPE", "RopeHook", "STATE",
-           "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan", "cache_widths",
-           "causal_mask", "check_mla_modules", "check_rope_batch", "check_supported", "eager_variant", "mla_dims", "rope_hook"]
+__all__ = ["ATTENTION", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "HYBRID", "KVEVAL_ATTENTION",
+           "LayerPlan", "MlaDims", "NONE", "QueryTemperature", "ROTATE_HALF_ROPE", "RopeHook", "RopeSwitch", "STATE",
+           "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan",
+           "cache_widths", "causal_mask", "check_mla_modules", "check_rope_batch", "check_supported",
+           "eager_variant", "mla_dims", "reset_rope_lengths", "rope_hook", "rope_switches", "row_query_temperatures",
+           "taken_query_temperature"]

@@ -9,7 +9,10 @@ attention kwargs during ``cache.update`` (the attention module passes that same
 dict to this function). Attention then runs on the kept tokens under that mask,
 and afterwards the layer may score and compress (see
 :meth:`kveval.cache_layers.CompressedLayer.after_attention`), using the same kernel's
-attention probabilities. No modeling code is copied or patched.
+attention probabilities. No modeling code is copied or patched, with one exception: Llama 4 scales the queries
+of its layers without RoPE by a position that counts a left-padded row's padding, so in the forwards kveval
+drives it turns that scaling off and applies it here, per row
+(:func:`kveval.architectures.row_query_temperatures`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from functools import partial
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kveval.architectures import attention_kernel, taken_query_temperature
+from kveval.architectures import KVEVAL_ATTENTION, attention_kernel, taken_query_temperature
 from kveval.block_probabilities import AttentionProbabilities
 
-ATTENTION_NAME = "kveval"
+ATTENTION_NAME = KVEVAL_ATTENTION
 
 
 def kveval_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kveval.architectures import check_rope_batch, row_query_temperatures
+from kveval.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
 from kveval.cache import CacheStats, CompressedCache
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
@@ -108,7 +108,9 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     Returns the logits of the last ``logits_to_keep`` columns (0: all) ``[B, columns, vocab]``
     and the real-token mask ``[B, width]``.
     """
-    check_rope_batch(model, [max(s + len(r), 1) for r, s in zip(rows, seen)], [bool(r) for r in rows])
+    if not any(seen):  # a batch's first forward: a dynamic NTK RoPE starts from its own base, not the last batch's
+        reset_rope_lengths(model)
+    check_rope_batch(model, seen, [max(s + len(r), 1) for r, s in zip(rows, seen)], [bool(r) for r in rows])
     ids, mask, start = _left_pad(rows, pad_id, seen, model.device)
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)
     width = ids.shape[1]
@@ -150,11 +152,40 @@ def check_request(model, prompts: list[Prompt], max_new_tokens: "int | Sequence[
         raise UsageError(f"batch_size={batch_size!r} must be an integer of at least 1")
     limits = row_limits(max_new_tokens, len(prompts))
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if any(switch.dynamic for switch in rope_switches(model)):
+        limit = None  # dynamic NTK grows its base past that length: what it is for
     for p, new_tokens in zip(prompts, limits):
         if limit and p.length + new_tokens > limit:
             raise UsageError(f"prompt of {p.length} tokens + {new_tokens} new tokens exceeds the model's {limit} positions; use a shorter context")
         if not p.context:
             raise UsageError("a prompt needs at least one context token")
+    _check_rope_batches(model, prompts, limits, mode, batch_size)
+
+
+def _check_rope_batches(model, prompts: list[Prompt], limits: list[int], mode: str, batch_size: int) -> None:
+    """Refuse, before any forward, what :func:`~kveval.architectures.check_rope_batch` would refuse on the way:
+    a row crossing a longrope's switch after its first forward, or a batch (``batch_size`` prompts at a time, in
+    order, as every entry point makes them) whose rows a length-dependent RoPE turns otherwise together than
+    alone. A batch agrees where every forward stays under the switch, where every row's first forward is past a
+    longrope's, or where every prompt has the same shape (its rows then grow alike; a row that finishes early
+    reads nothing more)."""
+    switches = rope_switches(model)
+    if not switches:
+        return
+    starts = [len(p.context) if mode == "context" else p.length for p in prompts]
+    ends = [p.length + n - 1 for p, n in zip(prompts, limits)]  # the last token generated is never fed
+    for switch in switches:
+        for p, start, end in zip(prompts, starts, ends):
+            if switch.crosses(start, end):
+                raise switch.crossing(start, end)
+        for first in range(0, len(prompts), batch_size):
+            rows = prompts[first:first + batch_size]
+            shapes = {(len(p.context), len(p.question)) if mode == "context" else p.length for p in rows}
+            batch_starts, batch_ends = starts[first:first + batch_size], ends[first:first + batch_size]
+            if (len(rows) < 2 or len(shapes) == 1 or max(batch_ends) <= switch.positions
+                    or (not switch.dynamic and min(batch_starts) > switch.positions)):
+                continue
+            raise switch.refusal(min(batch_starts), max(batch_ends))
 
 
 @torch.no_grad()

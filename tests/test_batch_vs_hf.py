@@ -117,6 +117,10 @@ def test_llama4_query_temperature_is_given_back_after_a_failed_forward():
             assert taken_query_temperature(tuned[0]).floor_scale == model.config.floor_scale
             1 / 0
     assert all(module.attn_temperature_tuning for module in tuned) and taken_query_temperature(tuned[0]) is None
+    # A model whose attention is not kveval's keeps its own scaling: nothing would apply it again.
+    sdpa = tiny_model("llama4", attn="sdpa")
+    with row_query_temperatures(sdpa):
+        assert all(layer.self_attn.attn_temperature_tuning for layer in sdpa.model.layers if not layer.self_attn.use_rope)
 
 
 def _longrope_phi3():
@@ -163,22 +167,72 @@ def test_a_batch_across_longropes_switch_is_refused_and_one_side_of_it_equals_ba
         assert batched == hf_one, lengths
 
 
-def test_dynamic_ntk_batches_past_its_length_must_be_of_one_length():
-    """Dynamic NTK scales its base to the forward's longest row once past its original length: a batch past it
-    gives each row its own angles only where every row with tokens in the forward is that long."""
-    from tiny_models import tiny_model
-
-    from kveval.architectures import check_rope_batch, rope_length_switches
+@pytest.mark.parametrize("context, question, batch_size", [(60, 3, 1), (62, 3, 1), (60, 3, 3)])
+def test_a_row_crossing_longropes_switch_after_its_first_forward_is_refused(context, question, batch_size):
+    """A row of 63 tokens generating 12 crosses the switch at 64 during its decode (one of 62 + 3, at its
+    question's forward): its earlier keys keep the short factors, its later ones get the long, while transformers'
+    generate for Phi-3 recomputes the whole cache with the long factors there; kveval's rows gave other tokens
+    than transformers' batch 1 (at batch 1 as at 3). Refused before any forward, naming the fix; the forward that
+    would cross, met on another path (a cache driven step by step), is refused too."""
+    from kveval.architectures import check_rope_batch
     from kveval.errors import UnsupportedModelError
 
-    model = tiny_model("llama", max_position_embeddings=64,
-                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
-    assert rope_length_switches(model) == (("dynamic", 64),)
-    check_rope_batch(model, [40, 64, 1], [True, True, True])  # under the switch: the static angles
-    check_rope_batch(model, [80, 80, 80], [True, True, False])  # past it, of one length
+    model = _longrope_phi3()
+    prompts = [Prompt(p.context[:context], p.question[:question]) for p in _prompts_of([80] * batch_size)]
+    with pytest.raises(UnsupportedModelError, match="max_new_tokens within 64 tokens"):
+        generate(model, Tok(), prompts, "none", max_new_tokens=STEPS, batch_size=batch_size, kv_dtype=model.dtype)
+    with pytest.raises(UnsupportedModelError, match="across longrope RoPE's switch"):
+        check_rope_batch(model, [63], [64 + 1], [True])
+    check_rope_batch(model, [0], [80], [True])  # a first forward past it: every key long
+    check_rope_batch(model, [62], [64], [True])  # up to the switch: every key short
+    if context + question <= 64:  # generating within the switch, the same rows run
+        generate(model, Tok(), prompts, "none", max_new_tokens=64 - context - question + 1, batch_size=batch_size)
+
+
+def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of_one_length():
+    """Dynamic NTK grows its base to the forward's longest row once past its original length (64 here), and
+    transformers keeps the grown base until a forward shorter than that length: a batch's angles depended on the
+    batches before it. kveval resets the base at each batch's first forward, so rows of one length past the
+    switch give, together, in any order of batches, the tokens each gives alone on a fresh model; rows of
+    different lengths past it are refused before any forward, and a forward that would mix them on the way."""
+    from tiny_models import tiny_model
+
+    from kveval.architectures import check_rope_batch, rope_switches
+    from kveval.errors import UnsupportedModelError
+
+    def check(lengths, active):
+        check_rope_batch(fresh, [0] * len(lengths), lengths, active)
+
+    def model():
+        made = tiny_model("llama", max_position_embeddings=64,
+                          rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+        with torch.no_grad():
+            for layer in made.model.layers:
+                layer.self_attn.q_proj.weight.mul_(8)
+        return made
+
+    def tokens(made, prompts, batch_size):
+        return [r.token_ids for r in generate(made, Tok(), prompts, "none", max_new_tokens=STEPS,
+                                              batch_size=batch_size, kv_dtype=made.dtype)]
+
+    fresh, used = model(), model()
+    long_run = _prompts_of([120], seed=9)
+    same = [Prompt(p.context[:70], p.question) for p in _prompts_of([80, 80, 80])]
+    alone = [tokens(fresh, [p], 1)[0] for p in same]  # each on the model as loaded... then grown by the last
+    tokens(used, long_run, 1)  # grows the base to 134 positions
+    assert tokens(used, same, 3) == alone
+    tokens(used, long_run, 1)
+    assert tokens(used, same, 1) == alone
+    with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
+        generate(used, Tok(), _prompts_of([70, 75]), "none", max_new_tokens=2, batch_size=2)
+
+    assert [(s.kind, s.positions) for s in rope_switches(fresh)] == [("dynamic", 64)]
+    check([40, 64, 1], [True, True, True])  # under the switch: the static angles
+    check([80, 80, 80], [True, True, False])  # past it, of one length
     for lengths, active in (([80, 90], [True, True]), ([80, 80, 90], [True, True, False])):
         # A finished row (no tokens in the forward) still sets the longest position the module sees.
         with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
-            check_rope_batch(model, lengths, active)
-    check_rope_batch(model, [90], [True])  # one row: its own choice
-    assert rope_length_switches(tiny_model("llama")) == ()
+            check(lengths, active)
+    check([90], [True])  # one row: its own choice
+    check_rope_batch(fresh, [60], [80], [True])  # dynamic NTK: a row crossing keeps transformers' own mix
+    assert rope_switches(tiny_model("llama")) == ()
