@@ -336,15 +336,31 @@ class _Segment:
         p = self.data["positions"]
         return self.alive if self.alive is not None else torch.ones(p.shape, dtype=torch.bool, device=p.device)
 
-    def extend(self, data: dict[str, torch.Tensor], alive: torch.Tensor) -> None:
-        """Add slots after those held; ``alive`` (``[H, n]``) marks which of them hold a token."""
-        if not bool(alive.any()):
-            return
-        everyone = bool(alive.all())
-        if self.alive is not None or not everyone:
-            self.alive = torch.cat([self.live(), alive], dim=1) if self.data else alive
+    def extend(self, data: dict[str, torch.Tensor], alive: torch.Tensor | None,
+               counts: "tuple[int, int] | None" = None) -> None:
+        """Add slots after those held; ``alive`` (``[H, n]``) marks which of them hold a token, ``None`` every one.
+        ``counts``: the fewest and the most of them a head holds, where the caller read them (with other
+        segments' and rows', in one read); else read here. Nothing is read where every new slot holds a token."""
+        if alive is not None:
+            fewest, most = counts if counts is not None else torch.stack(alive.sum(dim=1).aminmax()).tolist()
+            if not most:
+                return
+            if fewest == alive.shape[1]:
+                alive = None
+        held, held_all_alive = self.slots, self.alive is None
+        if not held_all_alive or alive is not None:
+            new = alive if alive is not None else self._everyone(data)
+            self.alive = torch.cat([self.live(), new], dim=1) if self.data else new
         self.data = data if not self.data else {k: torch.cat([self.data[k], data[k]], dim=1) for k in self.data}
-        self.compact()
+        if alive is not None:
+            # Held slots all alive: head h keeps held + its own count, the longest held + most, and every slot
+            # is alive once compact where every head keeps as many. Else the held dead slots are read.
+            self.compact((held + most, fewest == most) if held_all_alive else None)
+
+    @staticmethod
+    def _everyone(data: dict[str, torch.Tensor]) -> torch.Tensor:
+        p = data["positions"]
+        return torch.ones(p.shape, dtype=torch.bool, device=p.device)
 
     def split(self, first: int) -> "_Segment":
         """Remove and return the first ``first`` slots."""
@@ -355,11 +371,13 @@ class _Segment:
             self.data, self.alive = {}, None
         return head
 
-    def compact(self) -> None:
-        """Drop slots dead in every head; heads keep their live slots in order (padded to the longest head)."""
+    def compact(self, known: "tuple[int, bool] | None" = None) -> None:
+        """Drop slots dead in every head; heads keep their live slots in order (padded to the longest head).
+        ``known``: how many slots the longest head keeps, and whether every head keeps as many, where the
+        caller knows (else read)."""
         if self.alive is None:
             return
-        keep = int(self.alive.sum(dim=1).max())
+        keep = int(self.alive.sum(dim=1).max()) if known is None else known[0]
         if keep == 0:
             self.data, self.alive = {}, None
             return
@@ -368,7 +386,7 @@ class _Segment:
             self.data = {k: t.gather(1, order.reshape(*order.shape, *([1] * (t.dim() - 2))).expand(-1, -1, *t.shape[2:]))
                          for k, t in self.data.items()}
             self.alive = self.alive.gather(1, order)
-        if bool(self.alive.all()):
+        if (bool(self.alive.all()) if known is None else known[1]):
             self.alive = None
 
     @property
@@ -417,8 +435,7 @@ class KVQuantStore(TokenStore):
         kv_dtype = self.kv_dtype or keys.dtype
         heads, new = keys.shape[0], keys.shape[1]
         positions = (self.appended + torch.arange(new, device=keys.device)).expand(heads, -1)
-        self.tail.extend({"keys": keys.to(kv_dtype), "values": values.to(kv_dtype), "positions": positions},
-                         torch.ones(heads, new, dtype=torch.bool, device=keys.device))
+        self.tail.extend({"keys": keys.to(kv_dtype), "values": values.to(kv_dtype), "positions": positions}, None)
         self.count += new
         self.appended += new
 
@@ -426,9 +443,12 @@ class KVQuantStore(TokenStore):
         """Record the original position of every held token (``[H, length]``, in held order), as the cache knows them."""
         if not self.count:
             return
-        live = torch.cat([s.live() for s in self.segments if s.data], dim=1)
-        every = torch.cat([s.data["positions"] for s in self.segments if s.data], dim=1).clone()
-        every[live] = positions.to(every.device).reshape(-1)
+        if all(s.alive is None for s in self.segments):  # every slot holds a token: the positions in held order
+            every = positions.to(self.tail.data["positions"].device if self.tail.data else positions.device).clone()
+        else:
+            live = torch.cat([s.live() for s in self.segments if s.data], dim=1)
+            every = torch.cat([s.data["positions"] for s in self.segments if s.data], dim=1).clone()
+            every[live] = positions.to(every.device).reshape(-1)
         start = 0
         for s in self.segments:
             if s.data:
@@ -438,41 +458,46 @@ class KVQuantStore(TokenStore):
     def seal(self) -> None:
         self.seal_all([self])
 
-    def _take_due(self) -> "tuple[_Segment, torch.Tensor] | None":
-        """Move the tokens leaving the residual window out of the tail, the sinks among them into ``sinks``; the
-        moved slots and which of them the body takes (``[H, n]``), or ``None`` when the body takes none."""
+    def _take_due(self) -> "tuple[_Segment, torch.Tensor, torch.Tensor] | None":
+        """Take the tokens leaving the residual window out of the tail: the moved slots, those of them the sinks
+        take (positions below ``sink``) and those the body takes (``[H, n]`` each), or ``None`` when none leave."""
         aged = self.tail.slots - self.residual
         if aged <= 0:
             return None
         old = self.tail.split(aged)
         live = old.live()
         is_sink = old.data["positions"] < self.sink
-        self.sinks.extend(old.data, live & is_sink)
-        body_live = live & ~is_sink
-        return (old, body_live) if bool(body_live.any()) else None
+        return old, live & is_sink, live & ~is_sink
 
     @classmethod
     def seal_all(cls, stores: "list[KVQuantStore]") -> None:
         """Seal ``stores`` (one layer's rows) with one encoding per codec and dtype: the codec encodes each token
         alone (keys per channel on calibrated ranges, values per token, outliers and codes per vector, RoPE per
         position), so encoding the stores' due tokens side by side gives each store, bit for bit, what encoding
-        its own due tokens alone gives, for a fraction of the small operations."""
+        its own due tokens alone gives, for a fraction of the small operations. How many slots each head of each
+        row gives the sinks and the body is read once for the layer."""
+        dues = [(store, due) for store in stores if (due := store._take_due()) is not None]
+        if not dues:
+            return
+        counts = torch.stack([torch.stack((*sinks.sum(dim=1).aminmax(), *body.sum(dim=1).aminmax()))
+                              for _, (_, sinks, body) in dues]).tolist()
         groups: dict[tuple, list] = {}
-        for store in stores:
-            due = store._take_due()
-            if due is not None:
-                keys = due[0].data["keys"]
-                groups.setdefault((id(store.codec), keys.dtype, keys.shape[0]), []).append((store, *due))
+        for (store, (old, sinks, body)), (sink_fewest, sink_most, body_fewest, body_most) in zip(dues, counts):
+            store.sinks.extend(old.data, sinks, (sink_fewest, sink_most))
+            if body_most:
+                keys = old.data["keys"]
+                groups.setdefault((id(store.codec), keys.dtype, keys.shape[0]), []).append(
+                    (store, old, body, (body_fewest, body_most)))
         for group in groups.values():
-            olds = [old for _, old, _ in group]
+            olds = [old for _, old, _, _ in group]
             keys, values, positions = (torch.cat([old.data[name] for old in olds], dim=1) if len(olds) > 1
                                        else olds[0].data[name] for name in ("keys", "values", "positions"))
             encoded = group[0][0].codec.encode(keys, values, positions, keys.dtype)
             sizes = [old.slots for old in olds]
             parts = {name: tensor.split(sizes, dim=1) for name, tensor in encoded.items()}
-            for i, (store, old, body_live) in enumerate(group):
+            for i, (store, old, body, body_counts) in enumerate(group):
                 store.body.extend({**{name: part[i] for name, part in parts.items()}, "positions": old.data["positions"]},
-                                  body_live)
+                                  body, body_counts)
 
     def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         parts = []

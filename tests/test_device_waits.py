@@ -186,6 +186,23 @@ def test_sliding_layers_trim_the_prefill_to_their_window_with_reads_per_layer_no
     assert prefill["waits"] <= 2 * sliding + len(model.config.layer_types), prefill
 
 
+@pytest.mark.usefixtures("calibration_cache")
+def test_kvquant_seals_a_batch_with_reads_per_layer_not_per_row():
+    """KVQuant's stores asked the device, per row and layer, whether appended, aged, sink and body slots hold
+    tokens (two reads per segment extended, two per compaction), and placed positions through a boolean index:
+    about 12 waits per row and layer at the prefill's end, and as many when the rows caught up at the end. New
+    slots that all hold tokens need no read, and the sinks' and body's counts per head come in one read for the
+    layer. What is left per row is the RoPE table's size when a row's keys are read back (one read). Twice the
+    rows: at most one more wait per added row and layer, in the prefill and at the end. Here 3 and 6 rows waited
+    82 and 160 times in the prefill before, 47 and 89 at the end; now 12 and 18, and 7 and 7."""
+    model = tiny_llama()
+    layers = model.config.num_hidden_layers
+    three, six = (_phases(model, "kvquant(bits=4,residual=16)", sizes) for sizes in ([(150, 4), (131, 6), (140, 3)],
+                                                                                   [(150, 4), (131, 6), (140, 3)] * 2))
+    for phase in (0, 5):
+        assert six[phase]["waits"] - three[phase]["waits"] <= 3 * layers, (phase, three[phase], six[phase])
+
+
 def test_scoring_every_prefill_query_reads_the_device_once_per_layer_whatever_the_length():
     """H2O scores every prefill query, a block of queries at a time over only the slots the block sees: the
     blocks' widths come from one read per layer, not one per block (on a GPU each read waits for the blocks
