@@ -27,15 +27,16 @@ def held_slots(positions: torch.Tensor) -> torch.Tensor:
 
 
 def positions_mask(slot_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None,
-                   chunked: bool) -> torch.Tensor:
+                   chunked: bool, heads_share: bool = False) -> torch.Tensor:
     """Boolean ``[B, heads, q, slots]``: a query (``query_positions``, ``[B, q]``) sees a kept token
     (``slot_positions``, ``[B, H, slots]``, padding's position on empty slots) at or before its position, and
     inside the ``sliding_window`` (or, ``chunked``, in its own chunk of that many positions).
 
     ``heads`` is 1 when every KV head keeps the same tokens, else the number of stored KV heads; kernels
-    broadcast it over the query heads that read each."""
+    broadcast it over the query heads that read each. ``heads_share``: the caller knows they do (no policy
+    selected tokens per head), so the device is not read to find out."""
     slots = slot_positions
-    if bool((slots == slots[:, :1]).all()):
+    if heads_share or bool((slots == slots[:, :1]).all()):
         slots = slots[:, :1]
     key_pos, query_pos = slots[:, :, None, :], query_positions[:, None, :, None]
     allowed = key_pos <= query_pos
