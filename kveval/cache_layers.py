@@ -398,9 +398,10 @@ class CompressedLayer(CacheLayerMixin):
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Boolean ``[B, heads, q, slots]`` over the buffer's slots (:func:`~kveval.layer_masks.positions_mask`).
-        Without a selection policy every head keeps every token (a sliding window trims all heads alike)."""
+        A layer without a selection (a sliding layer always, a full one under a policy that selects nothing) keeps
+        the same tokens in every head: a window trims all heads alike."""
         return positions_mask(self._slot_positions, query_positions, self.sliding_window, self.chunked,
-                              heads_share=self.cache.policy.selection is None)
+                              heads_share=self.selection is None)
 
     # --- scoring and compression ----------------------------------------------------------------
     def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities: AttentionProbabilities) -> None:

@@ -340,7 +340,10 @@ class _Segment:
                counts: "tuple[int, int] | None" = None) -> None:
         """Add slots after those held; ``alive`` (``[H, n]``) marks which of them hold a token, ``None`` every one.
         ``counts``: the fewest and the most of them a head holds, where the caller read them (with other
-        segments' and rows', in one read); else read here. Nothing is read where every new slot holds a token."""
+        segments' and rows', in one read); else read here. Nothing is read where ``alive`` is ``None`` or
+        ``counts`` are given (and the held slots all hold tokens)."""
+        if not data["positions"].shape[1]:
+            return
         if alive is not None:
             fewest, most = counts if counts is not None else torch.stack(alive.sum(dim=1).aminmax()).tolist()
             if not most:

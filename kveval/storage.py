@@ -492,6 +492,8 @@ class QuantizedStore(TokenStore):
         self.v.select(index)
 
     def keep_last(self, index: torch.Tensor) -> None:
+        """``index`` must be each head's last ``index.shape[1]`` slots (the contract of
+        :meth:`TokenStore.keep_last`): only its width is read."""
         self.k.keep_last(index.shape[1])
         self.v.keep_last(index.shape[1])
 

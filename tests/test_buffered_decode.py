@@ -108,6 +108,31 @@ MASK_SPECS = ["snapkv(ratio=0.5)", "snapkv(ratio=0.5)+kivi(bits=4,group=8,residu
               "h2o(ratio=0.5,adaptive=true,decode_budget=30)"]  # per-head budgets: masks from the held slots
 
 
+@pytest.mark.parametrize("name, spec", [("llama", "none"), ("llama", "kivi(bits=4,group=8,residual=4)"),
+                                        ("llama", "lowrank(rank=8)"), ("gemma3", "none"), ("gemma3", "snapkv(ratio=0.5)"),
+                                        ("gemma3", "quant(bits=8,group=16)"), ("llama4", "none"),
+                                        ("llama", "snapkv(ratio=0.5)")])  # selects per head: read, never trusted
+def test_a_layer_that_selects_nothing_holds_the_same_slots_in_every_head(gemma, name, spec, monkeypatch):
+    """A mask from positions skips reading whether the heads share slots where the layer selects nothing (its
+    selection is None: a sliding layer always, a full one under a policy without selection): every mask built so
+    holds slots equal in every head, at every forward of mixed-length batches with padding."""
+    from kveval import cache_layers, layer_masks
+
+    model = gemma if name == "gemma3" else (tiny_model(name) if name == "llama4" else tiny_llama())
+    trusted = []
+    original = layer_masks.positions_mask
+
+    def checked(slots, queries, window, chunked, heads_share=False):
+        if heads_share:
+            trusted.append(1)
+            assert torch.equal(slots, slots[:, :1].expand_as(slots))
+        return original(slots, queries, window, chunked, heads_share)
+
+    monkeypatch.setattr(cache_layers, "positions_mask", checked)
+    _run(model, spec, True, monkeypatch, prompts=_prompts(n=4, seed=5), batch_size=4)
+    assert bool(trusted) == (name != "llama" or not spec.startswith("snapkv"))  # Gemma 3: its sliding layers
+
+
 @pytest.mark.parametrize("spec", MASK_SPECS)
 def test_decode_step_masks_from_lengths_are_the_masks_of_positions(model, spec, monkeypatch):
     """A decode step's mask made from the rows' lengths (``[B, 1, 1, width]``, :func:`visible_prefix`), or under
