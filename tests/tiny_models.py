@@ -73,6 +73,16 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0]}),  # a layer without RoPE
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {"sliding_window": 16,
+                                                        "layer_types": ["sliding_attention", "full_attention"]}),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {"sliding_window": 16,
+                                                              "layer_types": ["sliding_attention", "full_attention"]}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": 16,
+                                                  "layer_types": ["sliding_attention", "full_attention"]}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**_MOE, "shared_expert_intermediate_size": 32}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 16,
+                                                        "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
