@@ -167,14 +167,12 @@ def _abs_max(g: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
 
 class _Levels(NamedTuple):
     """Integer quantization of a grouped tensor before packing: ``codes`` (float32 integers, before symmetric codes'
-    unsigned offset), ``scale``/``zero`` as stored (``SCALE_DTYPE``; ``zero`` is ``None`` when symmetric), and
-    the float32 values of those that the codes were computed with."""
+    unsigned offset), ``scale``/``zero`` as stored (``SCALE_DTYPE``; ``zero`` is ``None`` when symmetric). The
+    codes were computed with their float32 values, to which a float32 operand promotes them exactly."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
-    scale_f: torch.Tensor
-    zero_f: torch.Tensor | None
 
 
 def _levels(g: torch.Tensor, bits: int, symmetric: bool, mask: torch.Tensor | None) -> _Levels:
@@ -182,14 +180,12 @@ def _levels(g: torch.Tensor, bits: int, symmetric: bool, mask: torch.Tensor | No
     if symmetric:
         levels = 2 ** (bits - 1) - 1
         scale = (_abs_max(g, mask) / levels).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
-        scale_f = scale.float()
-        return _Levels(torch.round(g / scale_f).clamp(-levels, levels), scale, None, scale_f, None)
+        return _Levels(torch.round(g / scale).clamp(-levels, levels), scale, None)
     levels = 2**bits - 1
     lo, hi = _range(g, mask)
     scale = ((hi - lo) / levels).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
     zero = lo.to(SCALE_DTYPE)
-    scale_f, zero_f = scale.float(), zero.float()
-    return _Levels(torch.round((g - zero_f) / scale_f).clamp(0, levels), scale, zero, scale_f, zero_f)
+    return _Levels(torch.round((g - zero) / scale).clamp(0, levels), scale, zero)
 
 
 def quantize(x: torch.Tensor, bits: int, axis: str, group: int, symmetric: bool = False,
@@ -215,14 +211,14 @@ def quantized_values(x: torch.Tensor, bits: int, axis: str, group: int, symmetri
     """
     g = _grouped(x.float(), axis, group)
     if fp8 is not None:
-        scale = _fp8_scale(g, fp8, None).float()
+        scale = _fp8_scale(g, fp8, None)
         values = _fp8_codes(g, scale, fp8).float().mul_(scale)
     else:
         found = _levels(g, bits, symmetric, None)
         # + 0.0: a code that rounded to -0.0 reads back as +0.0, as it does once stored in uint8
-        values = found.codes.add_(0.0).mul_(found.scale_f)
-        if found.zero_f is not None:
-            values = values.add_(found.zero_f)
+        values = found.codes.add_(0.0).mul_(found.scale)
+        if found.zero is not None:
+            values = values.add_(found.zero)
     if axis != "token":
         values = values.transpose(-1, -2)
     return values.reshape(x.shape).to(dtype)
@@ -232,7 +228,7 @@ def quantize_fp8(x: torch.Tensor, fmt: str, axis: str, group: int, valid: torch.
     """Scale groups to the FP8 range and cast (``fmt`` in ``e4m3``, ``e5m2``); ``valid`` as in :func:`quantize`."""
     g = _grouped(x.float(), axis, group)
     scale = _fp8_scale(g, fmt, _valid_grouped(valid, axis, group))
-    return QuantizedBlock(_fp8_codes(g, scale.float(), fmt), scale, None, tuple(x.shape), 8, axis, group, fp8=fmt)
+    return QuantizedBlock(_fp8_codes(g, scale, fmt), scale, None, tuple(x.shape), 8, axis, group, fp8=fmt)
 
 
 def _fp8_scale(g: torch.Tensor, fmt: str, mask: torch.Tensor | None) -> torch.Tensor:
@@ -240,12 +236,12 @@ def _fp8_scale(g: torch.Tensor, fmt: str, mask: torch.Tensor | None) -> torch.Te
     return (_abs_max(g, mask) / torch.finfo(FP8_FORMATS[fmt]).max).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
 
 
-def _fp8_codes(g: torch.Tensor, scale_f: torch.Tensor, fmt: str) -> torch.Tensor:
+def _fp8_codes(g: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """``g / scale`` cast to the format, saturated at its largest value: a scale in float16's subnormal range rounds
     by up to a third, so the largest magnitude of its group can land past the format's range, where the cast gives
     inf in e5m2 (and NaN in e4m3 wherever its kernel does not saturate). Values in range keep their bits."""
     largest = torch.finfo(FP8_FORMATS[fmt]).max
-    return (g / scale_f).clamp_(-largest, largest).to(FP8_FORMATS[fmt])
+    return (g / scale).clamp_(-largest, largest).to(FP8_FORMATS[fmt])
 
 
 def dequantize(block: QuantizedBlock, dtype: torch.dtype) -> torch.Tensor:
@@ -265,12 +261,14 @@ def dequantize_into(block: QuantizedBlock, out: torch.Tensor) -> torch.Tensor:
         target = out.unflatten(2, (dim // block.group, block.group))
     else:  # the grouped layout [H, units, D, group] is the transpose of each unit's tokens
         target = out.unflatten(1, (tokens // block.group, block.group)).transpose(-1, -2)
+    # Scales and zero points enter as stored: a float32 operand promotes them, exactly, inside the product and the
+    # sum (the bits of converting them first, without a conversion kernel per tensor and step).
     if block.fp8 is not None:
-        torch.mul(block.data.float(), block.scale.float(), out=target)
+        torch.mul(block.data.float(), block.scale, out=target)
     elif block.zero is None:
-        torch.mul(_code_values(block, 2 ** (block.bits - 1)), block.scale.float(), out=target)
+        torch.mul(_code_values(block, 2 ** (block.bits - 1)), block.scale, out=target)
     else:
-        torch.add(_code_values(block, 0).mul_(block.scale.float()), block.zero.float(), out=target)
+        torch.add(_code_values(block, 0).mul_(block.scale), block.zero, out=target)
     return out
 
 
