@@ -632,7 +632,7 @@ def reset_rope_lengths(model) -> None:
     """Give a dynamic NTK RoPE back the base it was loaded with. transformers keeps the base its longest forward
     grew it to, and resets it only for a forward shorter than the original length, so a batch's angles would
     depend on the batches run before it. One call of the rotary module at position 0 takes that reset (the
-    module's own code) before a batch's first forward; longrope keeps no such state."""
+    module's own code); longrope keeps no such state."""
     for switch in rope_switches(model):
         if switch.dynamic:
             rotary = switch.rotary

@@ -108,8 +108,10 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     Returns the logits of the last ``logits_to_keep`` columns (0: all) ``[B, columns, vocab]``
     and the real-token mask ``[B, width]``.
     """
-    if not any(seen):  # a batch's first forward: a dynamic NTK RoPE starts from its own base, not the last batch's
-        reset_rope_lengths(model)
+    # A dynamic NTK RoPE grows its base to the longest forward since its last reset, so a batch (or a policy
+    # continuing a shared prefill) would inherit the base of forwards run before it. Reset before every forward:
+    # within a batch the forwards only grow, so the base each gets is the one it gets without resets.
+    reset_rope_lengths(model)
     check_rope_batch(model, seen, [max(s + len(r), 1) for r, s in zip(rows, seen)], [bool(r) for r in rows])
     ids, mask, start = _left_pad(rows, pad_id, seen, model.device)
     position_ids = (start + mask.long().cumsum(dim=1) - 1).clamp(min=0)

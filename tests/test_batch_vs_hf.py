@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-from kveval.generation import Prompt, generate
+from kveval.generation import Prompt, generate, generate_each
 
 STEPS = 12
 
@@ -225,6 +225,15 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     assert tokens(used, same, 1) == alone
     with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
         generate(used, Tok(), _prompts_of([70, 75]), "none", max_new_tokens=2, batch_size=2)
+    # Policies continuing one shared prefill in turn: each as it runs alone, whatever the one before grew.
+    specs = ["snapkv(ratio=0.5)", "none", "h2o(ratio=0.5)"]
+    alone_each = [tokens(fresh, same, 3) if spec == "none" else
+                  [r.token_ids for r in generate(fresh, Tok(), same, spec, max_new_tokens=STEPS, batch_size=3,
+                                                 kv_dtype=fresh.dtype)] for spec in specs]
+    tokens(used, long_run, 1)
+    shared = [[r.token_ids for r in results]
+              for _, results in generate_each(used, Tok(), same, specs, max_new_tokens=STEPS, kv_dtype=used.dtype)]
+    assert shared == alone_each
 
     assert [(s.kind, s.positions) for s in rope_switches(fresh)] == [("dynamic", 64)]
     check([40, 64, 1], [True, True, True])  # under the switch: the static angles
