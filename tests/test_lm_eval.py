@@ -402,3 +402,34 @@ def test_an_unexpected_exception_in_the_lm_eval_wrapper_exits_2_never_1(monkeypa
     code = main(["lm-eval", "run", "--model", "kveval", "--model_args", "pretrained=smollm2-135m", "--tasks", "kveval_passkey"])
     assert code == 2
     assert "internal error (RuntimeError)" in capsys.readouterr().err
+
+
+def test_loglikelihood_batches_across_a_longrope_switch_are_refused_before_any_forward(tokenizer, monkeypatch):
+    """A longrope model (a tiny Phi-3 switching at 64 positions) scoring contexts of about 30 and 90 tokens in
+    one batch: transformers would turn the short row by the long row's factors. The refusal names batch_size=1
+    and comes before any forward, not after the batches before it were scored; at batch size 1 the same
+    requests run."""
+    import transformers
+
+    import kveval.lm_eval.model as module
+    from kveval.errors import UnsupportedModelError
+
+    register_attention()
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+                         "long_factor": [3.0] * 16, "original_max_position_embeddings": 64},
+        attn_implementation="kveval", tie_word_embeddings=False, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(config).eval()
+    pairs = [("one two three " * 10, " four"), ("one two three " * 30, " four")]
+    forwards = []
+    real = module.forward_rows
+    monkeypatch.setattr(module, "forward_rows", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    lm = KVEvalLM(pretrained=model, tokenizer=tokenizer, policy="none", batch_size=2)
+    with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
+        lm.loglikelihood(ll_requests(pairs))
+    assert forwards == []
+    lm = KVEvalLM(pretrained=model, tokenizer=tokenizer, policy="none", batch_size=1)
+    assert len(lm.loglikelihood(ll_requests(pairs))) == 2 and forwards

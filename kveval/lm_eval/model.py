@@ -107,6 +107,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 import kveval
+from kveval.architectures import check_rope_batch, rope_switches
 from kveval.cache import CompressedCache, nominal_bytes_per_token
 from kveval.generation import MODES, Prompt, can_share_prefill, check_request, forward_rows, generate_each
 from kveval.errors import UsageError
@@ -407,6 +408,7 @@ class KVEvalLM(HFLM):
         # Longest prefill first (as HFLM sorts), ties broken by the tokens: the order does not depend on the batch size.
         order = sorted(groups, key=lambda k: (-len(k[0]), k[0], k[1]))
         batch_size = self._int_batch_size(override_bs)
+        self._check_rope_forwards(plans, groups, order, batch_size)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         share = len(stacks) > 1 and can_share_prefill(self.model, self.kv_dtype)
         out = [([None] * len(plans), []) for _ in stacks]
@@ -437,6 +439,24 @@ class KVEvalLM(HFLM):
                     pbar.update(len(members))
         pbar.close()
         return out
+
+    def _check_rope_forwards(self, plans: list, groups: dict, order: list, batch_size: int) -> None:
+        """Before any forward: the rows of every forward :meth:`_score_plans` will run (each batch's prefills, then
+        its continuations' tails in batches), as :func:`~kveval.architectures.check_rope_batch` checks each in
+        :func:`~kveval.generation.forward_rows`, so a RoPE refusal comes before hours of scoring, not after."""
+        if not rope_switches(self.model):
+            return
+        for first in range(0, len(order), batch_size):
+            keys = order[first:first + batch_size]
+            check_rope_batch(self.model, [0] * len(keys), [max(len(k[0]), 1) for k in keys], [bool(k[0]) for k in keys])
+            members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
+            for start in range(0, len(members), batch_size):
+                sub = members[start:start + batch_size]
+                tails = [plans[i][2] for _, i in sub]
+                if any(tails):
+                    seen = [len(keys[g][0]) for g, _ in sub]
+                    check_rope_batch(self.model, seen, [max(n + len(t), 1) for n, t in zip(seen, tails)],
+                                     [bool(t) for t in tails])
 
     def _prefill(self, cache: CompressedCache, rows: list[list[int]], protect: list[int], pad_id: int) -> torch.Tensor:
         """Prefill ``rows`` into ``cache`` (their last ``protect`` tokens kept); log-probs of the token after each."""
@@ -544,11 +564,14 @@ class KVEvalLM(HFLM):
         out = [([None] * n, []) for _ in stacks]
         batch_size = self._int_batch_size()
         think_end = self.think_end_token if isinstance(self.think_end_token, str) else None
+        for ordered, prompts, until, max_gen_toks in jobs:  # every batch checked before any runs
+            for start in range(0, len(ordered), batch_size):
+                chunk = ordered[start:start + batch_size]
+                check_request(self.model, [prompts[i] for i in chunk], max_gen_toks, self.compress, len(chunk))
         for ordered, prompts, until, max_gen_toks in jobs:
             for start in range(0, len(ordered), batch_size):
                 chunk = ordered[start:start + batch_size]
                 batch = [prompts[i] for i in chunk]
-                check_request(self.model, batch, max_gen_toks, self.compress, len(chunk))
                 each = generate_each(self.model, self.tokenizer, batch, stacks, max_new_tokens=max_gen_toks, stop=until,
                                      seed=self.seed + start, **self.runspec.generation_kwargs())
                 for (texts, records), (_, outputs) in zip(out, each):
