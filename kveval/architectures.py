@@ -501,11 +501,8 @@ class RopeHook:
     def one_forward_cos_sin(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` ``[length, rot_dim]`` (float32) of positions ``0 .. length - 1`` as the model turns them in
         one forward over them: what a calibration pass of ``length`` tokens used, whatever the RoPE."""
-        ids = torch.arange(length, device=device)[None]
-        probe = torch.zeros(1, dtype=torch.float32, device=device)
-        args = (probe, ids, self.layer_type) if self._takes_layer_type else (probe, ids)
-        with torch.no_grad():
-            cos, sin = self.rotary(*args)
+        cos, sin = _rotary_angles(self.rotary, torch.arange(length, device=device)[None],
+                                  self.layer_type if self._takes_layer_type else None)
         return cos[0].float(), sin[0].float()
 
     @staticmethod
@@ -528,6 +525,20 @@ class RopeHook:
         r = cos.shape[-1]
         back = (x[..., :r] * cos - self._rotate_half(x[..., :r]) * sin) / (cos * cos + sin * sin)
         return back if r == x.shape[-1] else torch.cat([back, x[..., r:]], dim=-1)
+
+
+def _rotary_angles(rotary, ids: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary module called as its decoder calls it, for position ids ``ids`` (``[1, n]``): ``cos, sin``
+    (its own dtype), and whatever state its RoPE type updates on the way (longrope's factors, dynamic NTK's base)."""
+    probe = torch.zeros(1, dtype=torch.float32, device=ids.device)
+    with torch.no_grad():
+        return rotary(probe, ids) if layer_type is None else rotary(probe, ids, layer_type)
+
+
+def _decoder_rotary(model):
+    """The decoder's shared rotary module (``rotary_emb``), or ``None``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    return getattr(decoder, "rotary_emb", None)
 
 
 def _static_rope_positions(rotary, rope_type: str, layer_type: str | None) -> int | None:
@@ -596,8 +607,7 @@ def rope_switches(model) -> tuple[RopeSwitch, ...]:
     """The :class:`RopeSwitch` of each RoPE of ``model``'s decoder whose angles change with the length
     (:func:`_static_rope_positions`); empty for every other model."""
     if model not in _ROPE_SWITCHES:
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-        rotary = getattr(decoder, "rotary_emb", None)
+        rotary = _decoder_rotary(model)
         rope_type = getattr(rotary, "rope_type", "default")
         kinds = rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]
         switches = []
@@ -635,15 +645,8 @@ def reset_rope_lengths(model) -> None:
     module's own code); longrope keeps no such state."""
     for switch in rope_switches(model):
         if switch.dynamic:
-            rotary = switch.rotary
-            device = next((b.device for b in rotary.buffers()), torch.device("cpu"))
-            ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-            probe = torch.zeros(1, dtype=torch.float32, device=device)
-            with torch.no_grad():
-                if switch.layer_type is None:
-                    rotary(probe, ids)
-                else:
-                    rotary(probe, ids, switch.layer_type)
+            device = next((b.device for b in switch.rotary.buffers()), torch.device("cpu"))
+            _rotary_angles(switch.rotary, torch.zeros(1, 1, dtype=torch.long, device=device), switch.layer_type)
 
 
 def rope_hook(model, layer_idx: int) -> RopeHook:
@@ -654,8 +657,7 @@ def rope_hook(model, layer_idx: int) -> RopeHook:
     """
     config = model.config.get_text_config(decoder=True)
     model_type = getattr(config, "model_type", None)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    rotary = getattr(decoder, "rotary_emb", None)
+    rotary = _decoder_rotary(model)
     if model_type not in ROTATE_HALF_ROPE or rotary is None:
         raise UnsupportedModelError(
             f"{architecture_name(model.config)}: kveval has no RoPE hook for model_type {model_type!r} (known: "

@@ -21,13 +21,12 @@ zero points, full-precision tokens); nothing is simulated.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import replace
 
 import torch
 
 from kveval.errors import UsageError
-from kveval.quantization import (FP8_FORMATS, QuantizedBlock, concat_blocks, dequantize, gather_units, quantize,
-                                 quantize_fp8, split_units, units_from)
+from kveval.quantization import (QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8, split_units,
+                                 units_from)
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
              "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -232,13 +231,6 @@ class DenseStore(TokenStore):
         return _nbytes(self.keys) + _nbytes(self.values)
 
 
-def _copied(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t``, as stored (FP8 codes moved as bytes: a CPU has no FP8 copy for every layout)."""
-    if t.dtype in FP8_FORMATS.values():
-        return t.view(torch.uint8).clone(memory_format=torch.contiguous_format).view(t.dtype)
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedBlock:
     """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.policies.quant.TensorQuant`) says."""
     if quant.fp8 is not None:
@@ -290,11 +282,16 @@ class QuantizedSequence:
         """``[H, sealed + tail slots]`` liveness, ``None`` when every slot is alive."""
         if self.alive is None and self.tail_alive is None:
             return None
-        heads = (self.block.shape[0] if self.block is not None else self.tail.shape[0])
-        device = self.block.scale.device if self.block is not None else self.tail.device
+        heads, device = self._heads_device()
         parts = [a if a is not None else torch.ones(heads, n, dtype=torch.bool, device=device)
                  for a, n in ((self.alive, self.sealed_slots), (self.tail_alive, self.tail_slots))]
         return torch.cat(parts, dim=1)
+
+    def _heads_device(self) -> tuple[int, torch.device]:
+        """The heads and device of what is held (the block's, else the tail's)."""
+        if self.block is not None:
+            return self.block.shape[0], self.block.scale.device
+        return self.tail.shape[0], self.tail.device
 
     @property
     def length(self) -> int:
@@ -407,9 +404,8 @@ class QuantizedSequence:
         """:meth:`select` of each head's last ``count`` tokens, the same units, alive slots and tail, with no
         device read where every slot is alive: the units before the first kept token are dropped (a per-channel
         group cut by it stays, its earlier slots dead), then the tail's slots before it."""
+        heads, device = self._heads_device()
         if self.alive is not None or self.tail_alive is not None:
-            heads = self.block.shape[0] if self.block is not None else self.tail.shape[0]
-            device = self.block.scale.device if self.block is not None else self.tail.device
             self.select(torch.arange(self.count - count, self.count, device=device).expand(heads, -1))
             return
         drop, sealed = self.count - count, self.sealed_slots
@@ -419,10 +415,9 @@ class QuantizedSequence:
                 self.tail = self.tail[:, drop - sealed:].clone(memory_format=torch.contiguous_format)
         elif drop:
             first, cut = divmod(drop, self.unit)
-            if first:
-                kept = units_from(self.block, first)
-                self.block = replace(kept, data=_copied(kept.data), scale=_copied(kept.scale),
-                                     zero=None if kept.zero is None else _copied(kept.zero))
+            if first:  # the units select keeps, gathered as it gathers them (an index made, nothing read)
+                units = torch.arange(first, self.block.units, device=device).expand(heads, -1)
+                self.block = gather_units(self.block, units)
             if cut:
                 self.alive = torch.ones(self.block.shape[0], self.sealed_slots, dtype=torch.bool,
                                         device=self.block.scale.device)
