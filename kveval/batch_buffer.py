@@ -146,6 +146,9 @@ class BatchBuffer:
         self.attention: torch.Tensor | None = None
         self.lengths = [0] * batch  # slots held by each row
         self.width = 0  # max(lengths): the slots attention reads
+        # Real tokens each row was given by the last append (None: none yet). A decode budget evicts only from rows
+        # given one: a row the step gave nothing (it ended) keeps its cache as it would alone (kveval.decode_evictions).
+        self.given: tuple[int, ...] | None = None
         self.grown = False  # set when a write reallocated (views of the old tensors no longer alias)
 
     @classmethod
@@ -300,6 +303,7 @@ class BatchBuffer:
                 self.attention[rows, :, slots] = 0
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
         self.width = max(self.lengths)
+        self.given = tuple(counts)
 
 
 __all__ = ["BatchBuffer", "PAD_POSITION", "move_rows", "real_runs", "run_targets", "slot_range", "slot_rows", "take_rows",

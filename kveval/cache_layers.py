@@ -443,8 +443,10 @@ class CompressedLayer(CacheLayerMixin):
         fresh = [b for b, row in enumerate(rows) if not row.compressed]
         evicted = []
         if policy is not None and policy.decode_budget is not None:
-            for row in rows:
-                if row.compressed and row.store.length > policy.decode_budget:
+            # A row this forward gave no token (its sequence ended) keeps its cache, as alone (spared_rows).
+            given = self.cache.input_counts(len(rows), query.shape[2])[0]
+            for row, count in zip(rows, given):
+                if row.compressed and count and row.store.length > policy.decode_budget:
                     self._evict_to(row, policy.decode_budget, protect_last=1)
                     evicted.append(row)
         seal_rows(evicted)

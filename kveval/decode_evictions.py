@@ -168,17 +168,18 @@ class BudgetEviction:
         width = buffer.width
         if width <= self.budget:
             return False
+        spared = spared_rows(buffer, self.budget)
         if self.trims_window:
             shifts = tuple(max(0, n - self.budget) for n in buffer.lengths)
             _compact(buffer, _window_kept(shifts, buffer.positions.shape[1], self.budget, buffer.positions.device),
-                     0, self.budget)
+                     0, self.budget, spared=spared)
             return True
         scores, _ = scored_slots(buffer, self.scores, self.context, tokens_first=True)
         if not self.stacks:  # scores per layer (random, key norms): rank without reading the device
-            _compact(buffer, _ranked_kept(scores, self.budget), 0, self.budget)
+            _compact(buffer, _ranked_kept(scores, self.budget), 0, self.budget, spared=spared)
             return True
         keep, first = kept_slots(scores, self.budget, buffer.lengths)
-        _compact(buffer, keep[:, :, first:], first, self.budget)
+        _compact(buffer, keep[:, :, first:], first, self.budget, spared=spared)
         return True
 
 
@@ -205,20 +206,45 @@ def _window_kept(shifts: tuple[int, ...], heads: int, budget: int, device) -> to
     return (torch.tensor(shifts, device=device)[:, None, None] + slot_range(budget, device)).expand(-1, heads, -1)
 
 
+def spared_rows(buffer: BatchBuffer, budget: int) -> tuple[bool, ...] | None:
+    """Per row of ``buffer``, whether the step gave it no token while it holds more than ``budget`` slots; ``None``
+    where no row is so (the usual step: every row is kept to the budget).
+
+    A decode budget evicts only from the rows a step gave a token. A row the step gave nothing (its sequence ended)
+    keeps its cache, as it would alone, where no step follows: a query-aware prefill keeps the question beyond
+    the budget (selection does not touch it), and a row whose first token is EOS never drops that excess.
+    Rows the step gave nothing that hold no more than the budget are left as they are by the eviction itself."""
+    given = buffer.given
+    if given is None:
+        return None
+    spared = tuple(c == 0 and n > budget for c, n in zip(given, buffer.lengths))
+    return spared if any(spared) else None
+
+
 def _compact(buffer: BatchBuffer, keep: torch.Tensor, first: int, budget: int,
-             kept_positions: torch.Tensor | None = None, kept_attention: torch.Tensor | None = None) -> None:
+             kept_positions: torch.Tensor | None = None, kept_attention: torch.Tensor | None = None,
+             spared: tuple[bool, ...] | None = None) -> None:
     """Every row of ``buffer`` keeps slots ``keep`` (``[B, H, budget - first]``, ascending) in its slots ``first`` to
     ``budget``: slots before ``first`` stay where they are. ``kept_positions``/``kept_attention``: the positions and
-    attention of those slots, where the caller gathered them already."""
+    attention of those slots, where the caller gathered them already. ``spared`` (:func:`spared_rows`): rows that
+    keep every slot, past the budget too."""
     width = buffer.width
+    if spared is not None:  # their slots stay where they are: kept in place (a rare step: rows that ended early)
+        own = torch.tensor(spared, device=keep.device)[:, None, None]
+        keep = torch.where(own, slot_range(budget, keep.device)[first:], keep)
+        kept_positions = kept_attention = None
     rows = slot_rows(buffer.keys, keep)  # K and V: the same slots
     for held in (buffer.keys, buffer.values):
         held[:, :, first:budget] = take_rows(held, rows, keep.shape)
     for held, kept, fill in ((buffer.positions, kept_positions, PAD_POSITION), (buffer.attention, kept_attention, 0)):
         if held is not None:
             held[:, :, first:budget] = held[:, :, :width].gather(2, keep) if kept is None else kept
-            held[:, :, budget:width] = fill
-    buffer.lengths = [min(n, budget) for n in buffer.lengths]
+            if spared is None:
+                held[:, :, budget:width] = fill
+            else:
+                for b in (b for b, keeps_all in enumerate(spared) if not keeps_all):
+                    held[b, :, budget:width] = fill
+    buffer.lengths = [min(n, budget) if spared is None or not spared[b] else n for b, n in enumerate(buffer.lengths)]
     buffer.width = max(buffer.lengths)
     buffer.fit()
 
@@ -331,7 +357,7 @@ def _apply_stacked(chunk: list[tuple[BudgetEviction, BatchBuffer]]) -> None:
     kept_attention = None if attention is None else attention.gather(3, keep)
     for layer, (buffer, first) in enumerate(zip(buffers, firsts)):
         _compact(buffer, keep[layer, :, :, first:], first, budget, kept_positions[layer, :, :, first:],
-                 None if kept_attention is None else kept_attention[layer, :, :, first:])
+                 None if kept_attention is None else kept_attention[layer, :, :, first:], spared_rows(buffer, budget))
 
 
 class HeadBudgetEviction:
@@ -366,7 +392,13 @@ class HeadBudgetEviction:
     def defers(self, buffer: BatchBuffer) -> bool:
         """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): a
         budget shared by the heads by scores that read positions and attention alone, and some row over it."""
-        return self.stacks and any(n > self.decode_budget for n in buffer.lengths)
+        return self.stacks and any(self._over(buffer))
+
+    def _over(self, buffer: BatchBuffer) -> list[bool]:
+        """Per row, whether it evicts this step: it holds more than the decode budget and the step gave it a token
+        (a row given nothing keeps its cache: :func:`spared_rows`)."""
+        given = buffer.given or (1,) * len(buffer.lengths)
+        return [n > self.decode_budget and c > 0 for n, c in zip(buffer.lengths, given)]
 
     def stacks_with(self, other: "HeadBudgetEviction") -> bool:
         return self.stacks and other.stacks and self.selection == other.selection
@@ -382,23 +414,25 @@ class HeadBudgetEviction:
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""
-        if not any(n > self.decode_budget for n in buffer.lengths):
+        over = self._over(buffer)
+        if not any(over):
             return False
         scores, padding = scored_slots(buffer, self.selection.scores, self.context)
-        plan = self._plan(scores, padding, buffer.lengths)
+        plan = self._plan(scores, padding, buffer.lengths, over)
         if plan is None:  # nothing dropped (retrieval heads keep every token): the layout stands
             return False
         _line_up(buffer, *plan)
         return True
 
-    def _plan(self, scores: torch.Tensor, padding: torch.Tensor, lengths: list[int]):
-        """Where each row's kept tokens go (``[rows, H, width]`` scores and padding; ``lengths``: each row's slots):
+    def _plan(self, scores: torch.Tensor, padding: torch.Tensor, lengths: list[int], over: list[bool]):
+        """Where each row's kept tokens go (``[rows, H, width]`` scores and padding; ``lengths``: each row's slots;
+        ``over``: the rows that evict, :meth:`_over`):
         ``(index, padded, new_lengths)``, ``index``/``padded`` ``[rows, H, new width]`` (the slot each new slot
         takes, and the new slots that are padding); ``None`` where no row drops a token. Each row's plan is its
         own whatever the rows beside it (rows of other layers, padded to another width)."""
         device, width = scores.device, scores.shape[2]
-        over = torch.tensor([n > self.decode_budget for n in lengths], device=device)[:, None, None]
-        kept = self._kept(scores, padding, width) | (~padding & ~over)  # rows within the decode budget keep everything
+        over = torch.tensor(over, device=device)[:, None, None]
+        kept = self._kept(scores, padding, width) | (~padding & ~over)  # rows that do not evict keep everything
         if bool((kept == ~padding).all()):
             return None
         counts = kept.sum(dim=2)  # [rows, H]
@@ -454,7 +488,7 @@ def _apply_stacked_heads(chunk: list[tuple[HeadBudgetEviction, BatchBuffer]]) ->
     attention = None if attention is None else attention.view(flat)
     scores, padding = _scored(positions, attention, None, lengths, eviction.selection.scores, eviction.context,
                               tokens_first=False)
-    plan = eviction._plan(scores, padding, lengths)
+    plan = eviction._plan(scores, padding, lengths, [over for buffer in buffers for over in eviction._over(buffer)])
     if plan is None:
         return
     index, padded, new_lengths = plan
@@ -467,4 +501,5 @@ def _apply_stacked_heads(chunk: list[tuple[HeadBudgetEviction, BatchBuffer]]) ->
                  kept_positions[layer], None if kept_attention is None else kept_attention[layer])
 
 
-__all__ = ["BudgetEviction", "DeferredEvictions", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots", "single_drops"]
+__all__ = ["BudgetEviction", "DeferredEvictions", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots",
+           "single_drops", "spared_rows"]

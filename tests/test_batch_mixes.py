@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from test_run_folders import CharTok, _items
 from test_shared_prefill import _records
 from tiny_models import tiny_llama
@@ -62,3 +63,30 @@ def test_a_wrong_limit_is_refused_in_one_line(limits):
     prompts = [Prompt(tok(it.context)["input_ids"], tok(it.question)["input_ids"]) for it in _mixed_items()]
     with pytest.raises(UsageError, match="max_new_tokens"):
         generate(model, tok, prompts, "none", max_new_tokens=limits, batch_size=2)
+
+
+def _ids(n, seed):
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Query-aware runs keep the question out of selection, so after the prefill a row may hold more than the policy
+# keeps while decoding (window 20: 20 context tokens and the question's); its first decode step drops the excess.
+@pytest.mark.parametrize("spec", ["window(size=20)", "streaming(sink=4,window=16)", "h2o(ratio=0.5,decode_budget=18)",
+                                  "tova(ratio=0.5,decode_budget=18)", "random(ratio=0.5,decode_budget=18)",
+                                  "h2o(ratio=0.5,adaptive=true,decode_budget=18)",
+                                  "h2o(ratio=0.5,decode_budget=18)+quant(bits=4,group=8)"])
+def test_a_row_ended_by_eos_before_its_first_step_keeps_its_cache_while_the_batch_decodes(spec):
+    """A row whose first token is EOS holds what its prefill kept, alone; in a batch, the other rows' decode steps
+    give it no token and must not evict from it either (they did: its bytes depended on the batch around it)."""
+    model = tiny_llama()
+    prompts = [Prompt(_ids(n, 100 + n), _ids(q, 7 + q)) for n, q in ((41, 3), (26, 5), (33, 4))]
+    first = generate(model, CharTok(), prompts[:1], spec, max_new_tokens=1, mode="query")[0]
+    model.generation_config.eos_token_id = first.token_ids[0]  # row 0 ends before any decode step
+    alone = generate(model, CharTok(), prompts, spec, max_new_tokens=8, mode="query", batch_size=1)
+    assert alone[0].token_ids == [] and alone[0].stats.kv_bytes == first.stats.kv_bytes
+    assert any(len(r.token_ids) > 2 for r in alone[1:])  # the others decode (and evict) past it
+    for batch_size in (3, 2):
+        together = generate(model, CharTok(), prompts, spec, max_new_tokens=8, mode="query", batch_size=batch_size)
+        for a, b in zip(alone, together):
+            assert a.token_ids == b.token_ids
+            assert (a.stats.kv_bytes, a.stats.kept_tokens) == (b.stats.kv_bytes, b.stats.kept_tokens), spec
