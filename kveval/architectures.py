@@ -432,6 +432,26 @@ def row_query_temperatures(model):
             _TAKEN_TEMPERATURES.pop(module, None)
 
 
+@contextlib.contextmanager
+def own_query_temperatures(model):
+    """For a forward kveval runs inside one it drives, declaring no positions (a policy calibrating on its first
+    use: DuoAttention's retrieval heads, lowrank's and latent's bases): the modules whose temperature
+    :func:`row_query_temperatures` took over scale their own queries, as outside kveval's forwards (kveval's
+    attention refuses a taken temperature without declared positions); taken over again afterwards, even on an
+    error."""
+    taken = [(module, _TAKEN_TEMPERATURES[module]) for module in _TUNING_MODULES.get(model, ())
+             if module in _TAKEN_TEMPERATURES]
+    for module, _ in taken:
+        del _TAKEN_TEMPERATURES[module]
+        module.attn_temperature_tuning = True
+    try:
+        yield
+    finally:
+        for module, temperature in taken:
+            module.attn_temperature_tuning = False
+            _TAKEN_TEMPERATURES[module] = temperature
+
+
 def taken_query_temperature(module) -> QueryTemperature | None:
     """The temperature kveval applies to ``module``'s queries in this forward, if it took it over."""
     return _TAKEN_TEMPERATURES.get(module) if _TAKEN_TEMPERATURES else None
@@ -670,5 +690,5 @@ __all__ = ["ATTENTION", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "HYB
            "LayerPlan", "MlaDims", "NONE", "QueryTemperature", "ROTATE_HALF_ROPE", "RopeHook", "RopeSwitch", "STATE",
            "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan",
            "cache_widths", "causal_mask", "check_mla_modules", "check_rope_batch", "check_supported",
-           "eager_variant", "mla_dims", "reset_rope_lengths", "rope_hook", "rope_switches", "row_query_temperatures",
-           "taken_query_temperature"]
+           "eager_variant", "mla_dims", "own_query_temperatures", "reset_rope_lengths", "rope_hook", "rope_switches",
+           "row_query_temperatures", "taken_query_temperature"]

@@ -21,6 +21,7 @@ whatever dtype the model computes in.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -107,7 +108,64 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     ``seen[b]`` (tokens row ``b`` has processed so far) is advanced in place.
     Returns the logits of the last ``logits_to_keep`` columns (0: all) ``[B, columns, vocab]``
     and the real-token mask ``[B, width]``.
+
+    Attention masks padding; a linear-attention or Mamba state does not (transformers zeroes a padded input, and
+    the state still decays over it). So on a model with such layers, a forward that would pad a row whose state
+    already holds tokens runs once per length of the rows' new tokens, each row in the one with no padding for it
+    (:func:`_forward_by_length`), and rows a forward gives nothing keep their states: each row's state sees its
+    own tokens alone, as at batch size 1. The logits of each row's tokens are where the padded forward puts them.
     """
+    width = max((len(r) for r in rows), default=0)
+    if cache.state_layers and any(s and 0 < len(r) < width for r, s in zip(rows, seen)):
+        return _forward_by_length(model, cache, rows, seen, pad_id, logits_to_keep)
+    idle = [b for b, (r, s) in enumerate(zip(rows, seen)) if s and not r] if cache.state_layers else []
+    with _states_kept(cache, idle):
+        return _forward(model, cache, rows, seen, pad_id, logits_to_keep)
+
+
+def _forward_by_length(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int,
+                       logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_rows` as one forward per length of the rows' new tokens (longest first): rows of that length
+    get theirs, unpadded; the others nothing, and keep their states. Logits and mask as the one padded forward
+    gives them (columns of padding: zeros)."""
+    width = max(len(r) for r in rows)
+    columns = width if logits_to_keep == 0 else min(logits_to_keep, width)
+    logits = None
+    for length in sorted({len(r) for r in rows if r}, reverse=True):
+        members = [b for b, r in enumerate(rows) if len(r) == length]
+        part, _ = forward_rows(model, cache, [r if len(r) == length else [] for r in rows], seen, pad_id,
+                               logits_to_keep)
+        if logits is None:
+            logits = part.new_zeros(len(rows), columns, part.shape[-1])
+        logits[members, columns - part.shape[1]:] = part[members]
+    mask = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows], device=logits.device)
+    return logits, mask
+
+
+@contextlib.contextmanager
+def _states_kept(cache: CompressedCache, idle: list[int]):
+    """Rows ``idle`` of ``cache``'s linear-attention and Mamba states as they are now, written back after the
+    block, even on an error: a forward that gives them nothing would advance them over padding."""
+    if not idle:
+        yield
+        return
+    kept = []
+    for layer in cache.state_layers:
+        for states in (layer.conv_states, layer.recurrent_states):
+            for key, held in states.items():
+                if held is not None:
+                    index = torch.tensor(idle, device=held.device)
+                    kept.append((states, key, index, held.index_select(0, index)))
+    try:
+        yield
+    finally:
+        for states, key, index, rows in kept:
+            states[key].index_copy_(0, index, rows.to(states[key].dtype))
+
+
+def _forward(model, cache: CompressedCache, rows: list[list[int]], seen: list[int], pad_id: int,
+             logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One left-padded forward pass (:func:`forward_rows`, whose state-layer cases are settled)."""
     # A dynamic NTK RoPE grows its base to the longest forward since its last reset, so a batch (or a policy
     # continuing a shared prefill) would inherit the base of forwards run before it. Reset before every forward:
     # within a batch the forwards only grow, so the base each gets is the one it gets without resets.

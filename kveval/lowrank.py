@@ -62,6 +62,8 @@ from typing import ClassVar
 
 import torch
 
+from kveval.architectures import HYBRID, STATE, architecture_name, cache_layer_plan, own_query_temperatures
+from kveval.errors import UnsupportedModelError
 from kveval.paths import cache_dir
 from kveval.storage import DenseStore, QuantizedStore, TokenStore
 
@@ -154,7 +156,7 @@ def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tens
     from transformers import DynamicCache
 
     cache = DynamicCache()  # built without the config: full layers everywhere, sliding layers keep the whole pass too
-    with torch.no_grad():
+    with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
         model(input_ids=ids, cache=cache, use_cache=True)
     return [(layer.keys[0].float().cpu(), layer.values[0].float().cpu()) for layer in cache.layers]
 
@@ -288,6 +290,11 @@ def calibration_path(model, text: CalibrationText, tokens: int, kind: str = "") 
 
 def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """The calibration pass: post-RoPE K/V ``[H, T, D]`` (float32) of every layer, and ``T``, the tokens used."""
+    if any(plan.kind in (STATE, HYBRID) for plan in cache_layer_plan(model.config)):
+        raise UnsupportedModelError(
+            f"{architecture_name(model.config)}: lowrank and latent calibrate on every layer's K/V in "
+            "transformers' own cache, which kveval does not build for linear-attention or Mamba layers; use a "
+            "selection or quantization policy on this model")
     ids = tokenize_for(model, text.text)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     ids = ids[: min(tokens, limit or tokens)]

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kveval.architectures import own_query_temperatures
 from kveval.lowrank import load_or_compute, load_versioned, model_fingerprint, model_name, save_atomic, tokenize_for
 from kveval.paths import cache_dir
 from kveval.probes.text import REPEAT_SENTENCES
@@ -127,7 +128,7 @@ def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
         # The last `answer` queries of ids[:-1] are those that write the answer's tokens.
         window = f"snapkv(ratio=0.5,window={answer},kernel=1)"
         cache = _calibration_cache(model, window, defer_compression=True, kv_dtype=model.dtype)
-        with torch.no_grad():
+        with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
             model(input_ids=torch.tensor([ids[:-1]], device=model.device), cache=cache, use_cache=True)
         per_layer = []
         for layer in cache.layers:

@@ -259,3 +259,60 @@ def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkey
     for n, flags in enumerate(([], ["--skip-self-check"])):
         assert main(["sweep", "configs/quickstart.yaml", "--out", str(tmp_path / f"run{n}"), *flags]) == 2
     assert loaded == [("smollm2-135m", {}), ("smollm2-135m", {"self_check": False})]
+
+
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1", "qwen3_next"])
+@pytest.mark.parametrize("spec", ["lowrank(rank=8,calib_tokens=96)", "latent(rank=16,calib_tokens=96)"])
+def test_calibrated_structure_policies_refuse_state_layers_in_one_line(name, spec):
+    """lowrank and latent calibrate on transformers' own cache of every layer's K/V, which kveval does not build
+    for linear-attention/Mamba layers: a one-line refusal naming what to use (it was an IndexError deep in
+    transformers, an unexpected exception)."""
+    model = tiny_model(name)
+    with pytest.raises(UnsupportedModelError, match="linear-attention or Mamba") as refused:
+        generate(model, Tok(), [Prompt(_ids(40, 3)[0].tolist(), [5, 6])], spec, max_new_tokens=2)
+    assert "\n" not in str(refused.value)
+
+
+STATE_NAMES = ["bamba", "falcon_h1", "qwen3_next"]  # Mamba, attention and Mamba in one layer, gated delta rule
+
+
+@pytest.mark.parametrize("name", STATE_NAMES)
+def test_state_layers_never_see_padding_after_a_rows_first_forward(name):
+    """A left-padded forward continuing a cache (context mode's questions, lm-eval's continuations, rows that ended)
+    pads rows whose state already holds their tokens. Attention masks padding; a linear-attention or Mamba state
+    does not: transformers zeroes a padded input, and the state still decays over it (and the conv window shifts).
+    Batch N gave other answers than batch 1 without a word. Such a forward now runs once per length of the rows'
+    new tokens (one with no padding for each row) and rows given nothing keep their states."""
+    from kveval.generation import forward_rows
+
+    model = tiny_model(name)
+    rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist(), _ids(26, 22)[0].tolist()]
+    tails = [[9, 10, 11, 12, 13], [14], [15, 16, 17]]
+    with torch.no_grad():
+        cache, seen = CompressedCache(model, "none"), [0, 0, 0]
+        forward_rows(model, cache, rows, seen, pad_id=0)
+        batched, mask = forward_rows(model, cache, tails, seen, pad_id=0, logits_to_keep=0)
+        assert batched.shape[1] == mask.shape[1] == 5 and mask.sum(dim=1).tolist() == [5, 1, 3]
+        assert seen == [35, 23, 29]
+        # A row given nothing (it ended) keeps its states: its next token continues as alone.
+        after_idle = forward_rows(model, cache, [[], [7, 8], [7]], seen, pad_id=0)[0]
+        then = forward_rows(model, cache, [[6], [6], [6]], seen, pad_id=0)[0]
+        for b in range(3):
+            alone, alone_seen = CompressedCache(model, "none"), [0]
+            forward_rows(model, alone, [rows[b]], alone_seen, pad_id=0)
+            expected = forward_rows(model, alone, [tails[b]], alone_seen, pad_id=0, logits_to_keep=0)[0]
+            n = len(tails[b])
+            torch.testing.assert_close(batched[b, 5 - n:], expected[0], atol=1e-4, rtol=1e-4)
+            if b:
+                expected = forward_rows(model, alone, [[7, 8] if b == 1 else [7]], alone_seen, pad_id=0)[0]
+                torch.testing.assert_close(after_idle[b], expected[0], atol=1e-4, rtol=1e-4)
+            expected = forward_rows(model, alone, [[6]], alone_seen, pad_id=0)[0]
+            torch.testing.assert_close(then[b], expected[0], atol=1e-4, rtol=1e-4)
+    # The same through generation: questions of 5, 1 and 3 tokens after compressed contexts.
+    prompts = [Prompt(row, tail) for row, tail in zip(rows, tails)]
+    for spec in ("none", "snapkv(ratio=0.5)+kivi(bits=4,residual=8)"):
+        alone = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)
+        together = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
+        assert [r.token_ids for r in together] == [r.token_ids for r in alone], spec
+        for a, b in zip(alone, together):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4, spec

@@ -245,3 +245,30 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     check([90], [True])  # one row: its own choice
     check_rope_batch(fresh, [60], [80], [True])  # dynamic NTK: a row crossing keeps transformers' own mix
     assert rope_switches(tiny_model("llama")) == ()
+
+
+def test_llama4_calibrations_run_inside_kvevals_forward_as_outside_it():
+    """DuoAttention, lowrank and latent calibrate on their first use, inside the forward kveval drives, where the
+    Llama 4 query temperature is kveval's (per row). Their own forwards declare no positions: they run with the
+    modules' own scaling, so they give what they give outside (it raised, so these policies could not run)."""
+    from tiny_models import tiny_model
+
+    from kveval import lowrank, retrieval_heads
+    from kveval.architectures import row_query_temperatures
+
+    model = tiny_model("llama4", attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5)
+    text = lowrank.read_calibration_text()
+    outside_kv, _ = lowrank.calibration_kv(model, text, 96)
+    outside_heads = retrieval_heads.calibrate(model, 64)
+    with row_query_temperatures(model):
+        inside_kv, _ = lowrank.calibration_kv(model, text, 96)
+        inside_heads = retrieval_heads.calibrate(model, 64)
+        tuned = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
+        assert not any(module.attn_temperature_tuning for module in tuned)  # kveval's again once they are done
+    for (k1, v1), (k2, v2) in zip(outside_kv, inside_kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    torch.testing.assert_close(outside_heads.scores, inside_heads.scores, rtol=0, atol=0, equal_nan=True)  # nan: chunked layer
+    prompts = _prompts(n=3)
+    for spec in ("duo(heads=0.5,calib_tokens=64)", "latent(rank=16,calib_tokens=96)", "lowrank(rank=8,calib_tokens=96)"):
+        alone = [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)]
+        assert [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)] == alone
