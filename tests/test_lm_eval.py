@@ -433,3 +433,24 @@ def test_loglikelihood_batches_across_a_longrope_switch_are_refused_before_any_f
     assert forwards == []
     lm = KVEvalLM(pretrained=model, tokenizer=tokenizer, policy="none", batch_size=1)
     assert len(lm.loglikelihood(ll_requests(pairs))) == 2 and forwards
+
+
+@pytest.mark.parametrize("name", ["bamba", "qwen3_next"])
+def test_none_on_state_layer_models_matches_stock_hflm(tokenizer, name):
+    """Mamba and gated-delta layers: continuations of different lengths in one batch are each scored with no
+    padding in their states (kveval.generation.forward_rows), as stock HFLM scores them (right-padded, one
+    forward each); the padded continuations scored other log-likelihoods before, without a word."""
+    from tiny_models import tiny_model as tiny_architecture
+
+    def model(attn):
+        built = tiny_architecture(name, attn=attn, vocab_size=len(tokenizer))
+        built.generation_config.eos_token_id = tokenizer.eos_token_id
+        return built
+
+    reference = HFLM(pretrained=model("eager"), tokenizer=tokenizer, batch_size=1).loglikelihood(ll_requests(PAIRS))
+    for compress in ("context", "query"):
+        lm = KVEvalLM(pretrained=model("kveval"), tokenizer=tokenizer, policy="none", compress=compress, batch_size=4,
+                      kv_dtype="float32")
+        for (a, greedy_a), (b, greedy_b) in zip(lm.loglikelihood(ll_requests(PAIRS)), reference):
+            assert a == pytest.approx(b, abs=1e-4), compress
+            assert greedy_a == greedy_b
