@@ -88,10 +88,12 @@ def load_config(path: str | Path) -> SweepConfig:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a sweep config is a mapping of keys ({', '.join(sorted(CONFIG_KEYS))})")
     unknown = set(raw) - CONFIG_KEYS
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(CONFIG_KEYS))}")
-    probes = raw.get("probes") or {}
+    probes = _mapping(path, "probes", raw.get("probes"))
     unknown = set(probes) - PROBE_KEYS
     if unknown:
         raise ConfigError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
@@ -100,7 +102,8 @@ def load_config(path: str | Path) -> SweepConfig:
         raise ConfigError(f"{path}: mode={mode!r}; use context or query")
     try:
         kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
-        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)) for entry in raw.get("policies") or []]
+        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype))
+                  for entry in _list(path, "policies", raw.get("policies"))]
     except ValueError as exc:
         raise type(exc)(f"{path}: {exc}") from None
     policies, warnings, first_entry = [], [], {}
@@ -112,11 +115,11 @@ def load_config(path: str | Path) -> SweepConfig:
         policies.append(spec)
     if not policies:
         raise ConfigError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
-    families = probes.get("families") or ["passkey"]
+    families = _list(path, "probes.families", probes.get("families")) or ["passkey"]
     for family in families:
         if family not in FAMILIES:
             raise ConfigError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
-    lm_eval = raw.get("lm_eval") or {}
+    lm_eval = _mapping(path, "lm_eval", raw.get("lm_eval"))
     unknown = set(lm_eval) - LM_EVAL_KEYS
     if unknown or (lm_eval and not lm_eval.get("tasks")):
         raise ConfigError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
@@ -129,14 +132,67 @@ def load_config(path: str | Path) -> SweepConfig:
 
         gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
         load_gate_config(gate)  # a bad gate file is reported now, before any model loads
+    depths = probes.get("depths")
+    if depths is not None:
+        depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]
+    seed_key, seed = ("probes.seed", probes["seed"]) if "seed" in probes else ("seed", raw.get("seed", 0))
     return SweepConfig(
-        name=raw.get("name", path.stem), models=list(raw.get("models") or ["smollm2-135m"]),
-        policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype, families=list(families),
-        lengths=[int(x) for x in probes.get("lengths") or [512]], depths=probes.get("depths"),
-        n=int(probes.get("n", 10)), seed=int(probes.get("seed", raw.get("seed", 0))), family_params=probes.get("params") or {},
-        batch_size=int(raw.get("batch_size", 1)), gate=gate, out=raw.get("out"), lm_eval=lm_eval, fidelity=fidelity, raw=raw,
-        warnings=warnings,
+        name=_string(path, "name", raw.get("name", path.stem)),
+        models=[_string(path, f"models[{i}]", m) for i, m in enumerate(_list(path, "models", raw.get("models")))]
+        or ["smollm2-135m"],
+        policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype,
+        families=[str(family) for family in families],
+        lengths=[_count(path, f"probes.lengths[{i}]", x) for i, x in enumerate(_list(path, "probes.lengths", probes.get("lengths")))]
+        or [512],
+        depths=depths, n=_count(path, "probes.n", probes.get("n", 10)), seed=_whole(path, seed_key, seed),
+        family_params=_mapping(path, "probes.params", probes.get("params")),
+        batch_size=_count(path, "batch_size", raw.get("batch_size", 1)), gate=gate,
+        out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity,
+        raw=raw, warnings=warnings,
     )
+
+
+# Typed reads of the YAML's values: a value of the wrong type is one line naming the key, never coerced (true as
+# 1, 2.5 as 2) nor iterated (a string read as a list of characters).
+def _whole(path: Path, key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: {key}={value!r} must be a whole number")
+    return value
+
+
+def _count(path: Path, key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{path}: {key}={value!r} must be a whole number >= 1")
+    return value
+
+
+def _fraction(path: Path, key: str, value) -> "int | float":
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{path}: {key}={value!r} must be a number in [0, 1]")
+    return value  # as written (0 stays 0): the items' ids are made from the depths
+
+
+def _string(path: Path, key: str, value) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: {key} must be a string, got {value!r}")
+    return value
+
+
+def _list(path: Path, key: str, value) -> list:
+    """A YAML list (``None``: empty); a scalar is refused, naming the list it should be."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: {key} must be a list, e.g. [{value}], got {value!r}")
+    return value
+
+
+def _mapping(path: Path, key: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key} must be a mapping of keys, got {value!r}")
+    return value
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kveval.errors import ConfigError
 from kveval.records import read_items
 from kveval.sweep import load_config
 
@@ -93,6 +94,41 @@ def test_bad_sweep_configs_are_one_line_errors(tmp_path, text, message):
     config.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(config)
+
+
+# Values of the wrong type: each was read without a word (a string iterated by character, true as 1, 2.5 as 2)
+# or failed deep in a run (a TypeError: exit 2 as an internal error, "this is a bug in kveval").
+@pytest.mark.parametrize("line, message", [
+    ("batch_size: '8'", "batch_size='8' must be a whole number >= 1"),
+    ("batch_size: true", "batch_size=True must be a whole number >= 1"),
+    ("batch_size: 0", "batch_size=0 must be a whole number >= 1"),
+    ("models: smollm2-135m", "models must be a list"),
+    ("policies: kivi(bits=4)", "policies must be a list"),
+    ("probes: {n: 2.5}", "probes.n=2.5 must be a whole number >= 1"),
+    ("probes: {n: null}", "probes.n=None must be a whole number >= 1"),
+    ("probes: {lengths: '384'}", "probes.lengths must be a list"),
+    ("probes: {lengths: [384.0]}", r"probes.lengths\[0\]=384.0 must be a whole number >= 1"),
+    ("probes: {depths: [1.5]}", r"probes.depths\[0\]=1.5 must be a number in \[0, 1\]"),
+    ("probes: {depths: ['0.5']}", r"probes.depths\[0\]='0.5' must be a number in \[0, 1\]"),
+    ("probes: {families: passkey}", "probes.families must be a list"),
+    ("probes: {seed: 1.5}", "probes.seed=1.5 must be a whole number"),
+    ("seed: yes", "seed=True must be a whole number"),
+    ("probes: [passkey]", "probes must be a mapping"),
+    ("probes: {params: 3}", "probes.params must be a mapping"),
+    ("name: [a, b]", "name must be a string"),
+    ("out: 3", "out must be a string"),
+])
+def test_sweep_config_values_of_the_wrong_type_are_one_line_errors(tmp_path, line, message):
+    config = tmp_path / "bad.yaml"
+    base = {"policies": "policies: [kivi(bits=4)]"}
+    key = line.split(":")[0]
+    config.write_text("\n".join([line] + [v for k, v in base.items() if k != key]) + "\n")
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(config)
+    assert "\n" not in str(refused.value)
+    from kveval.cli import main
+
+    assert main(["sweep", str(config), "--out", str(tmp_path / "out"), "--quiet"]) == 2
 
 
 def test_lm_eval_tasks_listed_in_a_sweep_join_each_run(tmp_path):
