@@ -120,8 +120,9 @@ def _skipping(drop: torch.Tensor, budget: int) -> torch.Tensor:
 class BudgetEviction:
     """A decode budget kept for the whole batch at once.
 
-    After each step's attention, every row holding more than ``budget`` tokens keeps its ``budget`` best-scored,
-    its newest always, exactly as the layer would for each row by itself
+    After each step's attention, every row the step gave a token that holds more than ``budget`` keeps its
+    ``budget`` best-scored, its newest always (a row given nothing keeps its cache: :func:`spared_rows`), exactly
+    as the layer would for each row by itself
     (:meth:`kveval.cache_layers.CompressedLayer._evict_to`: the policy's scores, the best ranked, kept in order; one
     ``min`` when each row drops one token, :func:`kept_slots`). The buffer's K, V, positions and accumulated
     attention are compacted in place by one gather per tensor (:func:`~kveval.batch_buffer.take_slots` for K and
@@ -149,7 +150,15 @@ class BudgetEviction:
     def defers(self, buffer: BatchBuffer) -> bool:
         """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): the
         scores stack across layers, and some row holds more than the budget (the eviction drops a token)."""
-        return self.stacks and buffer.width > self.budget
+        return self.stacks and self._drops(buffer)
+
+    def _drops(self, buffer: BatchBuffer) -> bool:
+        """Whether the step drops a token: some row it gave one holds more than the budget (a row given nothing
+        keeps its cache, :func:`spared_rows`)."""
+        if buffer.width <= self.budget:
+            return False
+        given = buffer.given
+        return given is None or any(n > self.budget and c > 0 for n, c in zip(buffer.lengths, given))
 
     @staticmethod
     def serves(selection) -> bool:
@@ -164,9 +173,8 @@ class BudgetEviction:
         return cls(window - 1, None, trims_window=True)
 
     def apply(self, buffer: BatchBuffer) -> bool:
-        """Keep the budget in every row; whether any row dropped a token."""
-        width = buffer.width
-        if width <= self.budget:
+        """Keep the budget in every row the step gave a token; whether any row dropped one."""
+        if not self._drops(buffer):
             return False
         spared = spared_rows(buffer, self.budget)
         if self.trims_window:
@@ -285,7 +293,7 @@ class DeferredEvictions:
         return any(held is buffer for _, held in self.pending)
 
     def flush(self) -> None:
-        """Keep every pending budget (each layer's buffer then holds ``budget`` slots per row)."""
+        """Keep every pending budget (each row a layer's step gave a token then holds at most its budget)."""
         pending, self.pending = self.pending, []
         groups: list[list[tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer]]] = []
         for eviction, buffer in pending:
@@ -371,7 +379,8 @@ class HeadBudgetEviction:
 
     Rows hold per-head stores (:class:`~kveval.head_stores.HeadwiseStore`): in the buffer, each head's tokens end
     at its row's last slot, padding (an invisible position) before them. After each step's attention every row
-    holding more than ``decode_budget`` slots keeps what :meth:`kveval.cache_layers.CompressedLayer._evict_to` and
+    the step gave a token that holds more than ``decode_budget`` slots keeps what
+    :meth:`kveval.cache_layers.CompressedLayer._evict_to` and
     the policy's ``choose`` would keep for it (its newest token always); each head's kept tokens, in slot order,
     are lined up at its row's new last slot (their ranks by a ``cumsum``, placed by one ``scatter``): one gather
     per tensor moves positions and attention, and K and V are moved only where a token changes slot

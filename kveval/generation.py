@@ -118,7 +118,7 @@ def forward_rows(model, cache: CompressedCache, rows: list[list[int]], seen: lis
     width = max((len(r) for r in rows), default=0)
     if cache.state_layers and any(s and 0 < len(r) < width for r, s in zip(rows, seen)):
         return _forward_by_length(model, cache, rows, seen, pad_id, logits_to_keep)
-    idle = [b for b, (r, s) in enumerate(zip(rows, seen)) if s and not r] if cache.state_layers else []
+    idle = [b for b, r in enumerate(rows) if not r] if cache.state_layers else []
     with _states_kept(cache, idle):
         return _forward(model, cache, rows, seen, pad_id, logits_to_keep)
 

@@ -292,9 +292,9 @@ def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tupl
     """The calibration pass: post-RoPE K/V ``[H, T, D]`` (float32) of every layer, and ``T``, the tokens used."""
     if any(plan.kind in (STATE, HYBRID) for plan in cache_layer_plan(model.config)):
         raise UnsupportedModelError(
-            f"{architecture_name(model.config)}: lowrank and latent calibrate on every layer's K/V in "
+            f"{architecture_name(model.config)}: lowrank, latent and kvquant calibrate on every layer's K/V in "
             "transformers' own cache, which kveval does not build for linear-attention or Mamba layers; use a "
-            "selection or quantization policy on this model")
+            "selection policy, quant, kivi or fp8 on this model")
     ids = tokenize_for(model, text.text)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     ids = ids[: min(tokens, limit or tokens)]

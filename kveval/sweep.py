@@ -115,7 +115,8 @@ def load_config(path: str | Path) -> SweepConfig:
         policies.append(spec)
     if not policies:
         raise ConfigError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
-    families = _list(path, "probes.families", probes.get("families")) or ["passkey"]
+    families = [_string(path, f"probes.families[{i}]", family)
+                for i, family in enumerate(_list(path, "probes.families", probes.get("families")))] or ["passkey"]
     for family in families:
         if family not in FAMILIES:
             raise ConfigError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
@@ -123,11 +124,21 @@ def load_config(path: str | Path) -> SweepConfig:
     unknown = set(lm_eval) - LM_EVAL_KEYS
     if unknown or (lm_eval and not lm_eval.get("tasks")):
         raise ConfigError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
+    if lm_eval:
+        tasks = [_string(path, f"lm_eval.tasks[{i}]", task) for i, task in enumerate(_list(path, "lm_eval.tasks", lm_eval["tasks"]))]
+        limit = lm_eval.get("limit")  # lm-eval's: a number of documents, or a fraction of them below 1
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not (limit >= 1 if isinstance(limit, int) else 0 < limit <= 1)):
+            raise ConfigError(f"{path}: lm_eval.limit={limit!r} must be a whole number >= 1 or a fraction in (0, 1]")
+        for key in ("model_args", "metadata"):
+            _mapping(path, f"lm_eval.{key}", lm_eval.get(key))
+        lm_eval = {**lm_eval, "tasks": tasks}
     fidelity = raw.get("fidelity", False)
     if not isinstance(fidelity, bool):
         raise ConfigError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
     gate = raw.get("gate")
     if gate is not None:
+        gate = _string(path, "gate", gate)
         from kveval.gate_config import load_gate_config
 
         gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate

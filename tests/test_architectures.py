@@ -262,9 +262,10 @@ def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkey
 
 
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1", "qwen3_next"])
-@pytest.mark.parametrize("spec", ["lowrank(rank=8,calib_tokens=96)", "latent(rank=16,calib_tokens=96)"])
-def test_calibrated_structure_policies_refuse_state_layers_in_one_line(name, spec):
-    """lowrank and latent calibrate on transformers' own cache of every layer's K/V, which kveval does not build
+@pytest.mark.parametrize("spec", ["lowrank(rank=8,calib_tokens=96)", "latent(rank=16,calib_tokens=96)",
+                                  "kvquant(bits=4,pre_rope=false)"])
+def test_calibrating_policies_refuse_state_layers_in_one_line(name, spec):
+    """lowrank, latent and kvquant calibrate on transformers' own cache of every layer's K/V, which kveval does not build
     for linear-attention/Mamba layers: a one-line refusal naming what to use (it was an IndexError deep in
     transformers, an unexpected exception)."""
     model = tiny_model(name)

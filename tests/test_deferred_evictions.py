@@ -224,3 +224,23 @@ def test_hybrid_layers_stack_the_global_layers_budgets(monkeypatch):
         assert len(stacked) > 0 and set(stacked) == {2}  # the global layers, stacked
         assert deferred == _generate(gemma, spec, monkeypatch, defer=False, **kwargs)
         assert deferred == _generate(gemma, spec, monkeypatch, flush_at_last_layer=False, **kwargs)
+
+
+@pytest.mark.parametrize("spec", ["h2o(ratio=0.5,decode_budget=8,recent=2)", "window(size=8)", "random(ratio=0.5,decode_budget=8)"])
+def test_a_row_given_nothing_above_the_budget_makes_no_step_evict(spec):
+    """Row 0 ended (the step gave it nothing) holding 11 slots, over the budget of 8; the others hold the budget.
+    Nothing drops: the step leaves the buffer as it is and says so, and defers nothing (it scored, ranked and
+    gathered every row from slot 0 at every step of the batch's decode)."""
+    buffer = _buffer(5, [11, 8, 8], 11)
+    buffer.given = (0, 1, 1)
+    before = _state(buffer)
+    eviction = _eviction(spec)
+    assert not eviction.defers(buffer)
+    assert eviction.apply(buffer) is False
+    after = _state(buffer)
+    assert all(torch.equal(a, b) for a, b in zip(before[:4], after[:4])) and before[4:] == after[4:]
+    # Once a row given a token is over the budget, the step evicts from it and leaves row 0 whole.
+    buffer.lengths, buffer.given = [11, 9, 8], (0, 1, 0)
+    buffer.positions[1, :, 8] = 1000
+    assert eviction.apply(buffer) is True
+    assert buffer.lengths == [11, 8, 8] and torch.equal(buffer.positions[0, :, :11], before[2][0])

@@ -117,6 +117,14 @@ def test_bad_sweep_configs_are_one_line_errors(tmp_path, text, message):
     ("probes: {params: 3}", "probes.params must be a mapping"),
     ("name: [a, b]", "name must be a string"),
     ("out: 3", "out must be a string"),
+    ("gate: 5", "gate must be a string"),
+    ("probes: {families: [[passkey]]}", r"probes.families\[0\] must be a string"),
+    ("lm_eval: {tasks: hellaswag}", "lm_eval.tasks must be a list"),
+    ("lm_eval: {tasks: [3]}", r"lm_eval.tasks\[0\] must be a string"),
+    ("lm_eval: {tasks: [a], limit: true}", r"lm_eval.limit=True must be a whole number >= 1 or a fraction in \(0, 1\]"),
+    ("lm_eval: {tasks: [a], limit: 1.5}", r"lm_eval.limit=1.5 must be a whole number >= 1 or a fraction in \(0, 1\]"),
+    ("lm_eval: {tasks: [a], model_args: x}", "lm_eval.model_args must be a mapping"),
+    ("lm_eval: {tasks: [a], metadata: [1]}", "lm_eval.metadata must be a mapping"),
 ])
 def test_sweep_config_values_of_the_wrong_type_are_one_line_errors(tmp_path, line, message):
     config = tmp_path / "bad.yaml"
