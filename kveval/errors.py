@@ -9,8 +9,8 @@ one place (:func:`run_command`):
 0     success; for ``gate``: PASS (non-inferiority shown within the margin)
 1     ``gate`` FAIL only: a loss larger than the margin, or a regression rule
       fired with statistical support. Nothing else ever exits 1.
-2     an error: bad input, a missing or corrupt file, a full or read-only disk,
-      or an unexpected exception (a bug, printed with its traceback)
+2     an error: bad input, a missing or corrupt file, a full or read-only disk, an
+      output path through a file, or an unexpected exception (a bug, printed with its traceback)
 3     ``gate`` INCONCLUSIVE: too few items to show either PASS or FAIL
 130   interrupted (Ctrl-C); results written so far are kept
 ====  ==========================================================================
@@ -69,17 +69,27 @@ class StorageError(KvevalError, OSError):
     """The disk refused a write (full, read-only, no permission)."""
 
 
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+#: A path the user gave that cannot be one: through a file, a file where a folder goes, a folder where a file goes.
+_PATH_ERRNOS = {errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT} | _PATH_ERRNOS
 
 
 def is_storage_error(exc: BaseException) -> bool:
-    """A disk-full, read-only or permission error: the user's to fix, not a bug."""
+    """A disk-full, read-only or permission error, or a path that cannot be written: the user's to fix, not a bug."""
     return isinstance(exc, OSError) and getattr(exc, "errno", None) in _STORAGE_ERRNOS
 
 
 def is_user_error(exc: BaseException) -> bool:
     """Errors reported as one line (exit 2). Anything else is a bug: traceback, still exit 2, never 1."""
     return isinstance(exc, (KvevalError, FileNotFoundError)) or is_storage_error(exc)
+
+
+def _described(exc: BaseException) -> str:
+    """One line for a user error; a path that cannot be one (through a file, a file where a folder goes) names
+    the path and the fix."""
+    if isinstance(exc, OSError) and getattr(exc, "errno", None) in _PATH_ERRNOS and exc.filename:
+        return f"{exc.filename}: {exc.strerror}; give another path (a folder, or one not made yet)"
+    return str(exc)
 
 
 def run_command(command: str, body) -> int:
@@ -96,7 +106,7 @@ def run_command(command: str, body) -> int:
             raise
         # ValueError stays a user error: library callers (and transformers) raise it for bad input.
         if is_user_error(exc) or type(exc) is ValueError:
-            print(f"kveval {command}: error: {exc}", file=sys.stderr)
+            print(f"kveval {command}: error: {_described(exc)}", file=sys.stderr)
         else:
             traceback.print_exc()
             print(f"kveval {command}: internal error ({type(exc).__name__}); this is a bug in kveval, "

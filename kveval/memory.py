@@ -532,14 +532,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
     headroom = parse_headroom(args.headroom)
     new_tokens = parse_tokens(args.new_tokens, "new_tokens")
+    batch = 1 if args.batch is None else args.batch
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1")
     context = parse_tokens(args.context) if args.context is not None else None
     if context is None and not args.gpu_memory:
         raise ValueError("give --context N (e.g. 8k), or --gpu-memory to find the largest context that fits")
     if context is not None and context < 1:
         raise ValueError(f"context={context} must be a positive number of tokens")
-    batch = 1 if args.batch is None else args.batch
-    if batch < 1:
-        raise ValueError(f"batch={batch} must be >= 1")
     spec = load_model_spec(args.model)
     fits: list[FitResult] = []
     if args.gpu_memory:

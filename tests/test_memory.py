@@ -321,6 +321,12 @@ def test_cli_errors_exit_2(argv, capsys):
     assert err.startswith("kveval memory: error:") and "\n" not in err
 
 
+def test_cli_names_a_bad_batch_even_without_a_context(capsys):
+    """--batch -3 alone was answered with "give --context N": the fix for another mistake."""
+    assert cli.main(["memory", "llama-2-7b", "--batch", "-3"]) == 2
+    assert "batch=-3 must be >= 1" in capsys.readouterr().err
+
+
 def test_cli_table_and_json(capsys):
     assert cli.main(["memory", "llama-2-7b", "--context", "8k", "--batch", "8",
                      "--gpu-memory", "80GiB", "--weights", "16GB"]) == 0

@@ -247,6 +247,9 @@ def test_cli_writes_loadable_jsonl(tok, tmp_path, capsys):
     assert main(["probes", "--family", "bogus", "--out", str(tmp_path / "x.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "valid families:" in err and "passkey" in err
+    # No items asked for is a mistake, not an empty file written with exit 0.
+    assert main(["probes", "--family", "passkey", "--n", "0", "--out", str(tmp_path / "none.jsonl")]) == 2
+    assert "--n 0" in capsys.readouterr().err and not (tmp_path / "none.jsonl").exists()
 
 
 def test_cli_unknown_family_raises():

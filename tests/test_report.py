@@ -166,3 +166,14 @@ def test_sweep_gate_two_models_into_report(sweep, tmp_path):
     write(sweep / "runs" / "orphan", "snapkv(ratio=0.5)", items(), model="qwen")
     with pytest.raises(ResultFileError, match="no baseline run .* for model 'qwen'"):
         group_runs_by_baseline([sweep])
+
+
+def test_an_output_path_through_a_file_is_one_line_not_a_bug(sweep, tmp_path, capsys):
+    """--out under a file (or naming a file where a folder must be) is the user's to fix: one line, exit 2 (it
+    printed a traceback and "internal error ... this is a bug in kveval")."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "report", blocker):
+        assert cli.main(["report", str(sweep), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "internal error" not in err[0] and str(blocker) in err[0], err

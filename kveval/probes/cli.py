@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from kveval.errors import UsageError
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", action="append", required=True, metavar="F",
@@ -50,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from kveval.probes.families import FAMILIES, generate_items, resolve_families
 
     families = resolve_families(args.family)
+    if args.n < 1:
+        raise UsageError(f"--n {args.n}: give the number of contexts per family and length, at least 1")
     lengths = args.length or [512]
     params = _parse_params(args.param)
     for name in params:
