@@ -122,9 +122,10 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
         A run folder to resume holds another model (identity) or other prompts
         under the same item ids.
     """
-    from kveval.generation import Prompt, check_request, generate_each
+    from kveval.generation import Prompt, check_batch_size, check_request, generate_each
     from kveval.probes import encode_item, score_answer
 
+    check_batch_size(batch_size)  # before any run folder opens
     specs = [p if isinstance(p, RunSpec) else RunSpec.parse(p, default_mode=mode) for p in policies]
     specs = [s.for_model(model) for s in specs]
     if len({(s.mode, s.kv_dtype) for s in specs}) > 1:
@@ -298,6 +299,8 @@ def run(args) -> int:
     from kveval.probes import generate_items, resolve_families
     from kveval.runspec import parse_run_specs
 
+    if args.n < 1 or args.batch_size < 1:
+        raise UsageError(f"--n {args.n} --batch-size {args.batch_size}: both count items, at least 1")
     # Parsed and checked against the model's config.json before the weights load.
     specs = parse_run_specs((["none"] if args.baseline else []) + list(args.policy), args.model, mode=args.mode,
                             kv_dtype=args.kv_dtype)

@@ -204,12 +204,17 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
                      f"integer per prompt ({rows})")
 
 
+def check_batch_size(batch_size) -> None:
+    """Refuse a batch size that is not a whole number of at least 1 (one line)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"batch_size={batch_size!r} must be an integer of at least 1")
+
+
 def check_request(model, prompts: list[Prompt], max_new_tokens: "int | Sequence[int]", mode: str, batch_size: int) -> None:
     """Refuse a generation request that cannot run as asked (one line naming the fix); shared by every entry point."""
     if mode not in MODES:
         raise UsageError(f"mode={mode!r}; use 'context' (compress before the question) or 'query' (compress with it)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UsageError(f"batch_size={batch_size!r} must be an integer of at least 1")
+    check_batch_size(batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if any(switch.dynamic for switch in rope_switches(model)):

@@ -90,3 +90,20 @@ def test_a_row_ended_by_eos_before_its_first_step_keeps_its_cache_while_the_batc
         for a, b in zip(alone, together):
             assert a.token_ids == b.token_ids
             assert (a.stats.kv_bytes, a.stats.kept_tokens) == (b.stats.kv_bytes, b.stats.kept_tokens), spec
+
+
+@pytest.mark.parametrize("argv, message", [(["--n", "0"], "--n 0"), (["--batch-size", "0"], "--batch-size 0")])
+def test_eval_refuses_no_items_or_a_batch_of_none_in_one_line(tmp_path, capsys, argv, message):
+    """--n 0 was an internal TypeError ("this is a bug"); --batch-size 0 failed with range()'s own message."""
+    from kveval.cli import main
+
+    assert main(["eval", "--policy", "none", "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "internal error" not in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_policies_refuses_a_batch_size_below_one_before_any_run_folder(tmp_path):
+    with pytest.raises(UsageError, match="batch_size=0"):
+        evaluate_policies(tiny_llama(), CharTok(), _mixed_items(), ["none"], tmp_path / "out", "org/M", batch_size=0)
+    assert not (tmp_path / "out").exists()
