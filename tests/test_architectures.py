@@ -74,15 +74,22 @@ def test_every_policy_family_runs_below_nominal_bytes(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one(name):
+@pytest.mark.parametrize("policy, mode", [("snapkv(ratio=0.5)+kivi(bits=4,residual=8)", "context"),
+                                          ("window(size=20)", "query")])
+def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one(name, policy, mode):
+    """Questions of 3, 1 and 4 tokens (padded after the contexts in context mode: state layers must not see it)
+    and EOS on, set to row 0's first token (it ends before any step: the others' steps must leave its cache)."""
     model = tiny_model(name)
-    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), [5, 6, 7]) for n in (40, 27, 33)]
-    policy = "snapkv(ratio=0.5)+kivi(bits=4,residual=8)"
-    alone = [generate(model, Tok(), [p], policy, max_new_tokens=4)[0] for p in prompts]
-    together = generate(model, Tok(), prompts, policy, max_new_tokens=4, batch_size=3)
+    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
+    model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], policy, max_new_tokens=1,
+                                                    mode=mode)[0].token_ids[0]
+    alone = [generate(model, Tok(), [p], policy, max_new_tokens=6, mode=mode)[0] for p in prompts]
+    assert alone[0].token_ids == [] and any(len(r.token_ids) > 1 for r in alone[1:])
+    together = generate(model, Tok(), prompts, policy, max_new_tokens=6, mode=mode, batch_size=3)
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids
-        assert (a.stats.kv_bytes, a.stats.state_bytes) == (b.stats.kv_bytes, b.stats.state_bytes)
+        assert (a.stats.kv_bytes, a.stats.state_bytes, a.stats.kept_tokens) == (b.stats.kv_bytes, b.stats.state_bytes,
+                                                                                b.stats.kept_tokens)
 
 
 def test_mla_caches_the_latent_and_the_rope_key():
