@@ -131,6 +131,17 @@ def _version(name: str) -> str:
 
 # --- cache helpers -------------------------------------------------------------------------------
 
+def _planned_batches(groups: dict, order: list, batch_size: int):
+    """The forwards :meth:`KVEvalLM._score_plans` runs, in order, for :meth:`KVEvalLM._check_rope_forwards` to walk
+    before any: per batch of ``batch_size`` prefill groups (``order``'s keys, ``groups[key]`` the requests sharing
+    one), ``(first, keys, tail_batches)``, ``first`` the batch's first group and ``tail_batches`` its
+    ``(row g, request i)`` pairs, ``batch_size`` at a time, each scored in one forward."""
+    for first in range(0, len(order), batch_size):
+        keys = order[first:first + batch_size]
+        members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
+        yield first, keys, [members[start:start + batch_size] for start in range(0, len(members), batch_size)]
+
+
 def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> CompressedCache:
     """A new cache whose row ``j`` is an independent copy of row ``index[j]`` of ``cache``.
 
@@ -415,8 +426,7 @@ class KVEvalLM(HFLM):
         pbar = tqdm(total=len(plans) * len(stacks), disable=(disable_tqdm or self.rank != 0),
                     desc="Running loglikelihood requests (kveval)")
         with torch.no_grad():
-            for first in range(0, len(order), batch_size):
-                keys = order[first:first + batch_size]
+            for first, keys, tail_batches in _planned_batches(groups, order, batch_size):
                 protect, rows = [p for _, p in keys], [list(prefill) for prefill, _ in keys]
                 if share:
                     shared = CompressedCache(self.model, "none", seed=self.seed + first, defer_compression=True,
@@ -432,11 +442,10 @@ class KVEvalLM(HFLM):
                     cache.set_protected(None)
                     for g, key in enumerate(keys):
                         records.append((cache.stats(row=g), len(groups[key])))
-                    members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
-                    self._score_members(cache, members, [len(k[0]) for k in keys], plans, first_logprobs, batch_size,
-                                        pad_id, answers)
+                    self._score_members(cache, tail_batches, [len(k[0]) for k in keys], plans, first_logprobs, pad_id,
+                                        answers)
                     del cache  # released before the next stack's cache is derived
-                    pbar.update(len(members))
+                    pbar.update(sum(len(batch) for batch in tail_batches))
         pbar.close()
         return out
 
@@ -446,12 +455,9 @@ class KVEvalLM(HFLM):
         :func:`~kveval.generation.forward_rows`, so a RoPE refusal comes before hours of scoring, not after."""
         if not rope_switches(self.model):
             return
-        for first in range(0, len(order), batch_size):
-            keys = order[first:first + batch_size]
+        for _, keys, tail_batches in _planned_batches(groups, order, batch_size):
             check_rope_batch(self.model, [0] * len(keys), [max(len(k[0]), 1) for k in keys], [bool(k[0]) for k in keys])
-            members = [(g, i) for g, key in enumerate(keys) for i in groups[key]]
-            for start in range(0, len(members), batch_size):
-                sub = members[start:start + batch_size]
+            for sub in tail_batches:
                 tails = [plans[i][2] for _, i in sub]
                 if any(tails):
                     seen = [len(keys[g][0]) for g, _ in sub]
@@ -464,13 +470,14 @@ class KVEvalLM(HFLM):
         logits = forward_rows(self.model, cache, rows, [0] * len(rows), pad_id, logits_to_keep=1)[0]
         return F.log_softmax(logits[:, -1].float(), dim=-1)
 
-    def _score_members(self, cache: CompressedCache, members: list[tuple[int, int]], prefill_lengths: list[int],
-                       plans: list, first_logprobs: torch.Tensor, batch_size: int, pad_id: int, answers: list) -> None:
-        """Score each ``(row g, request i)`` of ``members``: request ``i``'s tail on a copy of ``cache``'s row ``g``."""
-        for start in range(0, len(members), batch_size):
-            sub = members[start:start + batch_size]
+    def _score_members(self, cache: CompressedCache, tail_batches: list[list[tuple[int, int]]],
+                       prefill_lengths: list[int], plans: list, first_logprobs: torch.Tensor, pad_id: int,
+                       answers: list) -> None:
+        """Score each ``(row g, request i)`` of ``tail_batches`` (one forward each): request ``i``'s tail on a copy
+        of ``cache``'s row ``g``."""
+        for sub in tail_batches:
             index = [g for g, _ in sub]
-            if len(members) <= batch_size and index == list(range(len(prefill_lengths))):
+            if len(tail_batches) == 1 and index == list(range(len(prefill_lengths))):
                 run = cache  # each prefill is used once: no copy needed
             else:
                 run = _fork_rows(cache, index, self._memo)
