@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kveval.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
+from kveval.batch_buffer import uploaded
 from kveval.cache import CacheStats, CompressedCache
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
@@ -154,7 +155,7 @@ def _states_kept(cache: CompressedCache, idle: list[int]):
         for states in (layer.conv_states, layer.recurrent_states):
             for key, held in states.items():
                 if held is not None:
-                    index = torch.tensor(idle, device=held.device)
+                    index = uploaded(tuple(idle), held.device)  # once per device and set of rows, not per state
                     kept.append((states, key, index, held.index_select(0, index)))
     try:
         yield
