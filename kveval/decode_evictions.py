@@ -155,10 +155,7 @@ class BudgetEviction:
     def _drops(self, buffer: BatchBuffer) -> bool:
         """Whether the step drops a token: some row it gave one holds more than the budget (a row given nothing
         keeps its cache, :func:`spared_rows`)."""
-        if buffer.width <= self.budget:
-            return False
-        given = buffer.given
-        return given is None or any(n > self.budget and c > 0 for n, c in zip(buffer.lengths, given))
+        return buffer.width > self.budget and any(evicting_rows(buffer, self.budget))
 
     @staticmethod
     def serves(selection) -> bool:
@@ -212,6 +209,13 @@ def _window_kept(shifts: tuple[int, ...], heads: int, budget: int, device) -> to
     padding). Known on the host from the rows' lengths alone, so the step reads nothing from the device (scoring
     and ranking took about 12 operations and two waits per layer) and makes nothing new once the shifts repeat."""
     return (torch.tensor(shifts, device=device)[:, None, None] + slot_range(budget, device)).expand(-1, heads, -1)
+
+
+def evicting_rows(buffer: BatchBuffer, budget: int) -> list[bool]:
+    """Per row of ``buffer``, whether the step evicts from it: it holds more than ``budget`` slots and the step
+    gave it a token (every row, before any append). A row given nothing keeps its cache (:func:`spared_rows`)."""
+    given = buffer.given or (1,) * len(buffer.lengths)
+    return [n > budget and c > 0 for n, c in zip(buffer.lengths, given)]
 
 
 def spared_rows(buffer: BatchBuffer, budget: int) -> tuple[bool, ...] | None:
@@ -401,13 +405,7 @@ class HeadBudgetEviction:
     def defers(self, buffer: BatchBuffer) -> bool:
         """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): a
         budget shared by the heads by scores that read positions and attention alone, and some row over it."""
-        return self.stacks and any(self._over(buffer))
-
-    def _over(self, buffer: BatchBuffer) -> list[bool]:
-        """Per row, whether it evicts this step: it holds more than the decode budget and the step gave it a token
-        (a row given nothing keeps its cache: :func:`spared_rows`)."""
-        given = buffer.given or (1,) * len(buffer.lengths)
-        return [n > self.decode_budget and c > 0 for n, c in zip(buffer.lengths, given)]
+        return self.stacks and any(evicting_rows(buffer, self.decode_budget))
 
     def stacks_with(self, other: "HeadBudgetEviction") -> bool:
         return self.stacks and other.stacks and self.selection == other.selection
@@ -423,7 +421,7 @@ class HeadBudgetEviction:
 
     def apply(self, buffer: BatchBuffer) -> bool:
         """Keep every head's budget in every row; whether any row was over the decode budget (it then evicted)."""
-        over = self._over(buffer)
+        over = evicting_rows(buffer, self.decode_budget)
         if not any(over):
             return False
         scores, padding = scored_slots(buffer, self.selection.scores, self.context)
@@ -435,7 +433,7 @@ class HeadBudgetEviction:
 
     def _plan(self, scores: torch.Tensor, padding: torch.Tensor, lengths: list[int], over: list[bool]):
         """Where each row's kept tokens go (``[rows, H, width]`` scores and padding; ``lengths``: each row's slots;
-        ``over``: the rows that evict, :meth:`_over`):
+        ``over``: the rows that evict, :func:`evicting_rows`):
         ``(index, padded, new_lengths)``, ``index``/``padded`` ``[rows, H, new width]`` (the slot each new slot
         takes, and the new slots that are padding); ``None`` where no row drops a token. Each row's plan is its
         own whatever the rows beside it (rows of other layers, padded to another width)."""
@@ -497,7 +495,8 @@ def _apply_stacked_heads(chunk: list[tuple[HeadBudgetEviction, BatchBuffer]]) ->
     attention = None if attention is None else attention.view(flat)
     scores, padding = _scored(positions, attention, None, lengths, eviction.selection.scores, eviction.context,
                               tokens_first=False)
-    plan = eviction._plan(scores, padding, lengths, [over for buffer in buffers for over in eviction._over(buffer)])
+    over = [o for buffer in buffers for o in evicting_rows(buffer, eviction.decode_budget)]
+    plan = eviction._plan(scores, padding, lengths, over)
     if plan is None:
         return
     index, padded, new_lengths = plan
@@ -511,4 +510,4 @@ def _apply_stacked_heads(chunk: list[tuple[HeadBudgetEviction, BatchBuffer]]) ->
 
 
 __all__ = ["BudgetEviction", "DeferredEvictions", "HeadBudgetEviction", "LayerScoring", "kept_slots", "scored_slots",
-           "single_drops", "spared_rows"]
+           "evicting_rows", "single_drops", "spared_rows"]

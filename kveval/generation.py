@@ -139,8 +139,7 @@ def _forward_by_length(model, cache: CompressedCache, rows: list[list[int]], see
         if logits is None:
             logits = part.new_zeros(len(rows), columns, part.shape[-1])
         logits[members, columns - part.shape[1]:] = part[members]
-    mask = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows], device=logits.device)
-    return logits, mask
+    return logits, _left_pad(rows, pad_id, seen, logits.device)[1]
 
 
 @contextlib.contextmanager

@@ -333,8 +333,7 @@ class _Segment:
         return self.data["positions"].shape[1] if self.data else 0
 
     def live(self) -> torch.Tensor:
-        p = self.data["positions"]
-        return self.alive if self.alive is not None else torch.ones(p.shape, dtype=torch.bool, device=p.device)
+        return self.alive if self.alive is not None else self._everyone(self.data)
 
     def extend(self, data: dict[str, torch.Tensor], alive: torch.Tensor | None,
                counts: "tuple[int, int] | None" = None) -> None:

@@ -419,8 +419,7 @@ class QuantizedSequence:
                 units = torch.arange(first, self.block.units, device=device).expand(heads, -1)
                 self.block = gather_units(self.block, units)
             if cut:
-                self.alive = torch.ones(self.block.shape[0], self.sealed_slots, dtype=torch.bool,
-                                        device=self.block.scale.device)
+                self.alive = torch.ones(heads, self.sealed_slots, dtype=torch.bool, device=device)
                 self.alive[:, :cut] = False
         self.count, self.read = count, 0
 
