@@ -243,10 +243,11 @@ class KVQuantSettings:
 
 @dataclass
 class KVQuantCalibration:
-    """Per layer: key channel centre/half-range ``[H, D]`` and the K and V codebooks ``[2**bits]`` (float32)."""
+    """Per layer: key channel centre/half-range ``[H, D]`` and the K and V codebooks ``[2**bits]`` (float32);
+    ``None`` for a layer without K/V (a hybrid model's Mamba or linear-attention layers)."""
 
     settings: KVQuantSettings
-    layers: list[dict[str, torch.Tensor]]
+    layers: list[dict[str, torch.Tensor] | None]
     tokens: int
     text_sha256: str
     model_key: str
@@ -276,7 +277,7 @@ class KVQuantCalibration:
 
     def nbytes(self) -> int:
         """Per-model bytes of every layer's codebooks and key channel ranges."""
-        return sum(self.codec(i).nbytes() for i in range(len(self.layers)))
+        return sum(self.codec(i).nbytes() for i, entry in enumerate(self.layers) if entry is not None)
 
 
 def _calibrate_layer(keys: torch.Tensor, values: torch.Tensor, s: KVQuantSettings) -> dict[str, torch.Tensor]:
@@ -307,7 +308,11 @@ def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model
 
     kv, used = calibration_kv(model, text, tokens)
     layers = []
-    for i, (keys, values) in enumerate(kv):
+    for i, pair in enumerate(kv):
+        if pair is None:
+            layers.append(None)
+            continue
+        keys, values = pair
         if settings.pre_rope:  # at the angles of the calibration's one forward (a longrope's long ones past its length)
             hook = rope_hook(model, i)
             cos, sin = hook.one_forward_cos_sin(keys.shape[1], model.device)

@@ -109,11 +109,12 @@ class CrossHeadCalibration:
     """Per layer, the uncentered second moments of all KV heads' keys (and values) concatenated.
 
     ``moments[kind][layer]`` is ``[H*D, H*D]`` float64 for ``kind`` in ``"k"``, ``"v"``;
-    head ``h``'s dimension ``i`` is row ``h*D + i``.
+    head ``h``'s dimension ``i`` is row ``h*D + i``. ``None`` (and ``heads[layer]``
+    ``None``) for a layer without K/V (a hybrid model's Mamba or linear-attention layers).
     """
 
-    moments: dict[str, list[torch.Tensor]]
-    heads: list[int]  # KV heads per layer
+    moments: dict[str, list[torch.Tensor | None]]
+    heads: list[int | None]  # KV heads per layer
     tokens: int
     text_sha256: str
     model_key: str
@@ -124,6 +125,11 @@ class CrossHeadCalibration:
     @property
     def num_layers(self) -> int:
         return len(self.heads)
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that hold K/V (every layer, except a hybrid model's state layers)."""
+        return [layer for layer, heads in enumerate(self.heads) if heads is not None]
 
     def num_heads(self, layer: int) -> int:
         return self.heads[layer]
@@ -141,11 +147,11 @@ class CrossHeadCalibration:
     def calibrate(cls, model, text: CalibrationText, tokens: int, model_key: str = "") -> "CrossHeadCalibration":
         kv, used = calibration_kv(model, text, tokens)
         moments = {"k": [], "v": []}
-        for keys, values in kv:
-            for kind, x in (("k", keys), ("v", values)):
-                flat = x.double().permute(1, 0, 2).reshape(x.shape[1], -1)  # [T, H*D]: a token's heads side by side
-                moments[kind].append(flat.T @ flat / max(1, flat.shape[0]))
-        return cls(moments, [k.shape[0] for k, _ in kv], used, text.sha256, model_key)
+        for pair in kv:
+            for kind, x in zip(("k", "v"), pair or (None, None)):
+                flat = None if x is None else x.double().permute(1, 0, 2).reshape(x.shape[1], -1)  # [T, H*D]
+                moments[kind].append(None if flat is None else flat.T @ flat / max(1, flat.shape[0]))
+        return cls(moments, [None if pair is None else pair[0].shape[0] for pair in kv], used, text.sha256, model_key)
 
     def save(self, path: Path) -> None:
         save_atomic({"version": CALIBRATION_VERSION, "kind": self.KIND, "tokens": self.tokens, "heads": self.heads,

@@ -62,8 +62,7 @@ from typing import ClassVar
 
 import torch
 
-from kveval.architectures import HYBRID, STATE, architecture_name, cache_layer_plan, own_query_temperatures
-from kveval.errors import UnsupportedModelError
+from kveval.architectures import ATTENTION, HYBRID, NONE, STATE, cache_layer_plan, own_query_temperatures
 from kveval.paths import cache_dir
 from kveval.storage import DenseStore, QuantizedStore, TokenStore
 
@@ -151,14 +150,30 @@ def tokenize_for(model, text: str) -> list[int]:
 
 
 # --- calibration -------------------------------------------------------------------------------
-def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One forward pass with a plain ``DynamicCache``; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``."""
-    from transformers import DynamicCache
+def _calibration_cache(model):
+    """transformers' own cache layers for the calibration pass, every attention layer whole.
 
-    cache = DynamicCache()  # built without the config: full layers everywhere, sliding layers keep the whole pass too
+    Attention layers are plain ``DynamicLayer`` s, sliding ones too (they keep
+    the whole pass); state and hybrid layers are the model's own conv/recurrent
+    layers, which its Mamba or linear-attention modules need.
+    """
+    from transformers.cache_utils import (Cache, DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer,
+                                          LinearAttentionLayer)
+
+    kinds = {ATTENTION: lambda plan: DynamicLayer(), NONE: lambda plan: DummyLayer(),
+             STATE: lambda plan: LinearAttentionLayer(number_of_states=plan.number_of_states),
+             HYBRID: lambda plan: LinearAttentionAndFullAttentionLayer(number_of_states=plan.number_of_states)}
+    return Cache(layers=[kinds[plan.kind](plan) for plan in cache_layer_plan(model.config)])
+
+
+def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """One forward pass with transformers' own cache; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``, and
+    ``None`` for a layer without K/V (a Mamba or linear-attention layer)."""
+    cache = _calibration_cache(model)
     with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
         model(input_ids=ids, cache=cache, use_cache=True)
-    return [(layer.keys[0].float().cpu(), layer.values[0].float().cpu()) for layer in cache.layers]
+    return [(layer.keys[0].float().cpu(), layer.values[0].float().cpu()) if plan.holds_tokens else None
+            for plan, layer in zip(cache_layer_plan(model.config), cache.layers)]
 
 
 def uncentered_pca(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +190,7 @@ class Calibration:
 
     ``spectra[kind][layer]`` is ``(eigenvalues [H, D], eigenvectors [H, D, D])``
     for ``kind`` in ``"k"``, ``"v"``; eigenvectors are columns, by descending eigenvalue.
+    ``None`` for a layer without K/V (a hybrid model's Mamba or linear-attention layers).
     """
 
     spectra: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -188,6 +204,11 @@ class Calibration:
     @property
     def num_layers(self) -> int:
         return len(self.spectra["k"])
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that hold K/V (every layer, except a hybrid model's state layers)."""
+        return [layer for layer, spectrum in enumerate(self.spectra["k"]) if spectrum is not None]
 
     def head_dim(self, layer: int) -> int:
         return self.spectra["k"][layer][1].shape[-1]
@@ -230,7 +251,8 @@ class Calibration:
         """Write atomically (temporary file, then rename)."""
         save_atomic({"version": CALIBRATION_VERSION, "tokens": self.tokens, "text_sha256": self.text_sha256,
                      "model_key": self.model_key,
-                     "spectra": {kind: [[e, v] for e, v in layers] for kind, layers in self.spectra.items()}}, path)
+                     "spectra": {kind: [None if s is None else list(s) for s in layers]
+                                 for kind, layers in self.spectra.items()}}, path)
 
     @classmethod
     def load(cls, path: Path) -> "Calibration | None":
@@ -238,7 +260,7 @@ class Calibration:
         payload = load_versioned(path, CALIBRATION_VERSION)
         if payload is None:
             return None
-        spectra = {kind: [(e, v) for e, v in layers] for kind, layers in payload["spectra"].items()}
+        spectra = {kind: [None if s is None else tuple(s) for s in layers] for kind, layers in payload["spectra"].items()}
         return cls(spectra, payload["tokens"], payload["text_sha256"], payload["model_key"], path)
 
     @classmethod
@@ -288,13 +310,9 @@ def calibration_path(model, text: CalibrationText, tokens: int, kind: str = "") 
     return cache_dir() / "calibration" / f"{model_name(model)}{suffix}-{key}.pt", model_key
 
 
-def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-    """The calibration pass: post-RoPE K/V ``[H, T, D]`` (float32) of every layer, and ``T``, the tokens used."""
-    if any(plan.kind in (STATE, HYBRID) for plan in cache_layer_plan(model.config)):
-        raise UnsupportedModelError(
-            f"{architecture_name(model.config)}: lowrank, latent and kvquant calibrate on every layer's K/V in "
-            "transformers' own cache, which kveval does not build for linear-attention or Mamba layers; use a "
-            "selection policy, quant, kivi or fp8 on this model")
+def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], int]:
+    """The calibration pass: post-RoPE K/V ``[H, T, D]`` (float32) of every layer (``None`` for a layer without
+    K/V), and ``T``, the tokens used."""
     ids = tokenize_for(model, text.text)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     ids = ids[: min(tokens, limit or tokens)]
@@ -306,7 +324,8 @@ def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tupl
 def calibrate(model, text: CalibrationText, tokens: int, model_key: str = "") -> Calibration:
     """Run the calibration pass: one forward over at most ``tokens`` tokens of ``text``, PCA per layer and head."""
     kv, used = calibration_kv(model, text, tokens)
-    spectra = {"k": [uncentered_pca(k) for k, _ in kv], "v": [uncentered_pca(v) for _, v in kv]}
+    spectra = {kind: [None if pair is None else uncentered_pca(pair[side]) for pair in kv]
+               for side, kind in enumerate(("k", "v"))}
     return Calibration(spectra, used, text.sha256, model_key)
 
 

@@ -135,7 +135,7 @@ class LatentPolicy(CalibratedPolicy):
         """Bytes of the per-model bases (float32, every layer and group, K and V): not part of the per-token bytes."""
         calibration = self.calibration_for(model)
         total = 0
-        for layer in range(calibration.num_layers):
+        for layer in calibration.kv_layers:
             heads, group = calibration.num_heads(layer), self._check_calibrated_layer(calibration, layer)
             widths = (calibration.head_dim(layer) - self.rope_dims) + calibration.value_dim(layer)
             total += 4 * heads * self.rank * widths  # (heads / group) bases of group x width rows each
@@ -145,7 +145,7 @@ class LatentPolicy(CalibratedPolicy):
     def prepare(self, model) -> None:
         """Calibrate and validate every layer before the first forward pass."""
         calibration = self.calibration_for(model)
-        for layer in range(calibration.num_layers):
+        for layer in calibration.kv_layers:
             self._check_calibrated_layer(calibration, layer)
 
     def run_info(self, model) -> dict:

@@ -187,8 +187,8 @@ class LowRankPolicy(CalibratedPolicy):
         """Per-token group sizes of K and V from a quantization policy or a whole stack (default: as last used)."""
         return self._groups if quantization is None else per_token_groups_of(quantization)
 
-    def ranks(self, model, quantization=None) -> dict[str, list[list[int]]]:
-        """K and V ranks per layer and head.
+    def ranks(self, model, quantization=None) -> dict[str, list[list[int] | None]]:
+        """K and V ranks per layer and head (``None`` for a layer without K/V).
 
         ``quantization`` (the stacked quantization policy, or the whole
         ``PolicyStack``) matters for ``energy=``, whose ranks are rounded up to
@@ -197,8 +197,9 @@ class LowRankPolicy(CalibratedPolicy):
         """
         calibration = self.calibration_for(model)
         groups = self._groups_for(quantization)
-        per_layer = [self.layer_ranks(model, i, groups) for i in range(calibration.num_layers)]
-        return {kind: [r[kind] for r in per_layer] for kind in ("k", "v")}
+        kv_layers = set(calibration.kv_layers)
+        per_layer = [self.layer_ranks(model, i, groups) if i in kv_layers else None for i in range(calibration.num_layers)]
+        return {kind: [None if r is None else r[kind] for r in per_layer] for kind in ("k", "v")}
 
     def basis_bytes(self, model, quantization=None) -> int:
         """Bytes of the per-model bases the stores hold (float32, ``head_dim x rank`` per layer, head, K and V).
@@ -209,7 +210,7 @@ class LowRankPolicy(CalibratedPolicy):
         calibration = self.calibration_for(model)
         ranks = self.ranks(model, quantization)
         return sum(4 * calibration.head_dim(layer) * (sum(ranks["k"][layer]) + sum(ranks["v"][layer]))
-                   for layer in range(calibration.num_layers))
+                   for layer in calibration.kv_layers)
 
     def stored_widths(self, head_dim: int) -> dict[str, int] | None:
         """Coefficients per token and KV head of K and V; ``None`` for ``energy=`` (known after calibration)."""
