@@ -20,6 +20,10 @@ from kveval.errors import UnsupportedModelError
 from kveval.exactness import measure_exactness, prefill_and_decode, self_check
 from kveval.generation import Prompt, generate
 
+# Calibrations (lowrank, latent, kvquant, duo) of this file's own: one remembered or on disk from another run
+# would stand in for the calibration pass under test.
+pytestmark = pytest.mark.usefixtures("calibration_cache")
+
 NAMES = sorted(ARCHITECTURES)
 # One of each family, and a stack; tiny sizes so every family really compresses 64 tokens.
 POLICIES = ["snapkv(ratio=0.5)", "h2o(ratio=0.5)", "tova(ratio=0.5)", "streaming(sink=4,window=16)",
