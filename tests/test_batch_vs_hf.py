@@ -247,6 +247,7 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     assert rope_switches(tiny_model("llama")) == ()
 
 
+@pytest.mark.usefixtures("calibration_cache")  # the generations calibrate again, not from disk
 def test_llama4_calibrations_run_inside_kvevals_forward_as_outside_it():
     """DuoAttention, lowrank and latent calibrate on their first use, inside the forward kveval drives, where the
     Llama 4 query temperature is kveval's (per row). Their own forwards declare no positions: they run with the

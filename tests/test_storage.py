@@ -458,7 +458,7 @@ def test_every_store_implements_the_declared_interface():
 
 
 def test_calibration_does_not_import_the_cache():
-    """kveval.lowrank calibrates through a plain DynamicCache: no cache -> policies -> lowrank -> cache loop."""
+    """kveval.lowrank calibrates in transformers' own cache layers: no cache -> policies -> lowrank -> cache loop."""
     code = ("import sys; sys.path.insert(0, 'tests'); from tiny_models import tiny_gemma3; "
             "from kveval.lowrank import calibrate, read_calibration_text; "
             "c = calibrate(tiny_gemma3(), read_calibration_text(), 64); "
