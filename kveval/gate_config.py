@@ -7,7 +7,6 @@ the gate file before it loads a model).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 
 from kveval.comparison import CATEGORIES, OVERALL
 from kveval.errors import ConfigError
+from kveval.values import is_real, is_whole
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "gate.yaml"
 _KEYS = {
@@ -170,11 +170,11 @@ class GateConfig:
         if "confidence_level" in data:
             cfg.confidence_level = _prob(data["confidence_level"], "confidence_level", source, open_interval=True)
         if "n_resamples" in data:
-            if isinstance(data["n_resamples"], bool) or not isinstance(data["n_resamples"], int) or data["n_resamples"] < 100:
+            if not is_whole(data["n_resamples"]) or data["n_resamples"] < 100:
                 raise ConfigError(f"{source}: n_resamples must be an integer >= 100")
             cfg.n_resamples = data["n_resamples"]
         if "seed" in data:
-            if isinstance(data["seed"], bool) or not isinstance(data["seed"], int):
+            if not is_whole(data["seed"]):
                 raise ConfigError(f"{source}: seed must be an integer")
             cfg.seed = data["seed"]
         return cfg
@@ -184,7 +184,7 @@ class GateConfig:
 
 
 def _num(v: Any, name: str, source: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if not is_real(v):
         raise ConfigError(f"{source}: {name} must be a number, got {v!r}")
     return float(v)
 

@@ -34,6 +34,7 @@ from kveval.cache import CacheStats, CompressedCache
 from kveval.errors import UsageError
 from kveval.policies import PolicyStack, parse_policy
 from kveval.storage import deployment_kv_dtype, parse_kv_dtype
+from kveval.values import is_whole
 
 MODES = ("context", "query")
 
@@ -194,7 +195,7 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
     decodes in any batch exactly as alone: given the batch's longest limit, it would answer with more tokens and
     hold more of them in its cache."""
     def valid(n) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        return is_whole(n) and n >= 1
 
     if valid(max_new_tokens):
         return [max_new_tokens] * rows
@@ -206,7 +207,7 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
 
 def check_batch_size(batch_size) -> None:
     """Refuse a batch size that is not a whole number of at least 1 (one line)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_whole(batch_size) or batch_size < 1:
         raise UsageError(f"batch_size={batch_size!r} must be an integer of at least 1")
 
 

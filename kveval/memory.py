@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kveval.model_specs import ModelSpec, load_model_spec, preset_names
+from kveval.values import is_real, is_whole
 
 _GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
 
@@ -126,7 +127,7 @@ def _policy_stack(policy):
 
 
 def _check_int(value, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_whole(value):
         raise ValueError(f"{what}={value!r} must be an integer")
     if value < minimum:
         raise ValueError(f"{what}={value} must be >= {minimum}")
@@ -243,7 +244,7 @@ def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_
 
 
 def _check_dtype_bytes(dtype_bytes) -> int:
-    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes not in (1, 2, 4, 8):
+    if not is_whole(dtype_bytes) or dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 1, 2 (fp16/bf16), 4 (fp32) or 8")
     return dtype_bytes
 
@@ -309,7 +310,7 @@ def parse_size(text, what: str = "size") -> int:
 
 def parse_tokens(text, what: str = "context") -> int:
     """Tokens from ``8192``, ``8k`` (8192) or ``1m`` (1048576)."""
-    if isinstance(text, int) and not isinstance(text, bool):
+    if is_whole(text):
         return text
     match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([kKmM]?)\s*$", str(text))
     if not match:
@@ -366,7 +367,7 @@ def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int,
         raise ValueError(f"cannot estimate the weights of {spec.name} from its config (mixture of experts, MLA or "
                          f"missing sizes); give them, e.g. --weights 16GB")
     per_param = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
-    if isinstance(per_param, bool) or not isinstance(per_param, (int, float)) or not per_param > 0:
+    if not is_real(per_param) or not per_param > 0:
         raise ValueError(f"weight_bytes_per_param={per_param!r} must be a positive number (2 = fp16/bf16, 1 = int8/fp8, 0.5 = int4)")
     size = int(math.ceil(spec.num_parameters * per_param))
     notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {per_param:g} bytes = {human_bytes(size)}")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kveval.values import is_whole
+
 # ----------------------------------------------------------------------------------------------
 # presets: config.json excerpts (the fields the planner reads) of well-known models
 
@@ -121,7 +123,7 @@ class ModelSpec:
 
 
 def _positive_int(value, what: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_whole(value) or value < 1:
         raise ValueError(f"{source}: {what}={value!r} must be a positive integer")
     return value
 

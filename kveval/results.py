@@ -21,7 +21,6 @@ partial or different item set is not a comparison.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import numpy as np
 from kveval.lm_eval.schema import as_float as _as_float
 from kveval.lm_eval.schema import read_run_fields  # the keys the kveval model type writes
 from kveval.records import ITEMS_FILE, RUN_FILE, ItemRecord, ResultFileError, RunInfo, read_items, read_run_info
+from kveval.values import is_real
 
 #: How many folder levels below a given path a run folder is looked for (sweep/runs/<model>/<policy>).
 RUN_SEARCH_DEPTH = 3
@@ -126,7 +126,7 @@ def validate_items(items: Sequence[ItemRecord], source: Path | str) -> None:
             raise ResultFileError(f"{where}: id {it.id!r} is not a non-empty string; item ids are strings such as \"passkey/3\"")
         where = f"{source}: item {it.id!r}"
         score = it.score
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) or not 0 <= score <= 1:
+        if not is_real(score) or not 0 <= score <= 1:
             raise ResultFileError(f"{where}: score {score!r} is not a number in [0, 1]")
         if not isinstance(it.correct, bool):
             raise ResultFileError(f"{where}: correct {it.correct!r} is not a boolean (true or false, not a string or number)")
@@ -263,7 +263,7 @@ def records_from_samples(rows: list[dict], task: str, metric: str | dict[str, st
         value = row.get(chosen)
         if isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not is_real(value):
             raise ResultFileError(
                 f"{path}:{row['_line']}: metric {chosen!r} is missing or not a number ({value!r}); "
                 f"pick a scalar metric with --metric (line has {row.get('metrics')})"

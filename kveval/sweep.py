@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from kveval.errors import ConfigError, RunFolderError, UsageError
 from kveval.records import atomic_write_text
+from kveval.values import is_real, is_whole
 
 if TYPE_CHECKING:
     from kveval.executors import Cell, CellResult, Executor
@@ -127,8 +128,7 @@ def load_config(path: str | Path) -> SweepConfig:
     if lm_eval:
         tasks = [_string(path, f"lm_eval.tasks[{i}]", task) for i, task in enumerate(_list(path, "lm_eval.tasks", lm_eval["tasks"]))]
         limit = lm_eval.get("limit")  # lm-eval's: a number of documents, or a fraction of them below 1
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                                  or not (limit >= 1 if isinstance(limit, int) else 0 < limit <= 1)):
+        if limit is not None and not (limit >= 1 if is_whole(limit) else is_real(limit) and 0 < limit <= 1):
             raise ConfigError(f"{path}: lm_eval.limit={limit!r} must be a whole number >= 1 or a fraction in (0, 1]")
         for key in ("model_args", "metadata"):
             _mapping(path, f"lm_eval.{key}", lm_eval.get(key))
@@ -166,19 +166,19 @@ def load_config(path: str | Path) -> SweepConfig:
 # Typed reads of the YAML's values: a value of the wrong type is one line naming the key, never coerced (true as
 # 1, 2.5 as 2) nor iterated (a string read as a list of characters).
 def _whole(path: Path, key: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_whole(value):
         raise ConfigError(f"{path}: {key}={value!r} must be a whole number")
     return value
 
 
 def _count(path: Path, key: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_whole(value) or value < 1:
         raise ConfigError(f"{path}: {key}={value!r} must be a whole number >= 1")
     return value
 
 
 def _fraction(path: Path, key: str, value) -> "int | float":
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    if not is_real(value) or not 0 <= value <= 1:
         raise ConfigError(f"{path}: {key}={value!r} must be a number in [0, 1]")
     return value  # as written (0 stays 0): the items' ids are made from the depths
 

@@ -314,6 +314,8 @@ def test_bad_input_is_one_clear_line(call, match):
     ["memory", "llama-2-7b", "--context", "8k", "--gpu-memory", "80GiB", "--weights", "16GB", "--headroom", "1.5"],
     ["memory", "llama-2-7b"],
     ["memory", "llama-2-7b", "--context", "8k", "--gpu-memory", "80 gigs", "--weights", "16GB"],
+    # An infinite number of bytes per parameter was an OverflowError inside (an internal error, "a bug").
+    ["memory", "llama-2-7b", "--context", "8k", "--gpu-memory", "80GiB", "--weight-bytes-per-param", "inf"],
 ])
 def test_cli_errors_exit_2(argv, capsys):
     assert cli.main(argv) == 2

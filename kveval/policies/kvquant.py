@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import RepresentationPolicy, register_policy
+from kveval.values import is_real, is_whole
 
 KVQUANT_BITS = (2, 3, 4, 8)
 
@@ -70,16 +71,15 @@ class KVQuantPolicy(RepresentationPolicy):
     def __post_init__(self):
         if self.bits not in KVQUANT_BITS:
             raise PolicySpecError(f"{self.name}: bits={self.bits!r} is not supported; use 2, 3, 4 or 8")
-        if isinstance(self.outliers, bool) or not isinstance(self.outliers, (int, float)) or not 0 <= self.outliers <= 1:
+        if not is_real(self.outliers) or not 0 <= self.outliers <= 1:
             raise PolicySpecError(f"{self.name}: outliers={self.outliers!r} must be the fraction of each vector kept "
                                   f"exactly, 0 <= outliers <= 1 (the paper uses 0.01)")
         self.outliers = float(self.outliers)
         for key in ("sink", "residual"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_whole(value) or value < 0:
                 raise PolicySpecError(f"{self.name}: {key}={value!r} must be a number of tokens >= 0")
-        if self.calib_tokens is not None and (isinstance(self.calib_tokens, bool) or not isinstance(self.calib_tokens, int)
-                                              or self.calib_tokens < 2):
+        if self.calib_tokens is not None and (not is_whole(self.calib_tokens) or self.calib_tokens < 2):
             raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
         if self.calibration is not None:
             from pathlib import Path

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import PolicyStack, RepresentationPolicy, register_policy
+from kveval.values import is_real, is_whole
 
 
 def _positive_int(name: str, key: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and (not is_whole(value) or value < 1):
         raise PolicySpecError(f"{name}: {key}={value!r} must be a positive integer")
 
 
@@ -152,7 +153,7 @@ class LowRankPolicy(CalibratedPolicy):
             raise PolicySpecError(f"{self.name}: give rank= (coefficients per head), energy= (fraction of variance kept, "
                              f"0 < energy <= 1), or both k_rank= and v_rank=")
         if self.energy is not None:
-            if isinstance(self.energy, bool) or not isinstance(self.energy, (int, float)) or not 0 < self.energy <= 1:
+            if not is_real(self.energy) or not 0 < self.energy <= 1:
                 raise PolicySpecError(f"{self.name}: energy={self.energy!r} must be a fraction of variance kept, 0 < energy <= 1")
             self.energy = float(self.energy)
         self.check_calibration_params()

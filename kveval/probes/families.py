@@ -21,6 +21,7 @@ from kveval.probes.text import (
     UniqueDraw,
     kind_noun,
 )
+from kveval.values import is_whole
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTH_TOLERANCE = 0.02
@@ -386,7 +387,7 @@ class Family:
                 raise ValueError(f"{self.name}: {name}={out[name]!r} is not one of {', '.join(allowed)}")
         for name, value in out.items():
             if name.startswith("num_"):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                if not is_whole(value) or value < 0:
                     raise ValueError(f"{self.name}: {name} must be a non-negative integer, not {value!r}")
         minimum = {"num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0}
         for name, low in minimum.items():
@@ -499,9 +500,9 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
         name = tokenizer
         tokenizer = load_tokenizer(name)
         tokenizer.kveval_name = name
-    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+    if not is_whole(length) or length <= 0:
         raise ValueError(f"length must be a positive number of tokens, not {length!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_whole(n) or n < 0:
         raise ValueError(f"n must be a non-negative integer, not {n!r}")
     if depths is None:
         depths = DEFAULT_DEPTHS
