@@ -68,7 +68,7 @@ def format_table(rc: RunComparison) -> str:
         f"baseline:  {rc.baseline.name} ({rc.baseline_path})\n"
         f"candidate: {rc.candidate.name} ({rc.candidate_path})\n"
         f"{rc.n} paired items ({rc.source} results); delta = candidate - baseline, "
-        f"{int(round(rc.overall.confidence_level * 100))}% CI (Tango score interval for right/wrong tasks, paired bootstrap for graded); "
+        f"{int(round(rc.overall.confidence_level * 100))}% CI (Tango score interval of the mean score change); "
         f"Holm/BH across {len(rc.tasks)} task(s)\n"
     )
     cols = ["task", "n", "base", "cand", "delta [CI]", "test", "p", "Holm", "BH", "-flip", "+flip", "agree", "confusion change"]
@@ -126,8 +126,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("candidate", metavar="CAND", help="candidate run folder (or lm-eval --log_samples output)")
     parser.add_argument("--json", metavar="PATH", help="also write the full comparison (tasks, cells, regressed items) as JSON")
     parser.add_argument("--metric", help="lm-eval outputs: metric to score by (default: acc, exact_match, score, ...)")
-    parser.add_argument("--confidence", type=float, default=0.95, help="bootstrap interval coverage (default 0.95)")
-    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples (default 9999)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="interval coverage (default 0.95)")
+    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples of the log-prob change (default 9999)")
     parser.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
     parser.add_argument("--cells", action="store_true", help="also print the per (task, length, depth) cells")
 

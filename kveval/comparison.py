@@ -4,10 +4,12 @@ A :class:`RunComparison` holds one :class:`Comparison` per task (tested, with
 Holm- and Benjamini-Hochberg-adjusted p-values across the tasks), one for all
 items pooled, and one per (task, context length, depth) cell for heatmaps.
 
-Right/wrong tasks (:func:`is_right_wrong`) get Tango's score interval on the
-change of accuracy (:mod:`kveval.paired`) and the exact McNemar test; graded
-tasks get a paired bootstrap interval of the mean score change and the
-Wilcoxon test. No interval is ever zero-width because no item changed.
+Every cell's change is the change of its mean score (for right/wrong items, of
+accuracy), with Tango's score interval on the items' fractional discordances
+(:func:`kveval.paired.score_discordance`): exact Tango on 0/1 scores,
+conservative on partial ones, and never zero-width because no item changed.
+The descriptive test of "no change" is the exact McNemar test on right/wrong
+tasks and the Wilcoxon test on graded ones.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ ALL = "ALL"
 
 DEFAULT_RESAMPLES = 9999
 CELL_RESAMPLES = 1999  # heatmap cells are descriptive; a cheaper bootstrap is enough
-#: Largest share of graded items (score strictly between 0 and 1) in a task still tested on right/wrong.
+#: Largest share of graded items (score strictly between 0 and 1) in a task whose descriptive test is McNemar's.
 GRADED_SHARE_MAX = 0.10
 
 
@@ -57,21 +59,21 @@ class Comparison:
     n : int
         Paired items.
     baseline_score, candidate_score, delta : float
-        Accuracy (right/wrong tasks) or mean score (graded tasks) of each run,
-        and their difference (candidate - baseline).
+        Mean score of each run (accuracy, where every score is 0 or 1), and
+        their difference (candidate - baseline).
     ci_low, ci_high : float
         Two-sided interval of ``delta`` at ``confidence_level``: Tango's score
-        interval (right/wrong) or the paired bootstrap (graded); never
-        zero-width.
+        interval on ``score_lost`` and ``score_gained``; never zero-width.
     ci_method : str
-        ``"tango"``, ``"BCa"``, ``"percentile"`` or ``"tango-zero"`` (graded
-        scores that did not change at all: the zero-discordance score bound).
+        ``"tango"``.
+    score_lost, score_gained : float
+        The summed falls and rises of the items' scores (the right->wrong and
+        wrong->right counts where every score is 0 or 1).
     binary : bool
         Every score is 0 or 1.
     right_wrong : bool
-        Tested on right/wrong (``correct``): every score is 0/1, or at most
-        :data:`GRADED_SHARE_MAX` of the items carry a graded score (counted by
-        their ``correct`` flag).
+        Every score is 0/1, or at most :data:`GRADED_SHARE_MAX` of the items
+        carry a graded score: the descriptive test is McNemar's on ``correct``.
     n_graded : int
         Items with a score strictly between 0 and 1 in either run.
     pvalue : float
@@ -116,6 +118,8 @@ class Comparison:
     ci_high: float
     confidence_level: float
     ci_method: str
+    score_lost: float
+    score_gained: float
     binary: bool
     right_wrong: bool
     n_graded: int
@@ -193,19 +197,10 @@ def compare_pairs(
     fl = stats.flips(ac, bc)
     n_graded = int(np.sum(((a > 0) & (a < 1)) | ((b > 0) & (b < 1))))
     right_wrong = n_graded <= GRADED_SHARE_MAX * len(pairs)
-    if right_wrong:
-        low, high = paired.tango_interval(fl.n_regressed, fl.n_improved, len(pairs), confidence_level)
-        base_score, cand_score = float(ac.mean()), float(bc.mean())
-        estimate, method = (fl.n_improved - fl.n_regressed) / len(pairs), "tango"
-        test, pvalue = "mcnemar", mc.pvalue
-    else:
-        ci = stats.paired_bootstrap_ci(a, b, confidence_level=confidence_level, n_resamples=n_resamples, seed=seed)
-        base_score, cand_score, estimate = float(a.mean()), float(b.mean()), ci.estimate
-        low, high, method = ci.low, ci.high, ci.method
-        if method == "degenerate":  # every difference equal: the bootstrap has no spread, use the score bound
-            zl, zh = paired.tango_interval(0, 0, len(pairs), confidence_level)
-            low, high, method = max(-1.0, estimate + zl), min(1.0, estimate + zh), "tango-zero"
-        test, pvalue = "wilcoxon", stats.wilcoxon_test(a, b)
+    lost, gained = paired.score_discordance(a, b)
+    low, high = paired.tango_interval(lost, gained, len(pairs), confidence_level)
+    base_score, cand_score, estimate = float(a.mean()), float(b.mean()), (gained - lost) / len(pairs)
+    test, pvalue = ("mcnemar", mc.pvalue) if right_wrong else ("wilcoxon", stats.wilcoxon_test(a, b))
     cb, cc = confusion_rates(base), confusion_rates(cand)
     keys = list(dict.fromkeys([*cb, *cc]))
     cd = {k: cc.get(k, 0.0) - cb.get(k, 0.0) for k in keys} if (cb or cc) else {}
@@ -241,7 +236,9 @@ def compare_pairs(
         ci_low=low,
         ci_high=high,
         confidence_level=confidence_level,
-        ci_method=method,
+        ci_method="tango",
+        score_lost=lost,
+        score_gained=gained,
         binary=bool(stats.is_binary(a, b)),
         right_wrong=bool(right_wrong),
         n_graded=n_graded,

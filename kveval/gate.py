@@ -18,8 +18,10 @@ INCONCLUSIVE
     Neither: too few items. The verdict names the items needed to decide at
     the observed discordance.
 
-Right/wrong tasks use Tango's score interval and tests (:mod:`kveval.paired`),
-graded tasks the paired bootstrap. A candidate FAILs when any task fails, else
+The change tested is the task's mean score (accuracy, on right/wrong items), by
+Tango's score interval and tests on the items' discordances (:mod:`kveval.paired`:
+fractional on partial scores); the flip and confusion rules read the ``correct``
+flags. A candidate FAILs when any task fails, else
 is INCONCLUSIVE when any task is, else PASSes. Exit codes
 (:mod:`kveval.errors`): 0 PASS, 1 FAIL, 3 INCONCLUSIVE (0 with a warning when
 ``inconclusive_blocks: false``), 2 any error. ``--plan`` prints the items per
@@ -30,7 +32,6 @@ decision: which candidates' caches fit, and the most compressed one that PASSes.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,24 +236,22 @@ def _pct(x: float) -> str:
 
 
 def margin_test(c: Comparison, margin: float, cfg: GateConfig) -> paired.MarginTest:
-    """The task's change against ``-margin``: Tango on right/wrong counts, else the paired bootstrap."""
-    if c.right_wrong:
-        return paired.margin_test(c.n_regressed, c.n_improved, c.n, margin, cfg.alpha)
-    return stats.bootstrap_margin_test(
-        c.baseline_scores, c.candidate_scores, margin, alpha=cfg.alpha, n_resamples=cfg.n_resamples, seed=cfg.seed
-    )
+    """The task's change of mean score (accuracy, on 0/1 scores) against ``-margin``: Tango's tests on the items'
+    fractional discordances (:func:`kveval.paired.score_discordance`)."""
+    return paired.margin_test(c.score_lost, c.score_gained, c.n, margin, cfg.alpha)
 
 
-def items_needed(c: Comparison, t: paired.MarginTest, cfg: GateConfig) -> int | None:
-    """Items per task that would decide with ``cfg.power`` if the observed rates are the true ones."""
-    if c.right_wrong:
-        return paired.items_needed_approx(c.n_regressed / c.n, c.n_improved / c.n, t.margin, cfg.alpha, cfg.power)
-    gap = abs(t.delta + t.margin)
-    if gap < 1e-12:
+def items_needed(c: Comparison, undecided: Sequence[tuple[float, float, float]], cfg: GateConfig) -> int | None:
+    """Items per task that would decide every undecided rule with ``cfg.power`` if the observed rates are the true
+    ones, and more than the task has (``None``: a rule's change sits on its margin, no number decides it).
+
+    ``undecided``: per rule, its (regressed, improved) rates per item and its margin: the mean score's against
+    the margin, the net right->wrong flips' against their cap.
+    """
+    needed = [paired.items_needed_approx(lost, gained, margin, cfg.alpha, cfg.power) for lost, gained, margin in undecided]
+    if any(n is None for n in needed):
         return None
-    sd = float(abs(t.upper - t.lower) / (2 * _st.norm.ppf(1 - cfg.alpha))) * math.sqrt(c.n)  # per-item spread
-    z = _st.norm.ppf(1 - cfg.alpha) + _st.norm.ppf(cfg.power)
-    return max(c.n + 1, math.ceil((z * sd / gap) ** 2))
+    return max([c.n + 1, *needed])
 
 
 def _summary(c: Comparison, t: paired.MarginTest) -> str:
@@ -261,9 +260,9 @@ def _summary(c: Comparison, t: paired.MarginTest) -> str:
     head = f"{c.task} regressed {c.n_regressed}/{c.n} items" + (f" ({cat_text})" if c.n_regressed and cats else "")
     if c.n_improved:
         head += f", improved {c.n_improved}"
-    what = "accuracy" if c.right_wrong else "mean score"
+    what = "accuracy" if c.binary else "mean score"
     bound = int(round((1 - 2 * t.alpha) * 100))
-    return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% {'Tango' if c.right_wrong else 'bootstrap'})"
+    return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% Tango)"
 
 
 def _lower_binomial(k: int, n: int, alpha: float) -> float:
@@ -331,6 +330,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
         reasons.append(
             f"loss beyond the margin: {level}% upper bound {test.upper:+.3f} < -margin {-margin:+.3f} (Holm p={p_inferior_holm:.3g})"
         )
+    undecided: list[tuple[float, float, float]] = []  # (regressed, improved) per item and margin of each open rule
     cap = cfg.max_negative_flip_rate
     if cap is not None and cap > 0:
         net = paired.margin_test(c.n_regressed, c.n_improved, c.n, cap, cfg.alpha) if cap < 1 else None
@@ -341,6 +341,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
             )
         elif net is not None and not net.lower > -cap:
             pending.append(f"net negative flip rate not shown under {cap:g} (upper bound {-net.lower:.3f})")
+            undecided.append((c.n_regressed / c.n, c.n_improved / c.n, cap))
     confusion_reasons, notes = _confusion(c, cfg, pairs)
     reasons += confusion_reasons
     kl_reasons, kl_pending = _kl_rule(c, cfg, pairs)
@@ -348,17 +349,19 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     pending += kl_pending
     if not test.lower > -margin:
         pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
+        undecided.insert(0, (c.score_lost / c.n, c.score_gained / c.n, margin))
     needed = None
     if reasons:
         status = FAIL
     elif pending:
         status = INCONCLUSIVE
-        needed = items_needed(c, test, cfg)
-        pending.append(
-            f"about {needed} items per task would decide at the observed discordance ({int(cfg.power * 100)}% power)"
-            if needed is not None
-            else "the observed change sits on the margin: no number of items decides it"
-        )
+        if undecided:  # the KL rule alone names its own fix
+            needed = items_needed(c, undecided, cfg)
+            pending.append(
+                f"about {needed} items per task would decide at the observed discordance ({int(cfg.power * 100)}% power)"
+                if needed is not None
+                else "the observed change sits on the margin: no number of items decides it"
+            )
         reasons = pending
     else:
         status = PASS

@@ -17,6 +17,15 @@ inferiority tests that agree with that interval by construction. At
 ``delta0 = 0`` the statistic is the asymptotic McNemar statistic
 ``(c - b) / sqrt(b + c)``.
 
+Scores between 0 and 1 (partial credit) enter as fractional counts
+(:func:`score_discordance`): an item whose score goes from ``a`` to ``b`` is
+``a - b`` of a regression or ``b - a`` of an improvement, as if each score were
+the chance of a right answer and both runs drew it with one coin. ``(c - b) / n``
+is then the change of the mean score, and the interval's per-item variance
+``|d| - delta^2`` bounds the scores' own ``d^2 - delta^2`` from above (``|d| >= d^2``
+for ``|d| <= 1``): conservative on graded items, exact Tango on 0/1 ones, and
+never as narrow as a bootstrap of two or three equal differences.
+
 Newcombe's hybrid score interval (method 10 of Newcombe 1998, Stat Med
 17:2635-2650) is provided as a cross-check.
 
@@ -41,6 +50,7 @@ __all__ = [
     "newcombe_interval",
     "plan",
     "power",
+    "score_discordance",
     "tango_interval",
     "tango_z",
     "wilson_interval",
@@ -49,11 +59,22 @@ __all__ = [
 _EDGE = 1e-12
 
 
-def _check_counts(regressed: int, improved: int, n: int) -> None:
+def _check_counts(regressed: float, improved: float, n: int) -> None:
     if n <= 0:
         raise ValueError(f"need at least one paired item, got n={n}")
-    if regressed < 0 or improved < 0 or regressed + improved > n:
+    if regressed < 0 or improved < 0 or regressed + improved > n + 1e-9:
         raise ValueError(f"discordant counts regressed={regressed}, improved={improved} do not fit n={n}")
+
+
+def score_discordance(baseline, candidate) -> tuple[float, float]:
+    """Fractional regressed and improved counts of paired scores in [0, 1]: the summed falls and rises.
+
+    For 0/1 scores these are the right->wrong and wrong->right counts; ``(improved - regressed) / n`` is the change
+    of the mean score. Every function here takes them where it takes counts.
+    """
+    a, b = np.asarray(baseline, dtype=float), np.asarray(candidate, dtype=float)
+    change = b - a
+    return float(np.sum(np.clip(-change, 0, None))), float(np.sum(np.clip(change, 0, None)))
 
 
 def tango_z(regressed, improved, n, delta0):
@@ -61,8 +82,9 @@ def tango_z(regressed, improved, n, delta0):
 
     Parameters
     ----------
-    regressed, improved : int or array of int
-        Right->wrong (``b``) and wrong->right (``c``) items.
+    regressed, improved : float or array of float
+        Right->wrong (``b``) and wrong->right (``c``) items, or the fractional counts of graded scores
+        (:func:`score_discordance`).
     n : int or array of int
         Paired items.
     delta0 : float
@@ -91,7 +113,7 @@ def tango_z(regressed, improved, n, delta0):
     return float(z) if z.ndim == 0 else z
 
 
-def tango_interval(regressed: int, improved: int, n: int, confidence_level: float = 0.95) -> tuple[float, float]:
+def tango_interval(regressed: float, improved: float, n: int, confidence_level: float = 0.95) -> tuple[float, float]:
     """Tango's two-sided score interval for the change of accuracy ``(c - b) / n``.
 
     The bounds solve ``tango_z(delta0) = +-z`` (``z`` the two-sided normal
@@ -184,7 +206,7 @@ class MarginTest:
     p_inferior: float
 
 
-def margin_test(regressed: int, improved: int, n: int, margin: float, alpha: float = 0.05) -> MarginTest:
+def margin_test(regressed: float, improved: float, n: int, margin: float, alpha: float = 0.05) -> MarginTest:
     """Test the change of accuracy against ``-margin`` both ways (see :class:`MarginTest`)."""
     _check_counts(regressed, improved, n)
     if not 0 <= margin < 1:

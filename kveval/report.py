@@ -105,7 +105,7 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
         "# kveval leaderboard",
         "",
         "Per-task cells: mean score (change vs the model's baseline). *change [CI]*: all items pooled, "
-        "95% paired bootstrap interval. *-flips*: share of items right at baseline and wrong under the policy. "
+        "95% Tango score interval (each item's score change as a discordance). *-flips*: share of items right at baseline and wrong under the policy. "
         "*confusion*: share of items answered with a wrong value (distractor, stale, partial, over-inclusion, fabricated). "
         "Best per model in **bold**."
         + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
@@ -210,7 +210,7 @@ def to_html(rows: list[Row], tasks: list[str], plots: Sequence[Path], gate_lines
         f"<style>{_CSS}</style></head><body>",
         "<h1>kveval leaderboard</h1>",
         '<p class="note">Per-task cells: mean score (change vs the model\'s baseline). <i>change [CI]</i>: all items pooled, '
-        "95% paired bootstrap interval. <i>-flips</i>: share of items right at baseline and wrong under the policy. "
+        "95% Tango score interval (each item's score change as a discordance). <i>-flips</i>: share of items right at baseline and wrong under the policy. "
         "<i>confusion</i>: share of items answered with a wrong value. "
         f"{STAR} marks the best value per model.</p>",
         '<table id="leaderboard"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead><tbody>",
@@ -286,7 +286,7 @@ def build_report(
         ``gate.json`` written by ``kveval gate --out`` / ``write_gate_outputs``
         (or its folder).
     n_resamples, seed : int
-        Bootstrap settings of the change intervals.
+        Bootstrap settings of the log-prob change intervals.
 
     Returns
     -------
@@ -327,7 +327,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders, or sweep folders holding runs/*/")
     parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
     parser.add_argument("--gate", metavar="PATH", help="gate.json (or its folder) from kveval gate --out, for the verdict column")
-    parser.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples (default 9999)")
+    parser.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples of the log-prob change (default 9999)")
     parser.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
 
 

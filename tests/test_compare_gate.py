@@ -569,11 +569,13 @@ def test_one_graded_score_keeps_the_right_wrong_test(tmp_path):
     t = rc.task("t")
     assert t.right_wrong and t.n_graded == 1 and t.test == "mcnemar" and t.ci_method == "tango"
     assert t.n_regressed == 5 and t.pvalue == pytest.approx(0.0625, abs=1e-12)  # exact binomial, 5 vs 0
-    assert (t.ci_low, t.ci_high) == pytest.approx(paired.tango_interval(5, 0, 40), abs=1e-12)
-    # mostly graded scores: the bootstrap of the mean score instead
+    # the interval is the mean score's: 4 items lost 1, the partial one 0.5
+    assert (t.score_lost, t.score_gained, t.delta) == (4.5, 0.0, -4.5 / 40)
+    assert (t.ci_low, t.ci_high) == pytest.approx(paired.tango_interval(4.5, 0, 40), abs=1e-12)
+    # mostly graded scores: Wilcoxon describes; unchanged, the interval still is not [0, 0]
     graded = [replace(it, score=0.5 + 0.01 * (i % 7), correct=False) for i, it in enumerate(base)]
     g = compare_runs(write_run(tmp_path / "gb", graded), write_run(tmp_path / "gc", graded, policy="kivi(bits=4)")).task("t")
-    assert not g.right_wrong and g.ci_method == "tango-zero" and g.ci_low < 0 < g.ci_high  # never [0, 0]
+    assert not g.right_wrong and g.test == "wilcoxon" and g.ci_method == "tango" and g.ci_low < 0 < g.ci_high
 
 
 def test_compare_warns_on_swapped_runs(runs, capsys):
