@@ -9,9 +9,10 @@ gate. ``kveval gate`` and ``kveval sweep`` take ``--gpu-memory --context
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from kveval.errors import UsageError
 from kveval.gate import PASS, GateResult
 
 
@@ -21,6 +22,9 @@ class Deployment:
 
     ``fits`` maps run name -> (KV-cache bytes, fits?); ``budget_bytes`` is the
     cache budget (GPU x (1 - headroom) - weights, :func:`kveval.memory.max_fit`).
+    ``unplanned`` maps the runs the planner cannot size (their policy or model)
+    to why: they are left out of the pick, named in ``line``, and never turn
+    the gate's verdicts into an error.
     """
 
     gpu_memory: str
@@ -31,9 +35,20 @@ class Deployment:
     fits: dict[str, tuple[int, bool]]
     choice: str | None
     line: str
+    unplanned: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: Bytes per value of the cache dtypes a run records (``run.json``'s ``kv_dtype``, as :func:`kveval.storage.dtype_name`
+#: writes it); read without importing torch, which the analysis commands do not load.
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _element_bytes(info) -> int:
+    """Bytes per cached value of the run's cache dtype (2, a 16-bit cache, where the run records none)."""
+    return _ELEMENT_BYTES.get(str(info.kv_dtype or "bfloat16").removeprefix("torch."), 2)
 
 
 def deployment_decision(
@@ -53,10 +68,19 @@ def deployment_decision(
         fit0 = memory.max_fit(r.baseline.model, gpu_memory, context=context, headroom=headroom)
         budget = fit0.cache_budget_bytes
         fits: dict[str, tuple[int, bool]] = {}
+        unplanned: dict[str, str] = {}
         for name, info, _ in runs:
-            plan = memory.plan(info.model, context, batch, policy=info.policy)
+            try:
+                plan = memory.plan(info.model, context, batch, policy=info.policy, dtype_bytes=_element_bytes(info))
+            except ValueError as exc:  # a policy the planner does not model (kvquant), or one that does not fit it
+                unplanned[name] = str(exc)
+                continue
             fits[name] = (int(plan.total_bytes), plan.total_bytes <= budget)
-        passing = [(fits[name][0], name) for name, info, status in runs[1:] if status == PASS and fits[name][1]]
+        if r.baseline.name in unplanned:
+            raise UsageError(f"--gpu-memory: cannot plan the baseline's cache ({unplanned[r.baseline.name]}); "
+                             f"drop --gpu-memory, or size it with kveval memory")
+        passing = [(fits[name][0], name) for name, info, status in runs[1:] if status == PASS and name in fits
+                   and fits[name][1]]
         h = memory.human_bytes
         if passing:
             choice = min(passing)[1]
@@ -69,6 +93,9 @@ def deployment_decision(
             line = f"nothing fits: the smallest PASSing cache needs more than the {h(budget)} budget; lower --context or --batch"
         fitting = [n for n, (_, ok) in fits.items() if ok]
         line += f" (fit: {', '.join(fitting) or 'none'})"
-        out.append(Deployment(str(gpu_memory), context, batch, float(fit0.headroom), int(budget), fits, choice, line))
+        if unplanned:
+            line += f"; not sized by the planner, so not picked: {', '.join(unplanned)}"
+        out.append(Deployment(str(gpu_memory), context, batch, float(fit0.headroom), int(budget), fits, choice, line,
+                              unplanned))
         r.deployment = out[-1]
     return out

@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu_memory and not args.context:
         raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
     result = evaluate_gate(cfg, args.baseline, args.candidate, metric=args.metric)
+    # Sized before anything is printed or written: what cannot be sized is one line (exit 2), never a FAIL hidden
+    # behind an error after the verdicts.
+    decisions = deployment_decision(result, args.gpu_memory, args.context, args.batch, args.headroom) if args.gpu_memory else []
     for cv in result.candidates:
         for w in cv.warnings:
             print(f"kveval gate: warning: {w}", file=sys.stderr)
@@ -74,9 +77,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kveval gate: error: {cv.error}", file=sys.stderr)
         else:
             print(cv.line())
-    if args.gpu_memory:
-        for d in deployment_decision(result, args.gpu_memory, args.context, args.batch, args.headroom):
-            print(d.line)
+    for d in decisions:
+        print(d.line)
     if args.out:
         paths = write_gate_outputs(result, args.out)
         print(f"wrote {paths['markdown']}, {paths['junit']}, {paths['json']}")

@@ -292,6 +292,18 @@ def test_gate_deployment_decision(runs, capsys):
     assert data["deployment"]["choice"] == "smollm2-135m/snapkv(ratio=0.25)"
 
 
+def test_a_candidate_the_planner_cannot_size_never_hides_a_fail(runs, capsys):
+    """A policy outside the planner's model (here an unknown one; kvquant was) ended the gate in exit 2 after the
+    verdicts were printed and before gate.md was written: a FAIL (exit 1) read as an error, its outputs lost."""
+    odd = write_run(runs["tmp"] / "odd", runs["items"], policy="nosuch(ratio=0.5)")
+    argv = gate_argv(runs, odd, runs["bad"]) + ["--gpu-memory", "1GiB", "--context", "8192"]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "not sized by the planner, so not picked: smollm2-135m/nosuch(ratio=0.5)" in out
+    data = json.loads((runs["tmp"] / "gate" / "gate.json").read_text())
+    assert data["exit_code"] == 1 and "nosuch(ratio=0.5)" in next(iter(data["deployment"]["unplanned"]))
+
+
 def _one_error_line(capsys, *needles):
     captured = capsys.readouterr()
     err = [line for line in captured.err.splitlines() if line.strip()]
