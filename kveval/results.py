@@ -411,8 +411,8 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
     ------
     ResultFileError
         Duplicate ids, items present in only one run, prompt-hash or task
-        mismatches, different result formats, (kveval runs) different models, or runs computed on different
-        hardware (``extra["hardware"]``, :func:`kveval.evaluate.hardware_of`; runs that predate it pair as before).
+        mismatches, different result formats, (kveval runs) different models, different cache dtypes (where both
+        record one), or runs computed on different hardware (``extra["hardware"]``, :func:`kveval.evaluate.hardware_of`; runs that predate it pair as before).
     """
     if baseline.source != candidate.source:
         raise ResultFileError(
@@ -429,6 +429,13 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
             f"cannot pair runs computed on different hardware: baseline {hardware[0]!r} ({baseline.path}) vs candidate "
             f"{hardware[1]!r} ({candidate.path}); float kernels round differently there, which would count as the "
             f"policy's effect: run both on one machine (kveval sweep runs a baseline with its candidates)"
+        )
+    dtypes = [run.info.kv_dtype for run in (baseline, candidate)]
+    if all(dtypes) and dtypes[0] != dtypes[1]:
+        raise ResultFileError(
+            f"cannot pair runs with different cache dtypes: baseline {dtypes[0]} ({baseline.path}) vs candidate "
+            f"{dtypes[1]} ({candidate.path}); the dtype's rounding would count as the policy's effect and its bytes "
+            f"as the policy's compression: run both with one --kv-dtype"
         )
     if baseline.source == "lm-eval":
         for key in ("revision", "tokenizer"):

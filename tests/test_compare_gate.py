@@ -363,6 +363,20 @@ def test_gate_other_model_is_error(runs, capsys):
     _one_error_line(capsys, "different models")
 
 
+def test_runs_with_different_cache_dtypes_are_not_paired(runs, capsys):
+    """A float32 baseline beside a bfloat16 candidate passed the gate, and the leaderboard put its bytes per token
+    next to the candidate's under a compression ratio that was neither's."""
+    base = write_run(runs["tmp"] / "base-fp32", runs["items"], kv_dtype="float32")
+    cand = write_run(runs["tmp"] / "cand-bf16", runs["items"], policy="snapkv(ratio=0.25)", kv_dtype="bfloat16")
+    argv = gate_argv(runs, cand)
+    argv[argv.index(str(runs["base"]))] = str(base)
+    assert cli.main(argv) == 2
+    _one_error_line(capsys, "different cache dtypes", "float32", "bfloat16", "--kv-dtype")
+    same = write_run(runs["tmp"] / "cand-fp32", runs["items"], policy="snapkv(ratio=0.25)", kv_dtype="float32")
+    argv[argv.index(str(cand))] = str(same)
+    assert cli.main(argv) == 0
+
+
 def test_runs_computed_on_different_hardware_are_not_paired(runs, capsys):
     """Float kernels round differently on another CPU or GPU (12 of the quickstart's 480 answers moved between an
     AVX2 and an AVX512-BF16 CPU, the baseline's too): pairing such runs would count that as the policy's effect."""
