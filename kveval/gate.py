@@ -12,7 +12,8 @@ FAIL
     A loss larger than the margin shown (the upper bound below ``-margin``,
     Holm-adjusted across the family), or a regression rule broken with
     statistical support (the net right->wrong rate, or the share of
-    previously-right items that fell into a confusion category, is shown to
+    items that were right at baseline and fell into a confusion category (of all
+    the task's items), is shown to
     be above its cap).
 INCONCLUSIVE
     Neither: too few items. The verdict names the items needed to decide at
@@ -290,7 +291,7 @@ def _confusion(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[s
         if low > limit:
             label = "confusion (all categories)" if cat == OVERALL else cat
             reasons.append(
-                f"{label}: {k}/{c.n} previously right items ({_pct(k / c.n)}, {int(round((1 - cfg.alpha) * 100))}% lower bound "
+                f"{label}: {k} of {c.n} items were right at baseline ({_pct(k / c.n)} of the task, {int(round((1 - cfg.alpha) * 100))}% lower bound "
                 f"{_pct(low)}) > {_pct(limit)}"
             )
     shifted = sum(1 for b, x in pairs if not b.correct and not x.correct and b.category != x.category)

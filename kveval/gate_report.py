@@ -37,7 +37,7 @@ def to_markdown(result: GateResult) -> str:
         + (f" and the net negative-flip rate is shown under {cfg.max_negative_flip_rate:g}" if cfg.max_negative_flip_rate is not None else "")
         + f". FAIL: the {level}% upper bound lies below -margin (Holm, family: {cfg.family}), or a rule is broken at {level}%"
         + (
-            " (confusion among previously-right items: " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in cfg.max_confusion_increase.items()) + ")"
+            " (items right at baseline that fell into a confusion category, share of all items: " + ", ".join(f"{k} {v * 100:.0f}%" for k, v in cfg.max_confusion_increase.items()) + ")"
             if cfg.max_confusion_increase
             else ""
         )
