@@ -56,7 +56,7 @@ from kveval.batch_buffer import real_runs
 from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.coded_rows import SharedScratch
 from kveval.decode_evictions import DeferredEvictions
-from kveval.errors import UsageError
+from kveval.errors import UnsupportedModelError, UsageError
 from kveval.policies import PolicyStack, parse_policy
 from kveval.rows import RowState
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
@@ -207,6 +207,7 @@ class CompressedCache(Cache):
         served = [self.policy] + [parse_policy(p) for p in (scores_for or [])]
         for served_policy in served:  # refused before the prefill, not after it
             self._check_representation(served_policy, value_dim)
+            self._check_selection(served_policy, plans, model.config)
         #: Attention scores a deferred prefill keeps (:func:`kveval.cache_layers.score_key`), each once.
         self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None
@@ -228,6 +229,19 @@ class CompressedCache(Cache):
             # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
             for dim in sorted({self.head_dim, value_dim}):
                 policy.quantization.check_head_dim(dim)
+
+    @staticmethod
+    def _check_selection(policy: PolicyStack, plans: "list[architectures.LayerPlan]", config) -> None:
+        """Refuse a selection policy where no layer takes one: selection acts on full-attention layers, and every
+        attention layer of this model slides (Mistral-7B-v0.1, Phi-3-mini's 2047-token window). It would keep what
+        the model keeps, and its run would read as a lossless policy."""
+        windows = [plan.sliding_window for plan in plans if plan.holds_tokens]
+        if policy.selection is not None and windows and all(w is not None for w in windows):
+            raise UnsupportedModelError(
+                f"{architectures.architecture_name(config)}: every attention layer slides (window "
+                f"{', '.join(map(str, sorted(set(windows))))}), and {policy.selection.spec()} selects on full-attention "
+                f"layers only: it would change nothing; evaluate a quantization or low-rank policy, or load the model "
+                f"without its window (sliding_window=None) where contexts fit in it")
 
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
         """Attention layers are compressed; state layers are transformers' own; others hold nothing."""

@@ -23,9 +23,10 @@ What the arithmetic follows
   - selection keeps ``keep_count(context, layer, num_layers)`` tokens per layer
     (PyramidKV's budgets differ per layer: the planner sums the layers); with
     ``new_tokens`` generated, a ``decode_budget`` caps the cache. As in the
-    cache, selection skips the sliding layers of hybrid models (they are
-    bounded already); when every layer slides (Mistral), selection applies and
-    the window caps it;
+    cache, selection skips sliding layers (they are bounded already: a sliding
+    layer holds ``window - 1`` tokens, as transformers' own does); where every
+    attention layer slides (Mistral-7B-v0.1) a selection policy is refused, as
+    kveval's cache refuses it; Mamba and linear-attention layers hold no K/V;
   - low-rank structure stores ``k_rank`` + ``v_rank`` coefficients per KV head
     instead of ``2 x head_dim`` values (``energy=`` ranks need a calibration
     run: the planner uses ``head_dim``, an upper bound, and says so);
@@ -80,7 +81,7 @@ class MemoryPlan:
     policy's representation (quantized codes with their amortized scales,
     low-rank coefficients, MLA latent), before selection, windows and the
     full-precision residual; ``key_bytes_per_token``/``value_bytes_per_token``
-    split it (MLA: the latent counts as K). ``sequence_bytes`` is the exact
+    split it (MLA: the latent counts as K, the shared RoPE key as V, as the cache holds them). ``sequence_bytes`` is the exact
     cache of one sequence of ``context`` tokens (plus ``new_tokens`` generated),
     ``total_bytes`` that times ``batch``; ``baseline_*`` are the same without
     compression. ``layers`` lists every layer for one sequence.
@@ -136,17 +137,36 @@ def _check_int(value, what: str, minimum: int) -> int:
 
 @dataclass
 class _Layout:
-    """Per-layer streams: (name, heads, dim, TensorQuant or None) and the residual."""
+    """Per-layer streams: (name, heads, dim, TensorQuant or None), the residual, and KVQuant's policy where it codes
+    the K/V (its tokens are not grouped streams: codes, outliers and sinks, :func:`_kvquant_bytes`)."""
 
     streams: list[tuple[str, int, int, Any]]
     residual: int
+    kvquant: Any = None
+
+
+def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
+    quant = stack.quantization
+    if spec.mla_dim is not None or stack.structure is not None:
+        raise ValueError(f"{quant.spec()}: kvquant codes per-head K/V, not an MLA latent or low-rank coefficients")
+    quant.check_head_dim(spec.head_dim)
+    return _Layout([("k", spec.kv_heads, spec.head_dim, None), ("v", spec.kv_heads, spec.head_dim, None)],
+                   int(quant.residual), quant)
+
+
+def _kvquant_bytes(tokens: int, oldest: int, heads: int, head_dim: int, quant, dtype_bytes: int) -> int:
+    """Bytes of one layer's K/V under KVQuant (:class:`kveval.kvquant.KVQuantStore`): the ``residual`` newest tokens
+    and those at positions below ``sink`` in the cache dtype, every other token coded (``bytes_per_token``).
+    ``oldest``: the position of the oldest token held (a sliding layer's window has moved past the sinks)."""
+    whole = min(tokens, quant.residual) + max(0, min(quant.sink - oldest, tokens - quant.residual))
+    coded = tokens - whole
+    return heads * (coded * quant.bytes_per_token(head_dim, dtype_bytes) + whole * 2 * head_dim * dtype_bytes)
 
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
     quant = stack.quantization
-    if quant is not None and not hasattr(quant, "key_quant"):  # kvquant: outliers and sinks, not a grouped stream
-        raise ValueError(f"{quant.spec()}: the planner models quant, kivi and fp8 streams only; measure {quant.name} "
-                         f"with kveval eval (its bytes per token: KVQuantPolicy.bytes_per_token)")
+    if quant is not None and not hasattr(quant, "key_quant"):
+        return _kvquant_layout(spec, stack)
     kq = quant.key_quant if quant is not None else None
     vq = quant.value_quant if quant is not None else None
     residual = int(getattr(quant, "residual_tokens", 0) or 0) if quant is not None else 0
@@ -155,9 +175,11 @@ def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
         if structure is not None:
             raise ValueError(f"{structure.spec()}: low-rank structure needs per-head K/V; {spec.name} uses MLA "
                              f"(already a low-rank latent)")
-        streams = [("latent", 1, spec.mla_dim, kq)]
+        # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's.
+        streams = [("latent", 1, spec.mla_dim - spec.mla_rope, kq)] + ([("rope", 1, spec.mla_rope, vq)] if spec.mla_rope else [])
         if quant is not None:
-            notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}")
+            notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}, the shared RoPE "
+                         f"key with its value settings")
     else:
         k_dim = v_dim = spec.head_dim
         per_group = structure is not None and hasattr(structure, "check_shape")  # latent: one stream per group of heads
@@ -180,7 +202,7 @@ def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
             streams = [(kind, spec.kv_heads // group, widths[kind], q) for kind, q in (("k", kq), ("v", vq))]
     for which, _, dim, q in streams:
         if q is not None and q.axis == "token" and dim % q.group:
-            what = "latent width" if which == "latent" else ("rank" if dim != spec.head_dim else "head_dim")
+            what = {"latent": "latent width", "rope": "RoPE key width"}.get(which) or ("rank" if dim != spec.head_dim else "head_dim")
             raise ValueError(f"{quant.spec()}: {which} group={q.group} does not divide {what}={dim}; "
                              f"pick a divisor of {dim}")
     return _Layout(streams, residual)
@@ -216,8 +238,10 @@ def _stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
 
 
 def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int) -> int:
+    if not spec.holds_kv[i]:
+        return 0
     window = spec.windows[i]
-    selection = stack.selection if (window is None or spec.selection_on_windowed) else None
+    selection = stack.selection if window is None else None  # sliding layers are bounded already (as in the cache)
     if selection is None:
         tokens = context + new_tokens
     else:
@@ -228,7 +252,7 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int)
         whole = getattr(selection, "whole_head_fraction", 0.0)  # duo: retrieval heads keep every token
         if whole:
             tokens = math.ceil(whole * (context + new_tokens) + (1 - whole) * tokens)  # mean per KV head
-    return tokens if window is None else min(tokens, window)
+    return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
 
 
 def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
@@ -236,9 +260,14 @@ def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_
     out = []
     for i in range(spec.num_layers):
         tokens = _layer_tokens(spec, stack, i, context, new_tokens)
-        size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes)
-                   for _, heads, dim, q in layout.streams)
-        kind = "mla" if spec.mla_dim is not None else ("full" if spec.windows[i] is None else "sliding")
+        if layout.kvquant is not None:
+            oldest = context + new_tokens - tokens if spec.windows[i] is not None else 0
+            size = _kvquant_bytes(tokens, oldest, spec.kv_heads, spec.head_dim, layout.kvquant, dtype_bytes)
+        else:
+            size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes)
+                       for _, heads, dim, q in layout.streams)
+        kind = ("state" if not spec.holds_kv[i] else "mla" if spec.mla_dim is not None
+                else "full" if spec.windows[i] is None else "sliding")
         out.append(LayerPlan(i, kind, spec.windows[i], tokens, size))
     return out
 
@@ -247,6 +276,15 @@ def _check_dtype_bytes(dtype_bytes) -> int:
     if not is_whole(dtype_bytes) or dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 1, 2 (fp16/bf16), 4 (fp32) or 8")
     return dtype_bytes
+
+
+def _check_selection(spec: ModelSpec, stack) -> None:
+    """Refuse a selection policy where no layer takes one: every attention layer slides (as kveval's cache does)."""
+    kv = [w for w, holds in zip(spec.windows, spec.holds_kv) if holds]
+    if stack.selection is not None and kv and all(w is not None for w in kv):
+        raise ValueError(f"{stack.selection.spec()}: every attention layer of {spec.name} slides (window "
+                         f"{', '.join(map(str, sorted(set(kv))))}), and selection acts on full-attention layers only: "
+                         f"it would keep what the model keeps; plan a quantization or low-rank policy")
 
 
 def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0) -> MemoryPlan:
@@ -266,14 +304,25 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     base_layout = _layout(spec, _policy_stack("none"), [])
     from kveval.policies import PolicyStack
 
+    _check_selection(spec, stack)
     layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
     base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
-    per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * spec.num_layers for _, heads, dim, q in layout.streams]
+    kv_layers = sum(spec.holds_kv)
+    if layout.kvquant is not None:  # K and V coded alike: half each
+        per_stream = [layout.kvquant.bytes_per_token(spec.head_dim, dtype_bytes) / 2 * spec.kv_heads * kv_layers] * 2
+    else:
+        per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
     key_pt = per_stream[0]
     value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
-    base_pt = int(sum(_stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * spec.num_layers)
+    base_pt = int(sum(_stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)
     if spec.max_position and context + new_tokens > spec.max_position:
         notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
+    if stack.selection is not None and getattr(stack.selection, "per_head_budgets", False) and stack.quantization is not None:
+        notes.append(f"{stack.selection.spec()}: per-head budgets are planned as equal heads; each head's own "
+                     f"remainder of per-channel groups and residual makes the measured bytes differ slightly")
+    if stack.selection is not None and layout.kvquant is not None:
+        notes.append(f"{layout.kvquant.spec()}: the sink token(s) are counted as kept in full precision; "
+                     f"{stack.selection.spec()} may drop them (then each is coded instead)")
     if layout.residual and stack.quantization is not None:
         notes.append(f"the {layout.residual} most recent tokens of each layer stay in the model dtype "
                      f"({dtype_bytes} bytes per value)")
@@ -396,6 +445,7 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     stack = _policy_stack(policy)
     notes: list[str] = []
     layout = _layout(spec, stack, notes)
+    _check_selection(spec, stack)
     weight_bytes, estimated = _weights(spec, weights, weight_bytes_per_param, dtype_bytes, notes)
     budget = math.floor(gpu * (1 - Fraction(repr(h)))) - weight_bytes  # exact: 0.9 x 80 GiB is a whole number
     if budget <= 0:
@@ -429,7 +479,7 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
             hi = mid
     # Sealing a per-channel group makes the size dip: make sure every shorter length fits as well.
     quant = stack.quantization
-    if quant is not None:
+    if quant is not None and layout.kvquant is None:
         span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
         for n in range(max(1, lo - span), lo + 1):
             if seq_bytes(n) > limit:

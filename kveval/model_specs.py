@@ -92,10 +92,12 @@ _PRESET_KEYS = {_key(n): n for n in PRESETS} | {_key(a): n for a, n in _ALIASES.
 class ModelSpec:
     """The cache-relevant shape of a model.
 
-    ``windows[i]`` is the most tokens layer ``i`` holds (``None``: unbounded);
-    ``selection_on_windowed`` says whether selection policies also act on the
-    windowed layers (true only when every layer slides, as in Mistral).
-    ``mla_dim`` is the per-token latent width of MLA layers (``None``: per-head K/V).
+    ``windows[i]`` is layer ``i``'s sliding window or attention chunk (``None``:
+    full attention); it holds ``window - 1`` tokens, as transformers' own sliding
+    layers and kveval's cache do. ``holds_kv[i]`` is false for a layer without
+    K/V (a Mamba, linear-attention or MLP-only layer: constant-size states, not
+    planned here). ``mla_dim`` is the per-token latent width of MLA layers
+    (``None``: per-head K/V), ``mla_rope`` the shared RoPE key's part of it.
     """
 
     name: str
@@ -103,8 +105,9 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     windows: list[int | None]
-    selection_on_windowed: bool = False
+    holds_kv: list[bool] = field(default_factory=list)
     mla_dim: int | None = None
+    mla_rope: int = 0
     num_parameters: int | None = None
     max_position: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -115,11 +118,18 @@ class ModelSpec:
             text = f"{self.num_layers} layers, MLA latent {self.mla_dim} values per token and layer"
         else:
             text = f"{self.num_layers} layers, {self.kv_heads} KV heads x head_dim {self.head_dim}"
-        sliding = sorted({w for w in self.windows if w is not None})
+        sliding = sorted({w for w, kv in zip(self.windows, self.holds_kv) if w is not None and kv})
         if sliding:
-            n = sum(w is not None for w in self.windows)
+            n = sum(w is not None and kv for w, kv in zip(self.windows, self.holds_kv))
             text += f", {n} sliding (window {', '.join(map(str, sliding))})"
+        states = self.holds_kv.count(False)
+        if states:
+            text += f", {states} without K/V (state or MLP-only layers)"
         return text
+
+    def __post_init__(self):
+        if not self.holds_kv:
+            self.holds_kv = [True] * self.num_layers
 
 
 def _positive_int(value, what: str, source: str) -> int:
@@ -147,14 +157,14 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     head_dim = get("head_dim")
     if head_dim is None and heads and get("hidden_size"):
         head_dim = get("hidden_size") // heads
-    mla_dim = None
+    mla_dim, mla_rope = None, 0
     if get("kv_lora_rank"):
         rope = get("qk_rope_head_dim") or 0
         mla_dim = _positive_int(get("kv_lora_rank"), "kv_lora_rank", name) + rope
         notes.append(f"MLA: each layer caches one latent of kv_lora_rank {get('kv_lora_rank')} + qk_rope_head_dim "
                      f"{rope} = {mla_dim} values per token, shared by all heads (latent-cache kernels: vLLM, SGLang, "
                      f"FlashMLA); transformers' eager attention caches decompressed per-head K/V instead")
-        kv_heads, head_dim = 1, mla_dim
+        kv_heads, head_dim, mla_rope = 1, mla_dim, rope
     if heads is None and mla_dim is None:
         raise ValueError(f"{name}: config has no num_attention_heads")
     kv_heads = _positive_int(kv_heads, "num_key_value_heads", name)
@@ -163,20 +173,27 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     head_dim = _positive_int(head_dim, "head_dim", name)
 
     windows: list[int | None] = [None] * layers
-    selection_on_windowed = False
+    holds_kv = [True] * layers
     window = get("sliding_window")
-    layer_types = get("layer_types")
+    layer_types = get("layer_types") or _hybrid_layer_types(config, layers)
     model_type = str(get("model_type") or "")
     if layer_types:
         if len(layer_types) != layers:
             raise ValueError(f"{name}: layer_types has {len(layer_types)} entries for {layers} layers")
         for i, kind in enumerate(layer_types):
-            if kind == "sliding_attention":
+            if kind not in _LAYER_TYPES:
+                raise ValueError(f"{name}: layer type {kind!r} is not one the planner knows ({', '.join(sorted(_LAYER_TYPES))})")
+            holds_kv[i] = kind in _KV_LAYER_TYPES
+            if kind in ("sliding_attention", "hybrid_sliding"):
                 if not window:
-                    raise ValueError(f"{name}: layer_types has sliding_attention layers but sliding_window is not set")
+                    raise ValueError(f"{name}: layer_types has sliding layers but sliding_window is not set")
                 windows[i] = int(window)
             elif kind == "chunked_attention" and get("attention_chunk_size"):
                 windows[i] = int(get("attention_chunk_size"))
+        if not all(holds_kv):
+            notes.append(f"{holds_kv.count(False)} of {layers} layers hold no K/V (Mamba, linear-attention or "
+                         f"MLP-only layers: constant-size states, not in this plan); the cache is the other "
+                         f"{sum(holds_kv)} layers'")
     elif window and get("use_sliding_window") is False:
         notes.append(f"sliding_window={window} is ignored: use_sliding_window is false")
     elif window:
@@ -191,19 +208,36 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
             windows = [int(window) if i >= get("max_window_layers") else None for i in range(layers)]
         else:
             windows = [int(window)] * layers
-            selection_on_windowed = True
             remark = " (Mistral-7B-v0.1; v0.2 and later set sliding_window to null)" if model_type == "mistral" else ""
-            notes.append(f"every layer attends to a sliding window of {window} tokens{remark}: "
-                         f"each holds at most {window} tokens; selection policies act within it")
-    n_sliding = sum(w is not None for w in windows)
-    if 0 < n_sliding < layers:
-        notes.append(f"hybrid attention: {n_sliding} of {layers} layers slide and hold at most their window "
-                     f"({', '.join(str(w) for w in sorted({w for w in windows if w}))} tokens); selection policies "
-                     f"act on the {layers - n_sliding} full-attention layers only (as kveval's cache does)")
+            notes.append(f"every layer attends to a sliding window of {window} tokens{remark}: each holds at most "
+                         f"{int(window) - 1} tokens, and no layer is left for a selection policy")
+    sliding = [w for w, kv in zip(windows, holds_kv) if w is not None and kv]
+    if sliding and len(sliding) < sum(holds_kv):
+        notes.append(f"hybrid attention: {len(sliding)} of {sum(holds_kv)} attention layers slide and hold at most "
+                     f"their window less one token ({', '.join(str(w) for w in sorted(set(sliding)))}); selection "
+                     f"policies act on the {sum(holds_kv) - len(sliding)} full-attention layers only (as kveval's "
+                     f"cache does)")
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
-                     head_dim=head_dim, windows=windows, selection_on_windowed=selection_on_windowed,
-                     mla_dim=mla_dim, num_parameters=get("num_parameters") or _estimate_parameters(config),
+                     head_dim=head_dim, windows=windows, holds_kv=holds_kv, mla_dim=mla_dim, mla_rope=mla_rope,
+                     num_parameters=get("num_parameters") or _estimate_parameters(config),
                      max_position=get("max_position_embeddings"), notes=notes)
+
+
+#: ``layer_types`` entries the planner reads (those of :mod:`kveval.architectures`), and those that hold K/V.
+_KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding"}
+_LAYER_TYPES = _KV_LAYER_TYPES | {"linear_attention", "conv", "mamba", "dummy", "moe", "mlp"}
+
+
+def _hybrid_layer_types(config: dict[str, Any], layers: int) -> list[str] | None:
+    """Layer types of a hybrid ``config.json`` that names its attention layers another way (Bamba's
+    ``attn_layer_indices``, Jamba's ``attn_layer_period``/``attn_layer_offset``); ``None`` otherwise."""
+    indices = config.get("attn_layer_indices")
+    if isinstance(indices, list):
+        return ["full_attention" if i in indices else "mamba" for i in range(layers)]
+    period, offset = config.get("attn_layer_period"), config.get("attn_layer_offset")
+    if is_whole(period) and period > 0 and is_whole(offset):
+        return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
+    return None
 
 
 def _estimate_parameters(config: dict[str, Any]) -> int | None:
@@ -238,6 +272,8 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
             text = model.get_text_config() if hasattr(model, "get_text_config") else model
             config = text.to_dict()
             config.setdefault("_name_or_path", getattr(model, "_name_or_path", "") or type(model).__name__)
+            if config.get("layer_types") is None and getattr(text, "layer_types", None):  # a property (Bamba's)
+                config["layer_types"] = list(text.layer_types)
             return spec_from_config(config, config["_name_or_path"])
         raise ValueError(f"cannot plan for a {type(model).__name__}; give a preset name, a config.json path, a Hub id or a dict")
     name = str(model).strip()

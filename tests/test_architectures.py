@@ -93,6 +93,21 @@ def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one(name, policy, m
                                                                                 b.stats.kept_tokens)
 
 
+@pytest.mark.parametrize("spec", ["snapkv(ratio=0.5)", "streaming(sink=4,window=16)", "h2o(ratio=0.5)+kivi(bits=4,residual=8)"])
+def test_selection_is_refused_where_every_attention_layer_slides(spec):
+    """Mistral-7B-v0.1 and Phi-3-mini slide on every layer; kveval selects on full-attention layers only, so a
+    selection policy kept every token the model keeps, and its run read as a lossless policy. Refused in one line;
+    quantization still runs."""
+    model = tiny_model("mistral", sliding_window=32)
+    with pytest.raises(UnsupportedModelError, match="every attention layer slides .window 32.") as refused:
+        CompressedCache(model, spec)
+    assert "\n" not in str(refused.value)
+    cache = CompressedCache(model, "kivi(bits=4,residual=8)")
+    with torch.no_grad():
+        prefill_and_decode(model, cache, _ids(64, 1), 2)
+    assert cache.stats().kv_bytes < cache.stats().nominal_bytes
+
+
 def test_mla_caches_the_latent_and_the_rope_key():
     model = tiny_model("deepseek_v3")
     dims = architectures.mla_dims(model.config)
