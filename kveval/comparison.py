@@ -8,8 +8,9 @@ Every cell's change is the change of its mean score (for right/wrong items, of
 accuracy), with Tango's score interval on the items' fractional discordances
 (:func:`kveval.paired.score_discordance`): exact Tango on 0/1 scores,
 conservative on partial ones, and never zero-width because no item changed.
-The descriptive test of "no change" is the exact McNemar test on right/wrong
-tasks and the Wilcoxon test on graded ones.
+The descriptive test of "no change" is the exact McNemar test where every score
+is 0 or 1, else Tango's score test at 0 on the same discordances (it agrees with
+the interval: p < 0.05 exactly when the 95% interval excludes 0).
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ ALL = "ALL"
 
 DEFAULT_RESAMPLES = 9999
 CELL_RESAMPLES = 1999  # heatmap cells are descriptive; a cheaper bootstrap is enough
-#: Largest share of graded items (score strictly between 0 and 1) in a task whose descriptive test is McNemar's.
-GRADED_SHARE_MAX = 0.10
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -71,16 +70,14 @@ class Comparison:
         wrong->right counts where every score is 0 or 1).
     binary : bool
         Every score is 0 or 1.
-    right_wrong : bool
-        Every score is 0/1, or at most :data:`GRADED_SHARE_MAX` of the items
-        carry a graded score: the descriptive test is McNemar's on ``correct``.
     n_graded : int
         Items with a score strictly between 0 and 1 in either run.
     pvalue : float
-        Two-sided test of "no change": exact McNemar (right/wrong) or
-        Wilcoxon (graded). Descriptive; the gate tests against its margin.
+        Two-sided test of "no change": exact McNemar (every score 0 or 1), else
+        Tango's score test at 0 on ``score_lost``/``score_gained``. Descriptive;
+        the gate tests against its margin.
     test : str
-        ``"mcnemar"`` or ``"wilcoxon"``.
+        ``"mcnemar"`` or ``"tango"``.
     mcnemar_p : float
         Exact McNemar p on correctness (reported for every cell).
     p_holm, p_bh : float or None
@@ -121,7 +118,6 @@ class Comparison:
     score_lost: float
     score_gained: float
     binary: bool
-    right_wrong: bool
     n_graded: int
     pvalue: float
     test: str
@@ -196,11 +192,11 @@ def compare_pairs(
     mc = stats.mcnemar_exact(ac, bc)
     fl = stats.flips(ac, bc)
     n_graded = int(np.sum(((a > 0) & (a < 1)) | ((b > 0) & (b < 1))))
-    right_wrong = n_graded <= GRADED_SHARE_MAX * len(pairs)
     lost, gained = paired.score_discordance(a, b)
     low, high = paired.tango_interval(lost, gained, len(pairs), confidence_level)
     base_score, cand_score, estimate = float(a.mean()), float(b.mean()), (gained - lost) / len(pairs)
-    test, pvalue = ("mcnemar", mc.pvalue) if right_wrong else ("wilcoxon", stats.wilcoxon_test(a, b))
+    binary = n_graded == 0  # scores are in [0, 1]: none strictly between is all 0/1
+    test, pvalue = ("mcnemar", mc.pvalue) if binary else ("tango", paired.tango_pvalue(lost, gained, len(pairs)))
     cb, cc = confusion_rates(base), confusion_rates(cand)
     keys = list(dict.fromkeys([*cb, *cc]))
     cd = {k: cc.get(k, 0.0) - cb.get(k, 0.0) for k in keys} if (cb or cc) else {}
@@ -239,8 +235,7 @@ def compare_pairs(
         ci_method="tango",
         score_lost=lost,
         score_gained=gained,
-        binary=bool(stats.is_binary(a, b)),
-        right_wrong=bool(right_wrong),
+        binary=binary,
         n_graded=n_graded,
         pvalue=pvalue,
         test=test,

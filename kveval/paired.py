@@ -52,6 +52,7 @@ __all__ = [
     "power",
     "score_discordance",
     "tango_interval",
+    "tango_pvalue",
     "tango_z",
     "wilson_interval",
 ]
@@ -111,6 +112,16 @@ def tango_z(regressed, improved, n, delta0):
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(var > 1e-15, num / np.sqrt(np.maximum(var, 1e-300)), 0.0)
     return float(z) if z.ndim == 0 else z
+
+
+def tango_pvalue(regressed: float, improved: float, n: int) -> float:
+    """Two-sided p-value of "no change" (``delta = 0``) by Tango's statistic, ``(c - b) / sqrt(b + c)``: the test the
+    interval of :func:`tango_interval` inverts at 0, so ``p < 1 - confidence`` exactly when it excludes 0. 1.0
+    when nothing changed."""
+    _check_counts(regressed, improved, n)
+    if regressed + improved <= 0:
+        return 1.0
+    return float(min(1.0, 2 * _st.norm.sf(abs(tango_z(regressed, improved, n, 0.0)))))
 
 
 def tango_interval(regressed: float, improved: float, n: int, confidence_level: float = 0.95) -> tuple[float, float]:

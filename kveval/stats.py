@@ -6,10 +6,10 @@ and reports changes as ``candidate - baseline``: a negative change is a loss.
 
 The functions are pure: no files, no printing, deterministic for a given
 ``seed``. They wrap SciPy where SciPy has the test (bootstrap, binomial test,
-Wilcoxon, Benjamini-Hochberg) and implement Holm by hand, because SciPy has no
-Holm correction. Right/wrong outcomes are handled by :mod:`kveval.paired`
-(Tango's score interval and tests, the planner); the bootstrap here is for
-graded scores only.
+Benjamini-Hochberg) and implement Holm by hand, because SciPy has no Holm
+correction. The change of a task's score is :mod:`kveval.paired`'s (Tango's
+score interval and tests on the items' discordances, the planner); the
+bootstrap here serves unbounded per-item changes (the gold answer's log-prob).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "Flips",
     "paired_bootstrap_ci",
     "mcnemar_exact",
-    "wilcoxon_test",
     "flips",
     "holm",
     "benjamini_hochberg",
@@ -253,32 +252,6 @@ def mcnemar_exact(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> 
         return McNemarResult(regressed, improved, 1.0)
     p = float(_st.binomtest(regressed, regressed + improved, 0.5).pvalue)
     return McNemarResult(regressed, improved, min(1.0, p))
-
-
-def wilcoxon_test(baseline: ArrayLike, candidate: ArrayLike, *, alternative: str = "two-sided") -> float:
-    """Wilcoxon signed-rank test of paired graded scores.
-
-    Parameters
-    ----------
-    baseline, candidate : array_like
-        Per-item scores, paired by position.
-    alternative : {"two-sided", "greater", "less"}, optional
-        Direction for ``candidate - baseline``.
-
-    Returns
-    -------
-    float
-        ``scipy.stats.wilcoxon(candidate - baseline).pvalue`` (zero differences
-        dropped, SciPy's default); 1.0 when every difference is zero.
-    """
-    a, b = _paired(baseline, candidate)
-    d = b - a
-    if not np.any(d != 0):
-        return 1.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # small-sample / ties notices
-        p = float(_st.wilcoxon(d, alternative=alternative).pvalue)
-    return 1.0 if math.isnan(p) else min(1.0, p)
 
 
 def flips(baseline_correct: ArrayLike, candidate_correct: ArrayLike) -> Flips:

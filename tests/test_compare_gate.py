@@ -121,7 +121,7 @@ def test_compare_planted_regression(runs):
     niah = rc.task("niah_multikey")
     assert niah.n == 80 and niah.n_regressed == 24 and niah.n_improved == 0
     assert niah.delta == pytest.approx(-0.3)
-    assert niah.ci_method == "tango" and niah.right_wrong
+    assert niah.ci_method == "tango" and niah.binary
     assert (niah.ci_low, niah.ci_high) == pytest.approx(paired.tango_interval(24, 0, 80), abs=1e-12)
     assert niah.ci_low < -0.3 < niah.ci_high < 0
     assert niah.negative_flip_rate == pytest.approx(0.3)
@@ -586,22 +586,25 @@ def test_lm_eval_runs_of_different_models_are_refused(tmp_path):
         compare_runs(base, cand)
 
 
-def test_one_graded_score_keeps_the_right_wrong_test(tmp_path):
-    """A single 0.5 among right/wrong items used to switch McNemar (p 0.125) to Wilcoxon (p 0.046)."""
+def test_one_graded_score_tests_the_score_change_its_interval_shows(tmp_path):
+    """A single 0.5 among right/wrong items switched McNemar (p 0.125) to Wilcoxon (p 0.046); then McNemar on the
+    correct flags stood beside an interval on the scores. The p-value is now Tango's test at 0 on the same
+    discordances as the interval: below 0.05 exactly when the 95% interval excludes 0."""
     base = [ItemRecord(id=f"t/{i}", hash=str(i), task="t", score=1.0, correct=True) for i in range(40)]
     cand = [replace(it, score=0.0, correct=False) if i < 4 else it for i, it in enumerate(base)]
     cand[10] = replace(cand[10], score=0.5, correct=False)  # partial credit: counted by its `correct` flag
     rc = compare_runs(write_run(tmp_path / "b", base), write_run(tmp_path / "c", cand, policy="kivi(bits=2)"))
     t = rc.task("t")
-    assert t.right_wrong and t.n_graded == 1 and t.test == "mcnemar" and t.ci_method == "tango"
-    assert t.n_regressed == 5 and t.pvalue == pytest.approx(0.0625, abs=1e-12)  # exact binomial, 5 vs 0
+    assert not t.binary and t.n_graded == 1 and t.test == "tango" and t.ci_method == "tango"
+    assert t.n_regressed == 5 and t.mcnemar_p == pytest.approx(0.0625, abs=1e-12)  # exact binomial on the flags, 5 vs 0
+    assert t.pvalue == pytest.approx(paired.tango_pvalue(4.5, 0, 40)) and (t.pvalue < 0.05) == (t.ci_high < 0)
     # the interval is the mean score's: 4 items lost 1, the partial one 0.5
     assert (t.score_lost, t.score_gained, t.delta) == (4.5, 0.0, -4.5 / 40)
     assert (t.ci_low, t.ci_high) == pytest.approx(paired.tango_interval(4.5, 0, 40), abs=1e-12)
-    # mostly graded scores: Wilcoxon describes; unchanged, the interval still is not [0, 0]
+    # mostly graded scores, unchanged: p = 1 and the interval still is not [0, 0]
     graded = [replace(it, score=0.5 + 0.01 * (i % 7), correct=False) for i, it in enumerate(base)]
     g = compare_runs(write_run(tmp_path / "gb", graded), write_run(tmp_path / "gc", graded, policy="kivi(bits=4)")).task("t")
-    assert not g.right_wrong and g.test == "wilcoxon" and g.ci_method == "tango" and g.ci_low < 0 < g.ci_high
+    assert g.test == "tango" and g.pvalue == 1.0 and g.ci_low < 0 < g.ci_high
 
 
 def test_compare_warns_on_swapped_runs(runs, capsys):

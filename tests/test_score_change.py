@@ -46,6 +46,8 @@ def test_a_mean_score_shown_below_the_margin_never_passes(tmp_path):
     c = task.comparison
     assert task.status != PASS
     assert c.delta == pytest.approx(-0.098) and c.baseline_score == pytest.approx(0.999)
+    # the p-value beside the interval tests the same change (McNemar on the unchanged flags said p = 1)
+    assert c.ci_high < 0 and c.pvalue < 0.05 and c.mcnemar_p == 1.0
     assert "mean score -0.098" in task.summary
 
 
