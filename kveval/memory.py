@@ -345,7 +345,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_size(text, what: str = "size") -> int:
     """Bytes from ``80GiB``, ``16GB``, ``1.5TiB`` or a plain number of bytes (GB = 10^9, GiB = 2^30)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if is_real(text):
         value = float(text)
     else:
         match = _SIZE.match(str(text))

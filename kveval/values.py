@@ -17,8 +17,14 @@ def is_whole(value) -> bool:
 
 
 def is_real(value) -> bool:
-    """A finite ``int`` or ``float`` and not a ``bool``: a fraction, a margin, a score (NaN and infinities refused)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite ``int`` or ``float`` and not a ``bool``: a fraction, a margin, a score (NaN, infinities and
+    integers past a float's range, such as a YAML literal of 400 digits, refused)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 __all__ = ["is_real", "is_whole"]

@@ -23,6 +23,8 @@ from kveval.runspec import RunSpec
     ("window(size=true)", "size=true is not an integer"),
     ("pyramidkv(ratio=0.5,beta=steep)", "beta=steep is not a number"),
     ("streaming(ratio=0.5,window=8)", "not both"),
+    # a number past a float's range: math.isfinite raised OverflowError, an internal error
+    ("pyramidkv(ratio=0.5,beta=" + "9" * 400 + ")", "is not a number"),
 ])
 def test_wrongly_typed_or_repeated_values_are_one_clear_error(spec, message):
     assert_one_line_error(lambda: parse_policy(spec), PolicySpecError, message)

@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 from kveval.errors import PolicySpecError
+from kveval.values import is_real
 
 if TYPE_CHECKING:
     import torch
@@ -489,7 +490,7 @@ class ParamType:
             raise ValueError
         if self.base is int and isinstance(value, int):
             return value
-        if self.base is float and isinstance(value, (int, float)) and math.isfinite(value):
+        if self.base is float and is_real(value):
             return float(value)
         if self.base is str and isinstance(value, str):
             return value
