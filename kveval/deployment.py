@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from kveval.errors import UsageError
 from kveval.gate import PASS, GateResult
+from kveval.values import is_whole
 
 
 @dataclass
@@ -51,51 +51,79 @@ def _element_bytes(info) -> int:
     return _ELEMENT_BYTES.get(str(info.kv_dtype or "bfloat16").removeprefix("torch."), 2)
 
 
+def check_deployment_inputs(gpu_memory: str, context: int, batch: int = 1, headroom: str | float = 0.1,
+                            weights: str | None = None) -> float:
+    """Refuse a deployment question that cannot be asked (``ValueError``, one line), before a sweep or gate runs;
+    the headroom as a fraction."""
+    from kveval import memory
+
+    memory.parse_size(gpu_memory, "gpu_memory")
+    if weights is not None:
+        memory.parse_size(weights, "weights")
+    for value, what in ((context, "context"), (batch, "batch")):
+        if not is_whole(value) or value < 1:
+            raise ValueError(f"{what}={value!r} must be a whole number >= 1")
+    return memory.parse_headroom(headroom)
+
+
 def deployment_decision(
-    results: GateResult | Sequence[GateResult], gpu_memory: str, context: int, batch: int = 1, headroom: str | float = 0.1
+    results: GateResult | Sequence[GateResult], gpu_memory: str, context: int, batch: int = 1,
+    headroom: str | float = 0.1, weights: str | None = None,
 ) -> list[Deployment]:
     """For each model: cache bytes of the baseline and every candidate at ``context`` x ``batch``, what fits, and the pick.
 
     The pick is the PASSing candidate with the smallest planned cache that
     fits; the baseline is the fallback when it fits and nothing compressed
-    PASSes.
+    PASSes. ``weights``: the model's weight bytes (``"16GB"``; default: its
+    parameters x 2 bytes, where the planner can count them). Bad numbers raise
+    ``ValueError`` before anything is decided; a model the planner cannot size
+    (no parameter count for its weights, a baseline policy it does not model)
+    gets a "not decided" line, and the gate's verdicts stand.
     """
     from kveval import memory
 
+    fraction = check_deployment_inputs(gpu_memory, context, batch, headroom, weights)
     out = []
     for r in [results] if isinstance(results, GateResult) else list(results):
-        runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
-        fit0 = memory.max_fit(r.baseline.model, gpu_memory, context=context, headroom=headroom)
-        budget = fit0.cache_budget_bytes
-        fits: dict[str, tuple[int, bool]] = {}
-        unplanned: dict[str, str] = {}
-        for name, info, _ in runs:
-            try:
-                plan = memory.plan(info.model, context, batch, policy=info.policy, dtype_bytes=_element_bytes(info))
-            except ValueError as exc:  # a policy the planner does not model (kvquant), or one that does not fit it
-                unplanned[name] = str(exc)
-                continue
-            fits[name] = (int(plan.total_bytes), plan.total_bytes <= budget)
-        if r.baseline.name in unplanned:
-            raise UsageError(f"--gpu-memory: cannot plan the baseline's cache ({unplanned[r.baseline.name]}); "
-                             f"drop --gpu-memory, or size it with kveval memory")
-        passing = [(fits[name][0], name) for name, info, status in runs[1:] if status == PASS and name in fits
-                   and fits[name][1]]
-        h = memory.human_bytes
-        if passing:
-            choice = min(passing)[1]
-            line = f"deploy {choice}: {h(fits[choice][0])} of KV cache for {batch} x {context} tokens fits the {h(budget)} budget and PASSes"
-        elif fits[r.baseline.name][1]:
-            choice = r.baseline.name
-            line = f"no compressed candidate both fits and PASSes; the baseline fits ({h(fits[choice][0])} of {h(budget)})"
-        else:
-            choice = None
-            line = f"nothing fits: the smallest PASSing cache needs more than the {h(budget)} budget; lower --context or --batch"
-        fitting = [n for n, (_, ok) in fits.items() if ok]
-        line += f" (fit: {', '.join(fitting) or 'none'})"
-        if unplanned:
-            line += f"; not sized by the planner, so not picked: {', '.join(unplanned)}"
-        out.append(Deployment(str(gpu_memory), context, batch, float(fit0.headroom), int(budget), fits, choice, line,
-                              unplanned))
-        r.deployment = out[-1]
+        try:
+            decided = _decide(r, memory, gpu_memory, context, batch, fraction, weights)
+        except ValueError as exc:
+            decided = Deployment(str(gpu_memory), context, batch, fraction, 0, {}, None,
+                                 f"{r.baseline.model}: deployment not decided: {exc}")
+        out.append(decided)
+        r.deployment = decided
     return out
+
+
+def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, headroom: float,
+            weights: str | None) -> Deployment:
+    runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
+    budget = memory.max_fit(r.baseline.model, gpu_memory, weights, context=context, headroom=headroom).cache_budget_bytes
+    fits: dict[str, tuple[int, bool]] = {}
+    unplanned: dict[str, str] = {}
+    for name, info, _ in runs:
+        try:
+            plan = memory.plan(info.model, context, batch, policy=info.policy, dtype_bytes=_element_bytes(info))
+        except ValueError as exc:  # a policy the planner does not model, or one that does not fit the model
+            unplanned[name] = str(exc)
+            continue
+        fits[name] = (int(plan.total_bytes), plan.total_bytes <= budget)
+    if r.baseline.name in unplanned:
+        raise ValueError(f"cannot plan the baseline's cache ({unplanned[r.baseline.name]})")
+    passing = [(fits[name][0], name) for name, info, status in runs[1:] if status == PASS and name in fits
+               and fits[name][1]]
+    h = memory.human_bytes
+    if passing:
+        choice = min(passing)[1]
+        line = f"deploy {choice}: {h(fits[choice][0])} of KV cache for {batch} x {context} tokens fits the {h(budget)} budget and PASSes"
+    elif fits[r.baseline.name][1]:
+        choice = r.baseline.name
+        line = f"no compressed candidate both fits and PASSes; the baseline fits ({h(fits[choice][0])} of {h(budget)})"
+    else:
+        choice = None
+        line = f"nothing fits: the smallest PASSing cache needs more than the {h(budget)} budget; lower --context or --batch"
+    fitting = [n for n, (_, ok) in fits.items() if ok]
+    line += f" (fit: {', '.join(fitting) or 'none'})"
+    if unplanned:
+        line += f"; not sized by the planner, so not picked: {', '.join(unplanned)}"
+    return Deployment(str(gpu_memory), context, batch, headroom, int(budget), fits, choice, line, unplanned)

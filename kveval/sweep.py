@@ -485,7 +485,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
 def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: dict | None = None) -> int:
     """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code.
 
-    ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``) for the deployment decision.
+    ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision.
     """
     from kveval.deployment import deployment_decision
     from kveval.gate import evaluate_sweep, exit_code, overall_status
@@ -515,6 +515,8 @@ def configure(parser) -> None:
     parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
     parser.add_argument("--context", type=int, help="target context tokens for the deployment decision")
     parser.add_argument("--batch", type=int, default=1, help="concurrent sequences for the deployment decision (default 1)")
+    parser.add_argument("--weights", help="model weight bytes for the deployment decision, e.g. 16GB (default: "
+                                          "parameters x 2 bytes, where the planner can count them)")
     parser.add_argument("--executor", choices=["inprocess", "ray"], default="inprocess",
                         help="where cells (model x policy group) run: this process (default) or Ray tasks, one GPU "
                              "(else one CPU) each; needs pip install 'kveval[ray]'")
@@ -538,7 +540,12 @@ def run(args) -> int:
         print(f"kveval sweep: warning: {warning}", file=sys.stderr)
     if args.gpu_memory and not args.context:
         raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
-    deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch} if args.gpu_memory else None
+    deploy = None
+    if args.gpu_memory:  # asked before the sweep runs, not refused after it
+        from kveval.deployment import check_deployment_inputs
+
+        deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch, "weights": args.weights}
+        check_deployment_inputs(**deploy)
     from kveval.executors import make_executor
     from kveval.models import placement_from_args
 

@@ -304,6 +304,37 @@ def test_a_candidate_the_planner_cannot_size_never_hides_a_fail(runs, capsys):
     assert data["exit_code"] == 1 and "nosuch(ratio=0.5)" in next(iter(data["deployment"]["unplanned"]))
 
 
+def test_a_model_the_planner_cannot_weigh_keeps_its_verdict(runs, capsys):
+    """A MoE model's weights have no parameter count to estimate from: the deployment question raised after the
+    verdicts (in a sweep, before gate.md was written). Now that model's line says it is not decided, naming the fix
+    (--weights), and the gate's exit code is its verdict; with --weights it is decided."""
+    config = runs["tmp"] / "moe" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 32, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8, "hidden_size": 4096, "num_local_experts": 8}))
+    model = str(config)
+    base = write_run(runs["tmp"] / "moe-base", runs["items"], model=model)
+    bad = write_run(runs["tmp"] / "moe-bad", plant_regression(runs["items"]), policy="snapkv(ratio=0.75)", model=model)
+    argv = ["gate", "--config", str(GATE_YAML), "--baseline", str(base), "--candidate", str(bad),
+            "--out", str(runs["tmp"] / "moe-gate"), "--gpu-memory", "80GiB", "--context", "8192"]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "deployment not decided" in out and "--weights" in out and (runs["tmp"] / "moe-gate" / "gate.md").is_file()
+    assert cli.main(argv + ["--weights", "40GB"]) == 1
+    assert "not decided" not in capsys.readouterr().out
+    data = json.loads((runs["tmp"] / "moe-gate" / "gate.json").read_text())
+    assert data["deployment"]["budget_bytes"] > 0
+
+
+@pytest.mark.parametrize("flags, needle", [(["--gpu-memory", "80 gigs", "--context", "8192"], "is not a size"),
+                                           (["--gpu-memory", "80GiB", "--context", "8192", "--headroom", "2"], "headroom"),
+                                           (["--gpu-memory", "80GiB", "--context", "8192", "--batch", "0"], "batch=0")])
+def test_a_deployment_that_cannot_be_asked_is_refused_before_the_verdicts(runs, capsys, flags, needle):
+    assert cli.main(gate_argv(runs, runs["bad"]) + flags) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and not verdict_lines(captured.out) and not (runs["tmp"] / "gate").exists()
+
+
 def _one_error_line(capsys, *needles):
     captured = capsys.readouterr()
     err = [line for line in captured.err.splitlines() if line.strip()]

@@ -157,3 +157,21 @@ lm_eval: {tasks: [kveval_niah_multikey_mc], limit: 3, model_args: {question_mark
         assert len(mc) == 3 and all(r.logprob_gold is not None for r in mc)
     base = {r.id: r.hash for r in runs["none"]}
     assert all(base[r.id] == r.hash for r in runs["window_size-16"])  # paired on the same prompts
+
+
+def test_a_deployment_question_that_cannot_be_asked_is_refused_before_the_sweep(tmp_path, monkeypatch, capsys):
+    """A bad --gpu-memory was read after every model had run, and its error kept the gate's outputs from being
+    written; it is refused before any model loads."""
+    from kveval import cli, models
+    from kveval.errors import UsageError
+
+    loaded = []
+
+    def fake_load_model(name, **kwargs):
+        loaded.append(name)
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(models, "load_model", fake_load_model)
+    argv = ["sweep", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), "--gpu-memory", "80 gigs", "--context", "8192"]
+    assert cli.main(argv) == 2
+    assert "is not a size" in capsys.readouterr().err and loaded == []
