@@ -175,7 +175,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     windows: list[int | None] = [None] * layers
     holds_kv = [True] * layers
     window = get("sliding_window")
-    layer_types = get("layer_types") or _hybrid_layer_types(config, layers)
+    layer_types = get("layer_types") or _hybrid_layer_types(config, layers, name)
     model_type = str(get("model_type") or "")
     if layer_types:
         if len(layer_types) != layers:
@@ -190,10 +190,13 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                 windows[i] = int(window)
             elif kind == "chunked_attention" and get("attention_chunk_size"):
                 windows[i] = int(get("attention_chunk_size"))
+        if not any(holds_kv):
+            raise ValueError(f"{name}: no layer holds K/V (layer_types: {', '.join(sorted(set(layer_types)))}); "
+                             f"there is no KV cache to plan")
         if not all(holds_kv):
-            notes.append(f"{holds_kv.count(False)} of {layers} layers hold no K/V (Mamba, linear-attention or "
-                         f"MLP-only layers: constant-size states, not in this plan); the cache is the other "
-                         f"{sum(holds_kv)} layers'")
+            notes.append(f"{holds_kv.count(False)} of {layers} layers hold no K/V of their own (Mamba, "
+                         f"linear-attention, MLP-only or shared-K/V layers: not in this plan); the cache is the "
+                         f"other {sum(holds_kv)} layers'")
     elif window and get("use_sliding_window") is False:
         notes.append(f"sliding_window={window} is ignored: use_sliding_window is false")
     elif window:
@@ -228,16 +231,45 @@ _KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "
 _LAYER_TYPES = _KV_LAYER_TYPES | {"linear_attention", "conv", "mamba", "dummy", "moe", "mlp"}
 
 
-def _hybrid_layer_types(config: dict[str, Any], layers: int) -> list[str] | None:
-    """Layer types of a hybrid ``config.json`` that names its attention layers another way (Bamba's
-    ``attn_layer_indices``, Jamba's ``attn_layer_period``/``attn_layer_offset``); ``None`` otherwise."""
+#: Keys by which a ``config.json`` without ``layer_types`` says that some layers hold no K/V (Mamba, linear
+#: attention, shared K/V): Qwen3-Next, LFM2, Zamba2/Jamba, Nemotron-H, MiniMax, Bamba, Gemma 3n.
+_HYBRID_KEYS = ("full_attention_interval", "full_attn_idxs", "layers_block_type", "hybrid_override_pattern",
+                "attn_type_list", "attn_layer_indices", "attn_layer_period", "linear_num_key_heads", "mamba_d_state",
+                "mamba_n_heads", "num_kv_shared_layers", "kv_sharing_modes")
+
+
+def _hybrid_layer_types(config: dict[str, Any], layers: int, name: str) -> list[str] | None:
+    """Layer types of a hybrid ``config.json`` that names its layers another way, read as transformers (and so
+    kveval's cache) reads them; ``None`` for a config with no sign of such layers. Refused where they cannot be
+    read: planning every layer as attention would count K/V the model never holds."""
+    if not any(config.get(key) is not None for key in _HYBRID_KEYS):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        settings = {k: v for k, v in config.items() if k not in ("model_type", "num_parameters")}
+        types = layer_types_of(AutoConfig.for_model(config["model_type"], **settings))
+    except Exception:  # noqa: BLE001  (no model_type, one transformers does not know, a config it rejects)
+        types = None
     indices = config.get("attn_layer_indices")
-    if isinstance(indices, list):
-        return ["full_attention" if i in indices else "mamba" for i in range(layers)]
     period, offset = config.get("attn_layer_period"), config.get("attn_layer_offset")
-    if is_whole(period) and period > 0 and is_whole(offset):
-        return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
-    return None
+    if types is None and isinstance(indices, list):  # Bamba's
+        types = ["full_attention" if i in indices else "mamba" for i in range(layers)]
+    elif types is None and is_whole(period) and period > 0 and is_whole(offset):  # Jamba's
+        types = ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
+    if types is None:
+        raise ValueError(f"{name}: a hybrid config ({', '.join(k for k in _HYBRID_KEYS if config.get(k) is not None)}) "
+                         f"whose layers transformers cannot read here; give its layer_types (one per layer: "
+                         f"full_attention, sliding_attention, linear_attention, mamba, ...)")
+    return types
+
+
+def layer_types_of(config) -> list[str]:
+    """A transformers config's layer types as its cache builds them (shared-K/V layers as ``"dummy"``)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return list(types)
 
 
 def _estimate_parameters(config: dict[str, Any]) -> int | None:
@@ -272,8 +304,7 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
             text = model.get_text_config() if hasattr(model, "get_text_config") else model
             config = text.to_dict()
             config.setdefault("_name_or_path", getattr(model, "_name_or_path", "") or type(model).__name__)
-            if config.get("layer_types") is None and getattr(text, "layer_types", None):  # a property (Bamba's)
-                config["layer_types"] = list(text.layer_types)
+            config["layer_types"] = layer_types_of(model)  # as the cache reads them: properties, shared K/V
             return spec_from_config(config, config["_name_or_path"])
         raise ValueError(f"cannot plan for a {type(model).__name__}; give a preset name, a config.json path, a Hub id or a dict")
     name = str(model).strip()

@@ -406,6 +406,16 @@ def test_hybrid_configs_plan_their_attention_layers_only():
     assert plan(jamba, 1000).sequence_bytes == 4 * 1000 * 2 * 8 * 128 * 2
     with pytest.raises(ValueError, match="'lightning_attention' is not one the planner knows"):
         plan({**qwen, "layer_types": ["lightning_attention"] * 48}, 10)
+    # config.json files that name their attention layers another way, read as transformers reads them
+    interval = {k: v for k, v in qwen.items() if k != "layer_types"} | {"full_attention_interval": 4}
+    assert plan(interval, 32768).sequence_bytes == p.sequence_bytes
+    lfm2 = {"model_type": "lfm2", "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "hidden_size": 2048, "full_attn_idxs": [2, 5, 8, 10, 12, 14]}
+    assert plan(lfm2, 1000).sequence_bytes == 6 * 1000 * 2 * 8 * 64 * 2
+    with pytest.raises(ValueError, match="hybrid config .mamba_d_state. whose layers transformers cannot read"):
+        plan({**bamba, "model_type": "not-a-model", "attn_layer_indices": None, "mamba_d_state": 16}, 10)
+    with pytest.raises(ValueError, match="no layer holds K/V"):
+        plan({**qwen, "layer_types": ["linear_attention"] * 48}, 10)
 
 
 def test_kvquant_is_planned():
