@@ -108,6 +108,11 @@ def load_config(path: str | Path) -> SweepConfig:
     except ValueError as exc:
         raise type(exc)(f"{path}: {exc}") from None
     policies, warnings, first_entry = [], [], {}
+    for entry, spec in parsed:
+        if spec.kv_dtype != kv_dtype:  # the one baseline runs at the sweep's dtype: this run could not be gated
+            raise ConfigError(f"{path}: policy {entry!r} asks for kv_dtype {spec.kv_dtype} but the sweep's baseline "
+                              f"runs at {kv_dtype or 'the model default'}, and runs of two cache dtypes are not paired; "
+                              f"set the sweep's kv_dtype: {spec.kv_dtype}, or give that policy a sweep of its own")
     for entry, spec in parsed:  # same canonical spec and mode: one run, merged with a warning
         if spec.key in first_entry:
             warnings.append(f"{path}: policy {entry!r} is the same run as {first_entry[spec.key]!r}; merged into one")

@@ -23,6 +23,8 @@ def test_sweep_config_entries_parse_once_into_run_specs(tmp_path):
     ("policies: [snapkv(ratio=0.5)@sideways]", "suffix after '@'"),
     ("policies: ['quant(bits=4,symmetric=maybe)']", "symmetric=maybe is not true or false"),
     ("kv_dtype: int3\npolicies: [kivi(bits=4)]", "kv_dtype='int3'"),
+    # computed in full, then an ERROR at the gate: runs of two cache dtypes are not paired
+    ("kv_dtype: bf16\npolicies: ['kivi(bits=4)@kv_dtype=fp32']", "asks for kv_dtype float32 but the sweep's baseline runs at bfloat16"),
 ])
 def test_bad_sweep_entries_are_one_line_errors(tmp_path, text, message):
     with pytest.raises(ValueError, match=message) as info:
