@@ -48,7 +48,10 @@ _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def _element_bytes(info) -> int:
     """Bytes per cached value of the run's cache dtype (2, a 16-bit cache, where the run records none)."""
-    return _ELEMENT_BYTES.get(str(info.kv_dtype or "bfloat16").removeprefix("torch."), 2)
+    name = str(info.kv_dtype or "bfloat16").removeprefix("torch.")
+    if name not in _ELEMENT_BYTES:
+        raise ValueError(f"kv_dtype {name!r} is not a cache dtype ({', '.join(_ELEMENT_BYTES)})")
+    return _ELEMENT_BYTES[name]
 
 
 def check_deployment_inputs(gpu_memory: str, context: int, batch: int = 1, headroom: str | float = 0.1,

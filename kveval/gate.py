@@ -78,8 +78,9 @@ class TaskVerdict:
     p_inferior_holm : float
         ``test.p_inferior`` Holm-adjusted over the family.
     items_needed : int or None
-        INCONCLUSIVE only: items per task to decide with the configured power
-        at the observed discordance (``None``: the change sits on the margin).
+        INCONCLUSIVE only: items per task to decide every open rule with the
+        configured power at the observed discordance (``None``: a change sits
+        on its margin, or only the KL rule is open).
     comparison : Comparison
     """
 
@@ -317,7 +318,7 @@ def _kl_rule(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str
     if low > cap:
         return [f"mean KL from the baseline {sum(values) / len(values):.4g} nats: {level}% lower bound {low:.4g} > cap {cap:g}"], []
     if not high < cap:
-        return [], [f"mean KL not shown under {cap:g} nats ({level}% upper bound {high:.4g})"]
+        return [], [f"mean KL not shown under {cap:g} nats ({level}% upper bound {high:.4g}): more items narrow the bound"]
     return [], []
 
 
@@ -356,7 +357,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
         status = FAIL
     elif pending:
         status = INCONCLUSIVE
-        if undecided:  # the KL rule alone names its own fix
+        if undecided:  # the KL rule's own reasons say what it needs
             needed = items_needed(c, undecided, cfg)
             pending.append(
                 f"about {needed} items per task would decide at the observed discordance ({int(cfg.power * 100)}% power)"

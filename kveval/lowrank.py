@@ -30,9 +30,10 @@ arise for them.
 Calibration
 -----------
 One forward pass over a calibration text (``kveval/data/calibration.txt`` by
-default, at most ``calib_tokens`` tokens) with a plain transformers
-``DynamicCache`` (no sliding-window layers: every layer keeps the whole pass);
-the stored post-RoPE K/V of every layer are read from it. The calibration does
+default, at most ``calib_tokens`` tokens) in transformers' own cache layers
+(plain ``DynamicLayer`` s for attention, sliding layers too, so every layer
+keeps the whole pass; the model's own state layers for Mamba and linear
+attention); the stored post-RoPE K/V of every attention layer are read from it. The calibration does
 not go through kveval's own cache, so this module depends on the stores only. Per layer and KV
 head, an *uncentered* PCA: eigendecomposition of ``X^T X / T`` (float64), so a
 token's reconstruction is ``c B^T`` with no mean term. The full
@@ -193,7 +194,7 @@ class Calibration:
     ``None`` for a layer without K/V (a hybrid model's Mamba or linear-attention layers).
     """
 
-    spectra: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+    spectra: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
     tokens: int
     text_sha256: str
     model_key: str

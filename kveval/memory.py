@@ -10,8 +10,9 @@ What the arithmetic follows
 * Attention layout: ``num_key_value_heads`` K/V heads (GQA/MQA; default
   ``num_attention_heads``) of ``head_dim`` (default ``hidden_size //
   num_attention_heads``), K and V per layer.
-* Sliding-window layers hold at most ``window`` tokens: from ``layer_types``
-  (``"sliding_attention"``; ``"chunked_attention"`` holds ``attention_chunk_size``),
+* Sliding-window layers hold at most ``window - 1`` tokens, as transformers' own
+  and kveval's cache do: from ``layer_types`` (``"sliding_attention"``;
+  ``"chunked_attention"``'s window is ``attention_chunk_size``),
   else ``sliding_window`` with ``sliding_window_pattern`` (Gemma 2/3 convention:
   layer ``i`` is full-attention when ``(i + 1) % pattern == 0``; Gemma 3 defaults
   to 6, Gemma 2 to 2), else ``sliding_window`` alone on every layer (Mistral-7B
