@@ -68,7 +68,7 @@ def format_table(rc: RunComparison) -> str:
         f"baseline:  {rc.baseline.name} ({rc.baseline_path})\n"
         f"candidate: {rc.candidate.name} ({rc.candidate_path})\n"
         f"{rc.n} paired items ({rc.source} results); delta = candidate - baseline, "
-        f"{int(round(rc.overall.confidence_level * 100))}% CI (Tango score interval of the mean score change); "
+        f"{int(round(rc.overall.confidence_level * 100))}% CI (Tango score interval of the mean score change; paired bootstrap for mostly graded tasks); "
         f"Holm/BH across {len(rc.tasks)} task(s)\n"
     )
     cols = ["task", "n", "base", "cand", "delta [CI]", "test", "p", "Holm", "BH", "-flip", "+flip", "agree", "confusion change"]

@@ -5,12 +5,15 @@ Holm- and Benjamini-Hochberg-adjusted p-values across the tasks), one for all
 items pooled, and one per (task, context length, depth) cell for heatmaps.
 
 Every cell's change is the change of its mean score (for right/wrong items, of
-accuracy), with Tango's score interval on the items' fractional discordances
-(:func:`kveval.paired.score_discordance`): exact Tango on 0/1 scores,
-conservative on partial ones, and never zero-width because no item changed.
-The descriptive test of "no change" is the exact McNemar test where every score
-is 0 or 1, else Tango's score test at 0 on the same discordances (it agrees with
-the interval: p < 0.05 exactly when the 95% interval excludes 0).
+accuracy). Its interval is Tango's score interval on the items' fractional
+discordances (:func:`kveval.paired.score_discordance`): Tango's own on 0/1
+scores, conservative on partial ones, and never zero-width because no item
+changed. Where more than :data:`GRADED_SHARE_MAX` of the items carry partial
+scores and there are at least :data:`BOOTSTRAP_MIN_ITEMS` of them, the paired
+bootstrap's percentile interval instead: there the fractional counts' variance
+(``|d|`` per item) would overstate many small changes several times over. The
+descriptive p-value tests the same change as the interval beside it (exact
+McNemar on 0/1 scores).
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ ALL = "ALL"
 
 DEFAULT_RESAMPLES = 9999
 CELL_RESAMPLES = 1999  # heatmap cells are descriptive; a cheaper bootstrap is enough
+#: Largest share of graded items (a score strictly between 0 and 1) whose task keeps Tango's interval.
+GRADED_SHARE_MAX = 0.10
+#: Fewest items whose spread the bootstrap is trusted with; fewer keep Tango's (a bootstrap of two or three
+#: differences spans only those differences).
+BOOTSTRAP_MIN_ITEMS = 30
+
+
+def uses_bootstrap(n: int, n_graded: int) -> bool:
+    """Whether a cell of ``n`` items, ``n_graded`` of them with partial scores, takes the paired bootstrap."""
+    return n_graded > GRADED_SHARE_MAX * n and n >= BOOTSTRAP_MIN_ITEMS
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -62,9 +75,10 @@ class Comparison:
         their difference (candidate - baseline).
     ci_low, ci_high : float
         Two-sided interval of ``delta`` at ``confidence_level``: Tango's score
-        interval on ``score_lost`` and ``score_gained``; never zero-width.
+        interval on ``score_lost`` and ``score_gained``, or the paired
+        bootstrap's percentile interval (:func:`uses_bootstrap`); never zero-width.
     ci_method : str
-        ``"tango"``.
+        ``"tango"`` or ``"bootstrap"``.
     score_lost, score_gained : float
         The summed falls and rises of the items' scores (the right->wrong and
         wrong->right counts where every score is 0 or 1).
@@ -73,11 +87,11 @@ class Comparison:
     n_graded : int
         Items with a score strictly between 0 and 1 in either run.
     pvalue : float
-        Two-sided test of "no change": exact McNemar (every score 0 or 1), else
-        Tango's score test at 0 on ``score_lost``/``score_gained``. Descriptive;
-        the gate tests against its margin.
+        Two-sided test of "no change", of the change the interval shows: exact
+        McNemar (every score 0 or 1), the bootstrap's, or Tango's score test at
+        0 on ``score_lost``/``score_gained``. Descriptive; the gate tests against its margin.
     test : str
-        ``"mcnemar"`` or ``"tango"``.
+        ``"mcnemar"``, ``"tango"`` or ``"bootstrap"``.
     mcnemar_p : float
         Exact McNemar p on correctness (reported for every cell).
     p_holm, p_bh : float or None
@@ -193,10 +207,16 @@ def compare_pairs(
     fl = stats.flips(ac, bc)
     n_graded = int(np.sum(((a > 0) & (a < 1)) | ((b > 0) & (b < 1))))
     lost, gained = paired.score_discordance(a, b)
-    low, high = paired.tango_interval(lost, gained, len(pairs), confidence_level)
     base_score, cand_score, estimate = float(a.mean()), float(b.mean()), (gained - lost) / len(pairs)
     binary = n_graded == 0  # scores are in [0, 1]: none strictly between is all 0/1
-    test, pvalue = ("mcnemar", mc.pvalue) if binary else ("tango", paired.tango_pvalue(lost, gained, len(pairs)))
+    if uses_bootstrap(len(pairs), n_graded):  # its two-sided interval and p-value from the same resamples
+        t = stats.bootstrap_margin_test(a, b, 0.0, alpha=(1 - confidence_level) / 2, n_resamples=n_resamples, seed=seed)
+        low, high, method = t.lower, t.upper, "bootstrap"
+        test, pvalue = "bootstrap", min(1.0, 2 * min(t.p_noninferior, t.p_inferior))
+    else:
+        low, high = paired.tango_interval(lost, gained, len(pairs), confidence_level)
+        method = "tango"
+        test, pvalue = ("mcnemar", mc.pvalue) if binary else ("tango", paired.tango_pvalue(lost, gained, len(pairs)))
     cb, cc = confusion_rates(base), confusion_rates(cand)
     keys = list(dict.fromkeys([*cb, *cc]))
     cd = {k: cc.get(k, 0.0) - cb.get(k, 0.0) for k in keys} if (cb or cc) else {}
@@ -232,7 +252,7 @@ def compare_pairs(
         ci_low=low,
         ci_high=high,
         confidence_level=confidence_level,
-        ci_method="tango",
+        ci_method=method,
         score_lost=lost,
         score_gained=gained,
         binary=binary,

@@ -21,8 +21,9 @@ INCONCLUSIVE
 
 The change tested is the task's mean score (accuracy, on right/wrong items), by
 Tango's score interval and tests on the items' discordances (:mod:`kveval.paired`:
-fractional on partial scores); the flip and confusion rules read the ``correct``
-flags. A candidate FAILs when any task fails, else
+fractional on partial scores), or by the paired bootstrap for mostly graded tasks
+of enough items (:func:`kveval.comparison.uses_bootstrap`); the flip and
+confusion rules read the ``correct`` flags. A candidate FAILs when any task fails, else
 is INCONCLUSIVE when any task is, else PASSes. Exit codes
 (:mod:`kveval.errors`): 0 PASS, 1 FAIL, 3 INCONCLUSIVE (0 with a warning when
 ``inconclusive_blocks: false``), 2 any error. ``--plan`` prints the items per
@@ -33,6 +34,7 @@ decision: which candidates' caches fit, and the most compressed one that PASSes.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -238,19 +240,38 @@ def _pct(x: float) -> str:
 
 
 def margin_test(c: Comparison, margin: float, cfg: GateConfig) -> paired.MarginTest:
-    """The task's change of mean score (accuracy, on 0/1 scores) against ``-margin``: Tango's tests on the items'
-    fractional discordances (:func:`kveval.paired.score_discordance`)."""
+    """The task's change of mean score (accuracy, on 0/1 scores) against ``-margin``, by the comparison's own
+    method: Tango's tests on the items' fractional discordances (:func:`kveval.paired.score_discordance`), or the
+    paired bootstrap for mostly graded tasks of enough items (:func:`kveval.comparison.uses_bootstrap`)."""
+    if c.ci_method == "bootstrap":
+        return stats.bootstrap_margin_test(c.baseline_scores, c.candidate_scores, margin, alpha=cfg.alpha,
+                                           n_resamples=cfg.n_resamples, seed=cfg.seed)
     return paired.margin_test(c.score_lost, c.score_gained, c.n, margin, cfg.alpha)
 
 
-def items_needed(c: Comparison, undecided: Sequence[tuple[float, float, float]], cfg: GateConfig) -> int | None:
-    """Items per task that would decide every undecided rule with ``cfg.power`` if the observed rates are the true
-    ones, and more than the task has (``None``: a rule's change sits on its margin, no number decides it).
+def _bootstrap_items(c: Comparison, t: paired.MarginTest, cfg: GateConfig) -> int | None:
+    """Items a bootstrap-tested task needs at its observed per-item spread (read off its interval)."""
+    gap = abs(t.delta + t.margin)
+    if gap < 1e-12:
+        return None
+    sd = float(abs(t.upper - t.lower) / (2 * _st.norm.ppf(1 - cfg.alpha))) * c.n**0.5
+    return math.ceil((float(_st.norm.ppf(1 - cfg.alpha) + _st.norm.ppf(cfg.power)) * sd / gap) ** 2)
 
-    ``undecided``: per rule, its (regressed, improved) rates per item and its margin: the mean score's against
-    the margin, the net right->wrong flips' against their cap.
+
+def items_needed(c: Comparison, t: paired.MarginTest, score_open: bool, flip_cap: float | None,
+                 cfg: GateConfig) -> int | None:
+    """Items per task that would decide every open rule with ``cfg.power`` if the observed rates are the true ones,
+    and more than the task has (``None``: a rule's change sits on its margin, no number decides it).
+
+    ``score_open``: the mean score is not shown above ``-margin`` (Tango's rates, or a bootstrap-tested task's
+    spread); ``flip_cap``: the net right->wrong rate is not shown under this cap.
     """
-    needed = [paired.items_needed_approx(lost, gained, margin, cfg.alpha, cfg.power) for lost, gained, margin in undecided]
+    needed = []
+    if score_open:
+        needed.append(_bootstrap_items(c, t, cfg) if c.ci_method == "bootstrap" else
+                      paired.items_needed_approx(c.score_lost / c.n, c.score_gained / c.n, t.margin, cfg.alpha, cfg.power))
+    if flip_cap is not None:
+        needed.append(paired.items_needed_approx(c.n_regressed / c.n, c.n_improved / c.n, flip_cap, cfg.alpha, cfg.power))
     if any(n is None for n in needed):
         return None
     return max([c.n + 1, *needed])
@@ -264,7 +285,8 @@ def _summary(c: Comparison, t: paired.MarginTest) -> str:
         head += f", improved {c.n_improved}"
     what = "accuracy" if c.binary else "mean score"
     bound = int(round((1 - 2 * t.alpha) * 100))
-    return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% Tango)"
+    how = "bootstrap" if c.ci_method == "bootstrap" else "Tango"
+    return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% {how})"
 
 
 def _lower_binomial(k: int, n: int, alpha: float) -> float:
@@ -332,7 +354,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
         reasons.append(
             f"loss beyond the margin: {level}% upper bound {test.upper:+.3f} < -margin {-margin:+.3f} (Holm p={p_inferior_holm:.3g})"
         )
-    undecided: list[tuple[float, float, float]] = []  # (regressed, improved) per item and margin of each open rule
+    open_cap = None  # the flip cap, while the net flip rate is not shown under it
     cap = cfg.max_negative_flip_rate
     if cap is not None and cap > 0:
         net = paired.margin_test(c.n_regressed, c.n_improved, c.n, cap, cfg.alpha) if cap < 1 else None
@@ -343,7 +365,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
             )
         elif net is not None and not net.lower > -cap:
             pending.append(f"net negative flip rate not shown under {cap:g} (upper bound {-net.lower:.3f})")
-            undecided.append((c.n_regressed / c.n, c.n_improved / c.n, cap))
+            open_cap = cap
     confusion_reasons, notes = _confusion(c, cfg, pairs)
     reasons += confusion_reasons
     kl_reasons, kl_pending = _kl_rule(c, cfg, pairs)
@@ -351,14 +373,14 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     pending += kl_pending
     if not test.lower > -margin:
         pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
-        undecided.insert(0, (c.score_lost / c.n, c.score_gained / c.n, margin))
     needed = None
     if reasons:
         status = FAIL
     elif pending:
         status = INCONCLUSIVE
-        if undecided:  # the KL rule's own reasons say what it needs
-            needed = items_needed(c, undecided, cfg)
+        score_open = not test.lower > -margin
+        if score_open or open_cap is not None:  # the KL rule's own reasons say what it needs
+            needed = items_needed(c, test, score_open, open_cap, cfg)
             pending.append(
                 f"about {needed} items per task would decide at the observed discordance ({int(cfg.power * 100)}% power)"
                 if needed is not None

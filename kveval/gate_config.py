@@ -70,7 +70,7 @@ class GateConfig:
     power : float
         Power an INCONCLUSIVE task's "items needed" is computed for.
     confidence_level, n_resamples, seed
-        Reported two-sided intervals; bootstrap settings (log-prob changes, the KL rule).
+        Reported two-sided intervals; bootstrap settings (mostly graded tasks, log-prob changes, the KL rule).
     """
 
     tasks: str | list[str] = "all"

@@ -105,7 +105,7 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
         "# kveval leaderboard",
         "",
         "Per-task cells: mean score (change vs the model's baseline). *change [CI]*: all items pooled, "
-        "95% Tango score interval (each item's score change as a discordance). *-flips*: share of items right at baseline and wrong under the policy. "
+        "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). *-flips*: share of items right at baseline and wrong under the policy. "
         "*confusion*: share of items answered with a wrong value (distractor, stale, partial, over-inclusion, fabricated). "
         "Best per model in **bold**."
         + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
@@ -210,7 +210,7 @@ def to_html(rows: list[Row], tasks: list[str], plots: Sequence[Path], gate_lines
         f"<style>{_CSS}</style></head><body>",
         "<h1>kveval leaderboard</h1>",
         '<p class="note">Per-task cells: mean score (change vs the model\'s baseline). <i>change [CI]</i>: all items pooled, '
-        "95% Tango score interval (each item's score change as a discordance). <i>-flips</i>: share of items right at baseline and wrong under the policy. "
+        "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). <i>-flips</i>: share of items right at baseline and wrong under the policy. "
         "<i>confusion</i>: share of items answered with a wrong value. "
         f"{STAR} marks the best value per model.</p>",
         '<table id="leaderboard"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead><tbody>",

@@ -9,7 +9,9 @@ The functions are pure: no files, no printing, deterministic for a given
 Benjamini-Hochberg) and implement Holm by hand, because SciPy has no Holm
 correction. The change of a task's score is :mod:`kveval.paired`'s (Tango's
 score interval and tests on the items' discordances, the planner); the
-bootstrap here serves unbounded per-item changes (the gold answer's log-prob).
+bootstrap here serves unbounded per-item changes (the gold answer's log-prob)
+and tasks of mostly partial scores with enough items
+(:func:`kveval.comparison.uses_bootstrap`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "Flips",
     "paired_bootstrap_ci",
     "mcnemar_exact",
+    "bootstrap_margin_test",
     "flips",
     "holm",
     "benjamini_hochberg",
@@ -330,3 +333,48 @@ def is_binary(*arrays: ArrayLike) -> bool:
         if not np.all((x == 0) | (x == 1)):
             return False
     return True
+
+
+def bootstrap_margin_test(
+    baseline: ArrayLike,
+    candidate: ArrayLike,
+    margin: float,
+    *,
+    alpha: float = 0.05,
+    n_resamples: int = 9999,
+    seed: int | None = 0,
+):
+    """Mostly graded scores of enough items: the mean change tested against ``-margin`` with the paired bootstrap.
+
+    Returns a :class:`kveval.paired.MarginTest`: ``lower``/``upper`` are the
+    percentile bounds of the ``1 - 2 alpha`` interval, ``p_noninferior`` the
+    share of resampled means at or below ``-margin`` and ``p_inferior`` the share
+    at or above it, so ``p < alpha`` agrees with the bound. When every
+    difference is the same value the bootstrap has no spread; the bounds are
+    then widened by Tango's zero-discordance bound (a difference bounded in
+    [-1, 1] that never varied is no more certain than a right/wrong task with
+    no flip), never a zero-width interval.
+    """
+    from kveval import paired
+
+    a, b = _paired(baseline, candidate)
+    diff = b - a
+    est = float(diff.mean())
+    if np.all(diff == diff[0]):
+        zl, zh = paired.tango_interval(0, 0, a.size, confidence_level=1 - 2 * alpha)
+        lower, upper = max(-1.0, est + zl), min(1.0, est + zh)
+        p_ni = 0.0 if lower > -margin else 1.0
+        p_inf = 0.0 if upper < -margin else 1.0
+        return paired.MarginTest(est, lower, upper, float(margin), float(alpha), p_ni, p_inf)
+    rng = np.random.default_rng(seed)
+    means = np.empty(n_resamples)
+    step = _batch_for(a.size, n_resamples)
+    for start in range(0, n_resamples, step):
+        k = min(step, n_resamples - start)
+        idx = rng.integers(0, a.size, size=(k, a.size))
+        means[start : start + k] = diff[idx].mean(axis=1)
+    lower, upper = (float(x) for x in np.quantile(means, [alpha, 1 - alpha]))
+    p_ni = float((np.sum(means <= -margin) + 1) / (n_resamples + 1))
+    p_inf = float((np.sum(means >= -margin) + 1) / (n_resamples + 1))
+    return paired.MarginTest(est, lower, upper, float(margin), float(alpha), p_ni, p_inf)
+

@@ -632,10 +632,10 @@ def test_one_graded_score_tests_the_score_change_its_interval_shows(tmp_path):
     # the interval is the mean score's: 4 items lost 1, the partial one 0.5
     assert (t.score_lost, t.score_gained, t.delta) == (4.5, 0.0, -4.5 / 40)
     assert (t.ci_low, t.ci_high) == pytest.approx(paired.tango_interval(4.5, 0, 40), abs=1e-12)
-    # mostly graded scores, unchanged: p = 1 and the interval still is not [0, 0]
+    # mostly graded scores (40 items: the bootstrap), unchanged: p = 1 and the interval still is not [0, 0]
     graded = [replace(it, score=0.5 + 0.01 * (i % 7), correct=False) for i, it in enumerate(base)]
     g = compare_runs(write_run(tmp_path / "gb", graded), write_run(tmp_path / "gc", graded, policy="kivi(bits=4)")).task("t")
-    assert g.test == "tango" and g.pvalue == 1.0 and g.ci_low < 0 < g.ci_high
+    assert g.test == g.ci_method == "bootstrap" and g.pvalue == 1.0 and g.ci_low < 0 < g.ci_high
 
 
 def test_compare_warns_on_swapped_runs(runs, capsys):
