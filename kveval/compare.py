@@ -23,11 +23,11 @@ from kveval.comparison import (  # noqa: F401  (re-exported)
     _clean,
     adjust_pvalues,
     adjust_sweep,
+    check_settings,
     compare_pairs,
     compare_runs,
     confusion_rates,
 )
-from kveval.errors import UsageError
 from kveval.results import (  # noqa: F401  (re-exported)
     LM_EVAL_METRICS,
     Run,
@@ -133,8 +133,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 < args.confidence < 1:
-        raise UsageError(f"--confidence must be in (0, 1), got {args.confidence}")
+    check_settings(args.confidence, args.resamples)  # before any run loads
     import sys
 
     base, cand = load_run(args.baseline, metric=args.metric), load_run(args.candidate, metric=args.metric)

@@ -27,8 +27,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from kveval import fidelity, paired, stats
+from kveval.errors import UsageError
 from kveval.records import ItemRecord, RunInfo
 from kveval.results import Run, load_run, pair_runs
+from kveval.values import is_real, is_whole
 
 #: Memory-confusion categories of probe items, in display order.
 CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
@@ -40,6 +42,8 @@ OVERALL = "overall"
 ALL = "ALL"
 
 DEFAULT_RESAMPLES = 9999
+#: Fewest bootstrap resamples a comparison or gate accepts (fewer give percentile bounds of a handful of means).
+MIN_RESAMPLES = 100
 CELL_RESAMPLES = 1999  # heatmap cells are descriptive; a cheaper bootstrap is enough
 #: Largest share of graded items (a score strictly between 0 and 1) whose task keeps Tango's interval.
 GRADED_SHARE_MAX = 0.10
@@ -418,6 +422,15 @@ def delta_grid(pairs: Sequence[tuple[ItemRecord, ItemRecord]]):
     return lengths, depths, delta, counts
 
 
+def check_settings(confidence_level: float, n_resamples: int) -> None:
+    """Refuse an interval coverage outside (0, 1) or too few bootstrap resamples, in one line, before any run loads
+    (zero resamples passed, leaving the bootstrap no resampled mean to draw bounds from)."""
+    if not is_real(confidence_level) or not 0 < confidence_level < 1:
+        raise UsageError(f"confidence level {confidence_level!r} must be in (0, 1), e.g. 0.95")
+    if not is_whole(n_resamples) or n_resamples < MIN_RESAMPLES:
+        raise UsageError(f"resamples={n_resamples!r} must be a whole number >= {MIN_RESAMPLES} (bootstrap resamples)")
+
+
 def compare_runs(
     baseline: str | os.PathLike | Run,
     candidate: str | os.PathLike | Run,
@@ -450,7 +463,10 @@ def compare_runs(
     ------
     ResultFileError
         Unreadable results or runs that do not pair.
+    UsageError
+        ``n_resamples`` not a whole number of at least :data:`MIN_RESAMPLES`, or ``confidence_level`` outside (0, 1).
     """
+    check_settings(confidence_level, n_resamples)
     base = load_run(baseline, metric=metric)
     cand = load_run(candidate, metric=metric)
     pairs = pair_runs(base, cand)

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from kveval.comparison import CATEGORIES, OVERALL
+from kveval.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
 from kveval.errors import ConfigError
 from kveval.values import is_real, is_whole
 
@@ -170,8 +170,8 @@ class GateConfig:
         if "confidence_level" in data:
             cfg.confidence_level = _prob(data["confidence_level"], "confidence_level", source, open_interval=True)
         if "n_resamples" in data:
-            if not is_whole(data["n_resamples"]) or data["n_resamples"] < 100:
-                raise ConfigError(f"{source}: n_resamples must be an integer >= 100")
+            if not is_whole(data["n_resamples"]) or data["n_resamples"] < MIN_RESAMPLES:
+                raise ConfigError(f"{source}: n_resamples must be an integer >= {MIN_RESAMPLES}")
             cfg.n_resamples = data["n_resamples"]
         if "seed" in data:
             if not is_whole(data["seed"]):

@@ -18,6 +18,7 @@ from kveval.compare import (
     Run,
     RunComparison,
     adjust_sweep,
+    check_settings,
     compare_runs,
     confusion_rates,
     expand_run_dirs,
@@ -122,6 +123,7 @@ def collect_rows(
     ValueError
         Two baselines for one model.
     """
+    check_settings(confidence_level, n_resamples)
     runs = [load_run(p) for p in expand_run_dirs(run_dirs)]
     baselines: dict[str, Run] = {}
     for r in runs:

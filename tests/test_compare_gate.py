@@ -157,6 +157,24 @@ def test_compare_cli_table_and_json(runs, capsys, tmp_path):
     assert data["tasks"][0]["n_regressed"] == 24 and data["cells"] and data["overall"]["n"] == 140
 
 
+@pytest.mark.parametrize("command, flags, needle", [
+    ("compare", ["--resamples", "0"], "resamples=0 must be a whole number >= 100"),
+    ("compare", ["--resamples", "-5"], "resamples=-5"),
+    ("compare", ["--confidence", "1.5"], "confidence level 1.5 must be in (0, 1)"),
+    ("report", ["--resamples", "0"], "resamples=0"),
+])
+def test_too_few_resamples_or_a_coverage_outside_0_1_are_refused(runs, capsys, tmp_path, command, flags, needle):
+    """Zero or negative resamples were accepted (exit 0): the bootstrap of a mostly graded task then had no resampled
+    mean to draw its bounds from."""
+    graded = [replace(it, score=0.5 + 0.01 * (i % 7)) for i, it in enumerate(runs["items"])]  # the bootstrap's tasks
+    base = write_run(tmp_path / "gb", graded)
+    cand = write_run(tmp_path / "gc", [replace(it, score=it.score - 0.1) for it in graded], policy="kivi(bits=2)")
+    argv = [command, str(base), str(cand)] if command == "compare" else [command, str(base), str(cand), "--out", str(tmp_path / "r")]
+    assert cli.main(argv + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "internal error" not in err
+
+
 # ----------------------------------------------------------------------------- gate
 
 
