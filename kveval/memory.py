@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import functools
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -173,11 +174,24 @@ def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
     residual = int(getattr(quant, "residual_tokens", 0) or 0) if quant is not None else 0
     structure = stack.structure
     if spec.mla_dim is not None:
-        if structure is not None:
-            raise ValueError(f"{structure.spec()}: low-rank structure needs per-head K/V; {spec.name} uses MLA "
-                             f"(already a low-rank latent)")
-        # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's.
-        streams = [("latent", 1, spec.mla_dim - spec.mla_rope, kq)] + ([("rope", 1, spec.mla_rope, vq)] if spec.mla_rope else [])
+        # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's (one "head" each);
+        # a structure policy projects them as it projects a K and a V head.
+        latent, rope = spec.mla_dim - spec.mla_rope, spec.mla_rope
+        if structure is not None and hasattr(structure, "check_shape"):  # latent: one group of the one head
+            structure.check_layer(1, latent, rope or None)
+            widths = structure.widths(1)
+            latent, rope = widths["k"], widths["v"] if rope else 0
+        elif structure is not None:
+            rank = getattr(structure, "rank", None)
+            k_rank, v_rank = getattr(structure, "k_rank", None) or rank, getattr(structure, "v_rank", None) or rank
+            if k_rank is None or v_rank is None:
+                raise ValueError(f"{structure.spec()}: energy= ranks on an MLA latent come from calibration; plan "
+                                 f"a rank= (measure energy= with kveval eval)")
+            for which, r, width in (("latent", k_rank, latent), ("RoPE key", v_rank, rope)):
+                if width and r > width:
+                    raise ValueError(f"{structure.spec()}: rank {r} exceeds the MLA {which} width {width}")
+            latent, rope = k_rank, v_rank if rope else 0
+        streams = [("latent", 1, latent, kq)] + ([("rope", 1, rope, vq)] if rope else [])
         if quant is not None:
             notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}, the shared RoPE "
                          f"key with its value settings")
@@ -214,18 +228,51 @@ def _scale_bytes(q) -> int:
     return 2 if (q.fp8 is not None or q.symmetric) else 4
 
 
-def _stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int) -> int:
-    """Exact bytes of one of K/V (or the MLA latent) holding ``tokens`` tokens in one layer."""
+def _stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int,
+                  sliding: tuple[int, int, int] | None = None) -> int:
+    """Exact bytes of one of K/V (or the MLA latent) holding ``tokens`` tokens in one layer.
+
+    ``sliding``: ``(context, new_tokens, window)`` of a sliding layer, whose per-channel groups the window cuts
+    as it moves on while decoding (:func:`_sliding_slots`).
+    """
     if q is None or tokens <= 0:
         return heads * tokens * dim * dtype_bytes
-    aged = max(0, tokens - residual)
-    if q.axis == "channel":
-        aged = aged // q.group * q.group
-        groups = heads * (aged // q.group) * dim
+    unit = q.group if q.axis == "channel" else 1
+    if sliding is not None and unit > 1:
+        aged, tail = _sliding_slots(*sliding, residual, unit)
     else:
-        groups = heads * aged * (dim // q.group)
+        aged = max(0, tokens - residual) // unit * unit
+        tail = tokens - aged
+    groups = heads * (aged // q.group) * dim if q.axis == "channel" else heads * aged * (dim // q.group)
     data = math.ceil(heads * aged * dim * q.bits / 8)
-    return data + groups * _scale_bytes(q) + heads * (tokens - aged) * dim * dtype_bytes
+    return data + groups * _scale_bytes(q) + heads * tail * dim * dtype_bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _sliding_slots(context: int, new_tokens: int, window: int, residual: int, unit: int) -> tuple[int, int]:
+    """Quantized and full-precision slots of a sliding layer's per-channel stream (``unit``-token groups), as
+    :class:`kveval.storage.QuantizedSequence` holds them: the prefill keeps its last ``window - 1`` tokens and
+    seals whole groups past the ``residual`` newest; each decode step appends a token, seals, then drops the
+    oldest live one. A group the window cuts keeps its dead slots until all are dead."""
+    held = min(context, window - 1)
+    groups = max(0, held - residual) // unit
+    first_live, tail = unit, held - groups * unit  # live slots of the oldest group; tokens in full precision
+    for _ in range(new_tokens):
+        tail += 1
+        sealed = max(0, tail - residual) // unit
+        if sealed:
+            groups, tail = groups + sealed, tail - sealed * unit
+            if groups == sealed:
+                first_live = unit
+        if groups * unit - (unit - first_live) + tail <= window - 1:
+            continue  # still within the window
+        if groups:  # the oldest live token is in the oldest group
+            first_live -= 1
+            if first_live == 0:
+                groups, first_live = groups - 1, unit
+        else:
+            tail -= 1
+    return groups * unit, tail
 
 
 def _stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
@@ -265,7 +312,8 @@ def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_
             oldest = context + new_tokens - tokens if spec.windows[i] is not None else 0
             size = _kvquant_bytes(tokens, oldest, spec.kv_heads, spec.head_dim, layout.kvquant, dtype_bytes)
         else:
-            size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes)
+            sliding = (context, new_tokens, spec.windows[i]) if spec.windows[i] is not None else None
+            size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes, sliding)
                        for _, heads, dim, q in layout.streams)
         kind = ("state" if not spec.holds_kv[i] else "mla" if spec.mla_dim is not None
                 else "full" if spec.windows[i] is None else "sliding")

@@ -302,7 +302,8 @@ def test_hub_id_not_cached_names_the_fix(monkeypatch):
     (lambda: plan("llama-2-7b", 10, dtype_bytes=3), "dtype_bytes"),
     (lambda: plan("llama-2-7b", 10, policy="quant(bits=4,group=48)"), "group=48 does not divide head_dim=128"),
     (lambda: plan("llama-2-7b", 10, policy="lowrank(rank=256)"), "exceeds head_dim"),
-    (lambda: plan("deepseek-v3", 10, policy="lowrank(rank=16)"), "MLA"),
+    (lambda: plan("deepseek-v3", 10, policy="lowrank(rank=128)"), "rank 128 exceeds the MLA RoPE key width 64"),
+    (lambda: plan("deepseek-v3", 10, policy="kvquant(bits=4)"), "MLA"),
     (lambda: plan("llama-2-7b", 10, policy="nosuch"), "unknown policy"),
     (lambda: max_fit("llama-2-7b", "80GiB", "16GB", headroom=1.5), "headroom"),
     (lambda: max_fit("llama-2-7b", "80GiB", "16GB", context=10, batch=2), "not both"),
@@ -357,7 +358,8 @@ MEASURED_POLICIES = ["none", "quant(bits=4,group=32,residual=8)", "kivi(bits=2,g
                      "quant(bits=2,k_axis=channel,group=16,residual=5,symmetric=true)", "quant(k_bits=2,v_bits=8,group=16)",
                      "fp8(axis=channel,group=16,residual=3)", "snapkv(ratio=0.5)", "pyramidkv(ratio=0.5)",
                      "snapkv(ratio=0.5)+kivi(bits=4,group=16,residual=8)", "kvquant(bits=4,pre_rope=false)",
-                     "kvquant(bits=2,pre_rope=false,sink=3,residual=5)"]
+                     "kvquant(bits=2,pre_rope=false,sink=3,residual=5)", "lowrank(k_rank=16,v_rank=8)",
+                     "latent(rank=16,rope_dims=4)+kivi(bits=4,group=8,residual=4)"]
 
 
 @pytest.mark.usefixtures("calibration_cache")
@@ -366,7 +368,8 @@ def test_the_plan_is_the_bytes_the_cache_measures(name):
     """100 tokens then 6 decode steps on a tiny model of each cache layout: sliding layers (window 16: they hold
     15), chunked attention, MLA's latent and RoPE key, Mamba and gated-delta layers (no K/V), Falcon-H1's hybrid
     layers. The planner priced sliding layers at their window, MLA's RoPE key with K's settings, every
-    linear-attention or Mamba layer as a full attention layer (Qwen3-Next 4x, Bamba 3x) and refused kvquant."""
+    linear-attention or Mamba layer as a full attention layer (Qwen3-Next 4x, Bamba 3x), and refused kvquant, and
+    lowrank and latent on MLA (which the cache runs on the latent and the RoPE key)."""
     import sys
 
     import torch
@@ -426,3 +429,25 @@ def test_kvquant_is_planned():
     coded = 2 * (head * 4 // 8 + 2 * (2 + 1)) + 4  # codes, ceil(1% of 128) = 2 outliers (bf16 + uint8 index), lo/hi
     assert p.sequence_bytes == 32 * 8 * ((8192 - 1) * coded + 1 * 2 * head * 2)  # one sink token kept in bf16
     assert p.bytes_per_token == 32 * 8 * coded
+
+
+@pytest.mark.parametrize("spec", ["kivi(bits=4,group=8,residual=4)", "quant(bits=4,k_axis=channel,v_axis=channel,group=4,residual=3)",
+                                  "latent(rank=16,rope_dims=4)+kivi(bits=4,group=8,residual=4)"])
+@pytest.mark.usefixtures("calibration_cache")
+def test_a_sliding_window_cutting_per_channel_groups_is_planned_as_held(spec):
+    """While decoding, a sliding layer's window drops its oldest token each step; a per-channel group it cuts keeps
+    its dead slots until all are dead (storage.QuantizedSequence.keep_last). The plan counted only live tokens:
+    Gemma 3's window-16 layer held 2,880 B after 6 steps of kivi(bits=4,group=8,residual=4), planned 2,624."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, "tests")
+    from cache_runs import context_then_steps, random_ids
+    from tiny_models import tiny_model
+
+    model = tiny_model("gemma3")
+    for context, steps in ((100, 1), (100, 6), (100, 23), (10, 12), (14, 5), (40, 40)):
+        _, cache = context_then_steps(model, spec, random_ids(context, 1), random_ids(steps, 2), kv_dtype=torch.bfloat16)
+        planned = plan(model.config, context, policy=spec, dtype_bytes=2, new_tokens=steps).sequence_bytes
+        assert planned == cache.stats().kv_bytes, (context, steps)
