@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kveval.errors import UsageError
 from kveval.attention import register_attention
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -100,6 +101,21 @@ def test_bad_policy_or_mode_fails_before_loading():
         KVEvalLM(pretrained="no-such-model-anywhere", policy="zip(ratio=0.5)")
     with pytest.raises(ValueError, match="compress"):
         KVEvalLM(pretrained="no-such-model-anywhere", compress="both")
+
+
+def test_batch_size_in_model_args_is_read_and_checked(tokenizer, monkeypatch):
+    """`--model_args ...,batch_size=0` was an internal TypeError (lm-eval passes its own batch_size too), and a
+    batch size of 0 or "abc" ran as 1 without a word."""
+    for bad in ("0", "abc", 0, -2):
+        with pytest.raises(UsageError, match="batch_size"):
+            KVEvalLM(pretrained="no-such-model-anywhere", batch_size=bad)
+    with pytest.raises(UsageError, match="batch_size=0"):
+        KVEvalLM.create_from_arg_string("pretrained=no-such-model-anywhere,batch_size=0", {"batch_size": 1})
+    import kveval.models
+
+    monkeypatch.setattr(kveval.models, "load_model", lambda *args, **kwargs: (tiny_model(tokenizer), tokenizer))
+    lm = KVEvalLM.create_from_arg_string("pretrained=tiny,policy=window(2),batch_size=3", {"batch_size": 1, "device": "cpu"})
+    assert lm.batch_size == 3  # the model args' own value
 
 
 def test_spec_is_checked_against_the_config_before_the_weights_load(monkeypatch):

@@ -109,7 +109,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 import kveval
 from kveval.architectures import check_rope_batch, rope_switches
 from kveval.cache import CompressedCache, nominal_bytes_per_token
-from kveval.generation import MODES, Prompt, can_share_prefill, check_request, forward_rows, generate_each
+from kveval.generation import (MODES, Prompt, can_share_prefill, check_batch_size, check_request, forward_rows,
+                               generate_each)
 from kveval.errors import UsageError
 from kveval.evaluate import deployment_dtype_name, hardware_of, model_identity
 from kveval.lm_eval import data_parallel, schema
@@ -218,6 +219,9 @@ class KVEvalLM(HFLM):
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
             log.warning("kveval: batch_size=%s is not supported; using 1", batch_size)
             batch_size = 1
+        if isinstance(batch_size, str) and batch_size.strip().isdigit():
+            batch_size = int(batch_size)
+        check_batch_size(batch_size)  # 0 and "abc" ran as 1 without a word
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
         if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
@@ -331,9 +335,11 @@ class KVEvalLM(HFLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        """Like ``LM.create_from_arg_string``, but commas inside a policy spec's parentheses do not split."""
+        """Like ``LM.create_from_arg_string``, but commas inside a policy spec's parentheses do not split, and a key
+        given in ``--model_args`` as well as by lm-eval's own flags (``batch_size``, ``device``) takes the model
+        args' value (both reached the constructor: an internal TypeError)."""
         args = parse_model_args(arg_string)
-        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in args}
         return cls(**args, **extra)
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -344,10 +350,10 @@ class KVEvalLM(HFLM):
 
     def _int_batch_size(self, override: int | None = None) -> int:
         size = override if override is not None else self.batch_size
-        try:
-            return max(1, int(size))
-        except (TypeError, ValueError):
-            return 1
+        if isinstance(size, str) and size.strip().isdigit():
+            size = int(size)
+        check_batch_size(size)
+        return size
 
     def _question_length(self, text: str | None, tokens: list[int], encode) -> int:
         """Tokens at the end of ``tokens`` that belong to the question (from ``question_marker`` on)."""
