@@ -151,10 +151,48 @@ def test_word_values(tok):
     key = next(n.key for n in item.needles if n.role == "target")
     check(item, f" {gold}.", "correct")
     check(item, f" The special magic word for {key} is {gold}. I hope this helps!", "correct")
-    check(item, f" {gold}s", "partial")
+    check(item, f" {gold}s", "correct")  # its plural is the word
     r = check(item, " zeppelin", "fabricated")
     assert r.recalled == "fabricated:zeppelin"
     check(item, " Sorry, I cannot answer that.", "empty")
+
+
+def test_word_items_are_scored_like_the_other_kinds(tok):
+    """Word values were the one kind where a hedge with another value scored correct, a refusal with a
+    contraction was an invented value, and an unrelated word that looks like the gold was a near miss."""
+    item = generate_items("niah_single", tok, 512, 1, depths=[0.5], value_kind="word")[0]
+    gold = item.gold[0]
+    other = next(w for w in ("elephant", "koala", "banjo") if w != gold)
+    for hedge in (f" {gold} or maybe {other}", f" {other} or maybe {gold}"):  # both were "correct", score 1
+        r = check(item, hedge, "over_inclusion")
+        assert r.score == 0.5 and r.recalled == f"fabricated:{other}"
+    for refusal in (" I don't know.", " I could not find it.", " The passage doesn't mention it.",
+                    " I do not have enough information.", " Unfortunately it isn't stated."):
+        check(item, refusal, "empty")  # "don", "find", "doesn", "enough": fabricated
+    typo = gold[:-1] + ("x" if gold[-1] != "x" else "y")
+    assert check(item, f" {typo}", "partial").detail["near"]["value"] == typo
+    cello = ProbeItem.from_dict({**item.to_dict(), "gold": ["cello"], "needles": [
+        {**n, "value": "cello"} if n["role"] == "target" else n for n in item.to_dict()["needles"]]})
+    check(cello, " Hello! I do not remember.", "empty")  # "partial:hello"
+    check(cello, " guitar", "fabricated")  # another value of the vocabulary, not a near miss of "cello"
+
+
+def test_formatting_of_a_right_value_is_not_a_wrong_answer(tok):
+    """UUIDs without dashes or with typographic ones, variable names in lower case, and numbers grouped by
+    dots or apostrophes were scored wrong; a number beside another ("98997 100") is not glued into one."""
+    kv = generate_items("kv_retrieval", tok, 768, 1, depths=[0.5])[0]
+    uuid = kv.gold[0]
+    check(kv, " " + uuid.replace("-", ""), "correct")
+    check(kv, " " + uuid.replace("-", "\u2013"), "correct")
+    vt = generate_items("variable_tracking", tok, 768, 1, depths=[0.25])[0]
+    check(vt, " " + " ".join(name.lower() for name in vt.gold), "correct")
+    check(vt, " " + " ".join(name.title() for name in vt.gold), "correct")
+    single = generate_items("niah_single", tok, 512, 1, depths=[0.5])[0]
+    g = single.gold[0]
+    for grouped in (f"{g[0]}.{g[1:4]}.{g[4:]}", f"{g[0]}'{g[1:4]}'{g[4:]}", f"{g[0]},{g[1:4]},{g[4:]}", f"{g[0]} {g[1:4]} {g[4:]}"):
+        check(single, f" {grouped}.", "correct")
+    passkey = generate_items("passkey", tok, 512, 1, depths=[0.5])[0]
+    assert extract_values(f" {passkey.gold[0]} 100%", passkey) == [passkey.gold[0], "100"]
 
 
 def test_multi_turn_previous_answer_is_distractor(tok):

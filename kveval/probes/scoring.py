@@ -14,10 +14,17 @@ A value is a maximal run of the item's value shape in the answer:
 ``uuid``
     a run of hex digits and dashes, at least 8 characters, with a digit or a dash;
 ``variable``
-    a word of exactly as many uppercase letters as the gold variable names;
+    a word of exactly as many uppercase letters as the gold variable names, or
+    one of the item's variable names in any case;
 ``word``
-    a lowercase word of three or more letters that is not a stopword and does not
-    occur in the question or answer prefix (unless it is a needle value).
+    a word of the value vocabulary (:data:`kveval.probes.text.VALUE_WORDS`, the
+    needles' values among them; a plural ``s``/``es`` read as its singular), or
+    a near miss of a gold word that shares its first three letters (a typo).
+    Around such values other words are prose ("the word is escalator, I hope
+    this helps"); an answer with none holds its content words (three letters or
+    more, not stopwords, not from the question) as invented values, and a
+    refusal ("I don't know") holds none. A word that merely looks like the gold
+    ("hello" for "cello", "guitar" for "sitar") is no near miss.
 
 Values that occur in the question but are not needle values (the asked key,
 echoed) are ignored. Duplicates count once.
@@ -27,11 +34,10 @@ Categories, in order of precedence (the first that applies)
 ``empty``
     no value at all.
 ``correct``
-    every gold value present, and no other value (for ``word`` items, non-needle
-    words are ignored: they are prose, not values).
+    every gold value present, and no other value.
 ``over_inclusion``
-    every gold value present *plus* other needles' values (or, except for
-    ``word`` items, other well-formed values). Substring scoring would call it
+    every gold value present *plus* other needles' values or other well-formed
+    values ("escalator or maybe elephant"). Substring scoring would call it
     right; ``correct`` is False.
 ``stale``
     a gold value is missing and the answer holds an overwritten (stale) value of the asked key.
@@ -60,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kveval.probes.item import ProbeItem
+from kveval.probes.text import VALUE_WORDS
 
 CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
 NEAR_SIMILARITY = 0.7
@@ -73,6 +80,11 @@ very was we were what when where which while who whom why will with would you yo
 answer value values word words number numbers magic special provided text mentioned key keys given question sure
 think believe seems appears also based information context passage above below following hidden memorize quiz
 thank thanks please okay here's it's don't can't i'm there's that's the
+hello hi find found mention mentions state states stated specify specified provide provided unable able remember
+recall determine identify tell say says said sure unsure certain apologize apologies assist help helps hope clear
+exist exists available seem like sentence document doesn't isn't wasn't aren't couldn't won't cannot
+enough locate located unfortunately however actually really maybe perhaps probably possibly likely unclear guess
+response
 """.split())
 
 
@@ -111,8 +123,38 @@ class Score:
             raise ValueError(f"score {self.score} is outside [0, 1]")
 
 
+#: The words a word-valued item can hold (its needles' values are drawn from them).
+_VALUE_VOCABULARY = frozenset(VALUE_WORDS)
+#: A UUID written without its dashes, or with typographic ones.
+_DASHES = re.compile("[\u2010-\u2015\u2212]")
+
+
 def _norm(value: str, kind: str) -> str:
     return value if kind == "variable" else value.lower()
+
+
+def _dashed_uuid(run: str) -> str:
+    """``run`` (lowercase hex, maybe dashes) with a bare 32-digit UUID given its 8-4-4-4-12 dashes."""
+    if len(run) == 32 and "-" not in run:
+        return "-".join((run[:8], run[8:12], run[12:16], run[16:20], run[20:]))
+    return run
+
+
+def _word_values(answer: str, needle_values: set[str], gold: list[str], banned: set[str]) -> list[str]:
+    """The answer's word values: those of the vocabulary (a plural read as its singular) and typos of a gold word;
+    where it holds none, its content words (an invented value), else nothing (prose or a refusal)."""
+    vocabulary = _VALUE_VOCABULARY | needle_values
+    found, content = [], []
+    for word in re.findall(r"[a-z]+(?:'[a-z]+)?", answer.lower()):
+        singular = next((w for w in (word[:-1], word[:-2]) if w in vocabulary), None) if word.endswith("s") else None
+        if word in vocabulary or singular:
+            found.append(word if word in vocabulary else singular)
+        elif len(word) >= 3 and word not in _STOPWORDS and word not in banned and "'" not in word:
+            if any(len(_common_prefix(word, g)) >= 3 and _near(word, g) for g in gold):
+                found.append(word)  # a typo of a gold word
+            else:
+                content.append(word)
+    return found or content
 
 
 def extract_values(answer: str, item: ProbeItem) -> list[str]:
@@ -121,17 +163,20 @@ def extract_values(answer: str, item: ProbeItem) -> list[str]:
     gold_len = max(len(g) for g in item.gold)
     needle_values = {_norm(n.value, kind) for n in item.needles} | {_norm(g, kind) for g in item.gold}
     if kind == "number":
-        text = re.sub(r"(?<=\d)[,\u202f\u00a0 ](?=\d{3}(?!\d))", "", answer)
+        # Thousands separators join a number only in a well-formed grouping (1,234,567; 6.983.147; 6 983 147): a
+        # number followed by another ("98997 100%") stays two.
+        text = re.sub(r"(?<![\d.,'_])\d{1,3}(?:([,\u202f\u00a0 .'_])\d{3})(?:\1\d{3})*(?![\d]|[.,]\d)",
+                      lambda m: re.sub(r"\D", "", m.group()), answer)
         found = [m for m in re.findall(r"\d+", text) if len(m) >= max(2, (gold_len + 1) // 2)]
     elif kind == "uuid":
-        found = [m.lower().strip("-") for m in re.findall(r"[0-9a-fA-F-]{8,}", answer)]
+        found = [_dashed_uuid(m.lower().strip("-")) for m in re.findall(r"[0-9a-fA-F-]{8,}", _DASHES.sub("-", answer))]
         found = [m for m in found if len(m) >= 8 and re.search(r"[0-9-]", m)]
-    elif kind == "variable":
-        found = re.findall(rf"\b[A-Z]{{{gold_len}}}\b", answer)
+    elif kind == "variable":  # uppercase words of the names' length, and the item's own names in any case
+        found = [w.upper() for w in re.findall(rf"\b[A-Za-z]{{{gold_len}}}\b", answer)
+                 if w.isupper() or w.upper() in needle_values]
     elif kind == "word":
         banned = set(re.findall(r"[a-z]+", (item.question + " " + item.answer_prefix).lower())) - needle_values
-        found = [w for w in re.findall(r"[a-z]+", answer.lower())
-                 if w in needle_values or (len(w) >= 3 and w not in _STOPWORDS and w not in banned)]
+        found = _word_values(answer, needle_values, [_norm(g, kind) for g in item.gold], banned)
     else:
         raise ValueError(f"unknown value kind {kind!r}")
     question = item.question + " " + item.answer_prefix
@@ -195,7 +240,6 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     found = [g for g in gold if g in values]
     needle_extras = [v for v in values if v in roles]
     other = [v for v in values if v not in gold_set and v not in roles]
-    counted_other = [] if kind == "word" else other
     detail: dict[str, Any] = {"values": values, "found": len(set(found)), "required": len(gold_set)}
 
     def jaccard(extra: list[str]) -> float:
@@ -205,7 +249,7 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     if not values:
         return Score(0.0, False, "empty", None, detail)
     if set(found) == gold_set:
-        extras = needle_extras + counted_other
+        extras = needle_extras + other
         if not extras:
             return Score(1.0, True, "correct", None, detail)
         recalled = ",".join(f"{roles.get(v, 'fabricated')}:{v}" for v in extras)
@@ -214,7 +258,11 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     missing = [g for g in gold if g not in found]
     near = None
     for v in other:
+        if kind == "word" and v in _VALUE_VOCABULARY:
+            continue  # another value of the vocabulary ("guitar" for "sitar") is a fabrication, not a near miss
         for g in missing:
+            if kind == "word" and len(_common_prefix(v, g)) < 3:
+                continue  # a word that merely looks like the gold ("corn" for "popcorn") is no typo of it
             near = _near(v, g)
             if near:
                 break
@@ -223,7 +271,7 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     if near:
         detail["near"] = near
     # Every non-gold value counts against the score except a near miss itself.
-    score = jaccard(needle_extras + [v for v in counted_other if not near or v != near["value"]])
+    score = jaccard(needle_extras + [v for v in other if not near or v != near["value"]])
     for role in ("stale", "distractor"):
         hits = [v for v in needle_extras if roles[v] == role]
         if hits:
