@@ -202,6 +202,8 @@ def test_multi_turn_previous_answer_is_distractor(tok):
     r = check(turn1, f" {items[0].gold[0]}", "distractor")
     assert r.recalled == f"distractor:{items[0].gold[0]}"
     check(turn1, f" {turn1.gold[0]}", "correct")
+    # A value the question holds only inside a longer one is no echo of it (it was dropped: "empty").
+    check(turn1, f" {items[0].gold[0][:4]}", "fabricated")
 
 
 def test_every_category_has_an_answer(multikey, update):

@@ -184,8 +184,8 @@ def extract_values(answer: str, item: ProbeItem) -> list[str]:
     out: list[str] = []
     for v in found:
         v = _norm(v, kind)
-        if v not in needle_values and v in question:
-            continue  # an echo of the asked key, not an answer value
+        if v not in needle_values and _in_context(v, question, kind):
+            continue  # an echo of the asked key (a whole value of the question), not an answer value
         if v not in out:
             out.append(v)
     return out
