@@ -47,6 +47,7 @@ key (one "KV head" each) and stores those; see :mod:`kveval.architectures`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
@@ -164,8 +165,9 @@ class CompressedCache(Cache):
         Load it with ``attn_implementation="kveval"`` (:func:`kveval.models.load_model` does).
     policy : str or PolicyStack
         A spec such as ``"snapkv(ratio=0.5)+kivi(bits=4)"``; ``"none"`` keeps everything.
-    seed : int
-        Base seed for the ``random`` control policy (row ``b`` uses ``seed + b``).
+    seed : int or sequence of int
+        Seed of the ``random`` control policy: row ``b`` uses ``seed + b``, or ``seed[b]`` given one per row
+        (a row's own seed, from its item: then its choices do not depend on the batch it runs in).
     defer_compression : bool
         Store the prefill uncompressed with the scores of ``policy`` and of every
         policy of ``scores_for``, and compress nothing: each policy's cache is
@@ -188,7 +190,8 @@ class CompressedCache(Cache):
 
     QUANTIZED_DECODE_MODES = ("auto", "buffer", "codes")
 
-    def __init__(self, model, policy: "str | PolicyStack" = "none", seed: int = 0, defer_compression: bool = False,
+    def __init__(self, model, policy: "str | PolicyStack" = "none", seed: "int | Sequence[int]" = 0,
+                 defer_compression: bool = False,
                  kv_dtype: "str | torch.dtype | None" = None, scores_for: "list[str | PolicyStack] | None" = None,
                  quantized_decode: str = "auto"):
         if quantized_decode not in self.QUANTIZED_DECODE_MODES:
@@ -202,7 +205,8 @@ class CompressedCache(Cache):
         self.num_layers = config.num_hidden_layers
         self.head_dim, value_dim = architectures.cache_head_dims(model.config)
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.seed, self.defer_compression = seed, defer_compression
+        self.seed = list(seed) if isinstance(seed, (list, tuple)) else seed
+        self.defer_compression = defer_compression
         self.model = model
         served = [self.policy] + [parse_policy(p) for p in (scores_for or [])]
         for served_policy in served:  # refused before the prefill, not after it
@@ -326,7 +330,7 @@ class CompressedCache(Cache):
         return 0 if self._protect_last is None else self._protect_last[b]
 
     def seed_for(self, b: int) -> int:
-        return self.seed + b
+        return self.seed[b] if isinstance(self.seed, list) else self.seed + b
 
     def decodes_from_codes(self, device) -> bool:
         """Whether quantized layers on ``device`` decode from their codes (see ``quantized_decode``)."""
@@ -360,6 +364,7 @@ class CompressedCache(Cache):
             layer.rows = []
         try:
             clone = copy.deepcopy(self, dict(memo))
+            clone.seed = [self.seed_for(i) for i in index]  # each forked row keeps its source row's seed
         finally:
             for layer, rows in zip(self.attention_layers, saved):
                 layer.rows = rows

@@ -143,7 +143,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
             limits = [item.max_new_tokens for item in batch]  # each its own: a batch's mix changes no answer
             check_request(model, prompts, limits, specs[0].mode, len(batch))
             outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=limits,
-                                    seed=seed, **specs[0].generation_kwargs())
+                                    seed=[item.random_seed(seed) for item in batch], **specs[0].generation_kwargs())
             for i, (_, results) in zip(needed, outputs):  # written as each policy finishes
                 for item, result in zip(batch, results):
                     writers[i].write(_record(item, result, score_answer(item, result.text)))

@@ -85,7 +85,8 @@ class FidelityItem:
 
 
 def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "list[list[int]] | None" = None,
-                         max_new_tokens: "int | list[int]" = 32, mode: str = "context", seed: int = 0, kv_dtype=None):
+                         max_new_tokens: "int | list[int]" = 32, mode: str = "context", seed: "int | list[int]" = 0,
+                         kv_dtype=None):
     """Next-token log-distributions along an answer, for one batch of prompts.
 
     With ``answers=None`` the answer is the greedy one under ``policy`` (the
@@ -215,14 +216,15 @@ def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequen
     for first in range(0, len(pending), batch_size):
         batch = pending[first:first + batch_size]
         prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
+        seeds = [it.random_seed(seed) for it in batch]  # the items' own, as their answers had
         reference = answer_distributions(model, tokenizer, prompts, baseline.policy,
-                                         max_new_tokens=[it.max_new_tokens for it in batch], seed=seed, **kwargs)
+                                         max_new_tokens=[it.max_new_tokens for it in batch], seed=seeds, **kwargs)
         answers = [ids for ids, _ in reference]
         for spec, run_dir in candidates:
             todo = [b for b, it in enumerate(batch) if it.id not in done[run_dir] or done[run_dir][it.id].hash != it.hash]
             if not todo:
                 continue
-            forced = answer_distributions(model, tokenizer, prompts, spec.policy, answers=answers, seed=seed, **kwargs)
+            forced = answer_distributions(model, tokenizer, prompts, spec.policy, answers=answers, seed=seeds, **kwargs)
             with open(Path(run_dir) / FIDELITY_FILE, "a") as fh:
                 for b in todo:
                     numbers = compare_distributions(answers[b], reference[b][1], forced[b][1])

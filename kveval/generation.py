@@ -256,8 +256,9 @@ def _check_rope_batches(model, prompts: list[Prompt], limits: list[int], mode: s
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack" = "none", max_new_tokens: int = 32,
-             mode: str = "context", batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
-             kv_dtype: "str | torch.dtype | None" = None, quantized_decode: str = "auto") -> list[GenerationResult]:
+             mode: str = "context", batch_size: int = 1, stop: list[str] | None = None,
+             seed: "int | Sequence[int]" = 0, kv_dtype: "str | torch.dtype | None" = None,
+             quantized_decode: str = "auto") -> list[GenerationResult]:
     """Greedy decoding of ``prompts`` with ``policy`` applied at prefill and during decoding.
 
     Parameters
@@ -277,8 +278,9 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
         change with the batch's shape, as far as transformers' own batches match its batch 1).
     stop : list of str, optional
         Stop strings; the text is cut before the first one.
-    seed : int
-        Seed of the ``random`` control policy (row ``i`` of the whole list uses ``seed + i``).
+    seed : int or sequence of int
+        Seed of the ``random`` control policy: row ``i`` of the whole list uses ``seed + i``, or ``seed[i]``
+        given one per prompt (from each item, so that its choices do not depend on what it is batched with).
     kv_dtype : str or torch.dtype, optional
         The deployment's cache dtype (``"bfloat16"``, ``"float16"``, ``"float32"``): full-precision
         tokens are stored in it and ratios are stated against it. Default: the checkpoint's.
@@ -292,9 +294,15 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
     results = []
     for first in range(0, len(prompts), batch_size):
         results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy,
-                                   limits[first:first + batch_size], mode, stop or [], seed + first, kv_dtype,
-                                   quantized_decode)
+                                   limits[first:first + batch_size], mode, stop or [],
+                                   batch_seeds(seed, first, batch_size), kv_dtype, quantized_decode)
     return results
+
+
+def batch_seeds(seed: "int | Sequence[int]", first: int, size: int) -> "int | list[int]":
+    """The ``random`` control's seeds of the batch starting at row ``first``: ``seed + first`` (its rows then use
+    ``seed + first + b``) or, given one seed per row, theirs."""
+    return seed + first if isinstance(seed, int) else list(seed[first:first + size])
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -392,7 +400,7 @@ def can_share_prefill(model, kv_dtype: "str | torch.dtype | None" = None) -> boo
 
 @torch.no_grad()
 def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: "int | Sequence[int]" = 32,
-                  mode: str = "context", stop: list[str] | None = None, seed: int = 0,
+                  mode: str = "context", stop: list[str] | None = None, seed: "int | Sequence[int]" = 0,
                   kv_dtype: "str | torch.dtype | None" = None) -> Iterator[tuple[PolicyStack, list[GenerationResult]]]:
     """One batch (all ``prompts`` in one forward pass) under each policy in turn, from one prefill.
 
@@ -428,7 +436,7 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
 @torch.no_grad()
 def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: "int | Sequence[int]" = 32,
                   mode: str = "context",
-                  batch_size: int = 1, stop: list[str] | None = None, seed: int = 0,
+                  batch_size: int = 1, stop: list[str] | None = None, seed: "int | Sequence[int]" = 0,
                   kv_dtype: "str | torch.dtype | None" = None) -> dict[str, list[GenerationResult]]:
     """Generate under several policies with one prefill per batch for all of them (:func:`generate_each`).
 
@@ -441,6 +449,7 @@ def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     out = {s.spec: [] for s in stacks}
     for first in range(0, len(prompts), batch_size):
         for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks,
-                                            limits[first:first + batch_size], mode, stop, seed + first, kv_dtype):
+                                            limits[first:first + batch_size], mode, stop,
+                                            batch_seeds(seed, first, batch_size), kv_dtype):
             out[stack.spec] += results
     return out

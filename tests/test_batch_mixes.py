@@ -29,7 +29,9 @@ def _mixed_items():
 
 
 @pytest.mark.parametrize("policies", [["none", "h2o(ratio=0.5,decode_budget=24)+quant(bits=4,group=8)"],
-                                      ["none", "kivi(bits=2,group=4,residual=4)"]])
+                                      ["none", "kivi(bits=2,group=4,residual=4)"],
+                                      # the random control: its row seed came from the row's place in its batch
+                                      ["none", "random(ratio=0.5)", "random(ratio=0.5,decode_budget=20)"]])
 def test_items_of_different_answer_lengths_in_one_batch_equal_their_runs_alone(tmp_path, policies):
     model, items = tiny_llama(), _mixed_items()
     alone = evaluate_policies(model, CharTok(), items, policies, tmp_path / "alone", "org/M", batch_size=1, fidelity=True)

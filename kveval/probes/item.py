@@ -141,6 +141,11 @@ class ProbeItem:
         """The raw user message: context, a blank line, the question (no chat template)."""
         return self.context + CONTEXT_QUESTION_SEPARATOR + self.question
 
+    def random_seed(self, base: int) -> int:
+        """The ``random`` control's seed for this item: ``base`` plus a hash of its id, so that what it drops does
+        not depend on the batch it runs in (nor on a resumed sweep's batches)."""
+        return (base + int.from_bytes(hashlib.sha256(self.id.encode()).digest()[:4], "big")) % 2**31
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for needle in data["needles"]:
