@@ -225,6 +225,8 @@ def load_gate_config(config: str | os.PathLike | dict | GateConfig | None = None
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; a gate config is a YAML file") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: a gate config is a mapping of settings")
     return GateConfig.from_dict(data, source=str(path))

@@ -86,9 +86,11 @@ def load_config(path: str | Path) -> SweepConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such sweep config; see configs/quickstart.yaml for an example")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; a sweep config is a YAML file") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a sweep config is a mapping of keys ({', '.join(sorted(CONFIG_KEYS))})")
     unknown = set(raw) - CONFIG_KEYS
@@ -409,10 +411,21 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
     if manifest_path.is_file():
-        previous = json.loads(manifest_path.read_text())
+        try:
+            previous = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            previous = None
+        if not isinstance(previous, dict):
+            raise RunFolderError(f"{manifest_path} is not a sweep manifest (damaged or foreign); pass --out to a new "
+                                 f"folder, or delete {out} to start over")
         if previous.get("config_hash") != config.hash:
             raise RunFolderError(f"{out} holds a sweep with another config (hash {previous.get('config_hash')}); "
                              f"pass --out to a new folder, or delete {out} to start over")
+    elif (out / "runs").is_dir() and any((out / "runs").iterdir()):
+        # A sweep writes its manifest before any run: these runs come from elsewhere (kveval eval), under settings
+        # this config does not know, and would be resumed into and gated with its own.
+        raise RunFolderError(f"{out} holds runs but no sweep manifest (kveval eval's, or another tool's); pass --out "
+                             f"to a new folder")
     device, _ = resolve_device_dtype()
     manifest = _manifest(config, device)
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))

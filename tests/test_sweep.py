@@ -175,3 +175,39 @@ def test_a_deployment_question_that_cannot_be_asked_is_refused_before_the_sweep(
     argv = ["sweep", "configs/quickstart.yaml", "--out", str(tmp_path / "run"), "--gpu-memory", "80 gigs", "--context", "8192"]
     assert cli.main(argv) == 2
     assert "is not a size" in capsys.readouterr().err and loaded == []
+
+
+@pytest.mark.parametrize("damage", ["latin1-config", "latin1-gate", "manifest-json", "manifest-list", "eval-runs"])
+def test_a_folder_or_file_that_is_not_what_it_claims_is_one_line(tmp_path, monkeypatch, capsys, damage):
+    """A non-UTF-8 config or gate file and a damaged or foreign manifest.json were internal errors (a traceback);
+    runs in a folder without a manifest (kveval eval's) were taken over and gated with the sweep's own items."""
+    from kveval import cli, models
+    from kveval.errors import UsageError
+
+    def no_model(name, **kwargs):
+        raise UsageError("stop here: no model is loaded in this test")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    config, out = tmp_path / "sweep.yaml", tmp_path / "out"
+    config.write_text(CONFIG)
+    if damage == "latin1-config":
+        config.write_bytes(CONFIG.encode() + "# caf\xe9\n".encode("latin-1"))
+    elif damage == "latin1-gate":
+        gate = tmp_path / "gate.yaml"
+        gate.write_bytes("margin: 0.1 # caf\xe9\n".encode("latin-1"))
+        config.write_text(CONFIG + f"gate: {gate}\n")
+    else:
+        out.mkdir()
+        if damage == "manifest-json":
+            (out / "manifest.json").write_text("{not json")
+        elif damage == "manifest-list":
+            (out / "manifest.json").write_text("[1, 2]")
+        else:
+            (out / "runs" / "smollm2-135m" / "none").mkdir(parents=True)
+    code = cli.main(["sweep", str(config), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "internal error" not in err and "Traceback" not in err
+    if damage.startswith("latin1"):  # the gate file too is read before any model runs
+        assert "not UTF-8 text" in err and "stop here" not in err
+    else:
+        assert "pass --out to a new folder" in err and "stop here" not in err
