@@ -48,7 +48,8 @@ LOCK_FILE = ".kveval-sweep.lock"
 
 @dataclass
 class SweepConfig:
-    """A sweep, as read from YAML (paths relative to the YAML file's folder)."""
+    """A sweep, as read from YAML. ``gate:`` is relative to the YAML file's folder (the file ships beside it);
+    ``out:`` and ``--out`` to the working directory, where a run's outputs go."""
 
     name: str
     models: list[str]
