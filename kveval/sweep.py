@@ -265,6 +265,21 @@ def _manifest(config: SweepConfig, device: str) -> dict:
             "python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
 
 
+#: The packages whose versions change what a run computes (answers, scores, bytes).
+_CODE_PACKAGES = ("kveval", "torch", "transformers")
+
+
+def _code_of(manifest: dict) -> dict:
+    """The code a manifest was written under: kveval's commit and the versions that change results."""
+    versions = manifest.get("versions") or {}
+    return {"git_commit": manifest.get("git_commit"), **{p: versions.get(p) for p in _CODE_PACKAGES}}
+
+
+def _describe(code: dict) -> str:
+    commit = (code.get("git_commit") or "no commit")[:10]
+    return f"kveval {code.get('kveval')} ({commit}), torch {code.get('torch')}, transformers {code.get('transformers')}"
+
+
 def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> list[Cell]:
     """The sweep's cells, model by model and mode by mode (the baseline ``none`` runs in the config's mode).
 
@@ -411,6 +426,7 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
             spec.for_model(model_name)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
+    previous = None
     if manifest_path.is_file():
         try:
             previous = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -429,6 +445,14 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
                              f"to a new folder")
     device, _ = resolve_device_dtype()
     manifest = _manifest(config, device)
+    if previous is not None:
+        manifest["started_under"] = previous.get("started_under") or _code_of(previous)
+        if manifest["started_under"] != _code_of(manifest):
+            import sys
+
+            print(f"kveval sweep: warning: {out} was started under {_describe(manifest['started_under'])} and resumes "
+                  f"under {_describe(_code_of(manifest))}: items written before keep what that code computed; "
+                  f"pass --out to a new folder for one version throughout", file=sys.stderr)
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
     cells = plan_cells(config, policies_per_cell)
     absolute = out.resolve()  # cells may run in another working directory (Ray workers do)

@@ -211,3 +211,31 @@ def test_a_folder_or_file_that_is_not_what_it_claims_is_one_line(tmp_path, monke
         assert "not UTF-8 text" in err and "stop here" not in err
     else:
         assert "pass --out to a new folder" in err and "stop here" not in err
+
+
+def test_a_sweep_resumed_under_other_code_says_so(tmp_path, monkeypatch, capsys):
+    """The manifest was overwritten on every resume: a sweep stopped, then resumed after an upgrade (a scoring
+    fix, a new torch) held items of two versions under a manifest naming only the last. It now keeps the code the
+    sweep started under and warns when it resumes under other code."""
+    from kveval import cli, models
+    from kveval.errors import UsageError
+
+    def no_model(name, **kwargs):
+        raise UsageError("stop here: no model is loaded in this test")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    config, out = tmp_path / "sweep.yaml", tmp_path / "out"
+    config.write_text(CONFIG)
+    assert cli.main(["sweep", str(config), "--out", str(out)]) == 2
+    assert "warning" not in capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "started_under" not in manifest  # the first start: nothing to compare
+    manifest["git_commit"], manifest["versions"]["torch"] = "0123456789abcdef", "1.0.0"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main(["sweep", str(config), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "was started under kveval" in err and "(0123456789), torch 1.0.0" in err
+    resumed = json.loads((out / "manifest.json").read_text())
+    assert resumed["started_under"]["git_commit"] == "0123456789abcdef" and resumed["started_under"]["torch"] == "1.0.0"
+    assert cli.main(["sweep", str(config), "--out", str(out)]) == 2  # still named as started, resumed again
+    assert "was started under kveval" in capsys.readouterr().err
