@@ -35,7 +35,6 @@ __all__ = [
     "flips",
     "holm",
     "benjamini_hochberg",
-    "is_binary",
 ]
 
 ArrayLike = Sequence[float] | np.ndarray
@@ -324,15 +323,6 @@ def benjamini_hochberg(pvalues: ArrayLike) -> np.ndarray:
     if p.size == 0:
         return p.copy()
     return np.asarray(_st.false_discovery_control(p, method="bh"), dtype=float)
-
-
-def is_binary(*arrays: ArrayLike) -> bool:
-    """True when every value of every array is 0 or 1."""
-    for arr in arrays:
-        x = np.asarray(arr, dtype=float)
-        if not np.all((x == 0) | (x == 1)):
-            return False
-    return True
 
 
 def bootstrap_margin_test(

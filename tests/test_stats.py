@@ -102,11 +102,6 @@ def test_holm_edge_cases():
         stats.holm([0.5, 1.5])
 
 
-def test_is_binary():
-    assert stats.is_binary([0, 1, 1.0], [True, False])
-    assert not stats.is_binary([0, 0.5])
-
-
 # ----------------------------------------------------------------------------- paired proportions (kveval.paired)
 
 
