@@ -49,6 +49,8 @@ import torch
 
 from kveval.block_probabilities import SINK_SLOT_STEP
 from kveval.errors import UnsupportedModelError
+from kveval.layer_types import (ATTENTION_LAYER_TYPES, EMPTY_LAYER_TYPES, HYBRID_LAYER_TYPES, KNOWN_LAYER_TYPES,
+                                STATE_LAYER_TYPES)
 
 #: The name kveval's attention function is registered under (``attn_implementation="kveval"``).
 KVEVAL_ATTENTION = "kveval"
@@ -58,11 +60,6 @@ STATE = "state"
 HYBRID = "hybrid"  # attention and a state in the same layer (Falcon-H1)
 NONE = "none"
 
-#: ``config.layer_types`` entries kveval knows, and what their cache layer is.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
-STATE_LAYER_TYPES = {"linear_attention", "conv", "mamba"}
-HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}
-EMPTY_LAYER_TYPES = {"dummy", "moe", "mlp"}
 
 
 @dataclass(frozen=True)
@@ -125,7 +122,7 @@ def cache_layer_plan(config) -> list[LayerPlan]:
         elif kind in EMPTY_LAYER_TYPES:
             plans.append(LayerPlan(NONE, kind))
         else:
-            known = sorted(ATTENTION_LAYER_TYPES | STATE_LAYER_TYPES | HYBRID_LAYER_TYPES | EMPTY_LAYER_TYPES)
+            known = sorted(KNOWN_LAYER_TYPES)
             raise UnsupportedModelError(
                 f"{architecture_name(config)}: cache layer type {kind!r} is not supported by kveval "
                 f"(known: {', '.join(known)}); it would not be evaluated exactly, so it is refused")

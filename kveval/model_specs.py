@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kveval.layer_types import KNOWN_LAYER_TYPES, KV_LAYER_TYPES
 from kveval.values import is_whole
 
 # ----------------------------------------------------------------------------------------------
@@ -181,9 +182,10 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         if len(layer_types) != layers:
             raise ValueError(f"{name}: layer_types has {len(layer_types)} entries for {layers} layers")
         for i, kind in enumerate(layer_types):
-            if kind not in _LAYER_TYPES:
-                raise ValueError(f"{name}: layer type {kind!r} is not one the planner knows ({', '.join(sorted(_LAYER_TYPES))})")
-            holds_kv[i] = kind in _KV_LAYER_TYPES
+            if kind not in KNOWN_LAYER_TYPES:
+                raise ValueError(f"{name}: layer type {kind!r} is not one the planner knows "
+                                 f"({', '.join(sorted(KNOWN_LAYER_TYPES))})")
+            holds_kv[i] = kind in KV_LAYER_TYPES
             if kind in ("sliding_attention", "hybrid_sliding"):
                 if not window:
                     raise ValueError(f"{name}: layer_types has sliding layers but sliding_window is not set")
@@ -224,11 +226,6 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      head_dim=head_dim, windows=windows, holds_kv=holds_kv, mla_dim=mla_dim, mla_rope=mla_rope,
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
                      max_position=get("max_position_embeddings"), notes=notes)
-
-
-#: ``layer_types`` entries the planner reads (those of :mod:`kveval.architectures`), and those that hold K/V.
-_KV_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding"}
-_LAYER_TYPES = _KV_LAYER_TYPES | {"linear_attention", "conv", "mamba", "dummy", "moe", "mlp"}
 
 
 #: Keys by which a ``config.json`` without ``layer_types`` says that some layers hold no K/V (Mamba, linear
