@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from kveval.gate import PASS, GateResult
-from kveval.values import is_whole
 
 
 @dataclass
@@ -63,9 +62,8 @@ def check_deployment_inputs(gpu_memory: str, context: int, batch: int = 1, headr
     memory.parse_size(gpu_memory, "gpu_memory")
     if weights is not None:
         memory.parse_size(weights, "weights")
-    for value, what in ((context, "context"), (batch, "batch")):
-        if not is_whole(value) or value < 1:
-            raise ValueError(f"{what}={value!r} must be a whole number >= 1")
+    memory.check_int(context, "context", 1)
+    memory.check_int(batch, "batch", 1)
     return memory.parse_headroom(headroom)
 
 

@@ -129,7 +129,8 @@ def _policy_stack(policy):
     return parse_policy(policy)
 
 
-def _check_int(value, what: str, minimum: int) -> int:
+def check_int(value, what: str, minimum: int) -> int:
+    """``value`` when it is a whole number of at least ``minimum``; else ``ValueError`` (one line) naming ``what``."""
     if not is_whole(value):
         raise ValueError(f"{what}={value!r} must be an integer")
     if value < minimum:
@@ -166,6 +167,7 @@ def _kvquant_bytes(tokens: int, oldest: int, heads: int, head_dim: int, quant, d
 
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
+    _check_selection(spec, stack)
     quant = stack.quantization
     if quant is not None and not hasattr(quant, "key_quant"):
         return _kvquant_layout(spec, stack)
@@ -343,9 +345,9 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     Raises ``ValueError`` (one line) for unknown models, bad numbers or a policy that does not fit the model.
     """
     spec = load_model_spec(model)
-    context = _check_int(context, "context", 1)
-    batch = _check_int(batch, "batch", 1)
-    new_tokens = _check_int(new_tokens, "new_tokens", 0)
+    context = check_int(context, "context", 1)
+    batch = check_int(batch, "batch", 1)
+    new_tokens = check_int(new_tokens, "new_tokens", 0)
     dtype_bytes = _check_dtype_bytes(dtype_bytes)
     stack = _policy_stack(policy)
     notes = list(spec.notes)
@@ -353,7 +355,6 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     base_layout = _layout(spec, _policy_stack("none"), [])
     from kveval.policies import PolicyStack
 
-    _check_selection(spec, stack)
     layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
     base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
     kv_layers = sum(spec.holds_kv)
@@ -490,11 +491,10 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     gpu = parse_size(gpu_memory, "gpu_memory")
     h = parse_headroom(headroom)
     dtype_bytes = _check_dtype_bytes(dtype_bytes)
-    new_tokens = _check_int(new_tokens, "new_tokens", 0)
+    new_tokens = check_int(new_tokens, "new_tokens", 0)
     stack = _policy_stack(policy)
     notes: list[str] = []
     layout = _layout(spec, stack, notes)
-    _check_selection(spec, stack)
     weight_bytes, estimated = _weights(spec, weights, weight_bytes_per_param, dtype_bytes, notes)
     budget = math.floor(gpu * (1 - Fraction(repr(h)))) - weight_bytes  # exact: 0.9 x 80 GiB is a whole number
     if budget <= 0:
@@ -507,11 +507,11 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
                   cache_budget_bytes=budget, model=spec.name, policy=stack.spec, notes=notes)
     if context is not None:
-        context = _check_int(context, "context", 1)
+        context = check_int(context, "context", 1)
         per_seq = seq_bytes(context)
         value = max(0, budget // per_seq) if budget > 0 else 0
         return FitResult("batch", value, context, value, cache_bytes=value * per_seq, **common)
-    batch = _check_int(1 if batch is None else batch, "batch", 1)
+    batch = check_int(1 if batch is None else batch, "batch", 1)
     limit = budget // batch if budget > 0 else -1
     if seq_bytes(_GIANT) <= limit:
         notes.append(f"the cache stops growing at {human_bytes(seq_bytes(_GIANT) * batch)} (windows or budgets bound "
