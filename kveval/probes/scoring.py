@@ -150,7 +150,7 @@ def _word_values(answer: str, needle_values: set[str], gold: list[str], banned: 
         if word in vocabulary or singular:
             found.append(word if word in vocabulary else singular)
         elif len(word) >= 3 and word not in _STOPWORDS and word not in banned and "'" not in word:
-            if any(len(_common_prefix(word, g)) >= 3 and _near(word, g) for g in gold):
+            if any(_word_near(word, g) for g in gold):
                 found.append(word)  # a typo of a gold word
             else:
                 content.append(word)
@@ -199,6 +199,15 @@ def _near(value: str, gold: str) -> dict[str, Any] | None:
     if contained or similarity >= NEAR_SIMILARITY:
         return {"gold": gold, "value": value, "prefix": prefix, "similarity": round(similarity, 4)}
     return None
+
+
+def _word_near(value: str, gold: str) -> dict[str, Any] | None:
+    """:func:`_near` for word values, where only a typo is a near miss: a word sharing the gold's first three
+    letters. Another value of the vocabulary ("guitar" for "sitar") is a fabrication, and a word that merely looks
+    like the gold ("corn" for "popcorn", "hello" for "cello") is no typo of it."""
+    if value in _VALUE_VOCABULARY or len(_common_prefix(value, gold)) < 3:
+        return None
+    return _near(value, gold)
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -257,13 +266,10 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
 
     missing = [g for g in gold if g not in found]
     near = None
+    near_miss = _word_near if kind == "word" else _near
     for v in other:
-        if kind == "word" and v in _VALUE_VOCABULARY:
-            continue  # another value of the vocabulary ("guitar" for "sitar") is a fabrication, not a near miss
         for g in missing:
-            if kind == "word" and len(_common_prefix(v, g)) < 3:
-                continue  # a word that merely looks like the gold ("corn" for "popcorn") is no typo of it
-            near = _near(v, g)
+            near = near_miss(v, g)
             if near:
                 break
         if near:
