@@ -151,7 +151,7 @@ def tokenize_for(model, text: str) -> list[int]:
 
 
 # --- calibration -------------------------------------------------------------------------------
-def _calibration_cache(model):
+def _calibration_cache(plans):
     """transformers' own cache layers for the calibration pass, every attention layer whole.
 
     Attention layers are plain ``DynamicLayer`` s, sliding ones too (they keep
@@ -164,17 +164,18 @@ def _calibration_cache(model):
     kinds = {ATTENTION: lambda plan: DynamicLayer(), NONE: lambda plan: DummyLayer(),
              STATE: lambda plan: LinearAttentionLayer(number_of_states=plan.number_of_states),
              HYBRID: lambda plan: LinearAttentionAndFullAttentionLayer(number_of_states=plan.number_of_states)}
-    return Cache(layers=[kinds[plan.kind](plan) for plan in cache_layer_plan(model.config)])
+    return Cache(layers=[kinds[plan.kind](plan) for plan in plans])
 
 
 def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """One forward pass with transformers' own cache; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``, and
     ``None`` for a layer without K/V (a Mamba or linear-attention layer)."""
-    cache = _calibration_cache(model)
+    plans = cache_layer_plan(model.config)
+    cache = _calibration_cache(plans)
     with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
         model(input_ids=ids, cache=cache, use_cache=True)
     return [(layer.keys[0].float().cpu(), layer.values[0].float().cpu()) if plan.holds_tokens else None
-            for plan, layer in zip(cache_layer_plan(model.config), cache.layers)]
+            for plan, layer in zip(plans, cache.layers)]
 
 
 def uncentered_pca(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

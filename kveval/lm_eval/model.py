@@ -132,6 +132,15 @@ def _version(name: str) -> str:
 
 # --- cache helpers -------------------------------------------------------------------------------
 
+def _whole_batch_size(value) -> int:
+    """A batch size as lm-eval hands it over (an int, or digits from ``--batch_size``/``--model_args``), checked
+    like every batch size of kveval."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    check_batch_size(value)
+    return value
+
+
 def _planned_batches(groups: dict, order: list, batch_size: int):
     """The forwards :meth:`KVEvalLM._score_plans` runs, in order, for :meth:`KVEvalLM._check_rope_forwards` to walk
     before any: per batch of ``batch_size`` prefill groups (``order``'s keys, ``groups[key]`` the requests sharing
@@ -219,9 +228,7 @@ class KVEvalLM(HFLM):
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
             log.warning("kveval: batch_size=%s is not supported; using 1", batch_size)
             batch_size = 1
-        if isinstance(batch_size, str) and batch_size.strip().isdigit():
-            batch_size = int(batch_size)
-        check_batch_size(batch_size)  # 0 and "abc" ran as 1 without a word
+        batch_size = _whole_batch_size(batch_size)  # 0 and "abc" ran as 1 without a word
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
         if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
@@ -349,11 +356,7 @@ class KVEvalLM(HFLM):
             log.warning(message, *args)
 
     def _int_batch_size(self, override: int | None = None) -> int:
-        size = override if override is not None else self.batch_size
-        if isinstance(size, str) and size.strip().isdigit():
-            size = int(size)
-        check_batch_size(size)
-        return size
+        return _whole_batch_size(override if override is not None else self.batch_size)
 
     def _question_length(self, text: str | None, tokens: list[int], encode) -> int:
         """Tokens at the end of ``tokens`` that belong to the question (from ``question_marker`` on)."""
