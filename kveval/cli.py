@@ -24,6 +24,7 @@ COMMANDS = {
     "gate": ("kveval.gate_cli", "regression gate before deployment (exit 0 PASS, 1 FAIL, 3 INCONCLUSIVE, 2 error); --plan sizes a run"),
     "report": ("kveval.report", "leaderboard (markdown, CSV, HTML) and plots from run folders"),
     "sweep": ("kveval.sweep", "models x policies x probes sweep, ending in a leaderboard and a gate verdict"),
+    "rescore": ("kveval.rescore", "score stored answers again with this version's scorer (a sweep or run folders), no model run"),
     "memory": ("kveval.memory", "KV-cache memory planner: bytes per token, largest context or batch that fits"),
     "lm-eval": ("kveval.lm_eval.__main__", "lm-evaluation-harness CLI with the kveval model type and kveval's tasks"),
 }

@@ -44,6 +44,8 @@ LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 RESULT_NEUTRAL_KEYS = {"gate", "out"}
 #: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
 LOCK_FILE = ".kveval-sweep.lock"
+#: What a sweep folder's config and code were (:func:`read_manifest`).
+MANIFEST_FILE = "manifest.json"
 
 
 @dataclass
@@ -248,6 +250,12 @@ def sweep_lock(out: Path):
 
 
 def _manifest(config: SweepConfig, device: str) -> dict:
+    return {"name": config.name, "config": config.raw, "config_hash": config.hash, "seed": config.seed, "device": device,
+            **_environment()}
+
+
+def _environment() -> dict:
+    """The code and platform running now: package versions, kveval's git commit, Python and the OS."""
     import importlib.metadata as md
 
     versions = {}
@@ -261,8 +269,7 @@ def _manifest(config: SweepConfig, device: str) -> dict:
                                 timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"name": config.name, "config": config.raw, "config_hash": config.hash, "seed": config.seed, "device": device,
-            "python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
+    return {"python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
 
 
 #: The packages whose versions change what a run computes (answers, scores, bytes).
@@ -273,6 +280,11 @@ def _code_of(manifest: dict) -> dict:
     """The code a manifest was written under: kveval's commit and the versions that change results."""
     versions = manifest.get("versions") or {}
     return {"git_commit": manifest.get("git_commit"), **{p: versions.get(p) for p in _CODE_PACKAGES}}
+
+
+def running_code() -> dict:
+    """:func:`_code_of` the code running now."""
+    return _code_of(_environment())
 
 
 def _describe(code: dict) -> str:
@@ -332,16 +344,6 @@ class CellRunner:
             self._loaded = (name, *load_model(name, **self.load_options))
         return self._loaded[1], self._loaded[2]
 
-    def _items(self, tokenizer) -> list:
-        from kveval.probes import generate_items
-
-        config, items = self.config, []
-        for family in config.families:
-            for length in config.lengths:
-                items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
-                                        **config.family_params.get(family, {}))
-        return items
-
     def _finished(self, cell: Cell, items: list) -> list[Path] | None:
         """The cell's run folders if every item and lm-eval task of every policy is written (finalized again), else None."""
         from kveval.errors import ResultFileError
@@ -390,7 +392,7 @@ class CellRunner:
         from kveval.models import load_tokenizer
 
         config = self.config
-        items = self._items(load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
+        items = sweep_items(config, load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
         finished = self._finished(cell, items)
         if finished is not None:  # a resumed sweep loads no weights for the cells that are done
             return CellResult([str(d) for d in finished])
@@ -409,6 +411,45 @@ class CellRunner:
         return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
 
 
+def sweep_items(config: SweepConfig, tokenizer) -> list:
+    """The sweep's probe items for one model's tokenizer: every family at every length, in the config's order."""
+    from kveval.probes import generate_items
+
+    items = []
+    for family in config.families:
+        for length in config.lengths:
+            items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
+                                    **config.family_params.get(family, {}))
+    return items
+
+
+def sweep_run_dirs(config: SweepConfig, out: Path) -> list[Path]:
+    """The sweep's run folders under ``out``, in :func:`run_sweep`'s order (baseline first for each model)."""
+    from kveval.evaluate import model_identity, run_dir_for
+
+    return [run_dir_for(out, model_identity(model_name), spec.for_model(model_name)) for model_name in config.models
+            for specs in _specs_by_mode(config).values() for spec in specs]
+
+
+def read_manifest(out: Path, config: SweepConfig) -> dict | None:
+    """The manifest of the sweep folder ``out`` (``None``: it has none), refused where it is damaged or foreign, or
+    belongs to another config."""
+    path = out / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise RunFolderError(f"{path} is not a sweep manifest (damaged or foreign); pass --out to a new "
+                             f"folder, or delete {out} to start over")
+    if manifest.get("config_hash") != config.hash:
+        raise RunFolderError(f"{out} holds a sweep with another config (hash {manifest.get('config_hash')}); "
+                             f"pass --out to a new folder, or delete {out} to start over")
+    return manifest
+
+
 def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Executor | None = None,
               load_options: dict | None = None, policies_per_cell: int | None = None) -> list[Path]:
     """Run (or resume) a sweep; return its run folders (baseline first for each model).
@@ -425,20 +466,9 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
         for spec in config.policies:
             spec.for_model(model_name)
     out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / "manifest.json"
-    previous = None
-    if manifest_path.is_file():
-        try:
-            previous = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            previous = None
-        if not isinstance(previous, dict):
-            raise RunFolderError(f"{manifest_path} is not a sweep manifest (damaged or foreign); pass --out to a new "
-                                 f"folder, or delete {out} to start over")
-        if previous.get("config_hash") != config.hash:
-            raise RunFolderError(f"{out} holds a sweep with another config (hash {previous.get('config_hash')}); "
-                             f"pass --out to a new folder, or delete {out} to start over")
-    elif (out / "runs").is_dir() and any((out / "runs").iterdir()):
+    manifest_path = out / MANIFEST_FILE
+    previous = read_manifest(out, config)
+    if previous is None and (out / "runs").is_dir() and any((out / "runs").iterdir()):
         # A sweep writes its manifest before any run: these runs come from elsewhere (kveval eval), under settings
         # this config does not know, and would be resumed into and gated with its own.
         raise RunFolderError(f"{out} holds runs but no sweep manifest (kveval eval's, or another tool's); pass --out "
@@ -447,6 +477,8 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     manifest = _manifest(config, device)
     if previous is not None:
         manifest["started_under"] = previous.get("started_under") or _code_of(previous)
+        if previous.get("rescored_under"):  # kveval rescore's: what scored the items written before
+            manifest["rescored_under"] = previous["rescored_under"]
         if manifest["started_under"] != _code_of(manifest):
             import sys
 

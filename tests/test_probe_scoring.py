@@ -202,8 +202,9 @@ def test_multi_turn_previous_answer_is_distractor(tok):
     r = check(turn1, f" {items[0].gold[0]}", "distractor")
     assert r.recalled == f"distractor:{items[0].gold[0]}"
     check(turn1, f" {turn1.gold[0]}", "correct")
-    # A value the question holds only inside a longer one is no echo of it (it was dropped: "empty").
-    check(turn1, f" {items[0].gold[0][:4]}", "fabricated")
+    # A value the question holds only inside a longer one is no echo of it (it was dropped: "empty"); cut short,
+    # the previous turn's value is still the wrong needle.
+    check(turn1, f" {items[0].gold[0][:4]}", "distractor")
 
 
 def test_every_category_has_an_answer(multikey, update):
@@ -230,3 +231,48 @@ def test_score_validation():
         Score(0.5, False, "confused")
     with pytest.raises(ValueError):
         Score(1.5, True, "correct")
+
+
+# --- near misses of the wrong needle: the confusion is which needle, not how well it was copied ----------------
+
+def _one_digit_off(value: str) -> str:
+    return value[:-1] + str((int(value[-1]) + 1) % 10)
+
+
+def test_near_miss_of_a_distractor_is_a_distractor(multikey):
+    """A garbled copy of another key's value (one digit off, or cut short) names the wrong needle: the model
+    retrieved the distractor. It was ``fabricated``, as if the value came from nowhere."""
+    other = _values(multikey, "distractor")[0]
+    for garbled in (_one_digit_off(other), other[:5], other + "9"):
+        r = check(multikey, f" {garbled}.", "distractor")
+        assert r.recalled == f"distractor:{garbled}" and r.score == 0.0
+        assert r.detail["near_needles"][0]["needle"] == other and r.detail["near_needles"][0]["role"] == "distractor"
+
+
+def test_near_miss_of_a_stale_value_is_stale(update):
+    stale = _values(update, "stale")[0]
+    r = check(update, f" {stale[:-1]}", "stale")
+    assert r.recalled == f"stale:{stale[:-1]}" and r.score == 0.0
+
+
+def test_near_miss_nearer_the_gold_stays_partial(multikey):
+    """A value near both the gold and a needle counts for the one it is nearer; the gold's near miss keeps its
+    share of the score out of the penalty, as before."""
+    gold = multikey.gold[0]
+    r = check(multikey, f" {_one_digit_off(gold)}", "partial")
+    assert r.detail["near"]["gold"] == gold and "near_needles" not in r.detail
+
+
+def test_near_miss_of_a_distractor_uuid_and_variable(tok):
+    item = generate_items("kv_retrieval", tok, 512, 1, depths=[0.5])[0]
+    other = _values(item, "distractor")[0]
+    r = check(item, f" {other[:-4]}", "distractor")  # the wrong UUID, its last digits lost
+    assert r.recalled == f"distractor:{other[:-4]}"
+    check(item, " 0123abcd-0000-4000-8000-00000000ffff", "fabricated")  # near no needle at all
+
+
+def test_near_miss_of_a_distractor_in_a_full_answer_is_named(multikey):
+    """Every gold value plus a garbled other needle: over-inclusion, the extra named by the needle it copies."""
+    gold, other = multikey.gold[0], _values(multikey, "distractor")[0]
+    r = check(multikey, f" {gold} and {_one_digit_off(other)}", "over_inclusion")
+    assert r.recalled == f"distractor:{_one_digit_off(other)}" and r.score == 0.5

@@ -40,9 +40,11 @@ Categories, in order of precedence (the first that applies)
     values ("escalator or maybe elephant"). Substring scoring would call it
     right; ``correct`` is False.
 ``stale``
-    a gold value is missing and the answer holds an overwritten (stale) value of the asked key.
+    a gold value is missing and the answer holds an overwritten (stale) value of the asked key, or a near miss
+    of one (as ``partial`` defines it) that is nearer to it than to any gold value.
 ``distractor``
-    a gold value is missing and the answer holds another key's needle value.
+    a gold value is missing and the answer holds another key's needle value, or such a near miss of one: the
+    model retrieved the wrong needle, whether or not it copied it well.
 ``partial``
     a gold value is missing and the answer holds a near miss of one (a prefix,
     suffix or substring of at least half its length, a superstring, or edit
@@ -107,7 +109,8 @@ class Score:
     detail : dict
         ``values`` (parsed from the answer), ``found``/``required`` gold counts, and
         for near misses ``near`` = {gold, value, prefix (shared leading characters),
-        similarity (difflib ratio)}; for fabricated values ``in_context``.
+        similarity (difflib ratio)}; for near misses of other needles ``near_needles`` = [{value, needle, role,
+        prefix, similarity}]; for fabricated values ``in_context``.
     """
 
     score: float
@@ -255,31 +258,36 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
         union = gold_set | set(found) | set(extra)
         return len(set(found)) / len(union) if union else 0.0
 
+    near_miss = _word_near if kind == "word" else _near
     if not values:
         return Score(0.0, False, "empty", None, detail)
     if set(found) == gold_set:
         extras = needle_extras + other
         if not extras:
             return Score(1.0, True, "correct", None, detail)
-        recalled = ",".join(f"{roles.get(v, 'fabricated')}:{v}" for v in extras)
+        near_roles = {v: n["role"] for v in other if (n := _nearest(v, [], roles, near_miss))}
+        recalled = ",".join(f"{roles.get(v) or near_roles.get(v, 'fabricated')}:{v}" for v in extras)
         return Score(jaccard(extras), False, "over_inclusion", recalled, detail)
 
     missing = [g for g in gold if g not in found]
-    near = None
-    near_miss = _word_near if kind == "word" else _near
+    near, near_needles = None, []
     for v in other:
-        for g in missing:
-            near = near_miss(v, g)
-            if near:
-                break
-        if near:
-            break
+        nearest = _nearest(v, missing, roles, near_miss)
+        if nearest is None:
+            continue
+        if nearest.get("role") is None:  # the gold's
+            near = near or nearest
+        else:
+            near_needles.append(nearest)
     if near:
         detail["near"] = near
-    # Every non-gold value counts against the score except a near miss itself.
+    if near_needles:
+        detail["near_needles"] = near_needles
+    value_roles = {**{n["value"]: n["role"] for n in near_needles}, **{v: roles[v] for v in needle_extras}}
+    # Every non-gold value counts against the score except a near miss of the gold itself.
     score = jaccard(needle_extras + [v for v in other if not near or v != near["value"]])
     for role in ("stale", "distractor"):
-        hits = [v for v in needle_extras if roles[v] == role]
+        hits = [v for v in values if value_roles.get(v) == role]
         if hits:
             return Score(score, False, role, ",".join(f"{role}:{v}" for v in hits), detail)
     if near or found:
@@ -287,6 +295,24 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     first = other[0]
     detail["in_context"] = _in_context(first, item.context, kind)
     return Score(score, False, "fabricated", ",".join(f"fabricated:{v}" for v in other), detail)
+
+
+def _nearest(value: str, missing: list[str], roles: dict[str, str], near_miss) -> dict[str, Any] | None:
+    """The needle ``value`` is a near miss of (``near_miss``: :func:`_near`, or :func:`_word_near` for words): a
+    missing gold value (the near-miss dict as is), or another needle's value (the dict with ``needle`` and its
+    ``role``, ``stale`` or ``distractor``: the model copied the wrong needle, badly). The most similar wins; the
+    gold on a tie. ``None``: near none of them."""
+    best = None
+    for target in missing:
+        near = near_miss(value, target)
+        if near and (best is None or near["similarity"] > best["similarity"]):
+            best = near
+    for target, role in roles.items():
+        near = near_miss(value, target)
+        if near and (best is None or near["similarity"] > best["similarity"]):
+            best = {"value": value, "needle": target, "role": role, "prefix": near["prefix"],
+                    "similarity": near["similarity"]}
+    return best
 
 
 def category_metrics(result: Score) -> dict[str, float]:

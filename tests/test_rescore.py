@@ -1,0 +1,166 @@
+"""``kveval rescore``: stored answers scored again by this version's scorer, with no model run.
+
+A sweep folder is rescored from its config (the items regenerated, each checked against the prompt hash its
+answer was run on) and its report and gate rebuilt; ``kveval eval`` folders from the items file. Nothing is
+written unless every record of every run matches an item.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from kveval import cli
+from kveval.probes import generate_items, score_answer
+from kveval.records import ITEMS_FILE, ItemRecord, ItemWriter, RunInfo, read_items, write_run_info
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+@pytest.fixture(scope="module")
+def multikey_items():
+    return generate_items("niah_multikey", "smollm2-135m", 384, 3, depths=[0.5], seed=0)
+
+
+def _eval_folder(root: Path, items, answers: list[str], policy: str = "none") -> Path:
+    """A run folder as ``kveval eval`` writes it, its answers scored by ``score_answer`` (tampered where a test says)."""
+    run_dir = root / "runs" / "smollm2-135m" / policy
+    write_run_info(run_dir, RunInfo(name=f"smollm2-135m/{policy}", model="smollm2-135m", policy=policy))
+    with ItemWriter(run_dir) as writer:
+        for item, answer in zip(items, answers):
+            s = score_answer(item, answer)
+            writer.write(ItemRecord(id=item.id, hash=item.hash, task=item.family, score=s.score, correct=s.correct,
+                                    category=s.category, answer=answer, gold=list(item.gold), recalled=s.recalled,
+                                    length=item.length, depth=item.depth, metrics={"kv_bytes": 1}))
+    return run_dir
+
+
+def _items_file(path: Path, items) -> Path:
+    path.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in items))
+    return path
+
+
+def _tamper(run_dir: Path, index: int, **fields) -> None:
+    """Give record ``index`` other scores, as an older scorer would have written them."""
+    records = read_items(run_dir)
+    records[index] = replace(records[index], **fields)
+    (run_dir / ITEMS_FILE).write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records))
+
+
+def test_an_answer_scored_by_an_older_scorer_is_scored_again(tmp_path, multikey_items, capsys):
+    """A near miss of another key's value was ``fabricated`` before this version; rescoring names the distractor,
+    leaves every other field and record as it was, and says what moved."""
+    distractor = next(n.value for n in multikey_items[0].needles if n.role == "distractor")
+    answers = [f" {distractor[:-1]}", f" {multikey_items[1].gold[0]}", " 5550123"]
+    run_dir = _eval_folder(tmp_path, multikey_items, answers)
+    assert read_items(run_dir)[0].category == "distractor"
+    _tamper(run_dir, 0, category="fabricated", recalled=f"fabricated:{distractor[:-1]}")
+    before = (run_dir / ITEMS_FILE).read_text()
+    items = _items_file(tmp_path / "items.jsonl", multikey_items)
+
+    assert cli.main(["rescore", str(tmp_path), "--items", str(items), "--dry-run"]) == 0
+    assert (run_dir / ITEMS_FILE).read_text() == before  # a dry run writes nothing
+    assert "in all, 1 of 3 items would change (dry run: nothing written): fabricated -> distractor 1" in capsys.readouterr().out
+
+    assert cli.main(["rescore", str(run_dir), "--items", str(items)]) == 0
+    records = read_items(run_dir)
+    assert records[0].category == "distractor" and records[0].recalled == f"distractor:{distractor[:-1]}"
+    assert [asdict(r) for r in records[1:]] == [json.loads(line) for line in before.splitlines()[1:]]
+    assert records[0].metrics == {"kv_bytes": 1} and records[0].answer == answers[0]
+    assert cli.main(["rescore", str(run_dir), "--items", str(items)]) == 0  # once rescored, nothing moves
+    assert "0 of 3 items change" in capsys.readouterr().out
+
+
+def test_records_that_do_not_match_the_items_are_refused_and_nothing_is_written(tmp_path, multikey_items, capsys):
+    run_dir = _eval_folder(tmp_path, multikey_items, [" 1", " 2", " 3"])
+    second = _eval_folder(tmp_path, multikey_items, [" 1", " 2", " 3"], policy="kivi_bits-4")
+    _tamper(second, 0, category="correct", score=1.0, correct=True)
+    before = [(d / ITEMS_FILE).read_text() for d in (run_dir, second)]
+
+    items = _items_file(tmp_path / "other.jsonl", [replace(item, hash="f" * 64) for item in multikey_items])
+    assert cli.main(["rescore", str(tmp_path), "--items", str(items)]) == 2  # same ids, other prompts
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was run on another prompt" in err[0] and "kveval probes" in err[0]
+    assert [(d / ITEMS_FILE).read_text() for d in (run_dir, second)] == before
+
+    items = _items_file(tmp_path / "two.jsonl", multikey_items[:2])
+    assert cli.main(["rescore", str(tmp_path), "--items", str(items)]) == 2  # an item the file does not hold
+    assert f"{multikey_items[2].id} is not among the items" in capsys.readouterr().err
+    assert [(d / ITEMS_FILE).read_text() for d in (run_dir, second)] == before
+
+
+def test_lm_eval_records_are_kept_as_they_are(tmp_path, multikey_items):
+    run_dir = _eval_folder(tmp_path, multikey_items, [" 1", " 2", " 3"])
+    with ItemWriter(run_dir) as writer:
+        writer.write(ItemRecord(id="arc_easy-0", hash="h", task="arc_easy", score=1.0, correct=True,
+                                metrics={"lm_eval_task": "arc_easy"}))
+    _tamper(run_dir, 1, score=1.0, correct=True, category="correct")
+    items = _items_file(tmp_path / "items.jsonl", multikey_items)
+    assert cli.main(["rescore", str(run_dir), "--items", str(items)]) == 0
+    records = read_items(run_dir)
+    assert records[1].category == "empty" and records[1].score == 0.0  # " 2": no value of a 7-digit shape
+    assert records[-1].task == "arc_easy" and records[-1].score == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{dir}"], "--items"),  # run folders need the items they were run on
+    (["{dir}/nowhere", "--items", "{dir}/items.jsonl"], "no such run folder"),
+    (["{dir}", "--items", "{dir}/missing.jsonl"], "missing.jsonl"),
+    (["{dir}", "--items", "{dir}/garbage.jsonl"], "not a probe item"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, multikey_items, capsys, args, message):
+    _eval_folder(tmp_path, multikey_items, [" 1", " 2", " 3"])
+    _items_file(tmp_path / "items.jsonl", multikey_items)
+    (tmp_path / "garbage.jsonl").write_bytes(b"\xff\xfe not json\n")
+    assert cli.main(["rescore", *[a.format(dir=tmp_path) for a in args]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_path, capsys):
+    """The committed quickstart, one record tampered: rescoring from its config restores that record, leaves the
+    other 479 byte for byte, and rebuilds the same gate. Given as a folder, a sweep is pointed at its config."""
+    out = tmp_path / "quickstart"
+    shutil.copytree(RESULTS / "quickstart", out, ignore=shutil.ignore_patterns("*.png", "*.html"))
+    run_dir = out / "runs" / "smollm2-135m" / "streaming_sink-4_window-60"
+    original = {d: (d / ITEMS_FILE).read_text() for d in (out / "runs" / "smollm2-135m").iterdir()}
+    record = read_items(run_dir)[0]
+    _tamper(run_dir, 0, correct=not record.correct, score=1.0 - record.score, category="empty")
+    gate_before = (RESULTS / "quickstart" / "gate" / "gate.json").read_text()
+
+    assert cli.main(["rescore", str(out), "--items", "x.jsonl"]) == 2
+    assert "a sweep folder: give its config" in capsys.readouterr().err
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+    assert cli.main(["rescore", str(config), "--out", str(out)]) == 0
+    output = capsys.readouterr().out
+    assert "1 of 480 items change" in output and "gate verdict" in output
+    assert {d: (d / ITEMS_FILE).read_text() for d in original} == original
+    gate_after = (out / "gate" / "gate.json").read_text().replace(str(out), "results/quickstart")
+    assert json.loads(gate_after) == json.loads(gate_before)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["rescored_under"]["kveval"] and "git_commit" in manifest["rescored_under"]
+    assert cli.main(["sweep", str(config), "--out", str(out), "--quiet"]) == 0  # finished: resumed, no model runs
+    assert json.loads((out / "manifest.json").read_text())["rescored_under"] == manifest["rescored_under"]
+
+
+def test_a_sweep_of_another_config_or_unfinished_is_refused(tmp_path, capsys):
+    out = tmp_path / "quickstart"
+    shutil.copytree(RESULTS / "quickstart", out, ignore=shutil.ignore_patterns("*.png", "*.html"))
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    text = (configs / "quickstart.yaml").read_text().replace("gate: gate-cpu.yaml", f"gate: {configs / 'gate-cpu.yaml'}")
+    config = tmp_path / "other.yaml"
+    config.write_text(text.replace("n: 60", "n: 59"))
+    assert cli.main(["rescore", str(config), "--out", str(out)]) == 2
+    assert "another config" in capsys.readouterr().err
+    config.write_text(text)
+    run_dir = out / "runs" / "smollm2-135m" / "none"
+    lines = (run_dir / ITEMS_FILE).read_text().splitlines(keepends=True)
+    (run_dir / ITEMS_FILE).write_text("".join(lines[:-1]))
+    assert cli.main(["rescore", str(config), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "119 of 120 items" in err and "kveval sweep" in err
