@@ -93,7 +93,7 @@ COMMANDS_SHOWN = readme_commands()
 def test_the_readme_shows_what_this_test_covers():
     assert "lowrank(rank=16)+quant(bits=8)" in SPECS and "snapkv(ratio=0.5)+kivi(bits=4)" in SPECS
     assert {c.split()[0] for c in COMMANDS_SHOWN} == {"generate", "eval", "probes", "compare", "gate", "report", "sweep",
-                                                      "memory", "lm-eval", "policies"}
+                                                      "memory", "lm-eval", "policies", "rescore"}
 
 
 def smollm2_shaped_llama():
