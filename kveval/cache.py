@@ -31,10 +31,12 @@ later. Input padding is declared with :meth:`CompressedCache.set_input_mask`
 Hybrid models. Which cache layer each model layer gets comes from
 :func:`kveval.architectures.cache_layer_plan` (unknown layer types are refused).
 Sliding-window layers (Gemma 2/3, gpt-oss, Mistral) keep only the model's own
-window, as the model's native cache does. Selection policies apply to
-full-attention layers only, since sliding layers are already bounded and
-evicting inside the window would compound two policies; quantization and
-low-rank structure apply to every attention layer. Linear-attention and Mamba
+window, as the model's native cache does. Where some layers attend fully, selection
+policies apply to those alone, since sliding layers are already bounded; where every
+layer slides (Mistral-7B-v0.1, Phi-3-mini-4k), they select among the ``window - 1``
+tokens each layer holds, and the window goes on trimming what they kept
+(:func:`kveval.layer_types.selection_slides`). Quantization and low-rank structure
+apply to every attention layer. Linear-attention and Mamba
 layers (Qwen3-Next, Bamba, Jamba, ...) keep their conv and recurrent states in
 transformers' own ``LinearAttentionLayer``, exactly as the model's own cache
 does; they are never compressed, and their constant per-sequence bytes are
@@ -58,6 +60,7 @@ from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_ke
 from kveval.coded_rows import SharedScratch
 from kveval.decode_evictions import DeferredEvictions
 from kveval.errors import UnsupportedModelError, UsageError
+from kveval.layer_types import selection_slides
 from kveval.policies import PolicyStack, parse_policy
 from kveval.rows import RowState
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
@@ -212,6 +215,8 @@ class CompressedCache(Cache):
         for served_policy in served:  # refused before the prefill, not after it
             self._check_representation(served_policy, value_dim)
             self._check_selection(served_policy, plans, model.config)
+        #: Whether selection acts on the sliding layers too: every attention layer slides (:func:`selection_slides`).
+        self.selects_sliding_layers = selection_slides(plan.sliding_window for plan in plans if plan.holds_tokens)
         #: Attention scores a deferred prefill keeps (:func:`kveval.cache_layers.score_key`), each once.
         self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None
@@ -236,16 +241,14 @@ class CompressedCache(Cache):
 
     @staticmethod
     def _check_selection(policy: PolicyStack, plans: "list[architectures.LayerPlan]", config) -> None:
-        """Refuse a selection policy where no layer takes one: selection acts on full-attention layers, and every
-        attention layer of this model slides (Mistral-7B-v0.1, Phi-3-mini's 2047-token window). It would keep what
-        the model keeps, and its run would read as a lossless policy."""
-        windows = [plan.sliding_window for plan in plans if plan.holds_tokens]
-        if policy.selection is not None and windows and all(w is not None for w in windows):
+        """Refuse a selection policy where it has no layer to act on: every attention layer is chunked (a query
+        sees its own chunk only: a window's trim and a selection were never made to agree there)."""
+        held = [plan for plan in plans if plan.holds_tokens]
+        if policy.selection is not None and held and all(plan.chunked for plan in held):
             raise UnsupportedModelError(
-                f"{architectures.architecture_name(config)}: every attention layer slides (window "
-                f"{', '.join(map(str, sorted(set(windows))))}), and {policy.selection.spec()} selects on full-attention "
-                f"layers only: it would change nothing; evaluate a quantization or low-rank policy, or load the model "
-                f"without its window (sliding_window=None) where contexts fit in it")
+                f"{architectures.architecture_name(config)}: every attention layer is chunked, and "
+                f"{policy.selection.spec()} selects on full-attention or sliding-window layers only; evaluate a "
+                f"quantization or low-rank policy")
 
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
         """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
@@ -419,8 +422,8 @@ class CompressedCache(Cache):
                              "is_recurrent_states_initialized", "conv_kernel_size"):
                     setattr(new, name, copy.deepcopy(getattr(layer, name)))
             new.cache = clone
-            new.selection = None if layer.is_sliding else target.selection
-            new.rows = [self._derived_row(new, row, None if layer.is_sliding else key) for row in layer.rows]
+            new.selection = target.selection if layer.takes_selection else None
+            new.rows = [self._derived_row(new, row, key if layer.takes_selection else None) for row in layer.rows]
             new.compress_rows(new.rows, [clone.protected(b) for b in range(len(new.rows))])
             clone.layers.append(new)
         return clone

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from kveval.batch_buffer import BatchBuffer, slot_range, uploaded
+from kveval.batch_buffer import PAD_POSITION, BatchBuffer, slot_range, uploaded
 from kveval.block_probabilities import AttentionProbabilities, attention_mass
 from kveval.buffered_decode import BufferedDecode
 from kveval.decode_evictions import BudgetEviction
@@ -62,7 +62,7 @@ class CompressedLayer(CacheLayerMixin):
         # Chunked attention (Llama 4): stored like a sliding layer (the model's own cache does so), but a
         # query sees only the tokens of its own chunk of ``sliding_window`` positions.
         self.chunked = chunked and self.is_sliding
-        self.selection = None if self.is_sliding else cache.policy.selection
+        self.selection = cache.policy.selection if self.takes_selection else None
         self._rows: list[RowState] = []
         self.columns_seen = 0  # input columns processed, padding included (what DynamicLayer would report)
         self.contiguous = True  # every row holds every column: the model's own causal mask is exact
@@ -74,6 +74,12 @@ class CompressedLayer(CacheLayerMixin):
         # Decode steps done on the buffer alone (None: the rows do not allow it, or changed since the last check).
         self._decode: BufferedDecode | None = None
         self._buffer_only_step = False  # the current forward wrote the buffer alone (nothing to score)
+
+    @property
+    def takes_selection(self) -> bool:
+        """Whether a selection policy acts on this layer: a full-attention one, or a sliding one of a model whose
+        every layer slides (:attr:`CompressedCache.selects_sliding_layers`)."""
+        return not self.is_sliding or (self.cache.selects_sliding_layers and not self.chunked)
 
     # --- the rows, and the buffer attention reads ---------------------------------------------
     @property
@@ -347,7 +353,11 @@ class CompressedLayer(CacheLayerMixin):
         appends them), those are its last slots, and how many is all the host needs; the read brings each row's
         count and whether its positions ascend, and a row whose positions do not is trimmed alone, as before."""
         held = [b for b, row in enumerate(rows) if row.positions.shape[1] and (firsts is None or firsts[b] is not None)]
-        if not held:
+        if self.selection is not None:  # a selecting sliding layer: heads may hold different positions
+            for b in held:
+                row = rows[b]
+                real = row.positions[row.positions != PAD_POSITION]
+                self._trim_selected_to_window(row, int(real.max()) + 1 if firsts is None else int(firsts[b]))
             return
         lengths = tuple(rows[b].positions.shape[1] for b in held)
         device = rows[held[0]].positions.device
@@ -369,6 +379,21 @@ class CompressedLayer(CacheLayerMixin):
                 self._decode = None
                 row.keep_last(count)
                 self.contiguous = False
+
+    def _trim_selected_to_window(self, row: RowState, end: int) -> None:
+        """A sliding layer's trim where a selection chose each KV head's tokens apart (every layer of the model
+        slides: :attr:`takes_selection`), for the next query at position ``end``. Heads with stores of their own
+        (per-head budgets) each drop what leaves their window. Heads sharing one store hold as many tokens each:
+        they keep as many as the head with the most still inside the window, each its newest, and a head's older
+        ones stay held but masked (:meth:`allowed_mask` reads the window), as a dense per-layer cache of the
+        deployment would hold them."""
+        if isinstance(row.store, HeadwiseStore):
+            self._trim_to_window(row, end)
+            return
+        positions = row.positions
+        keep = int((positions > end - self.sliding_window).sum(dim=1).max())
+        if keep < positions.shape[1]:
+            self._select(row, positions.topk(keep, dim=1).indices.sort(dim=1).values)
 
     def _step_mask(self, query_positions: torch.Tensor, all_real: bool) -> torch.Tensor:
         """:meth:`allowed_mask` for this forward's queries, made from the rows' lengths alone where that is all it
@@ -429,7 +454,7 @@ class CompressedLayer(CacheLayerMixin):
         needs = policy.attention if policy is not None else "none"
         if self.cache.defer_compression:
             # One prefill for many policies: keep every score they need, compress nothing (derived later).
-            for key in ([] if self.is_sliding else self.cache.score_keys):
+            for key in (self.cache.score_keys if self.takes_selection else []):
                 self._observe(query, keys, probabilities, key)
         elif needs != "none" and (not all(r.compressed for r in self.rows)
                                   or (needs in ("all", "last") and policy.decode_budget is not None)):

@@ -25,9 +25,12 @@ What the arithmetic follows
     (PyramidKV's budgets differ per layer: the planner sums the layers); with
     ``new_tokens`` generated, a ``decode_budget`` caps the cache. As in the
     cache, selection skips sliding layers (they are bounded already: a sliding
-    layer holds ``window - 1`` tokens, as transformers' own does); where every
-    attention layer slides (Mistral-7B-v0.1) a selection policy is refused, as
-    kveval's cache refuses it; Mamba and linear-attention layers hold no K/V;
+    layer holds ``window - 1`` tokens, as transformers' own does), unless every
+    attention layer slides (Mistral-7B-v0.1): it then keeps ``keep_count`` of
+    the ``window - 1`` tokens each holds, where nothing it kept can leave the
+    window (no new tokens, or a run shorter than the window; otherwise which
+    ones leave depends on their scores, and the plan is refused); Mamba and
+    linear-attention layers hold no K/V;
   - low-rank structure stores ``k_rank`` + ``v_rank`` coefficients per KV head
     instead of ``2 x head_dim`` values (``energy=`` ranks need a calibration
     run: the planner uses ``head_dim``, an upper bound, and says so);
@@ -55,6 +58,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from kveval.layer_types import selection_slides
 from kveval.model_specs import ModelSpec, load_model_spec, preset_names
 from kveval.values import is_real, is_whole
 
@@ -167,7 +171,6 @@ def _kvquant_bytes(tokens: int, oldest: int, heads: int, head_dim: int, quant, d
 
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
-    _check_selection(spec, stack)
     quant = stack.quantization
     if quant is not None and not hasattr(quant, "key_quant"):
         return _kvquant_layout(spec, stack)
@@ -291,30 +294,42 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int)
     if not spec.holds_kv[i]:
         return 0
     window = spec.windows[i]
-    selection = stack.selection if window is None else None  # sliding layers are bounded already (as in the cache)
+    # As in the cache: sliding layers are bounded already, unless every layer slides (selection_slides).
+    selects = window is None or selection_slides(w for w, holds in zip(spec.windows, spec.holds_kv) if holds)
+    selection = stack.selection if selects else None
     if selection is None:
         tokens = context + new_tokens
     else:
-        tokens = selection.keep_count(context, i, spec.num_layers) + new_tokens
+        held = context if window is None else min(context, window - 1)  # a sliding layer selects in its window
+        if window is not None and new_tokens and context + new_tokens >= window:
+            raise ValueError(f"{selection.spec()} on {spec.name}'s {window}-token sliding window: which of the tokens "
+                             f"it keeps leave the window while decoding depends on their scores, so {context} + "
+                             f"{new_tokens} new tokens cannot be sized; plan the prefill alone (new_tokens=0) or a "
+                             f"run shorter than the window")
+        tokens = selection.keep_count(held, i, spec.num_layers) + new_tokens
         budget = getattr(selection, "decode_budget", None)
         if new_tokens and budget is not None:
             tokens = min(tokens, max(int(budget), 1))
         whole = getattr(selection, "whole_head_fraction", 0.0)  # duo: retrieval heads keep every token
         if whole:
-            tokens = math.ceil(whole * (context + new_tokens) + (1 - whole) * tokens)  # mean per KV head
+            tokens = math.ceil(whole * (held + new_tokens) + (1 - whole) * tokens)  # mean per KV head
     return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
 
 
 def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
                      dtype_bytes: int) -> list[LayerPlan]:
     out = []
+    selects = stack.selection is not None and selection_slides(w for w, holds in zip(spec.windows, spec.holds_kv) if holds)
     for i in range(spec.num_layers):
         tokens = _layer_tokens(spec, stack, i, context, new_tokens)
         if layout.kvquant is not None:
-            oldest = context + new_tokens - tokens if spec.windows[i] is not None else 0
+            window = spec.windows[i]  # the oldest position its window still holds, selected or not
+            oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
             size = _kvquant_bytes(tokens, oldest, spec.kv_heads, spec.head_dim, layout.kvquant, dtype_bytes)
         else:
-            sliding = (context, new_tokens, spec.windows[i]) if spec.windows[i] is not None else None
+            # A sliding layer's window cuts per-channel groups as it moves on, unless a selection sealed what it
+            # kept in the window (where the planner sizes it, nothing it kept leaves the window).
+            sliding = (context, new_tokens, spec.windows[i]) if spec.windows[i] is not None and not selects else None
             size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes, sliding)
                        for _, heads, dim, q in layout.streams)
         kind = ("state" if not spec.holds_kv[i] else "mla" if spec.mla_dim is not None
@@ -327,15 +342,6 @@ def _check_dtype_bytes(dtype_bytes) -> int:
     if not is_whole(dtype_bytes) or dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 1, 2 (fp16/bf16), 4 (fp32) or 8")
     return dtype_bytes
-
-
-def _check_selection(spec: ModelSpec, stack) -> None:
-    """Refuse a selection policy where no layer takes one: every attention layer slides (as kveval's cache does)."""
-    kv = [w for w, holds in zip(spec.windows, spec.holds_kv) if holds]
-    if stack.selection is not None and kv and all(w is not None for w in kv):
-        raise ValueError(f"{stack.selection.spec()}: every attention layer of {spec.name} slides (window "
-                         f"{', '.join(map(str, sorted(set(kv))))}), and selection acts on full-attention layers only: "
-                         f"it would keep what the model keeps; plan a quantization or low-rank policy")
 
 
 def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0) -> MemoryPlan:

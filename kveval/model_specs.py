@@ -215,7 +215,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
             windows = [int(window)] * layers
             remark = " (Mistral-7B-v0.1; v0.2 and later set sliding_window to null)" if model_type == "mistral" else ""
             notes.append(f"every layer attends to a sliding window of {window} tokens{remark}: each holds at most "
-                         f"{int(window) - 1} tokens, and no layer is left for a selection policy")
+                         f"{int(window) - 1} tokens, and a selection policy keeps its share of those")
     sliding = [w for w, kv in zip(windows, holds_kv) if w is not None and kv]
     if sliding and len(sliding) < sum(holds_kv):
         notes.append(f"hybrid attention: {len(sliding)} of {sum(holds_kv)} attention layers slide and hold at most "

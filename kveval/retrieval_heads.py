@@ -52,7 +52,7 @@ _MEMORY: dict[str, "RetrievalScores"] = {}
 
 @dataclass
 class RetrievalScores:
-    """Per layer and KV head, the mean attention mass answer queries put on the needle (``nan``: sliding layer).
+    """Per layer and KV head, the mean attention mass answer queries put on the needle (``nan``: a layer selection skips).
 
     ``scores`` is ``[layers, kv_heads]`` float32, each in ``[0, 1]``.
     """
@@ -133,7 +133,7 @@ def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
         per_layer = []
         for layer in cache.layers:
             rows = getattr(layer, "rows", None)
-            scores = rows[0].scores if rows and not layer.is_sliding else None
+            scores = rows[0].scores if rows and layer.takes_selection else None
             if not scores:
                 per_layer.append(torch.full((cache.num_kv_heads,), float("nan")))
                 continue

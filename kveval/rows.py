@@ -100,9 +100,16 @@ class RowState:
             self.scores = {key: _left_pad([t[i] for t, i in zip(scores, index)], slots, 0)
                            for key, scores in self.scores.items()}
 
-    def window_index(self, window: int, first_new_position: int) -> torch.Tensor | None:
+    def window_index(self, window: int, first_new_position: int) -> "torch.Tensor | list[torch.Tensor] | None":
         """The slots a sliding layer of ``window`` positions keeps for a query at ``first_new_position`` (the
-        model's own window), ``[H, T']``; ``None`` when it keeps them all."""
+        model's own window), ``[H, T']``, or one index per head where heads hold different tokens (per-head
+        budgets: a :class:`~kveval.head_stores.HeadwiseStore`); ``None`` when it keeps them all."""
+        if isinstance(self.store, HeadwiseStore):
+            held = self.positions != _PAD_POSITION
+            visible = (self.positions > first_new_position - window) & held
+            if bool((visible == held).all()):
+                return None
+            return [v.nonzero().squeeze(1) for v in visible]
         visible = self.positions[0] > first_new_position - window
         if bool(visible.all()):
             return None

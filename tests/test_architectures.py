@@ -94,12 +94,12 @@ def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one(name, policy, m
 
 
 @pytest.mark.parametrize("spec", ["snapkv(ratio=0.5)", "streaming(sink=4,window=16)", "h2o(ratio=0.5)+kivi(bits=4,residual=8)"])
-def test_selection_is_refused_where_every_attention_layer_slides(spec):
-    """Mistral-7B-v0.1 and Phi-3-mini slide on every layer; kveval selects on full-attention layers only, so a
-    selection policy kept every token the model keeps, and its run read as a lossless policy. Refused in one line;
-    quantization still runs."""
-    model = tiny_model("mistral", sliding_window=32)
-    with pytest.raises(UnsupportedModelError, match="every attention layer slides .window 32.") as refused:
+def test_selection_is_refused_where_every_attention_layer_is_chunked(spec):
+    """Where every layer slides, selection acts on the sliding layers (tests/test_sliding_selection.py); where every
+    one is chunked (a query sees only its own chunk), a selection would keep what the model keeps, and its run read
+    as a lossless policy. Refused in one line; quantization still runs."""
+    model = tiny_model("llama4", layer_types=["chunked_attention", "chunked_attention"])
+    with pytest.raises(UnsupportedModelError, match="every attention layer is chunked") as refused:
         CompressedCache(model, spec)
     assert "\n" not in str(refused.value)
     cache = CompressedCache(model, "kivi(bits=4,residual=8)")

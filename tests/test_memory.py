@@ -90,11 +90,10 @@ def test_mistral_every_layer_slides():
     p = plan("mistral-7b", 16384)
     assert p.sequence_bytes == 4095 * per_token  # window - 1, as the cache holds it
     assert any("sliding window of 4096" in n and "v0.1" in n for n in p.notes)
-    # No layer is left for a selection policy: refused, as kveval's cache refuses it (it planned 3,000 tokens at
-    # 6,000 while the cache kept 4,095).
+    # A selection policy keeps its share of the window's 4,095 tokens, as kveval's cache does (it planned 3,000
+    # tokens at 6,000 while the cache kept 4,095, then refused selection on such models; tests/test_sliding_selection.py).
     for context in (6000, 16384):
-        with pytest.raises(ValueError, match="every attention layer of mistral-7b slides"):
-            plan("mistral-7b", context, policy="snapkv(ratio=0.5)")
+        assert plan("mistral-7b", context, policy="snapkv(ratio=0.5)").sequence_bytes == 2048 * per_token
 
 
 def test_deepseek_v3_mla():

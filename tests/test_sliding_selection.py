@@ -1,0 +1,140 @@
+"""Selection on models whose every attention layer slides (Mistral-7B-v0.1's 4096-token window, Phi-3-mini-4k's
+2047, Phi-3.5-mini's 262144): the policy selects among the tokens the model's own window holds (window - 1), and
+the window keeps trimming what it selected as decoding moves on. These were refused before, every selection policy
+on every such model."""
+
+import pytest
+import torch
+from cache_runs import assert_shared_prefill_equals_own_runs, random_ids, random_prompts
+from tiny_models import Tok, tiny_model
+
+from kveval.batch_buffer import PAD_POSITION
+from kveval.cache import CompressedCache
+from kveval.exactness import prefill_and_decode
+from kveval.generation import generate
+from kveval.memory import plan
+from kveval.policies import parse_policy
+
+pytestmark = pytest.mark.usefixtures("calibration_cache")
+
+FP32 = torch.float32
+SELECTION = ["snapkv(ratio=0.5)", "h2o(ratio=0.5)", "tova(ratio=0.5)", "knorm(ratio=0.5)", "random(ratio=0.5)",
+             "pyramidkv(ratio=0.5)", "streaming(sink=4,window=12)", "window(size=12)",
+             "snapkv(ratio=0.5,adaptive=true)", "h2o(ratio=0.5,decode_budget=14)",
+             "knorm(ratio=0.5,decode_budget=10,adaptive=true)", "duo(heads=0.5,window=8,calib_tokens=64)",
+             "snapkv(ratio=0.5)+kivi(bits=4,group=16,residual=4)"]
+WINDOW = 24
+
+
+def _prompts():
+    return random_prompts([(40, 3), (27, 1), (33, 4)], seed=5)
+
+
+def _held(result):
+    s = result.stats
+    return result.token_ids, s.kv_bytes, s.nominal_bytes, s.index_bytes, s.kept_tokens
+
+
+@pytest.mark.parametrize("spec", SELECTION)
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_a_window_wider_than_the_run_selects_as_the_model_without_one(spec, mode):
+    """Mistral's default 4096-token window never trims a 40-token prompt: every policy gives the answers, bytes and
+    kept tokens of the same weights with no window (sliding_window=None), which select as before. Refused before."""
+    wide, plain = tiny_model("mistral", sliding_window=4096), tiny_model("mistral")
+    kwargs = dict(max_new_tokens=6, mode=mode, batch_size=3)
+    with torch.no_grad():
+        slid = generate(wide, Tok(), _prompts(), spec, **kwargs)
+        full = generate(plain, Tok(), _prompts(), spec, **kwargs)
+    assert [_held(r) for r in slid] == [_held(r) for r in full]
+    assert all(r.stats.kv_bytes < r.stats.nominal_bytes for r in slid)  # it selected: fewer bytes than the model's
+
+
+@pytest.mark.parametrize("spec", SELECTION)
+def test_a_narrow_window_trims_what_the_policy_selected(spec):
+    """A 24-token window under a 60-token prompt and 10 decode steps: the prefill keeps the policy's share of the
+    window - 1 tokens the model's own cache holds, and every token held at the end lies inside the window of the
+    next query (position 70), in every layer and head; fewer than the model's own 23."""
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    cache = CompressedCache(model, spec, kv_dtype=FP32)
+    with torch.no_grad():
+        prefill_and_decode(model, cache, random_ids(60, 3), 0)
+        policy = parse_policy(spec).selection
+        for layer in cache.layers:
+            row = layer.rows[0]
+            real = row.positions[row.positions != PAD_POSITION]
+            assert int(real.min()) > 60 - WINDOW and row.kept_tokens() <= WINDOW - 1, spec
+            if not policy.per_head_budgets:
+                keep = policy.keep_count(WINDOW - 1, layer.layer_idx, len(cache.layers))
+                assert row.store.length == keep, (spec, layer.layer_idx)
+        assert cache.stats().kv_bytes < cache.stats().nominal_bytes, spec
+        cache = CompressedCache(model, spec, kv_dtype=FP32)
+        logits = prefill_and_decode(model, cache, random_ids(60, 3), 10)
+    assert all(bool(torch.isfinite(x).all()) for x in logits), spec
+    for layer in cache.layers:
+        positions = layer.rows[0].positions
+        real = positions[positions != PAD_POSITION]
+        assert int(real.max()) == 69, spec
+        for head in positions:  # each head: at most the window's 23 tokens, each once
+            held = head[head != PAD_POSITION]
+            assert held.numel() == held.unique().numel() <= WINDOW - 1, spec
+        # Tokens the next query cannot see are held only where heads sharing a store keep equal counts: at most
+        # as many as the head that still sees the most.
+        visible = (positions > 70 - WINDOW) & (positions != PAD_POSITION)
+        assert positions.shape[1] == int(visible.sum(dim=1).max()), spec
+    stats = cache.stats()
+    assert stats.kv_bytes < stats.nominal_bytes, spec
+
+
+@pytest.mark.parametrize("spec", SELECTION)
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_a_batch_on_a_narrow_window_gives_the_answers_and_bytes_of_batch_one(spec, mode):
+    """Prompts of 40, 27 and 33 tokens past a 24-token window, questions of 3, 1 and 4 tokens, EOS on (row 0's
+    first answer token: it ends before any step)."""
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    prompts = _prompts()
+    with torch.no_grad():
+        seeds = [7, 11, 13]  # each row its own (an item's): the random control's choices do not depend on the batch
+        model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], spec, max_new_tokens=1, mode=mode,
+                                                        seed=seeds[:1])[0].token_ids[0]
+        alone = [generate(model, Tok(), [p], spec, max_new_tokens=8, mode=mode, seed=[s])[0]
+                 for p, s in zip(prompts, seeds)]
+        together = generate(model, Tok(), prompts, spec, max_new_tokens=8, mode=mode, batch_size=3, seed=seeds)
+    assert alone[0].token_ids == [] and any(len(r.token_ids) > 1 for r in alone[1:])
+    assert [_held(r) for r in alone] == [_held(r) for r in together]
+
+
+def test_one_shared_prefill_on_a_narrow_window_gives_each_policy_its_own_run():
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    with torch.no_grad():
+        assert_shared_prefill_equals_own_runs(model, Tok(), _prompts(), ["none"] + SELECTION, max_new_tokens=6,
+                                              batch_size=3, kv_dtype=FP32)
+
+
+@pytest.mark.parametrize("spec", ["snapkv(ratio=0.5)", "streaming(sink=4,window=12)", "h2o(ratio=0.5,decode_budget=14)",
+                                  "snapkv(ratio=0.5)+kivi(bits=4,group=16,residual=4)", "pyramidkv(ratio=0.5)"])
+def test_the_planner_sizes_selection_on_sliding_layers_where_the_bytes_are_known(spec):
+    """The planner's bytes are the cache's where nothing the policy selected can leave the window (no decode, or
+    a run shorter than the window); where it can, which selected tokens leave depends on the scores: refused in one
+    line, where before every selection on such a model was."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from cache_runs import context_then_steps
+
+    model = tiny_model("mistral", sliding_window=WINDOW)
+    for context, steps in ((60, 0), (15, 6), (23, 0)):
+        _, cache = context_then_steps(model, spec, random_ids(context, 1), random_ids(max(steps, 1), 2)[:, :steps],
+                                      kv_dtype=torch.bfloat16)
+        planned = plan(model.config, context, policy=spec, dtype_bytes=2, new_tokens=steps)
+        measured = cache.stats()
+        assert (planned.sequence_bytes, planned.baseline_sequence_bytes) == (measured.kv_bytes, measured.nominal_bytes), \
+            (spec, context, steps)
+    with pytest.raises(ValueError, match="leave the window while decoding") as refused:
+        plan(model.config, 60, policy=spec, dtype_bytes=2, new_tokens=6)
+    assert "\n" not in str(refused.value)
+
+
+def test_mistral_7b_plans_selection_at_its_window():
+    per_token = 32 * 8 * 128 * 2 * 2
+    assert plan("mistral-7b", 16384, policy="snapkv(ratio=0.5)").sequence_bytes == 2048 * per_token  # of 4095
+    assert plan("mistral-7b", 3000, policy="snapkv(ratio=0.5)", new_tokens=64).sequence_bytes == (1500 + 64) * per_token
