@@ -138,3 +138,35 @@ def test_mistral_7b_plans_selection_at_its_window():
     per_token = 32 * 8 * 128 * 2 * 2
     assert plan("mistral-7b", 16384, policy="snapkv(ratio=0.5)").sequence_bytes == 2048 * per_token  # of 4095
     assert plan("mistral-7b", 3000, policy="snapkv(ratio=0.5)", new_tokens=64).sequence_bytes == (1500 + 64) * per_token
+
+
+@pytest.mark.parametrize("spec", ["window(ratio=0.5)", "streaming(sink=4,ratio=0.5)"])
+def test_attention_over_what_is_kept_equals_the_eager_model_under_that_mask(spec):
+    """A reference outside kveval: position-based prefill policies keep the same tokens in every layer and head, so
+    the eager model can attend over exactly those. After a 60-token prefill the window holds 37..59 and the policy
+    keeps the newest 12 of those 23 (streaming's sinks, positions 0..3, left the window before it selected); the
+    query at position p then sees them and the decoded tokens, inside its window (k > p - 24). Every decode
+    step's logits equal the eager model's under that explicit mask (and differ without it)."""
+    kept = list(range(48, 60))
+    model, eager = tiny_model("mistral", sliding_window=WINDOW), tiny_model("mistral", sliding_window=WINDOW, attn="eager")
+    ids = random_ids(60, 3)
+    cache = CompressedCache(model, spec, kv_dtype=FP32)
+    with torch.no_grad():
+        logits = prefill_and_decode(model, cache, ids, 10)
+        decoded = torch.cat([step[:, -1:].argmax(-1) for step in logits[:-1]], dim=1)
+        sequence = torch.cat([ids, decoded], dim=1)  # positions 0..69
+        n = sequence.shape[1]
+        q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = (k <= q) & (k > q - WINDOW)
+        held = torch.zeros(n, dtype=torch.bool)
+        held[kept] = True
+        held[60:] = True
+        allowed[60:] &= held[None, :]
+        mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, float("-inf"))
+        reference = eager(sequence, attention_mask=mask, position_ids=torch.arange(n)[None]).logits
+        unmasked = eager(sequence, position_ids=torch.arange(n)[None]).logits
+    for layer in cache.layers:  # what is held at the end: the window has moved on past 46
+        assert layer.rows[0].positions.tolist() == [[p for p in kept + list(range(60, 70)) if p > 70 - WINDOW]] * 2
+    for step in range(1, 11):  # the forward of position 59 + step
+        torch.testing.assert_close(logits[step][0, -1], reference[0, 59 + step], atol=1e-5, rtol=1e-5)
+    assert float((logits[1][0, -1] - unmasked[0, 60]).abs().max()) > 1e-2
