@@ -353,11 +353,14 @@ class CompressedLayer(CacheLayerMixin):
         appends them), those are its last slots, and how many is all the host needs; the read brings each row's
         count and whether its positions ascend, and a row whose positions do not is trimmed alone, as before."""
         held = [b for b, row in enumerate(rows) if row.positions.shape[1] and (firsts is None or firsts[b] is not None)]
+        if not held:
+            return
         if self.selection is not None:  # a selecting sliding layer: heads may hold different positions
             for b in held:
                 row = rows[b]
                 real = row.positions[row.positions != PAD_POSITION]
-                self._trim_selected_to_window(row, int(real.max()) + 1 if firsts is None else int(firsts[b]))
+                if real.numel():
+                    self._trim_selected_to_window(row, int(real.max()) + 1 if firsts is None else int(firsts[b]))
             return
         lengths = tuple(rows[b].positions.shape[1] for b in held)
         device = rows[held[0]].positions.device
@@ -423,7 +426,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def allowed_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Boolean ``[B, heads, q, slots]`` over the buffer's slots (:func:`~kveval.layer_masks.positions_mask`).
-        A layer without a selection (a sliding layer always, a full one under a policy that selects nothing) keeps
+        A layer without a selection (a sliding one beside full ones, any under a policy that selects nothing) keeps
         the same tokens in every head: a window trims all heads alike."""
         return positions_mask(self._slot_positions, query_positions, self.sliding_window, self.chunked,
                               heads_share=self.selection is None)

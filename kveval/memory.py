@@ -49,6 +49,7 @@ subtracts the weights (given, or parameters x bytes per parameter) and keeps a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import functools
 import math
@@ -507,8 +508,8 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
         notes.append(f"the weights ({human_bytes(weight_bytes)}) leave nothing of {human_bytes(gpu)} less "
                      f"{h:.0%} headroom for the cache")
 
-    def seq_bytes(n: int) -> int:
-        return sum(layer.bytes for layer in _sequence_layers(spec, stack, layout, n, new_tokens, dtype_bytes))
+    def seq_bytes(n: int, sized=stack) -> int:
+        return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes))
 
     common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
                   cache_budget_bytes=budget, model=spec.name, policy=stack.spec, notes=notes)
@@ -519,13 +520,31 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
         return FitResult("batch", value, context, value, cache_bytes=value * per_seq, **common)
     batch = check_int(1 if batch is None else batch, "batch", 1)
     limit = budget // batch if budget > 0 else -1
-    if seq_bytes(_GIANT) <= limit:
+    # A selection on sliding layers, decoding: sized only while nothing it kept can leave the window (the longest
+    # such context is ``sizable``); past it, the window bounds the cache at what it holds without the selection.
+    windows = [w for w, holds in zip(spec.windows, spec.holds_kv) if holds]
+    sizable = _GIANT
+    if stack.selection is not None and new_tokens and selection_slides(windows):
+        sizable = max(0, min(windows) - new_tokens - 1)
+        unselected = dataclasses.replace(stack, selection=None)
+        if seq_bytes(_GIANT, unselected) <= limit:
+            notes.append(f"the window bounds the cache at {human_bytes(seq_bytes(_GIANT, unselected) * batch)} "
+                         f"whatever {stack.selection.spec()} keeps: any context fits")
+            return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT, unselected) * batch, **common)
+        if sizable == 0 or seq_bytes(1) > limit:
+            return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
+        if seq_bytes(sizable) <= limit:
+            notes.append(f"{sizable:,} tokens is the longest context sized under {stack.selection.spec()} with "
+                         f"{new_tokens} new tokens: past it, which kept tokens leave the {min(windows)}-token window "
+                         f"depends on their scores, and the window's bound, without the selection, does not fit")
+            return FitResult("context", sizable, sizable, batch, cache_bytes=seq_bytes(sizable) * batch, **common)
+    elif seq_bytes(_GIANT) <= limit:
         notes.append(f"the cache stops growing at {human_bytes(seq_bytes(_GIANT) * batch)} (windows or budgets bound "
                      f"every layer): any context fits")
         return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT) * batch, **common)
-    if seq_bytes(1) > limit:
+    elif seq_bytes(1) > limit:
         return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
-    lo, hi = 1, _GIANT  # seq_bytes(lo) fits, seq_bytes(hi) does not
+    lo, hi = 1, sizable  # seq_bytes(lo) fits, seq_bytes(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if seq_bytes(mid) <= limit:

@@ -151,9 +151,9 @@ def read_run_info(run_dir: str | os.PathLike) -> RunInfo:
     if not path.is_file():
         raise ResultFileError(f"{path}: no such run file; point at a run folder written by kveval (it holds {RUN_FILE} and {ITEMS_FILE})")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         return RunInfo(**data)
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
         raise ResultFileError(f"{path}: corrupt run file ({exc}); delete the run folder and run it again") from exc
 
 
@@ -186,7 +186,11 @@ def iter_items(run_dir: str | os.PathLike) -> Iterator[ItemRecord]:
     path = Path(run_dir) / ITEMS_FILE
     if not path.is_file():
         raise ResultFileError(f"{path}: no items file; run the evaluation first (kveval sweep or kveval eval)")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ResultFileError(f"{path}: not UTF-8 text, so not a kveval items file (or a damaged one); delete the run "
+                              f"folder and run it again") from None
     if text and not text.endswith("\n"):
         raise ResultFileError(f"{path}: truncated (the last line was cut off mid-write); rerun the sweep to complete it")
     for number, line in enumerate(text.split("\n"), start=1):

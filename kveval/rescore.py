@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kveval.errors import ResultFileError, RunFolderError, UsageError
-from kveval.records import ITEMS_FILE, RUN_FILE, ItemRecord, atomic_write_text, read_items
+from kveval.sweep import MANIFEST_FILE
+from kveval.records import ITEMS_FILE, RUN_FILE, ItemRecord, atomic_write_text, read_items, read_run_info
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,17 @@ class RescoredRun:
     probe_items : int
         How many records are probe items (scored again).
     moves : Counter
-        ``(old category, new category)`` -> items whose score, correctness or category changed.
+        ``(old category, new category)`` -> items whose score, correctness, category or recalled values changed.
+    lm_eval_probe_records : int
+        Records of kveval's own probe tasks run through lm-eval (``kveval_*``): scored by ``tasks/utils.py`` when
+        lm-eval ran them, kept as they are (their items are lm-eval's documents, not the sweep's).
     """
 
     run_dir: Path
     records: list[ItemRecord]
     probe_items: int
     moves: Counter
+    lm_eval_probe_records: int = 0
 
     @property
     def changed(self) -> int:
@@ -65,9 +70,15 @@ def rescore_run(run_dir: Path, items: dict, fix: str) -> RescoredRun:
     holds another prompt (hash); ``fix`` says how to give the right items."""
     from kveval.probes import score_answer
 
-    records, moves, probes = [], Counter(), 0
-    for record in read_items(run_dir):
-        if "lm_eval_task" in record.metrics:  # scored by lm-eval's own metric
+    records, moves, probes, own_tasks = [], Counter(), 0, 0
+    for number, record in enumerate(read_items(run_dir), start=1):
+        wrong = [name for name, kind in (("hash", str), ("answer", str), ("metrics", dict))
+                 if not isinstance(getattr(record, name), kind)]
+        if wrong:
+            raise ResultFileError(f"{run_dir / ITEMS_FILE}:{number}: {', '.join(wrong)} of the wrong type; not a kveval "
+                                  f"items file, or a damaged one: rerun that run to rewrite it")
+        if "lm_eval_task" in record.metrics:  # scored when lm-eval ran
+            own_tasks += str(record.metrics["lm_eval_task"]).startswith("kveval_")
             records.append(record)
             continue
         item = items.get(record.id)
@@ -84,7 +95,7 @@ def rescore_run(run_dir: Path, items: dict, fix: str) -> RescoredRun:
             moves[(record.category, new.category)] += 1
         records.append(new)
         probes += 1
-    return RescoredRun(Path(run_dir), records, probes, moves)
+    return RescoredRun(Path(run_dir), records, probes, moves, own_tasks)
 
 
 def describe(rescored: list[RescoredRun], verb: str = "change") -> str:
@@ -110,9 +121,16 @@ def eval_run_dirs(folder: Path) -> list[Path]:
 
 
 def rescore_eval_folders(folders: list[Path], items_file: Path) -> list[RescoredRun]:
-    """``kveval eval`` run folders scored again against the items of ``items_file``."""
+    """``kveval eval`` run folders scored again against the items of ``items_file``; a sweep's run is refused (its
+    lock, report and gate go with the sweep: :func:`rescore_sweep`)."""
     from kveval.probes.cli import read_probe_items
 
+    run_dirs = list(dict.fromkeys(run_dir for folder in folders for run_dir in eval_run_dirs(folder)))
+    for run_dir in run_dirs:
+        sweep = read_run_info(run_dir).extra.get("sweep")
+        if sweep is not None:
+            raise RunFolderError(f"{run_dir} is a run of the sweep {sweep}: rescore the sweep from its config "
+                                 f"(kveval rescore CONFIG.yaml --out {run_dir.parent.parent.parent})")
     if not items_file.is_file():
         raise FileNotFoundError(f"{items_file}: no such items file; write it with kveval probes, with the eval's "
                                 f"family, length, n, depth and seed arguments")
@@ -122,48 +140,34 @@ def rescore_eval_folders(folders: list[Path], items_file: Path) -> list[Rescored
         raise ResultFileError(f"{items_file}: not a probe item file (not UTF-8 text); write it with kveval probes") from None
     fix = ("give the items file they were run on (kveval probes with the eval's family, length, n, depth and seed "
            "arguments, and its --model)")
-    run_dirs = [run_dir for folder in folders for run_dir in eval_run_dirs(folder)]
-    return [rescore_run(run_dir, items, fix) for run_dir in dict.fromkeys(run_dirs)]
+    return [rescore_run(run_dir, items, fix) for run_dir in run_dirs]
 
 
 def rescore_sweep(config, out: Path) -> tuple[list[Path], list[RescoredRun]]:
     """A finished sweep's run folders (in :func:`~kveval.sweep.run_sweep`'s order) scored again against the items
-    its config generates; refused where ``out`` holds another config's sweep or an unfinished one."""
+    its config generates; refused where ``out`` holds another config's sweep or an unfinished one
+    (:func:`~kveval.sweep.unfinished`: every item, lm-eval task and fidelity record)."""
     from kveval.models import load_tokenizer
-    from kveval.sweep import read_manifest, sweep_items, sweep_run_dirs
+    from kveval.sweep import sweep_items, sweep_runs, unfinished
 
-    if read_manifest(out, config) is None:
-        raise RunFolderError(f"{out}: no sweep of {config.name} here (no manifest); give the folder it ran into with --out")
-    run_dirs = sweep_run_dirs(config, out)
-    fix = f"{out} holds answers to other items than {config.name}'s config generates here (another tokenizer or kveval version); run it again with kveval sweep --out to a new folder"
-    rescored, items_of = [], {}
-    for run_dir in run_dirs:
-        model = run_dir.parent.name
+    fix = (f"{out} holds answers to other items than {config.name}'s config generates here (another tokenizer or "
+           f"kveval version); run it again with kveval sweep --out to a new folder")
+    runs, items_of = sweep_runs(config, out), {}
+    for model, spec, run_dir in runs:
         if model not in items_of:
-            tokenizer = load_tokenizer(_model_of(config, run_dir))
-            items_of[model] = {item.id: item for item in sweep_items(config, tokenizer)}
-        items = items_of[model]
-        if not (run_dir / ITEMS_FILE).is_file():
-            raise RunFolderError(f"{run_dir}: not run yet; finish the sweep with kveval sweep first")
-        run = rescore_run(run_dir, items, fix)
-        held = {r.id for r in run.records}
-        if not set(items) <= held:
-            raise RunFolderError(f"{run_dir}: holds {len(held & set(items))} of {len(items)} items; finish the sweep "
-                                 f"with kveval sweep first")
-        rescored.append(run)
-    return run_dirs, rescored
-
-
-def _model_of(config, run_dir: Path) -> str:
-    """The config's model whose runs ``run_dir`` holds."""
-    from kveval.evaluate import model_folder, model_identity
-
-    return next(m for m in config.models if model_folder(model_identity(m)) == run_dir.parent.name)
+            items_of[model] = sweep_items(config, load_tokenizer(model))
+        reason = unfinished(config, spec, run_dir, items_of[model])
+        if reason:
+            raise RunFolderError(f"{run_dir}: {reason}; finish the sweep with kveval sweep first")
+    rescored = [rescore_run(run_dir, {item.id: item for item in items_of[model]}, fix) for model, _, run_dir in runs]
+    return [run_dir for _, _, run_dir in runs], rescored
 
 
 # --- the command ------------------------------------------------------------------------------------------------
 
 def configure(parser) -> None:
+    from kveval.sweep import add_deployment_arguments
+
     parser.add_argument("target", nargs="+",
                         help="a sweep config (its folder rescored, its report and gate rebuilt), or kveval eval run "
                              "folders (with --items)")
@@ -171,20 +175,26 @@ def configure(parser) -> None:
     parser.add_argument("--items", help="items file the run folders were run on (kveval probes, with the eval's arguments)")
     parser.add_argument("--dry-run", action="store_true", help="say what would change; write nothing")
     parser.add_argument("--strict", action="store_true", help="a sweep: exit with the gate's code (1 FAIL, 3 INCONCLUSIVE)")
+    add_deployment_arguments(parser)  # the gate is rebuilt: ask its deployment question again, as the sweep did
 
 
 def run(args) -> int:
     targets = [Path(t) for t in args.target]
-    if len(targets) == 1 and targets[0].is_file():
+    configs = [t for t in targets if t.suffix in (".yaml", ".yml") or t.is_file()]
+    if configs:
+        if len(targets) > 1:
+            raise UsageError("give one sweep config alone, or run folders (with --items)")
+        if not targets[0].is_file():
+            raise FileNotFoundError(f"{targets[0]}: no such sweep config")
         if args.items:
             raise UsageError("--items is for kveval eval run folders; a sweep's items come from its config")
         return _run_sweep(targets[0], args)
     for target in targets:
-        if (target / "manifest.json").is_file():
+        if (target / MANIFEST_FILE).is_file():
             raise UsageError(f"{target} is a sweep folder: give its config (kveval rescore CONFIG.yaml --out {target}), "
                              f"so the items come from it and its report and gate are rebuilt")
-        if target.is_file() or target.suffix in (".yaml", ".yml"):
-            raise UsageError(f"{target}: give one sweep config alone, or run folders")
+    if args.gpu_memory or args.strict:
+        raise UsageError("--gpu-memory and --strict are for a sweep (its gate is rebuilt); run folders have none")
     if not args.items:
         raise UsageError("run folders need --items: the items file they were run on (kveval probes with the eval's "
                          "family, length, n, depth and seed arguments)")
@@ -196,31 +206,40 @@ def run(args) -> int:
 def _run_sweep(config_path: Path, args) -> int:
     import sys
 
-    from kveval.sweep import load_config, read_manifest, running_code, summarize, sweep_lock
+    from kveval.sweep import deployment_of, load_config, read_manifest, running_code, summarize, sweep_lock
 
     config = load_config(config_path)
+    deploy = deployment_of(args)
     out = Path(args.out or config.out or Path("runs") / config.name)
-    if not out.is_dir():
-        raise FileNotFoundError(f"{out}: no such sweep folder; give the folder it ran into with --out")
+    remedy = f"give the folder {config.name}'s sweep ran into with --out"
+    if not out.is_dir() or read_manifest(out, config, remedy) is None:  # checked before the lock file is made
+        raise FileNotFoundError(f"{out}: no sweep of {config.name} here (no {MANIFEST_FILE}); {remedy}")
     with sweep_lock(out):
+        manifest = read_manifest(out, config, remedy)
         run_dirs, rescored = rescore_sweep(config, out)
         _report(rescored, args.dry_run)
         if args.dry_run:
             return 0
-        manifest = read_manifest(out, config)
         manifest["rescored_under"] = running_code()
-        atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
-        code = summarize(out, run_dirs, config.gate)
+        atomic_write_text(out / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
+        code = summarize(out, run_dirs, config.gate, deploy)
     print(f"kveval rescore: {out} rescored; its report and gate are rebuilt", file=sys.stderr)
     return code if args.strict else (2 if code == 2 else 0)
 
 
 def _report(rescored: list[RescoredRun], dry_run: bool) -> None:
     """Print each run's changes and the total; write them (every run checked first) unless ``dry_run``."""
+    import sys
+
     verb = "would change (dry run: nothing written)" if dry_run else "change"
     for run in rescored:
         print(f"{run.run_dir}: {describe([run], verb)}")
     print(f"in all, {describe(rescored, verb)}")
+    kept = sum(run.lm_eval_probe_records for run in rescored)
+    if kept:
+        print(f"kveval rescore: warning: {kept} records of kveval's probe tasks run through lm-eval (kveval_*) keep the "
+              f"scores lm-eval gave them; run those tasks again into a new folder to score them with this version",
+              file=sys.stderr)
     if not dry_run:
         for run in rescored:
             run.write()

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kveval.architectures import own_query_temperatures
+from kveval.errors import UsageError
 from kveval.lowrank import load_or_compute, load_versioned, model_fingerprint, model_name, save_atomic, tokenize_for
 from kveval.paths import cache_dir
 from kveval.probes.text import REPEAT_SENTENCES
@@ -65,7 +66,7 @@ class RetrievalScores:
     def retrieval_mask(self, fraction: float, scope: str) -> torch.Tensor:
         """``[layers, kv_heads]`` bool: the top ``ceil(fraction x heads)`` heads, over all layers or in each.
 
-        Sliding layers (``nan``) are never chosen (selection does not apply to them).
+        Layers selection skips (``nan``: sliding layers beside full ones) are never chosen.
         Ties are broken by layer and head order.
         """
         import math
@@ -128,6 +129,7 @@ def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
         # The last `answer` queries of ids[:-1] are those that write the answer's tokens.
         window = f"snapkv(ratio=0.5,window={answer},kernel=1)"
         cache = _calibration_cache(model, window, defer_compression=True, kv_dtype=model.dtype)
+        _check_within_windows(cache, tokens, len(ids) - 1)
         with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
             model(input_ids=torch.tensor([ids[:-1]], device=model.device), cache=cache, use_cache=True)
         per_layer = []
@@ -142,6 +144,20 @@ def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
         scores = torch.stack(per_layer)
         total = scores if total is None else total + scores
     return RetrievalScores(total / len(DEPTHS), tokens, model_key)
+
+
+def _check_within_windows(cache, tokens: int, length: int) -> None:
+    """Refuse probes longer than a sliding window that selection acts on (every layer of the model slides): the
+    needle's tokens would leave the window before the answer's queries read them, and the heads would be ranked on
+    nothing (:attr:`~kveval.cache_layers.CompressedLayer.takes_selection`)."""
+    windows = [layer.sliding_window for layer in cache.attention_layers if layer.is_sliding and layer.takes_selection]
+    if windows and length >= min(windows):
+        room = min(windows) - (length - tokens) - 1
+        raise UsageError(f"duo(calib_tokens={tokens}): its passkey probes ({length} tokens) reach past the model's "
+                         f"{min(windows)}-token sliding window, so the needle would leave the window before the answer "
+                         f"reads it; give calib_tokens={room} or fewer" if room > 0 else
+                         f"duo: the model's {min(windows)}-token sliding window is shorter than a passkey probe; "
+                         f"give heads=0 or heads=1 (nothing to rank)")
 
 
 def load_or_calibrate(model, tokens: int) -> RetrievalScores:

@@ -345,29 +345,13 @@ class CellRunner:
         return self._loaded[1], self._loaded[2]
 
     def _finished(self, cell: Cell, items: list) -> list[Path] | None:
-        """The cell's run folders if every item and lm-eval task of every policy is written (finalized again), else None."""
-        from kveval.errors import ResultFileError
+        """The cell's run folders if every one is finished (:func:`unfinished`; finalized again), else None."""
         from kveval.evaluate import finalize_run, model_identity, run_dir_for
-        from kveval.fidelity import read_fidelity
-        from kveval.records import iter_items
 
-        identity, dirs = model_identity(cell.model), []
-        for spec in cell.specs:
-            run_dir = run_dir_for(self.out, identity, spec.for_model(cell.model))
-            try:
-                records = list(iter_items(run_dir))
-            except (ResultFileError, OSError):  # missing, or a killed writer's half line: not finished
-                return None
-            written = {r.id: r.hash for r in records}
-            tasks = {r.metrics.get("lm_eval_task") for r in records}
-            # Another prompt under an item's id is not "done": evaluate_policies then refuses the folder, naming it.
-            if any(written.get(item.id) != item.hash for item in items) or not set(self.config.lm_eval.get("tasks", [])) <= tasks:
-                return None
-            if self.config.fidelity and not spec.policy.is_none:
-                measured = read_fidelity(run_dir)
-                if any(item.id not in measured or measured[item.id].hash != item.hash for item in items):
-                    return None
-            dirs.append(run_dir)
+        identity = model_identity(cell.model)
+        dirs = [run_dir_for(self.out, identity, spec.for_model(cell.model)) for spec in cell.specs]
+        if any(unfinished(self.config, spec, run_dir, items) for spec, run_dir in zip(cell.specs, dirs)):
+            return None
         for run_dir in dirs:
             finalize_run(run_dir)
         return dirs
@@ -423,30 +407,58 @@ def sweep_items(config: SweepConfig, tokenizer) -> list:
     return items
 
 
-def sweep_run_dirs(config: SweepConfig, out: Path) -> list[Path]:
-    """The sweep's run folders under ``out``, in :func:`run_sweep`'s order (baseline first for each model)."""
+def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list) -> str | None:
+    """Why ``run_dir`` (``spec``'s run of the sweep) is not finished, or ``None`` where it holds every item (on its
+    prompt), every lm-eval task and, under ``fidelity``, every item's fidelity. Another prompt under an item's id
+    is not finished either: :func:`~kveval.evaluate.evaluate_policies` then refuses the folder, naming it."""
+    from kveval.errors import ResultFileError
+    from kveval.fidelity import read_fidelity
+    from kveval.records import iter_items
+
+    try:
+        records = list(iter_items(run_dir))
+    except (ResultFileError, OSError) as exc:  # missing, or a killed writer's half line
+        return f"not readable ({exc})" if isinstance(exc, ResultFileError) else "not run yet"
+    written = {r.id: r.hash for r in records}
+    done = sum(written.get(item.id) == item.hash for item in items)
+    if done < len(items):
+        return f"holds {done} of {len(items)} items"
+    tasks = {r.metrics.get("lm_eval_task") for r in records}
+    missing = [task for task in config.lm_eval.get("tasks", []) if task not in tasks]
+    if missing:
+        return f"lacks the lm-eval task(s) {', '.join(missing)}"
+    if config.fidelity and not spec.policy.is_none:
+        measured = read_fidelity(run_dir)
+        done = sum(item.id in measured and measured[item.id].hash == item.hash for item in items)
+        if done < len(items):
+            return f"holds the fidelity of {done} of {len(items)} items"
+    return None
+
+
+def sweep_runs(config: SweepConfig, out: Path) -> "list[tuple[str, RunSpec, Path]]":
+    """The sweep's runs under ``out`` as ``(model, spec, run folder)``, in :func:`run_sweep`'s order (baseline first
+    for each model)."""
     from kveval.evaluate import model_identity, run_dir_for
 
-    return [run_dir_for(out, model_identity(model_name), spec.for_model(model_name)) for model_name in config.models
-            for specs in _specs_by_mode(config).values() for spec in specs]
+    return [(model_name, spec, run_dir_for(out, model_identity(model_name), spec.for_model(model_name)))
+            for model_name in config.models for specs in _specs_by_mode(config).values() for spec in specs]
 
 
-def read_manifest(out: Path, config: SweepConfig) -> dict | None:
+def read_manifest(out: Path, config: SweepConfig, remedy: str | None = None) -> dict | None:
     """The manifest of the sweep folder ``out`` (``None``: it has none), refused where it is damaged or foreign, or
-    belongs to another config."""
+    belongs to another config; ``remedy`` ends the refusal (default: a sweep's, start a new folder)."""
     path = out / MANIFEST_FILE
     if not path.is_file():
         return None
+    remedy = remedy or f"pass --out to a new folder, or delete {out} to start over"
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         manifest = None
     if not isinstance(manifest, dict):
-        raise RunFolderError(f"{path} is not a sweep manifest (damaged or foreign); pass --out to a new "
-                             f"folder, or delete {out} to start over")
+        raise RunFolderError(f"{path} is not a sweep manifest (damaged or foreign); {remedy}")
     if manifest.get("config_hash") != config.hash:
-        raise RunFolderError(f"{out} holds a sweep with another config (hash {manifest.get('config_hash')}); "
-                             f"pass --out to a new folder, or delete {out} to start over")
+        raise RunFolderError(f"{out} holds a sweep with another config (hash {manifest.get('config_hash')}); {remedy}")
     return manifest
 
 
@@ -580,6 +592,31 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: 
     return code
 
 
+def add_deployment_arguments(parser) -> None:
+    """The deployment decision's options, as ``kveval sweep`` and ``kveval rescore`` take them (:func:`deployment_of`)."""
+    parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
+    parser.add_argument("--context", type=int, help="target context tokens for the deployment decision")
+    parser.add_argument("--batch", type=int, default=1, help="concurrent sequences for the deployment decision (default 1)")
+    parser.add_argument("--weights", help="model weight bytes for the deployment decision, e.g. 16GB (default: "
+                                          "parameters x 2 bytes, where the planner can count them)")
+
+
+def deployment_of(args) -> dict | None:
+    """The deployment question of :func:`add_deployment_arguments`' options, checked before anything runs
+    (``None``: none asked)."""
+    from kveval.errors import UsageError
+
+    if args.gpu_memory and not args.context:
+        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
+    if not args.gpu_memory:
+        return None
+    from kveval.deployment import check_deployment_inputs
+
+    deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch, "weights": args.weights}
+    check_deployment_inputs(**deploy)
+    return deploy
+
+
 def configure(parser) -> None:
     from kveval.models import add_placement_arguments
 
@@ -587,11 +624,7 @@ def configure(parser) -> None:
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
     parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
-    parser.add_argument("--context", type=int, help="target context tokens for the deployment decision")
-    parser.add_argument("--batch", type=int, default=1, help="concurrent sequences for the deployment decision (default 1)")
-    parser.add_argument("--weights", help="model weight bytes for the deployment decision, e.g. 16GB (default: "
-                                          "parameters x 2 bytes, where the planner can count them)")
+    add_deployment_arguments(parser)
     parser.add_argument("--executor", choices=["inprocess", "ray"], default="inprocess",
                         help="where cells (model x policy group) run: this process (default) or Ray tasks, one GPU "
                              "(else one CPU) each; needs pip install 'kveval[ray]'")
@@ -608,19 +641,10 @@ def configure(parser) -> None:
 def run(args) -> int:
     import sys
 
-    from kveval.errors import UsageError
-
     config = load_config(args.config)
     for warning in config.warnings:
         print(f"kveval sweep: warning: {warning}", file=sys.stderr)
-    if args.gpu_memory and not args.context:
-        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
-    deploy = None
-    if args.gpu_memory:  # asked before the sweep runs, not refused after it
-        from kveval.deployment import check_deployment_inputs
-
-        deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch, "weights": args.weights}
-        check_deployment_inputs(**deploy)
+    deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
     from kveval.executors import make_executor
     from kveval.models import placement_from_args
 

@@ -169,7 +169,7 @@ def test_fidelity_key_is_validated(tmp_path):
 def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer, tmp_path, mode):
     from kveval.evaluate import evaluate_policies
     from kveval.fidelity import FIDELITY_FILE
-    from kveval.sweep import CellRunner, load_config, plan_cells
+    from kveval.sweep import CellRunner, load_config, plan_cells, sweep_items
 
     path = tmp_path / "fid.yaml"
     path.write_text(FIDELITY_CONFIG.format(mode=mode))
@@ -178,7 +178,7 @@ def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer
     runner._loaded = ("smollm2-135m", model, tokenizer)  # the tiny model stands in for the embedded one
     (cell,) = plan_cells(config)
     dirs = runner(cell).run_dirs
-    reference = evaluate_policies(model, tokenizer, runner._items(tokenizer), list(cell.specs), tmp_path / "eval",
+    reference = evaluate_policies(model, tokenizer, sweep_items(config, tokenizer), list(cell.specs), tmp_path / "eval",
                                   "smollm2-135m", mode, config.batch_size, config.seed, fidelity=True)
     for got, want in zip(dirs, reference):
         got_file, want_file = Path(got) / FIDELITY_FILE, want / FIDELITY_FILE
@@ -191,7 +191,7 @@ def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer
     first = f"{dirs[1]}/{FIDELITY_FILE}"
     lines = open(first).read().splitlines(keepends=True)
     open(first, "w").write(lines[0])
-    assert runner._finished(cell, runner._items(tokenizer)) is None
+    assert runner._finished(cell, sweep_items(config, tokenizer)) is None
     runner(cell)
     assert open(first).read() == "".join(lines)
-    assert runner._finished(cell, runner._items(tokenizer)) is not None
+    assert runner._finished(cell, sweep_items(config, tokenizer)) is not None

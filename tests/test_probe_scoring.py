@@ -276,3 +276,21 @@ def test_near_miss_of_a_distractor_in_a_full_answer_is_named(multikey):
     gold, other = multikey.gold[0], _values(multikey, "distractor")[0]
     r = check(multikey, f" {gold} and {_one_digit_off(other)}", "over_inclusion")
     assert r.recalled == f"distractor:{_one_digit_off(other)}" and r.score == 0.5
+
+
+def test_a_value_as_near_the_found_gold_as_a_distractor_is_not_named_the_distractor(multikey):
+    """In a full answer, an extra value equally near the gold (found) and a distractor counts for the gold, as a
+    tie does where the gold is missing: it is no evidence of the wrong needle."""
+    from dataclasses import replace
+
+    from kveval.probes.item import Needle
+
+    item = replace(multikey, gold=["482137"], needles=[Needle("a", "482137", "target", (0, 1)),
+                                                       Needle("b", "482130", "distractor", (2, 3))])
+    r = check(item, " 482137 or 482138", "over_inclusion")
+    assert r.recalled == "fabricated:482138"
+    r = check(item, " 482137 or 482139", "over_inclusion")
+    assert r.recalled == "fabricated:482139"
+    r = check(item, " 482137 or 48213", "over_inclusion")  # contained in both: a tie, the gold's
+    assert r.recalled == "fabricated:48213"
+    r = check(item, " 482138", "partial")  # the gold missing: the same tie goes to the gold

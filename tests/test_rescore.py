@@ -136,9 +136,13 @@ def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_p
     assert "a sweep folder: give its config" in capsys.readouterr().err
 
     config = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
-    assert cli.main(["rescore", str(config), "--out", str(out)]) == 0
+    assert cli.main(["rescore", str(out / "runs" / "smollm2-135m" / "none"), "--items", "x.jsonl"]) == 2
+    assert "is a run of the sweep quickstart: rescore the sweep from its config" in capsys.readouterr().err
+    assert cli.main(["rescore", str(config), "--out", str(out), "--gpu-memory", "1GiB", "--context", "4096"]) == 0
     output = capsys.readouterr().out
     assert "1 of 480 items change" in output and "gate verdict" in output
+    assert "## Deployment" in (out / "gate" / "gate.md").read_text()  # the sweep's question, asked again
+    assert cli.main(["rescore", str(config), "--out", str(out)]) == 0
     assert {d: (d / ITEMS_FILE).read_text() for d in original} == original
     gate_after = (out / "gate" / "gate.json").read_text().replace(str(out), "results/quickstart")
     assert json.loads(gate_after) == json.loads(gate_before)
@@ -164,3 +168,34 @@ def test_a_sweep_of_another_config_or_unfinished_is_refused(tmp_path, capsys):
     assert cli.main(["rescore", str(config), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "119 of 120 items" in err and "kveval sweep" in err
+
+
+def test_damaged_run_files_are_one_line_and_nothing_is_written(tmp_path, multikey_items, capsys):
+    run_dir = _eval_folder(tmp_path, multikey_items, [" 1", " 2", " 3"])
+    second = _eval_folder(tmp_path, multikey_items, [" 1", " 2", " 3"], policy="kivi_bits-4")
+    _tamper(second, 0, category="correct", score=1.0, correct=True)
+    before = (second / ITEMS_FILE).read_text()
+    items = _items_file(tmp_path / "items.jsonl", multikey_items)
+    lines = (run_dir / ITEMS_FILE).read_text().splitlines(keepends=True)
+    damaged = [lines[0].replace(f'"hash": "{multikey_items[0].hash}"', '"hash": null'),
+               lines[0].replace('"metrics": {"kv_bytes": 1}', '"metrics": 5')]
+    for text in damaged:
+        assert text != lines[0]
+        (run_dir / ITEMS_FILE).write_text(text + "".join(lines[1:]))
+        assert cli.main(["rescore", str(tmp_path), "--items", str(items)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "of the wrong type" in err[0], err
+    (run_dir / ITEMS_FILE).write_bytes(b"\xff\xfe\n")
+    assert cli.main(["rescore", str(tmp_path), "--items", str(items)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not UTF-8 text" in err[0], err
+    assert (second / ITEMS_FILE).read_text() == before
+
+
+def test_a_mistyped_config_or_a_folder_of_no_sweep_is_named(tmp_path, capsys):
+    assert cli.main(["rescore", str(tmp_path / "typo.yaml")]) == 2
+    assert "typo.yaml: no such sweep config" in capsys.readouterr().err
+    config = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+    assert cli.main(["rescore", str(config), "--out", str(tmp_path)]) == 2
+    assert "no sweep of quickstart here" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # not even a lock file

@@ -33,7 +33,8 @@ class DuoPolicy(SinkWindowPolicy):
     (:mod:`kveval.retrieval_heads`): the attention mass the answer's queries
     put on the needle, a cheap stand-in for DuoAttention's optimized per-head
     gates, not a reproduction of them. Sliding-window layers are never
-    selected (selection does not apply to them).
+    selected where some layer attends fully (selection does not apply to them);
+    where every layer slides, their heads are ranked like any others.
 
     Attributes
     ----------
@@ -50,7 +51,7 @@ class DuoPolicy(SinkWindowPolicy):
         whole removes less than ``ratio``: its retrieval heads keep everything.
     scope : str
         ``"global"`` (default, as DuoAttention thresholds its gates over the whole
-        model): the top ``ceil(heads x all KV heads)`` of full-attention layers,
+        model): the top ``ceil(heads x all KV heads)`` of the layers selection acts on,
         so layers differ in how many they keep; ``"layer"``: the top
         ``ceil(heads x kv_heads)`` in every layer.
     calib_tokens : int
@@ -117,7 +118,7 @@ class DuoPolicy(SinkWindowPolicy):
         return mask
 
     def retrieval_fraction(self, model) -> float:
-        """Share of all KV heads kept whole on ``model`` (what ``heads`` gives after rounding; sliding layers count as streaming)."""
+        """Share of all KV heads kept whole on ``model`` (what ``heads`` gives after rounding; layers selection skips count as streaming)."""
         config = model.config.get_text_config()
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         mask = self.retrieval_mask(model, config.num_hidden_layers, kv_heads)

@@ -265,7 +265,8 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
         extras = needle_extras + other
         if not extras:
             return Score(1.0, True, "correct", None, detail)
-        near_roles = {v: n["role"] for v in other if (n := _nearest(v, [], roles, near_miss))}
+        # An extra value named by the needle it is nearest to; one nearer the (found) gold is no other needle's.
+        near_roles = {v: n["role"] for v in other if (n := _nearest(v, gold, roles, near_miss)) and n.get("role")}
         recalled = ",".join(f"{roles.get(v) or near_roles.get(v, 'fabricated')}:{v}" for v in extras)
         return Score(jaccard(extras), False, "over_inclusion", recalled, detail)
 
