@@ -74,6 +74,8 @@ class CompressedLayer(CacheLayerMixin):
         # Decode steps done on the buffer alone (None: the rows do not allow it, or changed since the last check).
         self._decode: BufferedDecode | None = None
         self._buffer_only_step = False  # the current forward wrote the buffer alone (nothing to score)
+        self._oldest_held = 0  # where a selection acts in a sliding window: the oldest position held (_window_clear)
+        self._window_moving = False  # that window has reached what the selection kept: decode row by row
 
     @property
     def takes_selection(self) -> bool:
@@ -131,18 +133,41 @@ class CompressedLayer(CacheLayerMixin):
         if not self._could_batch() or not all(row.compressed for row in self._rows):
             return None
         cache = self.cache
-        decode = BufferedDecode.for_rows(self._rows, cache.kv_dtype, self.selection, self.sliding_window,
+        decode = BufferedDecode.for_rows(self._rows, cache.kv_dtype, self.selection, self._decode_window,
                                          self.layer_idx, cache.num_layers, cache.model,
                                          codes=cache.decodes_from_codes(self.device),
                                          seeds=[cache.seed_for(b) for b in range(len(self._rows))])
         if decode is not None:
             decode.start(self._rows, self._buffer)
+            if self._selects_in_window:  # one read: the oldest position any row holds
+                self._oldest_held = int(torch.stack([row.positions[row.positions != PAD_POSITION].min()
+                                                     for row in self._rows]).min())
         return decode
 
     def _could_batch(self) -> bool:
         """The static part of :meth:`_batched_decode` (no loop over rows): store type, selection, window."""
         return (self._buffer is not None and not self.cache.defer_compression and bool(self._rows)
-                and BufferedDecode.could_serve(self._rows[0].store, self.selection, self.sliding_window))
+                and not self._window_moving
+                and BufferedDecode.could_serve(self._rows[0].store, self.selection, self._decode_window))
+
+    @property
+    def _selects_in_window(self) -> bool:
+        """A sliding layer that a selection acts on (every layer of the model slides: :attr:`takes_selection`)."""
+        return self.is_sliding and self.selection is not None
+
+    @property
+    def _decode_window(self) -> int | None:
+        """The window the batched decode keeps: none where a selection acts in it. Its kept tokens leave gaps a
+        window's eviction does not take; the batch decodes as a full layer's while the window trims nothing
+        (:meth:`_window_clear`), then row by row, trimming by position."""
+        return None if self._selects_in_window else self.sliding_window
+
+    def _window_clear(self, kwargs, q_len: int) -> bool:
+        """Whether this forward's window trims nothing the rows hold, in a layer where a selection acts in it: every
+        held position is past the window of a query after the last new one (known on the host: the oldest held
+        position, read when the batched decode started, against :meth:`_positions_bound`)."""
+        bound = self._positions_bound(kwargs, q_len)
+        return bound is not None and self._oldest_held > bound - self.sliding_window
 
     def _refresh_buffer(self) -> None:
         """Bring the buffer in step with the rows: each row from the first slot its store changed."""
@@ -239,6 +264,9 @@ class CompressedLayer(CacheLayerMixin):
             self._decode = self._batched_decode()
         if self._decode is not None and not self._decode.takes(counts):
             self.drop_decode()  # this step goes row by row; the next refresh checks the batch again
+        if self._decode is not None and self._selects_in_window and not self._window_clear(kwargs, q_len):
+            self.drop_decode()  # the window reaches what the selection kept: row by row from here on
+            self._window_moving = True
         self._buffer_only_step = self._can_decode_on_buffer(kwargs, q_len)
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.
@@ -316,6 +344,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.rows, self.columns_seen, self.contiguous, self.is_initialized = [], 0, True, False
+        self._oldest_held, self._window_moving = 0, False
 
     # --- positions and masks --------------------------------------------------------------------
     def _positions_bound(self, kwargs, q_len: int) -> int | None:
