@@ -1,4 +1,4 @@
-"""The architecture matrix: tiny random configs of 25 causal-LM architectures (see tiny_models.ARCHITECTURES).
+"""The architecture matrix: tiny random configs of 26 causal-LM architectures (see tiny_models.ARCHITECTURES).
 
 Per architecture: policy ``none`` equals the model's own eager attention through
 prefill and decode; every policy family and a stacked policy run with finite

@@ -43,6 +43,8 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # Every layer slides (Mistral-7B-v0.1, Phi-3-mini-4k): selection acts in the window (tests/test_sliding_selection.py).
+    "mistral_sliding": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 32}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", _MOE),
