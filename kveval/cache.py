@@ -60,7 +60,7 @@ from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_ke
 from kveval.coded_rows import SharedScratch
 from kveval.decode_evictions import DeferredEvictions
 from kveval.errors import UnsupportedModelError, UsageError
-from kveval.layer_types import selection_slides
+from kveval.layer_types import selecting_layers, selection_slides
 from kveval.policies import PolicyStack, parse_policy
 from kveval.rows import RowState
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
@@ -244,7 +244,8 @@ class CompressedCache(Cache):
         """Refuse a selection policy where it has no layer to act on: every attention layer is chunked (a query
         sees its own chunk only: a window's trim and a selection were never made to agree there)."""
         held = [plan for plan in plans if plan.holds_tokens]
-        if policy.selection is not None and held and all(plan.chunked for plan in held):
+        if policy.selection is not None and held and not any(
+                selecting_layers([plan.sliding_window for plan in held], [plan.chunked for plan in held])):
             raise UnsupportedModelError(
                 f"{architectures.architecture_name(config)}: every attention layer is chunked, and "
                 f"{policy.selection.spec()} selects on full-attention or sliding-window layers only; evaluate a "

@@ -30,5 +30,14 @@ def selection_slides(windows) -> bool:
     return bool(windows) and all(w is not None for w in windows)
 
 
+def selecting_layers(windows, chunked) -> list[bool]:
+    """Per layer holding K/V (its window, ``None`` for full attention, and whether that window is an attention
+    chunk): whether a selection policy acts on it. Full layers always; sliding ones where every layer slides
+    (:func:`selection_slides`); chunked ones never (a query sees its own chunk only)."""
+    windows = list(windows)
+    slides = selection_slides(windows)
+    return [w is None or (slides and not c) for w, c in zip(windows, chunked)]
+
+
 __all__ = ["ATTENTION_LAYER_TYPES", "EMPTY_LAYER_TYPES", "HYBRID_LAYER_TYPES", "KNOWN_LAYER_TYPES", "KV_LAYER_TYPES",
-           "STATE_LAYER_TYPES", "selection_slides"]
+           "STATE_LAYER_TYPES", "selecting_layers", "selection_slides"]

@@ -59,7 +59,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from kveval.layer_types import selection_slides
+from kveval.layer_types import selecting_layers
 from kveval.model_specs import ModelSpec, load_model_spec, preset_names
 from kveval.values import is_real, is_whole
 
@@ -172,6 +172,7 @@ def _kvquant_bytes(tokens: int, oldest: int, heads: int, head_dim: int, quant, d
 
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
+    _check_selection(spec, stack)
     quant = stack.quantization
     if quant is not None and not hasattr(quant, "key_quant"):
         return _kvquant_layout(spec, stack)
@@ -291,12 +292,29 @@ def _stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
     return data + heads * (dim // q.group) * _scale_bytes(q)
 
 
-def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int) -> int:
+def _selecting(spec: ModelSpec) -> list[bool]:
+    """Per layer: whether a selection acts on it, as in the cache (:func:`~kveval.layer_types.selecting_layers`:
+    full layers, and sliding ones where every layer slides); never a layer without K/V."""
+    kv = [i for i, holds in enumerate(spec.holds_kv) if holds]
+    chunked = spec.chunked or [False] * spec.num_layers
+    out = [False] * spec.num_layers
+    for i, acts in zip(kv, selecting_layers([spec.windows[i] for i in kv], [chunked[i] for i in kv])):
+        out[i] = acts
+    return out
+
+
+def _check_selection(spec: ModelSpec, stack) -> None:
+    """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does."""
+    if stack.selection is not None and not any(_selecting(spec)):
+        raise ValueError(f"{stack.selection.spec()}: every attention layer of {spec.name} is chunked, and selection "
+                         f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")
+
+
+def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int, selects: bool) -> int:
+    """Tokens layer ``i`` holds after ``context`` then ``new_tokens``; ``selects``: whether the selection acts on it."""
     if not spec.holds_kv[i]:
         return 0
     window = spec.windows[i]
-    # As in the cache: sliding layers are bounded already, unless every layer slides (selection_slides).
-    selects = window is None or selection_slides(w for w, holds in zip(spec.windows, spec.holds_kv) if holds)
     selection = stack.selection if selects else None
     if selection is None:
         tokens = context + new_tokens
@@ -320,9 +338,9 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int)
 def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
                      dtype_bytes: int) -> list[LayerPlan]:
     out = []
-    selects = stack.selection is not None and selection_slides(w for w, holds in zip(spec.windows, spec.holds_kv) if holds)
-    for i in range(spec.num_layers):
-        tokens = _layer_tokens(spec, stack, i, context, new_tokens)
+    selecting = _selecting(spec) if stack.selection is not None else [False] * spec.num_layers
+    for i, selects in enumerate(selecting):
+        tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects)
         if layout.kvquant is not None:
             window = spec.windows[i]  # the oldest position its window still holds, selected or not
             oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
@@ -522,9 +540,9 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     limit = budget // batch if budget > 0 else -1
     # A selection on sliding layers, decoding: sized only while nothing it kept can leave the window (the longest
     # such context is ``sizable``); past it, the window bounds the cache at what it holds without the selection.
-    windows = [w for w, holds in zip(spec.windows, spec.holds_kv) if holds]
+    windows = [w for w, acts in zip(spec.windows, _selecting(spec)) if acts and w is not None]
     sizable = _GIANT
-    if stack.selection is not None and new_tokens and selection_slides(windows):
+    if stack.selection is not None and new_tokens and windows:  # the sliding layers it acts on
         sizable = max(0, min(windows) - new_tokens - 1)
         unselected = dataclasses.replace(stack, selection=None)
         if seq_bytes(_GIANT, unselected) <= limit:

@@ -107,6 +107,8 @@ class ModelSpec:
     head_dim: int
     windows: list[int | None]
     holds_kv: list[bool] = field(default_factory=list)
+    #: ``chunked[i]``: layer ``i``'s window is an attention chunk (Llama 4), where no selection acts.
+    chunked: list[bool] = field(default_factory=list)
     mla_dim: int | None = None
     mla_rope: int = 0
     num_parameters: int | None = None
@@ -174,7 +176,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     head_dim = _positive_int(head_dim, "head_dim", name)
 
     windows: list[int | None] = [None] * layers
-    holds_kv = [True] * layers
+    holds_kv, chunked = [True] * layers, [False] * layers
     window = get("sliding_window")
     layer_types = get("layer_types") or _hybrid_layer_types(config, layers, name)
     model_type = str(get("model_type") or "")
@@ -191,7 +193,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                     raise ValueError(f"{name}: layer_types has sliding layers but sliding_window is not set")
                 windows[i] = int(window)
             elif kind == "chunked_attention" and get("attention_chunk_size"):
-                windows[i] = int(get("attention_chunk_size"))
+                windows[i], chunked[i] = int(get("attention_chunk_size")), True
         if not any(holds_kv):
             raise ValueError(f"{name}: no layer holds K/V (layer_types: {', '.join(sorted(set(layer_types)))}); "
                              f"there is no KV cache to plan")
@@ -223,7 +225,8 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      f"policies act on the {sum(holds_kv) - len(sliding)} full-attention layers only (as kveval's "
                      f"cache does)")
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
-                     head_dim=head_dim, windows=windows, holds_kv=holds_kv, mla_dim=mla_dim, mla_rope=mla_rope,
+                     head_dim=head_dim, windows=windows, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
+                     mla_rope=mla_rope,
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
                      max_position=get("max_position_embeddings"), notes=notes)
 

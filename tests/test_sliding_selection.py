@@ -258,3 +258,16 @@ def test_generation_past_the_window_equals_the_eager_model_under_the_kept_mask()
     expected = logits.log_softmax(-1).gather(1, torch.tensor(result.token_ids)[:, None]).squeeze(1)
     assert len(result.token_ids) == 24
     torch.testing.assert_close(torch.tensor(result.logprobs, dtype=torch.float32), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_planner_and_the_cache_agree_on_chunked_layers():
+    """Where every attention layer is chunked (Llama 4's local layers alone), no layer takes a selection: the cache
+    refuses it and so does the planner, which sized it before (it read chunks as sliding windows)."""
+    from kveval.errors import UnsupportedModelError
+
+    model = tiny_model("llama4", layer_types=["chunked_attention", "chunked_attention"])
+    with pytest.raises(UnsupportedModelError, match="every attention layer is chunked"):
+        CompressedCache(model, "snapkv(ratio=0.5)")
+    with pytest.raises(ValueError, match="every attention layer of .* is chunked"):
+        plan(model.config, 100, policy="snapkv(ratio=0.5)")
+    assert plan(model.config, 100, policy="kivi(bits=4)").sequence_bytes > 0
