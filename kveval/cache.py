@@ -60,7 +60,7 @@ from kveval.cache_layers import CompressedHybridLayer, CompressedLayer, score_ke
 from kveval.coded_rows import SharedScratch
 from kveval.decode_evictions import DeferredEvictions
 from kveval.errors import UnsupportedModelError, UsageError
-from kveval.layer_types import selecting_layers, selection_slides
+from kveval.layer_types import selecting_layers
 from kveval.policies import PolicyStack, parse_policy
 from kveval.rows import RowState
 from kveval.storage import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
@@ -215,8 +215,11 @@ class CompressedCache(Cache):
         for served_policy in served:  # refused before the prefill, not after it
             self._check_representation(served_policy, value_dim)
             self._check_selection(served_policy, plans, model.config)
-        #: Whether selection acts on the sliding layers too: every attention layer slides (:func:`selection_slides`).
-        self.selects_sliding_layers = selection_slides(plan.sliding_window for plan in plans if plan.holds_tokens)
+        #: Layer index -> whether a selection acts on it (:func:`~kveval.layer_types.selecting_layers`: full layers,
+        #: and sliding ones where every attention layer slides), for the layers holding tokens.
+        held = [(i, plan) for i, plan in enumerate(plans) if plan.holds_tokens]
+        self.selecting_layers = dict(zip((i for i, _ in held), selecting_layers(
+            [plan.sliding_window for _, plan in held], [plan.chunked for _, plan in held])))
         #: Attention scores a deferred prefill keeps (:func:`kveval.cache_layers.score_key`), each once.
         self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None

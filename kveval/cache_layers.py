@@ -80,8 +80,8 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def takes_selection(self) -> bool:
         """Whether a selection policy acts on this layer: a full-attention one, or a sliding one of a model whose
-        every layer slides (:attr:`CompressedCache.selects_sliding_layers`)."""
-        return not self.is_sliding or (self.cache.selects_sliding_layers and not self.chunked)
+        every layer slides (:attr:`CompressedCache.selecting_layers`)."""
+        return self.cache.selecting_layers.get(self.layer_idx, False)
 
     # --- the rows, and the buffer attention reads ---------------------------------------------
     @property
@@ -139,10 +139,15 @@ class CompressedLayer(CacheLayerMixin):
                                          seeds=[cache.seed_for(b) for b in range(len(self._rows))])
         if decode is not None:
             decode.start(self._rows, self._buffer)
-            if self._selects_in_window:  # one read: the oldest position any row holds
-                self._oldest_held = int(torch.stack([row.positions[row.positions != PAD_POSITION].min()
-                                                     for row in self._rows]).min())
+            if self._selects_in_window:
+                self._oldest_held = self._oldest_position()
         return decode
+
+    def _oldest_position(self) -> int:
+        """The oldest position any row holds, or will hold (a row holding nothing appends next at its count of
+        tokens), read from the buffer in one transfer (padding slots sit at :data:`PAD_POSITION`)."""
+        empty = [row.tokens_seen for row in self._rows if not row.store.length]
+        return min([int(self._buffer.positions.amin())] + empty)
 
     def _could_batch(self) -> bool:
         """The static part of :meth:`_batched_decode` (no loop over rows): store type, selection, window."""
@@ -265,8 +270,10 @@ class CompressedLayer(CacheLayerMixin):
         if self._decode is not None and not self._decode.takes(counts):
             self.drop_decode()  # this step goes row by row; the next refresh checks the batch again
         if self._decode is not None and self._selects_in_window and not self._window_clear(kwargs, q_len):
-            self.drop_decode()  # the window reaches what the selection kept: row by row from here on
-            self._window_moving = True
+            self._oldest_held = self._oldest_position()  # evictions may have dropped the oldest: read it again
+            if not self._window_clear(kwargs, q_len):
+                self.drop_decode()  # the window reaches what the selection kept: row by row from here on
+                self._window_moving = True
         self._buffer_only_step = self._can_decode_on_buffer(kwargs, q_len)
         if self._buffer_only_step:
             # One batched write, no per-row work; the rows catch up when read, or when enough steps are pending.

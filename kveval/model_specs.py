@@ -232,8 +232,9 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
 
 
 #: Keys by which a ``config.json`` without ``layer_types`` says that some layers hold no K/V (Mamba, linear
-#: attention, shared K/V): Qwen3-Next, LFM2, Zamba2/Jamba, Nemotron-H, MiniMax, Bamba, Gemma 3n.
-_HYBRID_KEYS = ("full_attention_interval", "full_attn_idxs", "layers_block_type", "hybrid_override_pattern",
+#: attention, shared K/V): Qwen3-Next, LFM2, Zamba2/Jamba, Nemotron-H, MiniMax, Bamba, Gemma 3n; or that some
+#: attend in chunks (Llama 4's attention_chunk_size).
+_HYBRID_KEYS = ("attention_chunk_size", "full_attention_interval", "full_attn_idxs", "layers_block_type", "hybrid_override_pattern",
                 "attn_type_list", "attn_layer_indices", "attn_layer_period", "linear_num_key_heads", "mamba_d_state",
                 "mamba_n_heads", "num_kv_shared_layers", "kv_sharing_modes")
 

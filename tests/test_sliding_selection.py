@@ -271,3 +271,20 @@ def test_the_planner_and_the_cache_agree_on_chunked_layers():
     with pytest.raises(ValueError, match="every attention layer of .* is chunked"):
         plan(model.config, 100, policy="snapkv(ratio=0.5)")
     assert plan(model.config, 100, policy="kivi(bits=4)").sequence_bytes > 0
+
+
+def test_a_llama4_config_json_without_layer_types_plans_its_chunks():
+    """A raw config.json of Llama 4 names its chunked layers by attention_chunk_size and no_rope_layers alone; the
+    planner read every layer as full attention and sized a selection on all of them, where the cache selects on
+    the global layers only."""
+    from kveval.model_specs import load_model_spec
+
+    model = tiny_model("llama4")
+    config = model.config.to_dict()
+    config.pop("layer_types", None)
+    spec = load_model_spec(config)
+    assert spec.chunked == [True, False] and spec.windows == [16, None]
+    cache = CompressedCache(model, "snapkv(ratio=0.5)", kv_dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(random_ids(100, 1), cache=cache)
+    assert plan(config, 100, policy="snapkv(ratio=0.5)").sequence_bytes == cache.stats().kv_bytes
