@@ -213,6 +213,11 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
             # kinds of rounding, which no comparison may take for one run's (kveval.results.pair_runs).
             info.extra["hardware"] = f"mixed: {recorded_hardware} + {hardware}"
             write_run_info(run_dir, info)
+        sets = info.extra.get("probe_sets") or []
+        added = [s for s in (extra or {}).get("probe_sets", []) if s not in sets]
+        if added:  # items of another set join the run: it records every set its items came from
+            info.extra["probe_sets"] = sets + added
+            write_run_info(run_dir, info)
         return run_dir
     stack = spec.policy
     info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
@@ -296,7 +301,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from kveval.models import load_model
-    from kveval.probes import generate_items, resolve_families
+    from kveval.probes import resolve_families
+    from kveval.probes.sets import ProbeSet
     from kveval.runspec import parse_run_specs
 
     if args.n < 1 or args.batch_size < 1:
@@ -304,14 +310,14 @@ def run(args) -> int:
     # Parsed and checked against the model's config.json before the weights load.
     specs = parse_run_specs((["none"] if args.baseline else []) + list(args.policy), args.model, mode=args.mode,
                             kv_dtype=args.kv_dtype)
+    probe_set = ProbeSet(tokenizer=args.model, families=resolve_families(args.family or ["passkey"]),
+                         lengths=args.length or [512], n=args.n, depths=args.depth, seed=args.seed)
     model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)
-    items = []
-    for family in resolve_families(args.family or ["passkey"]):
-        for length in args.length or [512]:
-            items += generate_items(family, tokenizer, length, args.n, depths=args.depth, seed=args.seed)
+    items = probe_set.items(tokenizer)
     with tqdm(total=len(items) * len(specs), desc="items x policies", unit="item") as bar:
-        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.mode, args.batch_size, args.seed, bar,
-                                  fidelity=args.fidelity)
+        # Each run records the set its items came from: kveval rescore generates them again from it.
+        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.mode, args.batch_size,
+                                 args.seed, bar, fidelity=args.fidelity, extra={"probe_sets": [probe_set.to_dict()]})
     for run_dir in dirs:
         info = read_run_info(run_dir)
         records = list(iter_items(run_dir))

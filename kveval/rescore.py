@@ -8,8 +8,9 @@ everything else (answer, bytes, timings) as it was. Two kinds of target:
   generated again from the config, every run folder of the sweep must hold all of them, and the sweep's report
   and gate are rebuilt, as ``kveval sweep`` does for a finished folder; its manifest records
   ``rescored_under`` (the code that scored);
-- ``kveval eval`` run folders, or a folder holding them under ``runs/``, with the items file they were run on
-  (``--items``, written by ``kveval probes`` with the eval's arguments).
+- ``kveval eval`` run folders, or a folder holding them under ``runs/``: their items generated again from the
+  probe sets each run recorded (``extra.probe_sets``), or read from ``--items`` (written by ``kveval probes``
+  with the eval's arguments; runs from before probe sets were recorded need it).
 
 Every probe record must match an item of the same id and prompt hash, in every run, before anything is written;
 lm-eval records (scored by lm-eval) are kept as they are. Each rewritten ``items.jsonl`` is replaced atomically.
@@ -120,27 +121,50 @@ def eval_run_dirs(folder: Path) -> list[Path]:
     return found
 
 
-def rescore_eval_folders(folders: list[Path], items_file: Path) -> list[RescoredRun]:
-    """``kveval eval`` run folders scored again against the items of ``items_file``; a sweep's run is refused (its
-    lock, report and gate go with the sweep: :func:`rescore_sweep`)."""
+def rescore_eval_folders(folders: list[Path], items_file: Path | None) -> list[RescoredRun]:
+    """``kveval eval`` run folders scored again against their items: those of ``items_file``, else generated again
+    from the probe sets each run recorded (``extra.probe_sets``, written by ``kveval eval``). A sweep's run is
+    refused (its lock, report and gate go with the sweep: :func:`rescore_sweep`)."""
     from kveval.probes.cli import read_probe_items
+    from kveval.probes.sets import ProbeSet
 
     run_dirs = list(dict.fromkeys(run_dir for folder in folders for run_dir in eval_run_dirs(folder)))
+    recorded = {}
     for run_dir in run_dirs:
-        sweep = read_run_info(run_dir).extra.get("sweep")
+        info = read_run_info(run_dir)
+        sweep = info.extra.get("sweep")
         if sweep is not None:
             raise RunFolderError(f"{run_dir} is a run of the sweep {sweep}: rescore the sweep from its config "
                                  f"(kveval rescore CONFIG.yaml --out {run_dir.parent.parent.parent})")
-    if not items_file.is_file():
-        raise FileNotFoundError(f"{items_file}: no such items file; write it with kveval probes, with the eval's "
-                                f"family, length, n, depth and seed arguments")
-    try:
-        items = {item.id: item for item in read_probe_items(items_file)}
-    except UnicodeDecodeError:
-        raise ResultFileError(f"{items_file}: not a probe item file (not UTF-8 text); write it with kveval probes") from None
-    fix = ("give the items file they were run on (kveval probes with the eval's family, length, n, depth and seed "
-           "arguments, and its --model)")
-    return [rescore_run(run_dir, items, fix) for run_dir in run_dirs]
+        sets = info.extra.get("probe_sets")
+        if items_file is None and not sets:
+            raise UsageError(f"{run_dir} records no probe set (a kveval eval run from before they were recorded): "
+                             f"give --items, the items file it was run on (kveval probes with the eval's family, "
+                             f"length, n, depth and seed arguments)")
+        recorded[run_dir] = [ProbeSet.from_dict(s, str(run_dir / RUN_FILE)) for s in sets or []]
+    if items_file is not None:
+        if not items_file.is_file():
+            raise FileNotFoundError(f"{items_file}: no such items file; write it with kveval probes, with the eval's "
+                                    f"family, length, n, depth and seed arguments")
+        try:
+            given = {item.id: item for item in read_probe_items(items_file)}
+        except UnicodeDecodeError:
+            raise ResultFileError(f"{items_file}: not a probe item file (not UTF-8 text); write it with kveval probes") from None
+        fix = ("give the items file they were run on (kveval probes with the eval's family, length, n, depth and "
+               "seed arguments, and its --model)")
+        return [rescore_run(run_dir, given, fix) for run_dir in run_dirs]
+    generated, out = {}, []
+    for run_dir in run_dirs:
+        items = {}
+        for probe_set in recorded[run_dir]:
+            key = repr(probe_set)
+            if key not in generated:
+                generated[key] = probe_set.items()
+            items.update((item.id, item) for item in generated[key])
+        fix = (f"its recorded probe sets generate other items here (another tokenizer or kveval version); give "
+               f"--items, the items file it was run on")
+        out.append(rescore_run(run_dir, items, fix))
+    return out
 
 
 def rescore_sweep(config, out: Path) -> tuple[list[Path], list[RescoredRun]]:
@@ -172,7 +196,8 @@ def configure(parser) -> None:
                         help="a sweep config (its folder rescored, its report and gate rebuilt), or kveval eval run "
                              "folders (with --items)")
     parser.add_argument("--out", help="the sweep's folder (default: the config's `out`, else runs/<name>)")
-    parser.add_argument("--items", help="items file the run folders were run on (kveval probes, with the eval's arguments)")
+    parser.add_argument("--items", help="items file the run folders were run on (kveval probes, with the eval's "
+                                        "arguments); default: the probe sets each run recorded")
     parser.add_argument("--dry-run", action="store_true", help="say what would change; write nothing")
     parser.add_argument("--strict", action="store_true", help="a sweep: exit with the gate's code (1 FAIL, 3 INCONCLUSIVE)")
     add_deployment_arguments(parser)  # the gate is rebuilt: ask its deployment question again, as the sweep did
@@ -195,10 +220,7 @@ def run(args) -> int:
                              f"so the items come from it and its report and gate are rebuilt")
     if args.gpu_memory or args.strict:
         raise UsageError("--gpu-memory and --strict are for a sweep (its gate is rebuilt); run folders have none")
-    if not args.items:
-        raise UsageError("run folders need --items: the items file they were run on (kveval probes with the eval's "
-                         "family, length, n, depth and seed arguments)")
-    rescored = rescore_eval_folders(targets, Path(args.items))
+    rescored = rescore_eval_folders(targets, Path(args.items) if args.items else None)
     _report(rescored, args.dry_run)
     return 0
 

@@ -397,14 +397,11 @@ class CellRunner:
 
 def sweep_items(config: SweepConfig, tokenizer) -> list:
     """The sweep's probe items for one model's tokenizer: every family at every length, in the config's order."""
-    from kveval.probes import generate_items
+    from kveval.probes.sets import ProbeSet
 
-    items = []
-    for family in config.families:
-        for length in config.lengths:
-            items += generate_items(family, tokenizer, length, config.n, depths=config.depths, seed=config.seed,
-                                    **config.family_params.get(family, {}))
-    return items
+    return ProbeSet(tokenizer=str(getattr(tokenizer, "kveval_name", "") or ""), families=config.families,
+                    lengths=config.lengths, n=config.n, depths=config.depths, seed=config.seed,
+                    params=config.family_params).items(tokenizer)
 
 
 def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list) -> str | None:

@@ -199,3 +199,23 @@ def test_a_mistyped_config_or_a_folder_of_no_sweep_is_named(tmp_path, capsys):
     assert cli.main(["rescore", str(config), "--out", str(tmp_path)]) == 2
     assert "no sweep of quickstart here" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # not even a lock file
+
+
+def test_kveval_eval_records_its_probe_sets_and_rescore_needs_no_items_file(tmp_path, capsys):
+    """kveval eval writes the arguments its items came from into each run.json (extra.probe_sets, one entry per
+    set that joined the run), so its folders are rescored without an items file; before, --items was required."""
+    out = tmp_path / "eval"
+    base = ["eval", "--policy", "none", "--length", "128", "--n", "1", "--out", str(out)]
+    assert cli.main(base + ["--family", "passkey"]) == 0
+    assert cli.main(base + ["--family", "niah_single"]) == 0  # resumed with another set
+    run_dir = out / "runs" / "smollm2-135m" / "none"
+    sets = json.loads((run_dir / "run.json").read_text())["extra"]["probe_sets"]
+    assert [s["families"] for s in sets] == [["passkey"], ["niah_single"]]
+    assert sets[0] == {"tokenizer": "smollm2-135m", "families": ["passkey"], "lengths": [128], "n": 1, "depths": None,
+                       "seed": 0, "params": {}}
+    record = read_items(run_dir)[1]
+    _tamper(run_dir, 1, score=1.0 - record.score, correct=not record.correct, category="stale")
+    capsys.readouterr()
+    assert cli.main(["rescore", str(out)]) == 0
+    assert "in all, 1 of 2 items change: stale -> " in capsys.readouterr().out
+    assert read_items(run_dir)[1] == record
