@@ -155,20 +155,30 @@ class _Layout:
 
 def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
     quant = stack.quantization
-    if spec.mla_dim is not None or stack.structure is not None:
-        raise ValueError(f"{quant.spec()}: kvquant codes per-head K/V, not an MLA latent or low-rank coefficients")
-    quant.check_head_dim(spec.head_dim)
-    return _Layout([("k", spec.kv_heads, spec.head_dim, None), ("v", spec.kv_heads, spec.head_dim, None)],
-                   int(quant.residual), quant)
+    if stack.structure is not None:
+        raise ValueError(f"{quant.spec()}: kvquant codes K/V, not low-rank coefficients")
+    if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
+        if quant.pre_rope:
+            raise ValueError(f"{quant.spec()}: an MLA latent is cached without RoPE, and kveval's cache has no RoPE "
+                             f"hook for MLA's shared key to code it before RoPE; plan pre_rope=false")
+        streams = [("latent", 1, spec.mla_dim - spec.mla_rope, None), ("rope", 1, spec.mla_rope, None)]
+    else:
+        streams = [("k", spec.kv_heads, spec.head_dim, None), ("v", spec.kv_heads, spec.head_dim, None)]
+    for dim in sorted({dim for _, _, dim, _ in streams if dim}):
+        quant.check_head_dim(dim)
+    return _Layout(streams, int(quant.residual), quant)
 
 
-def _kvquant_bytes(tokens: int, oldest: int, heads: int, head_dim: int, quant, dtype_bytes: int) -> int:
+def _kvquant_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) -> int:
     """Bytes of one layer's K/V under KVQuant (:class:`kveval.kvquant.KVQuantStore`): the ``residual`` newest tokens
-    and those at positions below ``sink`` in the cache dtype, every other token coded (``bytes_per_token``).
+    and those at positions below ``sink`` in the cache dtype, every other token coded (``coded_bytes``).
     ``oldest``: the position of the oldest token held (a sliding layer's window has moved past the sinks)."""
+    quant = layout.kvquant
+    (_, heads, key_dim, _), (_, _, value_dim, _) = layout.streams
     whole = min(tokens, quant.residual) + max(0, min(quant.sink - oldest, tokens - quant.residual))
     coded = tokens - whole
-    return heads * (coded * quant.bytes_per_token(head_dim, dtype_bytes) + whole * 2 * head_dim * dtype_bytes)
+    return heads * (coded * sum(quant.coded_bytes(key_dim, value_dim, dtype_bytes))
+                    + whole * (key_dim + value_dim) * dtype_bytes)
 
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
@@ -344,7 +354,7 @@ def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_
         if layout.kvquant is not None:
             window = spec.windows[i]  # the oldest position its window still holds, selected or not
             oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
-            size = _kvquant_bytes(tokens, oldest, spec.kv_heads, spec.head_dim, layout.kvquant, dtype_bytes)
+            size = _kvquant_bytes(tokens, oldest, layout, dtype_bytes)
         else:
             # A sliding layer's window cuts per-channel groups as it moves on, unless a selection sealed what it
             # kept in the window (where the planner sizes it, nothing it kept leaves the window).
@@ -383,8 +393,9 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
     base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
     kv_layers = sum(spec.holds_kv)
-    if layout.kvquant is not None:  # K and V coded alike: half each
-        per_stream = [layout.kvquant.bytes_per_token(spec.head_dim, dtype_bytes) / 2 * spec.kv_heads * kv_layers] * 2
+    if layout.kvquant is not None:  # coded K and V of their widths
+        (_, heads, key_dim, _), (_, _, value_dim, _) = layout.streams
+        per_stream = [b * heads * kv_layers for b in layout.kvquant.coded_bytes(key_dim, value_dim, dtype_bytes)]
     else:
         per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
     key_pt = per_stream[0]

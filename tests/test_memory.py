@@ -368,7 +368,8 @@ def test_the_plan_is_the_bytes_the_cache_measures(name):
     15), chunked attention, MLA's latent and RoPE key, Mamba and gated-delta layers (no K/V), Falcon-H1's hybrid
     layers. The planner priced sliding layers at their window, MLA's RoPE key with K's settings, every
     linear-attention or Mamba layer as a full attention layer (Qwen3-Next 4x, Bamba 3x), and refused kvquant, and
-    lowrank and latent on MLA (which the cache runs on the latent and the RoPE key)."""
+    lowrank and latent on MLA (which the cache runs on the latent and the RoPE key; kvquant codes them at their
+    own widths, pre_rope=false)."""
     import sys
 
     import torch
@@ -380,8 +381,6 @@ def test_the_plan_is_the_bytes_the_cache_measures(name):
     model = tiny_model(name)
     wrong = []
     for spec in MEASURED_POLICIES:
-        if name == "deepseek_v3" and spec.startswith("kvquant"):
-            continue  # kvquant codes per-head K/V; the planner refuses an MLA latent (tested above)
         _, cache = context_then_steps(model, spec, random_ids(100, 1), random_ids(6, 2), kv_dtype=torch.bfloat16)
         measured = cache.stats()
         planned = plan(model.config, 100, policy=spec, dtype_bytes=2, new_tokens=6)

@@ -103,10 +103,18 @@ class KVQuantPolicy(RepresentationPolicy):
 
     def bytes_per_token(self, head_dim: int, kv_itemsize: int) -> float:
         """Bytes one encoded token holds per KV head and layer, K and V together (sink/residual tokens aside)."""
+        return sum(self.coded_bytes(head_dim, head_dim, kv_itemsize))
+
+    def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
+        """Bytes one encoded token holds per KV head and layer, ``(K, V)``, for keys and values of these widths (an
+        MLA latent and its RoPE key differ): packed codes and sparse outliers each, and the values' float16 lo and hi."""
         from kveval.kvquant import index_dtype, outlier_count
 
-        sparse = outlier_count(head_dim, self.outliers) * (kv_itemsize + index_dtype(head_dim).itemsize)
-        return 2 * (math.ceil(head_dim * self.bits / 8) + sparse) + 2 * 2  # + the values' float16 lo and hi
+        def part(dim: int) -> int:
+            sparse = outlier_count(dim, self.outliers) * (kv_itemsize + index_dtype(dim).itemsize)
+            return math.ceil(dim * self.bits / 8) + sparse
+
+        return part(key_dim), part(value_dim) + 2 * 2
 
     # --- calibration ----------------------------------------------------------------------------
     @property
