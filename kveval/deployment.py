@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from kveval.dtypes import CACHE_DTYPE_BYTES
 from kveval.gate import PASS, GateResult
 
 
@@ -40,17 +41,38 @@ class Deployment:
         return asdict(self)
 
 
-#: Bytes per value of the cache dtypes a run records (``run.json``'s ``kv_dtype``, as :func:`kveval.storage.dtype_name`
-#: writes it); read without importing torch, which the analysis commands do not load.
-_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
 def _element_bytes(info) -> int:
     """Bytes per cached value of the run's cache dtype (2, a 16-bit cache, where the run records none)."""
     name = str(info.kv_dtype or "bfloat16").removeprefix("torch.")
-    if name not in _ELEMENT_BYTES:
-        raise ValueError(f"kv_dtype {name!r} is not a cache dtype ({', '.join(_ELEMENT_BYTES)})")
-    return _ELEMENT_BYTES[name]
+    if name not in CACHE_DTYPE_BYTES:
+        raise ValueError(f"kv_dtype {name!r} is not a cache dtype ({', '.join(CACHE_DTYPE_BYTES)})")
+    return CACHE_DTYPE_BYTES[name]
+
+
+def add_deployment_arguments(parser) -> None:
+    """The deployment question's options, as ``kveval gate``, ``sweep`` and ``rescore`` take them (:func:`deployment_of`)."""
+    deploy = parser.add_argument_group("deployment decision")
+    deploy.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
+    deploy.add_argument("--context", type=int, help="target context tokens (with --gpu-memory)")
+    deploy.add_argument("--batch", type=int, default=1, help="concurrent sequences (with --gpu-memory; default 1)")
+    deploy.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free (default 0.1)")
+    deploy.add_argument("--weights", help="model weight bytes, e.g. 16GB (default: parameters x 2 bytes, where the "
+                                          "planner can count them)")
+
+
+def deployment_of(args) -> dict | None:
+    """The deployment question :func:`add_deployment_arguments`' options ask, checked before anything runs
+    (``None``: none asked); the keyword arguments of :func:`deployment_decision`."""
+    from kveval.errors import UsageError
+
+    if args.gpu_memory and not args.context:
+        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
+    if not args.gpu_memory:
+        return None
+    deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch, "headroom": args.headroom,
+              "weights": args.weights}
+    check_deployment_inputs(**deploy)
+    return deploy
 
 
 def check_deployment_inputs(gpu_memory: str, context: int, batch: int = 1, headroom: str | float = 0.1,

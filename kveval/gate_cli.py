@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from kveval import paired
-from kveval.deployment import check_deployment_inputs, deployment_decision
+from kveval.deployment import add_deployment_arguments, deployment_decision, deployment_of
 from kveval.errors import EXIT_PASS, UsageError
 from kveval.gate import ERROR, INCONCLUSIVE, evaluate_gate
 from kveval.gate_config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
@@ -32,13 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--margin", type=float, help="margin (default: the config's default margin)")
     plan.add_argument("--alpha", type=float, help="one-sided error rate (default: the config's)")
     plan.add_argument("--power", type=float, help="power (default: the config's, 0.8)")
-    deploy = parser.add_argument_group("deployment decision")
-    deploy.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the candidates whose cache fits and the one to deploy")
-    deploy.add_argument("--context", type=int, help="target context tokens (with --gpu-memory)")
-    deploy.add_argument("--batch", type=int, default=1, help="concurrent sequences (with --gpu-memory; default 1)")
-    deploy.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free (default 0.1)")
-    deploy.add_argument("--weights", help="model weight bytes, e.g. 16GB (default: parameters x 2 bytes, where the "
-                                          "planner can count them)")
+    add_deployment_arguments(parser)
 
 
 def format_plan(cfg: GateConfig, args: argparse.Namespace) -> str:
@@ -66,15 +60,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_PASS
     if not args.baseline or not args.candidate:
         raise UsageError("give --baseline RUN and at least one --candidate RUN (or --plan)")
-    if args.gpu_memory and not args.context:
-        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
-    if args.gpu_memory:
-        check_deployment_inputs(args.gpu_memory, args.context, args.batch, args.headroom, args.weights)
+    deploy = deployment_of(args)  # asked before any run loads
     result = evaluate_gate(cfg, args.baseline, args.candidate, metric=args.metric)
     # Sized before anything is printed or written: what cannot be sized is one line (exit 2), never a FAIL hidden
     # behind an error after the verdicts.
-    decisions = (deployment_decision(result, args.gpu_memory, args.context, args.batch, args.headroom, args.weights)
-                 if args.gpu_memory else [])
+    decisions = deployment_decision(result, **deploy) if deploy else []
     for cv in result.candidates:
         for w in cv.warnings:
             print(f"kveval gate: warning: {w}", file=sys.stderr)

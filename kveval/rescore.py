@@ -190,7 +190,7 @@ def rescore_sweep(config, out: Path) -> tuple[list[Path], list[RescoredRun]]:
 # --- the command ------------------------------------------------------------------------------------------------
 
 def configure(parser) -> None:
-    from kveval.sweep import add_deployment_arguments
+    from kveval.deployment import add_deployment_arguments
 
     parser.add_argument("target", nargs="+",
                         help="a sweep config (its folder rescored, its report and gate rebuilt), or kveval eval run "
@@ -228,7 +228,8 @@ def run(args) -> int:
 def _run_sweep(config_path: Path, args) -> int:
     import sys
 
-    from kveval.sweep import deployment_of, load_config, read_manifest, running_code, summarize, sweep_lock
+    from kveval.deployment import deployment_of
+    from kveval.sweep import load_config, read_manifest, running_code, summarize, sweep_lock
 
     config = load_config(config_path)
     deploy = deployment_of(args)

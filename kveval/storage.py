@@ -24,12 +24,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kveval.dtypes import CACHE_DTYPE_NAMES
 from kveval.errors import UsageError
 from kveval.quantization import (QuantizedBlock, concat_blocks, dequantize, gather_units, quantize, quantize_fp8, split_units,
                                  units_from)
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+KV_DTYPES = {alias: getattr(torch, name) for alias, name in CACHE_DTYPE_NAMES.items()}
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 DEFAULT_KV_DTYPE = torch.bfloat16
 

@@ -589,32 +589,8 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: 
     return code
 
 
-def add_deployment_arguments(parser) -> None:
-    """The deployment decision's options, as ``kveval sweep`` and ``kveval rescore`` take them (:func:`deployment_of`)."""
-    parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
-    parser.add_argument("--context", type=int, help="target context tokens for the deployment decision")
-    parser.add_argument("--batch", type=int, default=1, help="concurrent sequences for the deployment decision (default 1)")
-    parser.add_argument("--weights", help="model weight bytes for the deployment decision, e.g. 16GB (default: "
-                                          "parameters x 2 bytes, where the planner can count them)")
-
-
-def deployment_of(args) -> dict | None:
-    """The deployment question of :func:`add_deployment_arguments`' options, checked before anything runs
-    (``None``: none asked)."""
-    from kveval.errors import UsageError
-
-    if args.gpu_memory and not args.context:
-        raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
-    if not args.gpu_memory:
-        return None
-    from kveval.deployment import check_deployment_inputs
-
-    deploy = {"gpu_memory": args.gpu_memory, "context": args.context, "batch": args.batch, "weights": args.weights}
-    check_deployment_inputs(**deploy)
-    return deploy
-
-
 def configure(parser) -> None:
+    from kveval.deployment import add_deployment_arguments
     from kveval.models import add_placement_arguments
 
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
@@ -641,6 +617,8 @@ def run(args) -> int:
     config = load_config(args.config)
     for warning in config.warnings:
         print(f"kveval sweep: warning: {warning}", file=sys.stderr)
+    from kveval.deployment import deployment_of
+
     deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
     from kveval.executors import make_executor
     from kveval.models import placement_from_args

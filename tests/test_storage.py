@@ -482,3 +482,15 @@ def test_calibration_reads_every_token_of_sliding_layers():
         held_k, held_v = layer.rows[0].store.keys_values()
         n = held_k.shape[1]  # kveval's sliding layers trim to their window: compare what they still hold
         assert torch.equal(k[:, -n:], held_k) and torch.equal(v[:, -n:], held_v)
+
+
+def test_the_torch_free_cache_dtype_table_is_torch_s():
+    """The analysis commands size a run's cache from kveval.dtypes without torch; its bytes and names are those
+    storage stores in (one table: storage builds its torch dtypes from it)."""
+    from kveval.dtypes import CACHE_DTYPE_BYTES, CACHE_DTYPE_NAMES
+    from kveval.storage import KV_DTYPES, dtype_name
+
+    assert set(CACHE_DTYPE_NAMES) == set(KV_DTYPES)
+    for alias, dtype in KV_DTYPES.items():
+        assert dtype_name(dtype) == CACHE_DTYPE_NAMES[alias]
+        assert torch.empty(0, dtype=dtype).element_size() == CACHE_DTYPE_BYTES[CACHE_DTYPE_NAMES[alias]]
