@@ -145,8 +145,6 @@ class BufferedDecode:
         every new token at one slot after the longest head, as dense rows do. A decode budget needs scores that
         take a batch (:attr:`SelectionPolicy.batch_scores`) and, in :meth:`for_rows`, dense stores (per head or
         not) or tokens quantized alone as they arrive; a sliding window, dense, quantized or KVQuant stores."""
-        if sliding_window is not None and selection is not None:
-            return False  # a selection leaves gaps in the window: its trim goes by position, row by row
         if type(store) is HeadwiseStore:
             return sliding_window is None and (selection is None or selection.decode_budget is None
                                                or HeadBudgetEviction.serves(selection))

@@ -212,14 +212,14 @@ class CompressedCache(Cache):
         self.defer_compression = defer_compression
         self.model = model
         served = [self.policy] + [parse_policy(p) for p in (scores_for or [])]
-        for served_policy in served:  # refused before the prefill, not after it
-            self._check_representation(served_policy, value_dim)
-            self._check_selection(served_policy, plans, model.config)
         #: Layer index -> whether a selection acts on it (:func:`~kveval.layer_types.selecting_layers`: full layers,
         #: and sliding ones where every attention layer slides), for the layers holding tokens.
         held = [(i, plan) for i, plan in enumerate(plans) if plan.holds_tokens]
         self.selecting_layers = dict(zip((i for i, _ in held), selecting_layers(
             [plan.sliding_window for _, plan in held], [plan.chunked for _, plan in held])))
+        for served_policy in served:  # refused before the prefill, not after it
+            self._check_representation(served_policy, value_dim)
+            self._check_selection(served_policy, model.config)
         #: Attention scores a deferred prefill keeps (:func:`kveval.cache_layers.score_key`), each once.
         self.score_keys = [k for k in dict.fromkeys(score_key(p.selection) for p in served) if k is not None]
         self._input_mask: torch.Tensor | None = None
@@ -242,13 +242,11 @@ class CompressedCache(Cache):
             for dim in sorted({self.head_dim, value_dim}):
                 policy.quantization.check_head_dim(dim)
 
-    @staticmethod
-    def _check_selection(policy: PolicyStack, plans: "list[architectures.LayerPlan]", config) -> None:
-        """Refuse a selection policy where it has no layer to act on: every attention layer is chunked (a query
-        sees its own chunk only: a window's trim and a selection were never made to agree there)."""
-        held = [plan for plan in plans if plan.holds_tokens]
-        if policy.selection is not None and held and not any(
-                selecting_layers([plan.sliding_window for plan in held], [plan.chunked for plan in held])):
+    def _check_selection(self, policy: PolicyStack, config) -> None:
+        """Refuse a selection policy where it has no layer to act on (:attr:`selecting_layers`): every attention
+        layer is chunked (a query sees its own chunk only: a window's trim and a selection were never made to
+        agree there)."""
+        if policy.selection is not None and self.selecting_layers and not any(self.selecting_layers.values()):
             raise UnsupportedModelError(
                 f"{architectures.architecture_name(config)}: every attention layer is chunked, and "
                 f"{policy.selection.spec()} selects on full-attention or sliding-window layers only; evaluate a "

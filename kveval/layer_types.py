@@ -19,13 +19,12 @@ KV_LAYER_TYPES = ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES
 KNOWN_LAYER_TYPES = KV_LAYER_TYPES | STATE_LAYER_TYPES | EMPTY_LAYER_TYPES
 
 
-
 def selection_slides(windows) -> bool:
     """Whether a selection policy acts on sliding-window layers, given the window of every layer holding K/V
     (``None``: full attention). Where some layer attends to every token (Gemma 2/3, gpt-oss, Cohere 2), selection
     acts on those layers alone: the sliding ones are bounded by their window already. Where every layer slides
     (Mistral-7B-v0.1, Phi-3-mini-4k), it selects among the ``window - 1`` tokens each layer holds, as a deployment
-    compressing that model's cache does; the cache and the memory planner both ask here."""
+    compressing that model's cache does (:func:`selecting_layers`, which the cache and the memory planner ask)."""
     windows = list(windows)
     return bool(windows) and all(w is not None for w in windows)
 

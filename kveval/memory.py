@@ -152,6 +152,12 @@ class _Layout:
     residual: int
     kvquant: Any = None
 
+    @property
+    def kvquant_widths(self) -> tuple[int, int, int]:
+        """Under KVQuant: ``(heads, key width, value width)`` of its two streams (an MLA latent and its RoPE key differ)."""
+        (_, heads, key_dim, _), (_, _, value_dim, _) = self.streams
+        return heads, key_dim, value_dim
+
 
 def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
     quant = stack.quantization
@@ -174,7 +180,7 @@ def _kvquant_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) 
     and those at positions below ``sink`` in the cache dtype, every other token coded (``coded_bytes``).
     ``oldest``: the position of the oldest token held (a sliding layer's window has moved past the sinks)."""
     quant = layout.kvquant
-    (_, heads, key_dim, _), (_, _, value_dim, _) = layout.streams
+    heads, key_dim, value_dim = layout.kvquant_widths
     whole = min(tokens, quant.residual) + max(0, min(quant.sink - oldest, tokens - quant.residual))
     coded = tokens - whole
     return heads * (coded * sum(quant.coded_bytes(key_dim, value_dim, dtype_bytes))
@@ -394,7 +400,7 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
     kv_layers = sum(spec.holds_kv)
     if layout.kvquant is not None:  # coded K and V of their widths
-        (_, heads, key_dim, _), (_, _, value_dim, _) = layout.streams
+        heads, key_dim, value_dim = layout.kvquant_widths
         per_stream = [b * heads * kv_layers for b in layout.kvquant.coded_bytes(key_dim, value_dim, dtype_bytes)]
     else:
         per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]

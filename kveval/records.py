@@ -157,6 +157,16 @@ def read_run_info(run_dir: str | os.PathLike) -> RunInfo:
         raise ResultFileError(f"{path}: corrupt run file ({exc}); delete the run folder and run it again") from exc
 
 
+def item_line(record: ItemRecord) -> str:
+    """One line of ``items.jsonl``: the record as sorted JSON, newline-terminated."""
+    return json.dumps(asdict(record), sort_keys=True) + "\n"
+
+
+def replace_items(run_dir: str | os.PathLike, records: list[ItemRecord]) -> None:
+    """Rewrite a run's ``items.jsonl`` as ``records`` (atomically: readers see the old file or the new one)."""
+    atomic_write_text(Path(run_dir) / ITEMS_FILE, "".join(item_line(r) for r in records))
+
+
 class ItemWriter:
     """Append :class:`ItemRecord` lines durably: one write, flush and fsync per item."""
 
@@ -167,7 +177,7 @@ class ItemWriter:
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: ItemRecord) -> None:
-        self._file.write(json.dumps(asdict(record), sort_keys=True) + "\n")
+        self._file.write(item_line(record))
         self._file.flush()
         os.fsync(self._file.fileno())
 

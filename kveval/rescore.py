@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kveval.errors import ResultFileError, RunFolderError, UsageError
+from kveval.records import (ITEMS_FILE, RUN_FILE, ItemRecord, atomic_write_text, read_items, read_run_info,
+                            replace_items)
 from kveval.sweep import MANIFEST_FILE
-from kveval.records import ITEMS_FILE, RUN_FILE, ItemRecord, atomic_write_text, read_items, read_run_info
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ class RescoredRun:
     def write(self) -> None:
         """Replace the run's ``items.jsonl`` (atomically), where anything changed."""
         if self.changed:
-            atomic_write_text(self.run_dir / ITEMS_FILE,
-                              "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in self.records))
+            replace_items(self.run_dir, self.records)
 
 
 def rescore_run(run_dir: Path, items: dict, fix: str) -> RescoredRun:

@@ -16,7 +16,7 @@ import pytest
 
 from kveval import cli
 from kveval.probes import generate_items, score_answer
-from kveval.records import ITEMS_FILE, ItemRecord, ItemWriter, RunInfo, read_items, write_run_info
+from kveval.records import ITEMS_FILE, ItemRecord, ItemWriter, RunInfo, read_items, replace_items, write_run_info
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
@@ -48,7 +48,7 @@ def _tamper(run_dir: Path, index: int, **fields) -> None:
     """Give record ``index`` other scores, as an older scorer would have written them."""
     records = read_items(run_dir)
     records[index] = replace(records[index], **fields)
-    (run_dir / ITEMS_FILE).write_text("".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in records))
+    replace_items(run_dir, records)
 
 
 def test_an_answer_scored_by_an_older_scorer_is_scored_again(tmp_path, multikey_items, capsys):
