@@ -34,7 +34,7 @@ def families(args: argparse.Namespace) -> list[str]:
 
 def load_model_and_items(args: argparse.Namespace):
     """Load ``--model`` and generate ``--n`` items of ``--length`` tokens per family; ``(model, tokenizer, items)``."""
-    from kveval.models import load_model
+    from kveval.runner.models import load_model
     from kveval.probes import generate_items
 
     model, tokenizer = load_model(args.model)

@@ -12,7 +12,7 @@ window that holds the same tokens on average: per KV head,
 keeps whole on this model and ``n`` the mean prompt length.
 
 For each policy: measured K/V bytes per token, accuracy, and the fidelity
-signal (:mod:`kveval.fidelity`: the baseline's own answer teacher-forced, mean
+signal (:mod:`kveval.runner.fidelity`: the baseline's own answer teacher-forced, mean
 per-token KL in nats, top-1 agreement). It loads an embedded model: run it
 under the heavy lock.
 """
@@ -33,10 +33,10 @@ def main() -> None:
     parser.add_argument("--duo", default="duo(heads=0.25,sink=4,window=64)")
     args = parser.parse_args()
 
-    from kveval.evaluate import evaluate_policies
-    from kveval.fidelity import read_fidelity
-    from kveval.policies import parse_policy
-    from kveval.records import read_items
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.fidelity import read_fidelity
+    from kveval.policies.spec import parse_policy
+    from kveval.runs.records import read_items
 
     model, tokenizer, items = load_model_and_items(args)
     duo = parse_policy(args.duo).selection

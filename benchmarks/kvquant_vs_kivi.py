@@ -15,7 +15,7 @@ tokens of its unfilled key group (16 on average); kvquant keeps ``--residual + 1
 (and its one sink token). The table prints the bytes per token each run really measured.
 
 Accuracy and KL come from ``kveval eval --fidelity`` semantics (the baseline's
-own answer teacher-forced through each policy; :mod:`kveval.fidelity`). It
+own answer teacher-forced through each policy; :mod:`kveval.runner.fidelity`). It
 loads an embedded model: run it under the heavy lock.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 def equal_bytes_outliers(head_dim: int, bits: int, kv_itemsize: int = 2, group: int = 32) -> float:
     """The ``outliers`` fraction that gives kvquant KIVI's per-token bytes (both ``bits``, KIVI's ``group``)."""
-    from kveval.kvquant import index_dtype
+    from kveval.stores.kvquant import index_dtype
 
     kivi_extra = 2 * 2 * head_dim / group + 2 * 2 * head_dim / group  # K scale+zero per channel-group, V per token-group
     per_outlier = 2 * (kv_itemsize + index_dtype(head_dim).itemsize)  # one in K and one in V
@@ -49,12 +49,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
     args = parser.parse_args()
 
-    from kveval.architectures import cache_head_dims
-    from kveval.evaluate import evaluate_policies
-    from kveval.fidelity import read_fidelity
-    from kveval.models import load_model
+    from kveval.modeling.architectures import cache_head_dims
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.fidelity import read_fidelity
+    from kveval.runner.models import load_model
     from kveval.probes import generate_items
-    from kveval.records import read_items, read_run_info
+    from kveval.runs.records import read_items, read_run_info
 
     model, tokenizer = load_model(args.model)
     head_dim = cache_head_dims(model.config)[0]

@@ -9,7 +9,7 @@ byte budget: ``lowrank(rank=r)`` stores ``2 r`` numbers per head and layer, so
 ``latent(rank=H*r - H*d/2, rope_dims=d)`` (``d`` RoPE dimensions per head at
 full rank, ``--rope-dims``, default 8). Every policy runs on the same probe
 items with the baseline's answers teacher-forced through it
-(:mod:`kveval.fidelity`), and the table gives, per policy: measured bytes per
+(:mod:`kveval.runner.fidelity`), and the table gives, per policy: measured bytes per
 token, the mean and 95% interval of the per-item mean KL against ``none``,
 top-1 agreement, accuracy and the items that flipped against the baseline. On a
 model with one KV head (Gemma-3-270M) ``latent`` at ``group=1`` is per-head low
@@ -49,12 +49,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
     args = parser.parse_args()
 
-    from kveval.evaluate import evaluate_policies
-    from kveval.fidelity import kl_bounds, read_fidelity
-    from kveval.model_specs import load_model_spec
-    from kveval.models import load_model
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.fidelity import kl_bounds, read_fidelity
+    from kveval.planner.model_specs import load_model_spec
+    from kveval.runner.models import load_model
     from kveval.probes import generate_items
-    from kveval.records import read_items, read_run_info
+    from kveval.runs.records import read_items, read_run_info
 
     families = args.family or ["niah_single", "niah_multikey"]
     model, tokenizer = load_model(args.model)

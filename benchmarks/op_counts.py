@@ -5,13 +5,13 @@
 
 What a GPU pays for beyond the arithmetic is a launch per operation and a
 stall each time the host waits for the device. Both are counted here on any
-machine, by :class:`kveval.device_waits.OpCounter`: aten operations (kernels;
+machine, by :class:`kveval.runner.device_waits.OpCounter`: aten operations (kernels;
 views, which only describe a tensor, apart), host waits (``item``/``int``/``bool``
 of a tensor, ``nonzero``, boolean indexing, ``tolist``) and ``torch.tensor``
 uploads from the host (on a GPU each also waits, from pageable memory).
 
 For each batch size the script runs the same left-padded passkey prompts
-through transformers' ``generate`` and through :func:`kveval.generation.generate`
+through transformers' ``generate`` and through :func:`kveval.runner.generation.generate`
 (``context`` mode: the context's prefill, the question's forward, then the decode
 steps) and prints, per phase, the operations and waits counted between one
 forward's start and the next one's: the model's own operations, the cache's
@@ -54,9 +54,9 @@ def main() -> None:
 
     import torch
 
-    from kveval.device_waits import OpCounter
-    from kveval.generation import Prompt, generate
-    from kveval.models import load_model
+    from kveval.runner.device_waits import OpCounter
+    from kveval.runner.generation import Prompt, generate
+    from kveval.runner.models import load_model
     from kveval.probes import encode_item, generate_items
 
     from throughput import _decode_mode, _hf_generate

@@ -6,7 +6,7 @@ Prints, per policy, generation time / uncompressed generation time on the same
 prompts (run interleaved, median of --repeats, so machine noise hits all alike),
 measured / uncompressed cache bytes (uncompressed: the deployment's cache
 dtype, ``--kv-dtype``, default the checkpoint's), and the saving of one prefill
-for many ratios (kveval.generation.generate_many) against one prefill per ratio.
+for many ratios (kveval.runner.generation.generate_many) against one prefill per ratio.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default=None, help="cache dtype bytes are stated against (default: the checkpoint's)")
     args = parser.parse_args()
 
-    from kveval.generation import Prompt, generate, generate_many
-    from kveval.models import load_model
+    from kveval.runner.generation import Prompt, generate, generate_many
+    from kveval.runner.models import load_model
     from kveval.probes import encode_item, generate_items
-    from kveval.storage import deployment_kv_dtype, dtype_name, parse_kv_dtype
+    from kveval.stores.base import deployment_kv_dtype, dtype_name, parse_kv_dtype
 
     model, tokenizer = load_model(args.model)
     items = generate_items("niah_multikey", tokenizer, args.length, args.n)

@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kveval.models import EMBEDDED
+    from kveval.modeling.sources import EMBEDDED
 
     if args.source in EMBEDDED:
         model, tokenizer = _embedded(args.source)
@@ -60,7 +60,7 @@ def main() -> None:
 
 
 def _embedded(name: str):
-    from kveval.models import load_model
+    from kveval.runner.models import load_model
 
     return load_model(name, device="cpu", dtype="float32", self_check=False)
 

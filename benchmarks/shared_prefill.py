@@ -10,8 +10,8 @@ per family at each ``--length`` (``LENGTH@MODEL`` for another model than
 ``--model``: SmolLM2 stops at 8192 positions, so the default 8k row runs on
 Gemma-3-270M), and times, per length:
 
-- *per-policy*: one :func:`kveval.generation.generate` per policy, each with its own prefill (kveval before issue 16);
-- *shared*: :func:`kveval.generation.generate_many`, one prefill per batch for all policies.
+- *per-policy*: one :func:`kveval.runner.generation.generate` per policy, each with its own prefill (kveval before issue 16);
+- *shared*: :func:`kveval.runner.generation.generate_many`, one prefill per batch for all policies.
 
 Per item it prints prefill seconds (everything before the first generated
 token: the prefill(s), deriving each policy's cache, the question) and decode
@@ -45,8 +45,8 @@ def _plain_prefill_seconds(model, tokenizer, prompts: list, mode: str, batch_siz
     """One uncompressed prefill of every batch's prompts (the *1 prefill* of the bound), seconds."""
     import torch
 
-    from kveval.cache import CompressedCache
-    from kveval.generation import prefill_prompts
+    from kveval.cache.compressed import CompressedCache
+    from kveval.runner.generation import prefill_prompts
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     seconds = 0.0
@@ -81,10 +81,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: each probe's own answer length")
     args = parser.parse_args()
 
-    from kveval.generation import Prompt, generate, generate_many
-    from kveval.models import load_model
+    from kveval.runner.generation import Prompt, generate, generate_many
+    from kveval.runner.models import load_model
     from kveval.probes import encode_item, generate_items
-    from kveval.sweep import load_config
+    from kveval.sweep.config import load_config
 
     config = load_config(args.config)
     default_model = args.model or config.models[0]

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from kveval.policies import parse_policy
-from kveval.storage import DenseStore, QuantizedStore
+from kveval.policies.spec import parse_policy
+from kveval.stores.base import DenseStore, QuantizedStore
 
 SPECS = ["none", "quant(bits=8)", "quant(bits=4,group=32)", "kivi(bits=4)", "kivi(bits=2)", "fp8"]
 

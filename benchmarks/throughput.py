@@ -8,7 +8,7 @@ Same model object, same prompts (passkey probe items of ``--length`` tokens,
 left-padded per batch), greedy, ``--new-tokens`` tokens per item:
 
 1. *kveval none vs transformers*: at each ``--batch`` size, one batch of that
-   many items through :func:`kveval.generation.generate` (policy ``none``,
+   many items through :func:`kveval.runner.generation.generate` (policy ``none``,
    ``context`` mode: the context is prefilled, then the question) and through
    ``model.generate`` with its default ``DynamicCache``; ``paired, one forward``
    times kveval in ``query`` mode too (context and question in one forward, as
@@ -184,8 +184,8 @@ def ray_sweep(config: str, workers: int) -> None:
     import tempfile
     from pathlib import Path
 
-    from kveval.cli import main as kveval
-    from kveval.records import read_items
+    from kveval.commands.main import main as kveval
+    from kveval.runs.records import read_items
 
     def items(out: Path) -> dict:
         return {(p.parent.name, r.id): (r.answer, r.score, r.metrics["kv_bytes"])
@@ -229,17 +229,17 @@ def main() -> None:
 
     import torch
 
-    import kveval.generation
-    from kveval.cache import CompressedCache
-    from kveval.generation import Prompt, _continue, generate, prefill_prompts
-    from kveval.models import load_model
+    import kveval.runner.generation
+    from kveval.cache.compressed import CompressedCache
+    from kveval.runner.generation import Prompt, _continue, generate, prefill_prompts
+    from kveval.runner.models import load_model
     from kveval.probes import encode_item, generate_items
-    from kveval.runspec import RunSpec
+    from kveval.runner.runspec import RunSpec
 
     model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)
     # Every path generates exactly --new-tokens tokens per row: EOS is ignored by both (the decode loop is timed).
     model.generation_config.eos_token_id = None
-    kveval.generation.eos_ids = lambda model, tokenizer: set()
+    kveval.runner.generation.eos_ids = lambda model, tokenizer: set()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = args.batch or [1, 8, 32]
     count = max(batches + [args.policy_batch])

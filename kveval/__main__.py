@@ -2,6 +2,6 @@
 
 import sys
 
-from kveval.cli import main
+from kveval.commands.main import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """The cache dtypes kveval stores full-precision tokens in, by name, readable without torch.
 
-:mod:`kveval.storage` maps the names to ``torch`` dtypes; the analysis commands (gate, report, the deployment
+:mod:`kveval.stores.base` maps the names to ``torch`` dtypes; the analysis commands (gate, report, the deployment
 decision), which never load torch, read a run's ``kv_dtype`` and its bytes per value here.
 """
 

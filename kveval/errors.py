@@ -2,16 +2,18 @@
 
 Every error a user can cause (a bad spec, config, path, result file or model)
 is a :class:`KvevalError` subclass with a one-line message that names the fix.
-The command lines (:mod:`kveval.cli`, ``python -m kveval.lm_eval``) map exceptions to exit codes here, in
+The command lines (:mod:`kveval.commands.main`, ``python -m kveval.lm_eval``) map exceptions to exit codes here, in
 one place (:func:`run_command`):
 
 ====  ==========================================================================
 0     success; for ``gate``: PASS (non-inferiority shown within the margin)
 1     ``gate`` FAIL only: a loss larger than the margin, or a regression rule
       fired with statistical support. Nothing else ever exits 1.
-2     an error: bad input, a missing or corrupt file, a full or read-only disk, an
-      output path through a file, or an unexpected exception (a bug, printed with its traceback)
+2     a user error: bad input, a missing or corrupt file, a full or read-only disk, an
+      output path through a file (a :class:`KvevalError`, or the file system's own errors for a path)
 3     ``gate`` INCONCLUSIVE: too few items to show either PASS or FAIL
+70    an internal error: any other exception is a bug in kveval, printed with its traceback
+      (``EX_SOFTWARE`` of BSD's sysexits)
 130   interrupted (Ctrl-C); results written so far are kept
 ====  ==========================================================================
 """
@@ -28,6 +30,7 @@ EXIT_PASS = 0
 EXIT_FAIL = 1
 EXIT_ERROR = 2
 EXIT_INCONCLUSIVE = 3
+EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
 
@@ -43,6 +46,10 @@ class UsageError(KvevalError, ValueError):
 
 class PolicySpecError(UsageError):
     """A policy spec that does not parse or validate (unknown name, wrong type, out of range)."""
+
+
+class PolicyRegistryError(UsageError):
+    """A policy class that cannot join the registry: not a concrete policy, a malformed name, or a name taken."""
 
 
 class ConfigError(UsageError):
@@ -80,7 +87,7 @@ def is_storage_error(exc: BaseException) -> bool:
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """Errors reported as one line (exit 2). Anything else is a bug: traceback, still exit 2, never 1."""
+    """Errors reported as one line (exit 2). Anything else is a bug: traceback, exit 70, never 1."""
     return isinstance(exc, (KvevalError, FileNotFoundError)) or is_storage_error(exc)
 
 
@@ -104,18 +111,19 @@ def run_command(command: str, body) -> int:
     except Exception as exc:  # noqa: BLE001 - the one place exceptions become exit codes
         if os.environ.get("KVEVAL_DEBUG"):
             raise
-        # ValueError stays a user error: library callers (and transformers) raise it for bad input.
-        if is_user_error(exc) or type(exc) is ValueError:
+        # Only kveval's own errors (and the file system's, for a path the user gave) are the user's to fix: a bare
+        # ValueError from a bug must not pass for a user mistake.
+        if is_user_error(exc):
             print(f"kveval {command}: error: {_described(exc)}", file=sys.stderr)
-        else:
-            traceback.print_exc()
-            print(f"kveval {command}: internal error ({type(exc).__name__}); this is a bug in kveval, "
-                  f"please report it with the traceback above. Results written so far are kept.", file=sys.stderr)
-        return EXIT_ERROR
+            return EXIT_ERROR
+        traceback.print_exc()
+        print(f"kveval {command}: internal error ({type(exc).__name__}); this is a bug in kveval, "
+              f"please report it with the traceback above. Results written so far are kept.", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_FAIL", "EXIT_INCONCLUSIVE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PASS",
-    "ConfigError", "KvevalError", "ModelNotFoundError", "PolicySpecError", "ResultFileError", "RunFolderError",
+    "EXIT_ERROR", "EXIT_FAIL", "EXIT_INCONCLUSIVE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PASS",
+    "ConfigError", "KvevalError", "ModelNotFoundError", "PolicyRegistryError", "PolicySpecError", "ResultFileError", "RunFolderError",
     "StorageError", "UnsupportedModelError", "UsageError", "is_storage_error", "is_user_error", "run_command",
 ]

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 try:
-    import kveval  # noqa: F401
+    import kveval
 except ImportError:  # a source checkout used through --include_path without installing kveval
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,7 +36,7 @@ MC_CHOICES = 4
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(name: str):
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     tokenizer = load_tokenizer(name)
     tokenizer.kveval_name = name

@@ -6,9 +6,9 @@ Token ids are drawn from 1..127 (the tiny models' vocabulary of 128, 0 left out)
 import pytest
 import torch
 
-from kveval.cache import CompressedCache
-from kveval.generation import Prompt, generate, generate_many
-from kveval.policies import parse_policy
+from kveval.cache.compressed import CompressedCache
+from kveval.runner.generation import Prompt, generate, generate_many
+from kveval.policies.spec import parse_policy
 
 
 def random_ids(n: int, seed: int) -> torch.Tensor:

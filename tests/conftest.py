@@ -14,17 +14,17 @@ def calibration_cache(tmp_path, monkeypatch):
     The embedded models' dequantized weights are not calibrations: ``models/`` links to the shared folder, so a
     test loading Gemma 3 does not convert its GGUF again (about 100 s on 2 cores).
     """
-    import kveval.lowrank as lowrank
-    import kveval.retrieval_heads as retrieval_heads
-    from kveval.models import cache_dir
+    import kveval.calibration.kv as calibration
+    import kveval.calibration.retrieval_heads as retrieval_heads
+    from kveval.paths import cache_dir
 
     shared_models = cache_dir() / "models"
     shared_models.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "models").symlink_to(shared_models, target_is_directory=True)
     monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
-    lowrank.clear_memory_cache()
+    calibration.clear_memory_cache()
     retrieval_heads.clear_memory_cache()
     yield tmp_path / "cache"
-    lowrank.clear_memory_cache()
+    calibration.clear_memory_cache()
     retrieval_heads.clear_memory_cache()

@@ -14,11 +14,11 @@ from tiny_models import ARCHITECTURES, Tok, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from kveval import architectures
-from kveval.cache import CompressedCache, nominal_bytes_per_token
+from kveval.modeling import architectures
+from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UnsupportedModelError
-from kveval.exactness import measure_exactness, prefill_and_decode, self_check
-from kveval.generation import Prompt, generate
+from kveval.cache.exactness import measure_exactness, prefill_and_decode, self_check
+from kveval.runner.generation import Prompt, generate
 
 # Calibrations (lowrank, latent, kvquant, duo) of this file's own: one remembered or on disk from another run
 # would stand in for the calibration pass under test.
@@ -170,7 +170,7 @@ def test_load_model_runs_the_self_check_and_can_skip_it(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "load_tokenizer", lambda name: None)
     model, _ = models.load_model(str(tmp_path), device="cpu", dtype="float32")
     assert model.config._attn_implementation == "kveval"
-    monkeypatch.setattr("kveval.exactness.measure_exactness",
+    monkeypatch.setattr("kveval.cache.exactness.measure_exactness",
                         lambda m: pytest.fail("self_check=False must skip the probe"))
     models.load_model(str(tmp_path), device="cpu", dtype="float32", self_check=False)
 
@@ -178,7 +178,7 @@ def test_load_model_runs_the_self_check_and_can_skip_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1", "llama"])
 def test_forked_rows_continue_as_the_row_would_alone(name):
     """lm-eval forks a prefilled row for many continuations: states and padding history follow the row."""
-    from kveval.generation import forward_rows
+    from kveval.runner.generation import forward_rows
 
     model = tiny_model(name)
     rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist()]
@@ -202,7 +202,7 @@ def test_a_forked_row_holds_its_own_tokens_not_the_batchs(spec):
     prefill's; the batch buffer's, where the cache is in the compute dtype; the batch's codes), and a deep copy of
     a view copies all the storage under it: each forked row held the whole batch's K/V. It holds its own, and
     continues as the row itself does."""
-    from kveval.generation import forward_rows
+    from kveval.runner.generation import forward_rows
 
     def tensors(obj, found):
         if isinstance(obj, torch.Tensor):
@@ -246,7 +246,7 @@ def _save_with_tokenizer(model, folder):
 
 
 def test_cli_refuses_an_unknown_layer_type_with_one_line_and_exit_2(tmp_path, capsys):
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     model = tiny_model("llama")
     model.config.layer_types = ["full_attention", "indexed_attention"]  # DeepSeek-V3.2's indexer: unknown to kveval
@@ -258,7 +258,7 @@ def test_cli_refuses_an_unknown_layer_type_with_one_line_and_exit_2(tmp_path, ca
 
 
 def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     _save_with_tokenizer(tiny_model("gemma2"), tmp_path)
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--max-new-tokens", "2",
@@ -269,7 +269,7 @@ def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
 def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkeypatch):
     """The self-check's refusal names --skip-self-check: kveval sweep must have it and pass it to load_model."""
     from kveval import models
-    from kveval.cli import main
+    from kveval.commands.main import main
     from kveval.errors import UsageError
 
     loaded = []
@@ -295,7 +295,7 @@ def test_calibration_takes_the_kv_of_the_attention_layers_and_skips_state_layers
     (Bamba: layer 1 of 3; Qwen3-Next: layer 3 of 4; Falcon-H1: both, beside a Mamba state). The pass was an
     IndexError inside transformers (a cache of plain K/V layers handed to Mamba layers), then a refusal; each
     attention layer's calibration K/V are now the very ones the model's own cache holds, state layers give none."""
-    from kveval.lowrank import calibration_kv, read_calibration_text, tokenize_for
+    from kveval.calibration.kv import calibration_kv, read_calibration_text, tokenize_for
 
     model = tiny_model(name)
     text = read_calibration_text()
@@ -338,7 +338,7 @@ def test_state_layers_never_see_padding_after_a_rows_first_forward(name):
     does not: transformers zeroes a padded input, and the state still decays over it (and the conv window shifts).
     Batch N gave other answers than batch 1 without a word. Such a forward now runs once per length of the rows'
     new tokens (one with no padding for each row) and rows given nothing keep their states."""
-    from kveval.generation import forward_rows
+    from kveval.runner.generation import forward_rows
 
     model = tiny_model(name)
     rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist(), _ids(26, 22)[0].tolist()]

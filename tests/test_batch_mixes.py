@@ -16,9 +16,9 @@ from test_shared_prefill import _records
 from tiny_models import tiny_llama
 
 from kveval.errors import UsageError
-from kveval.evaluate import evaluate_policies
-from kveval.fidelity import read_fidelity
-from kveval.generation import Prompt, generate, generate_many
+from kveval.runner.evaluate import evaluate_policies
+from kveval.runner.fidelity import read_fidelity
+from kveval.runner.generation import Prompt, generate, generate_many
 
 LIMITS = [2, 7, 3, 5, 1]
 
@@ -97,7 +97,7 @@ def test_a_row_ended_by_eos_before_its_first_step_keeps_its_cache_while_the_batc
 @pytest.mark.parametrize("argv, message", [(["--n", "0"], "--n 0"), (["--batch-size", "0"], "--batch-size 0")])
 def test_eval_refuses_no_items_or_a_batch_of_none_in_one_line(tmp_path, capsys, argv, message):
     """--n 0 was an internal TypeError ("this is a bug"); --batch-size 0 failed with range()'s own message."""
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     assert main(["eval", "--policy", "none", "--out", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

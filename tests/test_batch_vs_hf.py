@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-from kveval.generation import Prompt, generate, generate_each
+from kveval.runner.generation import Prompt, generate, generate_each
 
 STEPS = 12
 
@@ -106,7 +106,7 @@ def test_llama4_query_temperature_counts_each_rows_own_positions(spec):
 def test_llama4_query_temperature_is_given_back_after_a_failed_forward():
     from tiny_models import tiny_model
 
-    from kveval.architectures import row_query_temperatures, taken_query_temperature
+    from kveval.modeling.architectures import row_query_temperatures, taken_query_temperature
 
     model = tiny_model("llama4")
     tuned = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
@@ -174,7 +174,7 @@ def test_a_row_crossing_longropes_switch_after_its_first_forward_is_refused(cont
     generate for Phi-3 recomputes the whole cache with the long factors there; kveval's rows gave other tokens
     than transformers' batch 1 (at batch 1 as at 3). Refused before any forward, naming the fix; the forward that
     would cross, met on another path (a cache driven step by step), is refused too."""
-    from kveval.architectures import check_rope_batch
+    from kveval.modeling.architectures import check_rope_batch
     from kveval.errors import UnsupportedModelError
 
     model = _longrope_phi3()
@@ -197,7 +197,7 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     different lengths past it are refused before any forward, and a forward that would mix them on the way."""
     from tiny_models import tiny_model
 
-    from kveval.architectures import check_rope_batch, rope_switches
+    from kveval.modeling.architectures import check_rope_batch, rope_switches
     from kveval.errors import UnsupportedModelError
 
     def check(lengths, active):
@@ -254,8 +254,9 @@ def test_llama4_calibrations_run_inside_kvevals_forward_as_outside_it():
     modules' own scaling, so they give what they give outside (it raised, so these policies could not run)."""
     from tiny_models import tiny_model
 
-    from kveval import lowrank, retrieval_heads
-    from kveval.architectures import row_query_temperatures
+    from kveval import lowrank
+    from kveval.calibration import retrieval_heads
+    from kveval.modeling.architectures import row_query_temperatures
 
     model = tiny_model("llama4", attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5)
     text = lowrank.read_calibration_text()

@@ -1,4 +1,4 @@
-"""Decode steps done on the layer's batch buffer alone (kveval.buffered_decode) change nothing but speed.
+"""Decode steps done on the layer's batch buffer alone (kveval.cache.buffered_decode) change nothing but speed.
 
 Each policy is generated twice on the same batch of mixed-length prompts (left
 padding, an EOS that ends rows early, so finished rows feed padding): once with
@@ -15,14 +15,15 @@ import torch
 from cache_runs import fingerprint
 from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
-from kveval import batch_buffer, buffered_decode, coded_rows
-from kveval.batch_buffer import BatchBuffer
-from kveval.buffered_decode import BufferedDecode
-from kveval.cache import CompressedCache
-from kveval.cache_layers import CompressedLayer
-from kveval.decode_evictions import _ranked_kept, kept_slots
-from kveval.generation import Prompt, generate
-from kveval.policies.base import top_slots
+from kveval.tensors import batch_buffer
+from kveval.cache import buffered_decode, coded_rows
+from kveval.tensors.batch_buffer import BatchBuffer
+from kveval.cache.buffered_decode import BufferedDecode
+from kveval.cache.compressed import CompressedCache
+from kveval.cache.layers import CompressedLayer
+from kveval.cache.decode_evictions import _ranked_kept, kept_slots
+from kveval.runner.generation import Prompt, generate
+from kveval.tensors.ranking import top_slots
 
 #: Catch-ups, buffer growth and code growth come every 16 steps or slots here (64 in use): the same code, reached
 #: in 30 decode steps instead of 70 (:func:`dense_events`).
@@ -116,7 +117,7 @@ def test_a_layer_that_selects_nothing_holds_the_same_slots_in_every_head(gemma, 
     """A mask from positions skips reading whether the heads share slots where the layer selects nothing (its
     selection is None: a sliding layer always, a full one under a policy without selection): every mask built so
     holds slots equal in every head, at every forward of mixed-length batches with padding."""
-    from kveval import cache_layers, layer_masks
+    from kveval.cache import layers as cache_layers, layer_masks
 
     model = gemma if name == "gemma3" else (tiny_model(name) if name == "llama4" else tiny_llama())
     trusted = []
@@ -139,7 +140,7 @@ def test_decode_step_masks_from_lengths_are_the_masks_of_positions(model, spec, 
     per-head budgets from the slots that hold a token (:func:`held_slots`), is, in every
     head, the mask the slots' positions give (:meth:`CompressedLayer.allowed_mask`), at every step of every layer,
     and the generation (finished rows feeding padding) has the bits of building every mask from positions."""
-    from kveval import cache_layers
+    from kveval.cache import layers as cache_layers
 
     made_from_lengths, made_from_held = [], []
     original_step_mask, original_prefix, original_held = (CompressedLayer._step_mask, cache_layers.visible_prefix,
@@ -195,7 +196,7 @@ def test_no_attention_is_scored_once_nothing_can_use_it(model, spec, batched, mo
     """H2O and TOVA without a decode budget select once, at the prefill: no later step computes attention
     probabilities for them (their scores would rank nothing), so their decode steps cost what ``none``'s do. The
     probabilities are counted for a short and a long generation: the same calls, those of the prefill."""
-    from kveval.architectures import SdpaKernel
+    from kveval.modeling.architectures import SdpaKernel
 
     calls = []
     original = SdpaKernel.probabilities
@@ -414,8 +415,8 @@ def test_sliding_layers_step_masks_from_lengths_are_the_masks_of_positions(gemma
     every step, the mask of the slots' positions and window; rows shorter and longer than the window, rows that
     finish early. Not so a chunked layer (Llama 4, chunks of 16), whose query sees its own chunk only. The
     generation has the bits of building every mask from positions, and the window's eviction
-    (:func:`~kveval.decode_evictions._window_kept`, known from the lengths) keeps what ranking by position keeps."""
-    from kveval import decode_evictions
+    (:func:`~kveval.cache.decode_evictions._window_kept`, known from the lengths) keeps what ranking by position keeps."""
+    from kveval.cache import decode_evictions
 
     model = gemma if name == "gemma3" else tiny_model(name)
 

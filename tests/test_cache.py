@@ -5,9 +5,9 @@ import torch
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
-from kveval.cache import CompressedCache
-from kveval.generation import Prompt, generate
-from kveval.policies import parse_policy
+from kveval.cache.compressed import CompressedCache
+from kveval.runner.generation import Prompt, generate
+from kveval.policies.spec import parse_policy
 
 SELECTION = ["h2o(ratio=0.5)", "snapkv(ratio=0.5,window=4,kernel=3)", "pyramidkv(ratio=0.5,window=4)",
              "tova(ratio=0.5)", "knorm(ratio=0.5)", "random(ratio=0.5)"]
@@ -242,7 +242,7 @@ def test_group_that_does_not_divide_head_dim_is_refused():
 
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_one_prefill_for_many_ratios_equals_separate_runs(mode):
-    from kveval.generation import generate_many
+    from kveval.runner.generation import generate_many
 
     model = tiny_llama()
     g = torch.Generator().manual_seed(13)
@@ -261,7 +261,8 @@ def test_random_scores_are_the_documented_hash():
     sequence's seed, the layer, the KV head and the newest position held, as the policy's doc says: written here in
     plain Python integers, so that a change of the hash (which would move every committed random run) or of how
     its parts are cached across steps, layers or seeds is seen."""
-    from kveval.policies import ScoringState, parse_policy
+    from kveval.tensors.scoring_state import ScoringState
+    from kveval.policies.spec import parse_policy
 
     def mix(x):
         x ^= x >> 16
@@ -293,7 +294,8 @@ def test_random_scores_are_the_documented_hash():
 def test_random_scores_are_uniform_and_independent_of_the_batch():
     """The control's scores: uniform on [0, 1), different per head, per step and per sequence seed, and the same
     for a sequence scored alone or in a batch (what lets a batch keep its decode budget at once)."""
-    from kveval.policies import ScoringState, parse_policy
+    from kveval.tensors.scoring_state import ScoringState
+    from kveval.policies.spec import parse_policy
 
     policy = parse_policy("random(ratio=0.5,seed=5)").selection
     positions = torch.arange(2000).expand(4, -1)
@@ -320,7 +322,7 @@ def test_sdpa_scoring_probabilities_are_the_softmax_of_the_masked_logits(heads, 
     a view of the buffer's keys) have the bits of ``softmax(masked(q k^T * scale))`` written with a 4-D ``matmul``
     of the same matrices; with the mask that sees every slot (:func:`every_slot_visible`, recognised and not
     applied) as with any other."""
-    from kveval.architectures import SdpaKernel, every_slot_visible
+    from kveval.modeling.architectures import SdpaKernel, every_slot_visible
 
     generator = torch.Generator().manual_seed(heads * dim + q_len)
     batch, width, capacity = 5, 77, 100
@@ -351,8 +353,8 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
 
     from tiny_models import tiny_model
 
-    from kveval.architectures import EagerKernel, SdpaKernel
-    from kveval.block_probabilities import SINK_SLOT_STEP, AttentionProbabilities, visible_probabilities
+    from kveval.modeling.architectures import EagerKernel, SdpaKernel
+    from kveval.tensors.block_probabilities import SINK_SLOT_STEP, AttentionProbabilities, visible_probabilities
 
     if variant.startswith("sdpa"):  # "sdpa H/KVxD": query heads, KV heads, head width
         module, extra, kernel = None, {}, SdpaKernel()

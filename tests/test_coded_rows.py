@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kveval.coded_rows import CodedRows, seal_together
+from kveval.cache.coded_rows import CodedRows, seal_together
 from kveval.errors import UsageError
 from kveval.policies.quant import TensorQuant
-from kveval.storage import QuantizedSequence, encode
+from kveval.stores.base import QuantizedSequence, encode
 
 KV, COMPUTE = torch.bfloat16, torch.float32
 STEPS = 70
@@ -98,7 +98,7 @@ def test_k_and_v_sealed_together_read_back_as_each_rows_sequences(name, v_residu
     """``seal_together``: K and V of one encoding and window are encoded as one tensor (one ``encode`` per seal, not
     two), and each side still holds each row's own codes, over mixed steps (rows sitting out, several tokens);
     sides that age differently seal apart."""
-    import kveval.coded_rows as coded_rows
+    import kveval.cache.coded_rows as coded_rows
 
     calls = []
     monkeypatch.setattr(coded_rows, "encode", lambda quant, x: calls.append(x.shape) or encode(quant, x))

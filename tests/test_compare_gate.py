@@ -13,12 +13,13 @@ import pytest
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from kveval import cli
-from kveval.compare import compare_runs, load_run
-from kveval import paired
+from kveval.commands import main as cli
+from kveval.stats.comparison import compare_runs
+from kveval.runs.results import load_run
+from kveval.stats import paired
 from kveval.errors import ConfigError
-from kveval.gate import FAIL, PASS, GateConfig, evaluate_gate, load_gate_config
-from kveval.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
+from kveval.gate.rules import FAIL, PASS, GateConfig, evaluate_gate, load_gate_config
+from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_YAML = REPO / "configs" / "gate.yaml"

@@ -58,7 +58,7 @@ def test_a_data_parallel_process_loads_the_whole_model_on_its_own_device():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)

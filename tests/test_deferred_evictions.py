@@ -1,4 +1,4 @@
-"""Decode budgets kept once per forward, for its layers stacked (kveval.decode_evictions.DeferredEvictions), keep
+"""Decode budgets kept once per forward, for its layers stacked (kveval.cache.decode_evictions.DeferredEvictions), keep
 exactly what each layer keeps alone.
 
 Two levels: hand-built layer buffers (ties, a NaN, a layer with another budget, a layer with a short row, chunks
@@ -11,13 +11,13 @@ import torch
 from cache_runs import fingerprint, random_prompts
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-from kveval import decode_evictions
-from kveval.batch_buffer import BatchBuffer
-from kveval.cache import CompressedCache
-from kveval.cache_layers import CompressedLayer
-from kveval.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction
-from kveval.generation import generate
-from kveval.policies import parse_policy
+from kveval.cache import decode_evictions
+from kveval.tensors.batch_buffer import BatchBuffer
+from kveval.cache.compressed import CompressedCache
+from kveval.cache.layers import CompressedLayer
+from kveval.cache.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction
+from kveval.runner.generation import generate
+from kveval.policies.spec import parse_policy
 
 BATCH, HEADS, DIM = 3, 2, 4
 
@@ -76,7 +76,7 @@ def test_stacked_layers_keep_what_each_keeps_alone(spec, other, chunk_layers, mo
     positions, attention, lengths, width and room, through ties and a NaN at the lowest score (ranked, not one
     ``min``) and a finished row (under the budget). Layers that cannot stack (another budget or width) are kept
     alone, a layer within its budget does not wait, and
-    ``chunk_layers`` caps the layers stacked at once (:data:`~kveval.decode_evictions.STACKED_SLOTS`)."""
+    ``chunk_layers`` caps the layers stacked at once (:data:`~kveval.cache.decode_evictions.STACKED_SLOTS`)."""
     eviction, smaller = _eviction(spec), _eviction(other)
     width = eviction.budget + 1
     if chunk_layers is not None:

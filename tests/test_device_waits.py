@@ -2,7 +2,7 @@
 forward makes the host wait for the device once per row.
 
 On a GPU a boolean index (``nonzero``), ``int(t)`` or ``tolist`` waits for every kernel queued before it; once per
-row and layer, a batch of 32 runs at the host's pace. The counts (:mod:`kveval.device_waits`) are exact on a CPU.
+row and layer, a batch of 32 runs at the host's pace. The counts (:mod:`kveval.runner.device_waits`) are exact on a CPU.
 The packed prefill (:meth:`BatchBuffer.packed`) must hold the bits that appending row by row held.
 """
 
@@ -13,12 +13,12 @@ import torch
 from cache_runs import fingerprint, random_prompts
 from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
-from kveval.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
-from kveval.cache_layers import CompressedLayer
-from kveval.device_waits import OpCounter
-from kveval.generation import generate
-from kveval.policies import parse_policy
-from kveval.storage import DenseStore
+from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
+from kveval.cache.layers import CompressedLayer
+from kveval.runner.device_waits import OpCounter
+from kveval.runner.generation import generate
+from kveval.policies.spec import parse_policy
+from kveval.stores.base import DenseStore
 
 #: Contexts of three lengths and questions of two: every batch of three or more is left-padded in both forwards.
 SIZES = [(41, 4), (52, 6), (23, 4), (35, 6), (27, 4), (44, 4)]
@@ -223,8 +223,8 @@ def test_the_prefill_gives_back_the_buffer_room_its_compression_freed(spec, quan
     prefill's K/V beside the rows' compressed copy or codes of them (on CUDA, the decode's peak of SnapKV and H2O at
     2,048 tokens, batch 8, on Llama-3.2-1B's shape held 470 MB more than `none`'s, KIVI's 1.0 GB). `none` keeps its
     buffer. The question's forward then runs on the buffer for the batch at once, as it did."""
-    from kveval.cache import CompressedCache
-    from kveval.generation import prefill_prompts
+    from kveval.cache.compressed import CompressedCache
+    from kveval.runner.generation import prefill_prompts
 
     model = tiny_llama()
     prompts = random_prompts([(150, 4), (131, 6)], seed=5)

@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
-from kveval.generation import Prompt, encode_prompt, generate
-from kveval.models import load_model
+from kveval.runner.generation import Prompt, encode_prompt, generate
+from kveval.runner.models import load_model
 from kveval.probes import encode_item, generate_items, score_answer
 
 pytestmark = pytest.mark.slow

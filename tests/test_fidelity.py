@@ -8,12 +8,18 @@ import torch
 from test_run_folders import CharTok, _items
 from tiny_models import Tok, tiny_llama
 
-from kveval.comparison import compare_runs
+from kveval.stats.comparison import compare_runs
 from kveval.errors import UsageError
-from kveval.evaluate import evaluate_policies
-from kveval.fidelity import (FIDELITY_FILE, answer_distributions, compare_distributions, items_to_separate,
-                             kl_bounds, read_fidelity)
-from kveval.generation import Prompt, generate
+from kveval.runner.evaluate import evaluate_policies
+from kveval.runner.fidelity import (
+    FIDELITY_FILE,
+    answer_distributions,
+    compare_distributions,
+    items_to_separate,
+    kl_bounds,
+    read_fidelity,
+)
+from kveval.runner.generation import Prompt, generate
 
 
 def _prompts(seed=3):
@@ -158,8 +164,8 @@ def fidelity_runs(tmp_path_factory):
 
 def test_gate_rule_max_mean_kl(fidelity_runs):
     from kveval.errors import ConfigError
-    from kveval.gate import evaluate_gate
-    from kveval.gate_config import GateConfig, load_gate_config
+    from kveval.gate.rules import evaluate_gate
+    from kveval.gate.config import GateConfig, load_gate_config
 
     assert GateConfig().max_mean_kl == {} and load_gate_config("configs/gate.yaml").max_mean_kl == {}  # off by default
     assert GateConfig.from_dict({"max_mean_kl": 0.1}).kl_limit("any") == 0.1
@@ -183,8 +189,8 @@ def test_gate_rule_max_mean_kl(fidelity_runs):
 
 
 def test_compare_and_report_show_the_kl(fidelity_runs, tmp_path):
-    from kveval.compare import format_table
-    from kveval.report import build_report
+    from kveval.stats.tables import format_table
+    from kveval.report.leaderboard import build_report
 
     root, base, int8, int2, plain = fidelity_runs
     table = format_table(compare_runs(base, int2, n_resamples=200, cells=False))

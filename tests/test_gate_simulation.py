@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kveval import cli, paired
-from kveval.records import ITEMS_FILE, ItemRecord, RunInfo, write_run_info
+from kveval.commands import main as cli
+from kveval.stats import paired
+from kveval.runs.records import ITEMS_FILE, ItemRecord, RunInfo, write_run_info
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_YAML = REPO / "configs" / "gate.yaml"

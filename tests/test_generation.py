@@ -5,8 +5,8 @@ import torch
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval.errors import UsageError
-from kveval.generation import Prompt, generate, generate_many
-from kveval.policies import parse_policy
+from kveval.runner.generation import Prompt, generate, generate_many
+from kveval.policies.spec import parse_policy
 
 
 def _prompts(seed=10):

@@ -18,14 +18,14 @@ from cache_runs import (
 )
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-import kveval.retrieval_heads as retrieval_heads
-from kveval.cache import CompressedCache
+import kveval.calibration.retrieval_heads as retrieval_heads
+from kveval.cache.compressed import CompressedCache
 from kveval.errors import PolicySpecError
-from kveval.generation import Prompt, generate
-from kveval.head_stores import HeadwiseStore
-from kveval.policies import parse_policy
-from kveval.decode_evictions import kept_slots
-from kveval.policies.base import adaptive_choice, adaptive_choice_batch
+from kveval.runner.generation import Prompt, generate
+from kveval.stores.headwise import HeadwiseStore
+from kveval.policies.spec import parse_policy
+from kveval.cache.decode_evictions import kept_slots
+from kveval.tensors.ranking import adaptive_choice, adaptive_choice_batch
 
 ADAPTIVE = ["snapkv(ratio=0.5,window=4,adaptive=true)", "h2o(ratio=0.5,adaptive=true)", "knorm(ratio=0.5,adaptive=true)",
             "pyramidkv(ratio=0.5,window=4,adaptive=true)"]
@@ -341,7 +341,7 @@ def test_duo_parameters_are_validated():
 
 
 def test_memory_planner_counts_retrieval_heads_whole_and_adakv_like_its_scorer():
-    from kveval.memory import plan
+    from kveval.planner.memory import plan
 
     config = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
               "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000}

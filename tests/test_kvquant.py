@@ -12,11 +12,11 @@ from cache_runs import (
 )
 from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
-from kveval.architectures import ROTATE_HALF_ROPE, rope_hook
-from kveval.cache import CompressedCache
+from kveval.modeling.architectures import ROTATE_HALF_ROPE, rope_hook
+from kveval.cache.compressed import CompressedCache
 from kveval.errors import PolicySpecError, UnsupportedModelError
-from kveval.kvquant import KVQuantCodec, KVQuantStore
-from kveval.policies import parse_policy
+from kveval.stores.kvquant import KVQuantCodec, KVQuantStore
+from kveval.policies.spec import parse_policy
 
 EXACT = "float32"  # kv_dtype of the arithmetic tests: outliers and sinks not rounded to bf16
 
@@ -39,7 +39,7 @@ def _codec(heads=2, dim=16, bits=4, k=2):
 def test_codes_pack_into_a_least_significant_bit_first_stream(bits):
     """The codes' layout, bit by bit, for every width (4 and 2 bits take a whole-code path): code i's bit j is bit
     i * bits + j of the vector's stream, byte k holding its bits 8k..8k+7; the last byte is zero-padded."""
-    from kveval.quantization import pack_bits, unpack_bits
+    from kveval.tensors.quantization import pack_bits, unpack_bits
 
     generator = torch.Generator().manual_seed(bits)
     for n in (1, 3, 8, 13, 64):
@@ -122,7 +122,7 @@ def test_rope_angles_sized_by_a_host_bound_read_no_device_and_equal_the_angles_s
     """A batched decode step knows a bound above its positions on the host (the columns seen): the table of angles
     grows to it without reading the largest position (a wait per layer and step on a GPU), and the angles are
     those of a table sized by reading."""
-    from kveval.device_waits import OpCounter
+    from kveval.runner.device_waits import OpCounter
 
     model = tiny_llama()
     positions = torch.tensor([[3, 700, 1299]])
@@ -345,8 +345,8 @@ def test_bad_parameters_are_one_policy_spec_error(spec, message):
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_embedded_models_generate_with_a_quarter_of_the_bytes(name, monkeypatch):
     monkeypatch.delenv("KVEVAL_CACHE")  # the real cache: dequantized weights (and this calibration) live there
-    from kveval.generation import encode_prompt, generate
-    from kveval.models import load_model
+    from kveval.runner.generation import encode_prompt, generate
+    from kveval.runner.models import load_model
 
     model, tokenizer = load_model(name)
     prompt = encode_prompt(tokenizer, "The pass key is 71432. Remember it. 71432 is the pass key. " * 8 + "What is the pass key?")

@@ -15,11 +15,11 @@ from cache_runs import (
 from test_lowrank import EXACT, FULL_RANK_TOLERANCE
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-from kveval.cache import CompressedCache
-from kveval.latent import LatentStore
-from kveval.policies import parse_policy
-from kveval.runspec import RunSpec
-from kveval.storage import DenseStore
+from kveval.cache.compressed import CompressedCache
+from kveval.stores.latent import LatentStore
+from kveval.policies.spec import parse_policy
+from kveval.runner.runspec import RunSpec
+from kveval.stores.base import DenseStore
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")  # every test calibrates into its own folder
 
@@ -193,7 +193,7 @@ def test_run_spec_checks_the_model_shape_and_fits_quant_groups():
 
 
 def test_memory_planner_counts_one_stream_per_group_and_matches_the_cache():
-    from kveval.memory import plan
+    from kveval.planner.memory import plan
 
     # SmolLM2: 30 layers, 3 KV heads x 64, bf16. One latent for 3 heads at rank 48 is lowrank(rank=16)'s bytes.
     assert plan("smollm2-135m", 10, policy="latent(rank=48)").bytes_per_token == 30 * (48 + 48) * 2

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kveval.errors import UsageError
-from kveval.attention import register_attention
+from kveval.cache.attention import register_attention
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
@@ -42,7 +42,7 @@ def tiny_model(tokenizer, attn="kveval"):
 
 @pytest.fixture(scope="module")
 def smollm():
-    from kveval.models import load_model
+    from kveval.runner.models import load_model
 
     try:
         return load_model("smollm2-135m", device="cpu", dtype="float32")
@@ -111,20 +111,20 @@ def test_batch_size_in_model_args_is_read_and_checked(tokenizer, monkeypatch):
             KVEvalLM(pretrained="no-such-model-anywhere", batch_size=bad)
     with pytest.raises(UsageError, match="batch_size=0"):
         KVEvalLM.create_from_arg_string("pretrained=no-such-model-anywhere,batch_size=0", {"batch_size": 1})
-    import kveval.models
+    import kveval.runner.models
 
-    monkeypatch.setattr(kveval.models, "load_model", lambda *args, **kwargs: (tiny_model(tokenizer), tokenizer))
+    monkeypatch.setattr(kveval.runner.models, "load_model", lambda *args, **kwargs: (tiny_model(tokenizer), tokenizer))
     lm = KVEvalLM.create_from_arg_string("pretrained=tiny,policy=window(2),batch_size=3", {"batch_size": 1, "device": "cpu"})
     assert lm.batch_size == 3  # the model args' own value
 
 
 def test_spec_is_checked_against_the_config_before_the_weights_load(monkeypatch):
-    import kveval.models
+    import kveval.runner.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the spec was checked")
 
-    monkeypatch.setattr(kveval.models, "load_model", no_loading)
+    monkeypatch.setattr(kveval.runner.models, "load_model", no_loading)
     with pytest.raises(ValueError, match="exceeds head_dim=64"):
         KVEvalLM(pretrained="smollm2-135m", policy="lowrank(rank=128)")
     with pytest.raises(ValueError, match="group=48 does not divide"):
@@ -138,7 +138,7 @@ def test_results_schema_round_trip_reads_a_query_aware_run_back(tokenizer, tmp_p
     import hashlib
 
     from kveval.lm_eval import schema
-    from kveval.results import load_lm_eval_run
+    from kveval.runs.results import load_lm_eval_run
 
     lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy="snapkv(ratio=0.5,window=2)@query",
                   question_marker="?", kv_dtype="float16")
@@ -352,7 +352,7 @@ def write_tasks(folder: Path) -> Path:
 
 @pytest.mark.slow
 def test_cli_wrapper_runs_tasks_and_records_policy(smollm, tmp_path):
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     tasks = write_tasks(tmp_path / "tasks")
     out = tmp_path / "out"
@@ -405,18 +405,18 @@ def test_include_paths_keep_ours_and_the_users(tmp_path):
         assert _include_paths(None) == str(ours)
 
 
-def test_an_unexpected_exception_in_the_lm_eval_wrapper_exits_2_never_1(monkeypatch, capsys):
-    """Exit 1 is the gate's FAIL: a crash inside lm-eval must not look like one (it prints its traceback, exits 2)."""
+def test_an_unexpected_exception_in_the_lm_eval_wrapper_is_an_internal_error_never_1(monkeypatch, capsys):
+    """Exit 1 is the gate's FAIL: a crash inside lm-eval must not look like one (it prints its traceback, exits 70)."""
     import lm_eval._cli
 
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash inside lm-eval")
 
     monkeypatch.setattr(lm_eval._cli.HarnessCLI, "execute", crash)
     code = main(["lm-eval", "run", "--model", "kveval", "--model_args", "pretrained=smollm2-135m", "--tasks", "kveval_passkey"])
-    assert code == 2
+    assert code == 70
     assert "internal error (RuntimeError)" in capsys.readouterr().err
 
 
@@ -454,7 +454,7 @@ def test_loglikelihood_batches_across_a_longrope_switch_are_refused_before_any_f
 @pytest.mark.parametrize("name", ["bamba", "qwen3_next"])
 def test_none_on_state_layer_models_matches_stock_hflm(tokenizer, name):
     """Mamba and gated-delta layers: continuations of different lengths in one batch are each scored with no
-    padding in their states (kveval.generation.forward_rows), as stock HFLM scores them (right-padded, one
+    padding in their states (kveval.runner.generation.forward_rows), as stock HFLM scores them (right-padded, one
     forward each); the padded continuations scored other log-likelihoods before, without a word."""
     from tiny_models import tiny_model as tiny_architecture
 

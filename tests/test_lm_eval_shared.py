@@ -12,11 +12,11 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from kveval.cache import CompressedCache  # noqa: E402
+from kveval.cache.compressed import CompressedCache  # noqa: E402
 from kveval.lm_eval import tasks_dir  # noqa: E402
 from kveval.lm_eval.model import KVEvalLM, ResponseStore  # noqa: E402
-from kveval.records import iter_items  # noqa: E402
-from kveval.runspec import RunSpec  # noqa: E402
+from kveval.runs.records import iter_items  # noqa: E402
+from kveval.runner.runspec import RunSpec  # noqa: E402
 from test_lm_eval import tiny_model  # noqa: E402
 
 TASKS = ["kveval_niah_single", "kveval_niah_multikey_mc"]
@@ -28,7 +28,7 @@ SAMPLE_KEYS = ("doc_id", "prompt_hash", "resps", "filtered_resps", "metrics", "f
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
@@ -40,7 +40,7 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def manager():
-    from kveval.sweep import _task_manager
+    from kveval.sweep.run import _task_manager
 
     return _task_manager(str(tasks_dir()), json.dumps(METADATA, sort_keys=True))  # the one the sweep's runs reuse
 
@@ -102,7 +102,7 @@ def _sweep_records(run_dir):
 
 
 def test_sweep_lm_eval_resumes_between_policies_without_recomputing_or_duplicating(model, tokenizer, tmp_path, monkeypatch):
-    from kveval.sweep import run_lm_eval_tasks
+    from kveval.sweep.run import run_lm_eval_tasks
 
     tasks = ["kveval_niah_multikey_mc", "kveval_kv_retrieval_mc"]  # loglikelihood: quick; generate_until is tested above
     settings = {"tasks": tasks, "limit": 2, "metadata": METADATA, "model_args": {"question_marker": "\\n\\n"}}
@@ -155,7 +155,7 @@ probes: {{families: [passkey], lengths: [128], depths: [0.5], n: 2}}
 
 
 def test_fidelity_key_is_validated(tmp_path):
-    from kveval.sweep import load_config
+    from kveval.sweep.config import load_config
 
     path = tmp_path / "bad.yaml"
     path.write_text(FIDELITY_CONFIG.format(mode="context").replace("fidelity: true", "fidelity: 3"))
@@ -167,9 +167,10 @@ def test_fidelity_key_is_validated(tmp_path):
 
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer, tmp_path, mode):
-    from kveval.evaluate import evaluate_policies
-    from kveval.fidelity import FIDELITY_FILE
-    from kveval.sweep import CellRunner, load_config, plan_cells, sweep_items
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.fidelity import FIDELITY_FILE
+    from kveval.sweep.run import CellRunner, plan_cells, sweep_items
+    from kveval.sweep.config import load_config
 
     path = tmp_path / "fid.yaml"
     path.write_text(FIDELITY_CONFIG.format(mode=mode))

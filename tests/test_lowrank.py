@@ -14,10 +14,10 @@ from cache_runs import (
 )
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-import kveval.lowrank as lowrank
-from kveval.cache import CompressedCache
-from kveval.lowrank import LowRankStore
-from kveval.policies import parse_policy
+import kveval.calibration.kv as calibration
+from kveval.cache.compressed import CompressedCache
+from kveval.stores.lowrank import LowRankStore
+from kveval.policies.spec import parse_policy
 
 FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at rank = head_dim (float32 rounding of x B B^T only)
 EXACT = "float32"  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to the deployment's bf16
@@ -95,7 +95,7 @@ def test_heads_with_different_ranks_are_stored_separately():
     basis = torch.linalg.qr(torch.randn(8, 8)).Q
     layout = [(slice(0, 2), basis[:, :4].expand(2, 8, 4).contiguous(), basis[:, :2].expand(2, 8, 2).contiguous()),
               (slice(2, 3), basis[None], basis[None])]
-    from kveval.storage import DenseStore
+    from kveval.stores.base import DenseStore
 
     store = LowRankStore.build(DenseStore(), layout)
     store.append(keys, values)
@@ -148,8 +148,8 @@ def test_keys_are_projected_after_rope():
 
 def test_calibration_is_cached_on_disk_and_invalidated_by_a_new_text(tmp_path, calibration_cache, monkeypatch):
     calls = []
-    collect = lowrank._collect_kv
-    monkeypatch.setattr(lowrank, "_collect_kv", lambda model, ids: calls.append(ids.shape[1]) or collect(model, ids))
+    collect = calibration._collect_kv
+    monkeypatch.setattr(calibration, "_collect_kv", lambda model, ids: calls.append(ids.shape[1]) or collect(model, ids))
     text = tmp_path / "calib.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     model = tiny_llama()
@@ -161,7 +161,7 @@ def test_calibration_is_cached_on_disk_and_invalidated_by_a_new_text(tmp_path, c
     assert len(files) == 1
     id_before = parse_policy(spec).structure.calibration_id
 
-    lowrank.clear_memory_cache()  # a new process: only the disk cache is left
+    calibration.clear_memory_cache()  # a new process: only the disk cache is left
     again, _ = context_then_question(model, spec, random_ids(16, 10), random_ids(2, 11))
     assert calls == [512] and torch.equal(first, again)
 
@@ -180,10 +180,10 @@ def test_an_unreadable_calibration_file_reads_as_missing(tmp_path, content):
 
     path = tmp_path / "calibration.pt"
     if content == "not a tensor":  # a global the weights-only unpickler refuses
-        torch.save({"version": lowrank.CALIBRATION_VERSION, "spectra": Fraction(1, 2)}, path)
+        torch.save({"version": calibration.CALIBRATION_VERSION, "spectra": Fraction(1, 2)}, path)
     else:
         path.write_bytes(content)
-    assert lowrank.load_versioned(path, lowrank.CALIBRATION_VERSION) is None
+    assert calibration.load_versioned(path, calibration.CALIBRATION_VERSION) is None
 
 
 def test_batches_give_the_answers_of_batch_size_one():
@@ -216,8 +216,8 @@ def test_rank_and_quant_group_are_checked_against_the_model():
 @pytest.mark.slow
 def test_smollm2_generates_with_fewer_bytes(monkeypatch):
     monkeypatch.delenv("KVEVAL_CACHE")  # the real cache: dequantized weights (and this calibration) live there
-    from kveval.generation import encode_prompt, generate
-    from kveval.models import load_model
+    from kveval.runner.generation import encode_prompt, generate
+    from kveval.runner.models import load_model
 
     model, tokenizer = load_model("smollm2-135m")
     prompt = encode_prompt(tokenizer, "The capital of France is Paris. What is the capital of France?")
@@ -235,7 +235,7 @@ def test_tokenize_for_loads_a_models_tokenizer_once(monkeypatch):
     (``kveval_tokenizer``, tested with the embedded models); another one loads its Hub tokenizer once."""
     import transformers
 
-    from kveval.lowrank import tokenize_for
+    from kveval.calibration.kv import tokenize_for
 
     loads = []
 
@@ -263,8 +263,8 @@ def test_a_decode_step_decodes_its_new_tokens_only(spec, monkeypatch):
     """Once read, a token's K/V are re-decoded only when its coefficients change (sealed, or quantized out of the
     residual window): each step decodes its one new token, plus the ones a quantizer just sealed, never the row.
     What attention reads still equals the store's own reconstruction of every token."""
-    from kveval.cache_layers import CompressedLayer
-    from kveval.lowrank import CoefficientStore
+    from kveval.cache.layers import CompressedLayer
+    from kveval.stores.lowrank import CoefficientStore
 
     decoded = []
     original = CoefficientStore.keys_values_from
@@ -291,7 +291,7 @@ def test_a_token_reconstructs_the_same_alone_in_its_row_or_in_a_batch():
     """Reconstruction never depends on what is reconstructed with it: a decode step's one token, the whole row
     (a refresh, a shared prefill's derived cache) and a batch of rows give the same K/V bit for bit, which is
     what lets a batch step low-rank rows at once and a shared prefill equal each policy's own run."""
-    from kveval.lowrank import _RECONSTRUCT_TOKENS, reconstruct
+    from kveval.stores.lowrank import _RECONSTRUCT_TOKENS, reconstruct
 
     g = torch.Generator().manual_seed(3)
     basis_t = torch.randn(3, 32, 64, generator=g)

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from kveval import cli, model_specs
-from kveval.memory import max_fit, parse_headroom, parse_size, plan
-from kveval.model_specs import load_model_spec
+from kveval.commands import main as cli
+from kveval.planner import model_specs
+from kveval.planner.memory import max_fit, parse_headroom, parse_size, plan
+from kveval.planner.model_specs import load_model_spec
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -159,10 +160,10 @@ def test_kivi2_with_residual():
                                     "quant(bits=2,k_axis=channel,group=64,residual=10,symmetric=true)",
                                     "fp8(axis=channel,group=16,residual=5)"])
 def test_matches_the_real_store(policy):
-    """The planner's bytes equal what kveval.storage.QuantizedStore really holds."""
+    """The planner's bytes equal what kveval.stores.base.QuantizedStore really holds."""
     torch = pytest.importorskip("torch")
-    from kveval.policies import parse_policy
-    from kveval.storage import QuantizedStore
+    from kveval.policies.spec import parse_policy
+    from kveval.stores.base import QuantizedStore
 
     quant = parse_policy(policy).quantization
     heads, tokens, dim = 3, 301, 64
@@ -182,7 +183,7 @@ def test_selection_policies():
     assert plan("llama-2-7b", 4096, policy="window(size=512)").sequence_bytes == full // 8
     assert plan("llama-2-7b", 4096, policy="streaming(sink=4,window=252)").sequence_bytes == 256 * 512 * KiB
     # PyramidKV: budgets shrink with depth; the planner sums the layers
-    from kveval.policies import parse_policy
+    from kveval.policies.spec import parse_policy
 
     pyramid = plan("llama-2-7b", 4096, policy="pyramidkv(ratio=0.5)")
     selection = parse_policy("pyramidkv(ratio=0.5)").selection

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from kveval import models
-from kveval.cli import main
+from kveval.commands.main import main
 
 
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
@@ -65,7 +65,7 @@ def tiny_llama_folder(folder):
 
 
 def test_device_map_auto_places_a_cpu_model_on_cpu_with_the_plain_results(tmp_path):
-    from kveval.generation import Prompt, generate
+    from kveval.runner.generation import Prompt, generate
 
     folder = tiny_llama_folder(tmp_path / "tiny")
     plain, tokenizer = models.load_model(folder, device="cpu", dtype="float32")

@@ -7,11 +7,13 @@ import torch
 from cache_runs import assert_one_line_error
 from tiny_models import tiny_llama
 
-from kveval.cache import CompressedCache
+from kveval.cache.compressed import CompressedCache
 from kveval.errors import PolicySpecError, UsageError
-from kveval.policies import POLICIES, ScoringState, parse_policy
-from kveval.policies.base import param_types
-from kveval.runspec import RunSpec
+from kveval.policies.registry import POLICIES
+from kveval.tensors.scoring_state import ScoringState
+from kveval.policies.spec import parse_policy
+from kveval.policies.spec import param_types
+from kveval.runner.runspec import RunSpec
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -10,7 +10,7 @@ from kveval.probes.scoring import extract_values
 
 @pytest.fixture(scope="module")
 def tok():
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

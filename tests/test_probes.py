@@ -7,16 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kveval.probes import (
-    FAMILIES,
-    Cell,
-    ProbeItem,
-    encode_item,
-    generate_grid,
-    generate_items,
-    grid,
-    score_answer,
-)
+from kveval.probes import FAMILIES, Cell, ProbeItem, encode_item, generate_grid, generate_items, grid, score_answer
 from kveval.probes.text import prose_sentences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +16,7 @@ TASKS = REPO / "tasks"
 
 @pytest.fixture(scope="module")
 def tok():
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     tokenizer.kveval_name = "smollm2-135m"
@@ -35,7 +26,7 @@ def tok():
 @pytest.fixture(scope="module")
 def plain_tok():
     """The same tokenizer without a chat template (a base model's)."""
-    from kveval.models import load_tokenizer
+    from kveval.modeling.sources import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2-135m")
     tokenizer.chat_template = None
@@ -228,8 +219,8 @@ def test_bad_inputs(tok):
 def test_cli_writes_loadable_jsonl(tok, tmp_path, capsys):
     import datasets
 
-    from kveval.cli import main
-    from kveval.probes.cli import read_probe_items
+    from kveval.commands.main import main
+    from kveval.commands.probes import read_probe_items
 
     out = tmp_path / "probes.jsonl"
     rc = main(["probes", "--family", "passkey", "--family", "niah_multikey", "--length", "512", "--length", "768",
@@ -299,7 +290,7 @@ def test_lm_eval_tasks_load_from_other_cwd(tmp_path, monkeypatch):
 @pytest.mark.parametrize("question", ["What is the pass key?", "pass key", "Which number follows 7?\nAnswer briefly."])
 def test_generate_and_probes_encode_the_same_prompt_identically(tok, plain_tok, question):
     """``kveval generate`` (encode_prompt) and ``kveval eval`` (PromptFrame + encode_item) give identical ids."""
-    from kveval.generation import encode_prompt
+    from kveval.runner.generation import encode_prompt
     from kveval.probes.item import PromptFrame, encode_parts
 
     context = "The pass key is 7342. Remember it. The grass is green. The pass key is 7342."
@@ -312,7 +303,7 @@ def test_generate_and_probes_encode_the_same_prompt_identically(tok, plain_tok, 
 
 
 def test_encode_prompt_without_question_keeps_the_whole_message_as_context(tok):
-    from kveval.generation import encode_prompt
+    from kveval.runner.generation import encode_prompt
 
     prompt = encode_prompt(tok, "Tell me a story.")
     text = tok.decode(prompt.context)

@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kveval.cli import COMMANDS
-from kveval.policies import POLICIES
-from kveval.policies.base import _split_terms, param_types
-from kveval.runspec import RunSpec
+from kveval.commands.main import COMMANDS
+from kveval.policies.registry import POLICIES
+from kveval.policies.spec import _split_terms, param_types
+from kveval.runner.runspec import RunSpec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text(encoding="utf-8")
@@ -104,7 +104,7 @@ def smollm2_shaped_llama():
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kveval.attention import register_attention
+    from kveval.cache.attention import register_attention
 
     register_attention()
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ def test_every_readme_policy_spec_parses_and_runs_on_a_tiny_model(spec):
     model = smollm2_shaped_llama()
     run = RunSpec.parse(spec).for_model(model)
     assert RunSpec.parse(run.spec).for_model(model).spec == run.spec  # the canonical spec reads back as itself
-    from kveval.cache import CompressedCache
+    from kveval.cache.compressed import CompressedCache
 
     ids = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(0))
     cache = CompressedCache(model, run.policy)
@@ -189,7 +189,7 @@ def _cheap(command: str) -> bool:
 
 @pytest.mark.parametrize("command", _mark([c for c in COMMANDS_SHOWN if _cheap(c)]))
 def test_cheap_readme_commands_run(command, tmp_path, monkeypatch, capsys):
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     monkeypatch.chdir(tmp_path)
     words = shlex.split(command)
@@ -208,7 +208,7 @@ GENERATE = [c for c in COMMANDS_SHOWN if c.startswith("generate")]
 @pytest.mark.parametrize("policy", [None, "lowrank(rank=16)+quant(bits=8)"])
 def test_readme_generate_runs_on_the_embedded_models(model, policy, capsys):
     """The README's generate command, and its stacking example, on both embedded models (short prompt)."""
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     words = shlex.split(GENERATE[0])
     words[words.index("--model") + 1] = model

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kveval import cli
-from kveval.gate import evaluate_gate
-from kveval.gate_report import write_gate_outputs
-from kveval.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
-from kveval.report import build_report
+from kveval.commands import main as cli
+from kveval.gate.rules import evaluate_gate
+from kveval.gate.report import write_gate_outputs
+from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
+from kveval.report.leaderboard import build_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 NOMINAL = 2 * 30 * 3 * 64 * 4  # fp32 SmolLM2 K+V bytes per token
@@ -137,7 +137,7 @@ def test_report_refuses_corrupt_run(sweep, tmp_path, capsys):
 
 
 def test_sweep_gate_two_models_into_report(sweep, tmp_path):
-    from kveval.gate import evaluate_sweep, exit_code, group_runs_by_baseline
+    from kveval.gate.rules import evaluate_sweep, exit_code, group_runs_by_baseline
 
     write(sweep / "runs" / "g_base", "none", items(), bpt=NOMINAL, model="gemma3-270m")
     write(sweep / "runs" / "g_snap", "snapkv(ratio=0.5)", items(), ratio=0.5, bpt=NOMINAL / 2, model="gemma3-270m")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kveval import cli
+from kveval.commands import main as cli
 from kveval.probes import generate_items, score_answer
-from kveval.records import ITEMS_FILE, ItemRecord, ItemWriter, RunInfo, read_items, replace_items, write_run_info
+from kveval.runs.records import ITEMS_FILE, ItemRecord, ItemWriter, RunInfo, read_items, replace_items, write_run_info
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

@@ -6,9 +6,9 @@ import pytest
 from tiny_models import tiny_llama
 
 from kveval.errors import RunFolderError
-from kveval.evaluate import evaluate_policies, model_folder, model_identity
+from kveval.runner.evaluate import evaluate_policies, model_folder, model_identity
 from kveval.probes.item import ProbeItem, prompt_hash
-from kveval.records import read_items, read_run_info
+from kveval.runs.records import read_items, read_run_info
 
 
 class CharTok:
@@ -78,16 +78,16 @@ def test_resuming_a_folder_of_another_model_or_prompt_is_refused(tmp_path):
 
 
 def test_the_hardware_is_recorded_and_a_resume_elsewhere_marks_the_run_mixed(tmp_path, monkeypatch):
-    import kveval.evaluate
+    import kveval.runner.evaluate
 
     model, tok = tiny_llama(), CharTok()
     [run_dir] = evaluate_policies(model, tok, _items(n=1), ["window(size=8)"], tmp_path, "org1/M")
-    here = kveval.evaluate.hardware_of(model)
+    here = kveval.runner.evaluate.hardware_of(model)
     assert here.startswith("cpu ") and "torch " in here
     assert read_run_info(run_dir).extra["hardware"] == here
     evaluate_policies(model, tok, _items(n=2), ["window(size=8)"], tmp_path, "org1/M")  # resumed here: unchanged
     assert read_run_info(run_dir).extra["hardware"] == here
-    monkeypatch.setattr(kveval.evaluate, "hardware_of", lambda model: "cuda NVIDIA H200, torch 2.13.0")
+    monkeypatch.setattr(kveval.runner.evaluate, "hardware_of", lambda model: "cuda NVIDIA H200, torch 2.13.0")
     evaluate_policies(model, tok, _items(n=2), ["window(size=8)"], tmp_path, "org1/M")  # nothing left to compute
     assert read_run_info(run_dir).extra["hardware"] == here
     evaluate_policies(model, tok, _items(n=3), ["window(size=8)"], tmp_path, "org1/M")  # item 3 computed elsewhere
@@ -103,7 +103,7 @@ def test_low_rank_calibration_is_recorded_in_run_json(tmp_path):
 
 
 def test_kv_dtype_and_mode_name_the_run_folder(tmp_path):
-    from kveval.runspec import RunSpec
+    from kveval.runner.runspec import RunSpec
 
     model, tok = tiny_llama(), CharTok()
     specs = [RunSpec.parse("window(size=8)", mode="query", kv_dtype="float16")]

@@ -3,7 +3,8 @@
 import pytest
 
 from kveval.errors import PolicySpecError
-from kveval.sweep import load_config, run_sweep
+from kveval.sweep.config import load_config
+from kveval.sweep.run import run_sweep
 
 
 def _config(tmp_path, text):
@@ -33,12 +34,12 @@ def test_bad_sweep_entries_are_one_line_errors(tmp_path, text, message):
 
 
 def test_sweep_checks_every_policy_against_every_model_before_loading(tmp_path, monkeypatch):
-    import kveval.models
+    import kveval.runner.models
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before every spec was checked")
 
-    monkeypatch.setattr(kveval.models, "load_model", no_loading)
+    monkeypatch.setattr(kveval.runner.models, "load_model", no_loading)
     path = tmp_path / "two.yaml"
     path.write_text("models: [gemma3-270m, smollm2-135m]\npolicies: [kivi(bits=4), lowrank(rank=128)]\n")
     config = load_config(path)
@@ -48,10 +49,10 @@ def test_sweep_checks_every_policy_against_every_model_before_loading(tmp_path, 
 
 
 def test_generate_refuses_a_bad_spec_before_loading(monkeypatch, capsys):
-    import kveval.models
-    from kveval.cli import main
+    import kveval.runner.models
+    from kveval.commands.main import main
 
-    monkeypatch.setattr(kveval.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(kveval.runner.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     assert main(["generate", "--policy", "lowrank(rank=16)+quant(bits=8,group=64)", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "group=64 does not divide the k rank 16" in err and len(err.strip().splitlines()) == 1

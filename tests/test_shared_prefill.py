@@ -17,10 +17,10 @@ from cache_runs import assert_shared_prefill_equals_own_runs, fingerprint, rando
 from test_run_folders import CharTok, _items
 from tiny_models import ARCHITECTURES, Tok, tiny_gemma3, tiny_llama, tiny_model
 
-import kveval.generation as generation
-from kveval.cache import CompressedCache
-from kveval.evaluate import evaluate_policies
-from kveval.generation import Prompt, can_share_prefill, generate_many
+import kveval.runner.generation as generation
+from kveval.cache.compressed import CompressedCache
+from kveval.runner.evaluate import evaluate_policies
+from kveval.runner.generation import Prompt, can_share_prefill, generate_many
 
 #: Every policy family, several scores per kind (two SnapKV windows, PyramidKV sharing one), stacks.
 POLICIES = [
@@ -189,7 +189,7 @@ def test_a_sweep_killed_between_policies_of_one_prefill_resumes_without_recomput
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode", [("smollm2-135m", "context"), ("gemma3-270m", "query")])
 def test_embedded_model_from_one_prefill_equals_its_own_runs(name, mode):
-    from kveval.models import load_model
+    from kveval.runner.models import load_model
     from kveval.probes import encode_item, generate_items
 
     model, tokenizer = load_model(name)

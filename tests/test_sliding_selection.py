@@ -8,12 +8,12 @@ import torch
 from cache_runs import assert_shared_prefill_equals_own_runs, random_ids, random_prompts
 from tiny_models import Tok, tiny_model
 
-from kveval.batch_buffer import PAD_POSITION
-from kveval.cache import CompressedCache
-from kveval.exactness import prefill_and_decode
-from kveval.generation import generate
-from kveval.memory import plan
-from kveval.policies import parse_policy
+from kveval.tensors.batch_buffer import PAD_POSITION
+from kveval.cache.compressed import CompressedCache
+from kveval.cache.exactness import prefill_and_decode
+from kveval.runner.generation import generate
+from kveval.planner.memory import plan
+from kveval.policies.spec import parse_policy
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")
 
@@ -199,7 +199,7 @@ def test_the_largest_context_under_selection_on_sliding_layers():
     """Mistral-7B (window 4096), snapkv(ratio=0.5), 32 new tokens: contexts up to 4063 are sized (nothing selected
     can leave the window); past them the window bounds the cache at its 4095 tokens whatever the policy keeps. The
     search refused before (it sized a context of 2**50 tokens first)."""
-    from kveval.memory import max_fit
+    from kveval.planner.memory import max_fit
 
     gib, per_token, policy = 1 << 30, 32 * 8 * 128 * 2 * 2, "snapkv(ratio=0.5)"
 
@@ -221,7 +221,7 @@ def test_a_batch_decodes_at_once_until_the_window_reaches_what_was_kept(monkeypa
     rows leave gaps a window's own eviction does not take); once the window reaches the oldest kept token, row by
     row, trimming by position. Before, every step went row by row (snapkv 1.14x of none at batch 8 on a
     SmolLM2-shaped Mistral, h2o with a decode budget 1.55x; SmolLM2 itself 0.99x and 1.08x)."""
-    from kveval.buffered_decode import BufferedDecode
+    from kveval.cache.buffered_decode import BufferedDecode
 
     steps = []
     append = BufferedDecode.append
@@ -277,7 +277,7 @@ def test_a_llama4_config_json_without_layer_types_plans_its_chunks():
     """A raw config.json of Llama 4 names its chunked layers by attention_chunk_size and no_rope_layers alone; the
     planner read every layer as full attention and sized a selection on all of them, where the cache selects on
     the global layers only."""
-    from kveval.model_specs import load_model_spec
+    from kveval.planner.model_specs import load_model_spec
 
     model = tiny_model("llama4")
     config = model.config.to_dict()

@@ -1,4 +1,4 @@
-"""kveval.stats against SciPy / statsmodels references and brute-force enumeration."""
+"""kveval.stats.significance against SciPy / statsmodels references and brute-force enumeration."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from scipy import optimize
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from kveval import paired, stats
+from kveval.stats import paired, significance as stats
 
 RNG = np.random.default_rng(12345)
 BASE_BIN = (RNG.random(60) < 0.7).astype(float)
@@ -102,7 +102,7 @@ def test_holm_edge_cases():
         stats.holm([0.5, 1.5])
 
 
-# ----------------------------------------------------------------------------- paired proportions (kveval.paired)
+# ----------------------------------------------------------------------------- paired proportions (kveval.stats.paired)
 
 
 

@@ -10,13 +10,20 @@ import torch
 from tiny_models import tiny_gemma3, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kveval.attention import register_attention
-from kveval.cache import CompressedCache, nominal_bytes_per_token
+from kveval.cache.attention import register_attention
+from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UsageError
-from kveval.lowrank import LowRankStore
-from kveval.policies import parse_policy
-from kveval.quantization import FP8_FORMATS, dequantize, dequantize_into, quantize, quantize_fp8, quantized_values
-from kveval.storage import (
+from kveval.stores.lowrank import LowRankStore
+from kveval.policies.spec import parse_policy
+from kveval.tensors.quantization import (
+    FP8_FORMATS,
+    dequantize,
+    dequantize_into,
+    quantize,
+    quantize_fp8,
+    quantized_values,
+)
+from kveval.stores.base import (
     DenseStore,
     QuantizedStore,
     TokenStore,
@@ -110,7 +117,7 @@ def test_load_model_records_the_checkpoint_dtype_before_loading_in_float32(tmp_p
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from kveval.models import load_model
+    from kveval.runner.models import load_model
 
     monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path / "cache"))
     tiny_llama().to(torch.float16).save_pretrained(tmp_path / "ckpt")
@@ -182,7 +189,7 @@ def test_keeping_the_last_tokens_holds_what_selecting_them_holds(policy, tokens,
     the device where every slot is alive, it holds the units, codes, scales, dead slots, tail and count that
     :meth:`select` of those slots holds, and reads back the same bits; with dead slots it is that select. Cuts
     inside the tail, at a unit's edge, inside a per-channel group, and of every sealed unit."""
-    from kveval.device_waits import OpCounter
+    from kveval.runner.device_waits import OpCounter
 
     g = torch.Generator().manual_seed(tokens + keep)
     keys, values = torch.randn(2, tokens, 16, generator=g), torch.randn(2, tokens, 16, generator=g)
@@ -458,19 +465,19 @@ def test_every_store_implements_the_declared_interface():
 
 
 def test_calibration_does_not_import_the_cache():
-    """kveval.lowrank calibrates in transformers' own cache layers: no cache -> policies -> lowrank -> cache loop."""
+    """kveval.calibration.kv calibrates in transformers' own cache layers: no cache -> policies -> lowrank -> cache loop."""
     code = ("import sys; sys.path.insert(0, 'tests'); from tiny_models import tiny_gemma3; "
-            "from kveval.lowrank import calibrate, read_calibration_text; "
+            "from kveval.calibration.kv import calibrate, read_calibration_text; "
             "c = calibrate(tiny_gemma3(), read_calibration_text(), 64); "
             "assert c.tokens == 64 and c.num_layers == 4, c.tokens; "
-            "print('kveval.cache' in sys.modules)")
+            "print('kveval.cache.compressed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
 
 
 def test_calibration_reads_every_token_of_sliding_layers():
-    from kveval.lowrank import _collect_kv
+    from kveval.calibration.kv import _collect_kv
 
     model = tiny_gemma3(sliding_window=16)
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(7))
@@ -488,7 +495,7 @@ def test_the_torch_free_cache_dtype_table_is_torch_s():
     """The analysis commands size a run's cache from kveval.dtypes without torch; its bytes and names are those
     storage stores in (one table: storage builds its torch dtypes from it)."""
     from kveval.dtypes import CACHE_DTYPE_BYTES, CACHE_DTYPE_NAMES
-    from kveval.storage import KV_DTYPES, dtype_name
+    from kveval.stores.base import KV_DTYPES, dtype_name
 
     assert set(CACHE_DTYPE_NAMES) == set(KV_DTYPES)
     for alias, dtype in KV_DTYPES.items():

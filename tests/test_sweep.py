@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kveval.errors import ConfigError
-from kveval.records import read_items
-from kveval.sweep import load_config
+from kveval.runs.records import read_items
+from kveval.sweep.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_same_folder_with_another_config_is_refused(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "manifest.json").write_text(json.dumps({"config_hash": "something-else"}))
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     assert main(["sweep", str(config), "--out", str(out)]) == 2
 
@@ -134,7 +134,7 @@ def test_sweep_config_values_of_the_wrong_type_are_one_line_errors(tmp_path, lin
     with pytest.raises(ConfigError, match=message) as refused:
         load_config(config)
     assert "\n" not in str(refused.value)
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     assert main(["sweep", str(config), "--out", str(tmp_path / "out"), "--quiet"]) == 2
 
@@ -148,7 +148,7 @@ policies: [window(16)]
 probes: {families: [passkey], lengths: [256], depths: [0.5], n: 1}
 lm_eval: {tasks: [kveval_niah_multikey_mc], limit: 3, model_args: {question_marker: "\\n\\n"}, metadata: {length: 256, n: 3}}
 """)
-    from kveval.cli import main
+    from kveval.commands.main import main
 
     assert main(["sweep", str(config), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     runs = {p.name: read_items(p) for p in (tmp_path / "out" / "runs" / "smollm2-135m").iterdir()}
@@ -162,7 +162,8 @@ lm_eval: {tasks: [kveval_niah_multikey_mc], limit: 3, model_args: {question_mark
 def test_a_deployment_question_that_cannot_be_asked_is_refused_before_the_sweep(tmp_path, monkeypatch, capsys):
     """A bad --gpu-memory was read after every model had run, and its error kept the gate's outputs from being
     written; it is refused before any model loads."""
-    from kveval import cli, models
+    from kveval.commands import main as cli
+    from kveval import models
     from kveval.errors import UsageError
 
     loaded = []
@@ -181,7 +182,8 @@ def test_a_deployment_question_that_cannot_be_asked_is_refused_before_the_sweep(
 def test_a_folder_or_file_that_is_not_what_it_claims_is_one_line(tmp_path, monkeypatch, capsys, damage):
     """A non-UTF-8 config or gate file and a damaged or foreign manifest.json were internal errors (a traceback);
     runs in a folder without a manifest (kveval eval's) were taken over and gated with the sweep's own items."""
-    from kveval import cli, models
+    from kveval.commands import main as cli
+    from kveval import models
     from kveval.errors import UsageError
 
     def no_model(name, **kwargs):
@@ -217,7 +219,8 @@ def test_a_sweep_resumed_under_other_code_says_so(tmp_path, monkeypatch, capsys)
     """The manifest was overwritten on every resume: a sweep stopped, then resumed after an upgrade (a scoring
     fix, a new torch) held items of two versions under a manifest naming only the last. It now keeps the code the
     sweep started under and warns when it resumes under other code."""
-    from kveval import cli, models
+    from kveval.commands import main as cli
+    from kveval import models
     from kveval.errors import UsageError
 
     def no_model(name, **kwargs):

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kveval import cli
+from kveval.commands import main as cli
 from kveval.errors import ConfigError, RunFolderError
-from kveval.records import ItemRecord, ItemWriter, RunInfo, atomic_write_text, write_run_info
-from kveval.results import expand_run_dirs
-from kveval.sweep import LOCK_FILE, load_config, sweep_lock
+from kveval.runs.records import ItemRecord, ItemWriter, RunInfo, atomic_write_text, write_run_info
+from kveval.runs.results import expand_run_dirs
+from kveval.sweep.run import LOCK_FILE, sweep_lock
+from kveval.sweep.config import load_config
 
 CONFIG = """
 name: integrity
@@ -99,7 +100,7 @@ def test_full_disk_leaves_no_temporary_file_and_exits_2(tmp_path, monkeypatch, c
 
 
 def test_summarize_names_the_policy_to_deploy(tmp_path, capsys):
-    from kveval.sweep import summarize
+    from kveval.sweep.run import summarize
 
     sweep = tmp_path / "sweep"
     items = [ItemRecord(id=f"t/{i}", hash=str(i), task="t", score=1.0, correct=True) for i in range(80)]

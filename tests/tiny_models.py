@@ -3,7 +3,7 @@
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from kveval.attention import register_attention
+from kveval.cache.attention import register_attention
 
 
 def tiny_llama(attn: str = "kveval", seed: int = 0):

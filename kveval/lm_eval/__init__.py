@@ -1,6 +1,6 @@
 """lm-evaluation-harness integration: the ``kveval`` model type and kveval's task folder.
 
-``--model kveval`` evaluates any causal LM that :func:`kveval.models.load_model`
+``--model kveval`` evaluates any causal LM that :func:`kveval.runner.models.load_model`
 accepts with its KV cache compressed by a kveval policy
 (:class:`kveval.lm_eval.model.KVEvalLM`). lm-eval 0.4.13 has no plugin
 mechanism for model types, so use kveval's wrapper of the lm-eval CLI, which

@@ -15,6 +15,8 @@ then runs lm-eval's CLI exactly as ``lm-eval`` would.
 
 from __future__ import annotations
 
+from kveval.errors import UsageError
+
 import os
 import sys
 
@@ -72,13 +74,13 @@ def _check_kveval_args(args) -> None:
     """Fail in a second on a bad policy spec or mode, before lm-eval indexes its tasks and loads the model."""
     if getattr(args, "model", None) != "kveval" or not isinstance(getattr(args, "model_args", None), dict):
         return
-    from kveval.generation import MODES
+    from kveval.runner.generation import MODES
     from kveval.lm_eval.model import policy_from_arg
 
     policy_from_arg(args.model_args.get("policy", "none"))
     compress = args.model_args.get("compress", "context")
     if compress not in MODES:
-        raise ValueError(f"compress={compress!r}; use 'context' (query-agnostic) or 'query' (query-aware)")
+        raise UsageError(f"compress={compress!r}; use 'context' (query-agnostic) or 'query' (query-aware)")
 
 
 def _fallback(argv: list[str]) -> int:

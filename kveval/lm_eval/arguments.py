@@ -1,17 +1,18 @@
 """Model arguments of the ``kveval`` lm-eval model type, parsed once at the edge (see :mod:`kveval.lm_eval.model`).
 
 ``--model_args`` strings keep a policy spec's commas inside its parentheses;
-the ``policy``/``compress``/``kv_dtype`` arguments become one :class:`~kveval.runspec.RunSpec`;
-HFLM's big-model options become :func:`kveval.models.load_model`'s placement.
+the ``policy``/``compress``/``kv_dtype`` arguments become one :class:`~kveval.runner.runspec.RunSpec`;
+HFLM's big-model options become :func:`kveval.runner.models.load_model`'s placement.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kveval.errors import PolicySpecError
-from kveval.policies import PolicyStack, parse_policy
-from kveval.runspec import RunSpec, parse_kv_dtype, parse_mode
+from kveval.errors import PolicySpecError, UsageError
+from kveval.policies.base import PolicyStack
+from kveval.policies.spec import parse_policy
+from kveval.runner.runspec import RunSpec, parse_kv_dtype, parse_mode
 
 # HFLM options that still mean something when HFLM receives a loaded model object.
 HFLM_KEYS = {"max_length", "truncation", "add_bos_token", "prefix_token_id", "logits_cache", "softmax_dtype",
@@ -55,7 +56,7 @@ def parse_model_args(text: str | None) -> dict:
     result = {}
     for item in split_model_args((text or "").strip()):
         if "=" not in item:
-            raise ValueError(f"model argument {item.strip()!r} is not key=value")
+            raise UsageError(f"model argument {item.strip()!r} is not key=value")
         key, value = item.split("=", 1)
         result[key.strip()] = handle_arg_string(value)
     return result
@@ -81,7 +82,7 @@ def runspec_from_args(policy, compress: str | None = None, kv_dtype=None) -> Run
 
 
 def placement_args(kwargs: dict) -> None:
-    """HFLM's big-model options as :func:`kveval.models.load_model` takes them, in place.
+    """HFLM's big-model options as :func:`kveval.runner.models.load_model` takes them, in place.
 
     ``parallelize=True`` means ``device_map="auto"`` (unless a ``device_map`` is
     given); ``max_memory_per_gpu`` and ``max_cpu_memory`` build ``max_memory``

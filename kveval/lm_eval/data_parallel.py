@@ -26,7 +26,7 @@ Two things lm-eval's data-parallel loop does not do for kveval, done here:
   sums (bytes, tokens, requests), exact in any order.
 
 Answers equal a single-process run's because kveval's answers do not depend on
-the batch a request is in (see :mod:`kveval.generation`); the ``random``
+the batch a request is in (see :mod:`kveval.runner.generation`); the ``random``
 control policy is the exception, as its seeds follow the batch position.
 """
 

@@ -3,7 +3,7 @@
 ``--model kveval --model_args pretrained=smollm2-135m,policy=snapkv(ratio=0.5)+kivi(bits=4),compress=context``
 
 Model arguments (everything else goes to ``from_pretrained`` through
-:func:`kveval.models.load_model`, or to lm-eval's ``HFLM`` for its own options
+:func:`kveval.runner.models.load_model`, or to lm-eval's ``HFLM`` for its own options
 such as ``max_length``, ``add_bos_token``, ``truncation``):
 
 ``pretrained``
@@ -34,7 +34,7 @@ such as ``max_length``, ``add_bos_token``, ``truncation``):
     ``auto`` (default): CUDA + bfloat16 when a GPU is present, else CPU + float32.
 ``parallelize``, ``device_map``, ``max_memory``, ``max_memory_per_gpu``, ``max_cpu_memory``
     Models larger than one GPU, placed by accelerate as ``--model hf`` does
-    (``parallelize=True`` is ``device_map=auto``); see :func:`kveval.models.load_model`.
+    (``parallelize=True`` is ``device_map=auto``); see :func:`kveval.runner.models.load_model`.
 
 What is compressed
 ------------------
@@ -44,7 +44,7 @@ split into *context* ``C`` and *question* ``Q``: ``Q`` starts at
 ``compress=context`` mode and empty in ``compress=query`` mode.
 
 * ``compress=context``: ``C`` is prefilled into a fresh
-  :class:`~kveval.cache.CompressedCache` and compressed at the end of that
+  :class:`~kveval.cache.compressed.CompressedCache` and compressed at the end of that
   pass, before ``Q`` is seen; ``Q`` (and, for loglikelihood, the continuation)
   is then processed against the compressed cache. Every scored or generated
   token therefore sees only the compressed context. Without a marker the
@@ -53,7 +53,7 @@ split into *context* ``C`` and *question* ``Q``: ``Q`` starts at
   strictly query-agnostic compression.
 * ``compress=query``: ``C + Q`` are prefilled together, ``Q`` is kept out of
   selection and the policy compresses ``C`` with ``Q`` in view. As in deployed
-  query-aware compression (and :func:`kveval.generation.generate`), the first
+  query-aware compression (and :func:`kveval.runner.generation.generate`), the first
   answer token is predicted by that prefill pass, i.e. before compression; later
   tokens see the compressed cache. A single-token continuation is therefore
   scored as uncompressed in this mode.
@@ -71,14 +71,14 @@ uncompressed. lm-eval's rolling windows have a one-token prefix, so there is no
 context to compress; the windows are scored exactly as ``--model hf`` scores
 them, and a warning says so.
 
-``generate_until``: :func:`kveval.generation.generate` (greedy) with the
+``generate_until``: :func:`kveval.runner.generation.generate` (greedy) with the
 compressed cache for prefill and decoding, batched (answers do not depend on the
 batch size), ``until`` stop strings and ``max_gen_toks``. Sampling
 (``do_sample=True``) is refused.
 
 One prefill for several policies: :meth:`KVEvalLM.share_prefill` makes a run
 compute each request for other policies too (one uncompressed prefill, each
-policy's cache derived from it as :func:`kveval.generation.generate_each`
+policy's cache derived from it as :func:`kveval.runner.generation.generate_each`
 does) and leave their answers in a :class:`ResponseStore`, from which their
 own runs of the same task are answered. ``kveval sweep`` does this for its
 lm-eval tasks; every policy's samples and measured bytes equal a separate run's.
@@ -107,17 +107,32 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 import kveval
-from kveval.architectures import check_rope_batch, rope_switches
-from kveval.cache import CompressedCache, nominal_bytes_per_token
-from kveval.generation import (MODES, Prompt, can_share_prefill, check_batch_size, check_request, forward_rows,
-                               generate_each)
+from kveval.modeling.architectures import check_rope_batch, rope_switches
+from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
+from kveval.runner.generation import (
+    MODES,
+    Prompt,
+    can_share_prefill,
+    check_batch_size,
+    check_request,
+    forward_rows,
+    generate_each,
+)
 from kveval.errors import UsageError
-from kveval.evaluate import deployment_dtype_name, hardware_of, model_identity
+from kveval.runner.evaluate import deployment_dtype_name, hardware_of, model_identity
 from kveval.lm_eval import data_parallel, schema
-from kveval.lm_eval.arguments import (HFLM_KEYS, UNSUPPORTED, parse_model_args, placement_args, policy_from_arg,
-                                     runspec_from_args, split_model_args, unescape)
-from kveval.policies import PolicyStack
-from kveval.runspec import RunSpec
+from kveval.lm_eval.arguments import (
+    HFLM_KEYS,
+    UNSUPPORTED,
+    parse_model_args,
+    placement_args,
+    policy_from_arg,
+    runspec_from_args,
+    split_model_args,
+    unescape,
+)
+from kveval.policies.base import PolicyStack
+from kveval.runner.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +229,13 @@ class KVEvalLM(HFLM):
         self.seed = int(seed)
         unsupported = sorted(k for k in UNSUPPORTED if kwargs.get(k))
         if unsupported:
-            raise ValueError(f"model_args {', '.join(unsupported)} are not supported by --model kveval "
+            raise UsageError(f"model_args {', '.join(unsupported)} are not supported by --model kveval "
                              f"(it loads the whole model on one device)")
         for k in UNSUPPORTED:
             kwargs.pop(k, None)
         placement_args(kwargs)
         if "attn_implementation" in kwargs:
-            raise ValueError("attn_implementation is set by kveval (the 'kveval' attention function); remove it from model_args")
+            raise UsageError("attn_implementation is set by kveval (the 'kveval' attention function); remove it from model_args")
         hflm_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HFLM_KEYS}
         for k in ("revision", "subfolder", "gguf_file"):  # meaningful for from_pretrained only when given
             if kwargs.get(k) in (None, "", "main"):
@@ -240,7 +255,7 @@ class KVEvalLM(HFLM):
             device = launch.placement(kwargs)
 
         if isinstance(pretrained, str):
-            from kveval.models import load_model
+            from kveval.runner.models import load_model
 
             model, loaded_tokenizer = load_model(pretrained, device=device or "auto", dtype=dtype or "auto",
                                                  trust_remote_code=trust_remote_code, **kwargs)
@@ -251,10 +266,10 @@ class KVEvalLM(HFLM):
                 log.warning("kveval: model_args %s are ignored when a loaded model is passed", sorted(kwargs))
             self.model_name = getattr(model, "kveval_name", None) or getattr(model.config, "name_or_path", "") or type(model).__name__
             if tokenizer is None:
-                raise ValueError("pass tokenizer= along with a loaded model")
+                raise UsageError("pass tokenizer= along with a loaded model")
         self._ensure_kveval_attention(model)
         if isinstance(tokenizer, str):
-            from kveval.models import load_tokenizer
+            from kveval.modeling.sources import load_tokenizer
 
             tokenizer = load_tokenizer(tokenizer)
         tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
@@ -328,7 +343,7 @@ class KVEvalLM(HFLM):
 
     @staticmethod
     def _ensure_kveval_attention(model) -> None:
-        from kveval.attention import ATTENTION_NAME, register_attention
+        from kveval.cache.attention import ATTENTION_NAME, register_attention
 
         register_attention()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -337,8 +352,8 @@ class KVEvalLM(HFLM):
         try:
             model.set_attn_implementation(ATTENTION_NAME)
         except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"the model must use attn_implementation={ATTENTION_NAME!r} (load it with "
-                             f"kveval.models.load_model): {exc}") from exc
+            raise UsageError(f"the model must use attn_implementation={ATTENTION_NAME!r} (load it with "
+                             f"kveval.runner.models.load_model): {exc}") from exc
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -389,7 +404,7 @@ class KVEvalLM(HFLM):
         request_str, context, continuation = request
         assert len(context) > 0 and len(continuation) > 0
         if len(continuation) > self.max_length:
-            raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
+            raise UsageError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
         q = self._question_length(request_str[0] if request_str else None, context, self.tok_encode)
         total = context + continuation
         if len(total) > self.max_length + 1:  # left-truncate as HFLM does
@@ -460,8 +475,8 @@ class KVEvalLM(HFLM):
 
     def _check_rope_forwards(self, plans: list, groups: dict, order: list, batch_size: int) -> None:
         """Before any forward: the rows of every forward :meth:`_score_plans` will run (each batch's prefills, then
-        its continuations' tails in batches), as :func:`~kveval.architectures.check_rope_batch` checks each in
-        :func:`~kveval.generation.forward_rows`, so a RoPE refusal comes before hours of scoring, not after."""
+        its continuations' tails in batches), as :func:`~kveval.modeling.architectures.check_rope_batch` checks each in
+        :func:`~kveval.runner.generation.forward_rows`, so a RoPE refusal comes before hours of scoring, not after."""
         if not rope_switches(self.model):
             return
         for _, keys, tail_batches in _planned_batches(groups, order, batch_size):
@@ -549,7 +564,7 @@ class KVEvalLM(HFLM):
             gen_kwargs = args[indices[0]][1]
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             if kwargs.pop("do_sample", False):
-                raise ValueError("--model kveval generates greedily; set do_sample=false (and temperature=0) in the task's generation_kwargs")
+                raise UsageError("--model kveval generates greedily; set do_sample=false (and temperature=0) in the task's generation_kwargs")
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             kwargs.pop("temperature", None)
@@ -557,7 +572,7 @@ class KVEvalLM(HFLM):
                 self._warn_once("gen_kwargs", "kveval: generation kwargs %s are ignored (greedy decoding)", sorted(kwargs))
             max_ctx_len = self.max_length - max_gen_toks
             if max_ctx_len <= 0:
-                raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for the prompt in max_length={self.max_length}")
+                raise UsageError(f"max_gen_toks={max_gen_toks} leaves no room for the prompt in max_length={self.max_length}")
             prompts = {}
             for i in indices:
                 text = args[i][0]
@@ -599,7 +614,7 @@ class KVEvalLM(HFLM):
 
     # --- reporting -------------------------------------------------------------------------------
     def cache_summary(self) -> dict:
-        """Measured cache size over the requests computed so far (keys: :mod:`kveval.lm_eval.schema`)."""
+        """Measured cache size over the requests computed so far (keys: :mod:`kveval.runs.lm_eval_schema`)."""
         m = self._measured
         return {
             schema.MEASURED_REQUESTS: m["requests"],
@@ -611,7 +626,7 @@ class KVEvalLM(HFLM):
         }
 
     def get_model_info(self) -> dict:
-        """Merged by lm-eval into ``results["config"]``: the keys of :mod:`kveval.lm_eval.schema`, plus model and versions."""
+        """Merged by lm-eval into ``results["config"]``: the keys of :mod:`kveval.runs.lm_eval_schema`, plus model and versions."""
         model = self.model
         info = {
             "model_name": self.model_name,

@@ -9,14 +9,14 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import ScoringState, register_policy, top_slots
+from kveval.tensors.scoring_state import ScoringState
+from kveval.tensors.ranking import top_slots
 from kveval.policies.window import SinkWindowPolicy
 
 SCOPES = ("global", "layer")
 DEFAULT_DUO_WINDOW = 64
 
 
-@register_policy
 @dataclass
 class DuoPolicy(SinkWindowPolicy):
     """Retrieval and streaming heads after DuoAttention (Xiao et al. 2024, "DuoAttention: Efficient
@@ -27,10 +27,10 @@ class DuoPolicy(SinkWindowPolicy):
     ``sink`` tokens plus the ``window`` most recent, at prefill and after every
     decoding step (its cache stays bounded while the retrieval heads grow).
     Heads hold different numbers of tokens and are stored apart
-    (:mod:`kveval.head_stores`): the measured bytes are the tokens really held.
+    (:mod:`kveval.stores.headwise`): the measured bytes are the tokens really held.
 
     Retrieval heads are identified once per model on generated passkey probes
-    (:mod:`kveval.retrieval_heads`): the attention mass the answer's queries
+    (:mod:`kveval.calibration.retrieval_heads`): the attention mass the answer's queries
     put on the needle, a cheap stand-in for DuoAttention's optimized per-head
     gates, not a reproduction of them. Sliding-window layers are never
     selected where some layer attends fully (selection does not apply to them);
@@ -111,7 +111,7 @@ class DuoPolicy(SinkWindowPolicy):
         entry = self._models.get(id(model))
         if entry is not None and entry[0]() is model:
             return entry[1]
-        from kveval.retrieval_heads import load_or_calibrate
+        from kveval.calibration.retrieval_heads import load_or_calibrate
 
         mask = load_or_calibrate(model, self.calib_tokens).retrieval_mask(self.heads, self.scope)
         self._models[id(model)] = (weakref.ref(model), mask)

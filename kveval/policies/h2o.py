@@ -5,10 +5,10 @@ from dataclasses import dataclass
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+from kveval.policies.base import RatioSelectionPolicy
+from kveval.tensors.scoring_state import ScoringState
 
 
-@register_policy
 @dataclass
 class H2OPolicy(RatioSelectionPolicy):
     """H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs").

@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+from kveval.policies.base import RatioSelectionPolicy
+from kveval.tensors.scoring_state import ScoringState
 
 
-@register_policy
 @dataclass
 class KnormPolicy(RatioSelectionPolicy):
     """Key-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression").

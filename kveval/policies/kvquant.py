@@ -4,7 +4,7 @@ Hooper et al. 2024, "KVQuant: Towards 10 Million Context Length LLM Inference
 with KV Cache Quantization": keys quantized per channel before RoPE, values per
 token, a calibrated non-uniform codebook per layer, dense-and-sparse outliers
 and the attention-sink token in full precision. The store and the calibration
-live in :mod:`kveval.kvquant`.
+live in :mod:`kveval.stores.kvquant`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import RepresentationPolicy, register_policy
+from kveval.policies.base import RepresentationPolicy
 from kveval.values import is_real, is_whole
 
 KVQUANT_BITS = (2, 3, 4, 8)
 
 
-@register_policy
 @dataclass
 class KVQuantPolicy(RepresentationPolicy):
     """KVQuant (Hooper et al. 2024): pre-RoPE per-channel keys, per-token values, nuq codebooks, sparse outliers.
@@ -36,7 +35,7 @@ class KVQuantPolicy(RepresentationPolicy):
     pre_rope : bool
         Quantize keys before RoPE (un-rotated at their position, rotated back
         when read). Needs the architecture's RoPE hook
-        (:func:`kveval.architectures.rope_hook`); ``false`` quantizes post-RoPE keys.
+        (:func:`kveval.modeling.architectures.rope_hook`); ``false`` quantizes post-RoPE keys.
     nuq : bool
         Non-uniform per-layer codebook learned by k-means on the calibration
         text; ``false``: uniform levels.
@@ -108,7 +107,7 @@ class KVQuantPolicy(RepresentationPolicy):
     def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
         """Bytes one encoded token holds per KV head and layer, ``(K, V)``, for keys and values of these widths (an
         MLA latent and its RoPE key differ): packed codes and sparse outliers each, and the values' float16 lo and hi."""
-        from kveval.kvquant import index_dtype, outlier_count
+        from kveval.stores.kvquant import index_dtype, outlier_count
 
         def part(dim: int) -> int:
             sparse = outlier_count(dim, self.outliers) * (kv_itemsize + index_dtype(dim).itemsize)
@@ -119,30 +118,30 @@ class KVQuantPolicy(RepresentationPolicy):
     # --- calibration ----------------------------------------------------------------------------
     @property
     def settings(self):
-        from kveval.kvquant import KVQuantSettings
+        from kveval.stores.kvquant import KVQuantSettings
 
         return KVQuantSettings(self.bits, self.outliers, self.pre_rope, self.nuq)
 
     @property
     def tokens(self) -> int:
-        from kveval.lowrank import DEFAULT_CALIB_TOKENS
+        from kveval.calibration.kv import DEFAULT_CALIB_TOKENS
 
         return self.calib_tokens or DEFAULT_CALIB_TOKENS
 
     def calibration_text(self):
-        from kveval.lowrank import read_calibration_text
+        from kveval.calibration.kv import read_calibration_text
 
         return read_calibration_text(self.calibration)
 
     def calibration_for(self, model):
-        """The model's :class:`kveval.kvquant.KVQuantCalibration` (memory, then disk, else computed once)."""
+        """The model's :class:`kveval.stores.kvquant.KVQuantCalibration` (memory, then disk, else computed once)."""
         entry = self._models.get(id(model))
         if entry is not None and entry[0]() is model:
             return entry[1]
-        from kveval.lowrank import load_or_calibrate
+        from kveval.calibration.kv import load_or_calibrate
 
         if self.pre_rope:
-            from kveval.architectures import rope_hook
+            from kveval.modeling.architectures import rope_hook
 
             rope_hook(model, 0)  # refuse a model without a RoPE hook before the calibration pass
         calibration = load_or_calibrate(model, self.calibration_text(), self.tokens, self.settings)
@@ -165,20 +164,20 @@ class KVQuantPolicy(RepresentationPolicy):
 
     # --- the store ------------------------------------------------------------------------------
     def codec(self, model, layer_idx: int):
-        """Layer ``layer_idx``'s :class:`kveval.kvquant.KVQuantCodec` (memoized per model: stores share it)."""
+        """Layer ``layer_idx``'s :class:`kveval.stores.kvquant.KVQuantCodec` (memoized per model: stores share it)."""
         calibration = self.calibration_for(model)
         codecs = self._models[id(model)][2]
         if layer_idx not in codecs:
             rope = None
             if self.pre_rope:
-                from kveval.architectures import rope_hook
+                from kveval.modeling.architectures import rope_hook
 
                 rope = rope_hook(model, layer_idx)
             codecs[layer_idx] = calibration.codec(layer_idx, rope)
         return codecs[layer_idx]
 
     def make_store(self, inner, model, layer_idx: int):
-        """A :class:`kveval.kvquant.KVQuantStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
-        from kveval.kvquant import KVQuantStore
+        """A :class:`kveval.stores.kvquant.KVQuantStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
+        from kveval.stores.kvquant import KVQuantStore
 
         return KVQuantStore(self.codec(model, layer_idx), self.sink, self.residual, inner.kv_dtype, inner.compute_dtype)

@@ -6,7 +6,7 @@ decomposition); MHA2MLA (Ji et al. 2025, "Towards Economical Inference: Enabling
 DeepSeek's Multi-Head Latent Attention in Any Transformer-based LLMs") across
 all heads, with a few RoPE dimensions per head kept out of the latent. Here the
 basis is an uncentered PCA of the group's concatenated post-RoPE keys (and of
-its values) on the calibration text; see :mod:`kveval.latent` for the details
+its values) on the calibration text; see :mod:`kveval.stores.latent` for the details
 and how they differ from the papers. ``latent(rank=r,group=1)`` is per-head low
 rank (``lowrank(rank=r)`` up to the calibration file); on a model with one KV
 head (Gemma-3-270M) every group is that one head.
@@ -21,11 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import register_policy
 from kveval.policies.lowrank import CalibratedPolicy
 
 
-@register_policy
 @dataclass
 class LatentPolicy(CalibratedPolicy):
     """Project the keys (after RoPE) and values of each group of KV heads onto one calibrated basis per layer.
@@ -78,7 +76,7 @@ class LatentPolicy(CalibratedPolicy):
         self._kv_heads: int | None = None  # set by check_shape
 
     def calibration_kind(self) -> type:
-        from kveval.latent import CrossHeadCalibration
+        from kveval.stores.latent import CrossHeadCalibration
 
         return CrossHeadCalibration
 
@@ -123,7 +121,7 @@ class LatentPolicy(CalibratedPolicy):
     def check_shape(self, kv_heads: int, head_dim: int) -> None:
         """Check this policy against a model's KV heads and head_dim (before it loads) and remember the head count.
 
-        :class:`kveval.runspec.RunSpec` calls it on its own copy of the policy, so
+        :class:`kveval.runner.runspec.RunSpec` calls it on its own copy of the policy, so
         :meth:`stored_widths` then knows the group size and an unset quantization
         group adapts to ``rank + group*rope_dims``. Returns ``None``: the widths
         are per group of heads, not per head, so the runner's per-head check does not apply.
@@ -153,9 +151,9 @@ class LatentPolicy(CalibratedPolicy):
         return {**super().run_info(model), "basis_bytes": self.basis_bytes(model)}
 
     def make_store(self, inner, model, layer_idx: int):
-        """A :class:`kveval.latent.LatentStore` over ``inner`` (a dense or quantized store of the coefficients)."""
-        from kveval.latent import LatentStore
-        from kveval.lowrank import per_token_groups
+        """A :class:`kveval.stores.latent.LatentStore` over ``inner`` (a dense or quantized store of the coefficients)."""
+        from kveval.stores.latent import LatentStore
+        from kveval.stores.lowrank import per_token_groups
 
         calibration = self.calibration_for(model)
         group = self._check_calibrated_layer(calibration, layer_idx)

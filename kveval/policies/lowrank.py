@@ -3,7 +3,7 @@
 The post-training counterpart of MLA (Palu, Eigen Attention, LoRC): per layer
 and KV head, K and V are each projected onto their leading principal
 directions, found by a calibration pass (uncentered PCA of post-RoPE keys and
-of values; see :mod:`kveval.lowrank` for why keys are projected after RoPE).
+of values; see :mod:`kveval.stores.lowrank` for why keys are projected after RoPE).
 Stacked with a quantization policy the coefficients are quantized:
 ``lowrank(rank=16)+quant(bits=8,group=16)``.
 """
@@ -14,7 +14,8 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import PolicyStack, RepresentationPolicy, register_policy
+from kveval.policies.base import PolicyStack
+from kveval.policies.base import RepresentationPolicy
 from kveval.values import is_real, is_whole
 
 
@@ -29,14 +30,14 @@ class CalibratedPolicy(RepresentationPolicy):
     A subclass declares the dataclass fields ``calibration`` (path or ``None``)
     and ``calib_tokens`` (int or ``None``), calls :meth:`check_calibration_params`
     from ``__post_init__``, and names its calibration class in
-    :meth:`calibration_kind` (see :func:`kveval.lowrank.load_or_calibrate`).
+    :meth:`calibration_kind` (see :func:`kveval.calibration.kv.load_or_calibrate`).
     """
 
     calibration: str | None
     calib_tokens: int | None
 
     def calibration_kind(self) -> type:
-        from kveval.lowrank import Calibration
+        from kveval.calibration.kv import Calibration
 
         return Calibration
 
@@ -56,12 +57,12 @@ class CalibratedPolicy(RepresentationPolicy):
 
     @property
     def tokens(self) -> int:
-        from kveval.lowrank import DEFAULT_CALIB_TOKENS
+        from kveval.calibration.kv import DEFAULT_CALIB_TOKENS
 
         return self.calib_tokens or DEFAULT_CALIB_TOKENS
 
     def calibration_text(self):
-        from kveval.lowrank import read_calibration_text
+        from kveval.calibration.kv import read_calibration_text
 
         return read_calibration_text(self.calibration)
 
@@ -75,7 +76,7 @@ class CalibratedPolicy(RepresentationPolicy):
         entry = self._models.get(id(model))
         if entry is not None and entry[0]() is model:
             return entry[1]
-        from kveval.lowrank import load_or_calibrate
+        from kveval.calibration.kv import load_or_calibrate
 
         calibration = load_or_calibrate(model, self.calibration_text(), self.tokens, self.calibration_kind())
         self._models[id(model)] = (weakref.ref(model), calibration)
@@ -102,7 +103,6 @@ def per_token_groups_of(quantization) -> dict[str, int | None]:
             for kind, q in (("k", quantization.key_quant), ("v", quantization.value_quant))}
 
 
-@register_policy
 @dataclass
 class LowRankPolicy(CalibratedPolicy):
     """Project each KV head's keys (after RoPE) and values onto a calibrated low-rank basis.
@@ -162,7 +162,7 @@ class LowRankPolicy(CalibratedPolicy):
     # --- ranks ----------------------------------------------------------------------------------
     def layer_ranks(self, model, layer_idx: int, groups: dict[str, int | None] | None = None) -> dict[str, list[int]]:
         """Per-head K and V ranks of one layer (``groups``: per-token quantization groups of K and V, if any)."""
-        from kveval.lowrank import round_up
+        from kveval.stores.lowrank import round_up
 
         calibration = self.calibration_for(model)
         groups = self._groups if groups is None else groups
@@ -222,12 +222,12 @@ class LowRankPolicy(CalibratedPolicy):
 
     # --- the store ------------------------------------------------------------------------------
     def make_store(self, inner, model, layer_idx: int):
-        """A :class:`kveval.lowrank.LowRankStore` over ``inner`` (see :meth:`wrap_store`)."""
+        """A :class:`kveval.stores.lowrank.LowRankStore` over ``inner`` (see :meth:`wrap_store`)."""
         return self.wrap_store(inner, model, layer_idx)
 
     def wrap_store(self, inner, model, layer_idx: int):
-        """A :class:`kveval.lowrank.LowRankStore` over ``inner`` for one sequence in layer ``layer_idx``."""
-        from kveval.lowrank import LowRankStore, per_token_groups
+        """A :class:`kveval.stores.lowrank.LowRankStore` over ``inner`` for one sequence in layer ``layer_idx``."""
+        from kveval.stores.lowrank import LowRankStore, per_token_groups
 
         self._groups = per_token_groups(inner)
         ranks = self.layer_ranks(model, layer_idx, self._groups)

@@ -2,10 +2,9 @@
 
 from dataclasses import dataclass
 
-from kveval.policies.base import Policy, register_policy
+from kveval.policies.base import Policy
 
 
-@register_policy
 @dataclass
 class NoCompression(Policy):
     """Keep every token in the model's own dtype; the baseline every run is compared with."""

@@ -4,11 +4,9 @@ import math
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import register_policy
 from kveval.policies.snapkv import SnapKVPolicy
 
 
-@register_policy
 @dataclass
 class PyramidKVPolicy(SnapKVPolicy):
     """PyramidKV (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling").

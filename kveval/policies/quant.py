@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import RepresentationPolicy, register_policy
+from kveval.policies.base import RepresentationPolicy
 
 AXES = ("token", "channel")
 
@@ -79,8 +79,8 @@ class QuantizationPolicy(RepresentationPolicy):
         self.group = max(d for d in range(1, min(self.group, width) + 1) if width % d == 0)
 
     def make_store(self, inner, model, layer_idx: int):
-        """A :class:`kveval.storage.QuantizedStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
-        from kveval.storage import QuantizedStore
+        """A :class:`kveval.stores.base.QuantizedStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
+        from kveval.stores.base import QuantizedStore
 
         return QuantizedStore(self.key_quant, self.value_quant, self.residual_tokens, inner.kv_dtype, inner.compute_dtype)
 
@@ -90,7 +90,6 @@ def _check_bits(name: str, key: str, bits) -> None:
         raise PolicySpecError(f"{name}: {key}={bits!r} is not supported; use 2, 4 or 8")
 
 
-@register_policy
 @dataclass
 class QuantPolicy(QuantizationPolicy):
     """Integer K/V quantization with packed storage.
@@ -142,7 +141,6 @@ class QuantPolicy(QuantizationPolicy):
         return TensorQuant(self.v_bits or self.bits, self.v_axis, self.group, self.symmetric)
 
 
-@register_policy
 @dataclass
 class KiviPolicy(QuantizationPolicy):
     """KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache").
@@ -179,7 +177,6 @@ class KiviPolicy(QuantizationPolicy):
         return TensorQuant(self.bits, "token", self.group)
 
 
-@register_policy
 @dataclass
 class Fp8Policy(QuantizationPolicy):
     """FP8 K/V (``e4m3`` or ``e5m2``) with a float16 scale per group.

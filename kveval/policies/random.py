@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+from kveval.policies.base import RatioSelectionPolicy
+from kveval.tensors.scoring_state import ScoringState
 
 _LOW32 = 0xFFFFFFFF
 
@@ -26,7 +27,6 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-@register_policy
 @dataclass
 class RandomPolicy(RatioSelectionPolicy):
     """Keep a random subset of tokens, per KV head; reproducible for a given seed.

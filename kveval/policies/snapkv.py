@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+from kveval.policies.base import RatioSelectionPolicy
+from kveval.tensors.scoring_state import ScoringState
 
 
-@register_policy
 @dataclass
 class SnapKVPolicy(RatioSelectionPolicy):
     """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").

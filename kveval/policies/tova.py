@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.policies.base import RatioSelectionPolicy, ScoringState, register_policy
+from kveval.policies.base import RatioSelectionPolicy
+from kveval.tensors.scoring_state import ScoringState
 
 
-@register_policy
 @dataclass
 class TOVAPolicy(RatioSelectionPolicy):
     """TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs").

@@ -15,13 +15,13 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import ScoringState, SelectionPolicy, check_ratio, ratio_keep_count, register_policy
+from kveval.tensors.scoring_state import ScoringState
+from kveval.policies.base import SelectionPolicy, check_ratio, ratio_keep_count
 
 DEFAULT_WINDOW_SIZE = 256
 DEFAULT_STREAMING_WINDOW = 252
 
 
-@register_policy
 @dataclass
 class WindowPolicy(SelectionPolicy):
     """Keep the most recent tokens.
@@ -116,7 +116,6 @@ class SinkWindowPolicy(SelectionPolicy):
         return sink_recency_scores(state.positions, self.sink)
 
 
-@register_policy
 @dataclass
 class StreamingPolicy(SinkWindowPolicy):
     """StreamingLLM (Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks").

@@ -22,6 +22,8 @@ before the latest one, chain hops in order) pushes it.
 
 from __future__ import annotations
 
+from kveval.errors import UsageError
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,9 +58,9 @@ class Plant:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.depth <= 1.0:
-            raise ValueError(f"needle depth {self.depth} is outside [0, 1]")
+            raise UsageError(f"needle depth {self.depth} is outside [0, 1]")
         if self.order not in ("", "before", "after"):
-            raise ValueError(f"order must be '', 'before' or 'after', not {self.order!r}")
+            raise UsageError(f"order must be '', 'before' or 'after', not {self.order!r}")
 
 
 @dataclass
@@ -121,7 +123,7 @@ class _Assembler:
         self.tokenizer = tokenizer
         self._count_cache: dict[str, int] = {}
         if sum(p.primary for p in layout.plants) != 1:
-            raise ValueError("a layout needs exactly one primary needle")
+            raise UsageError("a layout needs exactly one primary needle")
 
     def count(self, text: str) -> int:
         """Approximate tokens of ``text`` inside running text (with a leading space)."""
@@ -213,7 +215,7 @@ def fit(layout: Layout, frame: PromptFrame, tokenizer, budget: int) -> Built:
     asm = _Assembler(layout, frame, tokenizer)
     base = asm.context_tokens(0, 0)
     if base > budget:
-        raise ValueError(f"needles and instructions alone take {base} context tokens, more than the {budget} available; "
+        raise UsageError(f"needles and instructions alone take {base} context tokens, more than the {budget} available; "
                          f"ask for a longer length or fewer needles")
     # Estimate the unit count from standalone token counts, correct the estimate by one real
     # measurement, then bracket (galloping) and bisect.

@@ -9,18 +9,15 @@ model's tokenizer and renders one :class:`~kveval.probes.item.ProbeItem` per tur
 
 from __future__ import annotations
 
+from kveval.errors import UsageError
+
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from kveval.probes.build import Layout, Plant, Unit, fit
 from kveval.probes.item import Needle, ProbeItem, PromptFrame, encode_parts, prompt_hash
-from kveval.probes.text import (
-    REPEAT_SENTENCES,
-    SentenceStream,
-    UniqueDraw,
-    kind_noun,
-)
+from kveval.probes.text import REPEAT_SENTENCES, SentenceStream, UniqueDraw, kind_noun
 from kveval.values import is_whole
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -100,7 +97,7 @@ def _haystack(kind: str, rng: random.Random, draw: UniqueDraw, needle_maker: Cal
     if kind in ("repeat", "prose"):
         return _sentence_layout(kind, rng)
     if kind != "needles" or needle_maker is None:
-        raise ValueError(f"unknown haystack {kind!r}")
+        raise UsageError(f"unknown haystack {kind!r}")
     stream_draw = UniqueDraw(random.Random(rng.getrandbits(64)))
     stream_draw.used = draw.used  # never reuse a target's key or value
 
@@ -378,21 +375,21 @@ class Family:
         """Defaults overridden by ``params``; unknown names and bad values raise ValueError."""
         unknown = sorted(set(params) - set(self.defaults))
         if unknown:
-            raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(unknown)}; "
+            raise UsageError(f"{self.name}: unknown parameter(s) {', '.join(unknown)}; "
                              f"valid: {', '.join(sorted(self.defaults)) or 'none'}")
         out = dict(self.defaults)
         out.update({k: v for k, v in params.items() if v is not None})
         for name, allowed in self.choices.items():
             if out[name] not in allowed:
-                raise ValueError(f"{self.name}: {name}={out[name]!r} is not one of {', '.join(allowed)}")
+                raise UsageError(f"{self.name}: {name}={out[name]!r} is not one of {', '.join(allowed)}")
         for name, value in out.items():
             if name.startswith("num_"):
                 if not is_whole(value) or value < 0:
-                    raise ValueError(f"{self.name}: {name} must be a non-negative integer, not {value!r}")
+                    raise UsageError(f"{self.name}: {name} must be a non-negative integer, not {value!r}")
         minimum = {"num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0}
         for name, low in minimum.items():
             if name in out and out[name] < low:
-                raise ValueError(f"{self.name}: {name} must be at least {low}")
+                raise UsageError(f"{self.name}: {name} must be at least {low}")
         return out
 
     def tag(self, params: dict[str, Any]) -> str:
@@ -439,7 +436,7 @@ def resolve_families(names: Sequence[str] | str) -> list[str]:
         expanded = list(FAMILIES) if name == "all" else [name]
         for n in expanded:
             if n not in FAMILIES:
-                raise ValueError(f"unknown probe family {n!r}; valid families: {', '.join(FAMILIES)}, all")
+                raise UsageError(f"unknown probe family {n!r}; valid families: {', '.join(FAMILIES)}, all")
             if n not in out:
                 out.append(n)
     return out
@@ -454,10 +451,10 @@ def _check_depths(depths: Sequence[float]) -> list[float]:
     for d in depths:
         d = float(d)
         if not 0.0 <= d <= 1.0:
-            raise ValueError(f"depth {d} is outside [0, 1]")
+            raise UsageError(f"depth {d} is outside [0, 1]")
         out.append(d)
     if not out:
-        raise ValueError("give at least one depth")
+        raise UsageError("give at least one depth")
     return out
 
 
@@ -470,7 +467,7 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
     family : str
         A key of :data:`FAMILIES`.
     tokenizer : tokenizer or str
-        The model's tokenizer, or a name for :func:`kveval.models.load_tokenizer`.
+        The model's tokenizer, or a name for :func:`kveval.modeling.sources.load_tokenizer`.
         Lengths and spans are counted with it, chat template included when it has one.
     length : int
         Target prompt length in tokens; every prompt has ``length * (1 - 0.02) <= tokens <= length``
@@ -495,15 +492,15 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
     fam = FAMILIES[family]
     p = fam.resolve(params)
     if isinstance(tokenizer, str):
-        from kveval.models import load_tokenizer
+        from kveval.modeling.sources import load_tokenizer
 
         name = tokenizer
         tokenizer = load_tokenizer(name)
         tokenizer.kveval_name = name
     if not is_whole(length) or length <= 0:
-        raise ValueError(f"length must be a positive number of tokens, not {length!r}")
+        raise UsageError(f"length must be a positive number of tokens, not {length!r}")
     if not is_whole(n) or n < 0:
-        raise ValueError(f"n must be a non-negative integer, not {n!r}")
+        raise UsageError(f"n must be a non-negative integer, not {n!r}")
     if depths is None:
         depths = DEFAULT_DEPTHS
     elif isinstance(depths, (int, float)):
@@ -572,9 +569,9 @@ class Cell:
 
     def __post_init__(self) -> None:
         if self.length <= 0:
-            raise ValueError(f"cell length must be positive, not {self.length}")
+            raise UsageError(f"cell length must be positive, not {self.length}")
         if not 0.0 <= self.depth <= 1.0:
-            raise ValueError(f"cell depth {self.depth} is outside [0, 1]")
+            raise UsageError(f"cell depth {self.depth} is outside [0, 1]")
 
     def contains(self, item: ProbeItem) -> bool:
         return item.params.get("length") == self.length and abs(item.depth - self.depth) < 1e-9

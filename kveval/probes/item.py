@@ -10,6 +10,8 @@ token positions (``length``, needle ``span``) refer to it.
 
 from __future__ import annotations
 
+from kveval.errors import UsageError
+
 import bisect
 import hashlib
 from dataclasses import asdict, dataclass, fields
@@ -17,7 +19,7 @@ from typing import Any
 
 ROLES = ("target", "distractor", "stale")
 
-from kveval.prompts import (  # noqa: F401  (re-exported: the one prompt encoder lives in kveval.prompts)
+from kveval.probes.prompts import (
     CONTEXT_QUESTION_SEPARATOR,
     PromptFrame,
     _context_special_tokens,
@@ -52,10 +54,10 @@ class Needle:
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
-            raise ValueError(f"needle role {self.role!r} is not one of {', '.join(ROLES)}")
+            raise UsageError(f"needle role {self.role!r} is not one of {', '.join(ROLES)}")
         self.span = (int(self.span[0]), int(self.span[1]))
         if not 0 <= self.span[0] <= self.span[1]:
-            raise ValueError(f"needle span {self.span} must satisfy 0 <= start <= end")
+            raise UsageError(f"needle span {self.span} must satisfy 0 <= start <= end")
 
 
 @dataclass
@@ -123,9 +125,9 @@ class ProbeItem:
 
     def __post_init__(self) -> None:
         if not self.gold:
-            raise ValueError(f"item {self.id}: gold must hold at least one value")
+            raise UsageError(f"item {self.id}: gold must hold at least one value")
         if not 0.0 <= float(self.depth) <= 1.0:
-            raise ValueError(f"item {self.id}: depth {self.depth} is outside [0, 1]")
+            raise UsageError(f"item {self.id}: depth {self.depth} is outside [0, 1]")
         self.depth = float(self.depth)
         self.depth_actual = float(self.depth_actual)
         self.needles = [n if isinstance(n, Needle) else Needle(**n) for n in self.needles]
@@ -203,7 +205,7 @@ def char_spans_to_tokens(tokenizer, prompt_context: str, char_spans: list[tuple[
             first = bisect.bisect_right(ends, a)  # first token ending after a
             last = bisect.bisect_left(starts, b) - 1  # last token starting before b
             if first > last:
-                raise ValueError(f"no token covers characters {a}:{b} of the prompt")
+                raise UsageError(f"no token covers characters {a}:{b} of the prompt")
             spans.append((real[first][0], real[last][0] + 1))
         return spans, len(enc["input_ids"])
     n = len(tokenizer(prompt_context, add_special_tokens=special)["input_ids"])

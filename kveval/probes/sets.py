@@ -20,7 +20,7 @@ class ProbeSet:
     Attributes
     ----------
     tokenizer : str
-        The model whose tokenizer counts the tokens (a name for :func:`kveval.models.load_tokenizer`).
+        The model whose tokenizer counts the tokens (a name for :func:`kveval.modeling.sources.load_tokenizer`).
     families : list of str
     lengths : list of int
         Prompt lengths in tokens.
@@ -46,7 +46,7 @@ class ProbeSet:
         from kveval.probes.families import generate_items
 
         if tokenizer is None:
-            from kveval.models import load_tokenizer
+            from kveval.modeling.sources import load_tokenizer
 
             tokenizer = load_tokenizer(self.tokenizer)
         out = []

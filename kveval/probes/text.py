@@ -20,6 +20,8 @@ Haystacks
 
 from __future__ import annotations
 
+from kveval.errors import UsageError
+
 import functools
 import random
 import re
@@ -100,7 +102,7 @@ class SentenceStream:
             self._base = prose_sentences()
             self._start = rng.randrange(len(self._base))
         else:
-            raise ValueError(f"unknown sentence haystack {kind!r}; use repeat or prose")
+            raise UsageError(f"unknown sentence haystack {kind!r}; use repeat or prose")
 
     def __getitem__(self, index: int) -> str:
         return self._base[(self._start + index) % len(self._base)]
@@ -123,7 +125,7 @@ class UniqueDraw:
             if value not in self.used:
                 self.used.add(value)
                 return value
-        raise ValueError(f"ran out of distinct {what} for one item; ask for a shorter context or fewer needles "
+        raise UsageError(f"ran out of distinct {what} for one item; ask for a shorter context or fewer needles "
                          f"(or value_kind=number / uuid for long haystacks of needles)")
 
     def key(self) -> str:
@@ -158,7 +160,7 @@ class UniqueDraw:
             return self.word()
         if kind == "uuid":
             return self.uuid()
-        raise ValueError(f"unknown value kind {kind!r}; use one of {', '.join(VALUE_KINDS)}")
+        raise UsageError(f"unknown value kind {kind!r}; use one of {', '.join(VALUE_KINDS)}")
 
 
 def kind_noun(kind: str, plural: bool = False) -> str:

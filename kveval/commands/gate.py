@@ -1,0 +1,86 @@
+"""The ``kveval gate`` command: its options, ``--plan``'s table, and the run that prints each candidate's verdict,
+the deployment decision (:mod:`kveval.gate.deployment`) and the written outputs (:mod:`kveval.gate.report`), and
+returns the gate's exit code. The verdicts themselves come from :mod:`kveval.gate.rules`, which imports neither."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kveval.stats import paired
+from kveval.gate.deployment import add_deployment_arguments, deployment_decision, deployment_of
+from kveval.errors import EXIT_PASS, UsageError
+from kveval.gate.rules import ERROR, INCONCLUSIVE, evaluate_gate
+from kveval.gate.config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
+from kveval.gate.report import write_gate_outputs
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        help=f"gate YAML (default: {DEFAULT_CONFIG_PATH.relative_to(DEFAULT_CONFIG_PATH.parent.parent)} if present, else built-in defaults)",
+    )
+    parser.add_argument("--baseline", metavar="RUN", help="baseline run folder (or lm-eval --log_samples output)")
+    parser.add_argument("--candidate", action="append", metavar="RUN", help="candidate run folder (repeatable)")
+    parser.add_argument("--out", metavar="DIR", help="write gate.md, gate.xml (JUnit) and gate.json here")
+    parser.add_argument("--metric", help="lm-eval outputs: metric to score by")
+    plan = parser.add_argument_group("planning (--plan: print items per task and exit)")
+    plan.add_argument("--plan", action="store_true", help="items per task needed for --power to decide")
+    plan.add_argument("--baseline-accuracy", type=float, default=0.9, help="expected baseline accuracy (default 0.9)")
+    plan.add_argument("--churn", type=float, action="append", help="share of right items that flip, as many flipping back (repeatable; default 0, 0.02, 0.05, 0.1)")
+    plan.add_argument("--loss", type=float, default=0.0, help="expected net loss of accuracy on top of the churn (default 0)")
+    plan.add_argument("--margin", type=float, help="margin (default: the config's default margin)")
+    plan.add_argument("--alpha", type=float, help="one-sided error rate (default: the config's)")
+    plan.add_argument("--power", type=float, help="power (default: the config's, 0.8)")
+    add_deployment_arguments(parser)
+
+
+def format_plan(cfg: GateConfig, args: argparse.Namespace) -> str:
+    margin = args.margin if args.margin is not None else cfg.margin_for("default")
+    alpha = args.alpha if args.alpha is not None else cfg.alpha
+    power = args.power if args.power is not None else cfg.power
+    churns = args.churn or [0.0, 0.02, 0.05, 0.10]
+    lines = [
+        f"items per task for {power:.0%} power: baseline accuracy {args.baseline_accuracy:g}, margin {margin:g}, "
+        f"one-sided alpha {alpha:g}" + (f", net loss {args.loss:g}" if args.loss else ""),
+        f"{'churn':>7}  {'p(right->wrong)':>15}  {'p(wrong->right)':>15}  {'to':>4}  items",
+    ]
+    for churn in churns:
+        r = paired.plan(args.baseline_accuracy, churn, margin, alpha, loss=args.loss, target_power=power)
+        n = "never (change on the margin)" if r.items is None else str(r.items)
+        lines.append(f"{churn:>7.3f}  {r.p_regress:>15.4f}  {r.p_improve:>15.4f}  {r.goal:>4}  {n}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = args.config or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
+    cfg = load_gate_config(config)
+    if args.plan:
+        print(format_plan(cfg, args))
+        return EXIT_PASS
+    if not args.baseline or not args.candidate:
+        raise UsageError("give --baseline RUN and at least one --candidate RUN (or --plan)")
+    deploy = deployment_of(args)  # asked before any run loads
+    result = evaluate_gate(cfg, args.baseline, args.candidate, metric=args.metric)
+    # Sized before anything is printed or written: what cannot be sized is one line (exit 2), never a FAIL hidden
+    # behind an error after the verdicts.
+    decisions = deployment_decision(result, **deploy) if deploy else []
+    for cv in result.candidates:
+        for w in cv.warnings:
+            print(f"kveval gate: warning: {w}", file=sys.stderr)
+        if cv.status == ERROR:
+            print(f"kveval gate: error: {cv.error}", file=sys.stderr)
+        else:
+            print(cv.line())
+    for d in decisions:
+        print(d.line)
+    if args.out:
+        paths = write_gate_outputs(result, args.out)
+        print(f"wrote {paths['markdown']}, {paths['junit']}, {paths['json']}")
+    if result.status == INCONCLUSIVE and not cfg.inconclusive_blocks:
+        print("kveval gate: warning: INCONCLUSIVE does not block (inconclusive_blocks: false)", file=sys.stderr)
+    print(f"gate: {result.status} (exit {result.exit_code})")
+    return result.exit_code
+
+
+__all__ = ["configure", "format_plan", "run"]

@@ -1,0 +1,74 @@
+"""``kveval memory``: the KV-cache memory planner on the command line."""
+
+from __future__ import annotations
+
+from kveval.errors import UsageError
+
+import argparse
+import json
+from pathlib import Path
+from kveval.planner.model_specs import load_model_spec, preset_names
+from kveval.planner.memory import FitResult, format_plan, plan
+from kveval.planner.memory import max_fit
+from kveval.planner.memory import parse_headroom
+from kveval.planner.memory import parse_tokens
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help=f"preset ({', '.join(preset_names())}), config.json path or folder, or Hub id")
+    parser.add_argument("--context", help="context tokens, e.g. 8192 or 8k (k = 1024)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences (default 1)")
+    parser.add_argument("--policy", default="none", help="policy spec, e.g. 'snapkv(ratio=0.5)+kivi(bits=2)' (default none)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per cached value: 2 = fp16/bf16 (default), 4 = fp32")
+    parser.add_argument("--new-tokens", default="0", help="tokens generated after the context (default 0)")
+    parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: also report the largest context and batch that fit")
+    parser.add_argument("--weights", help="model weights, e.g. 16GB or bytes (default: parameters x --weight-bytes-per-param)")
+    parser.add_argument("--weight-bytes-per-param", type=float, help="bytes per parameter for the estimate (default --dtype-bytes)")
+    parser.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free for activations etc. (default 0.1; or 10%%)")
+    parser.add_argument("--layers", action="store_true", help="print every layer")
+    parser.add_argument("--list-presets", action="store_true", help="list the named presets and exit")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON (to stdout, or to PATH)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_presets:
+        for name in preset_names():
+            print(f"{name:14s} {load_model_spec(name).describe}")
+        return 0
+    if not args.model:
+        raise UsageError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
+    headroom = parse_headroom(args.headroom)
+    new_tokens = parse_tokens(args.new_tokens, "new_tokens")
+    batch = 1 if args.batch is None else args.batch
+    if batch < 1:
+        raise UsageError(f"batch={batch} must be >= 1")
+    context = parse_tokens(args.context) if args.context is not None else None
+    if context is None and not args.gpu_memory:
+        raise UsageError("give --context N (e.g. 8k), or --gpu-memory to find the largest context that fits")
+    if context is not None and context < 1:
+        raise UsageError(f"context={context} must be a positive number of tokens")
+    spec = load_model_spec(args.model)
+    fits: list[FitResult] = []
+    if args.gpu_memory:
+        kwargs = dict(policy=args.policy, dtype_bytes=args.dtype_bytes, headroom=headroom, new_tokens=new_tokens,
+                      weight_bytes_per_param=args.weight_bytes_per_param)
+        fits.append(max_fit(spec, args.gpu_memory, args.weights, batch=batch, **kwargs))
+        if context is not None:
+            fits.append(max_fit(spec, args.gpu_memory, args.weights, context=context, **kwargs))
+    if context is not None:
+        shown = context
+    elif fits[0].value is None:  # bounded cache: show it at the model's full length
+        shown = spec.max_position or max(w for w in spec.windows if w)
+    else:
+        shown = max(fits[0].value, 1)
+    p = plan(spec, shown, batch, args.policy, args.dtype_bytes, new_tokens)
+    if args.json is not None:
+        text = json.dumps({"plan": p.to_dict(), "fit": [f.to_dict() for f in fits]}, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n", encoding="utf-8")
+            print(format_plan(p, fits, args.layers))
+    else:
+        print(format_plan(p, fits, args.layers))
+    return 0

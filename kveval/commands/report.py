@@ -1,0 +1,22 @@
+"""``kveval report``: the leaderboard and plots from run or sweep folders."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from kveval.report.leaderboard import build_report
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders, or sweep folders holding runs/*/")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    parser.add_argument("--gate", metavar="PATH", help="gate.json (or its folder) from kveval gate --out, for the verdict column")
+    parser.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples of the log-prob change (default 9999)")
+    parser.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = build_report(args.runs, args.out, gate_result=args.gate, n_resamples=args.resamples, seed=args.seed)
+    print(Path(paths["markdown"]).read_text(encoding="utf-8"))
+    print(f"wrote {paths['markdown']}, {paths['csv']}, {paths['html']} and {len(paths['plots'])} plot(s) in {args.out}")
+    return 0

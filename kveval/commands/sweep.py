@@ -1,0 +1,58 @@
+"""``kveval sweep CONFIG.yaml``: models x policies x probes, then comparison, leaderboard and gate verdict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+from kveval.sweep.config import load_config
+from kveval.sweep.run import run_sweep, summarize
+from kveval.sweep.run import sweep_lock
+if TYPE_CHECKING:
+    from kveval.sweep.executors import Cell, CellResult, Executor
+    from kveval.runner.runspec import RunSpec
+
+
+def configure(parser) -> None:
+    from kveval.gate.deployment import add_deployment_arguments
+    from kveval.modeling.sources import add_placement_arguments
+
+    parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
+    parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
+    parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_deployment_arguments(parser)
+    parser.add_argument("--executor", choices=["inprocess", "ray"], default="inprocess",
+                        help="where cells (model x policy group) run: this process (default) or Ray tasks, one GPU "
+                             "(else one CPU) each; needs pip install 'kveval[ray]'")
+    parser.add_argument("--address", help="Ray cluster to join (e.g. auto, ray://head:10001); default: start one locally")
+    parser.add_argument("--workers", type=int, help="CPUs of the local Ray cluster (default: all); ignored with --address")
+    parser.add_argument("--policies-per-cell", type=int,
+                        help="policies one cell evaluates, sharing its prefill (default: all of a model's policies "
+                             "in process, 1 with --executor ray)")
+    parser.add_argument("--skip-self-check", action="store_true",
+                        help="load models that kveval's load-time exactness check refuses (only if you know why)")
+    add_placement_arguments(parser)
+
+
+def run(args) -> int:
+    import sys
+
+    config = load_config(args.config)
+    for warning in config.warnings:
+        print(f"kveval sweep: warning: {warning}", file=sys.stderr)
+    from kveval.gate.deployment import deployment_of
+
+    deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
+    from kveval.sweep.executors import make_executor
+    from kveval.modeling.sources import placement_from_args
+
+    load_options = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
+    executor = make_executor(args.executor, args.address, args.workers,
+                             progress=None if args.quiet else lambda cell: print(f"kveval sweep: done {cell.label}", file=sys.stderr))
+    out = Path(args.out or config.out or Path("runs") / config.name)
+    with sweep_lock(out):
+        run_dirs = run_sweep(config, out, quiet=args.quiet or args.executor != "inprocess", executor=executor,
+                             load_options=load_options,
+                             policies_per_cell=args.policies_per_cell or (1 if args.executor == "ray" else None))
+        code = summarize(out, run_dirs, config.gate, deploy)
+    return code if args.strict else (2 if code == 2 else 0)

@@ -1,0 +1,232 @@
+"""The gate's rules (``configs/gate.yaml``), parsed once at the edge into a :class:`GateConfig`.
+
+Every problem is a :class:`~kveval.errors.ConfigError` naming the file and the
+key, raised before anything is loaded or evaluated (``kveval sweep`` checks
+the gate file before it loads a model).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kveval.stats.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
+from kveval.errors import ConfigError
+from kveval.values import is_real, is_whole
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "gate.yaml"
+_KEYS = {
+    "tasks",
+    "alpha",
+    "family",
+    "margin",
+    "inconclusive_blocks",
+    "max_negative_flip_rate",
+    "max_confusion_increase",
+    "max_mean_kl",
+    "power",
+    "confidence_level",
+    "n_resamples",
+    "seed",
+}
+_RENAMED = {"require_non_inferiority": "inconclusive_blocks (a task that cannot show non-inferiority is INCONCLUSIVE, not FAIL)"}
+
+
+@dataclass
+class GateConfig:
+    """Rules of the gate (the YAML file, validated).
+
+    Attributes
+    ----------
+    tasks : "all" or list of str
+        Tasks to gate.
+    alpha : float
+        One-sided error rate of every bound and test: a PASS claims
+        non-inferiority at ``1 - alpha``; a FAIL claims a loss beyond the margin
+        (Holm-adjusted over the family) or a rule broken at ``1 - alpha``.
+    family : {"candidate", "sweep"}
+        Holm family of the FAIL tests: one candidate's gated tasks, or all
+        candidates' together.
+    margin : dict
+        Non-inferiority margin (largest acceptable loss of accuracy or mean
+        score) per task, ``"default"`` for the rest.
+    inconclusive_blocks : bool
+        An INCONCLUSIVE verdict exits 3 (blocks a pipeline); false: exit 0
+        with a warning.
+    max_negative_flip_rate : float or None
+        Cap on the net right->wrong rate ``(regressed - improved) / n``.
+    max_confusion_increase : dict
+        Cap per memory-confusion category (``"overall"``, ``"default"``) on the
+        share of items that were right at baseline and fell into that category.
+    max_mean_kl : dict
+        Optional cap per task (``"default"`` for the rest) on the mean per-item
+        KL divergence, in nats, of the candidate's next-token distributions from
+        the baseline's along the baseline's own answer (``kveval eval
+        --fidelity``, :mod:`kveval.runner.fidelity`). Empty (the default): rule off.
+    power : float
+        Power an INCONCLUSIVE task's "items needed" is computed for.
+    confidence_level, n_resamples, seed
+        Reported two-sided intervals; bootstrap settings (mostly graded tasks, log-prob changes, the KL rule).
+    """
+
+    tasks: str | list[str] = "all"
+    alpha: float = 0.05
+    family: str = "candidate"
+    margin: dict[str, float] = field(default_factory=lambda: {"default": 0.05})
+    inconclusive_blocks: bool = True
+    max_negative_flip_rate: float | None = 0.10
+    max_confusion_increase: dict[str, float] = field(default_factory=lambda: {OVERALL: 0.10, "default": 0.10})
+    max_mean_kl: dict[str, float] = field(default_factory=dict)
+    power: float = 0.8
+    confidence_level: float = 0.95
+    n_resamples: int = 9999
+    seed: int = 0
+
+    def margin_for(self, task: str) -> float:
+        return float(self.margin.get(task, self.margin.get("default", 0.05)))
+
+    def kl_limit(self, task: str) -> float | None:
+        """The ``max_mean_kl`` cap of ``task`` (nats), or ``None`` when the rule is off for it."""
+        return self.max_mean_kl.get(task, self.max_mean_kl.get("default"))
+
+    def confusion_limit(self, category: str) -> float | None:
+        if category in self.max_confusion_increase:
+            return self.max_confusion_increase[category]
+        if category == OVERALL:
+            return None
+        return self.max_confusion_increase.get("default")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "gate config") -> "GateConfig":
+        data = dict(data or {})
+        for old, new in _RENAMED.items():
+            if old in data:
+                raise ConfigError(f"{source}: {old} was replaced by {new}")
+        unknown = sorted(set(data) - _KEYS)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
+        cfg = cls()
+        if "tasks" in data:
+            t = data["tasks"]
+            if t == "all" or t is None:
+                cfg.tasks = "all"
+            elif isinstance(t, str):
+                cfg.tasks = [t]
+            elif isinstance(t, list) and t and all(isinstance(x, str) for x in t):
+                cfg.tasks = list(t)
+            else:
+                raise ConfigError(f"{source}: tasks must be 'all' or a non-empty list of task names, got {t!r}")
+        if "alpha" in data:
+            cfg.alpha = _prob(data["alpha"], "alpha", source, open_interval=True)
+            if cfg.alpha >= 0.5:
+                raise ConfigError(f"{source}: alpha is a one-sided error rate below 0.5, got {data['alpha']!r}")
+        if "family" in data:
+            if data["family"] not in ("candidate", "sweep"):
+                raise ConfigError(f"{source}: family must be 'candidate' or 'sweep', got {data['family']!r}")
+            cfg.family = data["family"]
+        if "margin" in data:
+            m = data["margin"]
+            if isinstance(m, dict):
+                cfg.margin = {str(k): _margin(v, f"margin.{k}", source) for k, v in m.items()}
+                cfg.margin.setdefault("default", 0.05)
+            else:
+                cfg.margin = {"default": _margin(m, "margin", source)}
+        if "inconclusive_blocks" in data:
+            if not isinstance(data["inconclusive_blocks"], bool):
+                raise ConfigError(f"{source}: inconclusive_blocks must be true or false")
+            cfg.inconclusive_blocks = data["inconclusive_blocks"]
+        if "max_negative_flip_rate" in data:
+            v = data["max_negative_flip_rate"]
+            cfg.max_negative_flip_rate = None if v is None else _prob(v, "max_negative_flip_rate", source)
+        if "max_confusion_increase" in data:
+            v = data["max_confusion_increase"]
+            if v is None:
+                cfg.max_confusion_increase = {}
+            elif isinstance(v, dict):
+                allowed = {*CATEGORIES, OVERALL, "default"} - {"correct"}
+                bad = sorted(str(k) for k in v if k not in allowed)
+                if bad:
+                    raise ConfigError(
+                        f"{source}: max_confusion_increase: unknown category {', '.join(bad)} (use {', '.join(sorted(allowed))})"
+                    )
+                cfg.max_confusion_increase = {str(k): _prob(x, f"max_confusion_increase.{k}", source) for k, x in v.items() if x is not None}
+            else:
+                x = _prob(v, "max_confusion_increase", source)
+                cfg.max_confusion_increase = {OVERALL: x, "default": x}
+        if "max_mean_kl" in data:
+            v = data["max_mean_kl"]
+            if v is None:
+                cfg.max_mean_kl = {}
+            elif isinstance(v, dict):
+                cfg.max_mean_kl = {str(k): _positive(x, f"max_mean_kl.{k}", source) for k, x in v.items() if x is not None}
+            else:
+                cfg.max_mean_kl = {"default": _positive(v, "max_mean_kl", source)}
+        if "power" in data:
+            cfg.power = _prob(data["power"], "power", source, open_interval=True)
+        if "confidence_level" in data:
+            cfg.confidence_level = _prob(data["confidence_level"], "confidence_level", source, open_interval=True)
+        if "n_resamples" in data:
+            if not is_whole(data["n_resamples"]) or data["n_resamples"] < MIN_RESAMPLES:
+                raise ConfigError(f"{source}: n_resamples must be an integer >= {MIN_RESAMPLES}")
+            cfg.n_resamples = data["n_resamples"]
+        if "seed" in data:
+            if not is_whole(data["seed"]):
+                raise ConfigError(f"{source}: seed must be an integer")
+            cfg.seed = data["seed"]
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _num(v: Any, name: str, source: str) -> float:
+    if not is_real(v):
+        raise ConfigError(f"{source}: {name} must be a number, got {v!r}")
+    return float(v)
+
+
+def _margin(v: Any, name: str, source: str) -> float:
+    x = _num(v, name, source)
+    if not 0 < x < 1:
+        raise ConfigError(f"{source}: {name} must be in (0, 1) (a loss of accuracy or mean score), got {v!r}")
+    return x
+
+
+def _positive(v: Any, name: str, source: str) -> float:
+    x = _num(v, name, source)
+    if x <= 0:
+        raise ConfigError(f"{source}: {name} must be a positive number of nats (mean per-token KL), got {v!r}")
+    return x
+
+
+def _prob(v: Any, name: str, source: str, open_interval: bool = False) -> float:
+    x = _num(v, name, source)
+    if open_interval and not 0 < x < 1 or not 0 <= x <= 1:
+        raise ConfigError(f"{source}: {name} must be in {'(0, 1)' if open_interval else '[0, 1]'}, got {v!r}")
+    return x
+
+
+def load_gate_config(config: str | os.PathLike | dict | GateConfig | None = None) -> GateConfig:
+    """A :class:`GateConfig` from a YAML path, a dict, a config, or ``None`` (built-in defaults)."""
+    if config is None:
+        return GateConfig()
+    if isinstance(config, GateConfig):
+        return config
+    if isinstance(config, dict):
+        return GateConfig.from_dict(config)
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such gate config; see configs/gate.yaml")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; a gate config is a YAML file") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: a gate config is a mapping of settings")
+    return GateConfig.from_dict(data, source=str(path))

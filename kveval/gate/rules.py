@@ -1,0 +1,535 @@
+"""Regression gate: may this compression policy be deployed instead of the baseline?
+
+``kveval gate --baseline RUN --candidate RUN [...] [--config configs/gate.yaml] [--out DIR]``
+compares each candidate with the baseline item by item (:mod:`kveval.stats.comparison`)
+and gives every gated task one of three verdicts:
+
+PASS
+    Non-inferiority shown: the one-sided ``1 - alpha`` lower bound of the
+    change lies above ``-margin`` and the net negative-flip rate is shown to be
+    under its cap.
+FAIL
+    A loss larger than the margin shown (the upper bound below ``-margin``,
+    Holm-adjusted across the family), or a regression rule broken with
+    statistical support (the net right->wrong rate, or the share of
+    items that were right at baseline and fell into a confusion category (of all
+    the task's items), is shown to
+    be above its cap).
+INCONCLUSIVE
+    Neither: too few items. The verdict names the items needed to decide at
+    the observed discordance.
+
+The change tested is the task's mean score (accuracy, on right/wrong items), by
+Tango's score interval and tests on the items' discordances (:mod:`kveval.stats.paired`:
+fractional on partial scores), or by the paired bootstrap for mostly graded tasks
+of enough items (:func:`kveval.stats.comparison.uses_bootstrap`); the flip and
+confusion rules read the ``correct`` flags. A candidate FAILs when any task fails, else
+is INCONCLUSIVE when any task is, else PASSes. Exit codes
+(:mod:`kveval.errors`): 0 PASS, 1 FAIL, 3 INCONCLUSIVE (0 with a warning when
+``inconclusive_blocks: false``), 2 any error. ``--plan`` prints the items per
+task needed instead; ``--gpu-memory/--context/--batch`` add the deployment
+decision: which candidates' caches fit, and the most compressed one that PASSes. The command itself is
+:mod:`kveval.commands.gate`; this module gives the verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from scipy import stats as _st
+
+from kveval.runner import fidelity
+from kveval.stats import paired, significance as stats
+from kveval.stats.comparison import (
+    CONFUSION_CATEGORIES,
+    OVERALL,
+    Comparison,
+    RunComparison,
+    _clean,
+    adjust_pvalues,
+    compare_runs,
+)
+from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
+from kveval.gate.config import GateConfig, load_gate_config
+from kveval.runs.records import RunInfo
+from kveval.runs.results import expand_run_dirs, load_run, pairing_warnings
+
+PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
+_ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
+
+__all__ = [
+    "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "GateConfig", "GateResult", "TaskVerdict", "evaluate_gate", "evaluate_sweep", "exit_code", "load_gate_config", "overall_status",
+]
+
+
+@dataclass
+class TaskVerdict:
+    """One candidate x task testcase.
+
+    Attributes
+    ----------
+    task : str
+    status : str
+        ``"PASS"``, ``"FAIL"`` or ``"INCONCLUSIVE"``.
+    summary : str
+        One-line description of the change.
+    reasons : list of str
+        Broken rules (FAIL) or what could not be shown (INCONCLUSIVE).
+    notes : list of str
+        Reported, never failing: e.g. confusion shifts among items already
+        wrong at baseline.
+    margin : float
+    test : paired.MarginTest
+        The task's change tested against ``-margin`` (one-sided bounds at
+        ``1 - alpha``, p-values).
+    p_inferior_holm : float
+        ``test.p_inferior`` Holm-adjusted over the family.
+    items_needed : int or None
+        INCONCLUSIVE only: items per task to decide every open rule with the
+        configured power at the observed discordance (``None``: a change sits
+        on its margin, or only the KL rule is open).
+    comparison : Comparison
+    """
+
+    task: str
+    status: str
+    summary: str
+    reasons: list[str]
+    notes: list[str]
+    margin: float
+    test: paired.MarginTest
+    p_inferior_holm: float
+    items_needed: int | None
+    comparison: Comparison
+
+    @property
+    def lower_bound(self) -> float:
+        return self.test.lower
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(
+            {
+                "task": self.task,
+                "status": self.status,
+                "summary": self.summary,
+                "reasons": self.reasons,
+                "notes": self.notes,
+                "margin": self.margin,
+                "lower_bound": self.test.lower,
+                "upper_bound": self.test.upper,
+                "p_noninferior": self.test.p_noninferior,
+                "p_inferior": self.test.p_inferior,
+                "p_inferior_holm": self.p_inferior_holm,
+                "items_needed": self.items_needed,
+                "comparison": self.comparison.to_dict(),
+            }
+        )
+
+
+@dataclass
+class CandidateVerdict:
+    """The verdict on one candidate run (``status``: the worst of its tasks, or ``"ERROR"``)."""
+
+    path: str
+    name: str
+    status: str
+    tasks: list[TaskVerdict] = field(default_factory=list)
+    error: str | None = None
+    info: RunInfo | None = None
+    comparison: RunComparison | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def reasons(self) -> list[str]:
+        return [f"{t.task}: {'; '.join(t.reasons)}" for t in self.tasks if t.status != PASS]
+
+    def line(self) -> str:
+        """``PASS name: ...``, ``FAIL name: reasons``, ``INCONCLUSIVE name: ...`` or ``ERROR name: message``."""
+        if self.status == ERROR:
+            return f"ERROR {self.name}: {self.error}"
+        if self.status == PASS:
+            return f"PASS {self.name}: " + "; ".join(t.summary for t in self.tasks)
+        shown = [t for t in self.tasks if t.status == self.status]
+        return f"{self.status} {self.name}: " + " | ".join(f"{t.summary}: {'; '.join(t.reasons)}" for t in shown)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(
+            {
+                "path": self.path,
+                "name": self.name,
+                "status": self.status,
+                "error": self.error,
+                "warnings": self.warnings,
+                "run": asdict(self.info) if self.info else None,
+                "reasons": self.reasons,
+                "tasks": [t.to_dict() for t in self.tasks],
+            }
+        )
+
+
+def _exit_for(status: str, cfg: GateConfig) -> int:
+    if status == ERROR:
+        return EXIT_ERROR
+    if status == FAIL:
+        return EXIT_FAIL
+    if status == INCONCLUSIVE:
+        return EXIT_INCONCLUSIVE if cfg.inconclusive_blocks else EXIT_PASS
+    return EXIT_PASS
+
+
+@dataclass
+class GateResult:
+    """Verdicts on every candidate against one baseline.
+
+    ``status`` is the worst candidate status (ERROR > FAIL > INCONCLUSIVE >
+    PASS); ``exit_code`` follows it (:mod:`kveval.errors`).
+    """
+
+    config: GateConfig
+    baseline: RunInfo
+    baseline_path: str
+    tasks: list[str]
+    candidates: list[CandidateVerdict]
+    deployment: Any = None  # kveval.gate.deployment.Deployment, set by deployment_decision
+
+    @property
+    def status(self) -> str:
+        return max((c.status for c in self.candidates), key=_ORDER.__getitem__, default=ERROR)
+
+    @property
+    def exit_code(self) -> int:
+        return _exit_for(self.status, self.config)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+    def verdict(self, run: str | os.PathLike | RunInfo) -> str | None:
+        """Status of a candidate given its path, name or RunInfo (``None`` if not gated)."""
+        key = run.name if isinstance(run, RunInfo) else str(run)
+        for c in self.candidates:
+            if key == c.name or _same_path(key, c.path):
+                return c.status
+        return None
+
+    def lines(self) -> list[str]:
+        return [c.line() for c in self.candidates]
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(
+            {
+                "status": self.status,
+                "exit_code": self.exit_code,
+                "baseline": asdict(self.baseline),
+                "baseline_path": self.baseline_path,
+                "tasks": self.tasks,
+                "config": self.config.to_dict(),
+                "candidates": [c.to_dict() for c in self.candidates],
+                "deployment": self.deployment.to_dict() if self.deployment else None,
+            }
+        )
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+# ----------------------------------------------------------------------------- judging one task
+
+
+def margin_test(c: Comparison, margin: float, cfg: GateConfig) -> paired.MarginTest:
+    """The task's change of mean score (accuracy, on 0/1 scores) against ``-margin``, by the comparison's own
+    method: Tango's tests on the items' fractional discordances (:func:`kveval.stats.paired.score_discordance`), or the
+    paired bootstrap for mostly graded tasks of enough items (:func:`kveval.stats.comparison.uses_bootstrap`)."""
+    if c.ci_method == "bootstrap":
+        return stats.bootstrap_margin_test(c.baseline_scores, c.candidate_scores, margin, alpha=cfg.alpha,
+                                           n_resamples=cfg.n_resamples, seed=cfg.seed)
+    return paired.margin_test(c.score_lost, c.score_gained, c.n, margin, cfg.alpha)
+
+
+def _bootstrap_items(c: Comparison, t: paired.MarginTest, cfg: GateConfig) -> int | None:
+    """Items a bootstrap-tested task needs at its observed per-item spread (read off its interval)."""
+    gap = abs(t.delta + t.margin)
+    if gap < 1e-12:
+        return None
+    sd = float(abs(t.upper - t.lower) / (2 * _st.norm.ppf(1 - cfg.alpha))) * c.n**0.5
+    return math.ceil((float(_st.norm.ppf(1 - cfg.alpha) + _st.norm.ppf(cfg.power)) * sd / gap) ** 2)
+
+
+def items_needed(c: Comparison, t: paired.MarginTest, score_open: bool, flip_cap: float | None,
+                 cfg: GateConfig) -> int | None:
+    """Items per task that would decide every open rule with ``cfg.power`` if the observed rates are the true ones,
+    and more than the task has (``None``: a rule's change sits on its margin, no number decides it).
+
+    ``score_open``: the mean score is not shown above ``-margin`` (Tango's rates, or a bootstrap-tested task's
+    spread); ``flip_cap``: the net right->wrong rate is not shown under this cap.
+    """
+    needed = []
+    if score_open:
+        needed.append(_bootstrap_items(c, t, cfg) if c.ci_method == "bootstrap" else
+                      paired.items_needed_approx(c.score_lost / c.n, c.score_gained / c.n, t.margin, cfg.alpha, cfg.power))
+    if flip_cap is not None:
+        needed.append(paired.items_needed_approx(c.n_regressed / c.n, c.n_improved / c.n, flip_cap, cfg.alpha, cfg.power))
+    if any(n is None for n in needed):
+        return None
+    return max([c.n + 1, *needed])
+
+
+def _summary(c: Comparison, t: paired.MarginTest) -> str:
+    cats = c.regressed_categories()
+    cat_text = ", ".join(f"{n} {k}" for k, n in cats.most_common())
+    head = f"{c.task} regressed {c.n_regressed}/{c.n} items" + (f" ({cat_text})" if c.n_regressed and cats else "")
+    if c.n_improved:
+        head += f", improved {c.n_improved}"
+    what = "accuracy" if c.binary else "mean score"
+    bound = int(round((1 - 2 * t.alpha) * 100))
+    how = "bootstrap" if c.ci_method == "bootstrap" else "Tango"
+    return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% {how})"
+
+
+def _lower_binomial(k: int, n: int, alpha: float) -> float:
+    """One-sided ``1 - alpha`` Clopper-Pearson lower bound of a proportion ``k / n``."""
+    return 0.0 if k == 0 else float(_st.beta.ppf(alpha, k, n - k + 1))
+
+
+def _confusion(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str]]:
+    """Rule on items right at baseline that fell into a confusion category; shifts among already-wrong items are notes."""
+    reasons: list[str] = []
+    notes: list[str] = []
+    if not cfg.max_confusion_increase or not pairs or not any(b.category for b, _ in pairs):
+        return reasons, notes
+    regressed: dict[str, int] = {}
+    for b, x in pairs:
+        if b.correct and not x.correct and x.category:
+            regressed[x.category] = regressed.get(x.category, 0) + 1
+    counts = dict(regressed)
+    counts[OVERALL] = sum(v for k, v in regressed.items() if k in CONFUSION_CATEGORIES)
+    for cat, k in counts.items():
+        limit = cfg.confusion_limit(cat)
+        if limit is None or k == 0:
+            continue
+        low = _lower_binomial(k, c.n, cfg.alpha)
+        if low > limit:
+            label = "confusion (all categories)" if cat == OVERALL else cat
+            reasons.append(
+                f"{label}: {k} of {c.n} items were right at baseline ({_pct(k / c.n)} of the task, {int(round((1 - cfg.alpha) * 100))}% lower bound "
+                f"{_pct(low)}) > {_pct(limit)}"
+            )
+    shifted = sum(1 for b, x in pairs if not b.correct and not x.correct and b.category != x.category)
+    if shifted:
+        notes.append(f"{shifted} item(s) wrong in both runs changed confusion category (reported, never fails)")
+    return reasons, notes
+
+
+def _kl_rule(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str]]:
+    """The optional ``max_mean_kl`` rule: (FAIL reasons, INCONCLUSIVE reasons) of one task.
+
+    FAIL when the one-sided ``1 - alpha`` lower bound of the mean per-item KL
+    exceeds the cap; shown under the cap when its upper bound is below it.
+    """
+    cap = cfg.kl_limit(c.task)
+    if cap is None:
+        return [], []
+    values = fidelity.fidelity_values(cand for _, cand in pairs)
+    if len(values) < c.n:
+        return [], [f"mean KL not measured on {c.n - len(values)} of {c.n} items: rerun with kveval eval --fidelity"]
+    low, high = fidelity.kl_bounds(values, cfg.alpha, cfg.n_resamples, cfg.seed)
+    level = int(round((1 - cfg.alpha) * 100))
+    if low > cap:
+        return [f"mean KL from the baseline {sum(values) / len(values):.4g} nats: {level}% lower bound {low:.4g} > cap {cap:g}"], []
+    if not high < cap:
+        return [], [f"mean KL not shown under {cap:g} nats ({level}% upper bound {high:.4g}): more items narrow the bound"]
+    return [], []
+
+
+def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: paired.MarginTest, pairs=()) -> TaskVerdict:
+    """Apply the rules of ``cfg`` to one task (``p_inferior_holm``: the task's FAIL test, adjusted over the family)."""
+    margin = test.margin
+    reasons: list[str] = []
+    pending: list[str] = []
+    level = int(round((1 - cfg.alpha) * 100))
+    if p_inferior_holm < cfg.alpha:
+        reasons.append(
+            f"loss beyond the margin: {level}% upper bound {test.upper:+.3f} < -margin {-margin:+.3f} (Holm p={p_inferior_holm:.3g})"
+        )
+    open_cap = None  # the flip cap, while the net flip rate is not shown under it
+    cap = cfg.max_negative_flip_rate
+    if cap is not None and cap > 0:
+        net = paired.margin_test(c.n_regressed, c.n_improved, c.n, cap, cfg.alpha) if cap < 1 else None
+        if net is not None and net.upper < -cap:
+            reasons.append(
+                f"net negative flips: ({c.n_regressed} - {c.n_improved})/{c.n} right->wrong, {level}% lower bound "
+                f"{-net.upper:.3f} > cap {cap:g}"
+            )
+        elif net is not None and not net.lower > -cap:
+            pending.append(f"net negative flip rate not shown under {cap:g} (upper bound {-net.lower:.3f})")
+            open_cap = cap
+    confusion_reasons, notes = _confusion(c, cfg, pairs)
+    reasons += confusion_reasons
+    kl_reasons, kl_pending = _kl_rule(c, cfg, pairs)
+    reasons += kl_reasons
+    pending += kl_pending
+    if not test.lower > -margin:
+        pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
+    needed = None
+    if reasons:
+        status = FAIL
+    elif pending:
+        status = INCONCLUSIVE
+        score_open = not test.lower > -margin
+        if score_open or open_cap is not None:  # the KL rule's own reasons say what it needs
+            needed = items_needed(c, test, score_open, open_cap, cfg)
+            pending.append(
+                f"about {needed} items per task would decide at the observed discordance ({int(cfg.power * 100)}% power)"
+                if needed is not None
+                else "the observed change sits on the margin: no number of items decides it"
+            )
+        reasons = pending
+    else:
+        status = PASS
+    return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c)
+
+
+def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
+    """Holm-adjust the FAIL tests over the configured family, then judge every candidate x gated task."""
+    ok = [(r, v) for r in results for v in r.candidates if v.comparison is not None]
+    tests = {
+        (id(v), t): margin_test(v.comparison.task(t), cfg.margin_for(t), cfg) for r, v in ok for t in r.tasks
+    }
+    families = [[(id(v), t) for r, v in ok for t in r.tasks]] if cfg.family == "sweep" else [[(id(v), t) for t in r.tasks] for r, v in ok]
+    holm: dict[tuple, float] = {}
+    for fam in families:
+        if fam:
+            for key, p in zip(fam, stats.holm([tests[k].p_inferior for k in fam])):
+                holm[key] = float(p)
+    # the descriptive "any change" tests, adjusted over the same family
+    if cfg.family == "sweep":
+        adjust_pvalues([v.comparison.task(t) for r, v in ok for t in r.tasks])
+    else:
+        for r, v in ok:
+            adjust_pvalues([v.comparison.task(t) for t in r.tasks])
+    for r, v in ok:
+        by_task: dict[str, list] = {}
+        for pair in v.comparison.pairs:
+            by_task.setdefault(pair[0].task, []).append(pair)
+        v.tasks = [
+            judge_task(v.comparison.task(t), cfg, holm[(id(v), t)], tests[(id(v), t)], by_task.get(t, [])) for t in r.tasks
+        ]
+        v.status = max((t.status for t in v.tasks), key=_ORDER.__getitem__, default=PASS)
+
+
+# ----------------------------------------------------------------------------- evaluating
+
+
+def evaluate_gate(
+    config: str | os.PathLike | dict | GateConfig | None,
+    baseline_dir: str | os.PathLike,
+    candidate_dirs: Sequence[str | os.PathLike],
+    *,
+    metric: str | dict[str, str] | None = None,
+) -> GateResult:
+    """Evaluate candidates against a baseline under the gate rules.
+
+    A candidate whose results cannot be read or paired gets status ``"ERROR"``
+    (the others are still judged). Raises :class:`ResultFileError` for a bad
+    baseline or a gated task missing from it, :class:`UsageError` for no
+    candidates, :class:`~kveval.errors.ConfigError` for a bad config.
+    """
+    cfg = load_gate_config(config)
+    if not candidate_dirs:
+        raise UsageError("no candidate runs to gate")
+    base = load_run(baseline_dir, metric=metric)
+    base_tasks = list(dict.fromkeys(it.task for it in base.items))
+    if cfg.tasks == "all":
+        gated = base_tasks
+    else:
+        missing = [t for t in cfg.tasks if t not in base_tasks]
+        if missing:
+            raise ResultFileError(
+                f"gated task(s) {', '.join(missing)} not in the baseline results {base.path} (it has {', '.join(base_tasks)})"
+            )
+        gated = list(cfg.tasks)
+    verdicts: list[CandidateVerdict] = []
+    for cand in candidate_dirs:
+        try:
+            cand_run = load_run(cand, metric=metric)
+            rc = compare_runs(
+                base, cand_run, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples, seed=cfg.seed,
+                cells=False, metric=metric,
+            )
+        except (ResultFileError, ValueError, OSError) as exc:
+            verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc)))
+            continue
+        verdicts.append(
+            CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc, warnings=pairing_warnings(base, cand_run))
+        )
+    result = GateResult(cfg, base.info, str(base.path), gated, verdicts)
+    _judge_all([result], cfg)
+    return result
+
+
+def group_runs_by_baseline(run_dirs: Sequence[str | os.PathLike]) -> list[tuple[Path, list[Path]]]:
+    """Pair each compressed run of a sweep with its model's baseline run (one entry per model).
+
+    Raises :class:`ResultFileError` for an unreadable run, a model with
+    candidates but no baseline, or a model with two baselines.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for path in expand_run_dirs(run_dirs):
+        info = load_run(path).info
+        g = groups.setdefault(info.model, {"baseline": None, "candidates": []})
+        if info.is_baseline:
+            if g["baseline"] is not None:
+                raise ResultFileError(f"two baseline runs for model {info.model!r}: {g['baseline']} and {path}")
+            g["baseline"] = path
+        else:
+            g["candidates"].append(path)
+    out = []
+    for model, g in groups.items():
+        if g["baseline"] is None:
+            raise ResultFileError(
+                f"no baseline run (policy none) for model {model!r}; its {len(g['candidates'])} run(s) cannot be gated "
+                f"({', '.join(str(c) for c in g['candidates'][:3])})"
+            )
+        if g["candidates"]:
+            out.append((g["baseline"], g["candidates"]))
+    return out
+
+
+def evaluate_sweep(
+    config: str | os.PathLike | dict | GateConfig | None,
+    run_dirs: Sequence[str | os.PathLike],
+    *,
+    metric: str | dict[str, str] | None = None,
+) -> list[GateResult]:
+    """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model)."""
+    cfg = load_gate_config(config)
+    results = [evaluate_gate(cfg, base, cands, metric=metric) for base, cands in group_runs_by_baseline(run_dirs)]
+    if cfg.family == "sweep" and len(results) > 1:
+        _judge_all(results, cfg)
+    return results
+
+
+def exit_code(results: GateResult | Sequence[GateResult]) -> int:
+    """The exit code of the worst result (2 when there is nothing gated)."""
+    results = [results] if isinstance(results, GateResult) else list(results)
+    if not results:
+        return EXIT_ERROR
+    worst = max(results, key=lambda r: _ORDER[r.status])
+    return worst.exit_code
+
+
+def overall_status(results: GateResult | Sequence[GateResult]) -> str:
+    results = [results] if isinstance(results, GateResult) else list(results)
+    return max((r.status for r in results), key=_ORDER.__getitem__, default=ERROR)

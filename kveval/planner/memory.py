@@ -1,0 +1,668 @@
+"""KV-cache memory planning: bytes per token, per sequence, and what fits on a GPU (the command: :mod:`kveval.commands.memory`).
+
+Everything is arithmetic on a model's config; no weights are loaded. A model is
+(:mod:`kveval.planner.model_specs`) a named preset (:data:`~kveval.planner.model_specs.PRESETS`), a local ``config.json`` (or a folder holding
+one), a Hugging Face Hub id (read with ``transformers.AutoConfig``; offline it
+works only when the config is cached), a ``dict`` or a ``PretrainedConfig``.
+
+What the arithmetic follows
+---------------------------
+* Attention layout: ``num_key_value_heads`` K/V heads (GQA/MQA; default
+  ``num_attention_heads``) of ``head_dim`` (default ``hidden_size //
+  num_attention_heads``), K and V per layer.
+* Sliding-window layers hold at most ``window - 1`` tokens, as transformers' own
+  and kveval's cache do: from ``layer_types`` (``"sliding_attention"``;
+  ``"chunked_attention"``'s window is ``attention_chunk_size``),
+  else ``sliding_window`` with ``sliding_window_pattern`` (Gemma 2/3 convention:
+  layer ``i`` is full-attention when ``(i + 1) % pattern == 0``; Gemma 3 defaults
+  to 6, Gemma 2 to 2), else ``sliding_window`` alone on every layer (Mistral-7B
+  v0.1); ``use_sliding_window: false`` (Qwen2) switches it off.
+* MLA (DeepSeek-V2/V3: ``kv_lora_rank``): each layer caches one latent of
+  ``kv_lora_rank + qk_rope_head_dim`` values per token, shared by all heads.
+* Policies (``kveval policies``), as :mod:`kveval.cache.compressed` stores them:
+
+  - selection keeps ``keep_count(context, layer, num_layers)`` tokens per layer
+    (PyramidKV's budgets differ per layer: the planner sums the layers); with
+    ``new_tokens`` generated, a ``decode_budget`` caps the cache. As in the
+    cache, selection skips sliding layers (they are bounded already: a sliding
+    layer holds ``window - 1`` tokens, as transformers' own does), unless every
+    attention layer slides (Mistral-7B-v0.1): it then keeps ``keep_count`` of
+    the ``window - 1`` tokens each holds, where nothing it kept can leave the
+    window (no new tokens, or a run shorter than the window; otherwise which
+    ones leave depends on their scores, and the plan is refused); Mamba and
+    linear-attention layers hold no K/V;
+  - low-rank structure stores ``k_rank`` + ``v_rank`` coefficients per KV head
+    instead of ``2 x head_dim`` values (``energy=`` ranks need a calibration
+    run: the planner uses ``head_dim``, an upper bound, and says so);
+  - quantization (:mod:`kveval.tensors.quantization`, :mod:`kveval.stores.base`): codes
+    packed ``8 / bits`` per byte, a float16 scale per group plus a float16 zero
+    point unless symmetric (FP8: scale only); per-token groups are ``group``
+    channels of one token, per-channel groups ``group`` tokens of one channel
+    (only whole groups are quantized, the remainder stays in full precision);
+    the ``residual`` most recent tokens stay in the model dtype.
+
+Weights, activations and allocator slack are not part of the cache: ``max_fit``
+subtracts the weights (given, or parameters x bytes per parameter) and keeps a
+``headroom`` fraction of the GPU free for the rest.
+"""
+
+from __future__ import annotations
+
+from kveval.errors import UsageError
+
+import dataclasses
+import functools
+import math
+import re
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+from kveval.modeling.layer_types import selecting_layers
+from kveval.planner.model_specs import ModelSpec, load_model_spec
+from kveval.values import is_real, is_whole
+
+_GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan
+
+@dataclass
+class LayerPlan:
+    """One layer for one sequence: its kind, window, tokens held and bytes."""
+
+    index: int
+    kind: str  # "full", "sliding" or "mla"
+    window: int | None
+    tokens: int
+    bytes: int
+
+
+@dataclass
+class MemoryPlan:
+    """KV-cache size of one model under one policy.
+
+    ``bytes_per_token`` is what one stored token costs over all layers in the
+    policy's representation (quantized codes with their amortized scales,
+    low-rank coefficients, MLA latent), before selection, windows and the
+    full-precision residual; ``key_bytes_per_token``/``value_bytes_per_token``
+    split it (MLA: the latent counts as K, the shared RoPE key as V, as the cache holds them). ``sequence_bytes`` is the exact
+    cache of one sequence of ``context`` tokens (plus ``new_tokens`` generated),
+    ``total_bytes`` that times ``batch``; ``baseline_*`` are the same without
+    compression. ``layers`` lists every layer for one sequence.
+    """
+
+    model: str
+    policy: str
+    context: int
+    batch: int
+    dtype_bytes: int
+    new_tokens: int
+    bytes_per_token: float
+    key_bytes_per_token: float
+    value_bytes_per_token: float
+    baseline_bytes_per_token: int
+    sequence_bytes: int
+    total_bytes: int
+    baseline_sequence_bytes: int
+    baseline_total_bytes: int
+    layers: list[LayerPlan]
+    notes: list[str]
+
+    @property
+    def compression(self) -> float:
+        """Uncompressed bytes / compressed bytes at this context."""
+        return self.baseline_sequence_bytes / self.sequence_bytes if self.sequence_bytes else math.inf
+
+    @property
+    def bytes_per_context_token(self) -> float:
+        """Effective bytes per token of the sequence (selection, windows and residual included)."""
+        return self.sequence_bytes / (self.context + self.new_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["compression"] = self.compression
+        data["bytes_per_context_token"] = self.bytes_per_context_token
+        return data
+
+
+def _policy_stack(policy):
+    from kveval.policies.spec import parse_policy
+
+    return parse_policy(policy)
+
+
+def check_int(value, what: str, minimum: int) -> int:
+    """``value`` when it is a whole number of at least ``minimum``; else ``ValueError`` (one line) naming ``what``."""
+    if not is_whole(value):
+        raise UsageError(f"{what}={value!r} must be an integer")
+    if value < minimum:
+        raise UsageError(f"{what}={value} must be >= {minimum}")
+    return value
+
+
+@dataclass
+class _Layout:
+    """Per-layer streams: (name, heads, dim, TensorQuant or None), the residual, and KVQuant's policy where it codes
+    the K/V (its tokens are not grouped streams: codes, outliers and sinks, :func:`_kvquant_bytes`)."""
+
+    streams: list[tuple[str, int, int, Any]]
+    residual: int
+    kvquant: Any = None
+
+    @property
+    def kvquant_widths(self) -> tuple[int, int, int]:
+        """Under KVQuant: ``(heads, key width, value width)`` of its two streams (an MLA latent and its RoPE key differ)."""
+        (_, heads, key_dim, _), (_, _, value_dim, _) = self.streams
+        return heads, key_dim, value_dim
+
+
+def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
+    quant = stack.quantization
+    if stack.structure is not None:
+        raise UsageError(f"{quant.spec()}: kvquant codes K/V, not low-rank coefficients")
+    if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
+        if quant.pre_rope:
+            raise UsageError(f"{quant.spec()}: an MLA latent is cached without RoPE, and kveval's cache has no RoPE "
+                             f"hook for MLA's shared key to code it before RoPE; plan pre_rope=false")
+        streams = [("latent", 1, spec.mla_dim - spec.mla_rope, None), ("rope", 1, spec.mla_rope, None)]
+    else:
+        streams = [("k", spec.kv_heads, spec.head_dim, None), ("v", spec.kv_heads, spec.head_dim, None)]
+    for dim in sorted({dim for _, _, dim, _ in streams if dim}):
+        quant.check_head_dim(dim)
+    return _Layout(streams, int(quant.residual), quant)
+
+
+def _kvquant_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) -> int:
+    """Bytes of one layer's K/V under KVQuant (:class:`kveval.stores.kvquant.KVQuantStore`): the ``residual`` newest tokens
+    and those at positions below ``sink`` in the cache dtype, every other token coded (``coded_bytes``).
+    ``oldest``: the position of the oldest token held (a sliding layer's window has moved past the sinks)."""
+    quant = layout.kvquant
+    heads, key_dim, value_dim = layout.kvquant_widths
+    whole = min(tokens, quant.residual) + max(0, min(quant.sink - oldest, tokens - quant.residual))
+    coded = tokens - whole
+    return heads * (coded * sum(quant.coded_bytes(key_dim, value_dim, dtype_bytes))
+                    + whole * (key_dim + value_dim) * dtype_bytes)
+
+
+def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
+    _check_selection(spec, stack)
+    quant = stack.quantization
+    if quant is not None and not hasattr(quant, "key_quant"):
+        return _kvquant_layout(spec, stack)
+    kq = quant.key_quant if quant is not None else None
+    vq = quant.value_quant if quant is not None else None
+    residual = int(getattr(quant, "residual_tokens", 0) or 0) if quant is not None else 0
+    structure = stack.structure
+    if spec.mla_dim is not None:
+        # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's (one "head" each);
+        # a structure policy projects them as it projects a K and a V head.
+        latent, rope = spec.mla_dim - spec.mla_rope, spec.mla_rope
+        if structure is not None and hasattr(structure, "check_shape"):  # latent: one group of the one head
+            structure.check_layer(1, latent, rope or None)
+            widths = structure.widths(1)
+            latent, rope = widths["k"], widths["v"] if rope else 0
+        elif structure is not None:
+            rank = getattr(structure, "rank", None)
+            k_rank, v_rank = getattr(structure, "k_rank", None) or rank, getattr(structure, "v_rank", None) or rank
+            if k_rank is None or v_rank is None:
+                raise UsageError(f"{structure.spec()}: energy= ranks on an MLA latent come from calibration; plan "
+                                 f"a rank= (measure energy= with kveval eval)")
+            for which, r, width in (("latent", k_rank, latent), ("RoPE key", v_rank, rope)):
+                if width and r > width:
+                    raise UsageError(f"{structure.spec()}: rank {r} exceeds the MLA {which} width {width}")
+            latent, rope = k_rank, v_rank if rope else 0
+        streams = [("latent", 1, latent, kq)] + ([("rope", 1, rope, vq)] if rope else [])
+        if quant is not None:
+            notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}, the shared RoPE "
+                         f"key with its value settings")
+    else:
+        k_dim = v_dim = spec.head_dim
+        per_group = structure is not None and hasattr(structure, "check_shape")  # latent: one stream per group of heads
+        if structure is not None and not per_group:
+            rank = getattr(structure, "rank", None)
+            k_rank = getattr(structure, "k_rank", None) or rank
+            v_rank = getattr(structure, "v_rank", None) or rank
+            if (k_rank is None or v_rank is None) and getattr(structure, "energy", None) is not None:
+                notes.append(f"{structure.spec()}: energy= ranks come from calibration on the model; "
+                             f"planned at head_dim {spec.head_dim} (an upper bound) where no rank is given")
+            for which, r in (("k", k_rank), ("v", v_rank)):
+                if r is not None and r > spec.head_dim:
+                    raise UsageError(f"{structure.spec()}: {which} rank {r} exceeds head_dim={spec.head_dim}")
+            k_dim, v_dim = k_rank or spec.head_dim, v_rank or spec.head_dim
+        streams = [("k", spec.kv_heads, k_dim, kq), ("v", spec.kv_heads, v_dim, vq)]
+        if per_group:
+            structure.check_shape(spec.kv_heads, spec.head_dim)
+            group = structure.group_size(spec.kv_heads)
+            widths = structure.widths(group)
+            streams = [(kind, spec.kv_heads // group, widths[kind], q) for kind, q in (("k", kq), ("v", vq))]
+    for which, _, dim, q in streams:
+        if q is not None and q.axis == "token" and dim % q.group:
+            what = {"latent": "latent width", "rope": "RoPE key width"}.get(which) or ("rank" if dim != spec.head_dim else "head_dim")
+            raise UsageError(f"{quant.spec()}: {which} group={q.group} does not divide {what}={dim}; "
+                             f"pick a divisor of {dim}")
+    return _Layout(streams, residual)
+
+
+def _scale_bytes(q) -> int:
+    """Bytes of scale (+ zero point) per quantization group."""
+    return 2 if (q.fp8 is not None or q.symmetric) else 4
+
+
+def _stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int,
+                  sliding: tuple[int, int, int] | None = None) -> int:
+    """Exact bytes of one of K/V (or the MLA latent) holding ``tokens`` tokens in one layer.
+
+    ``sliding``: ``(context, new_tokens, window)`` of a sliding layer, whose per-channel groups the window cuts
+    as it moves on while decoding (:func:`_sliding_slots`).
+    """
+    if q is None or tokens <= 0:
+        return heads * tokens * dim * dtype_bytes
+    unit = q.group if q.axis == "channel" else 1
+    if sliding is not None and unit > 1:
+        aged, tail = _sliding_slots(*sliding, residual, unit)
+    else:
+        aged = max(0, tokens - residual) // unit * unit
+        tail = tokens - aged
+    groups = heads * (aged // q.group) * dim if q.axis == "channel" else heads * aged * (dim // q.group)
+    data = math.ceil(heads * aged * dim * q.bits / 8)
+    return data + groups * _scale_bytes(q) + heads * tail * dim * dtype_bytes
+
+
+@functools.lru_cache(maxsize=4096)
+def _sliding_slots(context: int, new_tokens: int, window: int, residual: int, unit: int) -> tuple[int, int]:
+    """Quantized and full-precision slots of a sliding layer's per-channel stream (``unit``-token groups), as
+    :class:`kveval.stores.base.QuantizedSequence` holds them: the prefill keeps its last ``window - 1`` tokens and
+    seals whole groups past the ``residual`` newest; each decode step appends a token, seals, then drops the
+    oldest live one. A group the window cuts keeps its dead slots until all are dead."""
+    held = min(context, window - 1)
+    groups = max(0, held - residual) // unit
+    first_live, tail = unit, held - groups * unit  # live slots of the oldest group; tokens in full precision
+    for _ in range(new_tokens):
+        tail += 1
+        sealed = max(0, tail - residual) // unit
+        if sealed:
+            groups, tail = groups + sealed, tail - sealed * unit
+            if groups == sealed:
+                first_live = unit
+        if groups * unit - (unit - first_live) + tail <= window - 1:
+            continue  # still within the window
+        if groups:  # the oldest live token is in the oldest group
+            first_live -= 1
+            if first_live == 0:
+                groups, first_live = groups - 1, unit
+        else:
+            tail -= 1
+    return groups * unit, tail
+
+
+def _stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
+    """Amortized bytes of one stored token of one stream (scales of per-channel groups spread over ``group`` tokens)."""
+    if q is None:
+        return heads * dim * dtype_bytes
+    data = heads * dim * q.bits / 8
+    if q.axis == "channel":
+        return data + heads * dim * _scale_bytes(q) / q.group
+    return data + heads * (dim // q.group) * _scale_bytes(q)
+
+
+def _selecting(spec: ModelSpec) -> list[bool]:
+    """Per layer: whether a selection acts on it, as in the cache (:func:`~kveval.modeling.layer_types.selecting_layers`:
+    full layers, and sliding ones where every layer slides); never a layer without K/V."""
+    kv = [i for i, holds in enumerate(spec.holds_kv) if holds]
+    chunked = spec.chunked or [False] * spec.num_layers
+    out = [False] * spec.num_layers
+    for i, acts in zip(kv, selecting_layers([spec.windows[i] for i in kv], [chunked[i] for i in kv])):
+        out[i] = acts
+    return out
+
+
+def _check_selection(spec: ModelSpec, stack) -> None:
+    """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does."""
+    if stack.selection is not None and not any(_selecting(spec)):
+        raise UsageError(f"{stack.selection.spec()}: every attention layer of {spec.name} is chunked, and selection "
+                         f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")
+
+
+def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int, selects: bool) -> int:
+    """Tokens layer ``i`` holds after ``context`` then ``new_tokens``; ``selects``: whether the selection acts on it."""
+    if not spec.holds_kv[i]:
+        return 0
+    window = spec.windows[i]
+    selection = stack.selection if selects else None
+    if selection is None:
+        tokens = context + new_tokens
+    else:
+        held = context if window is None else min(context, window - 1)  # a sliding layer selects in its window
+        if window is not None and new_tokens and context + new_tokens >= window:
+            raise UsageError(f"{selection.spec()} on {spec.name}'s {window}-token sliding window: which of the tokens "
+                             f"it keeps leave the window while decoding depends on their scores, so {context} + "
+                             f"{new_tokens} new tokens cannot be sized; plan the prefill alone (new_tokens=0) or a "
+                             f"run shorter than the window")
+        tokens = selection.keep_count(held, i, spec.num_layers) + new_tokens
+        budget = getattr(selection, "decode_budget", None)
+        if new_tokens and budget is not None:
+            tokens = min(tokens, max(int(budget), 1))
+        whole = getattr(selection, "whole_head_fraction", 0.0)  # duo: retrieval heads keep every token
+        if whole:
+            tokens = math.ceil(whole * (held + new_tokens) + (1 - whole) * tokens)  # mean per KV head
+    return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
+
+
+def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
+                     dtype_bytes: int) -> list[LayerPlan]:
+    out = []
+    selecting = _selecting(spec) if stack.selection is not None else [False] * spec.num_layers
+    for i, selects in enumerate(selecting):
+        tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects)
+        if layout.kvquant is not None:
+            window = spec.windows[i]  # the oldest position its window still holds, selected or not
+            oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
+            size = _kvquant_bytes(tokens, oldest, layout, dtype_bytes)
+        else:
+            # A sliding layer's window cuts per-channel groups as it moves on, unless a selection sealed what it
+            # kept in the window (where the planner sizes it, nothing it kept leaves the window).
+            sliding = (context, new_tokens, spec.windows[i]) if spec.windows[i] is not None and not selects else None
+            size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes, sliding)
+                       for _, heads, dim, q in layout.streams)
+        kind = ("state" if not spec.holds_kv[i] else "mla" if spec.mla_dim is not None
+                else "full" if spec.windows[i] is None else "sliding")
+        out.append(LayerPlan(i, kind, spec.windows[i], tokens, size))
+    return out
+
+
+def _check_dtype_bytes(dtype_bytes) -> int:
+    if not is_whole(dtype_bytes) or dtype_bytes not in (1, 2, 4, 8):
+        raise UsageError(f"dtype_bytes={dtype_bytes!r} must be 1, 2 (fp16/bf16), 4 (fp32) or 8")
+    return dtype_bytes
+
+
+def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0) -> MemoryPlan:
+    """KV-cache bytes of ``batch`` sequences of ``context`` tokens (plus ``new_tokens`` generated) under ``policy``.
+
+    ``model``: preset name, ``config.json`` path or folder, Hub id, dict, ``PretrainedConfig`` or :class:`ModelSpec`.
+    Raises ``ValueError`` (one line) for unknown models, bad numbers or a policy that does not fit the model.
+    """
+    spec = load_model_spec(model)
+    context = check_int(context, "context", 1)
+    batch = check_int(batch, "batch", 1)
+    new_tokens = check_int(new_tokens, "new_tokens", 0)
+    dtype_bytes = _check_dtype_bytes(dtype_bytes)
+    stack = _policy_stack(policy)
+    notes = list(spec.notes)
+    layout = _layout(spec, stack, notes)
+    base_layout = _layout(spec, _policy_stack("none"), [])
+    from kveval.policies.base import PolicyStack
+
+    layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
+    base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
+    kv_layers = sum(spec.holds_kv)
+    if layout.kvquant is not None:  # coded K and V of their widths
+        heads, key_dim, value_dim = layout.kvquant_widths
+        per_stream = [b * heads * kv_layers for b in layout.kvquant.coded_bytes(key_dim, value_dim, dtype_bytes)]
+    else:
+        per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
+    key_pt = per_stream[0]
+    value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
+    base_pt = int(sum(_stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)
+    if spec.max_position and context + new_tokens > spec.max_position:
+        notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
+    if stack.selection is not None and getattr(stack.selection, "per_head_budgets", False) and stack.quantization is not None:
+        notes.append(f"{stack.selection.spec()}: per-head budgets are planned as equal heads; each head's own "
+                     f"remainder of per-channel groups and residual makes the measured bytes differ slightly")
+    if stack.selection is not None and layout.kvquant is not None:
+        notes.append(f"{layout.kvquant.spec()}: the sink token(s) are counted as kept in full precision; "
+                     f"{stack.selection.spec()} may drop them (then each is coded instead)")
+    if layout.residual and stack.quantization is not None:
+        notes.append(f"the {layout.residual} most recent tokens of each layer stay in the model dtype "
+                     f"({dtype_bytes} bytes per value)")
+    seq = sum(layer.bytes for layer in layers)
+    base_seq = sum(layer.bytes for layer in base_layers)
+    return MemoryPlan(model=spec.name, policy=stack.spec, context=context, batch=batch, dtype_bytes=dtype_bytes,
+                      new_tokens=new_tokens, bytes_per_token=key_pt + value_pt, key_bytes_per_token=key_pt,
+                      value_bytes_per_token=value_pt, baseline_bytes_per_token=base_pt, sequence_bytes=seq,
+                      total_bytes=seq * batch, baseline_sequence_bytes=base_seq, baseline_total_bytes=base_seq * batch,
+                      layers=layers, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# what fits
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text, what: str = "size") -> int:
+    """Bytes from ``80GiB``, ``16GB``, ``1.5TiB`` or a plain number of bytes (GB = 10^9, GiB = 2^30)."""
+    if is_real(text):
+        value = float(text)
+    else:
+        match = _SIZE.match(str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise UsageError(f"{what}={text!r} is not a size; write e.g. 80GiB, 16GB, 512MiB or a number of bytes")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not value > 0 or not math.isfinite(value):
+        raise UsageError(f"{what}={text!r} must be a positive size")
+    return int(value)
+
+
+def parse_tokens(text, what: str = "context") -> int:
+    """Tokens from ``8192``, ``8k`` (8192) or ``1m`` (1048576)."""
+    if is_whole(text):
+        return text
+    match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([kKmM]?)\s*$", str(text))
+    if not match:
+        raise UsageError(f"{what}={text!r} is not a token count; write e.g. 8192 or 8k")
+    value = float(match.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[match.group(2).lower()]
+    if value != int(value):
+        raise UsageError(f"{what}={text!r} is not a whole number of tokens")
+    return int(value)
+
+
+def parse_headroom(value) -> float:
+    """A fraction ``0 <= h < 1`` from ``0.1`` or ``"10%"``."""
+    text = str(value).strip()
+    try:
+        h = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise UsageError(f"headroom={value!r} is not a number; give a fraction such as 0.1 or a percentage such as 10%") from None
+    if not 0 <= h < 1:
+        raise UsageError(f"headroom={value!r} is out of range; give a fraction 0 <= headroom < 1 (e.g. 0.1) or a percentage (10%)")
+    return h
+
+
+@dataclass
+class FitResult:
+    """The largest ``context`` (at ``batch``) or ``batch`` (at ``context``) whose cache fits.
+
+    ``value`` is that number (0: nothing fits; ``None``: the cache stops growing,
+    any context fits). ``cache_budget_bytes`` = GPU x (1 - headroom) - weights.
+    ``cache_bytes`` is the cache at the answer.
+    """
+
+    solve: str
+    value: int | None
+    context: int | None
+    batch: int
+    gpu_bytes: int
+    headroom: float
+    weights_bytes: int
+    weights_estimated: bool
+    cache_budget_bytes: int
+    cache_bytes: int
+    model: str
+    policy: str
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int, notes: list[str]) -> tuple[int, bool]:
+    if weights is not None:
+        return parse_size(weights, "weights"), False
+    if not spec.num_parameters:
+        raise UsageError(f"cannot estimate the weights of {spec.name} from its config (mixture of experts, MLA or "
+                         f"missing sizes); give them, e.g. --weights 16GB")
+    per_param = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
+    if not is_real(per_param) or not per_param > 0:
+        raise UsageError(f"weight_bytes_per_param={per_param!r} must be a positive number (2 = fp16/bf16, 1 = int8/fp8, 0.5 = int4)")
+    size = int(math.ceil(spec.num_parameters * per_param))
+    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {per_param:g} bytes = {human_bytes(size)}")
+    return size, True
+
+
+def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batch: int | None = None,
+            policy="none", dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
+            weight_bytes_per_param: float | None = None) -> FitResult:
+    """Largest context (give ``batch`` or nothing: batch 1) or largest batch (give ``context``) that fits.
+
+    Usable cache memory = ``gpu_memory`` x (1 - ``headroom``) - ``weights``.
+    ``gpu_memory``/``weights``: bytes or strings such as ``"80GiB"``/``"16GB"``;
+    without ``weights``, parameters x ``weight_bytes_per_param`` (default
+    ``dtype_bytes``) when the config allows the count. The context answer is the
+    largest length whose cache fits at every length up to it (quantization's
+    full-precision remainder makes the size dip when a group is sealed).
+    """
+    if context is not None and batch is not None:
+        raise UsageError("give context (to find the largest batch) or batch (to find the largest context), not both")
+    spec = load_model_spec(model)
+    gpu = parse_size(gpu_memory, "gpu_memory")
+    h = parse_headroom(headroom)
+    dtype_bytes = _check_dtype_bytes(dtype_bytes)
+    new_tokens = check_int(new_tokens, "new_tokens", 0)
+    stack = _policy_stack(policy)
+    notes: list[str] = []
+    layout = _layout(spec, stack, notes)
+    weight_bytes, estimated = _weights(spec, weights, weight_bytes_per_param, dtype_bytes, notes)
+    budget = math.floor(gpu * (1 - Fraction(repr(h)))) - weight_bytes  # exact: 0.9 x 80 GiB is a whole number
+    if budget <= 0:
+        notes.append(f"the weights ({human_bytes(weight_bytes)}) leave nothing of {human_bytes(gpu)} less "
+                     f"{h:.0%} headroom for the cache")
+
+    def seq_bytes(n: int, sized=stack) -> int:
+        return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes))
+
+    common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
+                  cache_budget_bytes=budget, model=spec.name, policy=stack.spec, notes=notes)
+    if context is not None:
+        context = check_int(context, "context", 1)
+        per_seq = seq_bytes(context)
+        value = max(0, budget // per_seq) if budget > 0 else 0
+        return FitResult("batch", value, context, value, cache_bytes=value * per_seq, **common)
+    batch = check_int(1 if batch is None else batch, "batch", 1)
+    limit = budget // batch if budget > 0 else -1
+    # A selection on sliding layers, decoding: sized only while nothing it kept can leave the window (the longest
+    # such context is ``sizable``); past it, the window bounds the cache at what it holds without the selection.
+    windows = [w for w, acts in zip(spec.windows, _selecting(spec)) if acts and w is not None]
+    sizable = _GIANT
+    if stack.selection is not None and new_tokens and windows:  # the sliding layers it acts on
+        sizable = max(0, min(windows) - new_tokens - 1)
+        unselected = dataclasses.replace(stack, selection=None)
+        if seq_bytes(_GIANT, unselected) <= limit:
+            notes.append(f"the window bounds the cache at {human_bytes(seq_bytes(_GIANT, unselected) * batch)} "
+                         f"whatever {stack.selection.spec()} keeps: any context fits")
+            return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT, unselected) * batch, **common)
+        if sizable == 0 or seq_bytes(1) > limit:
+            return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
+        if seq_bytes(sizable) <= limit:
+            notes.append(f"{sizable:,} tokens is the longest context sized under {stack.selection.spec()} with "
+                         f"{new_tokens} new tokens: past it, which kept tokens leave the {min(windows)}-token window "
+                         f"depends on their scores, and the window's bound, without the selection, does not fit")
+            return FitResult("context", sizable, sizable, batch, cache_bytes=seq_bytes(sizable) * batch, **common)
+    elif seq_bytes(_GIANT) <= limit:
+        notes.append(f"the cache stops growing at {human_bytes(seq_bytes(_GIANT) * batch)} (windows or budgets bound "
+                     f"every layer): any context fits")
+        return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT) * batch, **common)
+    elif seq_bytes(1) > limit:
+        return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
+    lo, hi = 1, sizable  # seq_bytes(lo) fits, seq_bytes(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if seq_bytes(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    # Sealing a per-channel group makes the size dip: make sure every shorter length fits as well.
+    quant = stack.quantization
+    if quant is not None and layout.kvquant is None:
+        span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
+        for n in range(max(1, lo - span), lo + 1):
+            if seq_bytes(n) > limit:
+                lo = n - 1
+                break
+    if spec.max_position and lo + new_tokens > spec.max_position:
+        notes.append(f"the largest context ({lo:,} tokens) is beyond the model's max_position_embeddings ({spec.max_position:,})")
+    return FitResult("context", lo, lo, batch, cache_bytes=seq_bytes(lo) * batch, **common)
+
+
+# ----------------------------------------------------------------------------------------------
+# formatting and the command
+
+def human_bytes(n: float) -> str:
+    """``512 KiB``, ``1.5 GiB``: binary units, at most two decimals."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            text = f"{n:.2f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _layer_groups(layers: list[LayerPlan]) -> list[str]:
+    groups: dict[tuple, list[int]] = {}
+    for layer in layers:
+        groups.setdefault((layer.kind, layer.window, layer.tokens, layer.bytes), []).append(layer.index)
+    if len(groups) > 6:  # per-layer budgets (PyramidKV): a range, not a list
+        tokens = [layer.tokens for layer in layers]
+        sizes = [layer.bytes for layer in layers]
+        return [f"{len(layers)} layers, {min(tokens):,}-{max(tokens):,} tokens, "
+                f"{human_bytes(min(sizes))}-{human_bytes(max(sizes))} each"]
+    out = []
+    for (kind, window, tokens, size), idx in groups.items():
+        label = f"{kind} (window {window:,})" if window else kind
+        out.append(f"{len(idx)} {label}: {tokens:,} tokens, {human_bytes(size)} each")
+    return out
+
+
+def format_plan(p: MemoryPlan, fits: list[FitResult] | None = None, all_layers: bool = False) -> str:
+    kv = (f"K {human_bytes(p.key_bytes_per_token)} + V {human_bytes(p.value_bytes_per_token)}"
+          if p.value_bytes_per_token else "MLA latent")
+    lines = [
+        f"model      {p.model}",
+        f"policy     {p.policy}  (dtype {p.dtype_bytes} bytes)",
+        f"per token  {human_bytes(p.bytes_per_token)} ({kv}); uncompressed {human_bytes(p.baseline_bytes_per_token)}",
+        f"context    {p.context:,} tokens" + (f" + {p.new_tokens:,} generated" if p.new_tokens else "") + f" x batch {p.batch}",
+        f"cache      {human_bytes(p.sequence_bytes)} per sequence, {human_bytes(p.total_bytes)} in total "
+        f"(uncompressed {human_bytes(p.baseline_total_bytes)}, {p.compression:.2f}x)",
+    ]
+    if all_layers:
+        lines += [f"  layer {lay.index:3d}  {lay.kind:7s} {lay.tokens:>10,} tokens  {human_bytes(lay.bytes)}" for lay in p.layers]
+    else:
+        lines += [("layers     " if i == 0 else "           ") + g for i, g in enumerate(_layer_groups(p.layers))]
+    notes = list(p.notes)
+    for fit in fits or []:
+        head, body = _format_fit(fit)
+        if head not in lines:
+            lines.append(head)
+        lines.append(body)
+        notes += [n for n in fit.notes if n not in notes]
+    lines += [("notes      " if i == 0 else "           ") + n for i, n in enumerate(notes)]
+    return "\n".join(lines)
+
+
+def _format_fit(fit: FitResult) -> tuple[str, str]:
+    weights = human_bytes(fit.weights_bytes) + (" estimated" if fit.weights_estimated else "")
+    head = (f"fit        {human_bytes(fit.gpu_bytes)} GPU - {fit.headroom:.0%} headroom - {weights} weights "
+            f"= {human_bytes(max(fit.cache_budget_bytes, 0))} for the cache")
+    if fit.solve == "context":
+        value = "any (bounded cache)" if fit.value is None else f"{fit.value:,} tokens"
+        body = f"           largest context at batch {fit.batch}: {value}"
+    else:
+        body = f"           largest batch at {fit.context:,} tokens: {fit.value:,}"
+    return head, body
+
+

@@ -1,0 +1,1 @@
+"""Leaderboard reports: rows, markdown, CSV, HTML and plots."""

@@ -1,0 +1,324 @@
+"""The leaderboard: markdown, CSV, one self-contained HTML page and PNG plots (rows:
+:mod:`kveval.report.rows`; plots: :mod:`kveval.report.plots`).
+
+``kveval report RUN_DIRS... --out DIR`` takes run folders, or sweep folders
+holding ``runs/*/``, groups the runs by model, compares every compressed run
+with its model's baseline item by item (:mod:`kveval.stats.comparison`) and writes::
+
+    DIR/leaderboard.md     # one row per model x policy (x ratio); best values in bold
+    DIR/leaderboard.csv    # the same numbers, unformatted, plus p-values
+    DIR/leaderboard.json
+    DIR/leaderboard.html        # table + plots, inline CSS, PNGs embedded as base64
+    DIR/score_vs_compression.png
+    DIR/heatmap_<model>.png     # change vs baseline over context length x depth, per policy
+    DIR/confusion_<model>.png   # stacked memory-confusion categories per policy
+
+"Best" is judged within each model: highest score per task and over all items,
+largest change, highest compression, lowest negative flip and confusion rates.
+p-values in the CSV are Holm/BH-adjusted across every candidate x task of the
+report (the whole sweep).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from kveval.stats.comparison import _clean
+from kveval.runs.records import atomic_write_text
+from kveval.report.plots import (
+    by_model,
+    plot_confusion,
+    plot_heatmaps,
+    plot_kl_vs_compression,
+    plot_score_vs_compression,
+    slug,
+)
+from kveval.report.rows import Row, collect_rows, load_gate_result
+
+STAR = "\u2605"
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tuple[str, bool]]]]:
+    """Header and rows of (text, is_best) cells shared by markdown and HTML."""
+    header = ["model", "policy", "ratio", "bytes/token", "compression", *tasks, "all items", "change [CI]", "-flips", "confusion", "verdict"]
+    with_kl = any(r.fidelity for r in rows)  # runs made with --fidelity: mean KL from the baseline, nats
+    if with_kl:
+        header.insert(-1, "KL")
+    out = []
+    for r in rows:
+        cells: list[tuple[str, bool]] = [
+            (r.info.model, False),
+            (r.label, False),
+            (_f(r.info.ratio, "{:g}"), False),
+            (_f(r.info.bytes_per_token, "{:,.0f}"), False),
+            (_f(r.info.compression, "{:.2f}x"), "compression" in r.best),
+        ]
+        for t in tasks:
+            s = r.task_scores.get(t)
+            text = _f(s)
+            if r.comparison is not None and s is not None:
+                try:
+                    c = r.comparison.task(t)
+                    text += f" ({c.delta:+.2f})"
+                except KeyError:
+                    pass
+            cells.append((text, f"score:{t}" in r.best))
+        cells.append((_f(r.score), "score" in r.best))
+        if r.comparison is not None:
+            o = r.comparison.overall
+            cells.append((f"{o.delta:+.3f} [{o.ci_low:+.3f}, {o.ci_high:+.3f}]", "delta" in r.best))
+            cells.append((f"{o.negative_flip_rate * 100:.1f}%", "flips" in r.best))
+        else:
+            cells.append(("baseline" if r.info.is_baseline else "no baseline", False))
+            cells.append(("-", False))
+        cells.append((_f(r.confusion_rate, "{:.1%}") if r.confusion_rate is not None else "-", "confusion" in r.best))
+        if with_kl:
+            cells.append((f"{r.fidelity['kl_mean']:.3g}" if r.fidelity else ("0" if r.info.is_baseline else "-"), "kl" in r.best))
+        cells.append(("baseline" if r.info.is_baseline else (r.verdict or "-"), False))
+        out.append(cells)
+    return header, out
+
+
+def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = ()) -> str:
+    header, body = _table(rows, tasks)
+
+    def esc(s: str) -> str:
+        return s.replace("|", "\\|")
+
+    lines = [
+        "# kveval leaderboard",
+        "",
+        "Per-task cells: mean score (change vs the model's baseline). *change [CI]*: all items pooled, "
+        "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). *-flips*: share of items right at baseline and wrong under the policy. "
+        "*confusion*: share of items answered with a wrong value (distractor, stale, partial, over-inclusion, fabricated). "
+        "Best per model in **bold**."
+        + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
+           "along the baseline's own answer (teacher-forced; `kveval eval --fidelity`)." if "KL" in header else ""),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|",
+    ]
+    for cells in body:
+        lines.append("| " + " | ".join(f"**{esc(t)}**" if b else esc(t) for t, b in cells) + " |")
+    if gate_lines:
+        lines += ["", "## Gate", ""] + [f"- {esc(g)}" for g in gate_lines]
+    return "\n".join(lines) + "\n"
+
+
+def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
+    recs = []
+    for r in rows:
+        i = r.info
+        rec: dict[str, Any] = {
+            "model": i.model,
+            "policy": i.policy,
+            "family": i.family,
+            "mode": i.mode,
+            "ratio": i.ratio,
+            "bytes_per_token": i.bytes_per_token,
+            "nominal_bytes_per_token": i.nominal_bytes_per_token,
+            "compression": i.compression,
+            "is_baseline": i.is_baseline,
+            "n_items": len(r.run.items),
+            "score": r.score,
+        }
+        o = r.comparison.overall if r.comparison else None
+        rec.update(
+            {
+                "delta": o.delta if o else None,
+                "delta_ci_low": o.ci_low if o else None,
+                "delta_ci_high": o.ci_high if o else None,
+                "negative_flip_rate": o.negative_flip_rate if o else None,
+                "positive_flip_rate": o.positive_flip_rate if o else None,
+                "agreement": o.agreement if o else None,
+                "confusion_rate": r.confusion_rate,
+            }
+        )
+        if r.fidelity:
+            rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",
+                                                                  "answer_logprob_delta")})
+        for t in tasks:
+            rec[f"score[{t}]"] = r.task_scores.get(t)
+            c = None
+            if r.comparison is not None:
+                try:
+                    c = r.comparison.task(t)
+                except KeyError:
+                    c = None
+            rec[f"delta[{t}]"] = c.delta if c else None
+            rec[f"delta_ci_low[{t}]"] = c.ci_low if c else None
+            rec[f"delta_ci_high[{t}]"] = c.ci_high if c else None
+            rec[f"p[{t}]"] = c.pvalue if c else None
+            rec[f"p_holm_sweep[{t}]"] = c.p_holm if c else None
+            rec[f"p_bh_sweep[{t}]"] = c.p_bh if c else None
+            rec[f"negative_flip_rate[{t}]"] = c.negative_flip_rate if c else None
+        rec["verdict"] = "baseline" if i.is_baseline else r.verdict
+        rec["run"] = i.name
+        rec["path"] = str(r.run.path)
+        recs.append(_clean(rec))
+    return recs
+
+
+def _write_csv(path: Path, recs: list[dict[str, Any]]) -> None:
+    buf = io.StringIO()
+    fields = list(dict.fromkeys(k for rec in recs for k in rec))
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    for rec in recs:
+        w.writerow({k: ("" if v is None else v) for k, v in rec.items()})
+    atomic_write_text(path, buf.getvalue())
+
+
+# ----------------------------------------------------------------------------- HTML
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:1400px}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em}
+table{border-collapse:collapse;font-size:0.85em}
+th,td{border:1px solid #ccc;padding:4px 8px;text-align:right;white-space:nowrap}
+th{background:#f0f0f0}td.l{text-align:left}
+td.best{font-weight:bold;background:#eef7ee}
+td.PASS{color:#1a7f37;font-weight:bold}td.FAIL{color:#c62828;font-weight:bold}td.ERROR{color:#c62828}
+p.note{font-size:0.85em;color:#555;max-width:1000px}
+img{max-width:100%;border:1px solid #eee;margin:0.5em 0}
+ul.gate li{font-family:monospace;font-size:0.85em}
+"""
+
+
+def to_html(rows: list[Row], tasks: list[str], plots: Sequence[Path], gate_lines: Sequence[str] = ()) -> str:
+    header, body = _table(rows, tasks)
+    e = html.escape
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>kveval leaderboard</title>',
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>kveval leaderboard</h1>",
+        '<p class="note">Per-task cells: mean score (change vs the model\'s baseline). <i>change [CI]</i>: all items pooled, '
+        "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). <i>-flips</i>: share of items right at baseline and wrong under the policy. "
+        "<i>confusion</i>: share of items answered with a wrong value. "
+        f"{STAR} marks the best value per model.</p>",
+        '<table id="leaderboard"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead><tbody>",
+    ]
+    for cells in body:
+        tds = []
+        for idx, (text, best) in enumerate(cells):
+            cls = []
+            if idx < 2:
+                cls.append("l")
+            if best:
+                cls.append("best")
+            if idx == len(cells) - 1 and text in ("PASS", "FAIL", "ERROR"):
+                cls.append(text)
+            attr = f' class="{" ".join(cls)}"' if cls else ""
+            tds.append(f"<td{attr}>{e(text)}{' ' + STAR if best else ''}</td>")
+        out.append("<tr>" + "".join(tds) + "</tr>")
+    out.append("</tbody></table>")
+    if gate_lines:
+        out.append("<h2>Gate</h2><ul class=\"gate\">" + "".join(f"<li>{e(g)}</li>" for g in gate_lines) + "</ul>")
+    if plots:
+        out.append("<h2>Plots</h2>")
+        for p in plots:
+            data = base64.b64encode(Path(p).read_bytes()).decode("ascii")
+            out.append(f'<figure><img alt="{e(p.stem)}" src="data:image/png;base64,{data}"><figcaption>{e(p.stem)}</figcaption></figure>')
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _gate_lines(gate: dict[str, Any] | None) -> list[str]:
+    """One line per candidate (``PASS``, ``FAIL``, ``INCONCLUSIVE`` with its reasons, ``ERROR``), then the deployment decision."""
+    lines = []
+    for c in (gate or {}).get("candidates", []):
+        if c["status"] == "ERROR":
+            lines.append(f"ERROR {c['name']}: {c.get('error')}")
+        elif c["status"] == "PASS":
+            lines.append(f"PASS {c['name']}: " + "; ".join(t["summary"] for t in c.get("tasks", [])))
+        else:
+            lines.append(f"{c['status']} {c['name']}: " + " | ".join(c.get("reasons", [])))
+    lines += [f"deployment: {d['line']}" for d in _deployments(gate)]
+    return lines
+
+
+def _deployments(gate: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not gate:
+        return []
+    results = gate.get("results") or [gate]
+    return [r["deployment"] for r in results if isinstance(r, dict) and r.get("deployment")]
+
+
+def build_report(
+    run_dirs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    gate_result: Any = None,
+    *,
+    n_resamples: int = 9999,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Write the leaderboard (markdown, CSV, JSON, HTML) and plots.
+
+    Parameters
+    ----------
+    run_dirs : sequence of paths
+        Run folders, or sweep folders holding ``runs/*/``.
+    out_dir : path
+        Output folder (created).
+    gate_result : GateResult, list of GateResult, dict, path or None
+        Gate verdicts for the *verdict* column: :class:`kveval.gate.rules.GateResult`
+        (one, or one per model from :func:`kveval.gate.rules.evaluate_sweep`), or the
+        ``gate.json`` written by ``kveval gate --out`` / ``write_gate_outputs``
+        (or its folder).
+    n_resamples, seed : int
+        Bootstrap settings of the log-prob change intervals.
+
+    Returns
+    -------
+    dict
+        ``{"markdown", "csv", "json", "html"}`` -> Path, and ``"plots"`` -> list of Path.
+    """
+    gate = load_gate_result(gate_result)
+    rows, tasks = collect_rows(run_dirs, gate_result=gate, n_resamples=n_resamples, seed=seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gate_lines = _gate_lines(gate)
+    plots: list[Path] = []
+    for fn, name in ((plot_score_vs_compression, "score_vs_compression.png"), (plot_kl_vs_compression, "kl_vs_compression.png")):
+        p = fn(rows, out / name)
+        if p:
+            plots.append(p)
+    for model, group in by_model(rows).items():
+        for fn, stem in ((plot_heatmaps, "heatmap"), (plot_confusion, "confusion")):
+            p = fn(model, group, out / f"{stem}_{slug(model)}.png")
+            if p:
+                plots.append(p)
+    paths: dict[str, Any] = {
+        "markdown": out / "leaderboard.md",
+        "csv": out / "leaderboard.csv",
+        "json": out / "leaderboard.json",
+        "html": out / "leaderboard.html",
+    }
+    recs = csv_records(rows, tasks)
+    atomic_write_text(paths["markdown"], to_markdown(rows, tasks, gate_lines))
+    _write_csv(paths["csv"], recs)
+    atomic_write_text(paths["json"], json.dumps({"tasks": tasks, "rows": recs}, indent=2))
+    atomic_write_text(paths["html"], to_html(rows, tasks, plots, gate_lines))
+    paths["plots"] = plots
+    return paths
+
+

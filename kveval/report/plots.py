@@ -1,0 +1,174 @@
+"""The leaderboard's PNG plots (:mod:`kveval.report.leaderboard`): score and KL against compression, change against the
+baseline over context length x depth, and memory-confusion categories per policy. Matplotlib's Agg canvas only:
+no pyplot, no global backend switch. Each function returns the path it wrote, or ``None`` when its rows hold
+nothing to plot."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kveval.stats.comparison import CATEGORIES, OVERALL, confusion_rates
+from kveval.report.rows import Row
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)  # Agg canvas, no pyplot and no global backend switch
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, format="png", bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+def slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_") or "model"
+
+
+def by_model(rows: list[Row]) -> dict[str, list[Row]]:
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        out.setdefault(r.info.model, []).append(r)
+    return out
+
+
+def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
+    """Score (all items) vs compression factor: a line per policy family, the baseline dashed."""
+    models = by_model(rows)
+    n = len(models)
+    cols = min(n, 3)
+    nrows = math.ceil(n / cols)
+    fig = _figure(5.2 * cols, 3.8 * nrows)
+    for k, (model, group) in enumerate(models.items()):
+        ax = fig.add_subplot(nrows, cols, k + 1)
+        families: dict[str, list[tuple[float, float, bool]]] = {}
+        for r in group:
+            if r.info.is_baseline:
+                ax.axhline(r.score, linestyle="--", color="0.3", label=f"baseline ({r.score:.2f})")
+                ax.plot([r.info.compression or 1.0], [r.score], marker="*", markersize=10, color="0.3", linestyle="none")
+                continue
+            x, measured = r.info.compression, True
+            if x is None and r.info.ratio is not None and r.info.ratio < 1:
+                x, measured = 1.0 / (1.0 - r.info.ratio), False
+            if x is None:
+                continue
+            fam = r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
+            families.setdefault(fam, []).append((x, r.score, measured))
+        for fam, pts in sorted(families.items()):
+            pts.sort()
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)[0]
+            hollow = [p for p in pts if not p[2]]
+            if hollow:
+                ax.plot([p[0] for p in hollow], [p[1] for p in hollow], "o", mfc="white", mec=line.get_color())
+        ax.set_xlabel("compression factor (uncompressed / measured cache bytes; hollow: nominal)")
+        ax.set_ylabel("score (all items)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_kl_vs_compression(rows: list[Row], path: Path) -> Path | None:
+    """Mean KL from the baseline (teacher-forced baseline answers, log scale) vs compression factor, per policy family."""
+    measured = [r for r in rows if r.fidelity and r.info.compression]
+    if not measured:
+        return None
+    models = by_model(measured)
+    cols = min(len(models), 3)
+    fig = _figure(5.2 * cols, 3.8 * math.ceil(len(models) / cols))
+    for k, (model, group) in enumerate(models.items()):
+        ax = fig.add_subplot(math.ceil(len(models) / cols), cols, k + 1)
+        families: dict[str, list[tuple[float, float]]] = {}
+        for r in group:
+            fam = r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
+            families.setdefault(fam, []).append((r.info.compression, max(r.fidelity["kl_mean"], 1e-8)))
+        for fam, pts in sorted(families.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+        ax.set_yscale("log")
+        ax.set_xlabel("compression factor (uncompressed / measured cache bytes)")
+        ax.set_ylabel("mean KL from baseline (nats/token)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_heatmaps(model: str, group: list[Row], path: Path) -> Path | None:
+    """Per policy of one model: mean score change vs baseline over context length x needle depth."""
+    panels = []
+    for r in group:
+        if r.comparison is None:
+            continue
+        lengths, depths, delta, counts = r.comparison.grid()
+        if delta.size:
+            panels.append((r, lengths, depths, delta, counts))
+    if not panels:
+        return None
+    cols = min(len(panels), 3)
+    nrows = math.ceil(len(panels) / cols)
+    fig = _figure(4.6 * cols, 3.6 * nrows)
+    image = None
+    for k, (r, lengths, depths, delta, counts) in enumerate(panels):
+        ax = fig.add_subplot(nrows, cols, k + 1)
+        image = ax.imshow(np.ma.masked_invalid(delta), cmap="RdBu", vmin=-1, vmax=1, aspect="auto", origin="lower")
+        ax.set_xticks(range(len(depths)), [("-" if d is None else f"{d:g}") for d in depths])
+        ax.set_yticks(range(len(lengths)), [("-" if L is None else str(L)) for L in lengths])
+        ax.set_xlabel("needle depth")
+        if k % cols == 0:
+            ax.set_ylabel("context length (tokens)")
+        ax.set_title(r.label, fontsize=9)
+        for i in range(delta.shape[0]):
+            for j in range(delta.shape[1]):
+                if counts[i, j]:
+                    v = delta[i, j]
+                    ax.text(j, i, f"{v:+.2f}", ha="center", va="center", fontsize=7, color="white" if abs(v) > 0.6 else "black")
+    fig.subplots_adjust(wspace=0.3, hspace=0.45)
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes, shrink=0.8, label="score change vs baseline")
+    fig.suptitle(f"{model}: change vs baseline")
+    return _save(fig, path)
+
+
+def plot_confusion(model: str, group: list[Row], path: Path) -> Path | None:
+    """Stacked bars: share of items per wrong-answer category, per policy of one model."""
+    data = [(r, confusion_rates(r.run.items)) for r in group]
+    data = [(r, c) for r, c in data if c]
+    if not data:
+        return None
+    cats = [c for c in CATEGORIES if c != "correct"]
+    extra = sorted({k for _, c in data for k in c if k not in CATEGORIES and k != OVERALL})
+    cats += extra
+    fig = _figure(max(5.0, 0.9 * len(data) + 2.5), 4.0)
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(data))
+    bottom = np.zeros(len(data))
+    colors = {"distractor": "#d62728", "stale": "#ff7f0e", "partial": "#bcbd22", "over_inclusion": "#9467bd",
+              "fabricated": "#8c564b", "empty": "#7f7f7f"}
+    for cat in cats:
+        vals = np.array([c.get(cat, 0.0) for _, c in data])
+        if not vals.any():
+            continue
+        ax.bar(x, vals, bottom=bottom, label=cat, color=colors.get(cat))
+        bottom += vals
+    ax.set_xticks(x, [r.label for r, _ in data], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("share of items")
+    ax.set_ylim(0, max(0.05, float(bottom.max()) * 1.15))
+    ax.set_title(f"{model}: wrong answers by category")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+__all__ = ["by_model", "plot_confusion", "plot_heatmaps", "plot_kl_vs_compression", "plot_score_vs_compression", "slug"]

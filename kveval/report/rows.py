@@ -1,0 +1,199 @@
+"""The rows of a leaderboard (:mod:`kveval.report.leaderboard`): run folders grouped by model, every compressed run compared
+with its model's baseline item by item (:mod:`kveval.stats.comparison`), the gate's verdicts attached, and the best value
+of each column marked within each model."""
+
+from __future__ import annotations
+
+from kveval.errors import UsageError
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from kveval.stats.comparison import OVERALL, RunComparison, adjust_sweep, check_settings, compare_runs, confusion_rates
+from kveval.runs.results import Run, expand_run_dirs, load_run
+from kveval.runs.records import ResultFileError
+
+
+@dataclass
+class Row:
+    """One leaderboard row: a run, and its comparison with the baseline (None for the baseline itself)."""
+
+    run: Run
+    comparison: RunComparison | None
+    task_scores: dict[str, float]
+    score: float
+    confusion_rate: float | None
+    verdict: str | None = None
+    best: set[str] = field(default_factory=set)
+
+    @property
+    def info(self):
+        return self.run.info
+
+    @property
+    def fidelity(self) -> dict[str, float] | None:
+        """All items' teacher-forced fidelity summary (:func:`kveval.runner.fidelity.summarize`), if the run measured it."""
+        return self.comparison.overall.fidelity if self.comparison is not None else None
+
+    @property
+    def label(self) -> str:
+        i = self.info
+        if i.is_baseline:
+            return "baseline"
+        return i.policy if i.mode == "context" else f"{i.policy} [{i.mode}]"
+
+
+def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
+    """Gate verdicts as the ``gate.json`` dict, from a GateResult, a dict, or a gate.json path (or its folder)."""
+    if gate_result is None:
+        return None
+    if isinstance(gate_result, dict):
+        return _flatten_gate(gate_result)
+    if hasattr(gate_result, "to_dict"):
+        return gate_result.to_dict()
+    if isinstance(gate_result, (list, tuple)):
+        return {"candidates": [c for r in gate_result for c in load_gate_result(r)["candidates"]]}
+    p = Path(gate_result)
+    if p.is_dir():
+        p = p / "gate.json"
+    if not p.is_file():
+        raise ResultFileError(f"{p}: no gate result (gate.json written by kveval gate --out)")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ResultFileError(f"{p}: corrupt gate result ({exc})") from exc
+    if not isinstance(data, dict) or not (isinstance(data.get("candidates"), list) or isinstance(data.get("results"), list)):
+        raise ResultFileError(f"{p}: not a gate result (no candidates)")
+    return _flatten_gate(data)
+
+
+def _flatten_gate(data: dict[str, Any]) -> dict[str, Any]:
+    """A multi-model ``gate.json`` (``results``: one per baseline) as one list of candidates."""
+    if "results" in data and "candidates" not in data:
+        return dict(data, candidates=[c for r in data["results"] for c in r.get("candidates", [])])
+    return data
+
+
+def _verdicts(gate: dict[str, Any] | None) -> dict[str, str]:
+    """Map candidate path (resolved) and name to its verdict."""
+    out: dict[str, str] = {}
+    for c in (gate or {}).get("candidates", []):
+        out[f"name:{c.get('name')}"] = c["status"]
+        try:
+            out[f"path:{Path(c['path']).resolve()}"] = c["status"]
+        except OSError:
+            pass
+    return out
+
+
+def collect_rows(
+    run_dirs: Sequence[str | os.PathLike],
+    *,
+    gate_result: Any = None,
+    n_resamples: int = 9999,
+    seed: int = 0,
+    confidence_level: float = 0.95,
+) -> tuple[list[Row], list[str]]:
+    """Load the runs, pair each candidate with its model's baseline and build the leaderboard rows.
+
+    Returns
+    -------
+    rows : list of Row
+        Sorted by model, baseline first, then policy family and ratio.
+    tasks : list of str
+        Task columns, in first-seen order.
+
+    Raises
+    ------
+    ResultFileError
+        Unreadable or unpaired results.
+    ValueError
+        Two baselines for one model.
+    """
+    check_settings(confidence_level, n_resamples)
+    runs = [load_run(p) for p in expand_run_dirs(run_dirs)]
+    baselines: dict[str, Run] = {}
+    for r in runs:
+        if r.info.is_baseline:
+            if r.info.model in baselines:
+                raise UsageError(
+                    f"two baselines for model {r.info.model!r}: {baselines[r.info.model].path} and {r.path}; report one"
+                )
+            baselines[r.info.model] = r
+    verdicts = _verdicts(load_gate_result(gate_result))
+    rows: list[Row] = []
+    tasks: list[str] = []
+    for r in runs:
+        for it in r.items:
+            if it.task not in tasks:
+                tasks.append(it.task)
+        comp = None
+        if not r.info.is_baseline and r.info.model in baselines:
+            comp = compare_runs(
+                baselines[r.info.model], r, n_resamples=n_resamples, seed=seed, confidence_level=confidence_level, cells=False
+            )
+        by_task: dict[str, list[float]] = {}
+        for it in r.items:
+            by_task.setdefault(it.task, []).append(it.score)
+        conf = confusion_rates(r.items)
+        verdict = None
+        if not r.info.is_baseline:
+            verdict = verdicts.get(f"path:{r.path.resolve()}") or verdicts.get(f"name:{r.info.name}")
+        rows.append(
+            Row(
+                run=r,
+                comparison=comp,
+                task_scores={t: float(np.mean(v)) for t, v in by_task.items()},
+                score=float(np.mean([it.score for it in r.items])),
+                confusion_rate=conf.get(OVERALL) if conf else None,
+                verdict=verdict,
+            )
+        )
+    adjust_sweep([row.comparison for row in rows if row.comparison is not None])
+    rows.sort(
+        key=lambda row: (
+            row.info.model,
+            not row.info.is_baseline,
+            row.info.family,
+            row.info.ratio if row.info.ratio is not None else -1.0,
+            row.info.policy,
+            row.info.mode,
+        )
+    )
+    _mark_best(rows, tasks)
+    return rows, tasks
+
+
+def _mark_best(rows: list[Row], tasks: list[str]) -> None:
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r.info.model, []).append(r)
+
+    def mark(group: list[Row], key: str, value, higher: bool) -> None:
+        vals = [(r, value(r)) for r in group]
+        vals = [(r, v) for r, v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+        if len(vals) < 2:
+            return
+        best = max(v for _, v in vals) if higher else min(v for _, v in vals)
+        for r, v in vals:
+            if abs(v - best) <= 1e-12:
+                r.best.add(key)
+
+    for group in groups.values():
+        for t in tasks:
+            mark(group, f"score:{t}", lambda r, t=t: r.task_scores.get(t), True)
+        mark(group, "score", lambda r: r.score, True)
+        mark(group, "delta", lambda r: r.comparison.overall.delta if r.comparison else None, True)
+        mark(group, "compression", lambda r: r.info.compression, True)
+        mark(group, "flips", lambda r: r.comparison.overall.negative_flip_rate if r.comparison else None, False)
+        mark(group, "confusion", lambda r: r.confusion_rate, False)
+        mark(group, "kl", lambda r: r.fidelity["kl_mean"] if r.fidelity else None, False)
+
+
+__all__ = ["Row", "collect_rows", "load_gate_result"]

@@ -1,0 +1,286 @@
+"""The eval runner: probe items under one or more policies, one run folder per policy (the command: :mod:`kveval.commands.eval`).
+
+Each run folder holds ``run.json`` and ``items.jsonl`` (see :mod:`kveval.runs.records`).
+Items already in a run's ``items.jsonl`` are skipped, so an interrupted
+evaluation continues where it stopped. All policies of a call share one
+prefill per batch of items (:func:`kveval.runner.generation.generate_each`); each
+policy's items are written as soon as that policy has decoded them, so a run
+killed between two policies of one prefill reruns only the policies it had not
+written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import statistics
+from pathlib import Path
+
+from kveval.errors import RunFolderError, UsageError
+from kveval.runs.records import (
+    ItemRecord,
+    ItemWriter,
+    RunInfo,
+    cut_partial_item,
+    iter_items,
+    read_run_info,
+    write_run_info,
+)
+from kveval.runner.runspec import RunSpec
+
+
+def run_slug(text: str) -> str:
+    """A folder name for a model or policy spec: ``snapkv(ratio=0.5)+kivi(bits=4)`` -> ``snapkv_ratio-0.5+kivi_bits-4``."""
+    text = text.replace("=", "-").replace(",", "_").replace("(", "_").replace(")", "")
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text).strip("_") or "none"
+
+
+def model_identity(name: str, revision: str | None = None) -> dict:
+    """Which model ``name`` is, exactly: ``{"name", "source", "revision", "hash"}``.
+
+    ``source`` is ``embedded:<name>`` for an embedded model, the resolved
+    absolute path of a local folder or ``.gguf`` file, else the Hub id;
+    ``revision`` is the Hub revision (``main`` unless given; ``None`` for
+    local files). ``hash`` is the first 8 hex digits of SHA-256 over source
+    and revision: ``org1/M`` and ``org2/M``, or two ``.../final`` folders,
+    get different hashes.
+    """
+    from kveval.modeling.sources import EMBEDDED
+
+    name = str(name)
+    path = Path(name).expanduser()
+    if name in EMBEDDED:
+        source, revision = f"embedded:{name}", None
+    elif path.exists() or path.suffix == ".gguf":
+        source, revision = str(path.resolve()), None
+    else:
+        source, revision = name, revision or "main"
+    digest = hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
+    return {"name": name, "source": source, "revision": revision, "hash": digest}
+
+
+def model_folder(identity: dict) -> str:
+    """Folder name of a model's runs: an embedded model's name, else ``<last path part>-<hash>``."""
+    if identity["source"].startswith("embedded:"):
+        return run_slug(identity["name"])
+    return f"{run_slug(Path(identity['name']).name)}-{identity['hash']}"
+
+
+def run_dir_for(root: Path, identity: dict, spec: RunSpec) -> Path:
+    """``<root>/runs/<model folder>/<policy slug>[@query][@kv-<dtype>]``."""
+    suffix = ("@query" if spec.effective_mode == "query" else "") + (f"@kv-{spec.kv_dtype}" if spec.kv_dtype else "")
+    return Path(root) / "runs" / model_folder(identity) / (run_slug(spec.spec) + suffix)
+
+
+def _record(item, result, score) -> ItemRecord:
+    stats = result.stats
+    return ItemRecord(
+        id=item.id, hash=item.hash, task=item.family, score=score.score, correct=score.correct, category=score.category,
+        answer=result.text, gold=list(item.gold), recalled=score.recalled, length=item.length, depth=item.depth,
+        metrics={"kv_bytes": stats.kv_bytes, "nominal_bytes": stats.nominal_bytes, "index_bytes": stats.index_bytes,
+                 "bytes_per_token": stats.bytes_per_token, "nominal_bytes_per_token": stats.nominal_bytes_per_token,
+                 "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
+                 "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
+                 "group": item.group, "turn": item.turn},
+    )
+
+
+def finalize_run(run_dir: Path) -> RunInfo:
+    """Write the run's measured averages (bytes per token, speed) into ``run.json``."""
+    info = read_run_info(run_dir)
+    records = [r for r in iter_items(run_dir) if "bytes_per_token" in r.metrics]  # probe items (lm-eval items carry none)
+    if records:
+        info.bytes_per_token = statistics.fmean(r.metrics["bytes_per_token"] for r in records)
+        info.nominal_bytes_per_token = statistics.fmean(r.metrics["nominal_bytes_per_token"] for r in records)
+        info.extra.update({
+            "items": len(records),
+            "peak_kv_bytes": max(r.metrics["kv_bytes"] for r in records),
+            "ttft_s_mean": statistics.fmean(r.metrics["ttft_s"] for r in records),
+            "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
+        })
+    write_run_info(run_dir, info)
+    return info
+
+
+def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSpec]", root: Path, model_name: str,
+                      mode: str = "context", batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None,
+                      revision: str | None = None, fidelity: bool = False) -> list[Path]:
+    """Evaluate ``items`` under every policy; return the run folders (one per policy, same order).
+
+    Parameters
+    ----------
+    policies : list of RunSpec or str
+        Run specs; a string is parsed with ``mode`` as its default mode. All
+        must share one mode and KV dtype (one call per mode).
+    progress : tqdm-like, optional
+        ``update(n)`` is called once per finished (item, policy) pair.
+    extra : dict, optional
+        Recorded in each ``run.json`` (e.g. the sweep's config hash).
+    revision : str, optional
+        The model's Hub revision, part of its identity.
+    fidelity : bool, optional
+        Also teacher-force the baseline's answers through each compressed
+        policy and write ``fidelity.jsonl`` into its run folder
+        (:mod:`kveval.runner.fidelity`); needs ``none`` among ``policies``. Costs
+        about one extra generation per item and policy, plus one for the baseline.
+
+    Raises
+    ------
+    RunFolderError
+        A run folder to resume holds another model (identity) or other prompts
+        under the same item ids.
+    """
+    from kveval.runner.generation import Prompt, check_batch_size, check_request, generate_each
+    from kveval.probes import encode_item, score_answer
+
+    check_batch_size(batch_size)  # before any run folder opens
+    specs = [p if isinstance(p, RunSpec) else RunSpec.parse(p, default_mode=mode) for p in policies]
+    specs = [s.for_model(model) for s in specs]
+    if len({(s.mode, s.kv_dtype) for s in specs}) > 1:
+        raise ValueError("evaluate_policies: give policies of one mode and KV dtype per call")
+    identity = model_identity(model_name, revision)
+    stacks = [s.policy for s in specs]
+    dirs = [_open_run(run_dir_for(root, identity, s), s, model, model_name, identity, items, extra) for s in specs]
+    writers = [ItemWriter(d) for d in dirs]  # opening cuts off a half-written last line
+    try:
+        done = [{r.id for r in iter_items(d)} for d in dirs]
+        if progress is not None:
+            progress.update(sum(item.id in finished for finished in done for item in items))
+        for needed, batch in _pending_batches(items, done, batch_size):
+            prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
+            limits = [item.max_new_tokens for item in batch]  # each its own: a batch's mix changes no answer
+            check_request(model, prompts, limits, specs[0].mode, len(batch))
+            outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=limits,
+                                    seed=[item.random_seed(seed) for item in batch], **specs[0].generation_kwargs())
+            for i, (_, results) in zip(needed, outputs):  # written as each policy finishes
+                for item, result in zip(batch, results):
+                    writers[i].write(_record(item, result, score_answer(item, result.text)))
+                    if progress is not None:
+                        progress.update(1)
+    finally:
+        for writer in writers:
+            writer.close()
+    if fidelity:
+        record_run_fidelity(model, tokenizer, items, specs, dirs, batch_size, seed)
+    for run_dir in dirs:
+        finalize_run(run_dir)
+    return dirs
+
+
+def record_run_fidelity(model, tokenizer, items: list, specs: "list[RunSpec]", dirs: list[Path], batch_size: int,
+                        seed: int) -> None:
+    """The fidelity hook of :func:`evaluate_policies`: every compressed run against the baseline run among ``specs``."""
+    from kveval.runner.fidelity import record_fidelity
+
+    baselines = [s for s in specs if s.policy.spec == "none"]
+    if not baselines:
+        raise UsageError("fidelity needs the baseline: add policy none (--baseline) to the same call")
+    candidates = [(s, d) for s, d in zip(specs, dirs) if s.policy.spec != "none"]
+    record_fidelity(model, tokenizer, items, baselines[0], candidates, batch_size=batch_size, seed=seed)
+
+
+def _pending_batches(items: list, done: list[set], batch_size: int):
+    """Yield ``(policy indices, items)``: batches of items that still need exactly those policies.
+
+    Items are grouped by the set of policies not yet written for them (in
+    order of first appearance), so a resumed run computes nothing already
+    written; in a fresh run there is one group and the batches are ``items``'
+    own consecutive slices.
+    """
+    groups: dict[tuple[int, ...], list] = {}
+    for item in items:
+        needed = tuple(i for i, finished in enumerate(done) if item.id not in finished)
+        if needed:
+            groups.setdefault(needed, []).append(item)
+    for needed, group in groups.items():
+        for first in range(0, len(group), batch_size):
+            yield needed, group[first:first + batch_size]
+
+
+def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: dict, items: list, extra: dict | None) -> Path:
+    """Create ``run_dir``'s ``run.json``, or check that the run there is this one before it is resumed."""
+    if (run_dir / "run.json").is_file():
+        info = read_run_info(run_dir)
+        recorded = info.model_identity or {}
+        if (recorded.get("hash") or identity["hash"]) != identity["hash"] or (not recorded and info.model != model_name):
+            raise RunFolderError(f"{run_dir} holds runs of model {recorded.get('source') or info.model}, not {identity['source']}; "
+                                 f"pass --out to a new folder, or delete {run_dir}")
+        done = set()
+        if (run_dir / "items.jsonl").is_file():
+            cut_partial_item(run_dir)  # a killed run's half-written line: it is rerun
+            wanted = {item.id: item.hash for item in items}
+            for record in iter_items(run_dir):
+                if record.id in wanted and wanted[record.id] != record.hash:
+                    raise RunFolderError(f"{run_dir}: item {record.id} was run on another prompt (hash {record.hash[:12]}, "
+                                         f"now {wanted[record.id][:12]}); pass --out to a new folder, or delete {run_dir}")
+                done.add(record.id)
+        hardware, recorded_hardware = hardware_of(model), info.extra.get("hardware")
+        if (recorded_hardware and recorded_hardware != hardware and not recorded_hardware.startswith("mixed")
+                and any(item.id not in done for item in items)):
+            # Items to compute elsewhere (a lost node's cell retried on another machine): the run now mixes two
+            # kinds of rounding, which no comparison may take for one run's (kveval.runs.results.pair_runs).
+            info.extra["hardware"] = f"mixed: {recorded_hardware} + {hardware}"
+            write_run_info(run_dir, info)
+        sets = info.extra.get("probe_sets") or []
+        added = [s for s in (extra or {}).get("probe_sets", []) if s not in sets]
+        if added:  # items of another set join the run: it records every set its items came from
+            info.extra["probe_sets"] = sets + added
+            write_run_info(run_dir, info)
+        return run_dir
+    stack = spec.policy
+    info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
+                   family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype or deployment_dtype_name(model),
+                   model_identity=identity,
+                   extra={**(extra or {}), **representation_info(stack, model), "hardware": hardware_of(model)})
+    write_run_info(run_dir, info)
+    return run_dir
+
+
+def hardware_of(model) -> str:
+    """What computed ``model``'s runs, as far as it decides the bits: the device kind and model, on a CPU the
+    instruction set torch's kernels use, and torch's version, e.g. ``"cpu AVX512 (AMD EPYC), torch 2.13.0+cpu"``.
+
+    Float kernels differ between them: on a CPU with AVX512-BF16 the quickstart sweep gave other text for 12 of
+    480 items than on an AVX2 one, its baseline included. A comparison of runs made on two of them would count
+    the hardware's rounding as the policy's effect (:func:`kveval.runs.results.pair_runs` refuses it)."""
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        name = f"cuda {torch.cuda.get_device_name(device)}"
+    elif device.type == "cpu":
+        name = f"cpu {torch.backends.cpu.get_cpu_capability()} ({_cpu_model()})"
+    else:
+        name = device.type
+    return f"{name}, torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def deployment_dtype_name(model) -> str:
+    """The KV dtype ``model`` is deployed with (what an unset ``kv_dtype`` means), e.g. ``"bfloat16"``."""
+    from kveval.stores.base import deployment_kv_dtype, dtype_name
+
+    return dtype_name(deployment_kv_dtype(model))
+
+
+def representation_info(stack, model) -> dict:
+    """Prepare the stack's representation policies on ``model`` and return what they need recorded (e.g. calibration)."""
+    info = {}
+    for policy in (stack.structure, stack.quantization):
+        if policy is not None:
+            policy.prepare(model)
+            info.update(policy.run_info(model))
+    return info
+
+

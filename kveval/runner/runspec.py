@@ -1,0 +1,184 @@
+"""What one run compresses and how: a policy stack, a mode and a KV dtype, parsed once at the edge.
+
+Users write a run as a policy spec, optionally with a mode suffix
+(``snapkv(ratio=0.5)@query`` in a sweep config), plus ``--mode`` and
+``--kv-dtype`` on the command line, ``mode:`` and ``kv_dtype:`` in a sweep
+config, or ``compress=`` and ``kv_dtype=`` in lm-eval model args. Each of those
+edges calls :meth:`RunSpec.parse` once; everything below them receives the
+typed :class:`RunSpec` and never parses a string again.
+
+:meth:`RunSpec.for_model` checks the spec against the model's ``config.json``
+(cheap: no weights) so that an error known from spec and config is reported
+before the model loads, and adapts unset quantization groups to the model's
+head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kveval.errors import PolicySpecError, UsageError
+from kveval.policies.base import PolicyStack
+from kveval.policies.spec import parse_policy
+
+MODES = ("context", "query")
+
+
+def parse_mode(mode: str | None, default: str = "context") -> str:
+    """``context`` or ``query`` (``None``: ``default``); anything else is a :class:`UsageError`."""
+    if mode is None or mode == "":
+        return default
+    if mode not in MODES:
+        raise UsageError(f"mode={mode!r}; use context (compress before the question is seen) or query (with it)")
+    return mode
+
+
+def parse_kv_dtype(kv_dtype) -> str | None:
+    """A KV cache dtype name (``bfloat16``, ``float16``, ``float32``; ``None``/``auto``: the model's deployment dtype).
+
+    Spellings are :data:`kveval.stores.base.KV_DTYPES`'s (``bf16``, ``fp16``, ...); anything else is a :class:`UsageError`.
+    """
+    if kv_dtype is None or str(kv_dtype).strip().lower() in ("", "auto", "none", "default"):
+        return None
+    from kveval.stores.base import dtype_name
+    from kveval.stores.base import parse_kv_dtype as parse_torch_dtype
+
+    return dtype_name(parse_torch_dtype(kv_dtype))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A policy stack, the compression mode and the KV dtype of one run.
+
+    Attributes
+    ----------
+    policy : PolicyStack
+        The validated policy stack (``PolicyStack()`` is the baseline ``none``).
+    mode : str
+        ``"context"`` (compress before the question is seen) or ``"query"``.
+    kv_dtype : str or None
+        Dtype of the full-precision tokens the cache holds and of the bytes
+        ratios are stated against: ``"bfloat16"``, ``"float16"`` or
+        ``"float32"``; ``None`` is the model's deployment dtype.
+    """
+
+    policy: PolicyStack
+    mode: str = "context"
+    kv_dtype: str | None = None
+
+    @classmethod
+    def parse(cls, policy: "str | PolicyStack | None", mode: str | None = None, kv_dtype=None,
+              default_mode: str = "context") -> "RunSpec":
+        """Parse a policy spec with an optional ``@context``/``@query`` suffix.
+
+        ``mode`` (e.g. ``--mode``) applies when the spec has no suffix; a suffix
+        that contradicts an explicit ``mode`` is an error. Raises
+        :class:`PolicySpecError` or :class:`UsageError`, one line each.
+        """
+        if isinstance(policy, str) and "@" in policy:
+            text, *suffixes = policy.split("@")
+            for suffix in (x.strip() for x in suffixes):
+                if suffix.startswith("kv_dtype="):
+                    kv_dtype = suffix[len("kv_dtype="):]
+                    continue
+                if suffix not in MODES:
+                    raise PolicySpecError(f"policy {policy!r}: the suffix after '@' is a mode, context or query")
+                if mode is not None and mode != suffix:
+                    raise UsageError(f"policy {policy!r} says mode {suffix} but mode={mode} was also given; give one")
+                mode = suffix
+            policy = text
+        stack = parse_policy(policy)
+        return cls(stack, parse_mode(mode, default_mode), parse_kv_dtype(kv_dtype))
+
+    @property
+    def spec(self) -> str:
+        """The canonical policy spec (``none`` for the baseline)."""
+        return self.policy.spec
+
+    @property
+    def effective_mode(self) -> str:
+        """The mode that changes anything: the baseline compresses nothing, so its mode is always ``context``."""
+        return "context" if self.policy.is_none else self.mode
+
+    @property
+    def key(self) -> str:
+        """One string naming the run: ``spec[@query][@kv_dtype=float16]``; :meth:`parse` reads it back."""
+        text = self.spec + ("@query" if self.effective_mode == "query" else "")
+        return text + (f"@kv_dtype={self.kv_dtype}" if self.kv_dtype else "")
+
+    def __str__(self) -> str:
+        return self.key
+
+    def with_mode(self, mode: str) -> "RunSpec":
+        return replace(self, mode=parse_mode(mode))
+
+    def generation_kwargs(self) -> dict:
+        """Keyword arguments for :func:`kveval.runner.generation.generate` and ``generate_many``."""
+        kwargs = {"mode": self.mode}
+        if self.kv_dtype is not None:
+            kwargs["kv_dtype"] = self.kv_dtype
+        return kwargs
+
+    def for_model(self, model) -> "RunSpec":
+        """This spec checked against ``model``'s config, before any weights load.
+
+        ``model``: a model name as :func:`kveval.runner.models.load_model` takes it, a
+        config (``PretrainedConfig`` or dict) or a loaded model. Unset
+        quantization groups adapt to the head width (or the low-rank width); an
+        explicit group that does not divide it, or a rank above ``head_dim``,
+        raises :class:`PolicySpecError`. A model whose config cannot be read
+        here is returned unchanged: loading it reports the problem.
+        """
+        shape = _model_shape(model)
+        if shape is None or self.policy.is_none:
+            return self
+        head_dim = shape.head_dim
+        stack = _copy_stack(self.policy)
+        structure = stack.structure
+        if structure is not None and shape.mla_dim is None:
+            widths = structure.stored_widths(head_dim)
+            if hasattr(structure, "check_shape"):  # widths per group of KV heads (latent): the policy checks them
+                widths = structure.check_shape(shape.kv_heads, head_dim)
+            for kind, width in (widths or {}).items():
+                if width > head_dim:
+                    raise PolicySpecError(f"{structure.spec()}: {kind} rank {width} exceeds head_dim={head_dim} of "
+                                          f"{shape.name}; use at most {head_dim}")
+        if shape.mla_dim is None:
+            stack.fit_groups(head_dim)
+        return replace(self, policy=stack)
+
+
+def _copy_stack(stack: PolicyStack) -> PolicyStack:
+    """A copy whose policies can be adapted to one model without changing ``stack`` (calibrations stay shared)."""
+    import copy
+
+    return PolicyStack(*(copy.copy(p) if p is not None else None for p in (stack.selection, stack.structure, stack.quantization)))
+
+
+def _model_shape(model):
+    """The cache-relevant shape of ``model`` (name, config or loaded model), or ``None`` if its config is unreadable."""
+    from kveval.planner.model_specs import load_model_spec
+
+    if hasattr(model, "config") and not isinstance(model, dict):
+        model = model.config
+    try:
+        return load_model_spec(model)
+    except (ValueError, OSError):
+        return None
+
+
+def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None) -> list[RunSpec]:
+    """Parse several specs (duplicates by canonical key dropped, order kept), checked against ``model``'s config.
+
+    The one call each command makes at its edge, before the model loads.
+    """
+    specs: dict[str, RunSpec] = {}
+    for policy in policies:
+        spec = policy if isinstance(policy, RunSpec) else RunSpec.parse(policy, default_mode=parse_mode(mode), kv_dtype=kv_dtype)
+        if model is not None:
+            spec = spec.for_model(model)
+        specs.setdefault(spec.key, spec)
+    return list(specs.values())
+
+
+__all__ = ["MODES", "RunSpec", "parse_kv_dtype", "parse_mode", "parse_run_specs"]

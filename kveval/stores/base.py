@@ -1,0 +1,514 @@
+"""Token stores: how one sequence's K/V are held in one layer.
+
+A store holds ``[kv_heads, tokens, head_dim]`` keys and values for one
+sequence. Every store implements :class:`TokenStore`, so selection, structure
+and quantization compose: ``LowRankStore(inner=QuantizedStore(...))`` quantizes
+low-rank coefficients.
+
+Two dtypes
+----------
+``kv_dtype`` is the dtype a deployment's cache holds (bfloat16 or float16 in
+practice, see :func:`deployment_kv_dtype`): every full-precision token a store
+keeps (dense tokens, the residual window of a quantized store, low-rank
+coefficients) is stored in it, on every device. ``compute_dtype`` is the dtype
+the model computes in (float32 on a CPU); ``keys_values`` hands K/V to
+attention in it. With ``kv_dtype == compute_dtype`` nothing is converted.
+
+``nbytes`` counts the tensors the store really holds (packed codes, scales,
+zero points, full-precision tokens); nothing is simulated.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kveval.dtypes import CACHE_DTYPE_NAMES
+from kveval.errors import UsageError
+from kveval.tensors.quantization import (
+    QuantizedBlock,
+    concat_blocks,
+    dequantize,
+    gather_units,
+    quantize,
+    quantize_fp8,
+    split_units,
+    units_from,
+)
+
+KV_DTYPES = {alias: getattr(torch, name) for alias, name in CACHE_DTYPE_NAMES.items()}
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+DEFAULT_KV_DTYPE = torch.bfloat16
+
+
+def parse_kv_dtype(value: "str | torch.dtype") -> torch.dtype:
+    """A cache dtype from a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``, ``float32``) or a ``torch.dtype``."""
+    if isinstance(value, torch.dtype):
+        if value not in KV_DTYPES.values():
+            raise UsageError(f"kv_dtype={value} is not a cache dtype; use bfloat16, float16 or float32")
+        return value
+    name = str(value).strip().lower().removeprefix("torch.")
+    if name not in KV_DTYPES:
+        raise UsageError(f"kv_dtype={value!r} is not a cache dtype; use one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
+def deployment_kv_dtype(model) -> torch.dtype:
+    """The cache dtype ``model`` is deployed with, whatever dtype it computes in here.
+
+    ``model.kveval_kv_dtype`` when :func:`kveval.runner.models.load_model` recorded it
+    (the checkpoint's dtype, read before loading in float32 on a CPU); else the
+    model's own dtype when it is a 16-bit float; else bfloat16.
+    """
+    recorded = getattr(model, "kveval_kv_dtype", None)
+    if recorded is not None:
+        return parse_kv_dtype(recorded)
+    dtype = getattr(model, "dtype", None)
+    return dtype if dtype in _SIXTEEN_BIT else DEFAULT_KV_DTYPE
+
+
+def checkpoint_kv_dtype(config) -> torch.dtype:
+    """Cache dtype for a checkpoint with this config: its ``dtype`` when a 16-bit float, else bfloat16."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = KV_DTYPES.get(declared.removeprefix("torch."))
+    return declared if declared in _SIXTEEN_BIT else DEFAULT_KV_DTYPE
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[h, index[h, j], :]`` for ``x`` of shape ``[H, T, D]`` and ``index`` of shape ``[H, T']``."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def alive_order(alive: torch.Tensor, count: int) -> torch.Tensor:
+    """``[H, count]``: per head, the indices of the first ``count`` True slots of ``alive`` (``[H, S]``), in order,
+    followed by False slots when a head has fewer."""
+    return torch.argsort((~alive).to(torch.int8), dim=1, stable=True)[:, :count]
+
+
+def alive_slots(alive: torch.Tensor) -> torch.Tensor:
+    """``[H, n]``: per head, the indices of the True slots of ``alive``, in order; every head must have ``n``."""
+    return alive.nonzero()[:, 1].reshape(alive.shape[0], -1)
+
+
+class TokenStore(ABC):
+    """One sequence's keys and values in one layer, ``[kv_heads, tokens, head_dim]``.
+
+    Tokens arrive in the compute dtype through :meth:`append` and stay as they
+    are until :meth:`seal` encodes the ones the store's representation encodes
+    (the cache seals after the prefill's attention and after every later
+    append). Every head holds the same number of tokens, :attr:`length`.
+    """
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Tokens held per KV head."""
+
+    @abstractmethod
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``[H, T, D]`` tokens after those held."""
+
+    @abstractmethod
+    def select(self, index: torch.Tensor) -> None:
+        """Keep tokens ``index[h, j]`` of head ``h`` (``[H, T']``, increasing in ``j``); never re-encodes kept tokens."""
+
+    def keep_last(self, index: torch.Tensor) -> None:
+        """Keep slots ``index``, ``[H, count]``: each head's last ``count`` tokens (a sliding window's trim). This
+        default is :meth:`select`; a store that knows it keeps a suffix may do it without reading the device."""
+        self.select(index)
+
+    @abstractmethod
+    def seal(self) -> None:
+        """Encode the tokens that are due (quantize what left the residual window, project onto a basis)."""
+
+    @classmethod
+    def seal_all(cls, stores: "list[TokenStore]") -> None:
+        """Seal every store of ``stores`` (one layer's rows, all of this class). This default seals them one by
+        one; a store whose encoding is per token overrides it to encode the batch's due tokens at once, with the
+        same result bit for bit."""
+        for store in stores:
+            store.seal()
+
+    @abstractmethod
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held tokens as attention sees them, ``[H, length, D]`` each, in the compute dtype."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every tensor the store holds for its tokens."""
+
+    # --- incremental reads (the cache layer's batch buffer, kveval.tensors.batch_buffer) ------------------
+    def changed_from(self) -> int:
+        """The first slot whose value, as :meth:`keys_values` shows it, may differ from what it showed at the last
+        :meth:`mark_read` (slots appended since count as changed). This default says every slot: a store that does
+        not track its changes is read whole each time."""
+        return 0
+
+    def mark_read(self) -> None:
+        """The reader now holds every slot as :meth:`keys_values` shows it."""
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots ``start`` onwards of :meth:`keys_values`, ``[H, length - start, D]`` each."""
+        keys, values = self.keys_values()
+        return keys[:, start:], values[:, start:]
+
+
+def seal_together(stores: "list[TokenStore]") -> None:
+    """Seal every store of ``stores`` (one layer's rows): those of one class together, by its :meth:`TokenStore.seal_all`."""
+    by_class: dict[type, list[TokenStore]] = {}
+    for store in stores:
+        by_class.setdefault(type(store), []).append(store)
+    for cls, group in by_class.items():
+        cls.seal_all(group)
+
+
+class DenseStore(TokenStore):
+    """Keys and values held as they are, in ``kv_dtype`` (the uncompressed representation).
+
+    ``kv_dtype=None`` stores tokens in the dtype they arrive in; ``compute_dtype=None``
+    hands them back in that dtype too.
+    """
+
+    def __init__(self, kv_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
+        self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self._read = 0  # leading slots unchanged since mark_read (appends never change held slots)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = keys.dtype
+        # Contiguous, in kv_dtype: one copy at most (none for a contiguous tensor already in it).
+        keys, values = (x.to(self.kv_dtype or x.dtype, memory_format=torch.contiguous_format) for x in (keys, values))
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=1)
+            self.values = torch.cat([self.values, values], dim=1)
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold exactly ``keys`` and ``values`` (``[H, T, D]``, already in ``kv_dtype``; views are kept as views),
+        in place of any tokens held, all of them read (a batch buffer holds them: see :class:`~kveval.tensors.batch_buffer.BatchBuffer`)."""
+        self.keys, self.values = keys, values
+        self.mark_read()
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            return self.keys, self.values
+        return self.keys.to(self.compute_dtype), self.values.to(self.compute_dtype)
+
+    def select(self, index: torch.Tensor) -> None:
+        self.keys, self.values = gather_tokens(self.keys, index), gather_tokens(self.values, index)
+        self._read = 0
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold exactly ``keys`` and ``values`` (``[H, T, D]``, stored in ``kv_dtype``; no copy when already in it)."""
+        self.keys, self.values, self._read = None, None, 0
+        self.append(keys, values)
+
+    def seal(self) -> None:
+        """Nothing to encode: dense tokens stay as they are."""
+
+    def changed_from(self) -> int:
+        return self._read
+
+    def mark_read(self) -> None:
+        self._read = self.length
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, start:].to(self.compute_dtype), self.values[:, start:].to(self.compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.keys) + _nbytes(self.values)
+
+
+def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedBlock:
+    """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.policies.quant.TensorQuant`) says."""
+    if quant.fp8 is not None:
+        return quantize_fp8(x, quant.fp8, quant.axis, quant.group, valid)
+    return quantize(x, quant.bits, quant.axis, quant.group, quant.symmetric, valid)
+
+
+class QuantizedSequence:
+    """One of K or V: quantized units of older tokens plus a full-precision tail in ``kv_dtype``.
+
+    ``seal`` quantizes the slots that have aged out of the ``residual`` most
+    recent ones: all of them for per-token groups, whole groups of ``group``
+    slots for per-channel groups (the remainder waits in the tail). Each token
+    is encoded once, from full precision.
+
+    Eviction (:meth:`select`) never re-encodes. Slots are marked dead in
+    ``alive`` (``[H, slots]``, ``None`` when all are alive); a unit (a token, or
+    a per-channel group) is dropped once it is dead in its head, and heads keep
+    their own units, gathered as stored (codes, scales and zero points). Since
+    the stored tensors are rectangular over heads, a head that holds fewer live
+    units than another keeps dead ones as padding; a per-channel group with a
+    single live slot keeps all its bytes. ``nbytes`` counts all of that: it is
+    what such a layout really holds.
+    """
+
+    def __init__(self, quant, residual: int, kv_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
+        self.quant, self.residual = quant, residual
+        self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
+        self.block: QuantizedBlock | None = None
+        self.alive: torch.Tensor | None = None  # [H, block slots]
+        self.tail: torch.Tensor | None = None  # [H, R, D] in kv_dtype
+        self.tail_alive: torch.Tensor | None = None  # [H, R]
+        self.count = 0  # live tokens per head
+        self.read = 0  # leading live slots unchanged since mark_read (see TokenStore.changed_from)
+
+    @property
+    def unit(self) -> int:
+        return 1 if self.quant.axis == "token" else self.quant.group
+
+    @property
+    def sealed_slots(self) -> int:
+        return 0 if self.block is None else self.block.tokens
+
+    @property
+    def tail_slots(self) -> int:
+        return 0 if self.tail is None else self.tail.shape[1]
+
+    def _alive_all(self) -> torch.Tensor | None:
+        """``[H, sealed + tail slots]`` liveness, ``None`` when every slot is alive."""
+        if self.alive is None and self.tail_alive is None:
+            return None
+        heads, device = self._heads_device()
+        parts = [a if a is not None else torch.ones(heads, n, dtype=torch.bool, device=device)
+                 for a, n in ((self.alive, self.sealed_slots), (self.tail_alive, self.tail_slots))]
+        return torch.cat(parts, dim=1)
+
+    def _heads_device(self) -> tuple[int, torch.device]:
+        """The heads and device of what is held (the block's, else the tail's)."""
+        if self.block is not None:
+            return self.block.shape[0], self.block.scale.device
+        return self.tail.shape[0], self.tail.device
+
+    @property
+    def length(self) -> int:
+        return self.count
+
+    def append(self, x: torch.Tensor) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = x.dtype
+        if self.kv_dtype is not None:
+            x = x.to(self.kv_dtype)
+        self.tail = x if self.tail is None else torch.cat([self.tail, x], dim=1)
+        self.count += x.shape[1]
+        if self.tail_alive is not None:
+            self.tail_alive = torch.cat([self.tail_alive, self.tail_alive.new_ones(x.shape[0], x.shape[1])], dim=1)
+
+    def seal(self) -> None:
+        due = self._take_aged()
+        if due is not None:
+            self._hold_encoded(encode(self.quant, *due), due[1])
+
+    @staticmethod
+    def seal_many(sequences: "list[QuantizedSequence]") -> None:
+        """:meth:`seal` each of ``sequences`` (one layer's rows, K or V), with one encoding for the aged slots of
+        those that evicted none, side by side: a group (of tokens, or of ``group`` tokens per channel) never spans
+        two sequences, since each one's aged slots are whole units, and min, max, rounding and division are exact,
+        so each gets the bits of its own encoding."""
+        together: dict[tuple, list] = {}
+        for sequence in sequences:
+            due = sequence._take_aged()
+            if due is None:
+                continue
+            old, valid = due
+            if valid is not None:  # evicted slots inside its units: encoded alone
+                sequence._hold_encoded(encode(sequence.quant, old, valid), valid)
+            else:
+                together.setdefault((sequence.quant, old.dtype, old.shape[0], old.shape[2]), []).append((sequence, old))
+        for (quant, *_), group in together.items():
+            olds = [old for _, old in group]
+            encoded = encode(quant, torch.cat(olds, dim=1) if len(olds) > 1 else olds[0])
+            blocks = split_units(encoded, [old.shape[1] // sequence.unit for sequence, old in group]) if len(olds) > 1 else [encoded]
+            for (sequence, _), block in zip(group, blocks):
+                sequence._hold_encoded(block, None)
+
+    def _take_aged(self) -> "tuple[torch.Tensor, torch.Tensor | None] | None":
+        """Take the slots that left the residual window, whole units, out of the tail: ``(tokens, valid)``
+        (``valid``: which of them are alive, ``None`` for all), or ``None`` when there are none."""
+        if self.tail is None:
+            return None
+        aged = self.tail.shape[1] - self.residual
+        aged = (aged // self.unit) * self.unit
+        if aged <= 0:
+            return None
+        # The aged slots now read back dequantized. With every slot alive they follow the block's tokens; otherwise
+        # where they stand among the live slots is not worth working out: everything counts as changed.
+        plain = self.alive is None and self.tail_alive is None
+        self.read = min(self.read, self.sealed_slots) if plain else 0
+        old, self.tail = self.tail[:, :aged], self.tail[:, aged:]
+        valid = None
+        if self.tail_alive is not None:
+            valid, self.tail_alive = self.tail_alive[:, :aged], self.tail_alive[:, aged:]
+        return old, valid
+
+    def _hold_encoded(self, new: QuantizedBlock, valid: "torch.Tensor | None") -> None:
+        """Append ``new``, the encoding of the slots :meth:`_take_aged` took (``valid``: which were alive)."""
+        if self.alive is not None or valid is not None:
+            def everyone(slots: int) -> torch.Tensor:
+                return torch.ones(new.shape[0], slots, dtype=torch.bool, device=new.scale.device)
+
+            self.alive = torch.cat([self.alive if self.alive is not None else everyone(self.sealed_slots),
+                                    valid if valid is not None else everyone(new.tokens)], dim=1)
+        self.block = concat_blocks(self.block, new)
+        self._compact()
+
+    def materialize(self, start: int = 0) -> torch.Tensor:
+        """The held tokens from live slot ``start`` on, ``[H, length - start, D]``, in the compute dtype.
+
+        With every slot alive only the units holding slots ``start`` onwards are dequantized.
+        """
+        alive = self._alive_all()
+        skip = 0  # slots of `everything` before `start`
+        block = self.block
+        if alive is None and block is not None and start:
+            first_unit = min(start, block.tokens) // block.unit
+            block = units_from(block, first_unit) if first_unit < block.units else None
+            skip = first_unit * self.unit
+        parts = [] if block is None else [dequantize(block, self.compute_dtype)]
+        if self.tail is not None:
+            parts.append(self.tail.to(self.compute_dtype))
+        if not parts:
+            heads, dim = self.block.shape[0], self.block.shape[2]
+            return torch.empty(heads, 0, dim, dtype=self.compute_dtype, device=self.block.scale.device)
+        everything = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if alive is None:
+            return everything[:, start - skip:]
+        live = everything[alive].reshape(everything.shape[0], -1, everything.shape[2])  # every head: `length` live slots
+        return live[:, start:]
+
+    def select(self, index: torch.Tensor) -> None:
+        alive = self._alive_all()
+        if alive is None:
+            alive = torch.ones(index.shape[0], self.sealed_slots + self.tail_slots, dtype=torch.bool, device=index.device)
+        slots = alive_slots(alive).gather(1, index)
+        kept = torch.zeros_like(alive).scatter_(1, slots, True)
+        self.alive, self.tail_alive = kept[:, :self.sealed_slots], kept[:, self.sealed_slots:]
+        self.count = index.shape[1]
+        self.read = 0
+        self._compact()
+
+    def keep_last(self, count: int) -> None:
+        """:meth:`select` of each head's last ``count`` tokens, the same units, alive slots and tail, with no
+        device read where every slot is alive: the units before the first kept token are dropped (a per-channel
+        group cut by it stays, its earlier slots dead), then the tail's slots before it."""
+        heads, device = self._heads_device()
+        if self.alive is not None or self.tail_alive is not None:
+            self.select(torch.arange(self.count - count, self.count, device=device).expand(heads, -1))
+            return
+        drop, sealed = self.count - count, self.sealed_slots
+        if drop >= sealed:
+            self.block = None
+            if drop > sealed:  # a copy, as select's gather makes: the dropped slots are freed
+                self.tail = self.tail[:, drop - sealed:].clone(memory_format=torch.contiguous_format)
+        elif drop:
+            first, cut = divmod(drop, self.unit)
+            if first:  # the units select keeps, gathered as it gathers them (an index made, nothing read)
+                units = torch.arange(first, self.block.units, device=device).expand(heads, -1)
+                self.block = gather_units(self.block, units)
+            if cut:
+                self.alive = torch.ones(heads, self.sealed_slots, dtype=torch.bool, device=device)
+                self.alive[:, :cut] = False
+        self.count, self.read = count, 0
+
+    def _compact(self) -> None:
+        """Drop units dead in their head (gathering each head's live units first) and tail slots likewise."""
+        if self.alive is not None:
+            heads, unit = self.alive.shape[0], self.unit
+            live_units = self.alive.reshape(heads, -1, unit).any(dim=-1)
+            keep = int(live_units.sum(dim=1).max())
+            if keep < live_units.shape[1]:
+                order = alive_order(live_units, keep)
+                self.block = gather_units(self.block, order) if keep else None
+                self.alive = self.alive.reshape(heads, -1, unit).gather(1, order[..., None].expand(-1, -1, unit)).reshape(heads, -1)
+            if bool(self.alive.all()):
+                self.alive = None
+        if self.tail_alive is not None:
+            keep = int(self.tail_alive.sum(dim=1).max())
+            if keep < self.tail_alive.shape[1]:
+                order = alive_order(self.tail_alive, keep)
+                self.tail, self.tail_alive = gather_tokens(self.tail, order), self.tail_alive.gather(1, order)
+            if bool(self.tail_alive.all()):
+                self.tail_alive = None
+
+    @property
+    def nbytes(self) -> int:
+        return (0 if self.block is None else self.block.nbytes) + _nbytes(self.tail)
+
+
+class QuantizedStore(TokenStore):
+    """Keys and values each in a :class:`QuantizedSequence` (K and V may differ in bits, axis, group)."""
+
+    def __init__(self, key_quant, value_quant, residual: int, kv_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype | None = None):
+        self.kv_dtype = kv_dtype
+        self.k = QuantizedSequence(key_quant, residual, kv_dtype, compute_dtype)
+        self.v = QuantizedSequence(value_quant, residual, kv_dtype, compute_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.k.compute_dtype
+
+    @property
+    def length(self) -> int:
+        return self.k.length
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.k.append(keys)
+        self.v.append(values)
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.materialize(), self.v.materialize()
+
+    def changed_from(self) -> int:
+        return min(self.k.read, self.v.read)
+
+    def mark_read(self) -> None:
+        self.k.read = self.v.read = self.length
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.materialize(start), self.v.materialize(start)
+
+    def select(self, index: torch.Tensor) -> None:
+        self.k.select(index)
+        self.v.select(index)
+
+    def keep_last(self, index: torch.Tensor) -> None:
+        """``index`` must be each head's last ``index.shape[1]`` slots (the contract of
+        :meth:`TokenStore.keep_last`): only its width is read."""
+        self.k.keep_last(index.shape[1])
+        self.v.keep_last(index.shape[1])
+
+    @classmethod
+    def seal_all(cls, stores: "list[QuantizedStore]") -> None:
+        """Seal one layer's rows: their keys' aged slots encoded together, then their values' (:meth:`QuantizedSequence.seal_many`)."""
+        QuantizedSequence.seal_many([store.k for store in stores])
+        QuantizedSequence.seal_many([store.v for store in stores])
+
+    def seal(self) -> None:
+        self.k.seal()
+        self.v.seal()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

@@ -1,0 +1,1 @@
+"""Sweeps: configs, planning, executors (in process or Ray), resume."""

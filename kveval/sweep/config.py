@@ -1,0 +1,192 @@
+"""Sweep configs (``configs/*.yaml``), validated once at the edge into a :class:`SweepConfig`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+import yaml
+from typing import TYPE_CHECKING
+from kveval.errors import ConfigError
+from kveval.values import is_real, is_whole
+if TYPE_CHECKING:
+    from kveval.sweep.executors import Cell, CellResult, Executor
+    from kveval.runner.runspec import RunSpec
+
+
+CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval",
+               "fidelity"}
+PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
+LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
+#: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
+RESULT_NEUTRAL_KEYS = {"gate", "out"}
+
+@dataclass
+class SweepConfig:
+    """A sweep, as read from YAML. ``gate:`` is relative to the YAML file's folder (the file ships beside it);
+    ``out:`` and ``--out`` to the working directory, where a run's outputs go."""
+
+    name: str
+    models: list[str]
+    policies: list["RunSpec"]  # parsed once here; the baseline none is added per mode by run_sweep
+    mode: str = "context"
+    kv_dtype: str | None = None
+    families: list[str] = field(default_factory=lambda: ["passkey"])
+    lengths: list[int] = field(default_factory=lambda: [512])
+    depths: list[float] | None = None
+    n: int = 10
+    seed: int = 0
+    family_params: dict = field(default_factory=dict)
+    batch_size: int = 1
+    gate: str | None = None
+    out: str | None = None
+    lm_eval: dict = field(default_factory=dict)
+    #: Teacher-force the baseline's answers through every compressed policy (:mod:`kveval.runner.fidelity`), as ``kveval eval --fidelity``.
+    fidelity: bool = False
+    raw: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def hash(self) -> str:
+        """Hash of what changes results: the config less :data:`RESULT_NEUTRAL_KEYS` (fixing a gate path resumes)."""
+        kept = {k: v for k, v in self.raw.items() if k not in RESULT_NEUTRAL_KEYS}
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    """Read and validate a sweep YAML; every problem is one :class:`~kveval.errors.ConfigError` line."""
+    from kveval.probes import FAMILIES
+    from kveval.runner.runspec import RunSpec, parse_kv_dtype
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such sweep config; see configs/quickstart.yaml for an example")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; a sweep config is a YAML file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a sweep config is a mapping of keys ({', '.join(sorted(CONFIG_KEYS))})")
+    unknown = set(raw) - CONFIG_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(CONFIG_KEYS))}")
+    probes = _mapping(path, "probes", raw.get("probes"))
+    unknown = set(probes) - PROBE_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown probes key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(PROBE_KEYS))}")
+    mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
+    if mode not in ("context", "query"):
+        raise ConfigError(f"{path}: mode={mode!r}; use context or query")
+    try:
+        kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
+        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype))
+                  for entry in _list(path, "policies", raw.get("policies"))]
+    except ValueError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    policies, warnings, first_entry = [], [], {}
+    for entry, spec in parsed:
+        if spec.kv_dtype != kv_dtype:  # the one baseline runs at the sweep's dtype: this run could not be gated
+            raise ConfigError(f"{path}: policy {entry!r} asks for kv_dtype {spec.kv_dtype} but the sweep's baseline "
+                              f"runs at {kv_dtype or 'the model default'}, and runs of two cache dtypes are not paired; "
+                              f"set the sweep's kv_dtype: {spec.kv_dtype}, or give that policy a sweep of its own")
+    for entry, spec in parsed:  # same canonical spec and mode: one run, merged with a warning
+        if spec.key in first_entry:
+            warnings.append(f"{path}: policy {entry!r} is the same run as {first_entry[spec.key]!r}; merged into one")
+            continue
+        first_entry[spec.key] = entry
+        policies.append(spec)
+    if not policies:
+        raise ConfigError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
+    families = [_string(path, f"probes.families[{i}]", family)
+                for i, family in enumerate(_list(path, "probes.families", probes.get("families")))] or ["passkey"]
+    for family in families:
+        if family not in FAMILIES:
+            raise ConfigError(f"{path}: unknown probe family {family!r}; known: {', '.join(FAMILIES)}")
+    lm_eval = _mapping(path, "lm_eval", raw.get("lm_eval"))
+    unknown = set(lm_eval) - LM_EVAL_KEYS
+    if unknown or (lm_eval and not lm_eval.get("tasks")):
+        raise ConfigError(f"{path}: lm_eval needs `tasks` and takes only {', '.join(sorted(LM_EVAL_KEYS))}")
+    if lm_eval:
+        tasks = [_string(path, f"lm_eval.tasks[{i}]", task) for i, task in enumerate(_list(path, "lm_eval.tasks", lm_eval["tasks"]))]
+        limit = lm_eval.get("limit")  # lm-eval's: a number of documents, or a fraction of them below 1
+        if limit is not None and not (limit >= 1 if is_whole(limit) else is_real(limit) and 0 < limit <= 1):
+            raise ConfigError(f"{path}: lm_eval.limit={limit!r} must be a whole number >= 1 or a fraction in (0, 1]")
+        for key in ("model_args", "metadata"):
+            _mapping(path, f"lm_eval.{key}", lm_eval.get(key))
+        lm_eval = {**lm_eval, "tasks": tasks}
+    fidelity = raw.get("fidelity", False)
+    if not isinstance(fidelity, bool):
+        raise ConfigError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
+    gate = raw.get("gate")
+    if gate is not None:
+        gate = _string(path, "gate", gate)
+        from kveval.gate.config import load_gate_config
+
+        gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
+        load_gate_config(gate)  # a bad gate file is reported now, before any model loads
+    depths = probes.get("depths")
+    if depths is not None:
+        depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]
+    seed_key, seed = ("probes.seed", probes["seed"]) if "seed" in probes else ("seed", raw.get("seed", 0))
+    return SweepConfig(
+        name=_string(path, "name", raw.get("name", path.stem)),
+        models=[_string(path, f"models[{i}]", m) for i, m in enumerate(_list(path, "models", raw.get("models")))]
+        or ["smollm2-135m"],
+        policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype,
+        families=[str(family) for family in families],
+        lengths=[_count(path, f"probes.lengths[{i}]", x) for i, x in enumerate(_list(path, "probes.lengths", probes.get("lengths")))]
+        or [512],
+        depths=depths, n=_count(path, "probes.n", probes.get("n", 10)), seed=_whole(path, seed_key, seed),
+        family_params=_mapping(path, "probes.params", probes.get("params")),
+        batch_size=_count(path, "batch_size", raw.get("batch_size", 1)), gate=gate,
+        out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity,
+        raw=raw, warnings=warnings,
+    )
+
+
+# Typed reads of the YAML's values: a value of the wrong type is one line naming the key, never coerced (true as
+# 1, 2.5 as 2) nor iterated (a string read as a list of characters).
+def _whole(path: Path, key: str, value) -> int:
+    if not is_whole(value):
+        raise ConfigError(f"{path}: {key}={value!r} must be a whole number")
+    return value
+
+
+def _count(path: Path, key: str, value) -> int:
+    if not is_whole(value) or value < 1:
+        raise ConfigError(f"{path}: {key}={value!r} must be a whole number >= 1")
+    return value
+
+
+def _fraction(path: Path, key: str, value) -> "int | float":
+    if not is_real(value) or not 0 <= value <= 1:
+        raise ConfigError(f"{path}: {key}={value!r} must be a number in [0, 1]")
+    return value  # as written (0 stays 0): the items' ids are made from the depths
+
+
+def _string(path: Path, key: str, value) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: {key} must be a string, got {value!r}")
+    return value
+
+
+def _list(path: Path, key: str, value) -> list:
+    """A YAML list (``None``: empty); a scalar is refused, naming the list it should be."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: {key} must be a list, e.g. [{value}], got {value!r}")
+    return value
+
+
+def _mapping(path: Path, key: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {key} must be a mapping of keys, got {value!r}")
+    return value
+
+

@@ -1,0 +1,413 @@
+"""Running a sweep (models x policies x probes): its lock, manifest, cells, resume, and the summary that ends in a leaderboard and gate verdict.
+
+One run folder holds everything::
+
+    <out>/manifest.json           versions, git commit, config and its hash, seeds, device
+    <out>/runs/<model>/<policy>/  run.json + items.jsonl per policy (baseline ``none`` computed once),
+                                  fidelity.jsonl per compressed policy with ``fidelity: true``
+    <out>/report/                 leaderboard.md/.csv/.html and plots
+    <out>/gate/                   gate.md, gate.xml (JUnit), gate.json
+
+Items are appended and flushed one by one; a killed sweep rerun with the same
+config continues where it stopped and ends with the same results as an
+uninterrupted run. The same folder with a different config is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import platform
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+
+from typing import TYPE_CHECKING
+
+from kveval.errors import RunFolderError, UsageError
+from kveval.runs.records import atomic_write_text
+from kveval.sweep.config import SweepConfig
+
+if TYPE_CHECKING:
+    from kveval.sweep.executors import Cell, CellResult, Executor
+    from kveval.runner.runspec import RunSpec
+
+#: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
+LOCK_FILE = ".kveval-sweep.lock"
+#: What a sweep folder's config and code were (:func:`read_manifest`).
+MANIFEST_FILE = "manifest.json"
+
+@contextmanager
+def sweep_lock(out: Path):
+    """Hold the sweep folder's lock file for the duration; a second sweep into it is refused, naming the holder.
+
+    The lock is an ``flock`` on :data:`LOCK_FILE`: the kernel drops it when the
+    holder exits, however it ends, so a killed sweep never leaves a stale lock.
+    """
+    import fcntl
+    import os
+    import socket
+    import sys
+    import time
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise RunFolderError(f"{out} is in use by another sweep ({holder}); wait for it to end or pass --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                     f"{' '.join(sys.argv)}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()
+
+
+def _manifest(config: SweepConfig, device: str) -> dict:
+    return {"name": config.name, "config": config.raw, "config_hash": config.hash, "seed": config.seed, "device": device,
+            **_environment()}
+
+
+def _environment() -> dict:
+    """The code and platform running now: package versions, kveval's git commit, Python and the OS."""
+    import importlib.metadata as md
+
+    versions = {}
+    for package in ("kveval", "torch", "transformers", "lm_eval", "scipy", "numpy"):
+        try:
+            versions[package] = md.version(package)
+        except md.PackageNotFoundError:
+            versions[package] = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent,
+                                timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"python": platform.python_version(), "platform": platform.platform(), "versions": versions, "git_commit": commit}
+
+
+#: The packages whose versions change what a run computes (answers, scores, bytes).
+_CODE_PACKAGES = ("kveval", "torch", "transformers")
+
+
+def _code_of(manifest: dict) -> dict:
+    """The code a manifest was written under: kveval's commit and the versions that change results."""
+    versions = manifest.get("versions") or {}
+    return {"git_commit": manifest.get("git_commit"), **{p: versions.get(p) for p in _CODE_PACKAGES}}
+
+
+def running_code() -> dict:
+    """:func:`_code_of` the code running now."""
+    return _code_of(_environment())
+
+
+def _describe(code: dict) -> str:
+    commit = (code.get("git_commit") or "no commit")[:10]
+    return f"kveval {code.get('kveval')} ({commit}), torch {code.get('torch')}, transformers {code.get('transformers')}"
+
+
+def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> list[Cell]:
+    """The sweep's cells, model by model and mode by mode (the baseline ``none`` runs in the config's mode).
+
+    ``policies_per_cell``: how many of a mode's policies one cell evaluates
+    (they share each batch's prefill); ``None``: all of them, one cell per model
+    and mode. Smaller cells spread further over workers, each repeating the prefill.
+    """
+    from kveval.sweep.executors import Cell
+
+    if policies_per_cell is not None and policies_per_cell < 1:
+        raise UsageError(f"policies per cell = {policies_per_cell}; give 1 or more")
+    cells = []
+    for model_name in config.models:
+        for mode, specs in _specs_by_mode(config).items():
+            size = policies_per_cell or len(specs)
+            cells += [Cell(model_name, mode, tuple(specs[i:i + size])) for i in range(0, len(specs), size)]
+    return cells
+
+
+def _specs_by_mode(config: SweepConfig) -> dict[str, list[RunSpec]]:
+    from kveval.runner.runspec import RunSpec
+
+    by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec.parse("none", config.mode, config.kv_dtype)]}
+    for spec in config.policies:
+        by_mode.setdefault(spec.mode, []).append(spec)
+    return by_mode
+
+
+class CellRunner:
+    """``work(cell)`` for an executor: load the cell's model, evaluate its policies, run its lm-eval tasks.
+
+    Picklable (for Ray): the loaded model is kept only between calls in one
+    process (consecutive cells of one model reuse it) and is not pickled.
+    ``load_options``: keyword arguments of :func:`kveval.runner.models.load_model` (``device_map``, ``max_memory``,
+    ``self_check``), the same for every model of the sweep.
+    """
+
+    def __init__(self, config: SweepConfig, out: Path, load_options: dict | None = None, quiet: bool = False):
+        self.config, self.out, self.load_options, self.quiet = config, Path(out), dict(load_options or {}), quiet
+        self._loaded: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_loaded": None}
+
+    def _model(self, name: str):
+        from kveval.runner.models import load_model
+
+        if self._loaded is None or self._loaded[0] != name:
+            self._loaded = None  # free the previous model before the next one loads
+            self._loaded = (name, *load_model(name, **self.load_options))
+        return self._loaded[1], self._loaded[2]
+
+    def _finished(self, cell: Cell, items: list) -> list[Path] | None:
+        """The cell's run folders if every one is finished (:func:`unfinished`; finalized again), else None."""
+        from kveval.runner.evaluate import finalize_run, model_identity, run_dir_for
+
+        identity = model_identity(cell.model)
+        dirs = [run_dir_for(self.out, identity, spec.for_model(cell.model)) for spec in cell.specs]
+        if any(unfinished(self.config, spec, run_dir, items) for spec, run_dir in zip(cell.specs, dirs)):
+            return None
+        for run_dir in dirs:
+            finalize_run(run_dir)
+        return dirs
+
+    def _fidelity(self, model, tokenizer, cell: Cell, items: list, dirs: list[Path]) -> None:
+        """``fidelity.jsonl`` for the cell's compressed policies, against the baseline in the cell's mode (resumable)."""
+        from kveval.runner.fidelity import record_fidelity
+        from kveval.runner.runspec import RunSpec
+
+        candidates = [(spec, d) for spec, d in zip(cell.specs, dirs) if not spec.policy.is_none]
+        if candidates:
+            baseline = RunSpec.parse("none", cell.mode, self.config.kv_dtype)
+            record_fidelity(model, tokenizer, items, baseline, candidates, batch_size=self.config.batch_size,
+                            seed=self.config.seed)
+
+    def __call__(self, cell: Cell) -> CellResult:
+        import torch
+        from tqdm import tqdm
+
+        from kveval.runner.evaluate import evaluate_policies
+        from kveval.sweep.executors import CellResult
+        from kveval.modeling.sources import load_tokenizer
+
+        config = self.config
+        items = sweep_items(config, load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
+        finished = self._finished(cell, items)
+        if finished is not None:  # a resumed sweep loads no weights for the cells that are done
+            return CellResult([str(d) for d in finished])
+        model, tokenizer = self._model(cell.model)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with tqdm(total=len(items) * len(cell.specs), desc=f"{Path(cell.model).name}: {cell.specs[0].spec}"
+                  + (f" +{len(cell.specs) - 1}" if len(cell.specs) > 1 else ""), unit="item", disable=self.quiet) as bar:
+            dirs = evaluate_policies(model, tokenizer, items, list(cell.specs), self.out, cell.model, cell.mode,
+                                     config.batch_size, config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
+        if config.fidelity:
+            self._fidelity(model, tokenizer, cell, items, dirs)
+        if config.lm_eval:
+            run_lm_eval_tasks(model, tokenizer, list(cell.specs), dirs, config.lm_eval, config.batch_size, config.seed)
+        return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def sweep_items(config: SweepConfig, tokenizer) -> list:
+    """The sweep's probe items for one model's tokenizer: every family at every length, in the config's order."""
+    from kveval.probes.sets import ProbeSet
+
+    return ProbeSet(tokenizer=str(getattr(tokenizer, "kveval_name", "") or ""), families=config.families,
+                    lengths=config.lengths, n=config.n, depths=config.depths, seed=config.seed,
+                    params=config.family_params).items(tokenizer)
+
+
+def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list) -> str | None:
+    """Why ``run_dir`` (``spec``'s run of the sweep) is not finished, or ``None`` where it holds every item (on its
+    prompt), every lm-eval task and, under ``fidelity``, every item's fidelity. Another prompt under an item's id
+    is not finished either: :func:`~kveval.runner.evaluate.evaluate_policies` then refuses the folder, naming it."""
+    from kveval.errors import ResultFileError
+    from kveval.runner.fidelity import read_fidelity
+    from kveval.runs.records import iter_items
+
+    try:
+        records = list(iter_items(run_dir))
+    except (ResultFileError, OSError) as exc:  # missing, or a killed writer's half line
+        return f"not readable ({exc})" if isinstance(exc, ResultFileError) else "not run yet"
+    written = {r.id: r.hash for r in records}
+    done = sum(written.get(item.id) == item.hash for item in items)
+    if done < len(items):
+        return f"holds {done} of {len(items)} items"
+    tasks = {r.metrics.get("lm_eval_task") for r in records}
+    missing = [task for task in config.lm_eval.get("tasks", []) if task not in tasks]
+    if missing:
+        return f"lacks the lm-eval task(s) {', '.join(missing)}"
+    if config.fidelity and not spec.policy.is_none:
+        measured = read_fidelity(run_dir)
+        done = sum(item.id in measured and measured[item.id].hash == item.hash for item in items)
+        if done < len(items):
+            return f"holds the fidelity of {done} of {len(items)} items"
+    return None
+
+
+def sweep_runs(config: SweepConfig, out: Path) -> "list[tuple[str, RunSpec, Path]]":
+    """The sweep's runs under ``out`` as ``(model, spec, run folder)``, in :func:`run_sweep`'s order (baseline first
+    for each model)."""
+    from kveval.runner.evaluate import model_identity, run_dir_for
+
+    return [(model_name, spec, run_dir_for(out, model_identity(model_name), spec.for_model(model_name)))
+            for model_name in config.models for specs in _specs_by_mode(config).values() for spec in specs]
+
+
+def read_manifest(out: Path, config: SweepConfig, remedy: str | None = None) -> dict | None:
+    """The manifest of the sweep folder ``out`` (``None``: it has none), refused where it is damaged or foreign, or
+    belongs to another config; ``remedy`` ends the refusal (default: a sweep's, start a new folder)."""
+    path = out / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    remedy = remedy or f"pass --out to a new folder, or delete {out} to start over"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise RunFolderError(f"{path} is not a sweep manifest (damaged or foreign); {remedy}")
+    if manifest.get("config_hash") != config.hash:
+        raise RunFolderError(f"{out} holds a sweep with another config (hash {manifest.get('config_hash')}); {remedy}")
+    return manifest
+
+
+def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Executor | None = None,
+              load_options: dict | None = None, policies_per_cell: int | None = None) -> list[Path]:
+    """Run (or resume) a sweep; return its run folders (baseline first for each model).
+
+    ``executor``: where the cells (:func:`plan_cells`) run (:mod:`kveval.sweep.executors`;
+    default this process, one cell after another). The caller holds the sweep
+    lock (:func:`sweep_lock`); cells only append items to their own run folders.
+    Results do not depend on the executor or on ``policies_per_cell``.
+    """
+    from kveval.sweep.executors import InProcessExecutor
+    from kveval.modeling.sources import resolve_device_dtype
+
+    for model_name in config.models:  # every spec against every model's config.json, before any weights load
+        for spec in config.policies:
+            spec.for_model(model_name)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path = out / MANIFEST_FILE
+    previous = read_manifest(out, config)
+    if previous is None and (out / "runs").is_dir() and any((out / "runs").iterdir()):
+        # A sweep writes its manifest before any run: these runs come from elsewhere (kveval eval), under settings
+        # this config does not know, and would be resumed into and gated with its own.
+        raise RunFolderError(f"{out} holds runs but no sweep manifest (kveval eval's, or another tool's); pass --out "
+                             f"to a new folder")
+    device, _ = resolve_device_dtype()
+    manifest = _manifest(config, device)
+    if previous is not None:
+        manifest["started_under"] = previous.get("started_under") or _code_of(previous)
+        if previous.get("rescored_under"):  # kveval rescore's: what scored the items written before
+            manifest["rescored_under"] = previous["rescored_under"]
+        if manifest["started_under"] != _code_of(manifest):
+            import sys
+
+            print(f"kveval sweep: warning: {out} was started under {_describe(manifest['started_under'])} and resumes "
+                  f"under {_describe(_code_of(manifest))}: items written before keep what that code computed; "
+                  f"pass --out to a new folder for one version throughout", file=sys.stderr)
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    cells = plan_cells(config, policies_per_cell)
+    absolute = out.resolve()  # cells may run in another working directory (Ray workers do)
+    results = (executor or InProcessExecutor()).run(cells, CellRunner(config, absolute, load_options, quiet))
+    by_spec, peaks = {}, {}
+    for cell, result in zip(cells, results):
+        for spec, run_dir in zip(cell.specs, result.run_dirs):
+            by_spec[(cell.model, cell.mode, spec.key)] = out / Path(run_dir).relative_to(absolute)
+        if result.cuda_peak_allocated_bytes is not None:
+            peaks[cell.model] = max(peaks.get(cell.model, 0), result.cuda_peak_allocated_bytes)
+    if peaks:
+        manifest["cuda_peak_allocated_bytes"] = peaks
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=2, sort_keys=True))
+    return [by_spec[(model_name, mode, spec.key)] for model_name in config.models
+            for mode, specs in _specs_by_mode(config).items() for spec in specs]
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(include: str | None, metadata: str):
+    """lm-eval's ``TaskManager`` for our task folder and the sweep's metadata (JSON), built once per process.
+
+    Building one indexes every task lm-eval ships (about half a minute on 2
+    cores); cells of one sweep and the policies of one cell reuse it.
+    """
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=[include] if include else None, metadata=json.loads(metadata))
+
+
+def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[Path], settings: dict, batch_size: int,
+                      seed: int) -> None:
+    """Run the sweep's lm-eval tasks under each policy; their per-sample results join each run's ``items.jsonl``.
+
+    ``specs`` share one mode and KV dtype (one cell). Each task runs through
+    lm-eval once per policy still missing it, exactly as a separate run would
+    (its own :class:`~kveval.lm_eval.model.KVEvalLM`), but the first of those
+    runs prefills every request once for all of them and the others' runs are
+    answered from a :class:`~kveval.lm_eval.model.ResponseStore` (identical
+    samples and measured bytes). A task's samples are written only once lm-eval
+    has finished it for that policy, so a sweep killed between two policies
+    reruns only the policies not written, and never records half a task.
+    """
+    import lm_eval
+
+    from kveval.runs.results import records_from_samples
+    from kveval.lm_eval import register, tasks_dir
+    from kveval.lm_eval.model import ResponseStore
+    from kveval.runs.records import ItemWriter, iter_items
+
+    done = [{r.metrics.get("lm_eval_task") for r in iter_items(d)} for d in run_dirs]
+    if all(set(settings["tasks"]) <= finished for finished in done):
+        return
+    model_class = register()
+    lms = [model_class(pretrained=model, tokenizer=tokenizer, policy=spec, seed=seed, batch_size=batch_size,
+                       **(settings.get("model_args") or {})) for spec in specs]
+    store = ResponseStore()
+    folder = tasks_dir()
+    manager = _task_manager(str(folder) if folder else None, json.dumps(settings.get("metadata") or None, sort_keys=True))
+    for task in settings["tasks"]:  # one call per listed task: a group's subtasks are recorded under the listed name
+        pending = [i for i, finished in enumerate(done) if task not in finished]
+        for n, i in enumerate(pending):
+            lms[i].share_prefill([specs[j] for j in pending[n + 1:]], store)  # later policies read what this one leaves
+            output = lm_eval.simple_evaluate(model=lms[i], tasks=[task], limit=settings.get("limit"), log_samples=True,
+                                             task_manager=manager, random_seed=seed, numpy_random_seed=seed,
+                                             torch_random_seed=seed)
+            with ItemWriter(run_dirs[i]) as writer:
+                for subtask, rows in sorted(output["samples"].items()):
+                    for record in records_from_samples(rows, subtask, None, f"lm-eval samples of {subtask}"):
+                        record.metrics["lm_eval_task"] = task
+                        writer.write(record)
+
+
+def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: dict | None = None) -> int:
+    """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code.
+
+    ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision.
+    """
+    from kveval.gate.deployment import deployment_decision
+    from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
+    from kveval.gate.report import write_gate_outputs
+    from kveval.report.leaderboard import build_report
+
+    results = evaluate_sweep(gate_config, run_dirs)
+    if deploy:
+        deployment_decision(results, **deploy)
+    write_gate_outputs(results, out / "gate")
+    build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json")
+    print()
+    print((out / "report" / "leaderboard.md").read_text())
+    print((out / "gate" / "gate.md").read_text())
+    code = exit_code(results)
+    print(f"gate verdict: {overall_status(results)}  |  leaderboard: {out / 'report' / 'leaderboard.html'}")
+    return code
+
+
