@@ -164,7 +164,7 @@ def test_self_check_refuses_an_inexact_attention(monkeypatch):
 
 
 def test_load_model_runs_the_self_check_and_can_skip_it(tmp_path, monkeypatch):
-    from kveval import models
+    from kveval.runner import models
 
     tiny_model("qwen3").save_pretrained(tmp_path)
     monkeypatch.setattr(models, "load_tokenizer", lambda name: None)
@@ -268,7 +268,7 @@ def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
 
 def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkeypatch):
     """The self-check's refusal names --skip-self-check: kveval sweep must have it and pass it to load_model."""
-    from kveval import models
+    from kveval.runner import models
     from kveval.commands.main import main
     from kveval.errors import UsageError
 

@@ -254,7 +254,7 @@ def test_llama4_calibrations_run_inside_kvevals_forward_as_outside_it():
     modules' own scaling, so they give what they give outside (it raised, so these policies could not run)."""
     from tiny_models import tiny_model
 
-    from kveval import lowrank
+    from kveval.calibration import kv as lowrank
     from kveval.calibration import retrieval_heads
     from kveval.modeling.architectures import row_query_temperatures
 

