@@ -45,3 +45,10 @@ def load_model_and_items(args: argparse.Namespace):
 def run_root(args: argparse.Namespace, prefix: str) -> Path:
     """Where the run folders go: ``--out``, else a new temporary folder named ``prefix...``."""
     return Path(args.out or tempfile.mkdtemp(prefix=prefix))
+
+
+def specs_of(policies) -> list:
+    """Policy specs as the RunSpecs ``evaluate_policies`` takes, in order (this script's edge)."""
+    from kveval.runner.runspec import RunSpec
+
+    return [RunSpec.parse(p) for p in policies]

@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from _common import add_probe_options, families, load_model_and_items, run_root
+from _common import specs_of, add_probe_options, families, load_model_and_items, run_root
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
 
     out = run_root(args, "kveval-adakv-")
     started = time.perf_counter()
-    dirs = evaluate_policies(model, tokenizer, items, policies, out, args.model, batch_size=args.batch_size, fidelity=True)
+    dirs = evaluate_policies(model, tokenizer, items, specs_of(policies), out, args.model, batch_size=args.batch_size, fidelity=True)
     seconds = time.perf_counter() - started
     print(f"{args.model}, {len(items)} {', '.join(families(args))} items (~{mean_length:.0f} tokens), {seconds:.0f} s; {out}")
     print(f"duo keeps {fraction:.3f} of KV heads whole (retrieval heads by passkey attention mass, a stand-in for "

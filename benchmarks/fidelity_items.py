@@ -21,7 +21,7 @@ import argparse
 import statistics
 import time
 
-from _common import add_probe_options, families, load_model_and_items, run_root
+from _common import specs_of, add_probe_options, families, load_model_and_items, run_root
 
 
 def main() -> None:
@@ -38,10 +38,10 @@ def main() -> None:
     model, tokenizer, items = load_model_and_items(args)
     out = run_root(args, "kveval-fidelity-")
     started = time.perf_counter()
-    evaluate_policies(model, tokenizer, items, ["none", args.a, args.b], out, args.model, batch_size=args.batch_size)
+    evaluate_policies(model, tokenizer, items, specs_of(["none", args.a, args.b]), out, args.model, batch_size=args.batch_size)
     middle = time.perf_counter()
     # the same call again: the items are done, only the fidelity passes run
-    base, run_a, run_b = evaluate_policies(model, tokenizer, items, ["none", args.a, args.b], out, args.model,
+    base, run_a, run_b = evaluate_policies(model, tokenizer, items, specs_of(["none", args.a, args.b]), out, args.model,
                                            batch_size=args.batch_size, fidelity=True)
     seconds, fidelity_seconds = middle - started, time.perf_counter() - middle
     ids = [it.id for it in items]

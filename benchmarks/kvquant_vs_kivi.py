@@ -21,6 +21,7 @@ loads an embedded model: run it under the heavy lock.
 
 from __future__ import annotations
 
+from _common import specs_of
 import argparse
 import statistics
 import tempfile
@@ -68,7 +69,7 @@ def main() -> None:
     policies = ["none"] + [p for pair in pairs for p in pair]
     out = Path(args.out or tempfile.mkdtemp(prefix="kveval-kvquant-"))
     started = time.perf_counter()
-    runs = evaluate_policies(model, tokenizer, items, policies, out, args.model, batch_size=args.batch_size, fidelity=True)
+    runs = evaluate_policies(model, tokenizer, items, specs_of(policies), out, args.model, batch_size=args.batch_size, fidelity=True)
     seconds = time.perf_counter() - started
     ids = [it.id for it in items]
     print(f"{args.model} (head_dim {head_dim}), {len(items)} items ({', '.join(families)}, {args.length} tokens), "

@@ -19,6 +19,7 @@ it under the heavy lock.
 
 from __future__ import annotations
 
+from _common import specs_of
 import argparse
 import statistics
 import tempfile
@@ -64,7 +65,7 @@ def main() -> None:
     items = [it for fam in families for it in generate_items(fam, tokenizer, args.length, args.n)]
     out = Path(args.out or tempfile.mkdtemp(prefix="kveval-latent-"))
     started = time.perf_counter()
-    dirs = evaluate_policies(model, tokenizer, items, policies, out, args.model, batch_size=args.batch_size, fidelity=True)
+    dirs = evaluate_policies(model, tokenizer, items, specs_of(policies), out, args.model, batch_size=args.batch_size, fidelity=True)
     seconds = time.perf_counter() - started
     ids = [it.id for it in items]
     right = {p: {r.id: bool(r.correct) for r in read_items(d)} for p, d in zip(policies, dirs)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+from kveval.policies.spec import parse_policy
 
 
 def _row(label: str, counts: list[collections.Counter], batch: int) -> str:
@@ -85,7 +86,7 @@ def main() -> None:
         for policy in args.policy or ["none"]:
             spec, decode_mode = _decode_mode(policy)
             with OpCounter(model) as ours:
-                generate(model, tokenizer, chosen, spec, max_new_tokens=args.new_tokens, batch_size=batch,
+                generate(model, tokenizer, chosen, parse_policy(spec), max_new_tokens=args.new_tokens, batch_size=batch,
                          quantized_decode=decode_mode)
             phases = ours.phases()
             print(_row(f"{policy} prefill", phases[:1], batch))

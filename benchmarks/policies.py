@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from kveval.policies.spec import parse_policy
 
 POLICIES = [
     "quant(bits=8)", "quant(bits=4,group=32)", "kivi(bits=4)", "kivi(bits=2)", "fp8", "streaming(sink=4,window=252)",
@@ -50,12 +51,12 @@ def main() -> None:
         out = fn()
         return time.perf_counter() - start, out
 
-    generate(model, tokenizer, prompts[:1], "none", max_new_tokens=2)  # warm-up
+    generate(model, tokenizer, prompts[:1], parse_policy("none"), max_new_tokens=2)  # warm-up
     times = {p: [] for p in policies}
     ratios = {}
     for _ in range(args.repeats):
         for policy in policies:  # interleaved: every policy sees the same machine state
-            seconds, results = timed(lambda: generate(model, tokenizer, prompts, policy, max_new_tokens=args.new_tokens,
+            seconds, results = timed(lambda: generate(model, tokenizer, prompts, parse_policy(policy), max_new_tokens=args.new_tokens,
                                                       kv_dtype=kv_dtype))
             times[policy].append(seconds)
             ratios[policy] = sum(r.stats.kv_bytes for r in results) / sum(r.stats.nominal_bytes for r in results)
@@ -69,8 +70,8 @@ def main() -> None:
     specs = [f"snapkv(ratio={r})" for r in RATIOS]
     separate, shared = [], []
     for _ in range(args.repeats):
-        separate.append(timed(lambda: [generate(model, tokenizer, prompts, s, max_new_tokens=args.new_tokens) for s in specs])[0])
-        shared.append(timed(lambda: generate_many(model, tokenizer, prompts, specs, max_new_tokens=args.new_tokens))[0])
+        separate.append(timed(lambda: [generate(model, tokenizer, prompts, parse_policy(s), max_new_tokens=args.new_tokens) for s in specs])[0])
+        shared.append(timed(lambda: generate_many(model, tokenizer, prompts, [parse_policy(p) for p in specs], max_new_tokens=args.new_tokens))[0])
     print(f"\none prefill for {len(RATIOS)} snapkv ratios: {statistics.median(shared):.1f} s vs one prefill each "
           f"{statistics.median(separate):.1f} s (time ratio {statistics.median(shared) / statistics.median(separate):.2f})")
 

@@ -32,6 +32,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from kveval.policies.spec import parse_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +53,7 @@ def _plain_prefill_seconds(model, tokenizer, prompts: list, mode: str, batch_siz
     seconds = 0.0
     with torch.no_grad():
         for first in range(0, len(prompts), batch_size):
-            cache = CompressedCache(model, "none", kv_dtype=kv_dtype)
+            cache = CompressedCache(model, parse_policy("none"), kv_dtype=kv_dtype)
             start = time.perf_counter()
             prefill_prompts(model, cache, prompts[first:first + batch_size], mode, pad_id)
             seconds += time.perf_counter() - start
@@ -94,7 +95,7 @@ def main() -> None:
     rows = []
     for model_name, lengths in _rows(args.length or ["384", "2048", "8192@gemma3-270m"], default_model).items():
         model, tokenizer = load_model(model_name)
-        generate(model, tokenizer, [Prompt(tokenizer("warm up")["input_ids"])], "none", max_new_tokens=2)
+        generate(model, tokenizer, [Prompt(tokenizer("warm up")["input_ids"])], parse_policy("none"), max_new_tokens=2)
         for length in lengths:
             items = [it for family in families for it in generate_items(family, tokenizer, length, args.n, seed=config.seed)]
             prompts = [Prompt(*encode_item(tokenizer, it)) for it in items]
@@ -105,11 +106,11 @@ def main() -> None:
             for _ in range(args.repeats):
                 plain.append(_plain_prefill_seconds(model, tokenizer, prompts, mode, batch_size, config.kv_dtype))
                 start = time.perf_counter()
-                separate = {s: generate(model, tokenizer, prompts, s, **kwargs) for s in specs}
+                separate = {s: generate(model, tokenizer, prompts, parse_policy(s), **kwargs) for s in specs}
                 wall = time.perf_counter() - start
                 timings["per-policy"].append((wall, _decode_seconds(separate, batch_size)))
                 start = time.perf_counter()
-                shared = generate_many(model, tokenizer, prompts, specs, **kwargs)
+                shared = generate_many(model, tokenizer, prompts, [parse_policy(p) for p in specs], **kwargs)
                 wall = time.perf_counter() - start
                 timings["shared"].append((wall, _decode_seconds(shared, batch_size)))
                 for s in specs:

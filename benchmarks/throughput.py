@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from kveval.policies.spec import parse_policy
 
 DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5)", "tova(ratio=0.5)",
                     "h2o(ratio=0.5,decode_budget=128)",
@@ -255,13 +256,13 @@ def main() -> None:
         policy = RunSpec.parse(spec).for_model(model).policy  # unset quantization groups fit the model's head width
 
         def run(batch, new_tokens):
-            results = generate(model, tokenizer, batch, policy, max_new_tokens=new_tokens, batch_size=len(batch),
+            results = generate(model, tokenizer, batch, parse_policy(policy), max_new_tokens=new_tokens, batch_size=len(batch),
                                kv_dtype=kv_dtype, quantized_decode=decode_mode, mode=mode)
             # One batch: every row's decode_seconds is the loop's, from the first new token to the last.
             return [r.token_ids for r in results], results[0].decode_seconds
         return run
 
-    generate(model, tokenizer, prompts[:1], "none", max_new_tokens=2)  # warm-up: first-call costs out of the timings
+    generate(model, tokenizer, prompts[:1], parse_policy("none"), max_new_tokens=2)  # warm-up: first-call costs out of the timings
     _hf_generate(model, prompts[:1], 2, pad_id)
     mean_tokens = statistics.fmean(p.length for p in prompts)
     # The reference of token agreement: each prompt alone through transformers (no padding, untimed).
@@ -309,7 +310,7 @@ def main() -> None:
     print()
     print(f"3. memory vs measured cache bytes at batch {args.policy_batch}")
     print("held beside the measured cache once generation ends (tensors the cache holds; bytes):")
-    columns = list(_held_bytes(CompressedCache(model, "none")))
+    columns = list(_held_bytes(CompressedCache(model, parse_policy("none"))))
     print(f"{'policy':<30} | {'measured cache':>14} | " + " ".join(f"{c:>24}" for c in columns) + f" | {'held / cache':>12}")
     peaks = {}
     for spec in ["none", *policies]:
@@ -319,7 +320,7 @@ def main() -> None:
             torch.cuda.synchronize()
             weights = torch.cuda.memory_allocated()  # the model alone: the last policy's cache is gone
             torch.cuda.reset_peak_memory_stats()
-        cache = CompressedCache(model, RunSpec.parse(plain).for_model(model).policy, quantized_decode=decode_mode)
+        cache = CompressedCache(model, parse_policy(RunSpec.parse(plain).for_model(model).policy), quantized_decode=decode_mode)
         with torch.no_grad():
             logits, seen = prefill_prompts(model, cache, batch, "context", pad_id)
             if cuda:  # the decode's own peak: from the prefill's end, its logits and cache held

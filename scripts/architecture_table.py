@@ -28,6 +28,7 @@ from tiny_models import ARCHITECTURES, tiny_model  # noqa: E402
 from kveval.modeling import architectures  # noqa: E402
 from kveval.cache.compressed import CompressedCache  # noqa: E402
 from kveval.cache.exactness import measure_exactness  # noqa: E402
+from kveval.policies.spec import parse_policy
 
 POLICIES = ("none", "kivi(bits=4)", "snapkv(ratio=0.5)")
 TOKENS = 256
@@ -78,7 +79,7 @@ class KernelRecorder:
 
 
 def bytes_per_token(model, spec: str, ids: torch.Tensor) -> tuple[float, int]:
-    cache = CompressedCache(model, spec, kv_dtype=torch.bfloat16)
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=torch.bfloat16)
     with torch.no_grad():
         model(ids, cache=cache)
     stats = cache.stats()

@@ -9,6 +9,8 @@ import torch
 from kveval.cache.compressed import CompressedCache
 from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.policies.spec import parse_policy
+from kveval.runner.runspec import RunSpec
+from kveval.stores.base import parse_kv_dtype
 
 
 def random_ids(n: int, seed: int) -> torch.Tensor:
@@ -25,7 +27,7 @@ def random_prompts(sizes, seed: int) -> list[Prompt]:
 
 def prefill(model, spec, ids: torch.Tensor, kv_dtype=None) -> CompressedCache:
     """The cache after one forward over ``ids`` (``[1, n]``) under ``spec``."""
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=parse_kv_dtype(kv_dtype))
     with torch.no_grad():
         model(ids, cache=cache)
     return cache
@@ -33,7 +35,7 @@ def prefill(model, spec, ids: torch.Tensor, kv_dtype=None) -> CompressedCache:
 
 def context_then_steps(model, spec, context, steps, kv_dtype=None) -> tuple[list[torch.Tensor], CompressedCache]:
     """Prefill ``context`` (then compressed), then feed ``steps`` one token at a time; the logits of every forward."""
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=parse_kv_dtype(kv_dtype))
     n = context.shape[1]
     with torch.no_grad():
         logits = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits]
@@ -44,7 +46,7 @@ def context_then_steps(model, spec, context, steps, kv_dtype=None) -> tuple[list
 
 def context_then_question(model, spec, context, question, kv_dtype=None) -> tuple[torch.Tensor, CompressedCache]:
     """Prefill ``context`` (then compressed), then ``question`` in one forward; the question's logits."""
-    cache = CompressedCache(model, spec, kv_dtype=kv_dtype)
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=parse_kv_dtype(kv_dtype))
     n, q = context.shape[1], question.shape[1]
     with torch.no_grad():
         model(context, cache=cache, position_ids=torch.arange(n)[None])
@@ -71,12 +73,18 @@ def assert_shared_prefill_equals_own_runs(model, tokenizer, prompts, specs, **kw
 
     Returns ``generate_many``'s results, keyed by canonical spec.
     """
-    specs = [parse_policy(s).spec for s in specs]
-    shared = generate_many(model, tokenizer, prompts, specs, **kwargs)
-    for spec in specs:
-        alone = generate(model, tokenizer, prompts, spec, **kwargs)
-        assert [fingerprint(r) for r in shared[spec]] == [fingerprint(r) for r in alone], spec
+    stacks = [parse_policy(s) for s in specs]
+    kwargs = _typed(kwargs)
+    shared = generate_many(model, tokenizer, prompts, stacks, **kwargs)
+    for stack in stacks:
+        alone = generate(model, tokenizer, prompts, stack, **kwargs)
+        assert [fingerprint(r) for r in shared[stack.spec]] == [fingerprint(r) for r in alone], stack.spec
     return shared
+
+
+def _typed(kwargs: dict) -> dict:
+    """Generation keyword arguments with a dtype name parsed, as a command's edge would."""
+    return {**kwargs, "kv_dtype": parse_kv_dtype(kwargs["kv_dtype"])} if "kv_dtype" in kwargs else kwargs
 
 
 def assert_one_batch_equals_batch_size_one(model, tokenizer, prompts, spec, **kwargs) -> list:
@@ -85,8 +93,9 @@ def assert_one_batch_equals_batch_size_one(model, tokenizer, prompts, spec, **kw
     Log-probabilities are not compared: padding changes the float rounding of a
     batch. Returns the batch size 1 results.
     """
-    one = generate(model, tokenizer, prompts, spec, batch_size=1, **kwargs)
-    batch = generate(model, tokenizer, prompts, spec, batch_size=len(prompts), **kwargs)
+    stack, kwargs = parse_policy(spec), _typed(kwargs)
+    one = generate(model, tokenizer, prompts, stack, batch_size=1, **kwargs)
+    batch = generate(model, tokenizer, prompts, stack, batch_size=len(prompts), **kwargs)
 
     def held(r):
         return r.token_ids, r.stats.kv_bytes, r.stats.index_bytes, r.stats.kept_tokens
@@ -100,3 +109,9 @@ def assert_one_line_error(build, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message) as info:
         build()
     assert "\n" not in str(info.value)
+
+
+def specs_of(policies, mode: str = "context") -> list[RunSpec]:
+    """Policy specs (or RunSpecs) as the RunSpecs :func:`kveval.runner.evaluate.evaluate_policies` takes, in order:
+    a test's own edge, where a command would call :meth:`RunSpec.parse`."""
+    return [p if isinstance(p, RunSpec) else RunSpec.parse(p, default_mode=mode) for p in policies]

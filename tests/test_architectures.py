@@ -19,6 +19,7 @@ from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UnsupportedModelError
 from kveval.cache.exactness import measure_exactness, prefill_and_decode, self_check
 from kveval.runner.generation import Prompt, generate
+from kveval.policies.spec import parse_policy
 
 # Calibrations (lowrank, latent, kvquant, duo) of this file's own: one remembered or on disk from another run
 # would stand in for the calibration pass under test.
@@ -41,7 +42,7 @@ def test_none_equals_eager_through_prefill_and_decode(name):
     model, reference = tiny_model(name), tiny_model(name, attn="eager")
     ids = _ids(40, 0)
     with torch.no_grad():
-        cache = CompressedCache(model, "none", kv_dtype=FP32)
+        cache = CompressedCache(model, parse_policy("none"), kv_dtype=FP32)
         own = DynamicCache(config=reference.config)
         ours, theirs = prefill_and_decode(model, cache, ids, 6), prefill_and_decode(reference, own, ids, 6)
     assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) <= 1e-5
@@ -66,7 +67,7 @@ def test_every_policy_family_runs_below_nominal_bytes(name):
     model = tiny_model(name)
     ids = _ids(64, 1)
     for spec in POLICIES:
-        cache = CompressedCache(model, spec)
+        cache = CompressedCache(model, parse_policy(spec))
         with torch.no_grad():
             logits = prefill_and_decode(model, cache, ids, 2)
         stats = cache.stats()
@@ -82,11 +83,11 @@ def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one(name, policy, m
     and EOS on, set to row 0's first token (it ends before any step: the others' steps must leave its cache)."""
     model = tiny_model(name)
     prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
-    model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], policy, max_new_tokens=1,
+    model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], parse_policy(policy), max_new_tokens=1,
                                                     mode=mode)[0].token_ids[0]
-    alone = [generate(model, Tok(), [p], policy, max_new_tokens=6, mode=mode)[0] for p in prompts]
+    alone = [generate(model, Tok(), [p], parse_policy(policy), max_new_tokens=6, mode=mode)[0] for p in prompts]
     assert alone[0].token_ids == [] and any(len(r.token_ids) > 1 for r in alone[1:])
-    together = generate(model, Tok(), prompts, policy, max_new_tokens=6, mode=mode, batch_size=3)
+    together = generate(model, Tok(), prompts, parse_policy(policy), max_new_tokens=6, mode=mode, batch_size=3)
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids
         assert (a.stats.kv_bytes, a.stats.state_bytes, a.stats.kept_tokens) == (b.stats.kv_bytes, b.stats.state_bytes,
@@ -100,9 +101,9 @@ def test_selection_is_refused_where_every_attention_layer_is_chunked(spec):
     as a lossless policy. Refused in one line; quantization still runs."""
     model = tiny_model("llama4", layer_types=["chunked_attention", "chunked_attention"])
     with pytest.raises(UnsupportedModelError, match="every attention layer is chunked") as refused:
-        CompressedCache(model, spec)
+        CompressedCache(model, parse_policy(spec))
     assert "\n" not in str(refused.value)
-    cache = CompressedCache(model, "kivi(bits=4,residual=8)")
+    cache = CompressedCache(model, parse_policy("kivi(bits=4,residual=8)"))
     with torch.no_grad():
         prefill_and_decode(model, cache, _ids(64, 1), 2)
     assert cache.stats().kv_bytes < cache.stats().nominal_bytes
@@ -114,7 +115,7 @@ def test_mla_caches_the_latent_and_the_rope_key():
     layers = model.config.num_hidden_layers
     assert nominal_bytes_per_token(model, FP32) == (dims.kv_lora_rank + dims.qk_rope_head_dim) * layers * 4
     assert dims.per_head_elements == 4 * (16 + 32 + 16)  # what per-head K/V would hold: 2x the latent here
-    cache = CompressedCache(model, "snapkv(ratio=0.5)", kv_dtype=FP32)
+    cache = CompressedCache(model, parse_policy("snapkv(ratio=0.5)"), kv_dtype=FP32)
     with torch.no_grad():
         model(_ids(40, 2), cache=cache)
     row = cache.layers[0].rows[0]
@@ -122,7 +123,7 @@ def test_mla_caches_the_latent_and_the_rope_key():
     assert keys.shape == (1, 20, dims.kv_lora_rank) and values.shape == (1, 20, dims.qk_rope_head_dim)
     assert row.positions.shape == (1, 20)  # one shared "head": a token is kept or dropped for all heads at once
     assert cache.stats().kv_bytes == 20 * layers * (dims.kv_lora_rank + dims.qk_rope_head_dim) * 4
-    quantized = CompressedCache(model, "kivi(bits=4,residual=8)", kv_dtype=FP32)
+    quantized = CompressedCache(model, parse_policy("kivi(bits=4,residual=8)"), kv_dtype=FP32)
     with torch.no_grad():
         model(_ids(40, 2), cache=quantized)
     stats = quantized.stats()  # latent and rope key both quantized: 32 of 40 tokens at 4 bits, 8 in float32
@@ -134,7 +135,7 @@ def test_selection_scores_with_the_models_own_attention_probabilities(name):
     """H2O's accumulated attention equals the eager model's attention weights (softcapped / with sinks)."""
     model, reference = tiny_model(name), tiny_model(name, attn="eager")
     ids = _ids(24, 3)
-    cache = CompressedCache(model, "h2o(ratio=0.5)", kv_dtype=FP32, defer_compression=True)
+    cache = CompressedCache(model, parse_policy("h2o(ratio=0.5)"), kv_dtype=FP32, defer_compression=True)
     with torch.no_grad():
         model(ids, cache=cache)
         weights = reference(ids, output_attentions=True).attentions
@@ -152,7 +153,7 @@ def test_unknown_cache_layer_type_is_refused():
     model = tiny_model("llama")
     model.config.layer_types = ["full_attention", "lightning_attention"]
     with pytest.raises(UnsupportedModelError, match="'lightning_attention' is not supported"):
-        CompressedCache(model, "none")
+        CompressedCache(model, parse_policy("none"))
 
 
 def test_self_check_refuses_an_inexact_attention(monkeypatch):
@@ -184,11 +185,11 @@ def test_forked_rows_continue_as_the_row_would_alone(name):
     rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist()]
     tail = [9, 10, 11]
     with torch.no_grad():
-        cache, seen = CompressedCache(model, "snapkv(ratio=0.5)"), [0, 0]
+        cache, seen = CompressedCache(model, parse_policy("snapkv(ratio=0.5)")), [0, 0]
         forward_rows(model, cache, rows, seen, pad_id=0)
         fork = cache.fork_rows([1, 1, 0])
         forked = forward_rows(model, fork, [tail] * 3, [seen[1], seen[1], seen[0]], pad_id=0, logits_to_keep=0)[0]
-        alone, alone_seen = CompressedCache(model, "snapkv(ratio=0.5)"), [0]
+        alone, alone_seen = CompressedCache(model, parse_policy("snapkv(ratio=0.5)")), [0]
         forward_rows(model, alone, [rows[1]], alone_seen, pad_id=0)
         expected = forward_rows(model, alone, [tail], alone_seen, pad_id=0, logits_to_keep=0)[0]
     torch.testing.assert_close(forked[0], expected[0], atol=1e-5, rtol=1e-5)
@@ -218,7 +219,7 @@ def test_a_forked_row_holds_its_own_tokens_not_the_batchs(spec):
     model = tiny_model("llama")
     rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist(), _ids(26, 22)[0].tolist()]
     with torch.no_grad():
-        cache, seen = CompressedCache(model, spec, kv_dtype=torch.float32, quantized_decode="codes"), [0, 0, 0]
+        cache, seen = CompressedCache(model, parse_policy(spec), kv_dtype=torch.float32, quantized_decode="codes"), [0, 0, 0]
         forward_rows(model, cache, rows, seen, pad_id=0)
         fork = cache.fork_rows([1, 1])
         viewed = [t for layer in cache.attention_layers for t in tensors(layer.rows, [])
@@ -320,8 +321,8 @@ def test_calibrating_policies_serve_state_layer_models(name, spec):
     batch 3 gives the answers and bytes of batch 1."""
     model = tiny_model(name)
     prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
-    alone = [generate(model, Tok(), [p], spec, max_new_tokens=4)[0] for p in prompts]
-    together = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
+    alone = [generate(model, Tok(), [p], parse_policy(spec), max_new_tokens=4)[0] for p in prompts]
+    together = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=4, batch_size=3)
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 4
         assert 0 < a.stats.kv_bytes < a.stats.nominal_bytes and a.stats.state_bytes > 0
@@ -344,7 +345,7 @@ def test_state_layers_never_see_padding_after_a_rows_first_forward(name):
     rows = [_ids(30, 20)[0].tolist(), _ids(22, 21)[0].tolist(), _ids(26, 22)[0].tolist()]
     tails = [[9, 10, 11, 12, 13], [14], [15, 16, 17]]
     with torch.no_grad():
-        cache, seen = CompressedCache(model, "none"), [0, 0, 0]
+        cache, seen = CompressedCache(model, parse_policy("none")), [0, 0, 0]
         forward_rows(model, cache, rows, seen, pad_id=0)
         batched, mask = forward_rows(model, cache, tails, seen, pad_id=0, logits_to_keep=0)
         assert batched.shape[1] == mask.shape[1] == 5 and mask.sum(dim=1).tolist() == [5, 1, 3]
@@ -353,7 +354,7 @@ def test_state_layers_never_see_padding_after_a_rows_first_forward(name):
         after_idle = forward_rows(model, cache, [[], [7, 8], [7]], seen, pad_id=0)[0]
         then = forward_rows(model, cache, [[6], [6], [6]], seen, pad_id=0)[0]
         for b in range(3):
-            alone, alone_seen = CompressedCache(model, "none"), [0]
+            alone, alone_seen = CompressedCache(model, parse_policy("none")), [0]
             forward_rows(model, alone, [rows[b]], alone_seen, pad_id=0)
             expected = forward_rows(model, alone, [tails[b]], alone_seen, pad_id=0, logits_to_keep=0)[0]
             n = len(tails[b])
@@ -366,8 +367,8 @@ def test_state_layers_never_see_padding_after_a_rows_first_forward(name):
     # The same through generation: questions of 5, 1 and 3 tokens after compressed contexts.
     prompts = [Prompt(row, tail) for row, tail in zip(rows, tails)]
     for spec in ("none", "snapkv(ratio=0.5)+kivi(bits=4,residual=8)"):
-        alone = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)
-        together = generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)
+        alone = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=4, batch_size=1)
+        together = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=4, batch_size=3)
         assert [r.token_ids for r in together] == [r.token_ids for r in alone], spec
         for a, b in zip(alone, together):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4, spec

@@ -19,6 +19,8 @@ from kveval.errors import UsageError
 from kveval.runner.evaluate import evaluate_policies
 from kveval.runner.fidelity import read_fidelity
 from kveval.runner.generation import Prompt, generate, generate_many
+from kveval.policies.spec import parse_policy
+from cache_runs import specs_of
 
 LIMITS = [2, 7, 3, 5, 1]
 
@@ -34,8 +36,8 @@ def _mixed_items():
                                       ["none", "random(ratio=0.5)", "random(ratio=0.5,decode_budget=20)"]])
 def test_items_of_different_answer_lengths_in_one_batch_equal_their_runs_alone(tmp_path, policies):
     model, items = tiny_llama(), _mixed_items()
-    alone = evaluate_policies(model, CharTok(), items, policies, tmp_path / "alone", "org/M", batch_size=1, fidelity=True)
-    mixed = evaluate_policies(model, CharTok(), items, policies, tmp_path / "mixed", "org/M", batch_size=len(items),
+    alone = evaluate_policies(model, CharTok(), items, specs_of(policies), tmp_path / "alone", "org/M", batch_size=1, fidelity=True)
+    mixed = evaluate_policies(model, CharTok(), items, specs_of(policies), tmp_path / "mixed", "org/M", batch_size=len(items),
                               fidelity=True)
     for one, many in zip(alone, mixed):
         assert _records(one) == _records(many)
@@ -51,11 +53,11 @@ def test_items_of_different_answer_lengths_in_one_batch_equal_their_runs_alone(t
 def test_generate_takes_one_limit_per_prompt():
     model, tok = tiny_llama(), CharTok()
     prompts = [Prompt(tok(it.context)["input_ids"], tok(it.question)["input_ids"]) for it in _mixed_items()]
-    alone = [generate(model, tok, [p], "window(size=16)", max_new_tokens=n)[0].token_ids for p, n in zip(prompts, LIMITS)]
+    alone = [generate(model, tok, [p], parse_policy("window(size=16)"), max_new_tokens=n)[0].token_ids for p, n in zip(prompts, LIMITS)]
     assert [len(t) for t in alone] == LIMITS
-    batched = generate(model, tok, prompts, "window(size=16)", max_new_tokens=LIMITS, batch_size=3)
+    batched = generate(model, tok, prompts, parse_policy("window(size=16)"), max_new_tokens=LIMITS, batch_size=3)
     assert [r.token_ids for r in batched] == alone
-    many = generate_many(model, tok, prompts, ["none", "window(size=16)"], max_new_tokens=LIMITS, batch_size=3)
+    many = generate_many(model, tok, prompts, [parse_policy("none"), parse_policy("window(size=16)")], max_new_tokens=LIMITS, batch_size=3)
     assert [r.token_ids for r in many["window(size=16)"]] == alone
 
 
@@ -64,7 +66,7 @@ def test_a_wrong_limit_is_refused_in_one_line(limits):
     model, tok = tiny_llama(), CharTok()
     prompts = [Prompt(tok(it.context)["input_ids"], tok(it.question)["input_ids"]) for it in _mixed_items()]
     with pytest.raises(UsageError, match="max_new_tokens"):
-        generate(model, tok, prompts, "none", max_new_tokens=limits, batch_size=2)
+        generate(model, tok, prompts, parse_policy("none"), max_new_tokens=limits, batch_size=2)
 
 
 def _ids(n, seed):
@@ -82,13 +84,13 @@ def test_a_row_ended_by_eos_before_its_first_step_keeps_its_cache_while_the_batc
     give it no token and must not evict from it either (they did: its bytes depended on the batch around it)."""
     model = tiny_llama()
     prompts = [Prompt(_ids(n, 100 + n), _ids(q, 7 + q)) for n, q in ((41, 3), (26, 5), (33, 4))]
-    first = generate(model, CharTok(), prompts[:1], spec, max_new_tokens=1, mode="query")[0]
+    first = generate(model, CharTok(), prompts[:1], parse_policy(spec), max_new_tokens=1, mode="query")[0]
     model.generation_config.eos_token_id = first.token_ids[0]  # row 0 ends before any decode step
-    alone = generate(model, CharTok(), prompts, spec, max_new_tokens=8, mode="query", batch_size=1)
+    alone = generate(model, CharTok(), prompts, parse_policy(spec), max_new_tokens=8, mode="query", batch_size=1)
     assert alone[0].token_ids == [] and alone[0].stats.kv_bytes == first.stats.kv_bytes
     assert any(len(r.token_ids) > 2 for r in alone[1:])  # the others decode (and evict) past it
     for batch_size in (3, 2):
-        together = generate(model, CharTok(), prompts, spec, max_new_tokens=8, mode="query", batch_size=batch_size)
+        together = generate(model, CharTok(), prompts, parse_policy(spec), max_new_tokens=8, mode="query", batch_size=batch_size)
         for a, b in zip(alone, together):
             assert a.token_ids == b.token_ids
             assert (a.stats.kv_bytes, a.stats.kept_tokens) == (b.stats.kv_bytes, b.stats.kept_tokens), spec
@@ -107,5 +109,5 @@ def test_eval_refuses_no_items_or_a_batch_of_none_in_one_line(tmp_path, capsys, 
 
 def test_evaluate_policies_refuses_a_batch_size_below_one_before_any_run_folder(tmp_path):
     with pytest.raises(UsageError, match="batch_size=0"):
-        evaluate_policies(tiny_llama(), CharTok(), _mixed_items(), ["none"], tmp_path / "out", "org/M", batch_size=0)
+        evaluate_policies(tiny_llama(), CharTok(), _mixed_items(), specs_of(["none"]), tmp_path / "out", "org/M", batch_size=0)
     assert not (tmp_path / "out").exists()

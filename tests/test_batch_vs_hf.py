@@ -16,6 +16,7 @@ import torch
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval.runner.generation import Prompt, generate, generate_each
+from kveval.policies.spec import parse_policy
 
 STEPS = 12
 
@@ -44,7 +45,7 @@ def _hf_generate(model, prompts, eos):
 
 
 def _kveval(model, prompts, batch_size, kv_dtype):
-    return [r.token_ids for r in generate(model, Tok(), prompts, "none", max_new_tokens=STEPS, batch_size=batch_size,
+    return [r.token_ids for r in generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=STEPS, batch_size=batch_size,
                                           kv_dtype=kv_dtype)]
 
 
@@ -90,12 +91,12 @@ def test_llama4_query_temperature_counts_each_rows_own_positions(spec):
             layer.self_attn.k_proj.weight.mul_(16)
     prompts = _prompts()
     hf_one = [_hf_generate(model, [p], None)[0] for p in prompts]
-    one = [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=STEPS, batch_size=1,
+    one = [r.token_ids for r in generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=STEPS, batch_size=1,
                                          kv_dtype=model.dtype)]
     if spec == "none":
         assert one == hf_one
     for size in (5, len(prompts)):
-        assert [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=STEPS, batch_size=size,
+        assert [r.token_ids for r in generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=STEPS, batch_size=size,
                                               kv_dtype=model.dtype)] == one, size
     # The padding counted matters here: transformers' own batch gives other tokens (its scale counts padding).
     assert _hf_generate(model, prompts, None) != hf_one
@@ -155,14 +156,14 @@ def test_a_batch_across_longropes_switch_is_refused_and_one_side_of_it_equals_ba
     hf_alone = [_hf_generate(model, [p], None)[0] for p in across]
     assert _hf_generate(model, across, None) != hf_alone  # the batch-wide choice changes tokens
     with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
-        generate(model, Tok(), across, "none", max_new_tokens=steps, batch_size=3, kv_dtype=model.dtype)
-    alone = [r.token_ids for r in generate(model, Tok(), across, "none", max_new_tokens=STEPS, batch_size=1,
+        generate(model, Tok(), across, parse_policy("none"), max_new_tokens=steps, batch_size=3, kv_dtype=model.dtype)
+    alone = [r.token_ids for r in generate(model, Tok(), across, parse_policy("none"), max_new_tokens=STEPS, batch_size=1,
                                            kv_dtype=model.dtype)]
     assert alone == hf_alone
     for lengths in ([20, 30, 44], [70, 90, 66]):  # every forward under the switch, or every one past it
         prompts = _prompts_of(lengths)
         hf_one = [_hf_generate(model, [p], None)[0] for p in prompts]
-        batched = [r.token_ids for r in generate(model, Tok(), prompts, "none", max_new_tokens=STEPS, batch_size=3,
+        batched = [r.token_ids for r in generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=STEPS, batch_size=3,
                                                  kv_dtype=model.dtype)]
         assert batched == hf_one, lengths
 
@@ -180,13 +181,13 @@ def test_a_row_crossing_longropes_switch_after_its_first_forward_is_refused(cont
     model = _longrope_phi3()
     prompts = [Prompt(p.context[:context], p.question[:question]) for p in _prompts_of([80] * batch_size)]
     with pytest.raises(UnsupportedModelError, match="max_new_tokens within 64 tokens"):
-        generate(model, Tok(), prompts, "none", max_new_tokens=STEPS, batch_size=batch_size, kv_dtype=model.dtype)
+        generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=STEPS, batch_size=batch_size, kv_dtype=model.dtype)
     with pytest.raises(UnsupportedModelError, match="across longrope RoPE's switch"):
         check_rope_batch(model, [63], [64 + 1], [True])
     check_rope_batch(model, [0], [80], [True])  # a first forward past it: every key long
     check_rope_batch(model, [62], [64], [True])  # up to the switch: every key short
     if context + question <= 64:  # generating within the switch, the same rows run
-        generate(model, Tok(), prompts, "none", max_new_tokens=64 - context - question + 1, batch_size=batch_size)
+        generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=64 - context - question + 1, batch_size=batch_size)
 
 
 def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of_one_length():
@@ -212,7 +213,7 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
         return made
 
     def tokens(made, prompts, batch_size):
-        return [r.token_ids for r in generate(made, Tok(), prompts, "none", max_new_tokens=STEPS,
+        return [r.token_ids for r in generate(made, Tok(), prompts, parse_policy("none"), max_new_tokens=STEPS,
                                               batch_size=batch_size, kv_dtype=made.dtype)]
 
     fresh, used = model(), model()
@@ -224,15 +225,15 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     tokens(used, long_run, 1)
     assert tokens(used, same, 1) == alone
     with pytest.raises(UnsupportedModelError, match="use batch_size=1"):
-        generate(used, Tok(), _prompts_of([70, 75]), "none", max_new_tokens=2, batch_size=2)
+        generate(used, Tok(), _prompts_of([70, 75]), parse_policy("none"), max_new_tokens=2, batch_size=2)
     # Policies continuing one shared prefill in turn: each as it runs alone, whatever the one before grew.
     specs = ["snapkv(ratio=0.5)", "none", "h2o(ratio=0.5)"]
     alone_each = [tokens(fresh, same, 3) if spec == "none" else
-                  [r.token_ids for r in generate(fresh, Tok(), same, spec, max_new_tokens=STEPS, batch_size=3,
+                  [r.token_ids for r in generate(fresh, Tok(), same, parse_policy(spec), max_new_tokens=STEPS, batch_size=3,
                                                  kv_dtype=fresh.dtype)] for spec in specs]
     tokens(used, long_run, 1)
     shared = [[r.token_ids for r in results]
-              for _, results in generate_each(used, Tok(), same, specs, max_new_tokens=STEPS, kv_dtype=used.dtype)]
+              for _, results in generate_each(used, Tok(), same, [parse_policy(p) for p in specs], max_new_tokens=STEPS, kv_dtype=used.dtype)]
     assert shared == alone_each
 
     assert [(s.kind, s.positions) for s in rope_switches(fresh)] == [("dynamic", 64)]
@@ -272,5 +273,5 @@ def test_llama4_calibrations_run_inside_kvevals_forward_as_outside_it():
     torch.testing.assert_close(outside_heads.scores, inside_heads.scores, rtol=0, atol=0, equal_nan=True)  # nan: chunked layer
     prompts = _prompts(n=3)
     for spec in ("duo(heads=0.5,calib_tokens=64)", "latent(rank=16,calib_tokens=96)", "lowrank(rank=8,calib_tokens=96)"):
-        alone = [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=1)]
-        assert [r.token_ids for r in generate(model, Tok(), prompts, spec, max_new_tokens=4, batch_size=3)] == alone
+        alone = [r.token_ids for r in generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=4, batch_size=1)]
+        assert [r.token_ids for r in generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=4, batch_size=3)] == alone

@@ -24,6 +24,8 @@ from kveval.cache.layers import CompressedLayer
 from kveval.cache.decode_evictions import _ranked_kept, kept_slots
 from kveval.runner.generation import Prompt, generate
 from kveval.tensors.ranking import top_slots
+from kveval.stores.base import parse_kv_dtype
+from kveval.policies.spec import parse_policy
 
 #: Catch-ups, buffer growth and code growth come every 16 steps or slots here (64 in use): the same code, reached
 #: in 30 decode steps instead of 70 (:func:`dense_events`).
@@ -88,7 +90,7 @@ def _run(model, spec, batched: bool, monkeypatch, mode="context", eos=None, kv_d
         if codes:  # what "auto" does on CUDA: quantized layers decode from their codes
             patch.setattr(CompressedCache, "decodes_from_codes", lambda self, device: True)
         model.generation_config.eos_token_id = eos
-        results = generate(model, Tok(), prompts or _prompts(), spec, max_new_tokens=STEPS, batch_size=batch_size, mode=mode,
+        results = generate(model, Tok(), prompts or _prompts(), parse_policy(spec), max_new_tokens=STEPS, batch_size=batch_size, mode=mode,
                            kv_dtype=kv_dtype)
         model.generation_config.eos_token_id = None
     return [fingerprint(r) for r in results], len(calls)
@@ -212,14 +214,14 @@ def test_no_attention_is_scored_once_nothing_can_use_it(model, spec, batched, mo
         with monkeypatch.context() as patch:
             if not batched:
                 patch.setattr(CompressedLayer, "_batched_decode", lambda self: None)
-            generate(model, Tok(), _prompts(), spec, max_new_tokens=steps, batch_size=5)
+            generate(model, Tok(), _prompts(), parse_policy(spec), max_new_tokens=steps, batch_size=5)
         counts.append(len(calls))
     assert counts[0] > 0 and counts[0] == counts[1]
 
 
 def _prefill_and_decode(model, spec, prompt_tokens: int, steps: int = 3) -> CompressedCache:
     """A 2-row cache of ``spec`` after a ``prompt_tokens`` prefill and ``steps`` one-token decode steps."""
-    cache = CompressedCache(model, spec)
+    cache = CompressedCache(model, parse_policy(spec))
     ids = torch.randint(3, 128, (2, prompt_tokens), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids, cache=cache, position_ids=torch.arange(prompt_tokens).expand(2, -1))
@@ -341,7 +343,7 @@ def test_one_token_per_row_of_different_lengths_goes_to_each_rows_next_slot(with
 
 def test_no_step_copies_the_cache(model):
     """Decode steps write into the buffer in place: its tensors are reallocated only when capacity runs out."""
-    cache = CompressedCache(model, "none")
+    cache = CompressedCache(model, parse_policy("none"))
     ids = torch.randint(3, 128, (3, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         model(ids, cache=cache, position_ids=torch.arange(40).expand(3, -1))
@@ -490,7 +492,7 @@ def test_decoding_from_codes_finished_rows_at_batch_one(model, monkeypatch):
 def test_codes_hold_the_cache_once(model):
     """Held as codes, no layer keeps a dequantized copy: the layers' buffers hold positions only, the rows' codes
     and full-precision residuals are views of the batch's, and the one shared scratch is the size of one layer's K/V."""
-    cache = CompressedCache(model, "quant(bits=4,group=8,residual=4)", quantized_decode="codes", kv_dtype="bfloat16")
+    cache = CompressedCache(model, parse_policy("quant(bits=4,group=8,residual=4)"), quantized_decode="codes", kv_dtype=parse_kv_dtype("bfloat16"))
     batch, length = 3, 40
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -513,8 +515,8 @@ def test_codes_hold_the_cache_once(model):
 
 def test_quantized_decode_mode_is_checked(model):
     with pytest.raises(ValueError, match="quantized_decode='fast' is not a mode; use one of auto, buffer, codes"):
-        CompressedCache(model, "quant(bits=8,group=16)", quantized_decode="fast")
-    cache = CompressedCache(model, "quant(bits=8,group=16)")
+        CompressedCache(model, parse_policy("quant(bits=8,group=16)"), quantized_decode="fast")
+    cache = CompressedCache(model, parse_policy("quant(bits=8,group=16)"))
     assert cache.decodes_from_codes("cuda") and not cache.decodes_from_codes("cpu")
 
 
@@ -562,7 +564,7 @@ def test_duo_head_budgets(model, spec, monkeypatch):
 def test_compression_frees_the_buffer_room(model, spec, kept):
     """Once the rows hold far fewer tokens than the prefill (selection, a decode budget), the buffer attention reads
     is rebuilt to fit them: its room is not the prefill's for the rest of the decode."""
-    cache = CompressedCache(model, spec)
+    cache = CompressedCache(model, parse_policy(spec))
     ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         model(ids, cache=cache, position_ids=torch.arange(200).expand(2, -1))

@@ -29,7 +29,7 @@ def test_none_is_identical_to_plain_transformers(make):
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         # kv_dtype equal to the compute dtype: nothing is rounded, so nothing may differ.
-        ours = _prefill_and_decode(model, CompressedCache(model, "none", kv_dtype=model.dtype), ids, 6)
+        ours = _prefill_and_decode(model, CompressedCache(model, parse_policy("none"), kv_dtype=model.dtype), ids, 6)
         theirs = _prefill_and_decode(reference, DynamicCache(config=reference.config), ids, 6)
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
@@ -39,12 +39,12 @@ def test_int8_close_to_baseline_at_half_the_16bit_bytes():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        base = model(ids, cache=CompressedCache(model, "none")).logits
-        cache = CompressedCache(model, "quant(bits=8,group=16)")
+        base = model(ids, cache=CompressedCache(model, parse_policy("none"))).logits
+        cache = CompressedCache(model, parse_policy("quant(bits=8,group=16)"))
         _prefill_and_decode(model, cache, ids, 1)
         # Measure a decode step against the quantized prefill.
         q8 = model(ids[:, :1], cache=cache, position_ids=torch.tensor([[65]])).logits
-        base_cache = CompressedCache(model, "none")
+        base_cache = CompressedCache(model, parse_policy("none"))
         _prefill_and_decode(model, base_cache, ids, 1)
         ref = model(ids[:, :1], cache=base_cache, position_ids=torch.tensor([[65]])).logits
     assert base.shape[1] == 64
@@ -59,7 +59,7 @@ def test_int8_close_to_baseline_at_half_the_16bit_bytes():
 def test_int4_packed_bytes_match_arithmetic_exactly():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(2))
-    cache = CompressedCache(model, "quant(bits=4,group=8)")
+    cache = CompressedCache(model, parse_policy("quant(bits=4,group=8)"))
     with torch.no_grad():
         model(ids, cache=cache)
     layers, heads, dim, tokens = 2, 2, 16, 100
@@ -71,7 +71,7 @@ def test_int4_packed_bytes_match_arithmetic_exactly():
 def test_kivi_keys_per_channel_with_residual():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(3))
-    cache = CompressedCache(model, "kivi(bits=2,group=8,residual=10)")
+    cache = CompressedCache(model, parse_policy("kivi(bits=2,group=8,residual=10)"))
     with torch.no_grad():
         model(ids, cache=cache)
     store = cache.layers[0].rows[0].store
@@ -85,7 +85,7 @@ def test_kivi_keys_per_channel_with_residual():
 def test_window_holds_exactly_its_size():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 200), generator=torch.Generator().manual_seed(4))
-    cache = CompressedCache(model, "window(64)")
+    cache = CompressedCache(model, parse_policy("window(64)"))
     with torch.no_grad():
         _prefill_and_decode(model, cache, ids, 3)
     assert cache.stats().kept_tokens == [[64], [64]]
@@ -96,7 +96,7 @@ def test_window_holds_exactly_its_size():
 def test_streaming_keeps_sinks_and_recent_tokens_with_original_positions():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 100), generator=torch.Generator().manual_seed(5))
-    cache = CompressedCache(model, "streaming(sink=4,window=20)")
+    cache = CompressedCache(model, parse_policy("streaming(sink=4,window=20)"))
     with torch.no_grad():
         _prefill_and_decode(model, cache, ids, 5)
     positions = cache.layers[1].rows[0].positions[0].tolist()
@@ -108,11 +108,11 @@ def test_streaming_position_handling_matches_a_cache_that_never_saw_the_gap():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        cache = CompressedCache(model, "streaming(sink=2,window=5)")
+        cache = CompressedCache(model, parse_policy("streaming(sink=2,window=5)"))
         model(ids, cache=cache, position_ids=torch.arange(30)[None])
         out = model(ids[:, :1], cache=cache, position_ids=torch.tensor([[30]])).logits
         # Reference: full cache, but the new token may only see the kept positions.
-        full = CompressedCache(model, "none")
+        full = CompressedCache(model, parse_policy("none"))
         model(ids, cache=full, position_ids=torch.arange(30)[None])
         keep = torch.tensor([0, 1, 25, 26, 27, 28, 29])
         for layer in full.layers:
@@ -126,14 +126,14 @@ def test_ratio_zero_equals_none(spec):
     model = tiny_llama()
     prompts = [Prompt(list(range(1, 60)), [3, 4, 5])]
     zero = spec.replace("ratio=0.5", "ratio=0")
-    assert generate(model, Tok(), prompts, zero, max_new_tokens=8)[0].token_ids == \
-        generate(model, Tok(), prompts, "none", max_new_tokens=8)[0].token_ids
+    assert generate(model, Tok(), prompts, parse_policy(zero), max_new_tokens=8)[0].token_ids == \
+        generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=8)[0].token_ids
 
 
 @pytest.mark.parametrize("spec", SELECTION)
 def test_kept_tokens_follow_the_budget(spec):
     model = tiny_llama()
-    cache = CompressedCache(model, spec)
+    cache = CompressedCache(model, parse_policy(spec))
     with torch.no_grad():
         model(torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(7)), cache=cache)
     policy = parse_policy(spec).selection
@@ -145,7 +145,7 @@ def test_kept_tokens_follow_the_budget(spec):
 
 def test_snapkv_selects_per_kv_head():
     model = tiny_llama()
-    cache = CompressedCache(model, "snapkv(ratio=0.75,window=4,kernel=1)")
+    cache = CompressedCache(model, parse_policy("snapkv(ratio=0.75,window=4,kernel=1)"))
     with torch.no_grad():
         model(torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(8)), cache=cache)
     positions = cache.layers[1].rows[0].positions
@@ -157,7 +157,7 @@ def test_random_is_reproducible_and_seeded():
     ids = torch.randint(1, 128, (1, 80), generator=torch.Generator().manual_seed(9))
     kept = []
     for seed in (0, 0, 1):
-        cache = CompressedCache(model, f"random(ratio=0.5,seed={seed})")
+        cache = CompressedCache(model, parse_policy(f"random(ratio=0.5,seed={seed})"))
         with torch.no_grad():
             model(ids, cache=cache)
         kept.append(cache.layers[0].rows[0].positions)
@@ -168,7 +168,7 @@ def test_random_is_reproducible_and_seeded():
                                   "knorm(ratio=0.5,decode_budget=40)", "random(ratio=0.5,decode_budget=40)", "window(40)"])
 def test_decode_budget_bounds_the_cache_while_generating(spec):
     model = tiny_llama()
-    result = generate(model, Tok(), [Prompt(list(range(1, 61)))], spec, max_new_tokens=30)[0]
+    result = generate(model, Tok(), [Prompt(list(range(1, 61)))], parse_policy(spec), max_new_tokens=30)[0]
     assert len(result.token_ids) == 30
     assert max(max(layer) for layer in result.stats.kept_tokens) == 40
 
@@ -183,8 +183,8 @@ def test_batch_of_four_equals_batch_of_one(make, spec, mode):
     g = torch.Generator().manual_seed(10)
     prompts = [Prompt(torch.randint(1, 128, (n,), generator=g).tolist(), torch.randint(1, 128, (q,), generator=g).tolist())
                for n, q in [(37, 5), (64, 3), (20, 7), (51, 4)]]
-    one = generate(model, Tok(), prompts, spec, max_new_tokens=10, mode=mode, batch_size=1)
-    four = generate(model, Tok(), prompts, spec, max_new_tokens=10, mode=mode, batch_size=4)
+    one = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=10, mode=mode, batch_size=1)
+    four = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=10, mode=mode, batch_size=4)
     assert [r.token_ids for r in one] == [r.token_ids for r in four]
     assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in four]
 
@@ -194,7 +194,7 @@ def test_stacking_selection_and_quantization_shows_both_effects():
     ids = torch.randint(1, 128, (1, 128), generator=torch.Generator().manual_seed(11))
     measured = {}
     for spec in ["none", "snapkv(ratio=0.5,window=4)", "kivi(bits=4,group=8,residual=0)", "snapkv(ratio=0.5,window=4)+kivi(bits=4,group=8,residual=0)"]:
-        cache = CompressedCache(model, spec)
+        cache = CompressedCache(model, parse_policy(spec))
         with torch.no_grad():
             model(ids, cache=cache)
         measured[spec] = cache.stats().kv_bytes
@@ -205,7 +205,7 @@ def test_stacking_selection_and_quantization_shows_both_effects():
 
 def test_gemma_sliding_layers_keep_their_window_and_selection_applies_to_full_layers():
     model = tiny_gemma3(sliding_window=16)
-    cache = CompressedCache(model, "window(8)")
+    cache = CompressedCache(model, parse_policy("window(8)"))
     with torch.no_grad():
         _prefill_and_decode(model, cache, torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(12)), 2)
     kept = [k[0] for k in cache.stats().kept_tokens]
@@ -215,7 +215,7 @@ def test_gemma_sliding_layers_keep_their_window_and_selection_applies_to_full_la
 def test_query_mode_keeps_the_question():
     model = tiny_llama()
     prompt = Prompt(list(range(1, 81)), [90, 91, 92, 93, 94, 95])
-    result = generate(model, Tok(), [prompt], "knorm(ratio=0.5)", max_new_tokens=1, mode="query")[0]
+    result = generate(model, Tok(), [prompt], parse_policy("knorm(ratio=0.5)"), max_new_tokens=1, mode="query")[0]
     assert result.stats.kept_tokens[0][0] == 40 + 6
 
 
@@ -237,7 +237,7 @@ def test_bad_specs_name_the_problem(spec, message):
 
 def test_group_that_does_not_divide_head_dim_is_refused():
     with pytest.raises(ValueError, match="does not divide head_dim=16"):
-        CompressedCache(tiny_llama(), "quant(bits=4,group=5)")
+        CompressedCache(tiny_llama(), parse_policy("quant(bits=4,group=5)"))
 
 
 @pytest.mark.parametrize("mode", ["context", "query"])
@@ -249,9 +249,9 @@ def test_one_prefill_for_many_ratios_equals_separate_runs(mode):
     prompts = [Prompt(torch.randint(1, 128, (n,), generator=g).tolist(), torch.randint(1, 128, (q,), generator=g).tolist())
                for n, q in [(37, 5), (64, 3), (20, 7)]]
     specs = [parse_policy(f"snapkv(ratio={r},window=4)").spec for r in (0.25, 0.5, 0.9)]
-    shared = generate_many(model, Tok(), prompts, specs, max_new_tokens=8, mode=mode, batch_size=2)
+    shared = generate_many(model, Tok(), prompts, [parse_policy(p) for p in specs], max_new_tokens=8, mode=mode, batch_size=2)
     for spec in specs:
-        alone = generate(model, Tok(), prompts, spec, max_new_tokens=8, mode=mode)
+        alone = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=8, mode=mode)
         assert [r.token_ids for r in shared[spec]] == [r.token_ids for r in alone]
         assert [r.stats.kv_bytes for r in shared[spec]] == [r.stats.kv_bytes for r in alone]
 

@@ -5,7 +5,7 @@ import torch
 
 from kveval.cache.coded_rows import CodedRows, seal_together
 from kveval.errors import UsageError
-from kveval.policies.quant import TensorQuant
+from kveval.tensors.quantization import TensorQuant
 from kveval.stores.base import QuantizedSequence, encode
 
 KV, COMPUTE = torch.bfloat16, torch.float32

@@ -18,7 +18,8 @@ from kveval.stats.comparison import compare_runs
 from kveval.runs.results import load_run
 from kveval.stats import paired
 from kveval.errors import ConfigError
-from kveval.gate.rules import FAIL, PASS, GateConfig, evaluate_gate, load_gate_config
+from kveval.gate.config import GateConfig, load_gate_config
+from kveval.gate.rules import FAIL, PASS, evaluate_gate
 from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,15 +264,15 @@ def test_gate_margin_is_the_test_at_large_n(tmp_path):
 
 
 def test_gate_holm_family_and_config(runs):
-    res = evaluate_gate({"tasks": ["niah_multikey", "passkey"], "margin": {"niah_multikey": 0.5}}, runs["base"], [runs["bad"]])
+    res = evaluate_gate(GateConfig.from_dict({"tasks": ["niah_multikey", "passkey"], "margin": {"niah_multikey": 0.5}}), runs["base"], [runs["bad"]])
     tasks = res.candidates[0].tasks
     raw = [t.test.p_inferior for t in tasks]
     np.testing.assert_allclose([t.p_inferior_holm for t in tasks], multipletests(raw, method="holm")[1], atol=1e-12)
     assert tasks[0].margin == 0.5 and tasks[1].margin == 0.05
     # a lenient margin: the loss of 0.3 is inside 0.5, only the rules can fail it
     lenient = {"tasks": ["niah_multikey"], "margin": 0.5, "max_negative_flip_rate": None, "max_confusion_increase": None}
-    assert evaluate_gate(lenient, runs["base"], [runs["bad"]]).status == PASS
-    assert evaluate_gate(dict(lenient, margin=0.1), runs["base"], [runs["bad"]]).status == FAIL
+    assert evaluate_gate(GateConfig.from_dict(lenient), runs["base"], [runs["bad"]]).status == PASS
+    assert evaluate_gate(GateConfig.from_dict(dict(lenient, margin=0.1)), runs["base"], [runs["bad"]]).status == FAIL
     # YAML defaults load and equal the built-in defaults; the old key names its replacement
     assert load_gate_config(GATE_YAML) == GateConfig()
     with pytest.raises(ConfigError, match="inconclusive_blocks"):
@@ -281,13 +282,13 @@ def test_gate_holm_family_and_config(runs):
 def test_gate_confusion_among_wrong_items_is_reported_never_failed(runs):
     shifted = [replace(it, category="fabricated", answer="999") if not it.correct else it for it in runs["items"]]
     cand = write_run(runs["tmp"] / "shift", shifted, policy="kivi(bits=4)")
-    res = evaluate_gate(GATE_YAML, runs["base"], [cand])
+    res = evaluate_gate(load_gate_config(GATE_YAML), runs["base"], [cand])
     niah = res.candidates[0].tasks[0]
     assert niah.status == PASS and any("wrong in both runs changed confusion category" in n for n in niah.notes)
 
 
 def test_gate_sweep_family(runs):
-    res = evaluate_gate({"family": "sweep"}, runs["base"], [runs["same"], runs["bad"]])
+    res = evaluate_gate(GateConfig.from_dict({"family": "sweep"}), runs["base"], [runs["same"], runs["bad"]])
     fam = [t for c in res.candidates for t in c.tasks]
     np.testing.assert_allclose(
         [t.p_inferior_holm for t in fam], multipletests([t.test.p_inferior for t in fam], method="holm")[1], atol=1e-12

@@ -177,7 +177,7 @@ def _generate(model, spec, monkeypatch, defer=True, flush_at_last_layer=True, eo
         patch.setattr(CompressedLayer, "update", checked_update)
         model.generation_config.eos_token_id = eos
         try:
-            results = generate(model, Tok(), random_prompts(SIZES, seed=5), spec, max_new_tokens=STEPS, batch_size=5, mode=mode)
+            results = generate(model, Tok(), random_prompts(SIZES, seed=5), parse_policy(spec), max_new_tokens=STEPS, batch_size=5, mode=mode)
         finally:
             model.generation_config.eos_token_id = None
     assert len(checks) >= STEPS and all(checks) == flush_at_last_layer

@@ -80,7 +80,7 @@ def _generate(model, spec, monkeypatch, packed=True, eos=None, mode="context", s
         patch.setattr(CompressedLayer, "_pack_first_tokens", counted if packed else lambda self, *args: False)
         model.generation_config.eos_token_id = eos
         try:
-            results = generate(model, Tok(), random_prompts(sizes, seed=3), spec, max_new_tokens=6,
+            results = generate(model, Tok(), random_prompts(sizes, seed=3), parse_policy(spec), max_new_tokens=6,
                                batch_size=len(sizes), mode=mode)
         finally:
             model.generation_config.eos_token_id = None
@@ -110,7 +110,7 @@ def _phases(model, spec: str, sizes, quantized_decode: str = "auto") -> list:
     """Counts per forward of a second, warm run (tensors made once per shape are made by the first)."""
     for _ in range(2):
         with OpCounter(model) as counter:
-            generate(model, Tok(), random_prompts(sizes, seed=3), spec, max_new_tokens=5, batch_size=len(sizes),
+            generate(model, Tok(), random_prompts(sizes, seed=3), parse_policy(spec), max_new_tokens=5, batch_size=len(sizes),
                      quantized_decode=quantized_decode)
     return counter.phases()
 
@@ -228,7 +228,7 @@ def test_the_prefill_gives_back_the_buffer_room_its_compression_freed(spec, quan
 
     model = tiny_llama()
     prompts = random_prompts([(150, 4), (131, 6)], seed=5)
-    cache = CompressedCache(model, spec, quantized_decode=quantized_decode)
+    cache = CompressedCache(model, parse_policy(spec), quantized_decode=quantized_decode)
     with torch.no_grad():
         prefill_prompts(model, cache, prompts, "context", 0)
     layers = cache.attention_layers

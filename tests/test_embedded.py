@@ -7,6 +7,7 @@ import pytest
 from kveval.runner.generation import Prompt, encode_prompt, generate
 from kveval.runner.models import load_model
 from kveval.probes import encode_item, generate_items, score_answer
+from kveval.policies.spec import parse_policy
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +31,13 @@ def test_passkey_of_300_tokens(smollm2, policy, answered):
     assert model.kveval_tokenizer is tokenizer  # calibrations tokenize their text with it (lowrank.tokenize_for)
     prompt = _passkey_prompt(tokenizer, "68142", 5, 5)
     assert 250 <= prompt.length <= 350
-    text = generate(model, tokenizer, [prompt], policy, max_new_tokens=12)[0].text
+    text = generate(model, tokenizer, [prompt], parse_policy(policy), max_new_tokens=12)[0].text
     assert ("68142" in text) is answered, text
 
 
 def test_measured_bytes_of_int4_group32_match_the_arithmetic(smollm2):
     model, tokenizer = smollm2
-    result = generate(model, tokenizer, [_passkey_prompt(tokenizer, "11111", 3, 3)], "quant(bits=4,group=32)", max_new_tokens=4)[0]
+    result = generate(model, tokenizer, [_passkey_prompt(tokenizer, "11111", 3, 3)], parse_policy("quant(bits=4,group=32)"), max_new_tokens=4)[0]
     tokens = result.stats.tokens_seen[0]
     # 30 layers x 3 KV heads x (K and V) x (64 values / 2 per byte + 2 groups x (fp16 scale + fp16 zero))
     assert result.stats.kv_bytes == tokens * 30 * 3 * 2 * (64 // 2 + 2 * 4)
@@ -50,7 +51,7 @@ def test_query_aware_snapkv_keeps_at_least_as_many_needles_as_random(smollm2):
     prompts = [Prompt(*encode_item(tokenizer, item)) for item in items]
     right = {}
     for policy in ("snapkv(ratio=0.75)", "random(ratio=0.75)"):
-        results = generate(model, tokenizer, prompts, policy, max_new_tokens=16, mode="query", batch_size=5)
+        results = generate(model, tokenizer, prompts, parse_policy(policy), max_new_tokens=16, mode="query", batch_size=5)
         right[policy] = sum(score_answer(item, r.text).correct for item, r in zip(items, results))
     assert right["snapkv(ratio=0.75)"] >= right["random(ratio=0.75)"], right
     assert right["snapkv(ratio=0.75)"] > 0
@@ -62,8 +63,8 @@ def test_gemma3_hybrid_cache_under_stacked_policies():
     context = FILLER * 40 + "The pass key is 52719. Remember it. 52719 is the pass key. " + FILLER * 5
     prompt = encode_prompt(tokenizer, context, "What is the pass key? The pass key is")
     assert prompt.length > 600  # longer than the sliding window (512)
-    none = generate(model, tokenizer, [prompt], "none", max_new_tokens=6)[0]
-    stacked = generate(model, tokenizer, [prompt], "snapkv(ratio=0.5)+kivi(bits=4)", max_new_tokens=6)[0]
+    none = generate(model, tokenizer, [prompt], parse_policy("none"), max_new_tokens=6)[0]
+    stacked = generate(model, tokenizer, [prompt], parse_policy("snapkv(ratio=0.5)+kivi(bits=4)"), max_new_tokens=6)[0]
     kept = [k[0] for k in stacked.stats.kept_tokens]
     sliding = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
     full = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]

@@ -20,6 +20,9 @@ from kveval.runner.fidelity import (
     read_fidelity,
 )
 from kveval.runner.generation import Prompt, generate
+from kveval.policies.spec import parse_policy
+from cache_runs import specs_of
+from kveval.gate.config import GateConfig
 
 
 def _prompts(seed=3):
@@ -29,15 +32,15 @@ def _prompts(seed=3):
 
 
 def _fidelity(model, prompts, spec, mode="context"):
-    reference = answer_distributions(model, Tok(), prompts, "none", max_new_tokens=6, mode=mode)
-    forced = answer_distributions(model, Tok(), prompts, spec, answers=[a for a, _ in reference], mode=mode)
+    reference = answer_distributions(model, Tok(), prompts, parse_policy("none"), max_new_tokens=6, mode=mode)
+    forced = answer_distributions(model, Tok(), prompts, parse_policy(spec), answers=[a for a, _ in reference], mode=mode)
     return [compare_distributions(a, p, q[1]) for (a, p), q in zip(reference, forced)]
 
 
 def test_the_baseline_pass_is_the_baseline_greedy_answer():
     model, prompts = tiny_llama(), _prompts()
-    reference = answer_distributions(model, Tok(), prompts, "none", max_new_tokens=6)
-    assert [a for a, _ in reference] == [r.token_ids for r in generate(model, Tok(), prompts, "none", max_new_tokens=6)]
+    reference = answer_distributions(model, Tok(), prompts, parse_policy("none"), max_new_tokens=6)
+    assert [a for a, _ in reference] == [r.token_ids for r in generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=6)]
     assert all(d.shape == (6, 128) for _, d in reference)
 
 
@@ -81,7 +84,7 @@ def test_fidelity_does_not_depend_on_the_batch_size(tmp_path, spec):
     model, items = tiny_llama(), _items_of_different_lengths()
     found = []
     for batch in (1, 3):
-        dirs = evaluate_policies(model, CharTok(), items, ["none", spec], tmp_path / f"b{batch}", "org/M", batch_size=batch,
+        dirs = evaluate_policies(model, CharTok(), items, specs_of(["none", spec]), tmp_path / f"b{batch}", "org/M", batch_size=batch,
                                  fidelity=True)
         assert not (dirs[0] / FIDELITY_FILE).exists()  # the baseline is the reference, not a candidate
         found.append(read_fidelity(dirs[1]))
@@ -98,9 +101,9 @@ def test_fidelity_does_not_depend_on_the_batch_size(tmp_path, spec):
 
 def test_fidelity_reaches_the_comparison_and_resumes(tmp_path):
     model, items = tiny_llama(), _items_of_different_lengths()
-    base, cand = evaluate_policies(model, CharTok(), items, ["none", "quant(bits=2,group=8)"], tmp_path, "org/M", fidelity=True)
+    base, cand = evaluate_policies(model, CharTok(), items, specs_of(["none", "quant(bits=2,group=8)"]), tmp_path, "org/M", fidelity=True)
     before = (cand / FIDELITY_FILE).read_text()
-    evaluate_policies(model, CharTok(), items, ["none", "quant(bits=2,group=8)"], tmp_path, "org/M", fidelity=True)
+    evaluate_policies(model, CharTok(), items, specs_of(["none", "quant(bits=2,group=8)"]), tmp_path, "org/M", fidelity=True)
     assert (cand / FIDELITY_FILE).read_text() == before  # nothing measured twice
     found = read_fidelity(cand)
     summary = compare_runs(base, cand, n_resamples=200, cells=False).overall.fidelity
@@ -112,17 +115,17 @@ def test_fidelity_reaches_the_comparison_and_resumes(tmp_path):
 
 def test_a_half_written_fidelity_line_is_measured_again(tmp_path):
     model, items = tiny_llama(), _items_of_different_lengths()
-    _, cand = evaluate_policies(model, CharTok(), items, ["none", "window(size=8)"], tmp_path, "org/M", fidelity=True)
+    _, cand = evaluate_policies(model, CharTok(), items, specs_of(["none", "window(size=8)"]), tmp_path, "org/M", fidelity=True)
     full = (cand / FIDELITY_FILE).read_text()
     (cand / FIDELITY_FILE).write_text(full[: full.rfind("\n", 0, len(full) - 1) + 10])
     assert len(read_fidelity(cand)) == len(items) - 1
-    evaluate_policies(model, CharTok(), items, ["none", "window(size=8)"], tmp_path, "org/M", fidelity=True)
+    evaluate_policies(model, CharTok(), items, specs_of(["none", "window(size=8)"]), tmp_path, "org/M", fidelity=True)
     assert sorted((cand / FIDELITY_FILE).read_text().splitlines()) == sorted(full.splitlines())
 
 
 def test_fidelity_needs_the_baseline_in_the_same_call(tmp_path):
     with pytest.raises(UsageError, match="--baseline"):
-        evaluate_policies(tiny_llama(), CharTok(), _items(), ["window(size=8)"], tmp_path, "org/M", fidelity=True)
+        evaluate_policies(tiny_llama(), CharTok(), _items(), specs_of(["window(size=8)"]), tmp_path, "org/M", fidelity=True)
 
 
 def test_kl_bounds():
@@ -156,9 +159,9 @@ def fidelity_runs(tmp_path_factory):
     for i, item in enumerate(items):
         item.id = f"passkey-{i}"
     model = tiny_llama()
-    base, int8, int2 = evaluate_policies(model, CharTok(), items, ["none", "quant(bits=8,group=8)", "quant(bits=2,group=8)"],
+    base, int8, int2 = evaluate_policies(model, CharTok(), items, specs_of(["none", "quant(bits=8,group=8)", "quant(bits=2,group=8)"]),
                                          root, "org/M", batch_size=4, fidelity=True)
-    [plain] = evaluate_policies(model, CharTok(), items, ["window(size=8)"], root, "org/M", batch_size=4)
+    [plain] = evaluate_policies(model, CharTok(), items, specs_of(["window(size=8)"]), root, "org/M", batch_size=4)
     return root, base, int8, int2, plain
 
 
@@ -178,14 +181,14 @@ def test_gate_rule_max_mean_kl(fidelity_runs):
     rules = {"margin": 0.5, "max_negative_flip_rate": None, "max_confusion_increase": None, "n_resamples": 500}
 
     def reasons(cap, run):
-        result = evaluate_gate({**rules, "max_mean_kl": cap}, base, [run])
+        result = evaluate_gate(GateConfig.from_dict({**rules, "max_mean_kl": cap}), base, [run])
         return [r for t in result.candidates[0].tasks for r in t.reasons if "KL" in r]
 
     assert any("lower bound" in r and "> cap" in r for r in reasons(mean2 / 10, int2))  # FAIL: clearly above the cap
     assert reasons(mean2 * 10, int2) == []  # shown under the cap
     assert reasons(None, int2) == []  # rule off
     assert any("--fidelity" in r for r in reasons(1.0, plain))  # not measured: never passes silently
-    assert evaluate_gate({**rules, "max_mean_kl": mean2 / 10}, base, [int2]).exit_code == 1
+    assert evaluate_gate(GateConfig.from_dict({**rules, "max_mean_kl": mean2 / 10}), base, [int2]).exit_code == 1
 
 
 def test_compare_and_report_show_the_kl(fidelity_runs, tmp_path):

@@ -17,7 +17,7 @@ def _prompts(seed=10):
 
 def _eos_that_stops_rows_at_different_steps(model, prompts, steps, spec="none"):
     """An id that ends at least two rows early, at different steps (chosen from the generations without EOS)."""
-    free = generate(model, Tok(), prompts, spec, max_new_tokens=steps)
+    free = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=steps)
     for token in sorted({t for r in free for t in r.token_ids[1:]}):
         firsts = [r.token_ids.index(token) for r in free if token in r.token_ids]
         if len(set(firsts)) >= 2 and min(firsts) >= 1 and len(firsts) < len(prompts):
@@ -33,8 +33,8 @@ def test_rows_that_stop_early_measure_the_same_at_any_batch_size(make, spec):
     prompts = _prompts()
     eos, _ = _eos_that_stops_rows_at_different_steps(model, prompts, 12, spec)
     model.generation_config.eos_token_id = eos
-    one = generate(model, Tok(), prompts, spec, max_new_tokens=12, batch_size=1)
-    four = generate(model, Tok(), prompts, spec, max_new_tokens=12, batch_size=4)
+    one = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=12, batch_size=1)
+    four = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=12, batch_size=4)
     stopped = sorted(len(r.token_ids) for r in one if len(r.token_ids) < 12)
     assert len(set(stopped)) >= 2  # the batch holds rows that end at different steps
     assert [r.token_ids for r in four] == [r.token_ids for r in one]
@@ -48,7 +48,7 @@ def test_a_finished_row_stops_growing():
     prompts = _prompts()
     eos, _ = _eos_that_stops_rows_at_different_steps(model, prompts, steps=12)
     model.generation_config.eos_token_id = eos
-    results = generate(model, Tok(), prompts, "none", max_new_tokens=12, batch_size=len(prompts))
+    results = generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=12, batch_size=len(prompts))
     for prompt, result in zip(prompts, results):
         # The prompt, then every generated token but the last one (nothing is fed after it); EOS is never fed.
         assert result.stats.tokens_seen == [prompt.length + max(0, len(result.token_ids) - (len(result.token_ids) == 12))]
@@ -68,9 +68,9 @@ def test_generate_many_checks_requests_as_generate_does(entry, kwargs, message):
     policies = ["snapkv(ratio=0.25,window=4)", "snapkv(ratio=0.5,window=4)"]  # one shared prefill
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         if entry == "generate":
-            generate(model, Tok(), policy=policies[0], **request)
+            generate(model, Tok(), policy=parse_policy(policies[0]), **request)
         else:
-            generate_many(model, Tok(), policies=policies, **request)
+            generate_many(model, Tok(), policies=[parse_policy(p) for p in policies], **request)
 
 
 def test_kv_dtype_reaches_every_result():
@@ -78,7 +78,7 @@ def test_kv_dtype_reaches_every_result():
     prompts = _prompts()[:2]
     policies = [parse_policy(p).spec for p in ("snapkv(ratio=0.25,window=4)", "snapkv(ratio=0.5,window=4)")]
     for kv_dtype, name in ((None, "bfloat16"), ("float16", "float16"), ("float32", "float32")):
-        alone = generate(model, Tok(), prompts, policies[0], max_new_tokens=4, kv_dtype=kv_dtype)
-        shared = generate_many(model, Tok(), prompts, policies, max_new_tokens=4, kv_dtype=kv_dtype)
+        alone = generate(model, Tok(), prompts, parse_policy(policies[0]), max_new_tokens=4, kv_dtype=kv_dtype)
+        shared = generate_many(model, Tok(), prompts, [parse_policy(p) for p in policies], max_new_tokens=4, kv_dtype=kv_dtype)
         assert {r.stats.kv_dtype for r in alone + shared[policies[0]] + shared[policies[1]]} == {name}
         assert [r.stats.kv_bytes for r in shared[policies[0]]] == [r.stats.kv_bytes for r in alone]

@@ -159,7 +159,7 @@ def test_adakv_decode_steps_drop_without_ranking(monkeypatch):
 
     monkeypatch.setattr(base, "_adaptive_few_drops", spied)
     prompts = random_prompts([(40, 3), (33, 5), (27, 2)], seed=4)
-    generate(model, Tok(), prompts, "h2o(budget=12,adaptive=true,decode_budget=10,recent=4)", max_new_tokens=12)
+    generate(model, Tok(), prompts, parse_policy("h2o(budget=12,adaptive=true,decode_budget=10,recent=4)"), max_new_tokens=12)
     assert len(served) >= 20 and sum(served) >= 0.9 * len(served)
 
 
@@ -185,7 +185,7 @@ def test_adaptive_with_ratio_zero_equals_none(spec):
     model = tiny_llama()
     prompts = [Prompt(list(range(1, 60)), [3, 4, 5])]
     zero = spec.replace("ratio=0.5", "ratio=0")
-    ours, base = generate(model, Tok(), prompts, zero, max_new_tokens=8)[0], generate(model, Tok(), prompts, "none", max_new_tokens=8)[0]
+    ours, base = generate(model, Tok(), prompts, parse_policy(zero), max_new_tokens=8)[0], generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=8)[0]
     assert ours.token_ids == base.token_ids and ours.logprobs == base.logprobs
     assert ours.stats.kv_bytes == base.stats.kv_bytes
 
@@ -219,8 +219,8 @@ def test_adaptive_stacks_with_kivi_and_quantizes_each_head_as_kivi_alone_does():
     model = tiny_llama()
     prompts = [Prompt(list(range(1, 60)), [3, 4, 5])]
     kivi = "kivi(bits=4,group=8,residual=4)"
-    alone = generate(model, Tok(), prompts, kivi, max_new_tokens=8)[0]
-    stacked = generate(model, Tok(), prompts, f"snapkv(ratio=0,window=4,adaptive=true)+{kivi}", max_new_tokens=8)[0]
+    alone = generate(model, Tok(), prompts, parse_policy(kivi), max_new_tokens=8)[0]
+    stacked = generate(model, Tok(), prompts, parse_policy(f"snapkv(ratio=0,window=4,adaptive=true)+{kivi}"), max_new_tokens=8)[0]
     assert (stacked.token_ids, stacked.logprobs, stacked.stats.kv_bytes) == (alone.token_ids, alone.logprobs, alone.stats.kv_bytes)
     dense = _prefill(model, "snapkv(ratio=0.5,window=4,adaptive=true)").stats().kv_bytes
     cache = _prefill(model, f"snapkv(ratio=0.5,window=4,adaptive=true)+{kivi}")
@@ -237,7 +237,7 @@ def test_adaptive_stacks_with_kivi_and_quantizes_each_head_as_kivi_alone_does():
 @pytest.mark.parametrize("spec", ["h2o(ratio=0.5,adaptive=true,decode_budget=30)", "knorm(ratio=0.5,adaptive=true,decode_budget=30)"])
 def test_adaptive_decode_budget_bounds_the_layer_while_generating(spec):
     model = tiny_llama()
-    result = generate(model, Tok(), [Prompt(list(range(1, 61)))], spec, max_new_tokens=20)[0]
+    result = generate(model, Tok(), [Prompt(list(range(1, 61)))], parse_policy(spec), max_new_tokens=20)[0]
     assert len(result.token_ids) == 20
     assert result.stats.kv_bytes == 2 * 2 * 30 * HEAD_TOKEN_BYTES  # layers x heads x budget
 
@@ -258,7 +258,7 @@ def test_duo_extremes_equal_streaming_and_none():
     prompts = _prompts()[:1]
     for duo, same in [("duo(heads=0,sink=2,window=8)", "streaming(sink=2,window=8)"), ("duo(heads=1,window=8)", "none"),
                       ("duo(heads=0,sink=2,ratio=0.5)", "streaming(sink=2,ratio=0.5)"), ("duo(heads=1,ratio=0.5)", "none")]:
-        a, b = generate(model, Tok(), prompts, duo, max_new_tokens=12)[0], generate(model, Tok(), prompts, same, max_new_tokens=12)[0]
+        a, b = generate(model, Tok(), prompts, parse_policy(duo), max_new_tokens=12)[0], generate(model, Tok(), prompts, parse_policy(same), max_new_tokens=12)[0]
         assert (a.token_ids, a.logprobs, a.stats.kv_bytes, a.stats.kept_tokens) == (b.token_ids, b.logprobs, b.stats.kv_bytes, b.stats.kept_tokens)
 
 
@@ -279,7 +279,7 @@ def test_duo_streaming_heads_stay_bounded_while_retrieval_heads_keep_everything(
     spec = f"duo(heads=0.5,sink=2,window=8,scope={scope})"
     mask = parse_policy(spec).selection.retrieval_mask(model, 2, 2)
     assert int(mask.sum()) == 2 and (scope == "global" or mask.sum(dim=1).tolist() == [1, 1])
-    cache = CompressedCache(model, spec)
+    cache = CompressedCache(model, parse_policy(spec))
     with torch.no_grad():
         out = model(random_ids(60, 5), cache=cache)
         for step in range(15):
@@ -313,7 +313,7 @@ def test_retrieval_scores_are_cached_per_model_and_skip_sliding_layers(monkeypat
     model = tiny_gemma3()
     first = retrieval_heads.load_or_calibrate(model, 128)
     assert first.path.is_file()
-    sliding = [layer.is_sliding for layer in CompressedCache(model, "none").layers]
+    sliding = [layer.is_sliding for layer in CompressedCache(model, parse_policy("none")).layers]
     assert [bool(s) for s in first.scores.isnan().all(dim=1)] == sliding
     valid = first.scores[~first.scores.isnan()]
     assert ((valid >= 0) & (valid <= 1)).all() and valid.max() > 0
@@ -327,8 +327,8 @@ def test_retrieval_scores_are_cached_per_model_and_skip_sliding_layers(monkeypat
 
 def test_duo_on_gemma_sliding_layers_keep_their_window():
     model = tiny_gemma3()
-    result = generate(model, Tok(), _prompts()[:1], "duo(heads=0,sink=2,window=8)", max_new_tokens=6)[0]
-    reference = generate(model, Tok(), _prompts()[:1], "streaming(sink=2,window=8)", max_new_tokens=6)[0]
+    result = generate(model, Tok(), _prompts()[:1], parse_policy("duo(heads=0,sink=2,window=8)"), max_new_tokens=6)[0]
+    reference = generate(model, Tok(), _prompts()[:1], parse_policy("streaming(sink=2,window=8)"), max_new_tokens=6)[0]
     assert (result.token_ids, result.stats.kv_bytes) == (reference.token_ids, reference.stats.kv_bytes)
 
 

@@ -136,7 +136,7 @@ def test_rope_angles_sized_by_a_host_bound_read_no_device_and_equal_the_angles_s
 
 def _layer0_keys(model, token=7, n=24):
     seen = {}
-    layer = CompressedCache(model, "none", kv_dtype=EXACT)
+    layer = CompressedCache(model, parse_policy("none"), kv_dtype=EXACT)
     with torch.no_grad():
         model(torch.full((1, n), token), cache=layer, position_ids=torch.arange(n)[None])
     seen["keys"] = layer.layers[0].rows[0].store.keys_values()[0]
@@ -350,7 +350,7 @@ def test_embedded_models_generate_with_a_quarter_of_the_bytes(name, monkeypatch)
 
     model, tokenizer = load_model(name)
     prompt = encode_prompt(tokenizer, "The pass key is 71432. Remember it. 71432 is the pass key. " * 8 + "What is the pass key?")
-    none, = generate(model, tokenizer, [prompt], "none", max_new_tokens=6)
-    ours, = generate(model, tokenizer, [prompt], "kvquant(bits=4)", max_new_tokens=6)
+    none, = generate(model, tokenizer, [prompt], parse_policy("none"), max_new_tokens=6)
+    ours, = generate(model, tokenizer, [prompt], parse_policy("kvquant(bits=4)"), max_new_tokens=6)
     assert ours.token_ids and ours.stats.kv_bytes < none.stats.kv_bytes / 3
     assert parse_policy("kvquant(bits=4)").quantization.codebook_bytes(model) > 0

@@ -177,7 +177,7 @@ def test_bad_specs_name_the_problem(spec, message):
 ])
 def test_parameters_are_checked_against_the_model(spec, message):
     model = tiny_llama()
-    assert_one_line_error(lambda: CompressedCache(model, spec).new_store(0, torch.float32), ValueError, message)
+    assert_one_line_error(lambda: CompressedCache(model, parse_policy(spec)).new_store(0, torch.float32), ValueError, message)
 
 
 def test_run_spec_checks_the_model_shape_and_fits_quant_groups():

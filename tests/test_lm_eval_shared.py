@@ -18,6 +18,7 @@ from kveval.lm_eval.model import KVEvalLM, ResponseStore  # noqa: E402
 from kveval.runs.records import iter_items  # noqa: E402
 from kveval.runner.runspec import RunSpec  # noqa: E402
 from test_lm_eval import tiny_model  # noqa: E402
+from cache_runs import specs_of
 
 TASKS = ["kveval_niah_single", "kveval_niah_multikey_mc"]
 #: Baseline, selection + quantization stacked, eviction by accumulated attention, the random control.
@@ -179,7 +180,7 @@ def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer
     runner._loaded = ("smollm2-135m", model, tokenizer)  # the tiny model stands in for the embedded one
     (cell,) = plan_cells(config)
     dirs = runner(cell).run_dirs
-    reference = evaluate_policies(model, tokenizer, sweep_items(config, tokenizer), list(cell.specs), tmp_path / "eval",
+    reference = evaluate_policies(model, tokenizer, sweep_items(config, tokenizer), specs_of(list(cell.specs)), tmp_path / "eval",
                                   "smollm2-135m", mode, config.batch_size, config.seed, fidelity=True)
     for got, want in zip(dirs, reference):
         got_file, want_file = Path(got) / FIDELITY_FILE, want / FIDELITY_FILE

@@ -128,7 +128,7 @@ def test_keys_are_projected_after_rope():
     hook = attention.k_proj.register_forward_hook(lambda mod, args, out: pre_rope.setdefault("k", out.detach()))
     LowRankStore.append = spy
     try:
-        cache = CompressedCache(model, "lowrank(rank=6)", kv_dtype=EXACT)
+        cache = CompressedCache(model, parse_policy("lowrank(rank=6)"), kv_dtype=EXACT)
         with torch.no_grad():
             model(ids, cache=cache, position_ids=torch.arange(24)[None])
     finally:
@@ -208,9 +208,9 @@ def test_bad_specs_name_the_problem(spec, message):
 def test_rank_and_quant_group_are_checked_against_the_model():
     model = tiny_llama()
     with pytest.raises(ValueError, match="group=8 does not divide the k rank 12"):
-        CompressedCache(model, "lowrank(rank=12)+quant(bits=8,group=8)").new_store(0, torch.float32)
+        CompressedCache(model, parse_policy("lowrank(rank=12)+quant(bits=8,group=8)")).new_store(0, torch.float32)
     with pytest.raises(ValueError, match="exceeds head_dim=16"):
-        CompressedCache(model, "lowrank(rank=32)").new_store(0, torch.float32)
+        CompressedCache(model, parse_policy("lowrank(rank=32)")).new_store(0, torch.float32)
 
 
 @pytest.mark.slow
@@ -222,8 +222,8 @@ def test_smollm2_generates_with_fewer_bytes(monkeypatch):
     model, tokenizer = load_model("smollm2-135m")
     prompt = encode_prompt(tokenizer, "The capital of France is Paris. What is the capital of France?")
     spec = "lowrank(rank=32)"  # at calib_tokens=256 this prompt gets an immediate EOS: a real answer, but no decode to check
-    none, = generate(model, tokenizer, [prompt], "none", max_new_tokens=4)
-    ours, = generate(model, tokenizer, [prompt], spec, max_new_tokens=4)
+    none, = generate(model, tokenizer, [prompt], parse_policy("none"), max_new_tokens=4)
+    ours, = generate(model, tokenizer, [prompt], parse_policy(spec), max_new_tokens=4)
     assert ours.token_ids and ours.stats.kv_bytes < none.stats.kv_bytes
     assert ours.stats.bytes_per_token == pytest.approx(none.stats.bytes_per_token / 2)  # 32 of 64 dims
     assert parse_policy(spec).structure.basis_bytes(model) == 30 * 3 * 64 * (32 + 32) * 4

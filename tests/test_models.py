@@ -8,6 +8,7 @@ from kveval.errors import ModelNotFoundError
 from kveval.modeling import sources
 from kveval.runner import models
 from kveval.commands.main import main
+from kveval.policies.spec import parse_policy
 
 
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
@@ -79,8 +80,8 @@ def test_device_map_auto_places_a_cpu_model_on_cpu_with_the_plain_results(tmp_pa
                           offload_folder=str(tmp_path / "offload"))
     prompts = [Prompt(list(range(4, 60)), [70, 71]), Prompt(list(range(30, 70)), [72])]
     for policy in ("none", "snapkv(ratio=0.5)+kivi(bits=4,group=8)"):
-        expected = generate(plain, tokenizer, prompts, policy, max_new_tokens=6, batch_size=2)
-        for got in (generate(m, tokenizer, prompts, policy, max_new_tokens=6, batch_size=2) for m in (placed,)):
+        expected = generate(plain, tokenizer, prompts, parse_policy(policy), max_new_tokens=6, batch_size=2)
+        for got in (generate(m, tokenizer, prompts, parse_policy(policy), max_new_tokens=6, batch_size=2) for m in (placed,)):
             assert [r.token_ids for r in got] == [r.token_ids for r in expected]
             assert [r.stats.kv_bytes for r in got] == [r.stats.kv_bytes for r in expected]
             assert [r.logprobs for r in got] == [r.logprobs for r in expected]

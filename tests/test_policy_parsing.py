@@ -86,7 +86,7 @@ def test_every_selection_policy_takes_ratio():
 def test_streaming_ratio_compresses_the_prefill_on_a_model():
     model = tiny_llama()
     ids = torch.randint(1, 128, (1, 64), generator=torch.Generator().manual_seed(0))
-    cache = CompressedCache(model, "streaming(sink=4,ratio=0.5)")
+    cache = CompressedCache(model, parse_policy("streaming(sink=4,ratio=0.5)"))
     with torch.no_grad():
         model(ids, cache=cache)
     assert [k[0] for k in cache.stats().kept_tokens] == [32, 32]
@@ -112,7 +112,7 @@ def test_readme_stacking_example_runs_on_a_tiny_model():
     assert spec.spec == "lowrank(rank=8)+quant(bits=8,group=8)"
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(ids, cache=CompressedCache(model, spec.policy))
+        model(ids, cache=CompressedCache(model, parse_policy(spec.policy)))
 
 
 def test_spec_is_checked_against_the_model_config_before_loading():

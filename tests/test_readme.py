@@ -20,6 +20,7 @@ import argparse
 import importlib
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from kveval.commands.main import COMMANDS
 from kveval.policies.registry import POLICIES
 from kveval.policies.spec import _split_terms, param_types
 from kveval.runner.runspec import RunSpec
+from kveval.policies.spec import parse_policy
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text(encoding="utf-8")
@@ -124,7 +126,7 @@ def test_every_readme_policy_spec_parses_and_runs_on_a_tiny_model(spec):
     from kveval.cache.compressed import CompressedCache
 
     ids = torch.randint(1, 128, (1, 48), generator=torch.Generator().manual_seed(0))
-    cache = CompressedCache(model, run.policy)
+    cache = CompressedCache(model, parse_policy(run.policy))
     with torch.no_grad():
         logits = model(ids, cache=cache).logits
         model(logits[:, -1:].argmax(-1), cache=cache, position_ids=torch.tensor([[48]]))
@@ -218,3 +220,23 @@ def test_readme_generate_runs_on_the_embedded_models(model, policy, capsys):
     assert main(words) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "policy " in out and "ratio" in out
+
+
+def test_the_add_a_policy_example_registers_parses_and_scores(tmp_path, monkeypatch):
+    """The README's "Adding a policy" example is real code: imported as a module of one's own, it registers, stacks,
+    and scores keys as it says."""
+    block = TEXT.split("## Adding a policy", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_policies.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("my_policies")
+        stack = parse_policy("mynorm(ratio=0.5)+kivi(bits=4)")
+        assert stack.selection.name == "mynorm" and stack.quantization.name == "kivi"
+        keys = torch.tensor([[[1.0, -3.0], [0.5, 0.5], [2.0, 0.0]]])  # [kv_heads=1, tokens=3, head_dim=2]
+        from kveval.tensors.scoring_state import ScoringState
+
+        scores = stack.selection.scores(ScoringState(keys, torch.arange(3)[None], None, 0, 1))
+        assert scores.tolist() == [[-3.0, -0.5, -2.0]]  # the key with the smallest largest coordinate scores best
+    finally:
+        POLICIES.pop("mynorm", None)
+        sys.modules.pop("my_policies", None)

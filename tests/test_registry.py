@@ -28,6 +28,9 @@ def test_a_taken_name_is_refused_and_the_first_class_stays():
     class Impostor(RatioSelectionPolicy):
         name: ClassVar[str] = "knorm"
 
+        def scores(self, state):
+            return state.positions.float()
+
     with pytest.raises(PolicyRegistryError, match="'knorm' is already registered by kveval.policies.knorm.KnormPolicy"):
         register_policy(Impostor)
     assert POLICIES["knorm"] is KnormPolicy
@@ -38,6 +41,18 @@ def test_a_taken_name_is_refused_and_the_first_class_stays():
 def test_anything_but_a_concrete_policy_class_is_refused(thing):
     with pytest.raises(PolicyRegistryError):
         register_policy(thing)
+
+
+def test_a_family_member_missing_part_of_its_contract_is_abstract():
+    """A selection policy without ``scores`` cannot be built or registered: the contract is declared, not duck-typed."""
+    @dataclass
+    class Unscored(RatioSelectionPolicy):
+        name: ClassVar[str] = "unscored_test"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Unscored(ratio=0.5)
+    with pytest.raises(PolicyRegistryError, match="abstract"):
+        register_policy(Unscored)
 
 
 def test_a_new_policy_registers_and_parses():

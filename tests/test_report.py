@@ -14,6 +14,7 @@ from kveval.gate.rules import evaluate_gate
 from kveval.gate.report import write_gate_outputs
 from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 from kveval.report.leaderboard import build_report
+from kveval.gate.config import GateConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
 NOMINAL = 2 * 30 * 3 * 64 * 4  # fp32 SmolLM2 K+V bytes per token
@@ -158,7 +159,7 @@ def test_sweep_gate_two_models_into_report(sweep, tmp_path):
     # family "sweep": one Holm family over every model's candidates x tasks
     from statsmodels.stats.multitest import multipletests
 
-    fam = [t.comparison for r in evaluate_sweep({"family": "sweep"}, [sweep]) for c in r.candidates for t in c.tasks]
+    fam = [t.comparison for r in evaluate_sweep(GateConfig.from_dict({"family": "sweep"}), [sweep]) for c in r.candidates for t in c.tasks]
     assert len(fam) == 2 * 4  # (snap50, snap75, kivi, g_snap) x 2 tasks
     expected = multipletests([c.pvalue for c in fam], method="holm")[1]
     assert [c.p_holm for c in fam] == pytest.approx(list(expected), abs=1e-12)

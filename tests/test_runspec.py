@@ -1,6 +1,7 @@
 """RunSpec at every edge: sweep configs, generate/eval CLIs; specs checked against config.json before weights load."""
 
 import pytest
+import torch
 
 from kveval.errors import PolicySpecError
 from kveval.sweep.config import load_config
@@ -16,8 +17,9 @@ def _config(tmp_path, text):
 def test_sweep_config_entries_parse_once_into_run_specs(tmp_path):
     config = load_config(_config(tmp_path, "kv_dtype: fp16\npolicies: [snapkv(ratio=0.5)@query, kivi(bits=4), none]\n"))
     assert [(s.spec, s.mode, s.kv_dtype) for s in config.policies] == [
-        ("snapkv(ratio=0.5)", "query", "float16"), ("kivi(bits=4)", "context", "float16")]
-    assert config.kv_dtype == "float16"
+        ("snapkv(ratio=0.5)", "query", torch.float16), ("kivi(bits=4)", "context", torch.float16)]
+    assert config.kv_dtype == torch.float16
+    assert [s.key for s in config.policies] == ["snapkv(ratio=0.5)@query@kv_dtype=float16", "kivi(bits=4)@kv_dtype=float16"]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -58,3 +60,27 @@ def test_generate_refuses_a_bad_spec_before_loading(monkeypatch, capsys):
     assert "group=64 does not divide the k rank 16" in err and len(err.strip().splitlines()) == 1
     assert main(["eval", "--policy", "snapkv(budget=2.5)", "--out", "x"]) == 2
     assert "budget=2.5 is not an integer" in capsys.readouterr().err
+
+
+def test_below_the_edge_nothing_parses_a_string():
+    """Specs and dtypes are parsed once, at the edge: the cache, the generator and the runner take typed values and
+    refuse a string as the caller's bug (a TypeError, not a user error) instead of parsing it again."""
+    from tiny_models import tiny_llama
+
+    from kveval.cache.compressed import CompressedCache
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.generation import generate, generate_each
+    from kveval.stores.base import parse_kv_dtype
+
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="takes a PolicyStack"):
+        CompressedCache(model, "snapkv(ratio=0.5)")
+    with pytest.raises(TypeError, match="kv_dtype='float16'"):
+        CompressedCache(model, kv_dtype="float16")
+    with pytest.raises(TypeError, match="takes a PolicyStack"):
+        generate(model, None, [], "none")
+    with pytest.raises(TypeError, match="takes a PolicyStack"):
+        next(generate_each(model, None, [], ["none", "h2o(ratio=0.5)"]))
+    with pytest.raises(TypeError, match="takes RunSpecs"):
+        evaluate_policies(model, None, [], ["none"], "out", "m")
+    assert parse_kv_dtype("bf16") == torch.bfloat16 and parse_kv_dtype("auto") is None and parse_kv_dtype(None) is None

@@ -21,6 +21,9 @@ import kveval.runner.generation as generation
 from kveval.cache.compressed import CompressedCache
 from kveval.runner.evaluate import evaluate_policies
 from kveval.runner.generation import Prompt, can_share_prefill, generate_many
+from kveval.stores.base import parse_kv_dtype
+from kveval.policies.spec import parse_policy
+from cache_runs import specs_of
 
 #: Every policy family, several scores per kind (two SnapKV windows, PyramidKV sharing one), stacks.
 POLICIES = [
@@ -66,17 +69,17 @@ def test_the_prefill_keeps_only_the_scores_present_policies_need():
     model = tiny_llama()
     policies = ["snapkv(ratio=0.5,window=4)", "pyramidkv(ratio=0.3,window=4)", "snapkv(ratio=0.5,window=8)", "h2o(ratio=0.5)",
                 "quant(bits=8,group=8)", "knorm(ratio=0.5)", "random(ratio=0.5)"]
-    cache = CompressedCache(model, "none", defer_compression=True, scores_for=policies)
+    cache = CompressedCache(model, parse_policy("none"), defer_compression=True, scores_for=policies)
     assert cache.score_keys == [("window", 4), ("window", 8), ("all", None)]
     with torch.no_grad():
         model(torch.arange(1, 30)[None], cache=cache)
     for layer in cache.attention_layers:
         assert set(layer.rows[0].scores) == {("window", 4), ("window", 8), ("all", None)}
         assert layer.rows[0].store.length == 29  # nothing compressed yet
-    no_scores = CompressedCache(model, "none", defer_compression=True, scores_for=["quant(bits=8,group=8)", "knorm(ratio=0.5)", "none"])
+    no_scores = CompressedCache(model, parse_policy("none"), defer_compression=True, scores_for=[parse_policy("quant(bits=8,group=8)"), parse_policy("knorm(ratio=0.5)"), parse_policy("none")])
     assert no_scores.score_keys == []
     with pytest.raises(ValueError, match="scores_for"):
-        no_scores.derive("tova(ratio=0.5)")
+        no_scores.derive(parse_policy("tova(ratio=0.5)"))
 
 
 def test_one_policy_cache_at_a_time(monkeypatch):
@@ -87,20 +90,20 @@ def test_one_policy_cache_at_a_time(monkeypatch):
     def watched(self, policy):
         gc.collect()
         assert all(ref() is None for ref in alive), "a previous policy's cache is still held"
-        cache = derive(self, policy)
+        cache = derive(parse_policy(self), policy)
         alive.append(weakref.ref(cache))
         return cache
 
     monkeypatch.setattr(CompressedCache, "derive", watched)
     specs = ["none", "h2o(ratio=0.5)", "kivi(bits=2,group=4,residual=8)", "snapkv(ratio=0.5,window=4)"]
-    shared = generate_many(tiny_llama(), Tok(), _prompts(), specs, max_new_tokens=4, batch_size=3)
+    shared = generate_many(tiny_llama(), Tok(), _prompts(), [parse_policy(p) for p in specs], max_new_tokens=4, batch_size=3)
     assert len(alive) == len(specs) and all(len(r) == 3 for r in shared.values())
 
 
 def test_mixed_sixteen_bit_dtypes_fall_back_to_one_prefill_per_policy(monkeypatch):
     model = tiny_llama()
-    assert can_share_prefill(model, "bfloat16") and can_share_prefill(model.to(torch.bfloat16), "bfloat16")
-    assert not can_share_prefill(model, "float16")  # bfloat16 compute cannot hold every float16 value
+    assert can_share_prefill(model, parse_kv_dtype("bfloat16")) and can_share_prefill(model.to(torch.bfloat16), parse_kv_dtype("bfloat16"))
+    assert not can_share_prefill(model, parse_kv_dtype("float16"))  # bfloat16 compute cannot hold every float16 value
     monkeypatch.setattr(CompressedCache, "derive", lambda *a: pytest.fail("derived across 16-bit dtypes"))
     assert_shared_prefill_equals_own_runs(model, Tok(), _prompts()[:2], ["none", "snapkv(ratio=0.5,window=4)"],
                                           max_new_tokens=3, kv_dtype="float16")
@@ -131,9 +134,9 @@ def _records(run_dir):
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_a_sweep_call_writes_what_separate_calls_write(tmp_path, mode):
     model, items = tiny_llama(), _eval_items()
-    together = evaluate_policies(model, CharTok(), items, EVAL_POLICIES, tmp_path / "together", "org/M", mode=mode, batch_size=2)
+    together = evaluate_policies(model, CharTok(), items, specs_of(EVAL_POLICIES, mode=mode), tmp_path / "together", "org/M", batch_size=2)
     for policy, run_dir in zip(EVAL_POLICIES, together):
-        (alone,) = evaluate_policies(model, CharTok(), items, [policy], tmp_path / "alone", "org/M", mode=mode, batch_size=2)
+        (alone,) = evaluate_policies(model, CharTok(), items, specs_of([policy], mode=mode), tmp_path / "alone", "org/M", batch_size=2)
         assert _records(run_dir) == _records(alone), policy
         assert len(_records(run_dir)) == len(items)
 
@@ -158,7 +161,7 @@ class _KillAfter:
 
 def test_a_sweep_killed_between_policies_of_one_prefill_resumes_without_recomputing(tmp_path, monkeypatch):
     model, items = tiny_llama(), _eval_items()
-    reference = evaluate_policies(model, CharTok(), items, EVAL_POLICIES, tmp_path / "reference", "org/M", batch_size=2)
+    reference = evaluate_policies(model, CharTok(), items, specs_of(EVAL_POLICIES), tmp_path / "reference", "org/M", batch_size=2)
     asked: list[tuple[str, ...]] = []
     real = generation.generate_each
 
@@ -170,11 +173,11 @@ def test_a_sweep_killed_between_policies_of_one_prefill_resumes_without_recomput
     monkeypatch.setattr(generation, "generate_each", recording)
     # 2 items per batch: killed once the first prefill's 2nd policy has written both its items.
     with pytest.raises(_Killed):
-        evaluate_policies(model, CharTok(), items, EVAL_POLICIES, tmp_path / "run", "org/M", batch_size=2, progress=_KillAfter(4))
+        evaluate_policies(model, CharTok(), items, specs_of(EVAL_POLICIES), tmp_path / "run", "org/M", batch_size=2, progress=_KillAfter(4))
     first = list(asked)
     assert len(first) == 2
     asked.clear()
-    dirs = evaluate_policies(model, CharTok(), items, EVAL_POLICIES, tmp_path / "run", "org/M", batch_size=2)
+    dirs = evaluate_policies(model, CharTok(), items, specs_of(EVAL_POLICIES), tmp_path / "run", "org/M", batch_size=2)
     # Nothing finished is computed again: the first batch reruns only the policies not written for both items.
     assert not set(first[:2]) & set(asked)
     assert len(asked) == len(EVAL_POLICIES) * 3 - 2  # batches of 2, 2 and 1 items, each policy once, less the 2 done

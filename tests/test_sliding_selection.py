@@ -45,8 +45,8 @@ def test_a_window_wider_than_the_run_selects_as_the_model_without_one(spec, mode
     wide, plain = tiny_model("mistral", sliding_window=4096), tiny_model("mistral")
     kwargs = dict(max_new_tokens=6, mode=mode, batch_size=3)
     with torch.no_grad():
-        slid = generate(wide, Tok(), _prompts(), spec, **kwargs)
-        full = generate(plain, Tok(), _prompts(), spec, **kwargs)
+        slid = generate(wide, Tok(), _prompts(), parse_policy(spec), **kwargs)
+        full = generate(plain, Tok(), _prompts(), parse_policy(spec), **kwargs)
     assert [_held(r) for r in slid] == [_held(r) for r in full]
     assert all(r.stats.kv_bytes < r.stats.nominal_bytes for r in slid)  # it selected: fewer bytes than the model's
 
@@ -57,7 +57,7 @@ def test_a_narrow_window_trims_what_the_policy_selected(spec):
     window - 1 tokens the model's own cache holds, and every token held at the end lies inside the window of the
     next query (position 70), in every layer and head; fewer than the model's own 23."""
     model = tiny_model("mistral", sliding_window=WINDOW)
-    cache = CompressedCache(model, spec, kv_dtype=FP32)
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=FP32)
     with torch.no_grad():
         prefill_and_decode(model, cache, random_ids(60, 3), 0)
         policy = parse_policy(spec).selection
@@ -69,7 +69,7 @@ def test_a_narrow_window_trims_what_the_policy_selected(spec):
                 keep = policy.keep_count(WINDOW - 1, layer.layer_idx, len(cache.layers))
                 assert row.store.length == keep, (spec, layer.layer_idx)
         assert cache.stats().kv_bytes < cache.stats().nominal_bytes, spec
-        cache = CompressedCache(model, spec, kv_dtype=FP32)
+        cache = CompressedCache(model, parse_policy(spec), kv_dtype=FP32)
         logits = prefill_and_decode(model, cache, random_ids(60, 3), 10)
     assert all(bool(torch.isfinite(x).all()) for x in logits), spec
     for layer in cache.layers:
@@ -96,11 +96,11 @@ def test_a_batch_on_a_narrow_window_gives_the_answers_and_bytes_of_batch_one(spe
     prompts = _prompts()
     with torch.no_grad():
         seeds = [7, 11, 13]  # each row its own (an item's): the random control's choices do not depend on the batch
-        model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], spec, max_new_tokens=1, mode=mode,
+        model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], parse_policy(spec), max_new_tokens=1, mode=mode,
                                                         seed=seeds[:1])[0].token_ids[0]
-        alone = [generate(model, Tok(), [p], spec, max_new_tokens=8, mode=mode, seed=[s])[0]
+        alone = [generate(model, Tok(), [p], parse_policy(spec), max_new_tokens=8, mode=mode, seed=[s])[0]
                  for p, s in zip(prompts, seeds)]
-        together = generate(model, Tok(), prompts, spec, max_new_tokens=8, mode=mode, batch_size=3, seed=seeds)
+        together = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=8, mode=mode, batch_size=3, seed=seeds)
     assert alone[0].token_ids == [] and any(len(r.token_ids) > 1 for r in alone[1:])
     assert [_held(r) for r in alone] == [_held(r) for r in together]
 
@@ -152,7 +152,7 @@ def test_attention_over_what_is_kept_equals_the_eager_model_under_that_mask(spec
     kept = list(range(48, 60))
     model, eager = tiny_model("mistral", sliding_window=WINDOW), tiny_model("mistral", sliding_window=WINDOW, attn="eager")
     ids = random_ids(60, 3)
-    cache = CompressedCache(model, spec, kv_dtype=FP32)
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=FP32)
     with torch.no_grad():
         logits = prefill_and_decode(model, cache, ids, 10)
         decoded = torch.cat([step[:, -1:].argmax(-1) for step in logits[:-1]], dim=1)
@@ -185,11 +185,11 @@ def test_duo_calibration_longer_than_the_window_is_refused():
     model = tiny_model("mistral", sliding_window=256)
     with pytest.raises(UsageError, match=r"calib_tokens=160\): its passkey probes .* 256-token sliding window") as refused:
         with torch.no_grad():  # calibrated on first use, at the first compression
-            prefill_and_decode(model, CompressedCache(model, "duo(heads=0.5,window=8,calib_tokens=160)"), random_ids(60, 3), 0)
+            prefill_and_decode(model, CompressedCache(model, parse_policy("duo(heads=0.5,window=8,calib_tokens=160)")), random_ids(60, 3), 0)
     assert "\n" not in str(refused.value)
     fits = int(re.search(r"give calib_tokens=(\d+) or fewer", str(refused.value)).group(1))
     with torch.no_grad():  # what it names calibrates: 2 of the 4 KV heads keep all 60 tokens, 2 keep 4 + 8
-        cache = CompressedCache(model, f"duo(heads=0.5,window=8,calib_tokens={fits})")
+        cache = CompressedCache(model, parse_policy(f"duo(heads=0.5,window=8,calib_tokens={fits})"))
         prefill_and_decode(model, cache, random_ids(60, 3), 0)
     stats = cache.stats()
     assert stats.kv_bytes * 120 == stats.nominal_bytes * (60 + 12)
@@ -228,12 +228,12 @@ def test_a_batch_decodes_at_once_until_the_window_reaches_what_was_kept(monkeypa
     monkeypatch.setattr(BufferedDecode, "append", lambda self, *a, **k: (steps.append(1), append(self, *a, **k))[1])
     wide = tiny_model("mistral", sliding_window=4096)
     with torch.no_grad():
-        generate(wide, Tok(), _prompts(), "snapkv(ratio=0.5)", max_new_tokens=6, batch_size=3)
+        generate(wide, Tok(), _prompts(), parse_policy("snapkv(ratio=0.5)"), max_new_tokens=6, batch_size=3)
     assert len(steps) == 2 * 6  # both layers: the question's forward and every decode step after it
     steps.clear()
     narrow = tiny_model("mistral", sliding_window=WINDOW)
     with torch.no_grad():  # contexts of 12: 6 kept at positions 6..11
-        generate(narrow, Tok(), random_prompts([(12, 2)] * 3, seed=2), "window(ratio=0.5)", max_new_tokens=24,
+        generate(narrow, Tok(), random_prompts([(12, 2)] * 3, seed=2), parse_policy("window(ratio=0.5)"), max_new_tokens=24,
                  batch_size=3)
     # The oldest kept position is 6: forwards whose positions stay below 30 (the question at 12-13, decode steps
     # at 14..28) go at once, the 9 from position 29 on row by row.
@@ -247,7 +247,7 @@ def test_generation_past_the_window_equals_the_eager_model_under_the_kept_mask()
     model, eager = tiny_model("mistral", sliding_window=WINDOW), tiny_model("mistral", sliding_window=WINDOW, attn="eager")
     (prompt,) = random_prompts([(12, 2)], seed=2)
     with torch.no_grad():
-        (result,) = generate(model, Tok(), [prompt], "window(ratio=0.5)", max_new_tokens=24, kv_dtype=FP32)
+        (result,) = generate(model, Tok(), [prompt], parse_policy("window(ratio=0.5)"), max_new_tokens=24, kv_dtype=FP32)
         sequence = torch.tensor([prompt.context + prompt.question + result.token_ids[:-1]])
         n = sequence.shape[1]
         q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
@@ -267,7 +267,7 @@ def test_the_planner_and_the_cache_agree_on_chunked_layers():
 
     model = tiny_model("llama4", layer_types=["chunked_attention", "chunked_attention"])
     with pytest.raises(UnsupportedModelError, match="every attention layer is chunked"):
-        CompressedCache(model, "snapkv(ratio=0.5)")
+        CompressedCache(model, parse_policy("snapkv(ratio=0.5)"))
     with pytest.raises(ValueError, match="every attention layer of .* is chunked"):
         plan(model.config, 100, policy="snapkv(ratio=0.5)")
     assert plan(model.config, 100, policy="kivi(bits=4)").sequence_bytes > 0
@@ -284,7 +284,7 @@ def test_a_llama4_config_json_without_layer_types_plans_its_chunks():
     config.pop("layer_types", None)
     spec = load_model_spec(config)
     assert spec.chunked == [True, False] and spec.windows == [16, None]
-    cache = CompressedCache(model, "snapkv(ratio=0.5)", kv_dtype=torch.bfloat16)
+    cache = CompressedCache(model, parse_policy("snapkv(ratio=0.5)"), kv_dtype=torch.bfloat16)
     with torch.no_grad():
         model(random_ids(100, 1), cache=cache)
     assert plan(config, 100, policy="snapkv(ratio=0.5)").sequence_bytes == cache.stats().kv_bytes

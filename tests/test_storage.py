@@ -46,7 +46,7 @@ def llama_head_dim_64():
 
 
 def _prefill(model, spec, tokens=96, **kwargs):
-    cache = CompressedCache(model, spec, **kwargs)
+    cache = CompressedCache(model, parse_policy(spec), **kwargs)
     with torch.no_grad():
         model(torch.randint(1, 128, (1, tokens), generator=torch.Generator().manual_seed(0)), cache=cache)
     return cache
@@ -71,7 +71,7 @@ def test_explicit_kv_dtype_overrides_and_none_measures_its_nominal_bytes():
         assert stats.kv_bytes == stats.nominal_bytes == 96 * 2 * 2 * 64 * width
     assert _prefill(model, "quant(bits=8)", kv_dtype="float32").stats().ratio == 68 / 256
     with pytest.raises(UsageError, match="kv_dtype='int3'"):
-        CompressedCache(model, "none", kv_dtype="int3")
+        CompressedCache(model, parse_policy("none"), kv_dtype=parse_kv_dtype("int3"))
 
 
 def test_full_precision_tokens_are_stored_in_kv_dtype_and_handed_back_in_the_compute_dtype():
@@ -79,7 +79,7 @@ def test_full_precision_tokens_are_stored_in_kv_dtype_and_handed_back_in_the_com
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for spec in ("none", "kivi(bits=4,group=8,residual=16)", "lowrank(rank=8)"):
-            cache = CompressedCache(model, spec)
+            cache = CompressedCache(model, parse_policy(spec))
             model(ids, cache=cache)
             store = cache.layers[0].rows[0].store
             held = {"none": lambda s: s.keys, "kivi(bits=4,group=8,residual=16)": lambda s: s.k.tail,
@@ -88,8 +88,8 @@ def test_full_precision_tokens_are_stored_in_kv_dtype_and_handed_back_in_the_com
             keys, values = store.keys_values()
             assert keys.dtype == values.dtype == torch.float32, spec
     # Rounding to bf16 is all that "none" does to the first layer's keys (later layers see rounded attention).
-    cache = CompressedCache(model, "none")
-    reference = CompressedCache(model, "none", kv_dtype="float32")
+    cache = CompressedCache(model, parse_policy("none"))
+    reference = CompressedCache(model, parse_policy("none"), kv_dtype=parse_kv_dtype("float32"))
     with torch.no_grad():
         model(ids, cache=cache)
         model(ids, cache=reference)
@@ -456,7 +456,7 @@ def test_an_fp8_group_whose_scale_is_float16_subnormal_saturates_instead_of_over
 
 def test_every_store_implements_the_declared_interface():
     model = tiny_llama()
-    stores = [CompressedCache(model, spec).new_store(0, torch.float32)
+    stores = [CompressedCache(model, parse_policy(spec)).new_store(0, torch.float32)
               for spec in ("none", "kivi(bits=4,group=8,residual=4)", "lowrank(rank=8)", "lowrank(rank=8)+quant(bits=8,group=8)")]
     assert [type(s) for s in stores] == [DenseStore, QuantizedStore, LowRankStore, LowRankStore]
     assert all(isinstance(s, TokenStore) for s in stores)
@@ -481,7 +481,7 @@ def test_calibration_reads_every_token_of_sliding_layers():
 
     model = tiny_gemma3(sliding_window=16)
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(7))
-    reference = CompressedCache(model, "none", kv_dtype="float32")
+    reference = CompressedCache(model, parse_policy("none"), kv_dtype=parse_kv_dtype("float32"))
     with torch.no_grad():
         model(ids, cache=reference)
     for (k, v), layer in zip(_collect_kv(model, ids), reference.layers):

@@ -76,7 +76,7 @@ class CodedRows:
 
     Parameters
     ----------
-    quant : kveval.policies.quant.TensorQuant
+    quant : kveval.tensors.quantization.TensorQuant
         The encoding (bits, axis, group, symmetric, fp8).
     residual : int
         Tokens each row keeps in full precision (the residual window), as in

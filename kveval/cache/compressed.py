@@ -62,10 +62,9 @@ from kveval.cache.coded_rows import SharedScratch
 from kveval.cache.decode_evictions import DeferredEvictions
 from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling.layer_types import selecting_layers
-from kveval.policies.base import PolicyStack
-from kveval.policies.spec import parse_policy
+from kveval.policies.base import PolicyStack, require_stack
 from kveval.cache.rows import RowState
-from kveval.stores.base import DenseStore, deployment_kv_dtype, dtype_name, parse_kv_dtype
+from kveval.stores.base import DenseStore, cache_kv_dtype, dtype_name
 
 
 @dataclass
@@ -195,25 +194,25 @@ class CompressedCache(Cache):
 
     QUANTIZED_DECODE_MODES = ("auto", "buffer", "codes")
 
-    def __init__(self, model, policy: "str | PolicyStack" = "none", seed: "int | Sequence[int]" = 0,
+    def __init__(self, model, policy: "PolicyStack | None" = None, seed: "int | Sequence[int]" = 0,
                  defer_compression: bool = False,
-                 kv_dtype: "str | torch.dtype | None" = None, scores_for: "list[str | PolicyStack] | None" = None,
+                 kv_dtype: "torch.dtype | None" = None, scores_for: "list[PolicyStack] | None" = None,
                  quantized_decode: str = "auto"):
         if quantized_decode not in self.QUANTIZED_DECODE_MODES:
             raise UsageError(f"quantized_decode={quantized_decode!r} is not a mode; use one of {', '.join(self.QUANTIZED_DECODE_MODES)}")
         self.quantized_decode = quantized_decode
         self.scratch = SharedScratch()  # what quantized layers held as codes dequantize into, one layer at a time
-        self.kv_dtype = deployment_kv_dtype(model) if kv_dtype is None else parse_kv_dtype(kv_dtype)
+        self.kv_dtype = cache_kv_dtype(model, kv_dtype)
         config = model.config.get_text_config()
         plans = architectures.check_supported(model.config)
-        self.policy = parse_policy(policy)
+        self.policy = require_stack(policy, "CompressedCache")
         self.num_layers = config.num_hidden_layers
         self.head_dim, value_dim = architectures.cache_head_dims(model.config)
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed = list(seed) if isinstance(seed, (list, tuple)) else seed
         self.defer_compression = defer_compression
         self.model = model
-        served = [self.policy] + [parse_policy(p) for p in (scores_for or [])]
+        served = [self.policy] + [require_stack(p, "CompressedCache(scores_for=...)") for p in (scores_for or [])]
         #: Layer index -> whether a selection acts on it (:func:`~kveval.modeling.layer_types.selecting_layers`: full layers,
         #: and sliding ones where every attention layer slides), for the layers holding tokens.
         held = [(i, plan) for i, plan in enumerate(plans) if plan.holds_tokens]
@@ -407,7 +406,7 @@ class CompressedCache(Cache):
 
         if not self.defer_compression:
             raise ValueError("derive needs a cache built with defer_compression=True")
-        target = parse_policy(policy)
+        target = require_stack(policy, "CompressedCache.derive")
         key = score_key(target.selection)
         if key is not None and key not in self.score_keys:
             raise ValueError(f"this prefill kept no {key[0]} attention for {target.spec}; pass it in scores_for")
@@ -485,7 +484,7 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
     the model's deployment dtype (:func:`kveval.stores.base.deployment_kv_dtype`).
     """
     attention_layers = sum(p.holds_tokens for p in architectures.cache_layer_plan(model.config))
-    element = (deployment_kv_dtype(model) if dtype is None else parse_kv_dtype(dtype)).itemsize
+    element = cache_kv_dtype(model, dtype).itemsize
     return attention_layers * sum(architectures.cache_widths(model.config)) * element
 
 

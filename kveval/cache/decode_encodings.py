@@ -80,7 +80,7 @@ class QuantizedResidual(ResidualWindow):
 
     def __init__(self, quant, residual: int, unit: int, tails: list[int]):
         super().__init__(residual, unit, tails)
-        self.quant = quant  # kveval.policies.quant.TensorQuant
+        self.quant = quant  # kveval.tensors.quantization.TensorQuant
 
     @classmethod
     def of(cls, sequences: list[QuantizedSequence]) -> "QuantizedResidual":

@@ -63,7 +63,7 @@ def measure_exactness(model, prefill: int = 24, decode: int = 4, seed: int = 0) 
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(3, vocab - 1), vocab, (1, prefill), generator=torch.Generator().manual_seed(seed))
     ids = ids.to(model.device)
-    ours = prefill_and_decode(model, CompressedCache(model, "none", kv_dtype=model.dtype), ids, decode)
+    ours = prefill_and_decode(model, CompressedCache(model, kv_dtype=model.dtype), ids, decode)
     model.set_attn_implementation("eager")
     try:
         reference = prefill_and_decode(model, DynamicCache(config=model.config), ids, decode)

@@ -48,7 +48,7 @@ def run(args) -> int:
     items = probe_set.items(tokenizer)
     with tqdm(total=len(items) * len(specs), desc="items x policies", unit="item") as bar:
         # Each run records the set its items came from: kveval rescore generates them again from it.
-        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.mode, args.batch_size,
+        dirs = evaluate_policies(model, tokenizer, items, specs, Path(args.out), args.model, args.batch_size,
                                  args.seed, bar, fidelity=args.fidelity, extra={"probe_sets": [probe_set.to_dict()]})
     for run_dir in dirs:
         info = read_run_info(run_dir)

@@ -35,7 +35,7 @@ def run(args) -> int:
     result = generate(model, tokenizer, [prompt], spec.policy, max_new_tokens=args.max_new_tokens, **spec.generation_kwargs())[0]
     stats = result.stats
     if args.json:
-        print(json.dumps({"policy": spec.spec, "mode": spec.mode, "kv_dtype": spec.kv_dtype, "answer": result.text,
+        print(json.dumps({"policy": spec.spec, "mode": spec.mode, "kv_dtype": spec.kv_dtype_name, "answer": result.text,
                           "tokens": prompt.length, "kv_bytes": stats.kv_bytes, "nominal_bytes": stats.nominal_bytes,
                           "ratio": stats.ratio, "index_bytes": stats.index_bytes,
                           "kept_tokens_per_layer": [k[0] for k in stats.kept_tokens], "logprobs": result.logprobs}))

@@ -54,7 +54,7 @@ from kveval.stats.comparison import (
     compare_runs,
 )
 from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
-from kveval.gate.config import GateConfig, load_gate_config
+from kveval.gate.config import GateConfig
 from kveval.runs.records import RunInfo
 from kveval.runs.results import expand_run_dirs, load_run, pairing_warnings
 
@@ -62,7 +62,7 @@ PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
 
 __all__ = [
-    "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "GateConfig", "GateResult", "TaskVerdict", "evaluate_gate", "evaluate_sweep", "exit_code", "load_gate_config", "overall_status",
+    "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "GateConfig", "GateResult", "TaskVerdict", "evaluate_gate", "evaluate_sweep", "exit_code", "overall_status",
 ]
 
 
@@ -432,8 +432,18 @@ def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
 # ----------------------------------------------------------------------------- evaluating
 
 
+def _config_object(config: GateConfig | None) -> GateConfig:
+    """The gate's rules as parsed at the edge (:func:`kveval.gate.config.load_gate_config`); ``None``: the defaults.
+    A path or mapping here is a caller's bug: the config is read once, not again below the edge."""
+    if config is None:
+        return GateConfig()
+    if not isinstance(config, GateConfig):
+        raise TypeError(f"the gate takes a GateConfig, not {type(config).__name__}; read it once with load_gate_config")
+    return config
+
+
 def evaluate_gate(
-    config: str | os.PathLike | dict | GateConfig | None,
+    config: GateConfig | None,
     baseline_dir: str | os.PathLike,
     candidate_dirs: Sequence[str | os.PathLike],
     *,
@@ -446,7 +456,7 @@ def evaluate_gate(
     baseline or a gated task missing from it, :class:`UsageError` for no
     candidates, :class:`~kveval.errors.ConfigError` for a bad config.
     """
-    cfg = load_gate_config(config)
+    cfg = _config_object(config)
     if not candidate_dirs:
         raise UsageError("no candidate runs to gate")
     base = load_run(baseline_dir, metric=metric)
@@ -508,13 +518,13 @@ def group_runs_by_baseline(run_dirs: Sequence[str | os.PathLike]) -> list[tuple[
 
 
 def evaluate_sweep(
-    config: str | os.PathLike | dict | GateConfig | None,
+    config: GateConfig | None,
     run_dirs: Sequence[str | os.PathLike],
     *,
     metric: str | dict[str, str] | None = None,
 ) -> list[GateResult]:
     """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model)."""
-    cfg = load_gate_config(config)
+    cfg = _config_object(config)
     results = [evaluate_gate(cfg, base, cands, metric=metric) for base, cands in group_runs_by_baseline(run_dirs)]
     if cfg.family == "sweep" and len(results) > 1:
         _judge_all(results, cfg)

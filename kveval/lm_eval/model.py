@@ -305,7 +305,7 @@ class KVEvalLM(HFLM):
         self.runspec = self.runspec.with_mode(mode)
 
     @property
-    def kv_dtype(self) -> str | None:
+    def kv_dtype(self) -> "torch.dtype | None":
         return self.runspec.kv_dtype
 
     def share_prefill(self, companions: "list[RunSpec]", store: ResponseStore) -> None:
@@ -635,7 +635,7 @@ class KVEvalLM(HFLM):
             "model_dtype": str(model.dtype),
             schema.POLICY: self.policy.spec,
             schema.COMPRESS: self.compress,
-            schema.KV_DTYPE: self.kv_dtype or deployment_dtype_name(model),
+            schema.KV_DTYPE: self.runspec.kv_dtype_name or deployment_dtype_name(model),
             schema.MODEL_IDENTITY: self.model_identity,
             schema.QUESTION_MARKER: self.question_marker,
             schema.SEED: self.seed,

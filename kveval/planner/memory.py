@@ -189,54 +189,32 @@ def _kvquant_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
     _check_selection(spec, stack)
     quant = stack.quantization
-    if quant is not None and not hasattr(quant, "key_quant"):
+    quants = quant.planned_quants() if quant is not None else (None, None)
+    if quants is None:  # a codec that sizes its own codes (KVQuant)
         return _kvquant_layout(spec, stack)
-    kq = quant.key_quant if quant is not None else None
-    vq = quant.value_quant if quant is not None else None
-    residual = int(getattr(quant, "residual_tokens", 0) or 0) if quant is not None else 0
+    kq, vq = quants
+    residual = quant.residual_tokens if quant is not None else 0
     structure = stack.structure
     if spec.mla_dim is not None:
         # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's (one "head" each);
         # a structure policy projects them as it projects a K and a V head.
         latent, rope = spec.mla_dim - spec.mla_rope, spec.mla_rope
-        if structure is not None and hasattr(structure, "check_shape"):  # latent: one group of the one head
-            structure.check_layer(1, latent, rope or None)
-            widths = structure.widths(1)
-            latent, rope = widths["k"], widths["v"] if rope else 0
-        elif structure is not None:
-            rank = getattr(structure, "rank", None)
-            k_rank, v_rank = getattr(structure, "k_rank", None) or rank, getattr(structure, "v_rank", None) or rank
-            if k_rank is None or v_rank is None:
-                raise UsageError(f"{structure.spec()}: energy= ranks on an MLA latent come from calibration; plan "
-                                 f"a rank= (measure energy= with kveval eval)")
-            for which, r, width in (("latent", k_rank, latent), ("RoPE key", v_rank, rope)):
-                if width and r > width:
-                    raise UsageError(f"{structure.spec()}: rank {r} exceeds the MLA {which} width {width}")
-            latent, rope = k_rank, v_rank if rope else 0
+        if structure is not None:
+            widths = structure.planned_widths(1, latent, rope, mla=True)
+            latent, rope = widths.k, widths.v
         streams = [("latent", 1, latent, kq)] + ([("rope", 1, rope, vq)] if rope else [])
         if quant is not None:
             notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}, the shared RoPE "
                          f"key with its value settings")
     else:
-        k_dim = v_dim = spec.head_dim
-        per_group = structure is not None and hasattr(structure, "check_shape")  # latent: one stream per group of heads
-        if structure is not None and not per_group:
-            rank = getattr(structure, "rank", None)
-            k_rank = getattr(structure, "k_rank", None) or rank
-            v_rank = getattr(structure, "v_rank", None) or rank
-            if (k_rank is None or v_rank is None) and getattr(structure, "energy", None) is not None:
+        heads, k_dim, v_dim = spec.kv_heads, spec.head_dim, spec.head_dim
+        if structure is not None:
+            widths = structure.planned_widths(spec.kv_heads, spec.head_dim, spec.head_dim)
+            if widths.k is None or widths.v is None:
                 notes.append(f"{structure.spec()}: energy= ranks come from calibration on the model; "
                              f"planned at head_dim {spec.head_dim} (an upper bound) where no rank is given")
-            for which, r in (("k", k_rank), ("v", v_rank)):
-                if r is not None and r > spec.head_dim:
-                    raise UsageError(f"{structure.spec()}: {which} rank {r} exceeds head_dim={spec.head_dim}")
-            k_dim, v_dim = k_rank or spec.head_dim, v_rank or spec.head_dim
-        streams = [("k", spec.kv_heads, k_dim, kq), ("v", spec.kv_heads, v_dim, vq)]
-        if per_group:
-            structure.check_shape(spec.kv_heads, spec.head_dim)
-            group = structure.group_size(spec.kv_heads)
-            widths = structure.widths(group)
-            streams = [(kind, spec.kv_heads // group, widths[kind], q) for kind, q in (("k", kq), ("v", vq))]
+            heads, k_dim, v_dim = widths.heads, widths.k or spec.head_dim, widths.v or spec.head_dim
+        streams = [("k", heads, k_dim, kq), ("v", heads, v_dim, vq)]
     for which, _, dim, q in streams:
         if q is not None and q.axis == "token" and dim % q.group:
             what = {"latent": "latent width", "rope": "RoPE key width"}.get(which) or ("rank" if dim != spec.head_dim else "head_dim")
@@ -341,10 +319,10 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
                              f"{new_tokens} new tokens cannot be sized; plan the prefill alone (new_tokens=0) or a "
                              f"run shorter than the window")
         tokens = selection.keep_count(held, i, spec.num_layers) + new_tokens
-        budget = getattr(selection, "decode_budget", None)
+        budget = selection.decode_budget
         if new_tokens and budget is not None:
             tokens = min(tokens, max(int(budget), 1))
-        whole = getattr(selection, "whole_head_fraction", 0.0)  # duo: retrieval heads keep every token
+        whole = selection.whole_head_fraction  # duo: retrieval heads keep every token
         if whole:
             tokens = math.ceil(whole * (held + new_tokens) + (1 - whole) * tokens)  # mean per KV head
     return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
@@ -408,7 +386,7 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     base_pt = int(sum(_stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)
     if spec.max_position and context + new_tokens > spec.max_position:
         notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
-    if stack.selection is not None and getattr(stack.selection, "per_head_budgets", False) and stack.quantization is not None:
+    if stack.selection is not None and stack.selection.per_head_budgets and stack.quantization is not None:
         notes.append(f"{stack.selection.spec()}: per-head budgets are planned as equal heads; each head's own "
                      f"remainder of per-channel groups and residual makes the measured bytes differ slightly")
     if stack.selection is not None and layout.kvquant is not None:

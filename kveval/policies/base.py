@@ -18,6 +18,7 @@ The canonical spec (:attr:`PolicyStack.spec`) parses back to the same stack.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 from kveval.errors import PolicySpecError
@@ -29,11 +30,17 @@ from kveval.tensors.ranking import top_slots
 if TYPE_CHECKING:
     import torch
 
+    from kveval.tensors.quantization import TensorQuant
+
 
 FAMILY_ORDER = ("selection", "structure", "quantization")
 @dataclass
-class Policy:
-    """Base of every policy. Subclasses are dataclasses whose fields are the spec parameters."""
+class Policy(ABC):
+    """Base of every policy. Subclasses are dataclasses whose fields are the spec parameters.
+
+    A concrete policy belongs to one family, through one of :class:`SelectionPolicy`,
+    :class:`StructurePolicy` or :class:`QuantizationPolicy`, and implements that family's abstract methods.
+    """
 
     name: ClassVar[str] = ""
     family: ClassVar[str] = ""
@@ -91,13 +98,19 @@ class SelectionPolicy(Policy):
     #: (:class:`kveval.cache.decode_evictions.DeferredEvictions`).
     scores_stack_layers: ClassVar[bool] = False
 
+    @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         """How many of ``n_tokens`` context tokens to keep in layer ``layer_idx``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def scores(self, state: "ScoringState") -> "torch.Tensor":
         """Per KV head and token, higher = more worth keeping; shape ``[kv_heads, tokens]``."""
-        raise NotImplementedError
+
+    @property
+    def whole_head_fraction(self) -> float:
+        """Fraction of KV heads that keep every token whatever the budget (DuoAttention's retrieval heads); the
+        planner sizes a layer as that mix. 0 for a policy whose heads all keep the same count."""
+        return 0.0
 
     @property
     def per_head_budgets(self) -> bool:
@@ -239,9 +252,9 @@ class RepresentationPolicy(Policy):
     ``run.json``.
     """
 
+    @abstractmethod
     def make_store(self, inner, model, layer_idx: int):
         """The store of one sequence in layer ``layer_idx``, wrapping or replacing ``inner`` (keeping its dtypes)."""
-        raise NotImplementedError(f"{type(self).__name__} must define make_store")
 
     def prepare(self, model) -> None:
         """Work done once per model before the first forward pass (e.g. calibration). Default: nothing."""
@@ -258,6 +271,79 @@ class RepresentationPolicy(Policy):
         return {"k": head_dim, "v": head_dim}
 
 
+
+@dataclass(frozen=True)
+class PlannedWidths:
+    """What a structure policy stores per token in one layer, as the planner sizes it.
+
+    ``heads`` streams each of K and V (fewer than the layer's KV heads when heads share one latent), each ``k``
+    and ``v`` numbers wide; ``None`` where calibration decides the width (``energy=``).
+    """
+
+    heads: int
+    k: int | None
+    v: int | None
+
+
+@dataclass
+class StructurePolicy(RepresentationPolicy):
+    """Stores each kept token in another shape (low rank, a latent shared by heads): the structure family."""
+
+    family: ClassVar[str] = "structure"
+
+    @abstractmethod
+    def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
+        """The streams this structure stores for a layer of ``kv_heads`` heads whose K rows are ``k_width`` and V
+        rows ``v_width`` numbers wide, refusing (:class:`~kveval.errors.PolicySpecError`) a shape it cannot store.
+
+        ``mla``: the layer is an MLA cache as kveval holds it, one "head" of the latent in K's place and the shared
+        RoPE key (``v_width``, 0 when the model has none) in V's.
+        """
+
+    def model_widths(self, kv_heads: int, head_dim: int) -> dict[str, int] | None:
+        """Numbers per token and KV head of K and V on a model of ``kv_heads`` heads of ``head_dim``, checked against
+        it before the weights load; ``None`` when they are not per head (the policy checked the shape itself)."""
+        return self.stored_widths(head_dim)
+
+
+@dataclass
+class QuantizationPolicy(RepresentationPolicy):
+    """Encodes the stored numbers in fewer bits: the quantization family."""
+
+    family: ClassVar[str] = "quantization"
+
+    @property
+    def residual_tokens(self) -> int:
+        """The newest tokens kept in the cache dtype, unquantized (KIVI's residual window). 0 by default."""
+        return 0
+
+    @abstractmethod
+    def check_head_dim(self, head_dim: int) -> None:
+        """Refuse (:class:`~kveval.errors.PolicySpecError`) a head width this quantizer cannot code."""
+
+    @abstractmethod
+    def fit_widths(self, widths: dict[str, int], label: str) -> None:
+        """Adapt unset groups to the widths of K and V it will code (each a ``label``: ``rank``, ``head_dim``), or
+        refuse an explicit group that does not divide them."""
+
+    @abstractmethod
+    def planned_quants(self) -> "tuple[TensorQuant, TensorQuant] | None":
+        """K's and V's codes as the planner sizes them: grouped codes with per-group scales, one
+        :class:`~kveval.tensors.quantization.TensorQuant` each; ``None`` for a codec that sizes its own codes
+        (KVQuant: ``coded_bytes``, with ``residual`` and ``sink`` tokens in the cache dtype)."""
+
+
+def require_stack(policy: "PolicyStack | None", where: str) -> "PolicyStack":
+    """``policy`` as a stack (``None``: the baseline). A spec string here is a caller's bug: specs are parsed once,
+    at the edge (:func:`kveval.policies.spec.parse_policy`), and nothing below re-parses them."""
+    if policy is None:
+        return PolicyStack()
+    if not isinstance(policy, PolicyStack):
+        raise TypeError(f"{where} takes a PolicyStack, not {type(policy).__name__} {policy!r}; parse specs at the edge "
+                        f"with kveval.policies.spec.parse_policy")
+    return policy
+
+
 @dataclass
 class PolicyStack:
     """At most one policy of each family, applied selection -> structure -> quantization.
@@ -266,8 +352,8 @@ class PolicyStack:
     """
 
     selection: SelectionPolicy | None = None
-    structure: RepresentationPolicy | None = None
-    quantization: RepresentationPolicy | None = None
+    structure: StructurePolicy | None = None
+    quantization: QuantizationPolicy | None = None
 
     @property
     def spec(self) -> str:
@@ -281,7 +367,7 @@ class PolicyStack:
         for p in (self.selection, self.structure, self.quantization):
             if p is None:
                 continue
-            sized = isinstance(p, RatioSelectionPolicy) or getattr(p, "ratio", None) is not None
+            sized = isinstance(p, SelectionPolicy) and p.nominal_ratio is not None or isinstance(p, RatioSelectionPolicy)
             terms.append(p.name if sized else p.spec())
         return "+".join(terms) if terms else "none"
 

@@ -14,14 +14,14 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import RepresentationPolicy
+from kveval.policies.base import QuantizationPolicy
 from kveval.values import is_real, is_whole
 
 KVQUANT_BITS = (2, 3, 4, 8)
 
 
 @dataclass
-class KVQuantPolicy(RepresentationPolicy):
+class KVQuantPolicy(QuantizationPolicy):
     """KVQuant (Hooper et al. 2024): pre-RoPE per-channel keys, per-token values, nuq codebooks, sparse outliers.
 
     Attributes
@@ -56,7 +56,6 @@ class KVQuantPolicy(RepresentationPolicy):
     """
 
     name = "kvquant"
-    family = "quantization"
     description = "KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq codebook, sparse outliers, sink"
     bits: int = 4
     outliers: float = 0.01
@@ -99,6 +98,14 @@ class KVQuantPolicy(RepresentationPolicy):
             return
         raise PolicySpecError(f"{self.spec()}: quantizes K/V heads with codebooks calibrated on them, not a structure's "
                               f"{label} coefficients; use quant(...) or kivi(...) under a structure policy")
+
+    def planned_quants(self) -> None:
+        """``None``: KVQuant's codes are no grouped streams; the planner sizes them with :meth:`coded_bytes`."""
+        return None
+
+    @property
+    def residual_tokens(self) -> int:
+        return self.residual
 
     def bytes_per_token(self, head_dim: int, kv_itemsize: int) -> float:
         """Bytes one encoded token holds per KV head and layer, K and V together (sink/residual tokens aside)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
+from kveval.policies.base import PlannedWidths
 from kveval.policies.lowrank import CalibratedPolicy
 
 
@@ -117,6 +118,21 @@ class LatentPolicy(CalibratedPolicy):
         if self.rope_dims and group is None:
             return None
         return self.widths(group or 1)
+
+    def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
+        if mla:  # one group of the one latent "head"
+            self.check_layer(1, k_width, v_width or None)
+            widths = self.widths(1)
+            return PlannedWidths(1, widths["k"], widths["v"] if v_width else 0)
+        self.check_shape(kv_heads, k_width)
+        group = self.group_size(kv_heads)
+        widths = self.widths(group)
+        return PlannedWidths(kv_heads // group, widths["k"], widths["v"])
+
+    def model_widths(self, kv_heads: int, head_dim: int) -> None:
+        """Widths are per group of KV heads, not per head: :meth:`check_shape` checks them against the model."""
+        self.check_shape(kv_heads, head_dim)
+        return None
 
     def check_shape(self, kv_heads: int, head_dim: int) -> None:
         """Check this policy against a model's KV heads and head_dim (before it loads) and remember the head count.

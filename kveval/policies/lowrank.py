@@ -14,8 +14,7 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import PolicyStack
-from kveval.policies.base import RepresentationPolicy
+from kveval.policies.base import PlannedWidths, PolicyStack, StructurePolicy
 from kveval.values import is_real, is_whole
 
 
@@ -24,7 +23,7 @@ def _positive_int(name: str, key: str, value) -> None:
         raise PolicySpecError(f"{name}: {key}={value!r} must be a positive integer")
 
 
-class CalibratedPolicy(RepresentationPolicy):
+class CalibratedPolicy(StructurePolicy):
     """Calibration shared by the projection policies (``lowrank``, ``latent``): text, cache, run record.
 
     A subclass declares the dataclass fields ``calibration`` (path or ``None``)
@@ -97,10 +96,10 @@ def per_token_groups_of(quantization) -> dict[str, int | None]:
     """Per-token group sizes of K and V of a quantization policy or a whole stack (``None``: not per-token)."""
     if isinstance(quantization, PolicyStack):
         quantization = quantization.quantization
-    if quantization is None:
+    quants = quantization.planned_quants() if quantization is not None else None
+    if quants is None:
         return {"k": None, "v": None}
-    return {kind: (q.group if q.axis == "token" else None)
-            for kind, q in (("k", quantization.key_quant), ("v", quantization.value_quant))}
+    return {kind: (q.group if q.axis == "token" else None) for kind, q in zip(("k", "v"), quants)}
 
 
 @dataclass
@@ -212,6 +211,21 @@ class LowRankPolicy(CalibratedPolicy):
         ranks = self.ranks(model, quantization)
         return sum(4 * calibration.head_dim(layer) * (sum(ranks["k"][layer]) + sum(ranks["v"][layer]))
                    for layer in calibration.kv_layers)
+
+    def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
+        k, v = (fixed if fixed is not None else self.rank for fixed in (self.k_rank, self.v_rank))
+        if mla:
+            if k is None or v is None:
+                raise PolicySpecError(f"{self.spec()}: energy= ranks on an MLA latent come from calibration; plan "
+                                      f"a rank= (measure energy= with kveval eval)")
+            for which, r, width in (("latent", k, k_width), ("RoPE key", v, v_width)):
+                if width and r > width:
+                    raise PolicySpecError(f"{self.spec()}: rank {r} exceeds the MLA {which} width {width}")
+            return PlannedWidths(kv_heads, k, v if v_width else 0)
+        for which, r, width in (("k", k, k_width), ("v", v, v_width)):
+            if r is not None and r > width:
+                raise PolicySpecError(f"{self.spec()}: {which} rank {r} exceeds head_dim={width}")
+        return PlannedWidths(kv_heads, k, v)
 
     def stored_widths(self, head_dim: int) -> dict[str, int] | None:
         """Coefficients per token and KV head of K and V; ``None`` for ``energy=`` (known after calibration)."""

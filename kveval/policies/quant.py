@@ -10,38 +10,33 @@ older tokens are quantized in whole groups as they age out of the residual.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import RepresentationPolicy
+from kveval.policies.base import QuantizationPolicy
+from kveval.tensors.quantization import TensorQuant
 
 AXES = ("token", "channel")
 
 
-@dataclass(frozen=True)
-class TensorQuant:
-    """How one of K or V is quantized. ``fp8`` is ``None`` for integers."""
-
-    bits: int
-    axis: str
-    group: int
-    symmetric: bool = False
-    fp8: str | None = None
-
-
 @dataclass
-class QuantizationPolicy(RepresentationPolicy):
-    """Common interface: per-tensor settings and the full-precision residual window."""
-
-    family = "quantization"
+class GroupedQuantizationPolicy(QuantizationPolicy):
+    """Quantizers that code K and V in groups with per-group scales (``quant``, ``kivi``, ``fp8``): each declares its
+    :class:`TensorQuant` for K and V, and the full-precision residual window."""
 
     @property
+    @abstractmethod
     def key_quant(self) -> TensorQuant:
-        raise NotImplementedError
+        """How K is coded."""
 
     @property
+    @abstractmethod
     def value_quant(self) -> TensorQuant:
-        raise NotImplementedError
+        """How V is coded."""
+
+    def planned_quants(self) -> tuple[TensorQuant, TensorQuant]:
+        return self.key_quant, self.value_quant
 
     @property
     def residual_tokens(self) -> int:
@@ -91,7 +86,7 @@ def _check_bits(name: str, key: str, bits) -> None:
 
 
 @dataclass
-class QuantPolicy(QuantizationPolicy):
+class QuantPolicy(GroupedQuantizationPolicy):
     """Integer K/V quantization with packed storage.
 
     Attributes
@@ -142,7 +137,7 @@ class QuantPolicy(QuantizationPolicy):
 
 
 @dataclass
-class KiviPolicy(QuantizationPolicy):
+class KiviPolicy(GroupedQuantizationPolicy):
     """KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache").
 
     Keys per channel, values per token, asymmetric integers with group size
@@ -178,7 +173,7 @@ class KiviPolicy(QuantizationPolicy):
 
 
 @dataclass
-class Fp8Policy(QuantizationPolicy):
+class Fp8Policy(GroupedQuantizationPolicy):
     """FP8 K/V (``e4m3`` or ``e5m2``) with a float16 scale per group.
 
     Attributes

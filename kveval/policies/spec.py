@@ -7,15 +7,12 @@ import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING
 from kveval.errors import PolicySpecError
 from kveval.values import is_real
 from kveval.policies.base import FAMILY_ORDER
 from kveval.policies.registry import POLICIES
 from kveval.policies.base import Policy
 from kveval.policies.base import PolicyStack
-if TYPE_CHECKING:
-    import torch
 
 
 _TERM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$", re.S)

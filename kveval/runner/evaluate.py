@@ -68,7 +68,7 @@ def model_folder(identity: dict) -> str:
 
 def run_dir_for(root: Path, identity: dict, spec: RunSpec) -> Path:
     """``<root>/runs/<model folder>/<policy slug>[@query][@kv-<dtype>]``."""
-    suffix = ("@query" if spec.effective_mode == "query" else "") + (f"@kv-{spec.kv_dtype}" if spec.kv_dtype else "")
+    suffix = ("@query" if spec.effective_mode == "query" else "") + (f"@kv-{spec.kv_dtype_name}" if spec.kv_dtype is not None else "")
     return Path(root) / "runs" / model_folder(identity) / (run_slug(spec.spec) + suffix)
 
 
@@ -102,16 +102,15 @@ def finalize_run(run_dir: Path) -> RunInfo:
     return info
 
 
-def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSpec]", root: Path, model_name: str,
-                      mode: str = "context", batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None,
+def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", root: Path, model_name: str,
+                      batch_size: int = 1, seed: int = 0, progress=None, extra: dict | None = None,
                       revision: str | None = None, fidelity: bool = False) -> list[Path]:
     """Evaluate ``items`` under every policy; return the run folders (one per policy, same order).
 
     Parameters
     ----------
-    policies : list of RunSpec or str
-        Run specs; a string is parsed with ``mode`` as its default mode. All
-        must share one mode and KV dtype (one call per mode).
+    policies : list of RunSpec
+        Run specs, parsed at the edge. All must share one mode and KV dtype (one call per mode).
     progress : tqdm-like, optional
         ``update(n)`` is called once per finished (item, policy) pair.
     extra : dict, optional
@@ -134,7 +133,9 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[str | RunSp
     from kveval.probes import encode_item, score_answer
 
     check_batch_size(batch_size)  # before any run folder opens
-    specs = [p if isinstance(p, RunSpec) else RunSpec.parse(p, default_mode=mode) for p in policies]
+    if not all(isinstance(p, RunSpec) for p in policies):
+        raise TypeError("evaluate_policies takes RunSpecs; parse specs at the edge with RunSpec.parse")
+    specs = list(policies)
     specs = [s.for_model(model) for s in specs]
     if len({(s.mode, s.kv_dtype) for s in specs}) > 1:
         raise ValueError("evaluate_policies: give policies of one mode and KV dtype per call")
@@ -229,7 +230,7 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
         return run_dir
     stack = spec.policy
     info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
-                   family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype or deployment_dtype_name(model),
+                   family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype_name or deployment_dtype_name(model),
                    model_identity=identity,
                    extra={**(extra or {}), **representation_info(stack, model), "hardware": hardware_of(model)})
     write_run_info(run_dir, info)

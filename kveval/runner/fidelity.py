@@ -106,14 +106,13 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
 
     from kveval.cache.compressed import CompressedCache
     from kveval.runner.generation import check_request, eos_ids, forward_rows, prefill_prompts, row_limits
-    from kveval.policies.spec import parse_policy
 
     limits = row_limits(max_new_tokens, len(prompts)) if answers is None else [len(a) for a in answers]
     check_request(model, prompts, [max(1, n) for n in limits], mode, len(prompts))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
     with torch.no_grad():
-        cache = CompressedCache(model, parse_policy(policy), seed=seed, kv_dtype=kv_dtype)
+        cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype)
         last, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
         if mode == "context" and any(p.question for p in prompts):
             logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)

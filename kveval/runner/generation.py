@@ -32,9 +32,8 @@ from kveval.modeling.architectures import check_rope_batch, reset_rope_lengths, 
 from kveval.tensors.batch_buffer import uploaded
 from kveval.cache.compressed import CacheStats, CompressedCache
 from kveval.errors import UsageError
-from kveval.policies.base import PolicyStack
-from kveval.policies.spec import parse_policy
-from kveval.stores.base import deployment_kv_dtype, parse_kv_dtype
+from kveval.policies.base import PolicyStack, require_stack
+from kveval.stores.base import cache_kv_dtype
 from kveval.values import is_whole
 
 MODES = ("context", "query")
@@ -256,9 +255,9 @@ def _check_rope_batches(model, prompts: list[Prompt], limits: list[int], mode: s
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack" = "none", max_new_tokens: int = 32,
+def generate(model, tokenizer, prompts: list[Prompt], policy: "PolicyStack | None" = None, max_new_tokens: int = 32,
              mode: str = "context", batch_size: int = 1, stop: list[str] | None = None,
-             seed: "int | Sequence[int]" = 0, kv_dtype: "str | torch.dtype | None" = None,
+             seed: "int | Sequence[int]" = 0, kv_dtype: "torch.dtype | None" = None,
              quantized_decode: str = "auto") -> list[GenerationResult]:
     """Greedy decoding of ``prompts`` with ``policy`` applied at prefill and during decoding.
 
@@ -268,8 +267,8 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
         From :func:`kveval.runner.models.load_model` (any causal LM loaded with ``attn_implementation="kveval"``).
     prompts : list of Prompt
         Token ids; see :func:`encode_prompt` for plain text.
-    policy : str or PolicyStack
-        Compression policy spec.
+    policy : PolicyStack or None
+        The compression policy, parsed at the edge (``None``: uncompressed).
     max_new_tokens : int or list of int
         Generation stops at EOS, a stop string, or this many tokens (one limit for all, or one per prompt).
     mode : {"context", "query"}
@@ -291,7 +290,7 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "str | PolicyStack
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
-    policy = parse_policy(policy)
+    policy = require_stack(policy, "generate")
     results = []
     for first in range(0, len(prompts), batch_size):
         results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy,
@@ -387,7 +386,7 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
 
 
-def can_share_prefill(model, kv_dtype: "str | torch.dtype | None" = None) -> bool:
+def can_share_prefill(model, kv_dtype: "torch.dtype | None" = None) -> bool:
     """Whether one prefill can serve every policy bit-exactly on ``model`` with cache dtype ``kv_dtype``.
 
     A derived cache re-reads the prefill's ``kv_dtype`` tokens through the
@@ -395,14 +394,14 @@ def can_share_prefill(model, kv_dtype: "str | torch.dtype | None" = None) -> boo
     model computes in float32/float64 or in ``kv_dtype`` itself, not across two
     different 16-bit dtypes (bfloat16 compute, float16 cache).
     """
-    kv = deployment_kv_dtype(model) if kv_dtype is None else parse_kv_dtype(kv_dtype)
+    kv = cache_kv_dtype(model, kv_dtype)
     return model.dtype == kv or model.dtype in (torch.float32, torch.float64)
 
 
 @torch.no_grad()
 def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: "int | Sequence[int]" = 32,
                   mode: str = "context", stop: list[str] | None = None, seed: "int | Sequence[int]" = 0,
-                  kv_dtype: "str | torch.dtype | None" = None) -> Iterator[tuple[PolicyStack, list[GenerationResult]]]:
+                  kv_dtype: "torch.dtype | None" = None) -> Iterator[tuple[PolicyStack, list[GenerationResult]]]:
     """One batch (all ``prompts`` in one forward pass) under each policy in turn, from one prefill.
 
     The prefill runs once, uncompressed, keeping every attention score the
@@ -415,14 +414,14 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     :func:`can_share_prefill`, or for one policy, each policy runs its own prefill.
     ``prefill_seconds`` of every result counts the shared prefill as its own.
     """
-    stacks = [parse_policy(p) for p in policies]
+    stacks = [require_stack(p, "generate_each") for p in policies]
     if len(stacks) < 2 or not can_share_prefill(model, kv_dtype):
         for stack in stacks:
             yield stack, _generate_batch(model, tokenizer, prompts, stack, max_new_tokens, mode, stop or [], seed, kv_dtype)
         return
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.perf_counter()
-    shared = CompressedCache(model, "none", seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=stacks)
+    shared = CompressedCache(model, PolicyStack(), seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=stacks)
     last_logits, seen = prefill_prompts(model, shared, prompts, mode, pad_id)
     shared.drop_batch_buffers()  # only its rows are read from now on: one cache in memory less
     shared_seconds = time.perf_counter() - started
@@ -438,7 +437,7 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
 def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_new_tokens: "int | Sequence[int]" = 32,
                   mode: str = "context",
                   batch_size: int = 1, stop: list[str] | None = None, seed: "int | Sequence[int]" = 0,
-                  kv_dtype: "str | torch.dtype | None" = None) -> dict[str, list[GenerationResult]]:
+                  kv_dtype: "torch.dtype | None" = None) -> dict[str, list[GenerationResult]]:
     """Generate under several policies with one prefill per batch for all of them (:func:`generate_each`).
 
     Results are identical to separate :func:`generate` calls, and the request
@@ -446,7 +445,7 @@ def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
-    stacks = list({s.spec: s for s in map(parse_policy, policies)}.values())
+    stacks = list({s.spec: s for s in (require_stack(p, "generate_each") for p in policies)}.values())
     out = {s.spec: [] for s in stacks}
     for first in range(0, len(prompts), batch_size):
         for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks,

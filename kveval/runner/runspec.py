@@ -16,10 +16,15 @@ head width.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kveval.errors import PolicySpecError, UsageError
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
+from kveval.stores.base import dtype_name, parse_kv_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 MODES = ("context", "query")
 
@@ -33,19 +38,6 @@ def parse_mode(mode: str | None, default: str = "context") -> str:
     return mode
 
 
-def parse_kv_dtype(kv_dtype) -> str | None:
-    """A KV cache dtype name (``bfloat16``, ``float16``, ``float32``; ``None``/``auto``: the model's deployment dtype).
-
-    Spellings are :data:`kveval.stores.base.KV_DTYPES`'s (``bf16``, ``fp16``, ...); anything else is a :class:`UsageError`.
-    """
-    if kv_dtype is None or str(kv_dtype).strip().lower() in ("", "auto", "none", "default"):
-        return None
-    from kveval.stores.base import dtype_name
-    from kveval.stores.base import parse_kv_dtype as parse_torch_dtype
-
-    return dtype_name(parse_torch_dtype(kv_dtype))
-
-
 @dataclass(frozen=True)
 class RunSpec:
     """A policy stack, the compression mode and the KV dtype of one run.
@@ -56,15 +48,15 @@ class RunSpec:
         The validated policy stack (``PolicyStack()`` is the baseline ``none``).
     mode : str
         ``"context"`` (compress before the question is seen) or ``"query"``.
-    kv_dtype : str or None
+    kv_dtype : torch.dtype or None
         Dtype of the full-precision tokens the cache holds and of the bytes
-        ratios are stated against: ``"bfloat16"``, ``"float16"`` or
-        ``"float32"``; ``None`` is the model's deployment dtype.
+        ratios are stated against: ``torch.bfloat16``, ``torch.float16`` or
+        ``torch.float32``; ``None`` is the model's deployment dtype.
     """
 
     policy: PolicyStack
     mode: str = "context"
-    kv_dtype: str | None = None
+    kv_dtype: "torch.dtype | None" = None
 
     @classmethod
     def parse(cls, policy: "str | PolicyStack | None", mode: str | None = None, kv_dtype=None,
@@ -101,10 +93,15 @@ class RunSpec:
         return "context" if self.policy.is_none else self.mode
 
     @property
+    def kv_dtype_name(self) -> str | None:
+        """The cache dtype's name (``bfloat16``), or ``None`` for the model's deployment dtype."""
+        return dtype_name(self.kv_dtype) if self.kv_dtype is not None else None
+
+    @property
     def key(self) -> str:
         """One string naming the run: ``spec[@query][@kv_dtype=float16]``; :meth:`parse` reads it back."""
         text = self.spec + ("@query" if self.effective_mode == "query" else "")
-        return text + (f"@kv_dtype={self.kv_dtype}" if self.kv_dtype else "")
+        return text + (f"@kv_dtype={self.kv_dtype_name}" if self.kv_dtype is not None else "")
 
     def __str__(self) -> str:
         return self.key
@@ -136,9 +133,7 @@ class RunSpec:
         stack = _copy_stack(self.policy)
         structure = stack.structure
         if structure is not None and shape.mla_dim is None:
-            widths = structure.stored_widths(head_dim)
-            if hasattr(structure, "check_shape"):  # widths per group of KV heads (latent): the policy checks them
-                widths = structure.check_shape(shape.kv_heads, head_dim)
+            widths = structure.model_widths(shape.kv_heads, head_dim)
             for kind, width in (widths or {}).items():
                 if width > head_dim:
                     raise PolicySpecError(f"{structure.spec()}: {kind} rank {width} exceeds head_dim={head_dim} of "
@@ -181,4 +176,4 @@ def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None
     return list(specs.values())
 
 
-__all__ = ["MODES", "RunSpec", "parse_kv_dtype", "parse_mode", "parse_run_specs"]
+__all__ = ["MODES", "RunSpec", "parse_mode", "parse_run_specs"]

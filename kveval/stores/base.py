@@ -42,8 +42,12 @@ _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 DEFAULT_KV_DTYPE = torch.bfloat16
 
 
-def parse_kv_dtype(value: "str | torch.dtype") -> torch.dtype:
-    """A cache dtype from a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``, ``float32``) or a ``torch.dtype``."""
+def parse_kv_dtype(value: "str | torch.dtype | None") -> "torch.dtype | None":
+    """The one reader of a cache dtype a user gives: a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``,
+    ``float32``) or a ``torch.dtype``; ``None``, ``auto`` or ``default`` is ``None``, the model's deployment dtype
+    (:func:`deployment_kv_dtype`). Anything else is a :class:`~kveval.errors.UsageError`."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "none", "default")):
+        return None
     if isinstance(value, torch.dtype):
         if value not in KV_DTYPES.values():
             raise UsageError(f"kv_dtype={value} is not a cache dtype; use bfloat16, float16 or float32")
@@ -52,6 +56,16 @@ def parse_kv_dtype(value: "str | torch.dtype") -> torch.dtype:
     if name not in KV_DTYPES:
         raise UsageError(f"kv_dtype={value!r} is not a cache dtype; use one of {', '.join(KV_DTYPES)}")
     return KV_DTYPES[name]
+
+
+def cache_kv_dtype(model, kv_dtype: "torch.dtype | None") -> torch.dtype:
+    """The dtype ``model``'s cache holds tokens in: ``kv_dtype`` (parsed at the edge by :func:`parse_kv_dtype`), or
+    the deployment dtype when ``None``. A string here is a caller's bug: nothing below the edge parses one."""
+    if kv_dtype is None:
+        return deployment_kv_dtype(model)
+    if not isinstance(kv_dtype, torch.dtype) or kv_dtype not in KV_DTYPES.values():
+        raise TypeError(f"kv_dtype={kv_dtype!r}: pass a cache torch.dtype or None; parse user input with parse_kv_dtype")
+    return kv_dtype
 
 
 def deployment_kv_dtype(model) -> torch.dtype:
@@ -240,7 +254,7 @@ class DenseStore(TokenStore):
 
 
 def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedBlock:
-    """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.policies.quant.TensorQuant`) says."""
+    """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.tensors.quantization.TensorQuant`) says."""
     if quant.fp8 is not None:
         return quantize_fp8(x, quant.fp8, quant.axis, quant.group, valid)
     return quantize(x, quant.bits, quant.axis, quant.group, quant.symmetric, valid)

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 from kveval.errors import ConfigError
 from kveval.values import is_real, is_whole
 if TYPE_CHECKING:
-    from kveval.sweep.executors import Cell, CellResult, Executor
+    import torch
+
+    from kveval.gate.config import GateConfig
     from kveval.runner.runspec import RunSpec
 
 
@@ -31,7 +33,7 @@ class SweepConfig:
     models: list[str]
     policies: list["RunSpec"]  # parsed once here; the baseline none is added per mode by run_sweep
     mode: str = "context"
-    kv_dtype: str | None = None
+    kv_dtype: "torch.dtype | None" = None  # None: the model's deployment dtype
     families: list[str] = field(default_factory=lambda: ["passkey"])
     lengths: list[int] = field(default_factory=lambda: [512])
     depths: list[float] | None = None
@@ -39,7 +41,7 @@ class SweepConfig:
     seed: int = 0
     family_params: dict = field(default_factory=dict)
     batch_size: int = 1
-    gate: str | None = None
+    gate: "GateConfig | None" = None  # parsed once, here; None: the built-in defaults
     out: str | None = None
     lm_eval: dict = field(default_factory=dict)
     #: Teacher-force the baseline's answers through every compressed policy (:mod:`kveval.runner.fidelity`), as ``kveval eval --fidelity``.
@@ -57,7 +59,8 @@ class SweepConfig:
 def load_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML; every problem is one :class:`~kveval.errors.ConfigError` line."""
     from kveval.probes import FAMILIES
-    from kveval.runner.runspec import RunSpec, parse_kv_dtype
+    from kveval.runner.runspec import RunSpec
+    from kveval.stores.base import dtype_name, parse_kv_dtype
 
     path = Path(path)
     if not path.is_file():
@@ -89,9 +92,11 @@ def load_config(path: str | Path) -> SweepConfig:
     policies, warnings, first_entry = [], [], {}
     for entry, spec in parsed:
         if spec.kv_dtype != kv_dtype:  # the one baseline runs at the sweep's dtype: this run could not be gated
-            raise ConfigError(f"{path}: policy {entry!r} asks for kv_dtype {spec.kv_dtype} but the sweep's baseline "
-                              f"runs at {kv_dtype or 'the model default'}, and runs of two cache dtypes are not paired; "
-                              f"set the sweep's kv_dtype: {spec.kv_dtype}, or give that policy a sweep of its own")
+            asked = spec.kv_dtype_name
+            raise ConfigError(f"{path}: policy {entry!r} asks for kv_dtype {asked} but the sweep's baseline runs at "
+                              f"{dtype_name(kv_dtype) if kv_dtype is not None else 'the model default'}, and runs of two "
+                              f"cache dtypes are not paired; set the sweep's kv_dtype: {asked}, or give that policy a "
+                              f"sweep of its own")
     for entry, spec in parsed:  # same canonical spec and mode: one run, merged with a warning
         if spec.key in first_entry:
             warnings.append(f"{path}: policy {entry!r} is the same run as {first_entry[spec.key]!r}; merged into one")
@@ -125,8 +130,7 @@ def load_config(path: str | Path) -> SweepConfig:
         gate = _string(path, "gate", gate)
         from kveval.gate.config import load_gate_config
 
-        gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
-        load_gate_config(gate)  # a bad gate file is reported now, before any model loads
+        gate = load_gate_config(path.parent / gate)  # a bad gate file is reported now, before any model loads
     depths = probes.get("depths")
     if depths is not None:
         depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]

@@ -30,6 +30,7 @@ from kveval.runs.records import atomic_write_text
 from kveval.sweep.config import SweepConfig
 
 if TYPE_CHECKING:
+    from kveval.gate.config import GateConfig
     from kveval.sweep.executors import Cell, CellResult, Executor
     from kveval.runner.runspec import RunSpec
 
@@ -134,9 +135,10 @@ def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> lis
 
 
 def _specs_by_mode(config: SweepConfig) -> dict[str, list[RunSpec]]:
+    from kveval.policies.base import PolicyStack
     from kveval.runner.runspec import RunSpec
 
-    by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec.parse("none", config.mode, config.kv_dtype)]}
+    by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec(PolicyStack(), config.mode, config.kv_dtype)]}
     for spec in config.policies:
         by_mode.setdefault(spec.mode, []).append(spec)
     return by_mode
@@ -180,12 +182,13 @@ class CellRunner:
 
     def _fidelity(self, model, tokenizer, cell: Cell, items: list, dirs: list[Path]) -> None:
         """``fidelity.jsonl`` for the cell's compressed policies, against the baseline in the cell's mode (resumable)."""
+        from kveval.policies.base import PolicyStack
         from kveval.runner.fidelity import record_fidelity
         from kveval.runner.runspec import RunSpec
 
         candidates = [(spec, d) for spec, d in zip(cell.specs, dirs) if not spec.policy.is_none]
         if candidates:
-            baseline = RunSpec.parse("none", cell.mode, self.config.kv_dtype)
+            baseline = RunSpec(PolicyStack(), cell.mode, self.config.kv_dtype)
             record_fidelity(model, tokenizer, items, baseline, candidates, batch_size=self.config.batch_size,
                             seed=self.config.seed)
 
@@ -208,7 +211,7 @@ class CellRunner:
             torch.cuda.reset_peak_memory_stats()
         with tqdm(total=len(items) * len(cell.specs), desc=f"{Path(cell.model).name}: {cell.specs[0].spec}"
                   + (f" +{len(cell.specs) - 1}" if len(cell.specs) > 1 else ""), unit="item", disable=self.quiet) as bar:
-            dirs = evaluate_policies(model, tokenizer, items, list(cell.specs), self.out, cell.model, cell.mode,
+            dirs = evaluate_policies(model, tokenizer, items, list(cell.specs), self.out, cell.model,
                                      config.batch_size, config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
         if config.fidelity:
             self._fidelity(model, tokenizer, cell, items, dirs)
@@ -388,7 +391,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
                         writer.write(record)
 
 
-def summarize(out: Path, run_dirs: list[Path], gate_config: str | None, deploy: dict | None = None) -> int:
+def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None", deploy: dict | None = None) -> int:
     """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code.
 
     ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision.

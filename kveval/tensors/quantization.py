@@ -38,6 +38,17 @@ MIN_SCALE = 2.0**-24
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one of K or V is quantized. ``fp8`` is ``None`` for integers."""
+
+    bits: int
+    axis: str
+    group: int
+    symmetric: bool = False
+    fp8: str | None = None
+
+
 @dataclass
 class QuantizedBlock:
     """A quantized ``[heads, tokens, head_dim]`` tensor; ``nbytes`` counts every stored byte.
