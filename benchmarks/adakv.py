@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kveval.runner.evaluate import evaluate_policies
-    from kveval.runner.fidelity import read_fidelity
+    from kveval.runs.fidelity import read_fidelity
     from kveval.policies.spec import parse_policy
     from kveval.runs.records import read_items
 

@@ -8,7 +8,7 @@ Runs the baseline and the two policies on the same ``--n`` probe items with
 through each policy), then resamples the items with replacement to growing
 counts and reports, for each of three pairs (a vs baseline, b vs baseline,
 a vs b), the smallest count at which a paired two-sided test gives
-p < 0.05 in 80% of resamples (:func:`kveval.runner.fidelity.items_to_separate`):
+p < 0.05 in 80% of resamples (:func:`kveval.stats.fidelity.items_to_separate`):
 exact McNemar on right/wrong for accuracy, Wilcoxon signed-rank on the
 per-item mean KL (against the baseline: on KL against 0, which the baseline has
 by definition) for the fidelity signal. ">1000" means even 1000 items do not.
@@ -32,7 +32,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from kveval.runner.evaluate import evaluate_policies
-    from kveval.runner.fidelity import items_to_separate, read_fidelity
+    from kveval.runs.fidelity import read_fidelity
+    from kveval.stats.fidelity import items_to_separate
     from kveval.runs.records import read_items
 
     model, tokenizer, items = load_model_and_items(args)

@@ -52,7 +52,7 @@ def main() -> None:
 
     from kveval.modeling.architectures import cache_head_dims
     from kveval.runner.evaluate import evaluate_policies
-    from kveval.runner.fidelity import read_fidelity
+    from kveval.runs.fidelity import read_fidelity
     from kveval.runner.models import load_model
     from kveval.probes import generate_items
     from kveval.runs.records import read_items, read_run_info

@@ -51,7 +51,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from kveval.runner.evaluate import evaluate_policies
-    from kveval.runner.fidelity import kl_bounds, read_fidelity
+    from kveval.runs.fidelity import read_fidelity
+    from kveval.stats.fidelity import kl_bounds
     from kveval.planner.model_specs import load_model_spec
     from kveval.runner.models import load_model
     from kveval.probes import generate_items

@@ -17,7 +17,7 @@ from tiny_models import tiny_llama
 
 from kveval.errors import UsageError
 from kveval.runner.evaluate import evaluate_policies
-from kveval.runner.fidelity import read_fidelity
+from kveval.runs.fidelity import read_fidelity
 from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.policies.spec import parse_policy
 from cache_runs import specs_of

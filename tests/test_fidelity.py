@@ -11,14 +11,9 @@ from tiny_models import Tok, tiny_llama
 from kveval.stats.comparison import compare_runs
 from kveval.errors import UsageError
 from kveval.runner.evaluate import evaluate_policies
-from kveval.runner.fidelity import (
-    FIDELITY_FILE,
-    answer_distributions,
-    compare_distributions,
-    items_to_separate,
-    kl_bounds,
-    read_fidelity,
-)
+from kveval.runner.fidelity import answer_distributions, compare_distributions
+from kveval.runs.fidelity import FIDELITY_FILE, read_fidelity
+from kveval.stats.fidelity import items_to_separate, kl_bounds
 from kveval.runner.generation import Prompt, generate
 from kveval.policies.spec import parse_policy
 from cache_runs import specs_of

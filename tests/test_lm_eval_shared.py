@@ -169,7 +169,7 @@ def test_fidelity_key_is_validated(tmp_path):
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer, tmp_path, mode):
     from kveval.runner.evaluate import evaluate_policies
-    from kveval.runner.fidelity import FIDELITY_FILE
+    from kveval.runs.fidelity import FIDELITY_FILE
     from kveval.sweep.run import CellRunner, plan_cells, sweep_items
     from kveval.sweep.config import load_config
 

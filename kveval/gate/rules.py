@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from scipy import stats as _st
 
-from kveval.runner import fidelity
+from kveval.stats import fidelity
 from kveval.stats import paired, significance as stats
 from kveval.stats.comparison import (
     CONFUSION_CATEGORIES,

@@ -38,7 +38,7 @@ class Row:
 
     @property
     def fidelity(self) -> dict[str, float] | None:
-        """All items' teacher-forced fidelity summary (:func:`kveval.runner.fidelity.summarize`), if the run measured it."""
+        """All items' teacher-forced fidelity summary (:func:`kveval.stats.fidelity.summarize`), if the run measured it."""
         return self.comparison.overall.fidelity if self.comparison is not None else None
 
     @property

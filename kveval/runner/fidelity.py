@@ -24,62 +24,20 @@ too large to store, so they are recomputed, once per item per evaluation call
 and shared by every candidate of that call: one greedy pass under ``none`` per
 item plus one teacher-forced pass per candidate and item, each about as costly
 as generating the answer. Each candidate run folder gets ``fidelity.jsonl``
-(one :class:`FidelityItem` per line, resumable); :func:`attach_fidelity` joins
-it to the candidate's items when runs are compared.
+(:mod:`kveval.runs.fidelity`, resumable), joined to the candidate's items when runs are compared
+(:func:`kveval.runs.fidelity.attach_fidelity`) and summarized by :mod:`kveval.stats.fidelity`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable, Sequence
-
-import numpy as np
-
-from kveval.errors import ResultFileError, UsageError
-
-#: Per-candidate file of per-item fidelity measurements, next to ``items.jsonl``.
-FIDELITY_FILE = "fidelity.jsonl"
-#: Key of an item's fidelity measurements in ``ItemRecord.metrics`` once attached.
-METRIC_KEY = "fidelity"
-#: Per-item fields summarized by :func:`summarize`, in display order.
-FIELDS = ("kl_mean", "kl_max", "top1_agreement", "answer_logprob_delta")
+from typing import Sequence
 
 
-@dataclass
-class FidelityItem:
-    """One item's teacher-forced comparison of a candidate with the baseline.
 
-    Attributes
-    ----------
-    id, hash, task : str
-        The item (as in ``items.jsonl``; ``hash`` is the prompt hash).
-    positions : int
-        Answer positions compared (baseline answer tokens, EOS included).
-    kl_mean, kl_max : float
-        Mean and largest per-position ``KL(baseline || candidate)``, nats.
-    top1_agreement : float
-        Share of positions whose argmax tokens agree, in [0, 1].
-    baseline_logprob, candidate_logprob : float
-        Log-probability (nats) of the baseline answer under each model.
-    answer_logprob_delta : float
-        ``candidate_logprob - baseline_logprob``.
-    """
-
-    id: str
-    hash: str
-    task: str
-    positions: int
-    kl_mean: float
-    kl_max: float
-    top1_agreement: float
-    baseline_logprob: float
-    candidate_logprob: float
-    answer_logprob_delta: float
-
+from kveval.runs.fidelity import FIDELITY_FILE, FidelityItem, cut_partial_line, read_fidelity
 
 # ----------------------------------------------------------------------------- distributions
 
@@ -164,32 +122,6 @@ def compare_distributions(answer: Sequence[int], baseline, candidate) -> dict[st
             "baseline_logprob": base_lp, "candidate_logprob": cand_lp, "answer_logprob_delta": cand_lp - base_lp}
 
 
-# ----------------------------------------------------------------------------- run folders
-
-
-def read_fidelity(run_dir: str | os.PathLike) -> dict[str, FidelityItem]:
-    """``{item id: FidelityItem}`` of a candidate run folder (empty when it has no ``fidelity.jsonl``).
-
-    A half-written last line (a killed run) is ignored; any other bad line is
-    a :class:`ResultFileError` naming the file and line.
-    """
-    path = Path(run_dir) / FIDELITY_FILE
-    out: dict[str, FidelityItem] = {}
-    if not path.is_file():
-        return out
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = FidelityItem(**json.loads(line))
-        except (ValueError, TypeError) as exc:
-            if number == len(lines) and not path.read_text().endswith("\n"):
-                break  # the line a killed run was writing: measured again on resume
-            raise ResultFileError(f"{path}:{number}: not a fidelity record ({exc}); delete the file to measure again") from None
-        out[item.id] = item
-    return out
-
 
 def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequence[tuple[object, Path]]", *,
                     batch_size: int = 1, seed: int = 0) -> None:
@@ -209,7 +141,7 @@ def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequen
 
     done = {d: read_fidelity(d) for _, d in candidates}
     for d in done:
-        _cut_partial_line(Path(d) / FIDELITY_FILE)
+        cut_partial_line(Path(d) / FIDELITY_FILE)
     pending = [it for it in items if any(it.id not in done[d] or done[d][it.id].hash != it.hash for _, d in candidates)]
     kwargs = baseline.generation_kwargs()
     for first in range(0, len(pending), batch_size):
@@ -231,106 +163,3 @@ def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequen
                     fh.write(json.dumps(asdict(record)) + "\n")
 
 
-def _cut_partial_line(path: Path) -> None:
-    if path.is_file():
-        text = path.read_text()
-        if text and not text.endswith("\n"):
-            path.write_text(text[: text.rfind("\n") + 1])
-
-
-def attach_fidelity(run_dir: str | os.PathLike, records: Iterable) -> int:
-    """Put each record's fidelity numbers (``fidelity.jsonl`` in ``run_dir``) into ``record.metrics["fidelity"]``.
-
-    Only records whose prompt hash matches are joined. Returns how many were.
-    """
-    found = read_fidelity(run_dir) if Path(run_dir).is_dir() else {}
-    joined = 0
-    for record in records:
-        item = found.get(record.id)
-        if item is not None and item.hash == record.hash:
-            record.metrics[METRIC_KEY] = {k: getattr(item, k) for k in FIELDS}
-            joined += 1
-    return joined
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def kl_bounds(values: Sequence[float], alpha: float = 0.05, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:
-    """One-sided ``1 - alpha`` lower and upper bounds of the mean per-item KL (bootstrap percentiles; nats).
-
-    Values that are all equal (one item, or ``none`` against itself) have no
-    spread: both bounds are that value. An empty list gives ``(0, inf)``:
-    nothing shown either way.
-    """
-    x = np.asarray(values, dtype=float)
-    if x.size == 0:
-        return 0.0, math.inf
-    if np.all(x == x[0]):
-        return float(x[0]), float(x[0])
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(n_resamples, x.size))].mean(axis=1)
-    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
-
-
-def fidelity_values(records: Iterable, key: str = "kl_mean") -> list[float]:
-    """The attached per-item ``key`` (one of :data:`FIELDS`) of the records that have fidelity measurements."""
-    return [r.metrics[METRIC_KEY][key] for r in records if METRIC_KEY in r.metrics]
-
-
-def summarize(records: Iterable, alpha: float = 0.05, seed: int = 0) -> dict[str, float] | None:
-    """Mean per-item fidelity numbers of ``records`` (their attached ``metrics["fidelity"]``), or ``None`` if none has them.
-
-    Keys: ``n``, the means of :data:`FIELDS`, ``kl_max_item`` (largest
-    per-position KL of any item), ``kl_mean_lower`` and ``kl_mean_upper``
-    (the one-sided ``1 - alpha`` bootstrap bounds of the mean per-item ``kl_mean``).
-    """
-    rows = [r.metrics[METRIC_KEY] for r in records if METRIC_KEY in r.metrics]
-    if not rows:
-        return None
-    out: dict[str, float] = {"n": len(rows)}
-    for key in FIELDS:
-        out[key] = float(np.mean([row[key] for row in rows]))
-    out["kl_max_item"] = float(max(row["kl_max"] for row in rows))
-    out["kl_mean_lower"], out["kl_mean_upper"] = kl_bounds([row["kl_mean"] for row in rows], alpha, seed=seed)
-    return out
-
-
-def items_to_separate(a: Sequence[float], b: Sequence[float], test: str, *, power: float = 0.8, alpha: float = 0.05,
-                      sizes: Sequence[int] = (5, 10, 15, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 1000),
-                      n_resamples: int = 400, seed: int = 0) -> int | None:
-    """Smallest item count in ``sizes`` at which a paired test separates ``a`` from ``b`` in ``power`` of resamples.
-
-    ``a``, ``b``: per-item values of two policies on the same items (0/1
-    correctness for ``test="mcnemar"``, per-item ``kl_mean`` for
-    ``test="wilcoxon"``, signed-rank with the normal approximation). Items are
-    resampled with replacement to each size; a resample counts when the
-    two-sided test gives ``p < alpha``. Returns
-    ``None`` when even the largest size does not reach ``power``.
-    """
-    from scipy import stats as st
-
-    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    if x.shape != y.shape or x.size == 0:
-        raise UsageError("items_to_separate: give two equally long, non-empty per-item lists")
-    if test not in ("mcnemar", "wilcoxon"):
-        raise UsageError(f"items_to_separate: test={test!r}; use 'mcnemar' or 'wilcoxon'")
-    rng = np.random.default_rng(seed)
-    for n in sizes:
-        pick = rng.integers(0, x.size, size=(n_resamples, n))
-        xa, yb = x[pick], y[pick]
-        if test == "mcnemar":  # exact two-sided McNemar: binomial on the discordant pairs
-            k, m = np.sum((xa > 0.5) & (yb < 0.5), axis=1), np.sum((xa < 0.5) & (yb > 0.5), axis=1)
-            p = np.minimum(1.0, 2 * st.binom.cdf(np.minimum(k, m), k + m, 0.5))
-            p[k + m == 0] = 1.0
-        else:
-            d = yb - xa
-            p = np.ones(n_resamples)
-            moved = np.any(d != 0, axis=1)
-            if moved.any():  # the normal approximation: scipy's small-n default with ties is a slow permutation test
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    p[moved] = np.asarray(st.wilcoxon(d[moved], axis=1, method="approx").pvalue, dtype=float)
-            p[np.isnan(p)] = 1.0
-        if np.sum(p < alpha) >= power * n_resamples:
-            return int(n)
-    return None

@@ -26,7 +26,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from kveval.runner import fidelity
+from kveval.runs.fidelity import attach_fidelity
+from kveval.stats import fidelity
 from kveval.stats import paired, significance as stats
 from kveval.errors import UsageError
 from kveval.runs.records import ItemRecord, RunInfo
@@ -118,7 +119,7 @@ class Comparison:
         candidate answers, length, depth.
     fidelity : dict or None
         The baseline's answer teacher-forced through the candidate
-        (:func:`kveval.runner.fidelity.summarize`): ``n``, mean ``kl_mean``,
+        (:func:`kveval.stats.fidelity.summarize`): ``n``, mean ``kl_mean``,
         ``kl_max``, ``top1_agreement``, ``answer_logprob_delta``,
         ``kl_max_item`` and ``kl_mean_upper``; ``None`` when the candidate run
         has no ``fidelity.jsonl``.
@@ -471,7 +472,7 @@ def compare_runs(
     base = load_run(baseline, metric=metric)
     cand = load_run(candidate, metric=metric)
     pairs = pair_runs(base, cand)
-    fidelity.attach_fidelity(cand.path, [c for _, c in pairs])  # the teacher-forced measurements, if the run has them
+    attach_fidelity(cand.path, [c for _, c in pairs])  # the teacher-forced measurements, if the run has them
     kw = dict(confidence_level=confidence_level, n_resamples=n_resamples, seed=seed)
     by_task: dict[str, list] = defaultdict(list)
     for p in pairs:

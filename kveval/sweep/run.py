@@ -234,7 +234,7 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
     prompt), every lm-eval task and, under ``fidelity``, every item's fidelity. Another prompt under an item's id
     is not finished either: :func:`~kveval.runner.evaluate.evaluate_policies` then refuses the folder, naming it."""
     from kveval.errors import ResultFileError
-    from kveval.runner.fidelity import read_fidelity
+    from kveval.runs.fidelity import read_fidelity
     from kveval.runs.records import iter_items
 
     try:
