@@ -1,4 +1,4 @@
-"""Print the README's "Supported architectures" table from the test matrix's tiny models.
+"""Print the "Supported architectures" table of docs/architectures.md from the test matrix's tiny models.
 
 Per architecture (tests/tiny_models.py ARCHITECTURES, the models tests/test_architectures.py checks):
 its cache layers, the attention kernel kveval uses, the largest logit difference
