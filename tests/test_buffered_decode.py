@@ -247,7 +247,7 @@ def test_scores_are_held_and_counted_only_while_a_budget_ranks_them(model, spec,
 def test_cache_in_the_compute_dtype(model, spec, monkeypatch):
     """kv_dtype = compute dtype (a bf16 model on a GPU): dense rows' stores are views of the buffer, across its
     growth and the catch-ups; still equal to row-by-row decoding, and the bytes are those of the kept tokens."""
-    _assert_batched_equals_rows(model, spec, monkeypatch, kv_dtype="float32")
+    _assert_batched_equals_rows(model, spec, monkeypatch, kv_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("spec", ["quant(bits=4,group=8,residual=5)", "kivi(bits=2,group=8,residual=12)", "window(size=90)"])

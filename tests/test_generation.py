@@ -7,6 +7,7 @@ from tiny_models import Tok, tiny_gemma3, tiny_llama
 from kveval.errors import UsageError
 from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.policies.spec import parse_policy
+from kveval.stores.base import parse_kv_dtype
 
 
 def _prompts(seed=10):
@@ -78,7 +79,8 @@ def test_kv_dtype_reaches_every_result():
     prompts = _prompts()[:2]
     policies = [parse_policy(p).spec for p in ("snapkv(ratio=0.25,window=4)", "snapkv(ratio=0.5,window=4)")]
     for kv_dtype, name in ((None, "bfloat16"), ("float16", "float16"), ("float32", "float32")):
-        alone = generate(model, Tok(), prompts, parse_policy(policies[0]), max_new_tokens=4, kv_dtype=kv_dtype)
-        shared = generate_many(model, Tok(), prompts, [parse_policy(p) for p in policies], max_new_tokens=4, kv_dtype=kv_dtype)
+        typed = parse_kv_dtype(kv_dtype)
+        alone = generate(model, Tok(), prompts, parse_policy(policies[0]), max_new_tokens=4, kv_dtype=typed)
+        shared = generate_many(model, Tok(), prompts, [parse_policy(p) for p in policies], max_new_tokens=4, kv_dtype=typed)
         assert {r.stats.kv_dtype for r in alone + shared[policies[0]] + shared[policies[1]]} == {name}
         assert [r.stats.kv_bytes for r in shared[policies[0]]] == [r.stats.kv_bytes for r in alone]

@@ -18,7 +18,7 @@ from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.stores.kvquant import KVQuantCodec, KVQuantStore
 from kveval.policies.spec import parse_policy
 
-EXACT = "float32"  # kv_dtype of the arithmetic tests: outliers and sinks not rounded to bf16
+EXACT = torch.float32  # kv_dtype of the arithmetic tests: outliers and sinks not rounded to bf16
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")
 

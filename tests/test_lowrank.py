@@ -20,7 +20,7 @@ from kveval.stores.lowrank import LowRankStore
 from kveval.policies.spec import parse_policy
 
 FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at rank = head_dim (float32 rounding of x B B^T only)
-EXACT = "float32"  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to the deployment's bf16
+EXACT = torch.float32  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to the deployment's bf16
 
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")  # every test calibrates into its own folder

@@ -45,8 +45,8 @@ def llama_head_dim_64():
     return LlamaForCausalLM(config).eval()
 
 
-def _prefill(model, spec, tokens=96, **kwargs):
-    cache = CompressedCache(model, parse_policy(spec), **kwargs)
+def _prefill(model, spec, tokens=96, kv_dtype=None, **kwargs):
+    cache = CompressedCache(model, parse_policy(spec), kv_dtype=parse_kv_dtype(kv_dtype), **kwargs)
     with torch.no_grad():
         model(torch.randint(1, 128, (1, tokens), generator=torch.Generator().manual_seed(0)), cache=cache)
     return cache

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 from kveval.sweep.config import load_config
 from kveval.sweep.run import run_sweep, summarize
 from kveval.sweep.run import sweep_lock
-if TYPE_CHECKING:
-    from kveval.sweep.executors import Cell, CellResult, Executor
-    from kveval.runner.runspec import RunSpec
 
 
 def configure(parser) -> None:
@@ -20,6 +17,9 @@ def configure(parser) -> None:
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
     parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--noise-floor", action="store_true",
+                        help="also run each baseline again in another batch arrangement: the gate then shows the "
+                             "flips no compression causes beside every candidate's (the config key noise_floor)")
     add_deployment_arguments(parser)
     parser.add_argument("--executor", choices=["inprocess", "ray"], default="inprocess",
                         help="where cells (model x policy group) run: this process (default) or Ray tasks, one GPU "
@@ -38,6 +38,8 @@ def run(args) -> int:
     import sys
 
     config = load_config(args.config)
+    if args.noise_floor:
+        config = replace(config, noise_floor=True)
     for warning in config.warnings:
         print(f"kveval sweep: warning: {warning}", file=sys.stderr)
     from kveval.gate.deployment import deployment_of

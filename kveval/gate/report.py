@@ -26,6 +26,14 @@ def _md(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
+def _floor(t) -> str:
+    """A task's noise floor cell: the baseline's own flips under another batch arrangement, and whether the
+    candidate's stay within them."""
+    if t.noise_floor is None:
+        return "-"
+    return f"{t.noise_floor.flips}/{t.noise_floor.n}" + (" (within)" if t.within_noise_floor else "")
+
+
 def to_markdown(result: GateResult) -> str:
     cfg = result.config
     level = int(round((1 - cfg.alpha) * 100))
@@ -42,14 +50,18 @@ def to_markdown(result: GateResult) -> str:
             else ""
         )
         + ". INCONCLUSIVE: neither (too few items)"
-        + ("." if cfg.inconclusive_blocks else "; it does not block (inconclusive_blocks: false)."),
+        + ("." if cfg.inconclusive_blocks else "; it does not block (inconclusive_blocks: false).")
+        + f" Min. detectable loss: the true loss that would FAIL with {cfg.power:.0%} power at the task's n, churn and"
+        " clustering; a PASS could have missed a smaller one."
+        + (f" Noise floor: the baseline run again in another batch arrangement ({result.noise_floor_path}); a FAIL"
+           " whose flips stay within it is reported INCONCLUSIVE." if result.noise_floor_path else ""),
         "",
-        "| verdict | candidate | task | n | baseline | candidate | change [one-sided bounds] | p any change (Holm) | -flips | +flips | margin | reasons |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        "| verdict | candidate | task | n | baseline | candidate | change [one-sided bounds] | p any change (Holm) | -flips | +flips | noise floor | margin | min. detectable loss | reasons |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for cv in result.candidates:
         if cv.status == ERROR:
-            out.append(f"| **ERROR** | `{_md(cv.name)}` | | | | | | | | | | {_md(cv.error or '')} |")
+            out.append(f"| **ERROR** | `{_md(cv.name)}` | | | | | | | | | | | | {_md(cv.error or '')} |")
             continue
         for t in cv.tasks:
             c = t.comparison
@@ -57,7 +69,8 @@ def to_markdown(result: GateResult) -> str:
             out.append(
                 f"| {verdict} | `{_md(cv.name)}` | {_md(t.task)} | {c.n} | {c.baseline_score:.3f} | {c.candidate_score:.3f} | "
                 f"{t.test.delta:+.3f} [{t.test.lower:+.3f}, {t.test.upper:+.3f}] | {fmt_p(c.pvalue)} ({fmt_p(c.p_holm)}) | "
-                f"{c.n_regressed} ({_pct(c.negative_flip_rate)}) | {c.n_improved} | {t.margin:g} | "
+                f"{c.n_regressed} ({_pct(c.negative_flip_rate)}) | {c.n_improved} | {_floor(t)} | {t.margin:g} | "
+                f"{'-' if t.min_detectable_loss is None else f'{t.min_detectable_loss:.3f}'} | "
                 f"{_md('; '.join(t.reasons + t.notes)) or '-'} |"
             )
     out += ["", "## Verdicts", ""] + [f"- {_md(line)}" for line in result.lines()]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,7 +57,7 @@ from kveval.stats.comparison import (
 from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
 from kveval.gate.config import GateConfig
 from kveval.runs.records import RunInfo
-from kveval.runs.results import expand_run_dirs, load_run, pairing_warnings
+from kveval.runs.results import expand_run_dirs, load_run, pair_runs, pairing_warnings
 
 PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
@@ -64,6 +65,21 @@ _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
 __all__ = [
     "ERROR", "FAIL", "INCONCLUSIVE", "PASS", "CandidateVerdict", "GateConfig", "GateResult", "TaskVerdict", "evaluate_gate", "evaluate_sweep", "exit_code", "overall_status",
 ]
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """The baseline against itself on one task, run again in another batch arrangement (batch size and order).
+
+    Greedy decoding turns the different rounding of other batch shapes into different answers at near-ties; a
+    candidate's flips that do not exceed these are not evidence of harm. ``flips``: items whose correctness differs
+    (right->wrong plus wrong->right); ``answers``: items whose answer text differs; ``n``: paired items.
+    """
+
+    task: str
+    n: int
+    flips: int
+    answers: int
 
 
 @dataclass
@@ -93,6 +109,12 @@ class TaskVerdict:
         configured power at the observed discordance (``None``: a change sits
         on its margin, or only the KL rule is open).
     comparison : Comparison
+    min_detectable_loss : float or None
+        The smallest true loss of accuracy this task's items would FAIL with the configured power, at its ``n``,
+        observed wrong->right rate and design effect (:func:`kveval.stats.paired.min_detectable_loss`): what a PASS
+        or an INCONCLUSIVE could have missed. ``None``: no loss is detected that often with so few items.
+    noise_floor : NoiseFloor or None
+        The baseline's own flips on this task when run again in another batch arrangement, if measured.
     """
 
     task: str
@@ -105,6 +127,23 @@ class TaskVerdict:
     p_inferior_holm: float
     items_needed: int | None
     comparison: Comparison
+    min_detectable_loss: float | None = None
+    noise_floor: "NoiseFloor | None" = None
+
+    @property
+    def could_miss(self) -> str:
+        """``", could miss a loss below 0.203"``: the minimum detectable loss, said where a verdict needs it."""
+        if self.status == FAIL:
+            return ""
+        if self.min_detectable_loss is None:
+            return ", too few items to detect any loss reliably"
+        return f", could miss a loss below {self.min_detectable_loss:.3f}"
+
+    @property
+    def within_noise_floor(self) -> bool:
+        """Whether this candidate's flips on the task are no more than the baseline's own under a batch rearrangement."""
+        c, floor = self.comparison, self.noise_floor
+        return floor is not None and c.n_regressed + c.n_improved <= floor.flips
 
     @property
     def lower_bound(self) -> float:
@@ -125,6 +164,9 @@ class TaskVerdict:
                 "p_inferior": self.test.p_inferior,
                 "p_inferior_holm": self.p_inferior_holm,
                 "items_needed": self.items_needed,
+                "min_detectable_loss": self.min_detectable_loss,
+                "noise_floor": asdict(self.noise_floor) if self.noise_floor else None,
+                "within_noise_floor": self.within_noise_floor if self.noise_floor else None,
                 "comparison": self.comparison.to_dict(),
             }
         )
@@ -152,9 +194,9 @@ class CandidateVerdict:
         if self.status == ERROR:
             return f"ERROR {self.name}: {self.error}"
         if self.status == PASS:
-            return f"PASS {self.name}: " + "; ".join(t.summary for t in self.tasks)
+            return f"PASS {self.name}: " + "; ".join(t.summary + t.could_miss for t in self.tasks)
         shown = [t for t in self.tasks if t.status == self.status]
-        return f"{self.status} {self.name}: " + " | ".join(f"{t.summary}: {'; '.join(t.reasons)}" for t in shown)
+        return f"{self.status} {self.name}: " + " | ".join(f"{t.summary}{t.could_miss}: {'; '.join(t.reasons)}" for t in shown)
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(
@@ -195,6 +237,8 @@ class GateResult:
     tasks: list[str]
     candidates: list[CandidateVerdict]
     deployment: Any = None  # kveval.gate.deployment.Deployment, set by deployment_decision
+    noise_floor: dict[str, NoiseFloor] = field(default_factory=dict)  # per task, where the baseline was rerun
+    noise_floor_path: str | None = None
 
     @property
     def status(self) -> str:
@@ -255,7 +299,8 @@ def margin_test(c: Comparison, margin: float, cfg: GateConfig) -> paired.MarginT
     if c.ci_method == "bootstrap":
         return stats.bootstrap_margin_test(c.baseline_scores, c.candidate_scores, margin, alpha=cfg.alpha,
                                            n_resamples=cfg.n_resamples, seed=cfg.seed)
-    return paired.margin_test(c.score_lost, c.score_gained, c.n, margin, cfg.alpha)
+    de = c.design_effect
+    return paired.margin_test(c.score_lost / de, c.score_gained / de, c.n / de, margin, cfg.alpha)
 
 
 def _bootstrap_items(c: Comparison, t: paired.MarginTest, cfg: GateConfig) -> int | None:
@@ -283,7 +328,7 @@ def items_needed(c: Comparison, t: paired.MarginTest, score_open: bool, flip_cap
         needed.append(paired.items_needed_approx(c.n_regressed / c.n, c.n_improved / c.n, flip_cap, cfg.alpha, cfg.power))
     if any(n is None for n in needed):
         return None
-    return max([c.n + 1, *needed])
+    return max([c.n + 1, *(math.ceil(n * c.design_effect) for n in needed)])
 
 
 def _summary(c: Comparison, t: paired.MarginTest) -> str:
@@ -298,8 +343,9 @@ def _summary(c: Comparison, t: paired.MarginTest) -> str:
     return f"{head}, {what} {t.delta:+.3f} [{t.lower:+.3f},{t.upper:+.3f}] ({bound}% {how})"
 
 
-def _lower_binomial(k: int, n: int, alpha: float) -> float:
-    """One-sided ``1 - alpha`` Clopper-Pearson lower bound of a proportion ``k / n``."""
+def _lower_binomial(k: float, n: float, alpha: float) -> float:
+    """One-sided ``1 - alpha`` Clopper-Pearson lower bound of a proportion ``k / n`` (effective counts may be
+    fractional: the beta quantile takes them as they are)."""
     return 0.0 if k == 0 else float(_st.beta.ppf(alpha, k, n - k + 1))
 
 
@@ -319,7 +365,8 @@ def _confusion(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[s
         limit = cfg.confusion_limit(cat)
         if limit is None or k == 0:
             continue
-        low = _lower_binomial(k, c.n, cfg.alpha)
+        # shared contexts: the counts by the task's design effect, as the margin tests take them (Rao-Scott)
+        low = _lower_binomial(k / c.design_effect, c.n / c.design_effect, cfg.alpha)
         if low > limit:
             label = "confusion (all categories)" if cat == OVERALL else cat
             reasons.append(
@@ -353,8 +400,10 @@ def _kl_rule(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str
     return [], []
 
 
-def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: paired.MarginTest, pairs=()) -> TaskVerdict:
-    """Apply the rules of ``cfg`` to one task (``p_inferior_holm``: the task's FAIL test, adjusted over the family)."""
+def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: paired.MarginTest, pairs=(),
+               noise_floor: NoiseFloor | None = None) -> TaskVerdict:
+    """Apply the rules of ``cfg`` to one task (``p_inferior_holm``: the task's FAIL test, adjusted over the family;
+    ``noise_floor``: the baseline's own flips on the task under another batch arrangement, if measured)."""
     margin = test.margin
     reasons: list[str] = []
     pending: list[str] = []
@@ -366,7 +415,8 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     open_cap = None  # the flip cap, while the net flip rate is not shown under it
     cap = cfg.max_negative_flip_rate
     if cap is not None and cap > 0:
-        net = paired.margin_test(c.n_regressed, c.n_improved, c.n, cap, cfg.alpha) if cap < 1 else None
+        de = c.design_effect
+        net = paired.margin_test(c.n_regressed / de, c.n_improved / de, c.n / de, cap, cfg.alpha) if cap < 1 else None
         if net is not None and net.upper < -cap:
             reasons.append(
                 f"net negative flips: ({c.n_regressed} - {c.n_improved})/{c.n} right->wrong, {level}% lower bound "
@@ -383,6 +433,11 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     if not test.lower > -margin:
         pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
     needed = None
+    within_floor = noise_floor is not None and c.n_regressed + c.n_improved <= noise_floor.flips
+    if reasons and within_floor:  # what fired rests on flips the baseline makes against itself
+        pending = [f"{reason} (but {c.n_regressed + c.n_improved} flips do not exceed the baseline's own "
+                   f"{noise_floor.flips} under another batch arrangement: not shown harmful)" for reason in reasons] + pending
+        reasons = []
     if reasons:
         status = FAIL
     elif pending:
@@ -398,7 +453,18 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
         reasons = pending
     else:
         status = PASS
-    return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c)
+    if noise_floor is not None:
+        notes.append(f"noise floor: the baseline run again in another batch arrangement flips {noise_floor.flips} of "
+                     f"{noise_floor.n} items ({noise_floor.answers} answers differ); this candidate flips "
+                     f"{c.n_regressed + c.n_improved}" + (" (within the floor)" if within_floor else ""))
+    mdl = _min_detectable_loss(c, margin, cfg)
+    return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c,
+                       mdl, noise_floor)
+
+
+def _min_detectable_loss(c: Comparison, margin: float, cfg: GateConfig) -> float | None:
+    """The task's minimum detectable loss (:attr:`TaskVerdict.min_detectable_loss`), on 0/1 and graded scores alike."""
+    return paired.min_detectable_loss(c.n, c.score_gained / c.n, margin, cfg.alpha, cfg.power, c.design_effect)
 
 
 def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
@@ -424,7 +490,8 @@ def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
         for pair in v.comparison.pairs:
             by_task.setdefault(pair[0].task, []).append(pair)
         v.tasks = [
-            judge_task(v.comparison.task(t), cfg, holm[(id(v), t)], tests[(id(v), t)], by_task.get(t, [])) for t in r.tasks
+            judge_task(v.comparison.task(t), cfg, holm[(id(v), t)], tests[(id(v), t)], by_task.get(t, []),
+                       r.noise_floor.get(t)) for t in r.tasks
         ]
         v.status = max((t.status for t in v.tasks), key=_ORDER.__getitem__, default=PASS)
 
@@ -448,6 +515,7 @@ def evaluate_gate(
     candidate_dirs: Sequence[str | os.PathLike],
     *,
     metric: str | dict[str, str] | None = None,
+    noise_floor: str | os.PathLike | None = None,
 ) -> GateResult:
     """Evaluate candidates against a baseline under the gate rules.
 
@@ -455,6 +523,7 @@ def evaluate_gate(
     (the others are still judged). Raises :class:`ResultFileError` for a bad
     baseline or a gated task missing from it, :class:`UsageError` for no
     candidates, :class:`~kveval.errors.ConfigError` for a bad config.
+    ``noise_floor``: a second run of the baseline in another batch arrangement (:func:`noise_floors`).
     """
     cfg = _config_object(config)
     if not candidate_dirs:
@@ -484,9 +553,26 @@ def evaluate_gate(
         verdicts.append(
             CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc, warnings=pairing_warnings(base, cand_run))
         )
-    result = GateResult(cfg, base.info, str(base.path), gated, verdicts)
+    floors = noise_floors(base, load_run(noise_floor, metric=metric)) if noise_floor is not None else {}
+    result = GateResult(cfg, base.info, str(base.path), gated, verdicts, noise_floor=floors,
+                        noise_floor_path=str(noise_floor) if noise_floor is not None else None)
     _judge_all([result], cfg)
     return result
+
+
+def noise_floors(base, rerun) -> dict[str, NoiseFloor]:
+    """Per task, how the baseline ``base`` differs from ``rerun``, the same baseline run again in another batch
+    arrangement: the flips any candidate makes without compressing anything. Refuses a rerun that is not the same
+    model's uncompressed run on the same items (:class:`ResultFileError`)."""
+    if not rerun.info.is_baseline:
+        raise ResultFileError(f"noise floor {rerun.path}: runs policy {rerun.info.policy}, not the baseline none")
+    pairs = pair_runs(base, rerun)
+    out: dict[str, NoiseFloor] = {}
+    for task in dict.fromkeys(b.task for b, _ in pairs):
+        these = [(b, r) for b, r in pairs if b.task == task]
+        out[task] = NoiseFloor(task, len(these), sum(b.correct != r.correct for b, r in these),
+                               sum(b.answer != r.answer for b, r in these))
+    return out
 
 
 def group_runs_by_baseline(run_dirs: Sequence[str | os.PathLike]) -> list[tuple[Path, list[Path]]]:
@@ -522,10 +608,16 @@ def evaluate_sweep(
     run_dirs: Sequence[str | os.PathLike],
     *,
     metric: str | dict[str, str] | None = None,
+    noise_floors: Mapping[str, Path] | None = None,
 ) -> list[GateResult]:
-    """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model)."""
+    """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model).
+
+    ``noise_floors``: baseline run folder (as a string) -> that baseline run again in another batch arrangement.
+    """
     cfg = _config_object(config)
-    results = [evaluate_gate(cfg, base, cands, metric=metric) for base, cands in group_runs_by_baseline(run_dirs)]
+    floors = {str(Path(k)): v for k, v in (noise_floors or {}).items()}
+    results = [evaluate_gate(cfg, base, cands, metric=metric, noise_floor=floors.get(str(Path(base))))
+               for base, cands in group_runs_by_baseline(run_dirs)]
     if cfg.family == "sweep" and len(results) > 1:
         _judge_all(results, cfg)
     return results

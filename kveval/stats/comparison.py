@@ -117,6 +117,12 @@ class Comparison:
     regressed : list of dict
         The right->wrong items: id, task, category, recalled, baseline and
         candidate answers, length, depth.
+    clusters : int
+        Shared contexts among the items (``metrics["group"]``: ``multi_turn``'s turns share one); ``n`` where
+        every item stands alone.
+    design_effect : float
+        How many independent items' variance each item carries (:func:`kveval.stats.paired.design_effect`); the
+        interval, the test and the gate's margin tests run on the counts divided by it. 1 for independent items.
     fidelity : dict or None
         The baseline's answer teacher-forced through the candidate
         (:func:`kveval.stats.fidelity.summarize`): ``n``, mean ``kl_mean``,
@@ -160,6 +166,8 @@ class Comparison:
     p_holm: float | None = None
     p_bh: float | None = None
     fidelity: dict[str, float] | None = None
+    clusters: int = 0
+    design_effect: float = 1.0
     baseline_scores: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     candidate_scores: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
@@ -170,6 +178,11 @@ class Comparison:
     def regressed_categories(self) -> Counter:
         """Candidate categories of the regressed items (``""`` becomes ``"wrong"``)."""
         return Counter((r.get("category") or "wrong") for r in self.regressed)
+
+
+def cluster_of(record: ItemRecord) -> str:
+    """The shared context an item belongs to: its ``group`` (recorded by the probe runner), else the item itself."""
+    return str(record.metrics.get("group") or record.id)
 
 
 def confusion_rates(items: Sequence[ItemRecord]) -> dict[str, float]:
@@ -213,12 +226,18 @@ def compare_pairs(
     fl = stats.flips(ac, bc)
     n_graded = int(np.sum(((a > 0) & (a < 1)) | ((b > 0) & (b < 1))))
     lost, gained = paired.score_discordance(a, b)
+    clusters = [cluster_of(x) for x in base]
+    design = paired.design_effect(np.clip(a - b, 0, None), np.clip(b - a, 0, None), clusters)
     base_score, cand_score, estimate = float(a.mean()), float(b.mean()), (gained - lost) / len(pairs)
     binary = n_graded == 0  # scores are in [0, 1]: none strictly between is all 0/1
     if uses_bootstrap(len(pairs), n_graded):  # its two-sided interval and p-value from the same resamples
         t = stats.bootstrap_margin_test(a, b, 0.0, alpha=(1 - confidence_level) / 2, n_resamples=n_resamples, seed=seed)
         low, high, method = t.lower, t.upper, "bootstrap"
         test, pvalue = "bootstrap", min(1.0, 2 * min(t.p_noninferior, t.p_inferior))
+    elif design > 1:  # items share contexts: Rao-Scott, the counts divided by the design effect
+        low, high = paired.tango_interval(lost / design, gained / design, len(pairs) / design, confidence_level)
+        method = "tango"
+        test, pvalue = "tango-clustered", paired.tango_pvalue(lost / design, gained / design, len(pairs) / design)
     else:
         low, high = paired.tango_interval(lost, gained, len(pairs), confidence_level)
         method = "tango"
@@ -282,6 +301,8 @@ def compare_pairs(
         logprob_ci_high=lp_high,
         n_logprob=len(lp),
         fidelity=fidelity.summarize(cand, 1 - confidence_level, seed or 0),
+        clusters=len(set(clusters)),
+        design_effect=design,
         baseline_scores=a,
         candidate_scores=b,
     )

@@ -29,6 +29,13 @@ never as narrow as a bootstrap of two or three equal differences.
 Newcombe's hybrid score interval (method 10 of Newcombe 1998, Stat Med
 17:2635-2650) is provided as a cross-check.
 
+Items that share a context (``multi_turn``'s turns, requests under one system prompt) are not independent: their
+flips go together, and a count of them overstates the evidence (Miller 2024, "Adding error bars to evals").
+:func:`design_effect` measures how much (the cluster-robust variance of the mean change over the independent one,
+as in Obuchowski 1998, Biometrics 54:1581-1587), and every test here then runs on the counts divided by it: the
+Rao-Scott adjustment (Rao and Scott 1992, Biometrics 48:577-585), which keeps Tango's interval valid at zero
+discordance and equals the unclustered test exactly where every item is its own cluster.
+
 Everything here is pure arithmetic on counts (no files, no randomness).
 """
 
@@ -46,6 +53,8 @@ from scipy import stats as _st
 __all__ = [
     "MarginTest",
     "PlanResult",
+    "design_effect",
+    "min_detectable_loss",
     "items_needed",
     "items_needed_approx",
     "margin_test",
@@ -237,6 +246,71 @@ def margin_test(regressed: float, improved: float, n: int, margin: float, alpha:
         p_noninferior=float(_st.norm.sf(z)),
         p_inferior=float(_st.norm.cdf(z)),
     )
+
+
+# ----------------------------------------------------------------------------- clusters
+
+
+def design_effect(lost, gained, clusters) -> float:
+    """How many independent items' worth of variance each item carries when items share clusters (>= 1).
+
+    ``lost``/``gained``: per-item fractional discordances (:func:`score_discordance` of one item each: 1/0 for a
+    right->wrong item); ``clusters``: per-item cluster ids (one id per shared context). The design effect is the
+    cluster-robust variance of the mean change, ``K/(K-1) sum_k (D_k - delta n_k)^2 / n^2`` over the ``K``
+    clusters' summed changes ``D_k`` of ``n_k`` items (Obuchowski 1998), over the independent items' variance
+    ``n/(n-1) sum_i (d_i - delta)^2 / n^2``. It is 1 where every item is its own cluster or nothing changed, never
+    below 1 (clustering is not taken to help), at most the largest cluster's size, and ``n`` (one item's worth)
+    where one cluster holds every item.
+    """
+    d = np.asarray(gained, dtype=float) - np.asarray(lost, dtype=float)
+    ids = list(clusters)
+    n = d.size
+    if n != len(ids):
+        raise UsageError(f"design_effect: {n} items but {len(ids)} cluster ids")
+    _, index = np.unique(np.asarray(ids, dtype=object).astype(str), return_inverse=True)
+    k = int(index.max()) + 1 if n else 0
+    if n < 2 or k == n:
+        return 1.0
+    mean = d.mean()
+    independent = float(np.sum((d - mean) ** 2)) * n / (n - 1)
+    if independent <= 1e-15:
+        return 1.0
+    if k < 2:
+        return float(n)
+    totals = np.bincount(index, weights=d, minlength=k)
+    sizes = np.bincount(index, minlength=k)
+    clustered = float(np.sum((totals - mean * sizes) ** 2)) * k / (k - 1)
+    # Equal clusters of m items cannot carry more than m items' variance each (intra-cluster correlation <= 1): a
+    # larger ratio is the estimate's own noise with few clusters.
+    return float(min(int(sizes.max()), max(1.0, clustered / independent)))
+
+
+def min_detectable_loss(n: float, p_improve: float, margin: float, alpha: float = 0.05, power_goal: float = 0.8,
+                        design_effect: float = 1.0) -> float | None:
+    """The smallest true loss of accuracy that ``n`` items would show as a FAIL with ``power_goal`` probability.
+
+    The alternative keeps the observed wrong->right rate ``p_improve`` and adds the loss to the right->wrong rate
+    (``p_regress = p_improve + loss``); a FAIL is the one-sided Tango test showing the change below ``-margin``
+    (:func:`power`, ``goal="fail"``), on ``n / design_effect`` effective items. A PASS or an INCONCLUSIVE of that
+    task could have missed a loss below this. ``None`` where no loss up to ``1 - p_improve`` is detected that often
+    (too few items).
+    """
+    if not 0 < alpha < 0.5 or not 0 < power_goal < 1:
+        raise UsageError(f"min_detectable_loss: alpha={alpha} must be in (0, 0.5) and power={power_goal} in (0, 1)")
+    effective = max(1, int(round(n / max(design_effect, 1.0))))
+    top = 1.0 - p_improve
+    if top <= margin or power(effective, p_improve + top, p_improve, margin, alpha, goal="fail") < power_goal:
+        return None
+    low, high = margin, top  # power rises with the loss: bisect for where it reaches the goal
+    for _ in range(40):
+        mid = (low + high) / 2
+        if power(effective, p_improve + mid, p_improve, margin, alpha, goal="fail") >= power_goal:
+            high = mid
+        else:
+            low = mid
+        if high - low < 1e-4:
+            break
+    return float(high)
 
 
 # ----------------------------------------------------------------------------- planning

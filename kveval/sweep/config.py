@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 
 
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval",
-               "fidelity"}
+               "fidelity", "noise_floor"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 #: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
-RESULT_NEUTRAL_KEYS = {"gate", "out"}
+#: ``noise_floor`` adds a run beside the others and changes none of them: asking for it resumes a finished sweep.
+RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor"}
 
 @dataclass
 class SweepConfig:
@@ -46,6 +47,9 @@ class SweepConfig:
     lm_eval: dict = field(default_factory=dict)
     #: Teacher-force the baseline's answers through every compressed policy (:mod:`kveval.runner.fidelity`), as ``kveval eval --fidelity``.
     fidelity: bool = False
+    #: Run each model's baseline a second time in another batch arrangement (:mod:`kveval.sweep.run`), for the gate's
+    #: noise floor: the flips no compression causes.
+    noise_floor: bool = False
     raw: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -122,6 +126,10 @@ def load_config(path: str | Path) -> SweepConfig:
         for key in ("model_args", "metadata"):
             _mapping(path, f"lm_eval.{key}", lm_eval.get(key))
         lm_eval = {**lm_eval, "tasks": tasks}
+    noise_floor = raw.get("noise_floor", False)
+    if not isinstance(noise_floor, bool):
+        raise ConfigError(f"{path}: noise_floor={noise_floor!r}; use true (run each baseline again in another batch "
+                          f"arrangement, for the gate's noise floor) or false")
     fidelity = raw.get("fidelity", False)
     if not isinstance(fidelity, bool):
         raise ConfigError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
@@ -146,7 +154,7 @@ def load_config(path: str | Path) -> SweepConfig:
         depths=depths, n=_count(path, "probes.n", probes.get("n", 10)), seed=_whole(path, seed_key, seed),
         family_params=_mapping(path, "probes.params", probes.get("params")),
         batch_size=_count(path, "batch_size", raw.get("batch_size", 1)), gate=gate,
-        out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity,
+        out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity, noise_floor=noise_floor,
         raw=raw, warnings=warnings,
     )
 

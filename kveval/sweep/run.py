@@ -38,6 +38,19 @@ if TYPE_CHECKING:
 LOCK_FILE = ".kveval-sweep.lock"
 #: What a sweep folder's config and code were (:func:`read_manifest`).
 MANIFEST_FILE = "manifest.json"
+#: Where each model's baseline, run a second time in another batch arrangement, goes: ``<out>/noise_floor/runs/...``,
+#: beside ``<out>/runs/`` and never among the runs that are reported and gated as candidates.
+NOISE_FLOOR_DIR = "noise_floor"
+
+
+def noise_floor_batch_size(batch_size: int) -> int:
+    """The noise floor's batch size: another one than the sweep's (half of it, or 2 for a sweep of single items)."""
+    return batch_size // 2 if batch_size > 1 else 2
+
+
+def noise_floor_run(out: Path, baseline_dir: Path) -> Path:
+    """The noise-floor run folder of the baseline run folder ``baseline_dir`` of the sweep folder ``out``."""
+    return Path(out) / NOISE_FLOOR_DIR / Path(baseline_dir).relative_to(out)
 
 @contextmanager
 def sweep_lock(out: Path):
@@ -192,6 +205,31 @@ class CellRunner:
             record_fidelity(model, tokenizer, items, baseline, candidates, batch_size=self.config.batch_size,
                             seed=self.config.seed)
 
+    def _noise_floor(self, cell: Cell, items: list, dirs: list[Path]) -> None:
+        """Under ``noise_floor``: the cell's baseline again, items in reverse order at another batch size
+        (:func:`noise_floor_batch_size`), into :func:`noise_floor_run` (resumable; no weights load once it is done)."""
+        from kveval.errors import ResultFileError
+        from kveval.runner.evaluate import evaluate_policies
+        from kveval.runs.records import iter_items
+
+        baseline = [(spec, d) for spec, d in zip(cell.specs, dirs) if spec.policy.is_none]
+        if not self.config.noise_floor or not baseline:
+            return
+        (spec, base_dir), = baseline
+        floor = noise_floor_run(self.out, base_dir)
+        try:
+            written = {r.id: r.hash for r in iter_items(floor)}
+        except (ResultFileError, OSError):  # not run yet, or a killed writer's half line: evaluate_policies resumes it
+            written = {}
+        if all(written.get(item.id) == item.hash for item in items):
+            return
+        model, tokenizer = self._model(cell.model)
+        size = noise_floor_batch_size(self.config.batch_size)
+        evaluate_policies(model, tokenizer, list(reversed(items)), [spec], self.out / NOISE_FLOOR_DIR, cell.model,
+                          size, self.config.seed,
+                          extra={"sweep": self.config.name, "config_hash": self.config.hash,
+                                 "noise_floor": {"of": str(base_dir), "batch_size": size, "order": "reversed"}})
+
     def __call__(self, cell: Cell) -> CellResult:
         import torch
         from tqdm import tqdm
@@ -204,6 +242,7 @@ class CellRunner:
         items = sweep_items(config, load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
         finished = self._finished(cell, items)
         if finished is not None:  # a resumed sweep loads no weights for the cells that are done
+            self._noise_floor(cell, items, finished)
             return CellResult([str(d) for d in finished])
         model, tokenizer = self._model(cell.model)
         cuda = torch.cuda.is_available()
@@ -217,6 +256,7 @@ class CellRunner:
             self._fidelity(model, tokenizer, cell, items, dirs)
         if config.lm_eval:
             run_lm_eval_tasks(model, tokenizer, list(cell.specs), dirs, config.lm_eval, config.batch_size, config.seed)
+        self._noise_floor(cell, items, dirs)
         return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
 
 
@@ -401,7 +441,8 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     from kveval.gate.report import write_gate_outputs
     from kveval.report.leaderboard import build_report
 
-    results = evaluate_sweep(gate_config, run_dirs)
+    floors = {str(d): noise_floor_run(out, d) for d in run_dirs if noise_floor_run(out, d).is_dir()}
+    results = evaluate_sweep(gate_config, run_dirs, noise_floors=floors)
     if deploy:
         deployment_decision(results, **deploy)
     write_gate_outputs(results, out / "gate")
