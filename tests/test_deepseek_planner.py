@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from kveval.commands import main as cli
-from kveval.planner.memory import plan
+from kveval.planner.memory import compare, plan
 
 GiB = 2**30
 M = 2**20
@@ -58,6 +58,30 @@ def test_v4_pro_is_8_7x_smaller_than_v3_2_in_bf16_at_1m():
     parts = {part.name: part for part in pro.parts}
     assert parts["csa-entries"].entries == 30 * M // 4 and parts["hca-entries"].entries == 31 * M // 128
     assert parts["window"].entries == 61 * 127
+
+
+def test_compare_chronicle_ratios_and_json(capsys):
+    models = ["deepseek-67b", "deepseek-v2", "deepseek-v3", "deepseek-v3.2", "deepseek-v4-pro"]
+    result = compare(models, [128 * 1024, M])
+    assert [row.model for row in result.rows] == models
+    assert result.rows[0].ratios == [None, None]
+    assert result.rows[1].ratios[0] == pytest.approx(60 * 576 / (95 * 8 * 128 * 2))
+    assert result.rows[4].ratios[1] == pytest.approx(0.1046, abs=0.0005)
+    assert any("deepseek-67b" in n and "max_position_embeddings" in n for n in result.notes)
+    argv = ["memory", "--compare", ",".join(models), "--context", "128k,1m"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "x prev" in out and "deepseek-v4-pro" in out and "fp4-32" in out
+    assert cli.main(argv + ["--json"]) == 0
+    import json
+    data = json.loads(capsys.readouterr().out)
+    assert [m["model"] for m in data["models"]] == models
+    assert data["models"][4]["at"][1]["ratio_to_previous"] == pytest.approx(0.1046, abs=0.0005)
+    # a part one model has applies to that model; a part none has is refused
+    bf16_index = compare(models[3:], [M], storage="indexer=bf16")
+    assert bf16_index.rows[0].storage["indexer"] == "bf16" and bf16_index.rows[1].storage["csa-indexer"] == "fp4-32"
+    with pytest.raises(ValueError, match="no model compared has a cache part idx"):
+        compare(models, [M], storage="idx=bf16")
 
 
 def test_policies_on_the_new_layouts_are_refused_in_one_line(capsys):

@@ -711,3 +711,94 @@ def _format_fit(fit: FitResult) -> tuple[str, str]:
         body = f"           largest batch at {fit.context:,} tokens: {fit.value:,}"
     return head, body
 
+
+# ----------------------------------------------------------------------------------------------
+# comparing models: the native cache of each at a few contexts
+
+@dataclass
+class ComparisonRow:
+    """One model of a comparison: its storage per part and its plan at each context; ``ratios[j]``: its cache over
+    the previous row's at ``contexts[j]`` (``None`` for the first row)."""
+
+    model: str
+    describe: str
+    storage: dict[str, str]
+    plans: list[MemoryPlan]
+    ratios: list[float | None]
+
+
+@dataclass
+class Comparison:
+    """Several models' native caches (policy ``none``) at the same contexts, in the order given."""
+
+    contexts: list[int]
+    batch: int
+    dtype_bytes: int
+    rows: list[ComparisonRow]
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"contexts": self.contexts, "batch": self.batch, "dtype_bytes": self.dtype_bytes, "notes": self.notes,
+                "models": [{"model": row.model, "describe": row.describe, "storage": row.storage,
+                            "at": [{"context": p.context, "sequence_bytes": p.sequence_bytes,
+                                    "total_bytes": p.total_bytes, "bytes_per_context_token": p.bytes_per_context_token,
+                                    "ratio_to_previous": ratio, "parts": [asdict(part) for part in p.parts]}
+                                   for p, ratio in zip(row.plans, row.ratios)]}
+                           for row in self.rows]}
+
+
+def compare(models, contexts, batch: int = 1, dtype_bytes: int = 2, storage=None) -> Comparison:
+    """The native cache of each of ``models`` at each of ``contexts``, and each model's ratio to the one before it."""
+    models, contexts = list(models), [check_int(c, "context", 1) for c in contexts]
+    if len(models) < 2 or not contexts:
+        raise UsageError("compare needs two or more models and one or more contexts (e.g. 128k,1m)")
+    rows: list[ComparisonRow] = []
+    notes: list[str] = []
+    overrides = parse_storage(storage)
+    specs = [load_model_spec(model) for model in models]
+    known = {"all"}.union(*(storages(spec) for spec in specs))
+    if set(overrides) - known:
+        raise UsageError(f"no model compared has a cache part {', '.join(sorted(set(overrides) - known))}; "
+                         f"parts: {', '.join(sorted(known))}")
+    for spec in specs:
+        mine = {part: name for part, name in overrides.items() if part == "all" or part in storages(spec)}
+        plans = [plan(spec, c, batch, "none", dtype_bytes, storage=mine) for c in contexts]
+        previous = rows[-1].plans if rows else None
+        ratios = [p.sequence_bytes / q.sequence_bytes if previous else None
+                  for p, q in zip(plans, previous or plans)]
+        over = [c for c in contexts if spec.max_position and c > spec.max_position]
+        if over:
+            notes.append(f"{spec.name}: {over[0]:,} tokens exceed its max_position_embeddings ({spec.max_position:,}); "
+                         f"planned as if it ran that long")
+        rows.append(ComparisonRow(spec.name, spec.describe, {part.name: part.storage for part in plans[0].parts},
+                                  plans, ratios))
+    return Comparison(contexts, batch, dtype_bytes, rows, notes)
+
+
+def _tokens_label(n: int) -> str:
+    return f"{n // 2**20}m" if n % 2**20 == 0 else f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def format_compare(c: Comparison) -> str:
+    """The comparison as a table: per model, bytes per token of context and the cache at each context, and the
+    ratio to the model above; then how each model stores its parts."""
+    head = f"{'model':18s}"
+    for n in c.contexts:
+        label = _tokens_label(n)
+        head += f" {'B/token @' + label:>14s} {'cache @' + label:>13s} {'x prev':>7s}"
+    lines = [f"native KV cache (policy none), batch {c.batch}, per sequence x batch", head]
+    for row in c.rows:
+        line = f"{row.model.split('/')[-1]:18s}"
+        for p, ratio in zip(row.plans, row.ratios):
+            line += (f" {human_bytes(p.bytes_per_context_token):>14s} {human_bytes(p.total_bytes):>13s} "
+                     f"{'-' if ratio is None else f'{ratio:.3f}':>7s}")
+        lines.append(line)
+    lines.append("storage")
+    for row in c.rows:
+        grouped: dict[str, list[str]] = {}
+        for part, name in row.storage.items():
+            grouped.setdefault(_storage_label(name, c.dtype_bytes), []).append(part)
+        lines.append(f"  {row.model.split('/')[-1]:16s} " + "; ".join(f"{', '.join(parts)} {name}"
+                                                                    for name, parts in grouped.items()))
+    lines += [("notes  " if i == 0 else "       ") + n for i, n in enumerate(c.notes)]
+    return "\n".join(lines)
