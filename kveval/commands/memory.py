@@ -8,7 +8,8 @@ import argparse
 import json
 from pathlib import Path
 from kveval.planner.model_specs import load_model_spec, preset_names
-from kveval.planner.memory import FitResult, format_plan, plan
+from kveval.planner.memory import FitResult, compare, format_compare, format_plan, plan
+from kveval.planner.native import FORMATS
 from kveval.planner.memory import max_fit
 from kveval.planner.memory import parse_headroom
 from kveval.planner.memory import parse_tokens
@@ -25,6 +26,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="model weights, e.g. 16GB or bytes (default: parameters x --weight-bytes-per-param)")
     parser.add_argument("--weight-bytes-per-param", type=float, help="bytes per parameter for the estimate (default --dtype-bytes)")
     parser.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free for activations etc. (default 0.1; or 10%%)")
+    parser.add_argument("--storage", help=f"per-part storage of the native cache (policy none), e.g. "
+                        f"'indexer=fp8-128,latent=bf16' or 'all=bf16'; formats: {', '.join(FORMATS)}")
+    parser.add_argument("--compare", metavar="MODELS", help="compare the native caches of MODELS (comma-separated, "
+                        "in order) at --context (comma-separated, e.g. 128k,1m), each against the one before")
     parser.add_argument("--layers", action="store_true", help="print every layer")
     parser.add_argument("--list-presets", action="store_true", help="list the named presets and exit")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON (to stdout, or to PATH)")
@@ -33,8 +38,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         for name in preset_names():
-            print(f"{name:14s} {load_model_spec(name).describe}")
+            print(f"{name:18s} {load_model_spec(name).describe}")
         return 0
+    if args.compare:
+        return _compare(args)
     if not args.model:
         raise UsageError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
     headroom = parse_headroom(args.headroom)
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     fits: list[FitResult] = []
     if args.gpu_memory:
         kwargs = dict(policy=args.policy, dtype_bytes=args.dtype_bytes, headroom=headroom, new_tokens=new_tokens,
-                      weight_bytes_per_param=args.weight_bytes_per_param)
+                      weight_bytes_per_param=args.weight_bytes_per_param, storage=args.storage)
         fits.append(max_fit(spec, args.gpu_memory, args.weights, batch=batch, **kwargs))
         if context is not None:
             fits.append(max_fit(spec, args.gpu_memory, args.weights, context=context, **kwargs))
@@ -61,14 +68,31 @@ def run(args: argparse.Namespace) -> int:
         shown = spec.max_position or max(w for w in spec.windows if w)
     else:
         shown = max(fits[0].value, 1)
-    p = plan(spec, shown, batch, args.policy, args.dtype_bytes, new_tokens)
-    if args.json is not None:
-        text = json.dumps({"plan": p.to_dict(), "fit": [f.to_dict() for f in fits]}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n", encoding="utf-8")
-            print(format_plan(p, fits, args.layers))
-    else:
-        print(format_plan(p, fits, args.layers))
+    p = plan(spec, shown, batch, args.policy, args.dtype_bytes, new_tokens, storage=args.storage)
+    _emit(args.json, {"plan": p.to_dict(), "fit": [f.to_dict() for f in fits]}, format_plan(p, fits, args.layers))
+    return 0
+
+
+def _emit(where: str | None, data: dict, table: str) -> None:
+    """The table, or JSON to stdout (``-``), or JSON to a file and the table."""
+    if where == "-":
+        print(json.dumps(data, indent=2))
+        return
+    if where is not None:
+        Path(where).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(table)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    if args.model:
+        raise UsageError(f"give the models to compare in --compare only (got {args.model!r} as well)")
+    if args.policy != "none" or args.gpu_memory or args.new_tokens != "0":
+        raise UsageError("--compare plans each model's native cache (policy none) at --context; drop --policy, "
+                         "--gpu-memory and --new-tokens")
+    if not args.context:
+        raise UsageError("give --context with --compare, e.g. --context 128k,1m")
+    models = [m.strip() for m in args.compare.split(",") if m.strip()]
+    contexts = [parse_tokens(c.strip()) for c in args.context.split(",") if c.strip()]
+    result = compare(models, contexts, 1 if args.batch is None else args.batch, args.dtype_bytes, args.storage)
+    _emit(args.json, result.to_dict(), format_compare(result))
     return 0

@@ -19,6 +19,10 @@ What the arithmetic follows
   v0.1); ``use_sliding_window: false`` (Qwen2) switches it off.
 * MLA (DeepSeek-V2/V3: ``kv_lora_rank``): each layer caches one latent of
   ``kv_lora_rank + qk_rope_head_dim`` values per token, shared by all heads.
+* DeepSeek-V3.2's indexer keys and DeepSeek-V4's compressed layout (sliding window, CSA and HCA entries, indexer
+  entries, pending-window state) are planned as their own cache holds them, part by part, for policy ``none``
+  (:mod:`kveval.planner.native`); ``storage=`` sets how each part is stored (FP8 with scales, FP4, BF16, ...).
+  Every plan of policy ``none`` lists its cache's parts (``MemoryPlan.parts``).
 * Policies (``kveval policies``), as :mod:`kveval.cache.compressed` stores them:
 
   - selection keeps ``keep_count(context, layer, num_layers)`` tokens per layer
@@ -60,6 +64,7 @@ from typing import Any
 
 from kveval.modeling.layer_types import selecting_layers
 from kveval.planner.model_specs import ModelSpec, load_model_spec
+from kveval.planner.native import PartPlan, native_layers, parse_storage, storages
 from kveval.values import is_real, is_whole
 
 _GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
@@ -87,7 +92,8 @@ class MemoryPlan:
     policy's representation (quantized codes with their amortized scales,
     low-rank coefficients, MLA latent), before selection, windows and the
     full-precision residual; ``key_bytes_per_token``/``value_bytes_per_token``
-    split it (MLA: the latent counts as K, the shared RoPE key as V, as the cache holds them). ``sequence_bytes`` is the exact
+    split it (MLA: the latent counts as K, the shared RoPE key as V, as the cache holds them; a native plan: all
+    as K, and ``bytes_per_token`` is what each further token adds, amortized). ``sequence_bytes`` is the exact
     cache of one sequence of ``context`` tokens (plus ``new_tokens`` generated),
     ``total_bytes`` that times ``batch``; ``baseline_*`` are the same without
     compression. ``layers`` lists every layer for one sequence.
@@ -109,6 +115,11 @@ class MemoryPlan:
     baseline_total_bytes: int
     layers: list[LayerPlan]
     notes: list[str]
+    #: The cache's parts under policy ``none`` (K and V, an MLA latent and RoPE key, V3.2's indexer keys, V4's window,
+    #: compressed entries and state), each with its storage and bytes; empty under a compression policy.
+    parts: list[PartPlan] = dataclasses.field(default_factory=list)
+    #: Whether the plan is the native cache, part by part (V3.2/V4 layouts, or a ``storage`` override).
+    native: bool = False
 
     @property
     def compression(self) -> float:
@@ -356,10 +367,41 @@ def _check_dtype_bytes(dtype_bytes) -> int:
     return dtype_bytes
 
 
-def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0) -> MemoryPlan:
+def _native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
+    """Whether the plan is the native cache part by part; refused under a compression policy, which kveval's cache
+    does not run on DSA's indexer keys or V4's compressed entries (nor on a storage format of the planner's)."""
+    if not (spec.native_only or overrides):
+        return False
+    if not stack.is_none:
+        what = ("storage overrides" if not spec.native_only else
+                "DeepSeek-V4's compressed layout" if spec.v4 is not None else "DeepSeek-V3.2's indexer keys")
+        raise UsageError(f"{stack.spec}: the planner sizes {what} for policy none only (the native cache); "
+                         f"plan --policy none")
+    return True
+
+
+def _native_plan(spec: ModelSpec, stack, context: int, batch: int, dtype_bytes: int, new_tokens: int,
+                 overrides: dict[str, str], notes: list[str]) -> MemoryPlan:
+    layers, parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
+    seq = sum(layer.bytes for layer in layers)
+    growth = sum(part.growth_per_token for part in parts)
+    if spec.max_position and context + new_tokens > spec.max_position:
+        notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
+    return MemoryPlan(model=spec.name, policy=stack.spec, context=context, batch=batch, dtype_bytes=dtype_bytes,
+                      new_tokens=new_tokens, bytes_per_token=growth, key_bytes_per_token=growth,
+                      value_bytes_per_token=0.0, baseline_bytes_per_token=math.ceil(growth), sequence_bytes=seq,
+                      total_bytes=seq * batch, baseline_sequence_bytes=seq, baseline_total_bytes=seq * batch,
+                      layers=[LayerPlan(n.index, n.kind, n.window, n.tokens, n.bytes) for n in layers], notes=notes,
+                      parts=parts, native=True)
+
+
+def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0,
+         storage=None) -> MemoryPlan:
     """KV-cache bytes of ``batch`` sequences of ``context`` tokens (plus ``new_tokens`` generated) under ``policy``.
 
     ``model``: preset name, ``config.json`` path or folder, Hub id, dict, ``PretrainedConfig`` or :class:`ModelSpec`.
+    ``storage``: per-part storage formats for policy ``none`` (``"indexer=fp8-128"``, ``{"all": "bf16"}``;
+    :data:`kveval.planner.native.FORMATS`), over the model's own (a preset's ``kv_storage``) and the dtype.
     Raises ``ValueError`` (one line) for unknown models, bad numbers or a policy that does not fit the model.
     """
     spec = load_model_spec(model)
@@ -369,6 +411,9 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     dtype_bytes = _check_dtype_bytes(dtype_bytes)
     stack = _policy_stack(policy)
     notes = list(spec.notes)
+    overrides = parse_storage(storage)
+    if _native(spec, stack, overrides) or (stack.is_none and spec.storage):
+        return _native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes)
     layout = _layout(spec, stack, notes)
     base_layout = _layout(spec, _policy_stack("none"), [])
     from kveval.policies.base import PolicyStack
@@ -401,7 +446,8 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
                       new_tokens=new_tokens, bytes_per_token=key_pt + value_pt, key_bytes_per_token=key_pt,
                       value_bytes_per_token=value_pt, baseline_bytes_per_token=base_pt, sequence_bytes=seq,
                       total_bytes=seq * batch, baseline_sequence_bytes=base_seq, baseline_total_bytes=base_seq * batch,
-                      layers=layers, notes=notes)
+                      layers=layers, notes=notes,
+                      parts=native_layers(spec, context + new_tokens, dtype_bytes)[1] if stack.is_none else [])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,7 +540,7 @@ def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int,
 
 def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batch: int | None = None,
             policy="none", dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
-            weight_bytes_per_param: float | None = None) -> FitResult:
+            weight_bytes_per_param: float | None = None, storage=None) -> FitResult:
     """Largest context (give ``batch`` or nothing: batch 1) or largest batch (give ``context``) that fits.
 
     Usable cache memory = ``gpu_memory`` x (1 - ``headroom``) - ``weights``.
@@ -513,7 +559,9 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     new_tokens = check_int(new_tokens, "new_tokens", 0)
     stack = _policy_stack(policy)
     notes: list[str] = []
-    layout = _layout(spec, stack, notes)
+    overrides = parse_storage(storage)
+    native = _native(spec, stack, overrides) or (stack.is_none and bool(spec.storage))
+    layout = None if native else _layout(spec, stack, notes)
     weight_bytes, estimated = _weights(spec, weights, weight_bytes_per_param, dtype_bytes, notes)
     budget = math.floor(gpu * (1 - Fraction(repr(h)))) - weight_bytes  # exact: 0.9 x 80 GiB is a whole number
     if budget <= 0:
@@ -521,6 +569,8 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
                      f"{h:.0%} headroom for the cache")
 
     def seq_bytes(n: int, sized=stack) -> int:
+        if native:
+            return sum(layer.bytes for layer in native_layers(spec, n + new_tokens, dtype_bytes, overrides)[0])
         return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes))
 
     common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
@@ -563,14 +613,19 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
             lo = mid
         else:
             hi = mid
-    # Sealing a per-channel group makes the size dip: make sure every shorter length fits as well.
+    # Sealing a per-channel group, or closing a V4 compression window (its buffered tokens become one entry), makes
+    # the size dip: make sure every shorter length fits as well.
     quant = stack.quantization
-    if quant is not None and layout.kvquant is None:
+    span = 0
+    if native and spec.v4 is not None:
+        span = max(rate for _, rate in spec.v4.layers) + 1
+    elif quant is not None and layout.kvquant is None:
         span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
-        for n in range(max(1, lo - span), lo + 1):
-            if seq_bytes(n) > limit:
-                lo = n - 1
-                break
+    n = lo  # scan down until ``span`` lengths in a row below the answer fit (a dip may hide several periods)
+    while span and n >= 1 and n > lo - span:
+        if seq_bytes(n) > limit:
+            lo = n - 1
+        n -= 1
     if spec.max_position and lo + new_tokens > spec.max_position:
         notes.append(f"the largest context ({lo:,} tokens) is beyond the model's max_position_embeddings ({spec.max_position:,})")
     return FitResult("context", lo, lo, batch, cache_bytes=seq_bytes(lo) * batch, **common)
@@ -606,13 +661,20 @@ def _layer_groups(layers: list[LayerPlan]) -> list[str]:
     return out
 
 
+def _storage_label(name: str, dtype_bytes: int) -> str:
+    return {1: "1-byte", 2: "bf16", 4: "fp32", 8: "fp64"}[dtype_bytes] if name == "dtype" else name
+
+
 def format_plan(p: MemoryPlan, fits: list[FitResult] | None = None, all_layers: bool = False) -> str:
     kv = (f"K {human_bytes(p.key_bytes_per_token)} + V {human_bytes(p.value_bytes_per_token)}"
           if p.value_bytes_per_token else "MLA latent")
+    per_token = (f"per token  {human_bytes(p.bytes_per_token)} added by each further token (amortized over all "
+                 f"layers; windows and state do not grow)" if p.native else
+                 f"per token  {human_bytes(p.bytes_per_token)} ({kv}); uncompressed {human_bytes(p.baseline_bytes_per_token)}")
     lines = [
         f"model      {p.model}",
         f"policy     {p.policy}  (dtype {p.dtype_bytes} bytes)",
-        f"per token  {human_bytes(p.bytes_per_token)} ({kv}); uncompressed {human_bytes(p.baseline_bytes_per_token)}",
+        per_token,
         f"context    {p.context:,} tokens" + (f" + {p.new_tokens:,} generated" if p.new_tokens else "") + f" x batch {p.batch}",
         f"cache      {human_bytes(p.sequence_bytes)} per sequence, {human_bytes(p.total_bytes)} in total "
         f"(uncompressed {human_bytes(p.baseline_total_bytes)}, {p.compression:.2f}x)",
@@ -621,6 +683,12 @@ def format_plan(p: MemoryPlan, fits: list[FitResult] | None = None, all_layers: 
         lines += [f"  layer {lay.index:3d}  {lay.kind:7s} {lay.tokens:>10,} tokens  {human_bytes(lay.bytes)}" for lay in p.layers]
     else:
         lines += [("layers     " if i == 0 else "           ") + g for i, g in enumerate(_layer_groups(p.layers))]
+    if p.native:
+        lines += [("parts      " if i == 0 else "           ")
+                  + f"{part.name:12s} {_storage_label(part.storage, p.dtype_bytes):10s} {part.layers:3d} layers  "
+                    f"{human_bytes(part.bytes):>11s}" + (f"  ({part.entries:,} entries of {part.entry_bytes} B)"
+                                                          if part.name != "state" else f"  ({part.entries:,} values)")
+                  for i, part in enumerate(p.parts)]
     notes = list(p.notes)
     for fit in fits or []:
         head, body = _format_fit(fit)
@@ -644,3 +712,93 @@ def _format_fit(fit: FitResult) -> tuple[str, str]:
     return head, body
 
 
+# ----------------------------------------------------------------------------------------------
+# comparing models: the native cache of each at a few contexts
+
+@dataclass
+class ComparisonRow:
+    """One model of a comparison: its storage per part and its plan at each context; ``ratios[j]``: its cache over
+    the previous row's at ``contexts[j]`` (``None`` for the first row)."""
+
+    model: str
+    describe: str
+    storage: dict[str, str]
+    plans: list[MemoryPlan]
+    ratios: list[float | None]
+
+
+@dataclass
+class Comparison:
+    """Several models' native caches (policy ``none``) at the same contexts, in the order given."""
+
+    contexts: list[int]
+    batch: int
+    dtype_bytes: int
+    rows: list[ComparisonRow]
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"contexts": self.contexts, "batch": self.batch, "dtype_bytes": self.dtype_bytes, "notes": self.notes,
+                "models": [{"model": row.model, "describe": row.describe, "storage": row.storage,
+                            "at": [{"context": p.context, "sequence_bytes": p.sequence_bytes,
+                                    "total_bytes": p.total_bytes, "bytes_per_context_token": p.bytes_per_context_token,
+                                    "ratio_to_previous": ratio, "parts": [asdict(part) for part in p.parts]}
+                                   for p, ratio in zip(row.plans, row.ratios)]}
+                           for row in self.rows]}
+
+
+def compare(models, contexts, batch: int = 1, dtype_bytes: int = 2, storage=None) -> Comparison:
+    """The native cache of each of ``models`` at each of ``contexts``, and each model's ratio to the one before it."""
+    models, contexts = list(models), [check_int(c, "context", 1) for c in contexts]
+    if len(models) < 2 or not contexts:
+        raise UsageError("compare needs two or more models and one or more contexts (e.g. 128k,1m)")
+    rows: list[ComparisonRow] = []
+    notes: list[str] = []
+    overrides = parse_storage(storage)
+    specs = [load_model_spec(model) for model in models]
+    known = {"all"}.union(*(storages(spec) for spec in specs))
+    if set(overrides) - known:
+        raise UsageError(f"no model compared has a cache part {', '.join(sorted(set(overrides) - known))}; "
+                         f"parts: {', '.join(sorted(known))}")
+    for spec in specs:
+        mine = {part: name for part, name in overrides.items() if part == "all" or part in storages(spec)}
+        plans = [plan(spec, c, batch, "none", dtype_bytes, storage=mine) for c in contexts]
+        previous = rows[-1].plans if rows else None
+        ratios = [p.sequence_bytes / q.sequence_bytes if previous else None
+                  for p, q in zip(plans, previous or plans)]
+        over = [c for c in contexts if spec.max_position and c > spec.max_position]
+        if over:
+            notes.append(f"{spec.name}: {over[0]:,} tokens exceed its max_position_embeddings ({spec.max_position:,}); "
+                         f"planned as if it ran that long")
+        rows.append(ComparisonRow(spec.name, spec.describe, {part.name: part.storage for part in plans[0].parts},
+                                  plans, ratios))
+    return Comparison(contexts, batch, dtype_bytes, rows, notes)
+
+
+def _tokens_label(n: int) -> str:
+    return f"{n // 2**20}m" if n % 2**20 == 0 else f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def format_compare(c: Comparison) -> str:
+    """The comparison as a table: per model, bytes per token of context and the cache at each context, and the
+    ratio to the model above; then how each model stores its parts."""
+    head = f"{'model':18s}"
+    for n in c.contexts:
+        label = _tokens_label(n)
+        head += f" {'B/token @' + label:>14s} {'cache @' + label:>13s} {'x prev':>7s}"
+    lines = [f"native KV cache (policy none), batch {c.batch}, per sequence x batch", head]
+    for row in c.rows:
+        line = f"{row.model.split('/')[-1]:18s}"
+        for p, ratio in zip(row.plans, row.ratios):
+            line += (f" {human_bytes(p.bytes_per_context_token):>14s} {human_bytes(p.total_bytes):>13s} "
+                     f"{'-' if ratio is None else f'{ratio:.3f}':>7s}")
+        lines.append(line)
+    lines.append("storage")
+    for row in c.rows:
+        grouped: dict[str, list[str]] = {}
+        for part, name in row.storage.items():
+            grouped.setdefault(_storage_label(name, c.dtype_bytes), []).append(part)
+        lines.append(f"  {row.model.split('/')[-1]:16s} " + "; ".join(f"{', '.join(parts)} {name}"
+                                                                    for name, parts in grouped.items()))
+    lines += [("notes  " if i == 0 else "       ") + n for i, n in enumerate(c.notes)]
+    return "\n".join(lines)

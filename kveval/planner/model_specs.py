@@ -20,6 +20,11 @@ from kveval.values import is_whole
 # ----------------------------------------------------------------------------------------------
 # presets: config.json excerpts (the fields the planner reads) of well-known models
 
+#: DeepSeek-V4's cache as its report stores it: KV entries (window, CSA, HCA) in FP8 with BF16 RoPE values, the
+#: CSA indexer's keys in FP4; the pending-window state as transformers holds it (the model dtype).
+_V4_STORAGE = {"window": "fp8-mixed", "csa-entries": "fp8-mixed", "hca-entries": "fp8-mixed", "csa-indexer": "fp4-32",
+               "state": "bf16"}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": {
         "_name_or_path": "meta-llama/Llama-2-7b-hf", "model_type": "llama", "num_hidden_layers": 32,
@@ -73,11 +78,62 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 163840, "n_routed_experts": 256,
         "num_parameters": 671_026_419_200,  # weights ship in FP8 (1 byte per parameter)
     },
+    # --- the DeepSeek chronicle (``kveval memory --compare``); ``kv_storage`` is how each model's own serving stack
+    # stores its cache's parts (kveval.planner.native.FORMATS), where that differs from the planned dtype.
+    # DeepSeek LLM 67B: dense GQA, 95 layers x 8 KV heads x 128 (deepseek-ai/deepseek-llm-67b-base config.json).
+    "deepseek-67b": {
+        "_name_or_path": "deepseek-ai/deepseek-llm-67b-base", "model_type": "llama", "num_hidden_layers": 95,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "hidden_size": 8192, "intermediate_size": 22016,
+        "vocab_size": 102400, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    },
+    # DeepSeek-V2: MLA in 60 layers. Its report deploys the cache at 6 bits per value on average (--storage all=6bit);
+    # the preset plans it in the planned dtype, as V3's.
+    "deepseek-v2": {
+        "_name_or_path": "deepseek-ai/DeepSeek-V2", "model_type": "deepseek_v2", "num_hidden_layers": 60,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 5120, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "vocab_size": 102400, "max_position_embeddings": 163840, "n_routed_experts": 160,
+    },
+    # DeepSeek-V3.2: V3's MLA plus DSA's lightning-indexer keys (index_head_dim 128 per token and layer). Stored as
+    # DeepSeek serves it (FlashMLA's FP8 sparse decoding): the latent in FP8 with a float32 scale per 128 values,
+    # the RoPE key in BF16 (656 bytes per token and layer), the indexer keys in FP8 with a float32 scale per 128.
+    "deepseek-v3.2": {
+        "_name_or_path": "deepseek-ai/DeepSeek-V3.2", "model_type": "deepseek_v32", "num_hidden_layers": 61,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+        "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "vocab_size": 129280,
+        "max_position_embeddings": 163840, "n_routed_experts": 256, "num_parameters": 671_026_419_200,
+        "kv_storage": {"latent": "fp8-128", "rope": "bf16", "indexer": "fp8-128"},
+    },
+    # DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash config.json): 43 layers, one KV head of 512 (64 RoPE),
+    # sliding_window 128 on every layer, compress_ratios 0 = sliding only, 4 = CSA, 128 = HCA (the last entry is the
+    # MTP layer's, not planned). Stored as the V4 report describes: KV entries FP8 with BF16 RoPE values, indexer
+    # keys FP4 (the report quantizes the indexer's QK path to FP4; the 1-byte scale per 32 is assumed).
+    "deepseek-v4-flash": {
+        "_name_or_path": "deepseek-ai/DeepSeek-V4-Flash", "model_type": "deepseek_v4", "num_hidden_layers": 43,
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+        "hidden_size": 4096, "q_lora_rank": 1024, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+        "sliding_window": 128, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "vocab_size": 129280,
+        "max_position_embeddings": 1048576, "n_routed_experts": 256,
+        "kv_storage": _V4_STORAGE,
+    },
 }
+
+# DeepSeek-V4-Pro: V4-Flash's cache layout and storage in 61 layers, 2 HCA then CSA/HCA alternating from CSA (30 CSA,
+# 31 HCA). Assumed, as its config.json was not at hand: the count is the one vLLM's V4 breakdown uses (9.62 GiB in
+# BF16 at 1M tokens, which this layout reproduces); the pattern follows V4-Flash's. Fields the planner does not read
+# and that were not found for V4-Pro (attention heads, q_lora_rank, index_topk) are left out.
+PRESETS["deepseek-v4-pro"] = {k: v for k, v in PRESETS["deepseek-v4-flash"].items()
+                              if k not in ("num_attention_heads", "q_lora_rank", "index_topk")} | {
+    "_name_or_path": "deepseek-ai/DeepSeek-V4-Pro", "num_hidden_layers": 61, "hidden_size": 7168,
+    "n_routed_experts": 384, "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+}
+
 
 _ALIASES = {"gemma3-27b": "gemma-3-27b", "gemma-3-270m": "gemma3-270m", "llama2-7b": "llama-2-7b",
             "llama3.1-8b": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b", "smollm2": "smollm2-135m",
-            "deepseek-v3-671b": "deepseek-v3"}
+            "deepseek-v3-671b": "deepseek-v3", "deepseek-llm-67b": "deepseek-67b", "deepseek-v32": "deepseek-v3.2",
+            "deepseek-v4": "deepseek-v4-flash"}
 
 
 
@@ -90,6 +146,17 @@ _PRESET_KEYS = {_key(n): n for n in PRESETS} | {_key(a): n for a, n in _ALIASES.
 
 # ----------------------------------------------------------------------------------------------
 # the model as the planner sees it
+
+@dataclass
+class V4Shape:
+    """DeepSeek-V4's cache shape: each layer's ``(kind, rate)`` (``"sliding"``, 0; ``"csa"``, 4; ``"hca"``, 128), the
+    sliding ``window`` every layer keeps, the RoPE values of an entry and the indexer's ``index_dim``."""
+
+    layers: list[tuple[str, int]]
+    window: int
+    rope: int
+    index_dim: int
+
 
 @dataclass
 class ModelSpec:
@@ -113,17 +180,38 @@ class ModelSpec:
     chunked: list[bool] = field(default_factory=list)
     mla_dim: int | None = None
     mla_rope: int = 0
+    #: DeepSeek-V3.2 (DSA): the lightning indexer's key width per token and layer (0: none).
+    indexer_dim: int = 0
+    #: DeepSeek-V4's compressed layout (``None``: another model).
+    v4: V4Shape | None = None
+    #: How the model's own serving stack stores each cache part (``kv_storage``; :mod:`kveval.planner.native`).
+    storage: dict[str, str] = field(default_factory=dict)
     num_parameters: int | None = None
     max_position: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
+    def native_only(self) -> bool:
+        """Whether only the native cache (policy ``none``) is planned: kveval's policies do not act on DSA's indexer
+        keys or V4's compressed entries."""
+        return bool(self.indexer_dim) or self.v4 is not None
+
+    @property
     def describe(self) -> str:
+        if self.v4 is not None:
+            kinds = [kind for kind, _ in self.v4.layers]
+            rates = {kind: rate for kind, rate in self.v4.layers}
+            counts = ", ".join(f"{kinds.count(k)} {k}" + (f" (1 entry per {rates[k]})" if rates[k] else "")
+                               for k in ("sliding", "csa", "hca") if k in kinds)
+            return (f"{self.num_layers} layers ({counts}), window {self.v4.window}, K=V entries of {self.head_dim}, "
+                    f"indexer {self.v4.index_dim}")
         if self.mla_dim is not None:
             text = f"{self.num_layers} layers, MLA latent {self.mla_dim} values per token and layer"
         else:
             text = f"{self.num_layers} layers, {self.kv_heads} KV heads x head_dim {self.head_dim}"
         sliding = sorted({w for w, kv in zip(self.windows, self.holds_kv) if w is not None and kv})
+        if self.indexer_dim:
+            text += f" + indexer keys of {self.indexer_dim}"
         if sliding:
             n = sum(w is not None and kv for w, kv in zip(self.windows, self.holds_kv))
             text += f", {n} sliding (window {', '.join(map(str, sliding))})"
@@ -150,6 +238,8 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         config = dict(config["text_config"])
         config.setdefault("num_parameters", outer.get("num_parameters"))
     get = config.get
+    if get("model_type") == "deepseek_v4" or get("compress_ratios") is not None or get("compress_rates") is not None:
+        return _v4_spec(config, name)
     layers = get("num_hidden_layers", get("n_layer", get("num_layers")))
     if layers is None:
         raise UsageError(f"{name}: config has no num_hidden_layers; is it a decoder language model's config.json?")
@@ -181,6 +271,11 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     holds_kv, chunked = [True] * layers, [False] * layers
     window = get("sliding_window")
     layer_types = get("layer_types") or _hybrid_layer_types(config, layers, name)
+    indexer_dim = 0
+    if mla_dim is not None and (model_type_of(config) == "deepseek_v32" or "indexed_attention" in (layer_types or ())):
+        indexer_dim = _positive_int(get("index_head_dim") or 128, "index_head_dim", name)
+        notes.append(f"DSA: each layer also caches the lightning indexer's key, {indexer_dim} values per token")
+        layer_types = [("full_attention" if kind == "indexed_attention" else kind) for kind in layer_types or ()]
     model_type = str(get("model_type") or "")
     if layer_types:
         if len(layer_types) != layers:
@@ -228,9 +323,72 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      f"cache does)")
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
                      head_dim=head_dim, windows=windows, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
-                     mla_rope=mla_rope,
+                     mla_rope=mla_rope, indexer_dim=indexer_dim, storage=_storage_of(config, name),
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
                      max_position=get("max_position_embeddings"), notes=notes)
+
+
+def model_type_of(config: dict[str, Any]) -> str:
+    return str(config.get("model_type") or "")
+
+
+def _storage_of(config: dict[str, Any], name: str) -> dict[str, str]:
+    storage = config.get("kv_storage") or {}
+    if not isinstance(storage, dict):
+        raise UsageError(f"{name}: kv_storage must map cache parts to storage formats")
+    return {str(k): str(v) for k, v in storage.items()}
+
+
+#: DeepSeek-V4's layer types, as transformers names them, and their short names here.
+_V4_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+             "heavily_compressed_attention": "hca"}
+
+
+def _v4_spec(config: dict[str, Any], name: str) -> ModelSpec:
+    """DeepSeek-V4: ``layer_types`` (transformers' names) with ``compress_rates``, or ``compress_ratios`` (the
+    published config.json's per-layer rates: 0 sliding only, 4 CSA, else HCA; an entry past the layers is the MTP
+    layer's), else transformers' default pattern (2 HCA, then HCA/CSA alternating)."""
+    get = config.get
+    layers = _positive_int(get("num_hidden_layers", 43), "num_hidden_layers", name)
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128} | dict(get("compress_rates") or {})
+    types = get("layer_types")
+    if types is None and get("compress_ratios") is not None:
+        ratios = list(get("compress_ratios"))[:layers]
+        types = ["sliding_attention" if r == 0 else "compressed_sparse_attention" if r == 4
+                 else "heavily_compressed_attention" for r in ratios]
+        hca = {r for r in ratios if r not in (0, 4)}
+        if len(hca) > 1:
+            raise UsageError(f"{name}: compress_ratios has several HCA rates ({sorted(hca)}); give layer_types and "
+                             f"compress_rates")
+        rates["heavily_compressed_attention"] = hca.pop() if hca else rates["heavily_compressed_attention"]
+    if types is None:
+        types = (["heavily_compressed_attention"] * min(layers, 2)
+                 + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)])
+    if len(types) != layers:
+        raise UsageError(f"{name}: {len(types)} layer types for {layers} layers")
+    bad = sorted({t for t in types if t not in _V4_TYPES})
+    if bad:
+        raise UsageError(f"{name}: DeepSeek-V4 layer type {bad[0]!r} is not one of {', '.join(_V4_TYPES)}")
+    head_dim = _positive_int(get("head_dim", 512), "head_dim", name)
+    rope = get("qk_rope_head_dim")
+    if rope is None:
+        rope = int(head_dim * (get("partial_rotary_factor") or 64 / 512))
+    window = _positive_int(get("sliding_window", 128), "sliding_window", name)
+    shape = V4Shape(layers=[(_V4_TYPES[t], 0 if t == "sliding_attention" else _positive_int(rates[t], t, name))
+                            for t in types],
+                    window=window, rope=rope,
+                    index_dim=_positive_int(get("index_head_dim", 128), "index_head_dim", name))
+    notes = [f"DeepSeek-V4: every layer keeps its newest {window - 1} tokens' K=V entries (a sliding-only layer keeps "
+             f"K and V as two tensors, as transformers' DynamicSlidingWindowLayer does); CSA and HCA layers add one "
+             f"compressed entry per {' or '.join(str(r) for r in sorted({r for _, r in shape.layers if r}))} tokens, CSA also an "
+             f"indexer entry; the open window waits in constant-size buffers (state)",
+             "transformers' V4 cache keeps the window and the buffers as slices of its step's tensors: right after "
+             "a prefill they pin storage of the whole prefill (its K and compressor projections) until the next "
+             "step replaces them; planned here is what the cache holds, not that transient storage"]
+    return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers,
+                     kv_heads=_positive_int(get("num_key_value_heads", 1), "num_key_value_heads", name),
+                     head_dim=head_dim, windows=[window] * layers, v4=shape, storage=_storage_of(config, name),
+                     num_parameters=get("num_parameters"), max_position=get("max_position_embeddings"), notes=notes)
 
 
 #: Keys by which a ``config.json`` without ``layer_types`` says that some layers hold no K/V (Mamba, linear
@@ -349,4 +507,4 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
     return load_model_spec(config)
 
 
-__all__ = ["ModelSpec", "PRESETS", "load_model_spec", "preset_names", "spec_from_config"]
+__all__ = ["ModelSpec", "PRESETS", "V4Shape", "load_model_spec", "preset_names", "spec_from_config"]

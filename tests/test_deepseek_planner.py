@@ -1,0 +1,182 @@
+"""The planner on DeepSeek's caches: the chronicle's published figures, and planned == measured on tiny V3.2/V4.
+
+Published figures pinned here, each with the storage it depends on:
+
+* DeepSeek-V2's report: MLA cuts the KV cache by 93.3% against DeepSeek 67B. Reproduced with 67B's cache in BF16
+  and V2's at the 6 bits per value on average its report deploys (``storage all=6bit``): 1 - 25,920 / 389,120 =
+  93.34%. In BF16 both, the cut is 82.2%: the 93.3% depends on the 6 bits.
+* DeepSeek-V4's report: at 1M tokens, V4-Pro's KV cache is about 10% of V3.2's (V4-Flash's about 7%). Reproduced
+  with each stored as served: V3.2's latent in FP8 with a float32 scale per 128 values and its RoPE key in BF16
+  (FlashMLA's 656 bytes), its indexer keys in FP8 with a float32 scale per 128; V4's entries in FP8 with BF16 RoPE
+  values and a 1-byte scale per 64, its indexer keys in FP4 with a 1-byte scale per 32 (assumed). 10.46% and 7.31%.
+  The report gives a rounded figure read off a chart: the tolerance is one percentage point.
+* vLLM's DeepSeek-V4 post: in BF16 at 1M tokens, V4-Pro's cache is 8.7x smaller than V3.2's (9.62 GiB against
+  83.88 GiB). Reproduced with every part in BF16: 8.714x, 9.625 GiB and 83.875 GiB (V4-Pro's layer pattern, 30 CSA
+  and 31 HCA layers, is the assumption this figure confirms).
+
+The tiny models run their own forward with transformers' own cache (``DynamicCache``: ``DynamicIndexedLayer`` for
+V3.2, ``DynamicSlidingWindowLayer``/``DeepseekV4CSACache``/``DeepseekV4HCACache`` for V4); the measured bytes are
+every floating tensor those cache layers hold (K, V, indexer keys, compressed entries, buffers, overlap state),
+counted once where K and V share storage.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kveval.commands import main as cli
+from kveval.planner.memory import compare, plan
+
+GiB = 2**30
+M = 2**20
+
+
+# --- the chronicle's published figures -----------------------------------------------------------------------------
+
+def test_v2_cuts_67b_cache_by_93_3_percent_at_6_bits():
+    dense = plan("deepseek-67b", 4096)
+    assert dense.bytes_per_token == 95 * 8 * 128 * 2 * 2 == 389_120
+    mla = plan("deepseek-v2", 4096, storage="all=6bit")
+    assert mla.sequence_bytes == 4096 * 60 * 576 * 6 // 8
+    assert 1 - mla.sequence_bytes / dense.sequence_bytes == pytest.approx(0.933, abs=0.0005)
+    # the same in BF16: the 93.3% needs V2's 6-bit deployment
+    assert 1 - plan("deepseek-v2", 4096).sequence_bytes / dense.sequence_bytes == pytest.approx(0.822, abs=0.001)
+
+
+def test_v4_pro_is_about_10_percent_of_v3_2_at_1m_as_served():
+    v32, pro, flash = (plan(m, M) for m in ("deepseek-v3.2", "deepseek-v4-pro", "deepseek-v4-flash"))
+    assert v32.sequence_bytes == M * 61 * (512 + 4 * 4 + 64 * 2 + 128 + 4)  # FlashMLA's 656 B + indexer 132 B
+    assert pro.sequence_bytes / v32.sequence_bytes == pytest.approx(0.10, abs=0.01)
+    assert flash.sequence_bytes / v32.sequence_bytes == pytest.approx(0.07, abs=0.01)
+
+
+def test_v4_pro_is_8_7x_smaller_than_v3_2_in_bf16_at_1m():
+    v32, pro = (plan(m, M, storage="all=bf16") for m in ("deepseek-v3.2", "deepseek-v4-pro"))
+    assert v32.sequence_bytes == M * 61 * (576 + 128) * 2  # 83.875 GiB
+    assert v32.sequence_bytes / pro.sequence_bytes == pytest.approx(8.7, abs=0.05)
+    assert pro.sequence_bytes / GiB == pytest.approx(9.62, abs=0.01)
+    parts = {part.name: part for part in pro.parts}
+    assert parts["csa-entries"].entries == 30 * M // 4 and parts["hca-entries"].entries == 31 * M // 128
+    assert parts["window"].entries == 61 * 127
+
+
+def test_compare_chronicle_ratios_and_json(capsys):
+    models = ["deepseek-67b", "deepseek-v2", "deepseek-v3", "deepseek-v3.2", "deepseek-v4-pro"]
+    result = compare(models, [128 * 1024, M])
+    assert [row.model for row in result.rows] == models
+    assert result.rows[0].ratios == [None, None]
+    assert result.rows[1].ratios[0] == pytest.approx(60 * 576 / (95 * 8 * 128 * 2))
+    assert result.rows[4].ratios[1] == pytest.approx(0.1046, abs=0.0005)
+    assert any("deepseek-67b" in n and "max_position_embeddings" in n for n in result.notes)
+    argv = ["memory", "--compare", ",".join(models), "--context", "128k,1m"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "x prev" in out and "deepseek-v4-pro" in out and "fp4-32" in out
+    assert cli.main(argv + ["--json"]) == 0
+    import json
+    data = json.loads(capsys.readouterr().out)
+    assert [m["model"] for m in data["models"]] == models
+    assert data["models"][4]["at"][1]["ratio_to_previous"] == pytest.approx(0.1046, abs=0.0005)
+    # a part one model has applies to that model; a part none has is refused
+    bf16_index = compare(models[3:], [M], storage="indexer=bf16")
+    assert bf16_index.rows[0].storage["indexer"] == "bf16" and bf16_index.rows[1].storage["csa-indexer"] == "fp4-32"
+    with pytest.raises(ValueError, match="no model compared has a cache part idx"):
+        compare(models, [M], storage="idx=bf16")
+
+
+def test_policies_on_the_new_layouts_are_refused_in_one_line(capsys):
+    for model in ("deepseek-v3.2", "deepseek-v4-flash"):
+        assert cli.main(["memory", model, "--context", "8k", "--policy", "kivi(bits=2)"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "policy none" in err
+    with pytest.raises(ValueError, match="no cache part"):
+        plan("deepseek-v4-pro", 10, storage="latent=bf16")
+    with pytest.raises(ValueError, match="policy none"):
+        plan("deepseek-v3", 10, policy="kivi(bits=2)", storage="all=bf16")
+
+
+def test_storage_override_on_a_classic_model_matches_the_dtype_plan():
+    for model in ("llama-3.1-8b", "gemma3-270m", "deepseek-v3"):
+        assert plan(model, 3000, storage="all=bf16").sequence_bytes == plan(model, 3000).sequence_bytes
+        assert sum(part.bytes for part in plan(model, 3000).parts) == plan(model, 3000).sequence_bytes
+
+
+def test_max_fit_on_v4_fits_at_every_shorter_context():
+    from kveval.planner.memory import max_fit
+
+    fit = max_fit("deepseek-v4-flash", "1TiB", "160GB")
+    sizes = [plan("deepseek-v4-flash", n).sequence_bytes for n in range(fit.value - 300, fit.value + 2)]
+    assert max(sizes[:-1]) <= fit.cache_budget_bytes < sizes[-1]
+    # closing an HCA window turns 127 buffered tokens into one entry: the cache dips
+    assert plan("deepseek-v4-flash", 128 * 1000).sequence_bytes < plan("deepseek-v4-flash", 128 * 1000 - 1).sequence_bytes
+
+
+# --- planned == measured on tiny models ----------------------------------------------------------------------------
+
+V32 = dict(model_type="deepseek_v32", vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24,
+           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=8,
+           n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+           max_position_embeddings=128)
+V4 = dict(model_type="deepseek_v4", vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+          num_attention_heads=2, num_key_value_heads=1, head_dim=32, q_lora_rank=16, sliding_window=8, o_groups=1,
+          o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4, num_experts_per_tok=2,
+          hc_mult=2, layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+          max_position_embeddings=128)
+
+
+def _tensors(layer):
+    """Every floating tensor a cache layer holds, by name (dicts of tensors: ``buffer_kv[indexer]``)."""
+    import torch
+
+    for name, value in vars(layer).items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for key, tensor in items:
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                yield (name if key is None else f"{name}[{key}]"), tensor
+
+
+def measured_bytes(cache) -> list[int]:
+    """Bytes per cache layer, each storage counted once (V4's K and V are one tensor)."""
+    out = []
+    for layer in cache.layers:
+        seen = {}
+        for _, tensor in _tensors(layer):
+            seen[tensor.data_ptr()] = max(seen.get(tensor.data_ptr(), 0), tensor.numel() * tensor.element_size())
+        out.append(sum(seen.values()))
+    return out
+
+
+def run_tiny(config: dict, dtype, prefill: int, decode: int):
+    import torch
+    import transformers
+
+    classes = {"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+               "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}[config["model_type"]]
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = getattr(transformers, classes[0])(**settings)
+    torch.manual_seed(0)
+    model = getattr(transformers, classes[1])(hf_config).to(dtype).eval()
+    cache = transformers.DynamicCache(config=hf_config)
+    ids = torch.randint(0, config["vocab_size"], (1, prefill + decode), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids[:, :prefill], cache=cache, use_cache=True)
+        for step in range(decode):
+            model(ids[:, prefill + step:prefill + step + 1], cache=cache, use_cache=True)
+    return hf_config, cache
+
+
+@pytest.mark.parametrize("config", [V32, V4], ids=["deepseek_v32", "deepseek_v4"])
+@pytest.mark.parametrize("dtype_name,prefill,decode", [("float32", 40, 0), ("bfloat16", 37, 5), ("float32", 3, 0)])
+def test_planned_bytes_are_the_bytes_transformers_cache_holds(config, dtype_name, prefill, decode):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    hf_config, cache = run_tiny(config, dtype, prefill, decode)
+    measured = measured_bytes(cache)
+    size = torch.empty((), dtype=dtype).element_size()
+    for source in (config, hf_config):  # the config dict, and transformers' own config object
+        p = plan(source, prefill, new_tokens=decode, dtype_bytes=size)
+        assert [layer.bytes for layer in p.layers] == measured
+        assert p.sequence_bytes == sum(measured) == sum(part.bytes for part in p.parts)
