@@ -234,3 +234,41 @@ def test_lm_eval_items_show_the_document_prompt_and_both_choices(lm_eval_runs, t
     assert page.count('<article class="item regressed"') == 2
     assert "<code> blue</code> \u2190 baseline</li>" in page and "<code> green</code> \u2190 candidate</li>" in page
     assert '<pre class="doc prompt">Question 3: which colour is the sky?</pre>' in page
+
+
+# ----------------------------------------------------------------------------- prompts generated again
+
+
+def test_recorded_probe_items_come_from_a_sweeps_manifest_or_a_runs_probe_sets(tmp_path):
+    from test_run_folders import CharTok
+
+    from kveval.errors import ModelNotFoundError
+    from kveval.probes.sets import ProbeSet
+    from kveval.sweep.recorded import recorded_probe_items
+
+    probes = {"families": ["passkey"], "lengths": [1200], "n": 2, "depths": [0.5], "seed": 0}
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "manifest.json").write_text(json.dumps({"name": "s", "config": {"name": "s", "probes": probes}}))
+    expected = ProbeSet(tokenizer="tiny", **probes).items(CharTok())
+
+    def run(folder: Path, extra: dict) -> Path:
+        write_run_info(folder, RunInfo(name=folder.name, model="tiny", policy="none", extra=extra))
+        return folder
+
+    swept = run(sweep / "runs" / "tiny" / "none", {"sweep": "s"})
+    evaluated = run(tmp_path / "eval", {"probe_sets": [ProbeSet(tokenizer="tiny", **{**probes, "seed": 1}).to_dict()]})
+    plain = run(tmp_path / "plain", {})
+    loaded = []
+    recorded = recorded_probe_items([swept, evaluated, plain], lambda name: loaded.append(name) or CharTok())
+    assert loaded == ["tiny", "tiny"] and recorded.notes == []
+    assert len(recorded.items) == 4
+    assert {h: i.id for h, i in recorded.items.items() if i.hash in {e.hash for e in expected}} == {
+        i.hash: i.id for i in expected}
+
+    def missing(name):
+        raise ModelNotFoundError(f"model {name!r} is not installed")
+
+    failed = recorded_probe_items([swept], missing)
+    assert failed.items == {} and failed.notes == [f"{swept}: its prompts could not be generated again (model 'tiny' "
+                                                   f"is not installed)"]
