@@ -145,6 +145,10 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     cell.find_element("css selector", 'td[data-task="niah_single"] a').click()
     assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5--niah_single"
     assert [s.get_attribute("id") for s in _shown(browser, "section.items")] == ["items-smollm2-135m_random_ratio_0.5"]
+    _shown(browser, "a[href='#top']")[0].click()  # back, then any other cell of the row
+    cell = next(r for r in _shown(browser, "#leaderboard tbody tr") if "random" in r.text)
+    cell.find_elements("tag name", "td")[-1].find_element("tag name", "a").click()
+    assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5"
 
 
 def test_a_scatter_point_names_its_full_policy_spec(browser, quickstart):

@@ -6,7 +6,8 @@ The page, top to bottom:
 - the verdicts, one sentence per compressed run (:mod:`kveval.report.verdicts`), the gate's statistical reasons
   folded under each (``<details>``), each linking to the run's items;
 - filters (model, task, family, verdict) and the leaderboard table, verdict first; a click on a column header
-  sorts by it (again: the other way); task cells and verdicts link to the run's items of that task;
+  sorts by it (again: the other way); every cell of a compared run links to its items (a task's cell to that
+  task's);
 - score against bytes per token as an inline SVG scatter per model, one point per run, hovering a point names its
   full policy spec, bytes and score (``<title>``), clicking it opens its items; then the PNG plots;
 - the per-item before/after views (:mod:`kveval.report.items`), one section per compressed run, shown when a link
@@ -161,11 +162,11 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
         link = None if r.comparison is None else f"items-{run}"
         cells = [
             _cell(v.status, value=v.status, classes=["l", v.status], href=link),
-            _cell(i.model, classes=["l"]),
+            _cell(i.model, classes=["l"], href=link),
             _cell(r.label, classes=["l"], href=link),
-            _cell(fmt(i.ratio, "{:g}"), value=i.ratio),
-            _cell(fmt(i.bytes_per_token, "{:,.0f}"), value=i.bytes_per_token),
-            _cell(fmt(i.compression, "{:.2f}x"), value=i.compression, best="compression" in r.best),
+            _cell(fmt(i.ratio, "{:g}"), value=i.ratio, href=link),
+            _cell(fmt(i.bytes_per_token, "{:,.0f}"), value=i.bytes_per_token, href=link),
+            _cell(fmt(i.compression, "{:.2f}x"), value=i.compression, best="compression" in r.best, href=link),
         ]
         for t in tasks:
             s = r.task_scores.get(t)
@@ -174,18 +175,20 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
                 text += f" ({r.comparison.task(t).delta:+.2f})"
             cells.append(_cell(text, value=s, task=t, best=f"score:{t}" in r.best,
                                href=task_anchor(run, t) if link and s is not None else None))
-        cells.append(_cell(fmt(r.score), value=r.score, best="score" in r.best))
+        cells.append(_cell(fmt(r.score), value=r.score, best="score" in r.best, href=link))
         if r.comparison is not None:
             o = r.comparison.overall
-            cells.append(_cell(f"{o.delta:+.3f} [{o.ci_low:+.3f}, {o.ci_high:+.3f}]", value=o.delta, best="delta" in r.best))
-            cells.append(_cell(f"{o.negative_flip_rate * 100:.1f}%", value=o.negative_flip_rate, best="flips" in r.best))
+            cells.append(_cell(f"{o.delta:+.3f} [{o.ci_low:+.3f}, {o.ci_high:+.3f}]", value=o.delta, best="delta" in r.best,
+                               href=link))
+            cells.append(_cell(f"{o.negative_flip_rate * 100:.1f}%", value=o.negative_flip_rate, best="flips" in r.best,
+                               href=link))
         else:
             cells.append(_cell("baseline" if i.is_baseline else "no baseline", value=0.0 if i.is_baseline else None))
             cells.append(_cell("-"))
-        cells.append(_cell(fmt(r.confusion_rate, "{:.1%}"), value=r.confusion_rate, best="confusion" in r.best))
+        cells.append(_cell(fmt(r.confusion_rate, "{:.1%}"), value=r.confusion_rate, best="confusion" in r.best, href=link))
         if with_kl:
             kl = r.fidelity["kl_mean"] if r.fidelity else (0.0 if i.is_baseline else None)
-            cells.append(_cell("-" if kl is None else f"{kl:.3g}", value=kl, best="kl" in r.best))
+            cells.append(_cell("-" if kl is None else f"{kl:.3g}", value=kl, best="kl" in r.best, href=link))
         out.append(f'<tr id="row-{e(run)}" {_row_attrs(r, v)}>' + "".join(cells) + "</tr>")
     out.append("</tbody></table></div>")
     return out
@@ -388,8 +391,8 @@ def to_html(rows: Sequence[Row], tasks: Sequence[str], plots: Sequence[Path], de
         out.append('<ul class="gate">' + "".join(f"<li>{e(g)}</li>" for g in deployment_lines) + "</ul>")
     out += [
         "<h2>Leaderboard</h2>",
-        '<p class="note">Click a column header to sort; click a verdict, policy or task score to see the items that '
-        "changed. Per-task cells: mean score (change vs the model's baseline). <i>change [CI]</i>: all items pooled, "
+        '<p class="note">Click a column header to sort; click a run\'s cell to see the items it changed (a task\'s '
+        "score: that task's). Per-task cells: mean score (change vs the model's baseline). <i>change [CI]</i>: all items pooled, "
         "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). "
         "<i>-flips</i>: share of items right at baseline and wrong under the policy. "
         f"<i>confusion</i>: share of items answered with a wrong value. {STAR} marks the best value per model.</p>",
