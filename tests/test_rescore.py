@@ -142,6 +142,7 @@ def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_p
     output = capsys.readouterr().out
     assert "1 of 480 items change" in output and "gate verdict" in output
     assert "## Deployment" in (out / "gate" / "gate.md").read_text()  # the sweep's question, asked again
+    assert "<mark>The pass key is " in (out / "report" / "leaderboard.html").read_text()  # items shown with prompts
     assert cli.main(["rescore", str(config), "--out", str(out)]) == 0
     assert {d: (d / ITEMS_FILE).read_text() for d in original} == original
     gate_after = (out / "gate" / "gate.json").read_text().replace(str(out), "results/quickstart")

@@ -1,10 +1,13 @@
-"""``kveval report``: the leaderboard and plots from run or sweep folders."""
+"""``kveval report``: the leaderboard, its plots and the per-item views from run or sweep folders."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
 from kveval.report.leaderboard import build_report
+from kveval.runs.results import expand_run_dirs
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -13,10 +16,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate", metavar="PATH", help="gate.json (or its folder) from kveval gate --out, for the verdict column")
     parser.add_argument("--resamples", type=int, default=9999, help="bootstrap resamples of the log-prob change (default 9999)")
     parser.add_argument("--seed", type=int, default=0, help="resampling seed (default 0)")
+    parser.add_argument("--no-prompts", action="store_true",
+                        help="do not generate the probe items again (it loads each model's tokenizer) for the item "
+                             "views' questions and contexts; the views then show the recorded answers only")
 
 
 def run(args: argparse.Namespace) -> int:
-    paths = build_report(args.runs, args.out, gate_result=args.gate, n_resamples=args.resamples, seed=args.seed)
+    probes = None
+    if not args.no_prompts:
+        from kveval.sweep.recorded import recorded_probe_items
+
+        recorded = recorded_probe_items(expand_run_dirs(args.runs))
+        for note in recorded.notes:
+            print(f"kveval report: warning: {note}", file=sys.stderr)
+        probes = recorded.items
+    paths = build_report(args.runs, args.out, gate_result=args.gate, n_resamples=args.resamples, seed=args.seed,
+                         probes=probes)
     print(Path(paths["markdown"]).read_text(encoding="utf-8"))
     print(f"wrote {paths['markdown']}, {paths['csv']}, {paths['html']} and {len(paths['plots'])} plot(s) in {args.out}")
     return 0

@@ -174,10 +174,11 @@ def rescore_eval_folders(folders: list[Path], items_file: Path | None) -> list[R
     return out
 
 
-def rescore_sweep(config, out: Path) -> tuple[list[Path], list[RescoredRun]]:
+def rescore_sweep(config, out: Path) -> tuple[list[Path], list[RescoredRun], dict]:
     """A finished sweep's run folders (in :func:`~kveval.sweep.run.run_sweep`'s order) scored again against the items
-    its config generates; refused where ``out`` holds another config's sweep or an unfinished one
-    (:func:`~kveval.sweep.run.unfinished`: every item, lm-eval task and fidelity record)."""
+    its config generates, and those items by prompt hash (for the rebuilt report's item views); refused where
+    ``out`` holds another config's sweep or an unfinished one (:func:`~kveval.sweep.run.unfinished`: every item,
+    lm-eval task and fidelity record)."""
     from kveval.modeling.sources import load_tokenizer
     from kveval.sweep.run import sweep_items, sweep_runs, unfinished
 
@@ -191,7 +192,8 @@ def rescore_sweep(config, out: Path) -> tuple[list[Path], list[RescoredRun]]:
         if reason:
             raise RunFolderError(f"{run_dir}: {reason}; finish the sweep with kveval sweep first")
     rescored = [rescore_run(run_dir, {item.id: item for item in items_of[model]}, fix) for model, _, run_dir in runs]
-    return [run_dir for _, _, run_dir in runs], rescored
+    probes = {item.hash: item for items in items_of.values() for item in items}
+    return [run_dir for _, _, run_dir in runs], rescored, probes
 
 
 # --- the command ------------------------------------------------------------------------------------------------
@@ -247,13 +249,13 @@ def _run_sweep(config_path: Path, args) -> int:
         raise FileNotFoundError(f"{out}: no sweep of {config.name} here (no {MANIFEST_FILE}); {remedy}")
     with sweep_lock(out):
         manifest = read_manifest(out, config, remedy)
-        run_dirs, rescored = rescore_sweep(config, out)
+        run_dirs, rescored, probes = rescore_sweep(config, out)
         _report(rescored, args.dry_run)
         if args.dry_run:
             return 0
         manifest["rescored_under"] = running_code()
         atomic_write_text(out / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
-        code = summarize(out, run_dirs, config.gate, deploy)
+        code = summarize(out, run_dirs, config.gate, deploy, probes=probes)
     print(f"kveval rescore: {out} rescored; its report and gate are rebuilt", file=sys.stderr)
     return code if args.strict else (2 if code == 2 else 0)
 

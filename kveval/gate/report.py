@@ -18,6 +18,21 @@ from kveval.gate.rules import ERROR, FAIL, INCONCLUSIVE, PASS, GateResult, exit_
 from kveval.runs.records import atomic_write_text
 
 
+#: Regressed items listed per candidate x task in ``gate.md``.
+SHOWN_REGRESSED = 20
+#: Characters of an answer quoted in ``gate.md``.
+QUOTED = 80
+
+
+def _quote(answer: str | None) -> str:
+    """An answer as inline code on one line, cut to :data:`QUOTED` characters (``(empty)`` for none)."""
+    text = " ".join(str(answer or "").split())
+    if not text:
+        return "(empty)"
+    text = text if len(text) <= QUOTED else text[: QUOTED - 1] + "\u2026"
+    return "`" + text.replace("`", "'").replace("|", "\\|") + "`"
+
+
 def _pct(x: float) -> str:
     return f"{x * 100:.1f}%"
 
@@ -81,14 +96,18 @@ def to_markdown(result: GateResult) -> str:
         out += ["", "## Deployment", "", f"- {_md(result.deployment.line)}"]
     reg = [(cv, t) for cv in result.candidates for t in cv.tasks if t.comparison.regressed]
     if reg:
-        out += ["", "## Regressed items", ""]
+        out += ["", "## Regressed items", "", "Right at baseline, wrong under the candidate: the baseline's answer, then the "
+                f"candidate's (the first {SHOWN_REGRESSED} per task; every one, with its prompt, in the report's item "
+                "view: kveval report).", ""]
         for cv, t in reg:
-            items = ", ".join(
-                f"`{r['id']}` ({r.get('recalled') or r['category'] or 'wrong'})" for r in t.comparison.regressed[:20]
-            )
-            more = f" and {len(t.comparison.regressed) - 20} more" if len(t.comparison.regressed) > 20 else ""
-            out.append(f"- `{_md(cv.name)}` {_md(t.task)}: {items}{more}")
+            out.append(f"- `{_md(cv.name)}` {_md(t.task)}: {len(t.comparison.regressed)} item(s)")
+            for r in t.comparison.regressed[:SHOWN_REGRESSED]:
+                out.append(f"  - `{r['id']}` ({_md(r.get('recalled') or r['category'] or 'wrong')}): "
+                           f"{_quote(r.get('baseline_answer'))} \u2192 {_quote(r.get('answer'))}")
+            if len(t.comparison.regressed) > SHOWN_REGRESSED:
+                out.append(f"  - and {len(t.comparison.regressed) - SHOWN_REGRESSED} more")
     return "\n".join(out) + "\n"
+
 
 
 def to_junit(result: GateResult | Sequence[GateResult]) -> str:

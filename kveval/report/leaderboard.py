@@ -8,7 +8,8 @@ with its model's baseline item by item (:mod:`kveval.stats.comparison`) and writ
     DIR/leaderboard.md     # one row per model x policy (x ratio); best values in bold
     DIR/leaderboard.csv    # the same numbers, unformatted, plus p-values
     DIR/leaderboard.json
-    DIR/leaderboard.html        # table + plots, inline CSS, PNGs embedded as base64
+    DIR/leaderboard.html   # one self-contained page (kveval.report.html): verdicts in words, a sortable and
+                           # filterable table, plots, and every changed item before and after compression
     DIR/score_vs_compression.png
     DIR/heatmap_<model>.png     # change vs baseline over context length x depth, per policy
     DIR/confusion_<model>.png   # stacked memory-confusion categories per policy
@@ -21,15 +22,12 @@ report (the whole sweep).
 
 from __future__ import annotations
 
-import base64
 import csv
-import html
 import io
 import json
-import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from kveval.stats.comparison import _clean
 from kveval.runs.records import atomic_write_text
@@ -41,16 +39,12 @@ from kveval.report.plots import (
     plot_score_vs_compression,
     slug,
 )
-from kveval.report.rows import Row, collect_rows, load_gate_result
-
-STAR = "\u2605"
-
+from kveval.report.html import to_html
+from kveval.report.items import RunChanges, run_changes
+from kveval.report.rows import Row, collect_rows, fmt, load_gate_result
+from kveval.runs.results import sample_documents
 
 # ----------------------------------------------------------------------------- tables
-
-
-def _f(x: float | None, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
 def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tuple[str, bool]]]]:
@@ -64,13 +58,13 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
         cells: list[tuple[str, bool]] = [
             (r.info.model, False),
             (r.label, False),
-            (_f(r.info.ratio, "{:g}"), False),
-            (_f(r.info.bytes_per_token, "{:,.0f}"), False),
-            (_f(r.info.compression, "{:.2f}x"), "compression" in r.best),
+            (fmt(r.info.ratio, "{:g}"), False),
+            (fmt(r.info.bytes_per_token, "{:,.0f}"), False),
+            (fmt(r.info.compression, "{:.2f}x"), "compression" in r.best),
         ]
         for t in tasks:
             s = r.task_scores.get(t)
-            text = _f(s)
+            text = fmt(s)
             if r.comparison is not None and s is not None:
                 try:
                     c = r.comparison.task(t)
@@ -78,7 +72,7 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
                 except KeyError:
                     pass
             cells.append((text, f"score:{t}" in r.best))
-        cells.append((_f(r.score), "score" in r.best))
+        cells.append((fmt(r.score), "score" in r.best))
         if r.comparison is not None:
             o = r.comparison.overall
             cells.append((f"{o.delta:+.3f} [{o.ci_low:+.3f}, {o.ci_high:+.3f}]", "delta" in r.best))
@@ -86,7 +80,7 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
         else:
             cells.append(("baseline" if r.info.is_baseline else "no baseline", False))
             cells.append(("-", False))
-        cells.append((_f(r.confusion_rate, "{:.1%}") if r.confusion_rate is not None else "-", "confusion" in r.best))
+        cells.append((fmt(r.confusion_rate, "{:.1%}") if r.confusion_rate is not None else "-", "confusion" in r.best))
         if with_kl:
             cells.append((f"{r.fidelity['kl_mean']:.3g}" if r.fidelity else ("0" if r.info.is_baseline else "-"), "kl" in r.best))
         cells.append(("baseline" if r.info.is_baseline else (r.verdict or "-"), False))
@@ -184,61 +178,6 @@ def _write_csv(path: Path, recs: list[dict[str, Any]]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-# ----------------------------------------------------------------------------- HTML
-
-_CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;color:#222;max-width:1400px}
-h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em}
-table{border-collapse:collapse;font-size:0.85em}
-th,td{border:1px solid #ccc;padding:4px 8px;text-align:right;white-space:nowrap}
-th{background:#f0f0f0}td.l{text-align:left}
-td.best{font-weight:bold;background:#eef7ee}
-td.PASS{color:#1a7f37;font-weight:bold}td.FAIL{color:#c62828;font-weight:bold}td.ERROR{color:#c62828}
-p.note{font-size:0.85em;color:#555;max-width:1000px}
-img{max-width:100%;border:1px solid #eee;margin:0.5em 0}
-ul.gate li{font-family:monospace;font-size:0.85em}
-"""
-
-
-def to_html(rows: list[Row], tasks: list[str], plots: Sequence[Path], gate_lines: Sequence[str] = ()) -> str:
-    header, body = _table(rows, tasks)
-    e = html.escape
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8"><title>kveval leaderboard</title>',
-        f"<style>{_CSS}</style></head><body>",
-        "<h1>kveval leaderboard</h1>",
-        '<p class="note">Per-task cells: mean score (change vs the model\'s baseline). <i>change [CI]</i>: all items pooled, '
-        "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). <i>-flips</i>: share of items right at baseline and wrong under the policy. "
-        "<i>confusion</i>: share of items answered with a wrong value. "
-        f"{STAR} marks the best value per model.</p>",
-        '<table id="leaderboard"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead><tbody>",
-    ]
-    for cells in body:
-        tds = []
-        for idx, (text, best) in enumerate(cells):
-            cls = []
-            if idx < 2:
-                cls.append("l")
-            if best:
-                cls.append("best")
-            if idx == len(cells) - 1 and text in ("PASS", "FAIL", "ERROR"):
-                cls.append(text)
-            attr = f' class="{" ".join(cls)}"' if cls else ""
-            tds.append(f"<td{attr}>{e(text)}{' ' + STAR if best else ''}</td>")
-        out.append("<tr>" + "".join(tds) + "</tr>")
-    out.append("</tbody></table>")
-    if gate_lines:
-        out.append("<h2>Gate</h2><ul class=\"gate\">" + "".join(f"<li>{e(g)}</li>" for g in gate_lines) + "</ul>")
-    if plots:
-        out.append("<h2>Plots</h2>")
-        for p in plots:
-            data = base64.b64encode(Path(p).read_bytes()).decode("ascii")
-            out.append(f'<figure><img alt="{e(p.stem)}" src="data:image/png;base64,{data}"><figcaption>{e(p.stem)}</figcaption></figure>')
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
-
-
 # ----------------------------------------------------------------------------- entry points
 
 
@@ -263,6 +202,21 @@ def _deployments(gate: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [r["deployment"] for r in results if isinstance(r, dict) and r.get("deployment")]
 
 
+def item_changes(rows: Sequence[Row], probes: Mapping[str, Any] | None = None) -> dict[str, RunChanges]:
+    """Each compared run's changed items (:func:`kveval.report.items.run_changes`) by run name, lm-eval runs with
+    their documents (read once per baseline)."""
+    documents: dict[Any, Any] = {}
+    out = {}
+    for r in rows:
+        if r.comparison is None or r.baseline is None:
+            continue
+        key = id(r.baseline)
+        if key not in documents:
+            documents[key] = sample_documents(r.baseline)
+        out[r.info.name] = run_changes(r.baseline, r.run, probes, documents[key])
+    return out
+
+
 def build_report(
     run_dirs: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -270,6 +224,7 @@ def build_report(
     *,
     n_resamples: int = 9999,
     seed: int = 0,
+    probes: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write the leaderboard (markdown, CSV, JSON, HTML) and plots.
 
@@ -286,6 +241,10 @@ def build_report(
         (or its folder).
     n_resamples, seed : int
         Bootstrap settings of the log-prob change intervals.
+    probes : mapping, optional
+        Probe items (:class:`~kveval.probes.item.ProbeItem`) by prompt hash, for the item views' questions,
+        needles and contexts (:func:`kveval.sweep.recorded.recorded_probe_items`); without them the views show
+        what ``items.jsonl`` records.
 
     Returns
     -------
@@ -317,7 +276,8 @@ def build_report(
     atomic_write_text(paths["markdown"], to_markdown(rows, tasks, gate_lines))
     _write_csv(paths["csv"], recs)
     atomic_write_text(paths["json"], json.dumps({"tasks": tasks, "rows": recs}, indent=2))
-    atomic_write_text(paths["html"], to_html(rows, tasks, plots, gate_lines))
+    atomic_write_text(paths["html"], to_html(rows, tasks, plots, [f"deployment: {d['line']}" for d in _deployments(gate)],
+                                             item_changes(rows, probes)))
     paths["plots"] = plots
     return paths
 

@@ -40,6 +40,16 @@ def by_model(rows: list[Row]) -> dict[str, list[Row]]:
     return out
 
 
+def family_label(rows: list[Row]) -> str:
+    """A legend entry for one line of runs: every run's full policy spec (``random(ratio=0.5)``, never the bare
+    family name ``random``), in the line's order."""
+    return ", ".join(dict.fromkeys(r.label for r in rows))
+
+
+def _family(r: Row) -> str:
+    return r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
+
+
 def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
     """Score (all items) vs compression factor: a line per policy family, the baseline dashed."""
     models = by_model(rows)
@@ -49,7 +59,7 @@ def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
     fig = _figure(5.2 * cols, 3.8 * nrows)
     for k, (model, group) in enumerate(models.items()):
         ax = fig.add_subplot(nrows, cols, k + 1)
-        families: dict[str, list[tuple[float, float, bool]]] = {}
+        families: dict[str, list[tuple[float, float, bool, Row]]] = {}
         for r in group:
             if r.info.is_baseline:
                 ax.axhline(r.score, linestyle="--", color="0.3", label=f"baseline ({r.score:.2f})")
@@ -60,11 +70,10 @@ def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
                 x, measured = 1.0 / (1.0 - r.info.ratio), False
             if x is None:
                 continue
-            fam = r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
-            families.setdefault(fam, []).append((x, r.score, measured))
+            families.setdefault(_family(r), []).append((x, r.score, measured, r))
         for fam, pts in sorted(families.items()):
-            pts.sort()
-            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)[0]
+            pts.sort(key=lambda p: p[:3])
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family_label([p[3] for p in pts]))[0]
             hollow = [p for p in pts if not p[2]]
             if hollow:
                 ax.plot([p[0] for p in hollow], [p[1] for p in hollow], "o", mfc="white", mec=line.get_color())
@@ -88,13 +97,12 @@ def plot_kl_vs_compression(rows: list[Row], path: Path) -> Path | None:
     fig = _figure(5.2 * cols, 3.8 * math.ceil(len(models) / cols))
     for k, (model, group) in enumerate(models.items()):
         ax = fig.add_subplot(math.ceil(len(models) / cols), cols, k + 1)
-        families: dict[str, list[tuple[float, float]]] = {}
+        families: dict[str, list[tuple[float, float, Row]]] = {}
         for r in group:
-            fam = r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
-            families.setdefault(fam, []).append((r.info.compression, max(r.fidelity["kl_mean"], 1e-8)))
+            families.setdefault(_family(r), []).append((r.info.compression, max(r.fidelity["kl_mean"], 1e-8), r))
         for fam, pts in sorted(families.items()):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+            pts.sort(key=lambda p: p[:2])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=family_label([p[2] for p in pts]))
         ax.set_yscale("log")
         ax.set_xlabel("compression factor (uncompressed / measured cache bytes)")
         ax.set_ylabel("mean KL from baseline (nats/token)")
@@ -171,4 +179,4 @@ def plot_confusion(model: str, group: list[Row], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-__all__ = ["by_model", "plot_confusion", "plot_heatmaps", "plot_kl_vs_compression", "plot_score_vs_compression", "slug"]
+__all__ = ["by_model", "family_label", "plot_confusion", "plot_heatmaps", "plot_kl_vs_compression", "plot_score_vs_compression", "slug"]

@@ -31,6 +31,8 @@ class Row:
     confusion_rate: float | None
     verdict: str | None = None
     best: set[str] = field(default_factory=set)
+    gate: dict[str, Any] | None = None  # the gate's candidate entry (gate.json), when it judged this run
+    baseline: Run | None = None  # the model's baseline run the comparison is against
 
     @property
     def info(self):
@@ -47,6 +49,11 @@ class Row:
         if i.is_baseline:
             return "baseline"
         return i.policy if i.mode == "context" else f"{i.policy} [{i.mode}]"
+
+
+def fmt(x: float | None, spec: str = "{:.3f}") -> str:
+    """A leaderboard cell's number as text (``"-"`` for none or NaN), for the markdown and the HTML alike."""
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
 
 
 def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
@@ -80,13 +87,13 @@ def _flatten_gate(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _verdicts(gate: dict[str, Any] | None) -> dict[str, str]:
-    """Map candidate path (resolved) and name to its verdict."""
-    out: dict[str, str] = {}
+def _verdicts(gate: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Map candidate path (resolved) and name to its gate entry."""
+    out: dict[str, dict[str, Any]] = {}
     for c in (gate or {}).get("candidates", []):
-        out[f"name:{c.get('name')}"] = c["status"]
+        out[f"name:{c.get('name')}"] = c
         try:
-            out[f"path:{Path(c['path']).resolve()}"] = c["status"]
+            out[f"path:{Path(c['path']).resolve()}"] = c
         except OSError:
             pass
     return out
@@ -142,9 +149,9 @@ def collect_rows(
         for it in r.items:
             by_task.setdefault(it.task, []).append(it.score)
         conf = confusion_rates(r.items)
-        verdict = None
+        judged = None
         if not r.info.is_baseline:
-            verdict = verdicts.get(f"path:{r.path.resolve()}") or verdicts.get(f"name:{r.info.name}")
+            judged = verdicts.get(f"path:{r.path.resolve()}") or verdicts.get(f"name:{r.info.name}")
         rows.append(
             Row(
                 run=r,
@@ -152,7 +159,9 @@ def collect_rows(
                 task_scores={t: float(np.mean(v)) for t, v in by_task.items()},
                 score=float(np.mean([it.score for it in r.items])),
                 confusion_rate=conf.get(OVERALL) if conf else None,
-                verdict=verdict,
+                verdict=judged["status"] if judged else None,
+                gate=judged,
+                baseline=baselines.get(r.info.model) if comp is not None else None,
             )
         )
     adjust_sweep([row.comparison for row in rows if row.comparison is not None])
@@ -196,4 +205,4 @@ def _mark_best(rows: list[Row], tasks: list[str]) -> None:
         mark(group, "kl", lambda r: r.fidelity["kl_mean"] if r.fidelity else None, False)
 
 
-__all__ = ["Row", "collect_rows", "load_gate_result"]
+__all__ = ["Row", "collect_rows", "fmt", "load_gate_result"]

@@ -212,21 +212,87 @@ def load_lm_eval_run(path: str | os.PathLike, *, metric: str | dict[str, str] | 
     if len(parents) > 1:
         names = ", ".join(str(x) for x in parents[:3])
         raise ResultFileError(f"{p}: samples for {len(parents)} models ({names}); point at one model's folder")
-    latest: dict[str, tuple[str, Path]] = {}
-    for f in files:
-        task, date = _split_samples_name(f.name)
-        if task not in latest or date > latest[task][0]:
-            latest[task] = (date, f)
+    latest = _latest_samples(files)
     items: list[ItemRecord] = []
     for task in sorted(latest):
-        items.extend(_read_samples(latest[task][1], task, metric))
+        items.extend(records_from_samples(_read_sample_rows(latest[task][1]), task, metric, latest[task][1]))
     if not items:
         raise ResultFileError(f"{p}: the samples files hold no lines")
     info = _lm_eval_run_info(p, parents[0], max(d for d, _ in latest.values()))
     return Run(p, info, items, "lm-eval")
 
 
-def _read_samples(path: Path, task: str, metric: str | dict[str, str] | None) -> list[ItemRecord]:
+def _latest_samples(files: Sequence[Path]) -> dict[str, tuple[str, Path]]:
+    """Task -> (timestamp, file) of its latest samples file, as lm-eval reads a repeated ``--output_path``."""
+    latest: dict[str, tuple[str, Path]] = {}
+    for f in files:
+        task, date = _split_samples_name(f.name)
+        if task not in latest or date > latest[task][0]:
+            latest[task] = (date, f)
+    return latest
+
+
+@dataclass(frozen=True)
+class SampleDocument:
+    """What an lm-eval ``--log_samples`` line shows of its document, for reading an item's answers beside it.
+
+    Attributes
+    ----------
+    doc : dict
+        The dataset row as lm-eval logged it.
+    prompt : str
+        The text the model was given (the first request's context).
+    choices : list of str
+        Loglikelihood tasks: each choice's continuation, in order (an answer ``"2"`` is ``choices[2]``); empty for
+        generation tasks.
+    target : str
+    """
+
+    doc: dict
+    prompt: str
+    choices: list[str]
+    target: str
+
+
+def sample_documents(run: Run) -> dict[str, SampleDocument]:
+    """The documents of an lm-eval run read from its ``--log_samples`` files, by item id (as in ``run.items``);
+    empty for a kveval run (a sweep's lm-eval records keep no documents)."""
+    if run.source != "lm-eval":
+        return {}
+    files = [run.path] if run.path.is_file() else _samples_files(run.path)
+    out: dict[str, SampleDocument] = {}
+    for task, (_, path) in _latest_samples(files).items():
+        for row in _read_sample_rows(path):
+            args = _request_arguments(row)
+            doc = row.get("doc")
+            out[sample_item_id(task, row)] = SampleDocument(
+                doc=doc if isinstance(doc, dict) else {"doc": doc},
+                prompt=args[0][0] if args else "",
+                choices=[second for _, second in args] if _loglikelihoods(_responses(row)) else [],
+                target=str(row.get("target", "")),
+            )
+    return out
+
+
+def _request_arguments(row: dict) -> list[tuple[str, str]]:
+    """A sample's requests as (context, second argument) pairs: the continuation of a loglikelihood request, the
+    generation settings of a generation one."""
+    args = row.get("arguments")
+    if isinstance(args, dict):
+        args = [v for _, v in sorted(args.items(), key=lambda kv: int(str(kv[0]).rsplit("_", 1)[-1]))]
+        return [(str(a.get("arg_0", "")), str(a.get("arg_1", ""))) if isinstance(a, dict) else ("", "") for a in args]
+    if isinstance(args, list):
+        return [(str(a[0]), str(a[1]) if len(a) > 1 else "") if isinstance(a, list) and a else ("", "") for a in args]
+    return []
+
+
+def sample_item_id(task: str, row: dict) -> str:
+    """The item id of an lm-eval samples line: ``<task>/<doc_id>``, plus ``/<filter>`` for filters other than ``none``."""
+    flt = str(row.get("filter", "none"))
+    return f"{task}/{row['doc_id']}" + ("" if flt == "none" else f"/{flt}")
+
+
+def _read_sample_rows(path: Path) -> list[dict]:
     text = path.read_text(encoding="utf-8")
     if text and not text.endswith("\n"):
         raise ResultFileError(f"{path}: truncated (the last line was cut off mid-write); rerun lm_eval")
@@ -240,7 +306,7 @@ def _read_samples(path: Path, task: str, metric: str | dict[str, str] | None) ->
             raise ResultFileError(f"{path}:{number}: corrupt samples line ({exc!r})") from exc
         row["_line"] = number
         rows.append(row)
-    return records_from_samples(rows, task, metric, path)
+    return rows
 
 
 def records_from_samples(rows: list[dict], task: str, metric: str | dict[str, str] | None, path: Path | str) -> list[ItemRecord]:
@@ -270,7 +336,7 @@ def records_from_samples(rows: list[dict], task: str, metric: str | dict[str, st
             )
         flt = str(row.get("filter", "none"))
         cell = task if len(filters) == 1 else f"{task}[{flt}]"
-        item_id = f"{task}/{row['doc_id']}" + ("" if flt == "none" else f"/{flt}")
+        item_id = sample_item_id(task, row)
         answer, gold_lp = _lm_eval_answer(row)
         score = float(value)
         if not 0 <= score <= 1:
@@ -307,20 +373,30 @@ def _pick_metric(row: dict, path: Path) -> str:
 
 
 
-def _lm_eval_answer(row: dict) -> tuple[str, float | None]:
-    """The model's output as text and the gold continuation's log-likelihood (if a loglikelihood task)."""
+def _responses(row: dict) -> list:
     resps = row.get("filtered_resps")
     if resps is None:
         resps = [r[0] if isinstance(r, (list, tuple)) and r else r for r in row.get("resps", [])]
-    if not isinstance(resps, list) or not resps:
-        return "", None
+    return resps if isinstance(resps, list) else []
+
+
+def _loglikelihoods(resps: list) -> list[float]:
+    """Each choice's log-likelihood, where ``resps`` are loglikelihood responses; empty for generation."""
     lls = []
     for r in resps:
         if isinstance(r, (list, tuple)) and len(r) == 2 and _as_float(r[0]) is not None:  # tuples in memory, lists in JSON
             lls.append(_as_float(r[0]))
         else:
-            lls = []
-            break
+            return []
+    return lls
+
+
+def _lm_eval_answer(row: dict) -> tuple[str, float | None]:
+    """The model's output as text and the gold continuation's log-likelihood (if a loglikelihood task)."""
+    resps = _responses(row)
+    if not resps:
+        return "", None
+    lls = _loglikelihoods(resps)
     if not lls:  # generation: the (filtered) output text
         first = resps[0]
         return (first if isinstance(first, str) else json.dumps(first)), None
@@ -339,12 +415,7 @@ def _gold_index(row: dict, n_choices: int) -> int | None:
             return idx
     except ValueError:
         pass
-    args = row.get("arguments")
-    conts: list[str] = []
-    if isinstance(args, dict):
-        conts = [str(v.get("arg_1", "")) for _, v in sorted(args.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[-1]))]
-    elif isinstance(args, list):
-        conts = [str(a[1]) if isinstance(a, list) and len(a) > 1 else "" for a in args]
+    conts = [second for _, second in _request_arguments(row)]
     matches = [i for i, c in enumerate(conts) if c.strip() == str(target).strip()]
     return matches[0] if len(matches) == 1 else None
 

@@ -431,10 +431,12 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
                         writer.write(record)
 
 
-def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None", deploy: dict | None = None) -> int:
+def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None", deploy: dict | None = None,
+              probes: dict | None = None) -> int:
     """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code.
 
-    ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision.
+    ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision;
+    ``probes``: the sweep's probe items by prompt hash, where the caller holds them, for the report's item views.
     """
     from kveval.gate.deployment import deployment_decision
     from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
@@ -446,7 +448,7 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     if deploy:
         deployment_decision(results, **deploy)
     write_gate_outputs(results, out / "gate")
-    build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json")
+    build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json", probes=probes)
     print()
     print((out / "report" / "leaderboard.md").read_text())
     print((out / "gate" / "gate.md").read_text())
