@@ -262,7 +262,6 @@ def test_random_scores_are_the_documented_hash():
     plain Python integers, so that a change of the hash (which would move every committed random run) or of how
     its parts are cached across steps, layers or seeds is seen."""
     from kveval.tensors.scoring_state import ScoringState
-    from kveval.policies.spec import parse_policy
 
     def mix(x):
         x ^= x >> 16
@@ -295,7 +294,6 @@ def test_random_scores_are_uniform_and_independent_of_the_batch():
     """The control's scores: uniform on [0, 1), different per head, per step and per sequence seed, and the same
     for a sequence scored alone or in a batch (what lets a batch keep its decode budget at once)."""
     from kveval.tensors.scoring_state import ScoringState
-    from kveval.policies.spec import parse_policy
 
     policy = parse_policy("random(ratio=0.5,seed=5)").selection
     positions = torch.arange(2000).expand(4, -1)

@@ -26,6 +26,7 @@ import pytest
 
 from kveval.commands import main as cli
 from kveval.planner.memory import compare, plan
+from kveval.policies.spec import parse_policy
 
 GiB = 2**30
 M = 2**20
@@ -92,7 +93,7 @@ def test_policies_on_the_new_layouts_are_refused_in_one_line(capsys):
     with pytest.raises(ValueError, match="no cache part"):
         plan("deepseek-v4-pro", 10, storage="latent=bf16")
     with pytest.raises(ValueError, match="policy none"):
-        plan("deepseek-v3", 10, policy="kivi(bits=2)", storage="all=bf16")
+        plan("deepseek-v3", 10, policy=parse_policy("kivi(bits=2)"), storage="all=bf16")
 
 
 def test_storage_override_on_a_classic_model_matches_the_dtype_plan():

@@ -345,8 +345,8 @@ def test_memory_planner_counts_retrieval_heads_whole_and_adakv_like_its_scorer()
 
     config = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
               "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000}
-    duo = plan(config, 4000, policy="duo(heads=0.25,sink=4,window=60)", new_tokens=100)
+    duo = plan(config, 4000, policy=parse_policy("duo(heads=0.25,sink=4,window=60)"), new_tokens=100)
     # per KV head on average: a quarter keep 4100 tokens, the rest 64
     assert [layer.tokens for layer in duo.layers] == [math.ceil(0.25 * 4100 + 0.75 * 64)] * 4
-    assert plan(config, 4000, policy="snapkv(ratio=0.5,adaptive=true)").sequence_bytes == \
-        plan(config, 4000, policy="snapkv(ratio=0.5)").sequence_bytes
+    assert plan(config, 4000, policy=parse_policy("snapkv(ratio=0.5,adaptive=true)")).sequence_bytes == \
+        plan(config, 4000, policy=parse_policy("snapkv(ratio=0.5)")).sequence_bytes

@@ -196,12 +196,12 @@ def test_memory_planner_counts_one_stream_per_group_and_matches_the_cache():
     from kveval.planner.memory import plan
 
     # SmolLM2: 30 layers, 3 KV heads x 64, bf16. One latent for 3 heads at rank 48 is lowrank(rank=16)'s bytes.
-    assert plan("smollm2-135m", 10, policy="latent(rank=48)").bytes_per_token == 30 * (48 + 48) * 2
-    assert plan("smollm2-135m", 10, policy="lowrank(rank=16)").bytes_per_token == 30 * (48 + 48) * 2
-    p = plan("smollm2-135m", 10, policy="latent(rank=36,rope_dims=8)")
+    assert plan("smollm2-135m", 10, policy=parse_policy("latent(rank=48)")).bytes_per_token == 30 * (48 + 48) * 2
+    assert plan("smollm2-135m", 10, policy=parse_policy("lowrank(rank=16)")).bytes_per_token == 30 * (48 + 48) * 2
+    p = plan("smollm2-135m", 10, policy=parse_policy("latent(rank=36,rope_dims=8)"))
     assert (p.key_bytes_per_token, p.value_bytes_per_token) == (30 * (36 + 3 * 8) * 2, 30 * 36 * 2)
-    assert plan("smollm2-135m", 10, policy="latent(rank=48,group=1)").bytes_per_token == 30 * 3 * (48 + 48) * 2
-    q = plan("smollm2-135m", 10, policy="latent(rank=48)+quant(bits=8,group=16)")  # 48 codes + 3 groups x 4 bytes
+    assert plan("smollm2-135m", 10, policy=parse_policy("latent(rank=48,group=1)")).bytes_per_token == 30 * 3 * (48 + 48) * 2
+    q = plan("smollm2-135m", 10, policy=parse_policy("latent(rank=48)+quant(bits=8,group=16)"))  # 48 codes + 3 groups x 4 bytes
     assert q.bytes_per_token == 30 * 2 * (48 + 3 * 4)
     with pytest.raises(ValueError, match="use at most 192"):
-        plan("smollm2-135m", 10, policy="latent(rank=193)")
+        plan("smollm2-135m", 10, policy=parse_policy("latent(rank=193)"))

@@ -181,7 +181,7 @@ def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer
     (cell,) = plan_cells(config)
     dirs = runner(cell).run_dirs
     reference = evaluate_policies(model, tokenizer, sweep_items(config, tokenizer), specs_of(list(cell.specs)), tmp_path / "eval",
-                                  "smollm2-135m", mode, config.batch_size, config.seed, fidelity=True)
+                                  "smollm2-135m", config.batch_size, config.seed, fidelity=True)
     for got, want in zip(dirs, reference):
         got_file, want_file = Path(got) / FIDELITY_FILE, want / FIDELITY_FILE
         if want.name == "none":

@@ -10,6 +10,7 @@ from kveval.commands import main as cli
 from kveval.planner import model_specs
 from kveval.planner.memory import max_fit, parse_headroom, parse_size, plan
 from kveval.planner.model_specs import load_model_spec
+from kveval.policies.spec import parse_policy
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -68,7 +69,7 @@ def test_gemma3_hybrid_below_and_above_the_window():
     # a sliding layer holds window - 1 tokens, as transformers' own and kveval's cache do (it planned 512)
     assert plan("gemma3-270m", 2000).sequence_bytes == (15 * 511 + 3 * 2000) * per_layer_token
     # selection acts on the full-attention layers only (as the cache does)
-    halved = plan("gemma3-270m", 2000, policy="snapkv(ratio=0.5)")
+    halved = plan("gemma3-270m", 2000, policy=parse_policy("snapkv(ratio=0.5)"))
     assert halved.sequence_bytes == (15 * 511 + 3 * 1000) * per_layer_token
     # the same model written with layer_types, and with the Gemma 3 default pattern
     kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]
@@ -94,7 +95,7 @@ def test_mistral_every_layer_slides():
     # A selection policy keeps its share of the window's 4,095 tokens, as kveval's cache does (it planned 3,000
     # tokens at 6,000 while the cache kept 4,095, then refused selection on such models; tests/test_sliding_selection.py).
     for context in (6000, 16384):
-        assert plan("mistral-7b", context, policy="snapkv(ratio=0.5)").sequence_bytes == 2048 * per_token
+        assert plan("mistral-7b", context, policy=parse_policy("snapkv(ratio=0.5)")).sequence_bytes == 2048 * per_token
 
 
 def test_deepseek_v3_mla():
@@ -110,10 +111,10 @@ def test_deepseek_v3_mla():
           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_key_value_heads": 16}
     assert plan(v2, 10).sequence_bytes == 576 * 27 * 2 * 10
     # the latent quantizes with the key settings: 576 values, group 64 -> 9 groups per token
-    q = plan("deepseek-v3", 1000, policy="quant(bits=8,group=64)")
+    q = plan("deepseek-v3", 1000, policy=parse_policy("quant(bits=8,group=64)"))
     assert q.sequence_bytes == 61 * 1000 * (576 + 9 * 4)
     # K's settings for the latent, V's for the RoPE key (it quantized all 576 with K's: 10,980 B/token, not 13,908)
-    mixed = plan("deepseek-v3", 1000, policy="quant(k_bits=2,v_bits=8,group=64)")
+    mixed = plan("deepseek-v3", 1000, policy=parse_policy("quant(k_bits=2,v_bits=8,group=64)"))
     assert mixed.bytes_per_token == 61 * (512 // 4 + 8 * 4 + 64 + 4) == 13908
 
 
@@ -121,22 +122,22 @@ def test_deepseek_v3_mla():
 
 def test_int4_group32_per_token_exact_bytes():
     # per head and token: 128 codes x 4 bits = 64 bytes + 4 groups x (fp16 scale + fp16 zero) = 16 bytes
-    p = plan("llama-2-7b", 1000, policy="quant(bits=4,group=32)")
+    p = plan("llama-2-7b", 1000, policy=parse_policy("quant(bits=4,group=32)"))
     assert p.key_bytes_per_token == 32 * 32 * (64 + 16)
     assert p.bytes_per_token == 32 * 32 * 2 * 80 == 163840
     assert p.sequence_bytes == 1000 * 163840
     assert p.compression == pytest.approx(512 * KiB / 163840)
     # symmetric: no zero point
-    assert plan("llama-2-7b", 1000, policy="quant(bits=4,group=32,symmetric=true)").sequence_bytes == 1000 * 32 * 32 * 2 * 72
+    assert plan("llama-2-7b", 1000, policy=parse_policy("quant(bits=4,group=32,symmetric=true)")).sequence_bytes == 1000 * 32 * 32 * 2 * 72
     # fp8: 1 byte per value + one fp16 scale per 64 channels
-    assert plan("llama-2-7b", 10, policy="fp8(group=64)").sequence_bytes == 10 * 32 * 32 * 2 * (128 + 2 * 2)
+    assert plan("llama-2-7b", 10, policy=parse_policy("fp8(group=64)")).sequence_bytes == 10 * 32 * 32 * 2 * (128 + 2 * 2)
     # residual tokens stay in fp16
-    r = plan("llama-2-7b", 1000, policy="quant(bits=4,group=32,residual=100)")
+    r = plan("llama-2-7b", 1000, policy=parse_policy("quant(bits=4,group=32,residual=100)"))
     assert r.sequence_bytes == 900 * 163840 + 100 * 512 * KiB
 
 
 def test_per_channel_groups_amortize_over_tokens():
-    p = plan("llama-2-7b", 100, policy="quant(bits=4,k_axis=channel,v_axis=channel,group=32)")
+    p = plan("llama-2-7b", 100, policy=parse_policy("quant(bits=4,k_axis=channel,v_axis=channel,group=32)"))
     # 96 tokens quantized in 3 groups of 32 per channel, 4 tokens left in fp16
     per_head = 96 * 128 // 2 + 3 * 128 * 4 + 4 * 128 * 2
     assert p.sequence_bytes == 32 * 32 * 2 * per_head
@@ -145,7 +146,7 @@ def test_per_channel_groups_amortize_over_tokens():
 
 def test_kivi2_with_residual():
     # smollm2: 30 layers, 3 KV heads, head_dim 64; KIVI-2: K per channel, V per token, group 32, residual 128
-    p = plan("smollm2-135m", 1000, policy="kivi(bits=2)")
+    p = plan("smollm2-135m", 1000, policy=parse_policy("kivi(bits=2)"))
     k_aged = (1000 - 128) // 32 * 32  # 864 tokens in 27 whole groups, 136 in fp16
     k = k_aged * 64 // 4 + (k_aged // 32) * 64 * 4 + (1000 - k_aged) * 64 * 2
     v_aged = 1000 - 128  # per-token groups: everything past the residual
@@ -153,7 +154,7 @@ def test_kivi2_with_residual():
     assert (k, v) == (38144, 37312)
     assert p.sequence_bytes == 30 * 3 * (k + v)
     # shorter than the residual: nothing is quantized
-    assert plan("smollm2-135m", 100, policy="kivi(bits=2)").sequence_bytes == plan("smollm2-135m", 100).sequence_bytes
+    assert plan("smollm2-135m", 100, policy=parse_policy("kivi(bits=2)")).sequence_bytes == plan("smollm2-135m", 100).sequence_bytes
 
 
 @pytest.mark.parametrize("policy", ["kivi(bits=2)", "kivi(bits=4,group=16,residual=32)", "quant(bits=4,group=32)",
@@ -162,7 +163,6 @@ def test_kivi2_with_residual():
 def test_matches_the_real_store(policy):
     """The planner's bytes equal what kveval.stores.base.QuantizedStore really holds."""
     torch = pytest.importorskip("torch")
-    from kveval.policies.spec import parse_policy
     from kveval.stores.base import QuantizedStore
 
     quant = parse_policy(policy).quantization
@@ -171,43 +171,42 @@ def test_matches_the_real_store(policy):
     store.append(torch.randn(heads, tokens, dim, dtype=torch.float16), torch.randn(heads, tokens, dim, dtype=torch.float16))
     store.seal()
     config = {"num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": dim}
-    assert plan(config, tokens, policy=policy).sequence_bytes == store.nbytes
+    assert plan(config, tokens, policy=parse_policy(policy)).sequence_bytes == store.nbytes
 
 
 # --- selection and structure ---------------------------------------------------------------------
 
 def test_selection_policies():
     full = plan("llama-2-7b", 4096).sequence_bytes
-    assert plan("llama-2-7b", 4096, policy="snapkv(ratio=0.5)").sequence_bytes == full // 2
-    assert plan("llama-2-7b", 4096, policy="h2o(budget=1024)").sequence_bytes == full // 4
-    assert plan("llama-2-7b", 4096, policy="window(size=512)").sequence_bytes == full // 8
-    assert plan("llama-2-7b", 4096, policy="streaming(sink=4,window=252)").sequence_bytes == 256 * 512 * KiB
+    assert plan("llama-2-7b", 4096, policy=parse_policy("snapkv(ratio=0.5)")).sequence_bytes == full // 2
+    assert plan("llama-2-7b", 4096, policy=parse_policy("h2o(budget=1024)")).sequence_bytes == full // 4
+    assert plan("llama-2-7b", 4096, policy=parse_policy("window(size=512)")).sequence_bytes == full // 8
+    assert plan("llama-2-7b", 4096, policy=parse_policy("streaming(sink=4,window=252)")).sequence_bytes == 256 * 512 * KiB
     # PyramidKV: budgets shrink with depth; the planner sums the layers
-    from kveval.policies.spec import parse_policy
 
-    pyramid = plan("llama-2-7b", 4096, policy="pyramidkv(ratio=0.5)")
+    pyramid = plan("llama-2-7b", 4096, policy=parse_policy("pyramidkv(ratio=0.5)"))
     selection = parse_policy("pyramidkv(ratio=0.5)").selection
     kept = [selection.keep_count(4096, i, 32) for i in range(32)]
     assert [layer.tokens for layer in pyramid.layers] == kept
     assert kept[0] > kept[-1]
     assert pyramid.sequence_bytes == sum(kept) * 16 * KiB
     # generation: a decode budget caps the cache; otherwise generated tokens add up
-    assert plan("llama-2-7b", 4096, policy="h2o(ratio=0.5,decode_budget=3000)", new_tokens=2000).layers[0].tokens == 3000
-    assert plan("llama-2-7b", 4096, policy="snapkv(ratio=0.5)", new_tokens=100).layers[0].tokens == 2148
+    assert plan("llama-2-7b", 4096, policy=parse_policy("h2o(ratio=0.5,decode_budget=3000)"), new_tokens=2000).layers[0].tokens == 3000
+    assert plan("llama-2-7b", 4096, policy=parse_policy("snapkv(ratio=0.5)"), new_tokens=100).layers[0].tokens == 2148
     # selection stacked with quantization
-    both = plan("llama-2-7b", 4096, policy="snapkv(ratio=0.5)+quant(bits=4,group=32)")
+    both = plan("llama-2-7b", 4096, policy=parse_policy("snapkv(ratio=0.5)+quant(bits=4,group=32)"))
     assert both.sequence_bytes == 2048 * 163840
 
 
 def test_lowrank_ranks():
-    assert plan("llama-2-7b", 10, policy="lowrank(rank=16)").bytes_per_token == 32 * 32 * (16 + 16) * 2
-    p = plan("llama-2-7b", 10, policy="lowrank(k_rank=32,v_rank=16)")
+    assert plan("llama-2-7b", 10, policy=parse_policy("lowrank(rank=16)")).bytes_per_token == 32 * 32 * (16 + 16) * 2
+    p = plan("llama-2-7b", 10, policy=parse_policy("lowrank(k_rank=32,v_rank=16)"))
     assert (p.key_bytes_per_token, p.value_bytes_per_token) == (32 * 32 * 32 * 2, 32 * 32 * 16 * 2)
     # coefficients quantized: 32 values per head at 4 bits = 16 bytes + one group of 32 (scale + zero)
-    q = plan("llama-2-7b", 10, policy="lowrank(rank=32)+quant(bits=4,group=32)")
+    q = plan("llama-2-7b", 10, policy=parse_policy("lowrank(rank=32)+quant(bits=4,group=32)"))
     assert q.bytes_per_token == 32 * 32 * 2 * (16 + 4)
     # energy= needs a calibration: planned at head_dim (upper bound) with a note
-    e = plan("llama-2-7b", 10, policy="lowrank(energy=0.9)")
+    e = plan("llama-2-7b", 10, policy=parse_policy("lowrank(energy=0.9)"))
     assert e.bytes_per_token == 512 * KiB
     assert any("upper bound" in n for n in e.notes)
 
@@ -232,16 +231,16 @@ def test_max_fit_hand_computation():
 
 def test_max_fit_edges():
     # bounded cache (a window policy): any context fits
-    assert max_fit("llama-2-7b", "80GiB", "16GB", policy="window(size=4096)").value is None
+    assert max_fit("llama-2-7b", "80GiB", "16GB", policy=parse_policy("window(size=4096)")).value is None
     # weights larger than the GPU: nothing fits
     assert max_fit("deepseek-v3", "80GiB", "700GB").value == 0
     moe = llama(kv=8) | {"num_local_experts": 8}
     with pytest.raises(ValueError, match="--weights"):
         max_fit(moe, "80GiB")  # mixture of experts: no estimate from the config
     # quantization with per-channel groups: every shorter context fits too, the next one does not
-    fit = max_fit("smollm2-135m", "1GiB", "300MB", policy="kivi(bits=2)")
+    fit = max_fit("smollm2-135m", "1GiB", "300MB", policy=parse_policy("kivi(bits=2)"))
     limit = fit.cache_budget_bytes
-    sizes = [plan("smollm2-135m", n, policy="kivi(bits=2)").sequence_bytes for n in range(fit.value - 300, fit.value + 2)]
+    sizes = [plan("smollm2-135m", n, policy=parse_policy("kivi(bits=2)")).sequence_bytes for n in range(fit.value - 300, fit.value + 2)]
     assert max(sizes[:-1]) <= limit < sizes[-1]
 
 
@@ -300,11 +299,11 @@ def test_hub_id_not_cached_names_the_fix(monkeypatch):
     (lambda: plan("llama-2-7b", 0), "context=0"),
     (lambda: plan("llama-2-7b", 10, batch=0), "batch=0"),
     (lambda: plan("llama-2-7b", 10, dtype_bytes=3), "dtype_bytes"),
-    (lambda: plan("llama-2-7b", 10, policy="quant(bits=4,group=48)"), "group=48 does not divide head_dim=128"),
-    (lambda: plan("llama-2-7b", 10, policy="lowrank(rank=256)"), "exceeds head_dim"),
-    (lambda: plan("deepseek-v3", 10, policy="lowrank(rank=128)"), "rank 128 exceeds the MLA RoPE key width 64"),
-    (lambda: plan("deepseek-v3", 10, policy="kvquant(bits=4)"), "MLA"),
-    (lambda: plan("llama-2-7b", 10, policy="nosuch"), "unknown policy"),
+    (lambda: plan("llama-2-7b", 10, policy=parse_policy("quant(bits=4,group=48)")), "group=48 does not divide head_dim=128"),
+    (lambda: plan("llama-2-7b", 10, policy=parse_policy("lowrank(rank=256)")), "exceeds head_dim"),
+    (lambda: plan("deepseek-v3", 10, policy=parse_policy("lowrank(rank=128)")), "rank 128 exceeds the MLA RoPE key width 64"),
+    (lambda: plan("deepseek-v3", 10, policy=parse_policy("kvquant(bits=4)")), "MLA"),
+    (lambda: plan("llama-2-7b", 10, policy=parse_policy("nosuch")), "unknown policy"),
     (lambda: max_fit("llama-2-7b", "80GiB", "16GB", headroom=1.5), "headroom"),
     (lambda: max_fit("llama-2-7b", "80GiB", "16GB", context=10, batch=2), "not both"),
 ])
@@ -384,7 +383,7 @@ def test_the_plan_is_the_bytes_the_cache_measures(name):
     for spec in MEASURED_POLICIES:
         _, cache = context_then_steps(model, spec, random_ids(100, 1), random_ids(6, 2), kv_dtype=torch.bfloat16)
         measured = cache.stats()
-        planned = plan(model.config, 100, policy=spec, dtype_bytes=2, new_tokens=6)
+        planned = plan(model.config, 100, policy=parse_policy(spec), dtype_bytes=2, new_tokens=6)
         if (planned.sequence_bytes, planned.baseline_sequence_bytes) != (measured.kv_bytes, measured.nominal_bytes):
             wrong.append(f"{spec}: planned {planned.sequence_bytes} (baseline {planned.baseline_sequence_bytes}), "
                          f"measured {measured.kv_bytes} ({measured.nominal_bytes})")
@@ -423,7 +422,7 @@ def test_hybrid_configs_plan_their_attention_layers_only():
 def test_kvquant_is_planned():
     """It was refused ("measure kvquant with kveval eval"), and gate --gpu-memory with a kvquant candidate ended in an
     error. Its bytes match the cache's on the tiny models above."""
-    p = plan("llama-3.1-8b", 8192, policy="kvquant(bits=4)")
+    p = plan("llama-3.1-8b", 8192, policy=parse_policy("kvquant(bits=4)"))
     head = 128
     coded = 2 * (head * 4 // 8 + 2 * (2 + 1)) + 4  # codes, ceil(1% of 128) = 2 outliers (bf16 + uint8 index), lo/hi
     assert p.sequence_bytes == 32 * 8 * ((8192 - 1) * coded + 1 * 2 * head * 2)  # one sink token kept in bf16
@@ -448,5 +447,5 @@ def test_a_sliding_window_cutting_per_channel_groups_is_planned_as_held(spec):
     model = tiny_model("gemma3")
     for context, steps in ((100, 1), (100, 6), (100, 23), (10, 12), (14, 5), (40, 40)):
         _, cache = context_then_steps(model, spec, random_ids(context, 1), random_ids(steps, 2), kv_dtype=torch.bfloat16)
-        planned = plan(model.config, context, policy=spec, dtype_bytes=2, new_tokens=steps).sequence_bytes
+        planned = plan(model.config, context, policy=parse_policy(spec), dtype_bytes=2, new_tokens=steps).sequence_bytes
         assert planned == cache.stats().kv_bytes, (context, steps)

@@ -127,19 +127,19 @@ def test_the_planner_sizes_selection_on_sliding_layers_where_the_bytes_are_known
     for context, steps in ((60, 0), (15, 6), (23, 0)):
         _, cache = context_then_steps(model, spec, random_ids(context, 1), random_ids(max(steps, 1), 2)[:, :steps],
                                       kv_dtype=torch.bfloat16)
-        planned = plan(model.config, context, policy=spec, dtype_bytes=2, new_tokens=steps)
+        planned = plan(model.config, context, policy=parse_policy(spec), dtype_bytes=2, new_tokens=steps)
         measured = cache.stats()
         assert (planned.sequence_bytes, planned.baseline_sequence_bytes) == (measured.kv_bytes, measured.nominal_bytes), \
             (spec, context, steps)
     with pytest.raises(ValueError, match="leave the window while decoding") as refused:
-        plan(model.config, 60, policy=spec, dtype_bytes=2, new_tokens=6)
+        plan(model.config, 60, policy=parse_policy(spec), dtype_bytes=2, new_tokens=6)
     assert "\n" not in str(refused.value)
 
 
 def test_mistral_7b_plans_selection_at_its_window():
     per_token = 32 * 8 * 128 * 2 * 2
-    assert plan("mistral-7b", 16384, policy="snapkv(ratio=0.5)").sequence_bytes == 2048 * per_token  # of 4095
-    assert plan("mistral-7b", 3000, policy="snapkv(ratio=0.5)", new_tokens=64).sequence_bytes == (1500 + 64) * per_token
+    assert plan("mistral-7b", 16384, policy=parse_policy("snapkv(ratio=0.5)")).sequence_bytes == 2048 * per_token  # of 4095
+    assert plan("mistral-7b", 3000, policy=parse_policy("snapkv(ratio=0.5)"), new_tokens=64).sequence_bytes == (1500 + 64) * per_token
 
 
 @pytest.mark.parametrize("spec", ["window(ratio=0.5)", "streaming(sink=4,ratio=0.5)"])
@@ -204,7 +204,7 @@ def test_the_largest_context_under_selection_on_sliding_layers():
     gib, per_token, policy = 1 << 30, 32 * 8 * 128 * 2 * 2, "snapkv(ratio=0.5)"
 
     def fit(budget):
-        return max_fit("mistral-7b", budget + gib, weights=str(gib), headroom=0, policy=policy, new_tokens=32)
+        return max_fit("mistral-7b", budget + gib, weights=str(gib), headroom=0, policy=parse_policy(policy), new_tokens=32)
 
     roomy = fit(4095 * per_token)
     assert roomy.value is None and any("any context fits" in n for n in roomy.notes)
@@ -212,8 +212,8 @@ def test_the_largest_context_under_selection_on_sliding_layers():
     assert between.value == 4063 and any("longest context sized" in n for n in between.notes)
     tight = fit(1000 * per_token)  # ceil(n / 2) + 32 <= 1000
     assert tight.value == 1936
-    assert plan("mistral-7b", 1936, policy=policy, new_tokens=32).sequence_bytes <= 1000 * per_token
-    assert plan("mistral-7b", 1937, policy=policy, new_tokens=32).sequence_bytes > 1000 * per_token
+    assert plan("mistral-7b", 1936, policy=parse_policy(policy), new_tokens=32).sequence_bytes <= 1000 * per_token
+    assert plan("mistral-7b", 1937, policy=parse_policy(policy), new_tokens=32).sequence_bytes > 1000 * per_token
 
 
 def test_a_batch_decodes_at_once_until_the_window_reaches_what_was_kept(monkeypatch):
@@ -269,8 +269,8 @@ def test_the_planner_and_the_cache_agree_on_chunked_layers():
     with pytest.raises(UnsupportedModelError, match="every attention layer is chunked"):
         CompressedCache(model, parse_policy("snapkv(ratio=0.5)"))
     with pytest.raises(ValueError, match="every attention layer of .* is chunked"):
-        plan(model.config, 100, policy="snapkv(ratio=0.5)")
-    assert plan(model.config, 100, policy="kivi(bits=4)").sequence_bytes > 0
+        plan(model.config, 100, policy=parse_policy("snapkv(ratio=0.5)"))
+    assert plan(model.config, 100, policy=parse_policy("kivi(bits=4)")).sequence_bytes > 0
 
 
 def test_a_llama4_config_json_without_layer_types_plans_its_chunks():
@@ -287,4 +287,4 @@ def test_a_llama4_config_json_without_layer_types_plans_its_chunks():
     cache = CompressedCache(model, parse_policy("snapkv(ratio=0.5)"), kv_dtype=torch.bfloat16)
     with torch.no_grad():
         model(random_ids(100, 1), cache=cache)
-    assert plan(config, 100, policy="snapkv(ratio=0.5)").sequence_bytes == cache.stats().kv_bytes
+    assert plan(config, 100, policy=parse_policy("snapkv(ratio=0.5)")).sequence_bytes == cache.stats().kv_bytes

@@ -488,6 +488,15 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
     return attention_layers * sum(architectures.cache_widths(model.config)) * element
 
 
-retrieval_heads.use_cache(CompressedCache)  # DuoAttention calibrates its retrieval heads through this cache
+def _retrieval_calibration_cache(model, window: int) -> CompressedCache:
+    """The cache DuoAttention's calibration scores heads in: the attention of the last ``window`` queries (those that
+    write the passkey's answer), kept unpooled, in the model's own dtype."""
+    from kveval.policies.snapkv import SnapKVPolicy
+
+    stack = PolicyStack(selection=SnapKVPolicy(ratio=0.5, window=window, kernel=1))
+    return CompressedCache(model, stack, defer_compression=True, kv_dtype=model.dtype)
+
+
+retrieval_heads.use_cache(_retrieval_calibration_cache)  # DuoAttention calibrates its retrieval heads through this
 
 __all__ = ["CacheStats", "CompressedCache", "CompressedHybridLayer", "CompressedLayer", "nominal_bytes_per_token"]

@@ -42,16 +42,17 @@ from kveval.calibration.kv import (
 from kveval.paths import cache_dir
 from kveval.probes.text import REPEAT_SENTENCES
 
-#: The cache class calibration runs the model with: :class:`kveval.cache.compressed.CompressedCache`, which hands itself over
-#: here when its module loads (:func:`use_cache`). Handed over, not imported: the cache imports the policies, whose
-#: DuoAttention calls this module, so an import would close a cycle.
+#: Builds the cache calibration runs the model with: ``(model, window) ->`` a
+#: :class:`kveval.cache.compressed.CompressedCache` that keeps SnapKV's attention of the last ``window`` queries. The
+#: cache module hands it over here when it loads (:func:`use_cache`). Handed over, not imported: the cache imports the
+#: policies, whose DuoAttention calls this module, so an import would close a cycle.
 _calibration_cache = None
 
 
-def use_cache(cache_type) -> None:
-    """Calibrate with ``cache_type`` (a :class:`~kveval.cache.compressed.CompressedCache`-like class)."""
+def use_cache(make_cache) -> None:
+    """Calibrate with the caches ``make_cache(model, window)`` builds (see :data:`_calibration_cache`)."""
     global _calibration_cache
-    _calibration_cache = cache_type
+    _calibration_cache = make_cache
 
 CALIBRATION_VERSION = 1
 DEPTHS = (0.2, 0.5, 0.8)
@@ -134,8 +135,7 @@ def calibrate(model, tokens: int, model_key: str = "") -> RetrievalScores:
     for i, depth in enumerate(DEPTHS):
         ids, needle, answer = passkey_probe(model, tokens, depth, seed=i)
         # The last `answer` queries of ids[:-1] are those that write the answer's tokens.
-        window = f"snapkv(ratio=0.5,window={answer},kernel=1)"
-        cache = _calibration_cache(model, window, defer_compression=True, kv_dtype=model.dtype)
+        cache = _calibration_cache(model, answer)
         _check_within_windows(cache, tokens, len(ids) - 1)
         with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
             model(input_ids=torch.tensor([ids[:-1]], device=model.device), cache=cache, use_cache=True)

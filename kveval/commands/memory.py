@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kveval.errors import UsageError
+from kveval.policies.spec import parse_policy
 
 import argparse
 import json
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.model:
         raise UsageError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
     headroom = parse_headroom(args.headroom)
+    policy = parse_policy(args.policy)
     new_tokens = parse_tokens(args.new_tokens, "new_tokens")
     batch = 1 if args.batch is None else args.batch
     if batch < 1:
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     spec = load_model_spec(args.model)
     fits: list[FitResult] = []
     if args.gpu_memory:
-        kwargs = dict(policy=args.policy, dtype_bytes=args.dtype_bytes, headroom=headroom, new_tokens=new_tokens,
+        kwargs = dict(policy=policy, dtype_bytes=args.dtype_bytes, headroom=headroom, new_tokens=new_tokens,
                       weight_bytes_per_param=args.weight_bytes_per_param, storage=args.storage)
         fits.append(max_fit(spec, args.gpu_memory, args.weights, batch=batch, **kwargs))
         if context is not None:
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         shown = spec.max_position or max(w for w in spec.windows if w)
     else:
         shown = max(fits[0].value, 1)
-    p = plan(spec, shown, batch, args.policy, args.dtype_bytes, new_tokens, storage=args.storage)
+    p = plan(spec, shown, batch, policy, args.dtype_bytes, new_tokens, storage=args.storage)
     _emit(args.json, {"plan": p.to_dict(), "fit": [f.to_dict() for f in fits]}, format_plan(p, fits, args.layers))
     return 0
 

@@ -122,13 +122,16 @@ def deployment_decision(
 
 def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, headroom: float,
             weights: str | None) -> Deployment:
+    from kveval.policies.spec import parse_policy
+
     runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
     budget = memory.max_fit(r.baseline.model, gpu_memory, weights, context=context, headroom=headroom).cache_budget_bytes
     fits: dict[str, tuple[int, bool]] = {}
     unplanned: dict[str, str] = {}
     for name, info, _ in runs:
         try:
-            plan = memory.plan(info.model, context, batch, policy=info.policy, dtype_bytes=_element_bytes(info))
+            # run.json records the policy as its spec: read here, at the edge where the decision reads the run
+            plan = memory.plan(info.model, context, batch, policy=parse_policy(info.policy), dtype_bytes=_element_bytes(info))
         except ValueError as exc:  # a policy the planner does not model, or one that does not fit the model
             unplanned[name] = str(exc)
             continue

@@ -454,7 +454,7 @@ class KVEvalLM(HFLM):
             for first, keys, tail_batches in _planned_batches(groups, order, batch_size):
                 protect, rows = [p for _, p in keys], [list(prefill) for prefill, _ in keys]
                 if share:
-                    shared = CompressedCache(self.model, "none", seed=self.seed + first, defer_compression=True,
+                    shared = CompressedCache(self.model, PolicyStack(), seed=self.seed + first, defer_compression=True,
                                              kv_dtype=self.kv_dtype, scores_for=stacks)
                     first_logprobs = self._prefill(shared, rows, protect, pad_id)
                     shared.drop_batch_buffers()

@@ -60,12 +60,15 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kveval.modeling.layer_types import selecting_layers
 from kveval.planner.model_specs import ModelSpec, load_model_spec
 from kveval.planner.native import PartPlan, native_layers, parse_storage, storages
 from kveval.values import is_real, is_whole
+
+if TYPE_CHECKING:
+    from kveval.policies.base import PolicyStack
 
 _GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
 
@@ -139,9 +142,10 @@ class MemoryPlan:
 
 
 def _policy_stack(policy):
-    from kveval.policies.spec import parse_policy
+    """The planned stack: a :class:`~kveval.policies.base.PolicyStack` parsed at the edge (``None``: the baseline)."""
+    from kveval.policies.base import require_stack
 
-    return parse_policy(policy)
+    return require_stack(policy, "the memory planner")
 
 
 def check_int(value, what: str, minimum: int) -> int:
@@ -395,7 +399,7 @@ def _native_plan(spec: ModelSpec, stack, context: int, batch: int, dtype_bytes: 
                       parts=parts, native=True)
 
 
-def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 2, new_tokens: int = 0,
+def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = None, dtype_bytes: int = 2, new_tokens: int = 0,
          storage=None) -> MemoryPlan:
     """KV-cache bytes of ``batch`` sequences of ``context`` tokens (plus ``new_tokens`` generated) under ``policy``.
 
@@ -415,7 +419,7 @@ def plan(model, context: int, batch: int = 1, policy="none", dtype_bytes: int = 
     if _native(spec, stack, overrides) or (stack.is_none and spec.storage):
         return _native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes)
     layout = _layout(spec, stack, notes)
-    base_layout = _layout(spec, _policy_stack("none"), [])
+    base_layout = _layout(spec, _policy_stack(None), [])
     from kveval.policies.base import PolicyStack
 
     layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
@@ -539,7 +543,7 @@ def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int,
 
 
 def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batch: int | None = None,
-            policy="none", dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
+            policy: "PolicyStack | None" = None, dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
             weight_bytes_per_param: float | None = None, storage=None) -> FitResult:
     """Largest context (give ``batch`` or nothing: batch 1) or largest batch (give ``context``) that fits.
 
@@ -762,7 +766,7 @@ def compare(models, contexts, batch: int = 1, dtype_bytes: int = 2, storage=None
                          f"parts: {', '.join(sorted(known))}")
     for spec in specs:
         mine = {part: name for part, name in overrides.items() if part == "all" or part in storages(spec)}
-        plans = [plan(spec, c, batch, "none", dtype_bytes, storage=mine) for c in contexts]
+        plans = [plan(spec, c, batch, None, dtype_bytes, storage=mine) for c in contexts]
         previous = rows[-1].plans if rows else None
         ratios = [p.sequence_bytes / q.sequence_bytes if previous else None
                   for p, q in zip(plans, previous or plans)]
