@@ -132,12 +132,12 @@ def to_junit(result: GateResult | Sequence[GateResult]) -> str:
             skipped=str(sum(1 for t in cv.tasks if t.status == INCONCLUSIVE)),
         )
         if cv.status == ERROR:
-            case = ET.SubElement(suite, "testcase", classname=f"kveval.gate.rules.{cv.name}", name="results", time="0")
+            case = ET.SubElement(suite, "testcase", classname=f"kveval.gate.{cv.name}", name="results", time="0")
             err = ET.SubElement(case, "error", message=cv.error or "error", type="ResultFileError")
             err.text = cv.error
             continue
         for t in cv.tasks:
-            case = ET.SubElement(suite, "testcase", classname=f"kveval.gate.rules.{cv.name}", name=t.task, time="0")
+            case = ET.SubElement(suite, "testcase", classname=f"kveval.gate.{cv.name}", name=t.task, time="0")
             if t.status == FAIL:
                 f = ET.SubElement(case, "failure", message=f"{t.summary}: {'; '.join(t.reasons)}", type="regression")
                 regressed = "\n".join(
