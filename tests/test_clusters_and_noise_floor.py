@@ -269,7 +269,7 @@ def test_the_embedded_models_batch_arrangement_flips_are_the_noise_floor(tmp_pat
 
     path = tmp_path / "sweep.yaml"
     path.write_text("name: floor\nmodels: [smollm2-135m]\nbatch_size: 8\npolicies: [h2o(ratio=0.5)]\nnoise_floor: true\n"
-                    "probes: {families: [passkey, niah_multikey], lengths: [384], depths: [0.1, 0.5, 0.9], n: 4, seed: 7}\n")
+                    "probes: {families: [passkey, niah_multikey], lengths: [384], depths: [0.1, 0.5, 0.9], n: 8, seed: 7}\n")
     out = tmp_path / "out"
     assert main(["sweep", str(path), "--out", str(out), "--quiet"]) == 0
     base = out / "runs" / "smollm2-135m" / "none"
@@ -281,7 +281,7 @@ def test_the_embedded_models_batch_arrangement_flips_are_the_noise_floor(tmp_pat
     x, y = {r.id: r for r in read_items(base)}, {r.id: r for r in read_items(floor)}
     for name, task in tasks.items():
         ids = [i for i in x if x[i].task == name]
-        assert task["noise_floor"]["n"] == len(ids) == 24
+        assert task["noise_floor"]["n"] == len(ids) == 8
         assert task["noise_floor"]["flips"] == sum(x[i].correct != y[i].correct for i in ids)
         assert task["noise_floor"]["answers"] == sum(x[i].answer != y[i].answer for i in ids)
         # bytes and kept tokens follow the answer: where the answer is the same, so are they
