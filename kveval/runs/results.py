@@ -31,7 +31,16 @@ import numpy as np
 
 from kveval.runs.lm_eval_schema import as_float as _as_float
 from kveval.runs.lm_eval_schema import read_run_fields  # the keys the kveval model type writes
-from kveval.runs.records import ITEMS_FILE, RUN_FILE, ItemRecord, ResultFileError, RunInfo, read_items, read_run_info
+from kveval.runs.records import (
+    ITEMS_FILE,
+    RUN_FILE,
+    ItemRecord,
+    ResultFileError,
+    RunInfo,
+    missing_items,
+    read_items,
+    read_run_info,
+)
 from kveval.values import is_real
 
 #: How many folder levels below a given path a run folder is looked for (sweep/runs/<model>/<policy>).
@@ -104,12 +113,17 @@ def load_run(path: str | os.PathLike | Run, *, metric: str | dict[str, str] | No
 
 
 def load_kveval_run(path: str | os.PathLike) -> Run:
-    """Read a kveval run folder; raises :class:`ResultFileError` on bad files."""
+    """Read a kveval run folder; raises :class:`ResultFileError` on bad files, and on a run that holds fewer items
+    than its ``run.json`` records (:func:`~kveval.runs.records.missing_items`): no verdict on a part of a run."""
     p = Path(path)
     info = read_run_info(p)
     items = read_items(p)
     if not items:
         raise ResultFileError(f"{p / ITEMS_FILE}: no items; the run did not finish any item")
+    short = missing_items(info, items)
+    if short:
+        raise ResultFileError(f"{p}: the run {info.name} {short}; finish it first (run the kveval sweep or kveval eval "
+                              f"that wrote it again: it resumes), or run it again into a new folder")
     validate_items(items, p / ITEMS_FILE)
     return Run(p, info, items, "kveval")
 

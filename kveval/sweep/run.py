@@ -232,16 +232,16 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
     is not finished either: :func:`~kveval.runner.evaluate.evaluate_policies` then refuses the folder, naming it."""
     from kveval.errors import ResultFileError
     from kveval.runner.fidelity import read_fidelity
-    from kveval.runs.records import iter_items
+    from kveval.runs.records import holds, iter_items
 
     try:
         records = list(iter_items(run_dir))
     except (ResultFileError, OSError) as exc:  # missing, or a killed writer's half line
         return f"not readable ({exc})" if isinstance(exc, ResultFileError) else "not run yet"
     written = {r.id: r.hash for r in records}
-    done = sum(written.get(item.id) == item.hash for item in items)
-    if done < len(items):
-        return f"holds {done} of {len(items)} items"
+    short = holds(sum(written.get(item.id) == item.hash for item in items), len(items))
+    if short:
+        return short
     tasks = {r.metrics.get("lm_eval_task") for r in records}
     missing = [task for task in config.lm_eval.get("tasks", []) if task not in tasks]
     if missing:

@@ -1,0 +1,142 @@
+"""Fault injection on copies of results/quickstart: runs cut short, copied over, stale gate files, config mistakes,
+other models' runs, closed pipes, extreme plan arguments and out-of-range lengths.
+
+Every case ends the way kveval promises (:mod:`kveval.errors`): a verdict only on the data it names, else one line
+naming the fix and exit 2, and results already written kept. No model runs: the runs are the committed ones,
+damaged here in ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kveval.commands import main as cli
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "results" / "quickstart"
+RUNS = QUICKSTART / "runs" / "smollm2-135m"
+GATE_CPU = REPO / "configs" / "gate-cpu.yaml"
+BASE, QUANT, RANDOM = "none", "quant_bits-8_group-16", "random_ratio-0.5"
+
+
+def copy_runs(tmp_path: Path, *names: str, folder: str = "runs/smollm2-135m") -> dict[str, Path]:
+    """Copies of the quickstart's run folders ``names`` under ``tmp_path/folder``."""
+    out = {}
+    for name in names:
+        out[name] = tmp_path / folder / name
+        shutil.copytree(RUNS / name, out[name])
+    return out
+
+
+def cut_items(run_dir: Path, keep: int) -> None:
+    """Keep the first ``keep`` lines of ``items.jsonl``: a run cut short at a line boundary."""
+    path = run_dir / "items.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:keep]))
+
+
+def edit_run_json(run_dir: Path, edit) -> None:
+    path = run_dir / "run.json"
+    info = json.loads(path.read_text())
+    edit(info)
+    path.write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
+def kveval(capsys, *argv) -> tuple[int, str, str]:
+    """Run the CLI in this process: (exit code, stdout, stderr)."""
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str, *needles: str) -> None:
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert lines and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+# ----------------------------------------------------------------------------- 1. runs that did not finish
+
+
+@pytest.fixture
+def truncated(tmp_path):
+    """Baseline and quant copies, both cut to 100 of their 120 items at a line boundary (run.json records 120)."""
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    for run_dir in runs.values():
+        cut_items(run_dir, 100)
+    return runs
+
+
+def test_gate_refuses_runs_cut_at_a_line_boundary(truncated, capsys):
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", truncated[BASE],
+                            "--candidate", truncated[QUANT])
+    assert code == 2 and "PASS" not in out
+    one_line_error(err, str(truncated[BASE]), "holds 100 of 120 items")
+
+
+def test_gate_refuses_a_truncated_candidate_of_a_whole_baseline(tmp_path, capsys):
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    cut_items(runs[QUANT], 100)
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT])
+    assert code == 2 and "PASS" not in out
+    one_line_error(err, str(runs[QUANT]), "holds 100 of 120 items")
+
+
+def test_compare_and_report_refuse_truncated_runs(truncated, tmp_path, capsys):
+    code, out, err = kveval(capsys, "compare", truncated[BASE], truncated[QUANT])
+    assert code == 2
+    one_line_error(err, "holds 100 of 120 items")
+    code, out, err = kveval(capsys, "report", tmp_path, "--out", tmp_path / "o")
+    assert code == 2 and not (tmp_path / "o" / "leaderboard.md").exists()
+    one_line_error(err, "holds 100 of 120 items")
+
+
+def killed_sweep_run(run_dir: Path, keep: int, expected: int | None) -> None:
+    """A run as a SIGKILLed sweep leaves it: ``keep`` items written, run.json as opened (no finished count)."""
+    cut_items(run_dir, keep)
+
+    def opened(info):
+        for key in ("items", "peak_kv_bytes", "ttft_s_mean", "decode_tokens_per_s_mean"):
+            info["extra"].pop(key, None)
+        info["bytes_per_token"] = info["nominal_bytes_per_token"] = None
+        if expected is not None:
+            info["extra"]["expected_items"] = expected
+    edit_run_json(run_dir, opened)
+
+
+@pytest.mark.parametrize("expected", [2, None], ids=["opened-with-its-count", "opened-before-counts-were-recorded"])
+def test_a_killed_sweep_copied_aside_gets_no_verdict(tmp_path, capsys, expected):
+    runs = copy_runs(tmp_path, BASE, QUANT, folder="aside/runs/smollm2-135m")
+    for run_dir in runs.values():
+        killed_sweep_run(run_dir, 1, expected)
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT])
+    assert code == 2 and "INCONCLUSIVE" not in out
+    one_line_error(err, str(runs[BASE]), "holds 1 of 2 items" if expected else "did not finish")
+    code, out, err = kveval(capsys, "report", tmp_path / "aside", "--out", tmp_path / "o")
+    assert code == 2
+    one_line_error(err, "holds 1 of 2 items" if expected else "did not finish")
+
+
+def test_a_whole_run_still_gates(tmp_path, capsys):
+    """Already passing: the committed runs, untouched, PASS as the quickstart's gate says."""
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT])
+    assert code == 0 and "gate: PASS" in out, err
+
+
+def test_a_line_cut_mid_write_is_refused(tmp_path, capsys):
+    """Already passing: a half-written last line (a killed writer) is refused."""
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    path = runs[QUANT] / "items.jsonl"
+    path.write_bytes(path.read_bytes()[:-40])
+    code, out, err = kveval(capsys, "compare", runs[BASE], runs[QUANT])
+    assert code == 2
+    one_line_error(err, "truncated")
