@@ -140,3 +140,45 @@ def test_a_line_cut_mid_write_is_refused(tmp_path, capsys):
     code, out, err = kveval(capsys, "compare", runs[BASE], runs[QUANT])
     assert code == 2
     one_line_error(err, "truncated")
+
+
+# ----------------------------------------------------------------------------- 2. verdicts of other data
+
+
+def test_report_refuses_a_committed_gate_that_records_no_digest(tmp_path, capsys):
+    """The issue's case: random's items copied over the quant run; the committed gate (written before gates recorded
+    what they judged) must not lend that run its PASS."""
+    runs = copy_runs(tmp_path, BASE, QUANT, RANDOM)
+    shutil.copy(runs[RANDOM] / "items.jsonl", runs[QUANT] / "items.jsonl")
+    code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", QUICKSTART / "gate", "--out", tmp_path / "o")
+    assert code == 2 and "PASS" not in out
+    one_line_error(err, "gate.json", "kveval gate", "--out")
+
+
+def test_report_refuses_a_gate_judged_on_other_items(tmp_path, capsys):
+    runs = copy_runs(tmp_path, BASE, QUANT, RANDOM)
+    code, _, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT],
+                          "--candidate", runs[RANDOM], "--out", tmp_path / "gate")
+    assert code == 1, err  # random(ratio=0.5) FAILs
+    judged = json.loads((tmp_path / "gate" / "gate.json").read_text())["candidates"][0]["judged"]
+    assert judged["candidate"]["items"] == 120 and len(judged["candidate"]["items_sha256"]) == 64
+    code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", tmp_path / "gate", "--out", tmp_path / "o")
+    assert code == 0 and "| PASS |" in out, err  # the gate's own runs: verdicts attached
+    shutil.copy(runs[RANDOM] / "items.jsonl", runs[QUANT] / "items.jsonl")
+    code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", tmp_path / "gate", "--out", tmp_path / "o2")
+    assert code == 2 and not (tmp_path / "o2" / "leaderboard.md").exists()
+    one_line_error(err, str(runs[QUANT]), "other data", "kveval gate")
+
+
+def test_report_refuses_a_gate_whose_baseline_changed(tmp_path, capsys):
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    assert kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT],
+                  "--out", tmp_path / "gate")[0] == 0
+    path = runs[BASE] / "items.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    record = json.loads(lines[0])
+    record.update(score=0.0, correct=False, category="fabricated", answer=" 12345")
+    path.write_text(json.dumps(record, sort_keys=True) + "\n" + "".join(lines[1:]))
+    code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", tmp_path / "gate", "--out", tmp_path / "o")
+    assert code == 2
+    one_line_error(err, "baseline", "other data")

@@ -56,7 +56,7 @@ from kveval.stats.comparison import (
 from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
 from kveval.gate.config import GateConfig, load_gate_config
 from kveval.runs.records import RunInfo
-from kveval.runs.results import expand_run_dirs, load_run, pairing_warnings
+from kveval.runs.results import expand_run_dirs, load_run, pairing_warnings, run_digest
 
 PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
@@ -142,6 +142,10 @@ class CandidateVerdict:
     info: RunInfo | None = None
     comparison: RunComparison | None = None
     warnings: list[str] = field(default_factory=list)
+    #: What the verdict was computed on: ``{"baseline", "candidate"}`` -> :func:`~kveval.runs.results.run_digest`
+    #: (the candidate's ``None`` where it could not be read). ``kveval report --gate`` attaches the verdict only to
+    #: the runs it names.
+    judged: dict[str, Any] | None = None
 
     @property
     def reasons(self) -> list[str]:
@@ -167,6 +171,7 @@ class CandidateVerdict:
                 "run": asdict(self.info) if self.info else None,
                 "reasons": self.reasons,
                 "tasks": [t.to_dict() for t in self.tasks],
+                "judged": self.judged,
             }
         )
 
@@ -461,18 +466,22 @@ def evaluate_gate(
             )
         gated = list(cfg.tasks)
     verdicts: list[CandidateVerdict] = []
+    base_digest = run_digest(base)
     for cand in candidate_dirs:
+        judged = {"baseline": base_digest, "candidate": None}
         try:
             cand_run = load_run(cand, metric=metric)
+            judged["candidate"] = run_digest(cand_run)
             rc = compare_runs(
                 base, cand_run, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples, seed=cfg.seed,
                 cells=False, metric=metric,
             )
         except (ResultFileError, ValueError, OSError) as exc:
-            verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc)))
+            verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc), judged=judged))
             continue
         verdicts.append(
-            CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc, warnings=pairing_warnings(base, cand_run))
+            CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc,
+                             warnings=pairing_warnings(base, cand_run), judged=judged)
         )
     result = GateResult(cfg, base.info, str(base.path), gated, verdicts)
     _judge_all([result], cfg)

@@ -20,6 +20,7 @@ partial or different item set is not a comparison.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -37,6 +38,7 @@ from kveval.runs.records import (
     ItemRecord,
     ResultFileError,
     RunInfo,
+    item_line,
     missing_items,
     read_items,
     read_run_info,
@@ -73,6 +75,19 @@ class Run:
     info: RunInfo
     items: list[ItemRecord]
     source: str
+
+
+def run_digest(run: Run) -> dict[str, Any]:
+    """What a verdict on ``run`` was computed on, as ``gate.json`` records it (``judged``) and ``kveval report --gate``
+    checks it: the run's identity (name, model and its full identity, policy, mode, cache dtype), its number of items
+    and the SHA-256 of its items as ``items.jsonl`` lines (for a run kveval wrote: ``sha256sum items.jsonl``)."""
+    info = run.info
+    return {
+        "identity": {"name": info.name, "model": info.model, "model_identity": info.model_identity,
+                     "policy": info.policy, "mode": info.mode, "kv_dtype": info.kv_dtype},
+        "items": len(run.items),
+        "items_sha256": hashlib.sha256("".join(item_line(r) for r in run.items).encode()).hexdigest(),
+    }
 
 
 def load_run(path: str | os.PathLike | Run, *, metric: str | dict[str, str] | None = None) -> Run:
