@@ -182,3 +182,79 @@ def test_report_refuses_a_gate_whose_baseline_changed(tmp_path, capsys):
     code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", tmp_path / "gate", "--out", tmp_path / "o")
     assert code == 2
     one_line_error(err, "baseline", "other data")
+
+
+# ----------------------------------------------------------------------------- 3. gate and sweep config mistakes
+
+
+def gate_with(tmp_path: Path, capsys, config_text: str, candidate: str = QUANT) -> tuple[int, str, str]:
+    runs = copy_runs(tmp_path, BASE, candidate)
+    config = tmp_path / "gate.yaml"
+    config.write_text(config_text)
+    return kveval(capsys, "gate", "--config", config, "--baseline", runs[BASE], "--candidate", runs[candidate])
+
+
+@pytest.mark.parametrize("text, key", [
+    ("margin: {default: 0.9, pasky: 0.01}\n", "margin.pasky"),
+    ("margin: 0.9\nmax_mean_kl: {pasky: 0.01}\n", "max_mean_kl.pasky"),
+])
+def test_a_misspelt_task_in_a_per_task_map_is_refused(tmp_path, capsys, text, key):
+    code, out, err = gate_with(tmp_path, capsys, text, RANDOM)  # pasky: 0.01 would have failed random on passkey
+    assert code == 2 and "PASS" not in out
+    one_line_error(err, key, "passkey", "niah_single")
+
+
+def test_a_per_task_map_naming_the_runs_tasks_is_taken(tmp_path, capsys):
+    """Already passing: a correct per-task margin applies to its task."""
+    code, out, err = gate_with(tmp_path, capsys, "margin: {default: 0.9, passkey: 0.001}\n", RANDOM)
+    assert code == 1 and "FAIL" in out, err
+
+
+@pytest.mark.parametrize("text", ["margin: 0.05\nmargin: 0.5\n", "margin: {default: 0.5, default: 0.05}\n"])
+def test_a_repeated_key_in_a_gate_config_is_refused(tmp_path, capsys, text):
+    code, out, err = gate_with(tmp_path, capsys, text)
+    assert code == 2 and "gate:" not in out
+    one_line_error(err, "margin" if text.startswith("margin: 0") else "default", "twice", "line")
+
+
+def test_a_task_listed_twice_is_refused(tmp_path, capsys):
+    code, out, err = gate_with(tmp_path, capsys, "margin: 0.1\ntasks: [passkey, passkey]\n")
+    assert code == 2 and "gate:" not in out
+    one_line_error(err, "passkey", "twice")
+
+
+def test_a_repeated_key_in_a_sweep_config_is_refused(tmp_path):
+    from kveval.errors import ConfigError
+    from kveval.sweep.config import load_config
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: s\npolicies: [quant]\nprobes:\n  n: 2\n  n: 200\n")
+    with pytest.raises(ConfigError, match=r"sweep.yaml: .*'n'.*twice"):
+        load_config(path)
+
+
+def test_every_yaml_kveval_reads_goes_through_the_strict_loader():
+    """One loader refuses repeated keys: no module of kveval calls PyYAML's own loaders."""
+    package = REPO / "kveval"
+    calls = [f"{path.relative_to(REPO)}" for path in package.rglob("*.py") if path.name != "yaml_files.py"
+             and any(f"yaml.{name}(" in path.read_text() for name in ("safe_load", "load", "full_load", "unsafe_load"))]
+    assert calls == []
+
+
+def test_yaml_merge_keys_stay_allowed(tmp_path):
+    """Already passing: a key given by a merge (<<) and set again is YAML's override, not a repeat."""
+    from kveval.yaml_files import load_yaml
+
+    path = tmp_path / "x.yaml"
+    path.write_text("base: &b {alpha: 0.05, power: 0.8}\nrules:\n  <<: *b\n  alpha: 0.01\n")
+    assert load_yaml(path, "config")["rules"] == {"alpha": 0.01, "power": 0.8}
+
+
+def test_a_sweep_refuses_a_gate_map_naming_none_of_its_families_before_it_runs(tmp_path):
+    from kveval.errors import ConfigError
+    from kveval.sweep.config import load_config
+
+    (tmp_path / "gate.yaml").write_text("margin: {default: 0.1, pasky: 0.01}\n")
+    (tmp_path / "sweep.yaml").write_text("name: s\npolicies: [quant]\ngate: gate.yaml\nprobes: {families: [passkey]}\n")
+    with pytest.raises(ConfigError, match=r"margin.pasky.*passkey"):
+        load_config(tmp_path / "sweep.yaml")

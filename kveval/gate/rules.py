@@ -443,19 +443,23 @@ def evaluate_gate(
     candidate_dirs: Sequence[str | os.PathLike],
     *,
     metric: str | dict[str, str] | None = None,
+    known_tasks: Sequence[str] | None = None,
 ) -> GateResult:
-    """Evaluate candidates against a baseline under the gate rules.
+    """Evaluate candidates against a baseline (a run folder, or a loaded :class:`~kveval.runs.results.Run`) under
+    the gate rules.
 
     A candidate whose results cannot be read or paired gets status ``"ERROR"``
     (the others are still judged). Raises :class:`ResultFileError` for a bad
     baseline or a gated task missing from it, :class:`UsageError` for no
-    candidates, :class:`~kveval.errors.ConfigError` for a bad config.
+    candidates, :class:`~kveval.errors.ConfigError` for a bad config, or one whose per-task settings name a task
+    not among ``known_tasks`` (default: the baseline's tasks; a sweep's: every model's).
     """
     cfg = load_gate_config(config)
     if not candidate_dirs:
         raise UsageError("no candidate runs to gate")
     base = load_run(baseline_dir, metric=metric)
     base_tasks = list(dict.fromkeys(it.task for it in base.items))
+    cfg.check_tasks(base_tasks if known_tasks is None else known_tasks)
     if cfg.tasks == "all":
         gated = base_tasks
     else:
@@ -524,7 +528,9 @@ def evaluate_sweep(
 ) -> list[GateResult]:
     """Gate every compressed run of a sweep against its own model's baseline (one :class:`GateResult` per model)."""
     cfg = load_gate_config(config)
-    results = [evaluate_gate(cfg, base, cands, metric=metric) for base, cands in group_runs_by_baseline(run_dirs)]
+    groups = [(load_run(base, metric=metric), cands) for base, cands in group_runs_by_baseline(run_dirs)]
+    known = list(dict.fromkeys(it.task for base, _ in groups for it in base.items))
+    results = [evaluate_gate(cfg, base, cands, metric=metric, known_tasks=known) for base, cands in groups]
     if cfg.family == "sweep" and len(results) > 1:
         _judge_all(results, cfg)
     return results

@@ -6,10 +6,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-import yaml
 from typing import TYPE_CHECKING
 from kveval.errors import ConfigError
 from kveval.values import is_real, is_whole
+from kveval.yaml_files import load_yaml
 if TYPE_CHECKING:
     from kveval.sweep.executors import Cell, CellResult, Executor
     from kveval.runner.runspec import RunSpec
@@ -62,12 +62,7 @@ def load_config(path: str | Path) -> SweepConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such sweep config; see configs/quickstart.yaml for an example")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text; a sweep config is a YAML file") from None
+    raw = load_yaml(path, "sweep config") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a sweep config is a mapping of keys ({', '.join(sorted(CONFIG_KEYS))})")
     unknown = set(raw) - CONFIG_KEYS
@@ -126,7 +121,9 @@ def load_config(path: str | Path) -> SweepConfig:
         from kveval.gate.config import load_gate_config
 
         gate = str((path.parent / gate).resolve()) if not Path(gate).is_absolute() else gate
-        load_gate_config(gate)  # a bad gate file is reported now, before any model loads
+        rules = load_gate_config(gate)  # a bad gate file is reported now, before any model loads
+        if not lm_eval:  # the runs' tasks are the probe families: a misspelt per-task key is known now too
+            rules.check_tasks(families)
     depths = probes.get("depths")
     if depths is not None:
         depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]
