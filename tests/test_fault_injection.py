@@ -258,3 +258,34 @@ def test_a_sweep_refuses_a_gate_map_naming_none_of_its_families_before_it_runs(t
     (tmp_path / "sweep.yaml").write_text("name: s\npolicies: [quant]\ngate: gate.yaml\nprobes: {families: [passkey]}\n")
     with pytest.raises(ConfigError, match=r"margin.pasky.*passkey"):
         load_config(tmp_path / "sweep.yaml")
+
+
+# ----------------------------------------------------------------------------- 4. runs of other models
+
+
+def other_model(info):
+    info["model_identity"].update(source="HuggingFaceTB/SmolLM2-360M", revision="main", hash="0badf00d")
+
+
+@pytest.mark.parametrize("edit", [
+    other_model,
+    lambda info: info["model_identity"].update(revision="v2"),  # the same name and hash, another revision
+], ids=["other-source", "other-revision"])
+def test_runs_of_another_model_identity_are_not_paired(tmp_path, capsys, edit):
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    edit_run_json(runs[QUANT], edit)
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT])
+    assert code == 2 and "PASS" not in out
+    one_line_error(err, "different models", str(runs[QUANT]))
+    code, out, err = kveval(capsys, "compare", runs[BASE], runs[QUANT])
+    assert code == 2
+    one_line_error(err, "different models")
+
+
+def test_runs_of_another_model_name_are_not_paired(tmp_path, capsys):
+    """Already passing: another model name is refused."""
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    edit_run_json(runs[QUANT], lambda info: info.update(model="smollm2-360m"))
+    code, out, err = kveval(capsys, "compare", runs[BASE], runs[QUANT])
+    assert code == 2
+    one_line_error(err, "different models")

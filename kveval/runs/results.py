@@ -433,6 +433,12 @@ def _ids(xs: Iterable[str], k: int = 5) -> str:
     return shown + (f", ... ({len(xs) - k} more)" if len(xs) > k else "")
 
 
+def _model_of(info: RunInfo) -> str:
+    """``'smollm2-135m' (embedded:smollm2-135m@None, hash 6e985e12)``: a run's model and its recorded identity."""
+    ident = info.model_identity
+    return f"{info.model!r}" + (f" ({ident.get('source')}@{ident.get('revision')}, hash {ident.get('hash')})" if ident else "")
+
+
 def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecord]]:
     """Pair two runs item by item, in the baseline's order.
 
@@ -440,17 +446,19 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
     ------
     ResultFileError
         Duplicate ids, items present in only one run, prompt-hash or task
-        mismatches, different result formats, (kveval runs) different models, different cache dtypes (where both
+        mismatches, different result formats, different models (their names, and their full recorded identities
+        where both record one: source, revision, hash), different cache dtypes (where both
         record one), or runs computed on different hardware (``extra["hardware"]``, :func:`kveval.runner.evaluate.hardware_of`; runs that predate it pair as before).
     """
     if baseline.source != candidate.source:
         raise ResultFileError(
             f"cannot pair a {baseline.source} result ({baseline.path}) with a {candidate.source} result ({candidate.path})"
         )
-    if baseline.info.model != candidate.info.model:
+    identities = [run.info.model_identity for run in (baseline, candidate)]
+    if baseline.info.model != candidate.info.model or (all(identities) and identities[0] != identities[1]):
         raise ResultFileError(
-            f"cannot pair runs of different models: baseline {baseline.info.model!r} ({baseline.path}) "
-            f"vs candidate {candidate.info.model!r} ({candidate.path})"
+            f"cannot pair runs of different models: baseline {_model_of(baseline.info)} ({baseline.path}) "
+            f"vs candidate {_model_of(candidate.info)} ({candidate.path}); compare runs of one model"
         )
     hardware = [run.info.extra.get("hardware") for run in (baseline, candidate)]
     if all(hardware) and (hardware[0] != hardware[1] or hardware[0].startswith("mixed")):
