@@ -289,3 +289,48 @@ def test_runs_of_another_model_name_are_not_paired(tmp_path, capsys):
     code, out, err = kveval(capsys, "compare", runs[BASE], runs[QUANT])
     assert code == 2
     one_line_error(err, "different models")
+
+
+# ----------------------------------------------------------------------------- 5. a reader that goes away
+
+
+def kveval_into_closed_pipe(*argv, cwd: Path) -> subprocess.CompletedProcess:
+    """``kveval ARGV | head -c 0``, deterministically: the pipe's only reader is gone before kveval prints."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("KVEVAL_DEBUG", None)
+        return subprocess.run([sys.executable, "-m", "kveval", *map(str, argv)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=cwd, env=env, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+def test_a_closed_stdout_keeps_the_gates_files_and_exit_code(tmp_path):
+    runs = copy_runs(tmp_path, BASE, QUANT, RANDOM)
+    done = kveval_into_closed_pipe("gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT],
+                                   "--candidate", runs[RANDOM], "--out", tmp_path / "g", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr  # random FAILs: the verdict's code, not an error's
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["gate.json", "gate.md", "gate.xml"]
+    assert json.loads((tmp_path / "g" / "gate.json").read_text())["status"] == "FAIL"
+
+
+def test_a_closed_stdout_ends_a_listing_quietly(tmp_path):
+    done = kveval_into_closed_pipe("policies", cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_the_gate_writes_its_files_before_it_prints(tmp_path, capsys, monkeypatch):
+    """Whatever stops the printing (a closed pipe, a full terminal), the files are already there."""
+    import builtins
+
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    seen = []
+    real_print = builtins.print
+    monkeypatch.setattr(builtins, "print", lambda *a, **k: (seen.append((tmp_path / "g" / "gate.json").exists()),
+                                                            real_print(*a, **k)))
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs[BASE], "--candidate", runs[QUANT],
+                            "--out", tmp_path / "g")
+    assert code == 0 and seen and all(seen), (seen, err)
