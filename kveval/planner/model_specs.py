@@ -143,12 +143,29 @@ def _positive_int(value, what: str, source: str) -> int:
     return value
 
 
+def _optional_int(config: dict[str, Any], key: str, source: str, minimum: int = 1) -> int | None:
+    """``config[key]`` as a whole number >= ``minimum``, or ``None`` where it is absent or null; a string such as
+    ``"4096"`` is refused (``config.json`` writes numbers as numbers), naming the key."""
+    value = config.get(key)
+    if value is None:
+        return None
+    if not is_whole(value) or value < minimum:
+        raise UsageError(f"{source}: {key}={value!r} must be a whole number >= {minimum}")
+    return value
+
+
 def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     """Read a ``config.json``-style dict (multimodal configs: their ``text_config``)."""
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         outer = config
         config = dict(config["text_config"])
         config.setdefault("num_parameters", outer.get("num_parameters"))
+    typed = {key: _optional_int(config, key, name, minimum)
+             for key, minimum in (("hidden_size", 1), ("num_attention_heads", 1), ("head_dim", 1),
+                                  ("sliding_window", 1), ("sliding_window_pattern", 0), ("max_window_layers", 0),
+                                  ("attention_chunk_size", 1), ("max_position_embeddings", 1),
+                                  ("qk_rope_head_dim", 0))}
+    config = {**config, **{key: value for key, value in typed.items() if value is not None}}
     get = config.get
     layers = get("num_hidden_layers", get("n_layer", get("num_layers")))
     if layers is None:
@@ -161,6 +178,10 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         kv_heads = 1 if get("multi_query") else heads
     head_dim = get("head_dim")
     if head_dim is None and heads and get("hidden_size"):
+        heads = _positive_int(heads, "num_attention_heads", name)
+        if get("hidden_size") % heads:
+            raise UsageError(f"{name}: hidden_size {get('hidden_size')} does not split evenly into {heads} attention "
+                             f"heads ({get('hidden_size') / heads:.4g} each); give the model's head_dim in its config")
         head_dim = get("hidden_size") // heads
     mla_dim, mla_rope = None, 0
     if get("kv_lora_rank"):
