@@ -373,3 +373,45 @@ def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path, capsys, con
     code, out, err = kveval(capsys, "memory", path, "--context", "8k")
     assert code == 2
     one_line_error(err, str(path), needle)
+
+
+# ----------------------------------------------------------------------------- 7. lengths past the model's positions
+
+
+@pytest.fixture
+def nothing_generated(monkeypatch):
+    """Fail the test where items are generated or weights load: a length must be refused before either."""
+    import kveval.runner.models
+    from kveval.probes.sets import ProbeSet
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("generated items or loaded weights before checking the lengths")
+
+    monkeypatch.setattr(ProbeSet, "items", refuse)
+    monkeypatch.setattr(kveval.runner.models, "load_model", refuse)
+
+
+def test_a_sweep_refuses_a_length_past_the_models_positions_before_generating(tmp_path, nothing_generated):
+    from kveval.errors import UsageError
+    from kveval.sweep.config import load_config
+    from kveval.sweep.run import run_sweep
+
+    path = tmp_path / "huge.yaml"
+    path.write_text("name: huge\nmodels: [smollm2-135m]\npolicies: [quant]\nprobes: {lengths: [512, 10000000], n: 1}\n")
+    with pytest.raises(UsageError, match=r"10000000.*smollm2-135m.*8192"):
+        run_sweep(load_config(path), tmp_path / "out", quiet=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_length_past_the_models_positions_before_loading(tmp_path, capsys, nothing_generated):
+    code, out, err = kveval(capsys, "eval", "--model", "smollm2-135m", "--policy", "quant", "--length", "10000000",
+                            "--out", tmp_path / "out")
+    assert code == 2
+    one_line_error(err, "10000000", "8192")
+
+
+def test_a_length_within_the_positions_passes_the_check():
+    """Already passing in effect: lengths the model holds are not refused (the check reads no weights)."""
+    from kveval.runner.runspec import check_lengths
+
+    check_lengths("smollm2-135m", [384, 4096], "probes.lengths")

@@ -251,7 +251,13 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      head_dim=head_dim, windows=windows, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
                      mla_rope=mla_rope,
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
-                     max_position=get("max_position_embeddings"), notes=notes)
+                     max_position=None if _grows_positions(config) else get("max_position_embeddings"), notes=notes)
+
+
+def _grows_positions(config: dict[str, Any]) -> bool:
+    """Dynamic NTK RoPE: the model grows its base past ``max_position_embeddings``, which then limits nothing."""
+    scaling = config.get("rope_scaling")
+    return isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "dynamic"
 
 
 #: Keys by which a ``config.json`` without ``layer_types`` says that some layers hold no K/V (Mamba, linear

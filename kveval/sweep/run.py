@@ -293,9 +293,12 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     from kveval.sweep.executors import InProcessExecutor
     from kveval.modeling.sources import resolve_device_dtype
 
-    for model_name in config.models:  # every spec against every model's config.json, before any weights load
+    from kveval.runner.runspec import check_lengths
+
+    for model_name in config.models:  # every spec and length against every model's config.json, before any weights load
         for spec in config.policies:
             spec.for_model(model_name)
+        check_lengths(model_name, config.lengths, f"sweep {config.name}: probes.lengths")
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST_FILE
     previous = read_manifest(out, config)
