@@ -415,3 +415,73 @@ def test_a_length_within_the_positions_passes_the_check():
     from kveval.runner.runspec import check_lengths
 
     check_lengths("smollm2-135m", [384, 4096], "probes.lengths")
+
+
+# ----------------------------------------------------------------------------- 8. unclear or silent
+
+
+@pytest.mark.parametrize("policies", ["[quant(bits=8,group=16)]", "[none, snapkv(ratio=0.5, window=8), quant]"])
+def test_a_spec_yaml_split_at_its_comma_is_named_with_the_quoted_form(tmp_path, policies):
+    from kveval.errors import ConfigError
+    from kveval.sweep.config import load_config
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"name: s\npolicies: {policies}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert "YAML split" in message and "comma" in message, message
+    spec = "quant(bits=8,group=16)" if "quant(" in policies else "snapkv(ratio=0.5,window=8)"
+    assert f'"{spec}"' in message, message
+
+
+def test_a_block_list_spec_keeps_its_comma(tmp_path):
+    """Already passing: a spec on its own line of a block list is one YAML string, commas and all."""
+    from kveval.sweep.config import load_config
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: s\npolicies:\n  - quant(bits=8,group=16)\n")
+    assert [p.spec for p in load_config(path).policies] == ["quant(bits=8,group=16)"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path, capsys):
+    runs = copy_runs(tmp_path, BASE, QUANT)
+    code, out, err = kveval(capsys, "compare", runs[BASE], runs[QUANT], "--json", "/dev/full")
+    assert code == 2
+    one_line_error(err, "/dev/full", "No space left")
+    code, out, err = kveval(capsys, "memory", "smollm2-135m", "--context", "8k", "--json", "/dev/full")
+    assert code == 2
+    one_line_error(err, "/dev/full", "No space left")
+
+
+def test_rescore_of_a_sweep_run_copied_aside_names_no_wrong_folder(tmp_path, capsys, monkeypatch):
+    runs = copy_runs(tmp_path, BASE, folder="part")
+    cut_items(runs[BASE], 100)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = kveval(capsys, "rescore", "part/none")
+    assert code == 2
+    one_line_error(err, "quickstart", "kveval rescore CONFIG.yaml")
+    assert "--out ." not in err and "manifest.json" in err
+
+
+def test_rescore_of_a_run_inside_its_sweep_names_the_sweep_folder(tmp_path, capsys):
+    """Already passing: a run inside its sweep folder names that folder."""
+    sweep = tmp_path / "qs"
+    copy_runs(sweep, BASE)
+    shutil.copy(QUICKSTART / "manifest.json", sweep / "manifest.json")
+    code, out, err = kveval(capsys, "rescore", sweep / "runs" / "smollm2-135m" / "none")
+    assert code == 2
+    one_line_error(err, f"--out {sweep}")
+
+
+def test_the_planner_refuses_heads_that_do_not_divide_the_width(tmp_path, capsys):
+    config = {"num_hidden_layers": 32, "num_attention_heads": 33, "num_key_value_heads": 11, "hidden_size": 4096}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = kveval(capsys, "memory", path, "--context", "8k")
+    assert code == 2
+    one_line_error(err, "33", "head_dim")
+    path.write_text(json.dumps({**config, "head_dim": 128}))  # given explicitly: planned as given
+    code, out, err = kveval(capsys, "memory", path, "--context", "8k")
+    assert code == 0, err

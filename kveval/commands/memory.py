@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            Path(args.json).write_text(text + "\n", encoding="utf-8")
+            from kveval.runs.records import atomic_write_text
+
+            atomic_write_text(Path(args.json), text + "\n")
             print(format_plan(p, fits, args.layers))
     else:
         print(format_plan(p, fits, args.layers))

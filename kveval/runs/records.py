@@ -246,16 +246,29 @@ def read_items(run_dir: str | os.PathLike) -> list[ItemRecord]:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a whole file so that readers see either the old or the new content."""
+    """Write a whole file so that readers see either the old or the new content.
+
+    A path that is there and is neither a file nor a folder (``/dev/stdout``, a pipe, a device) is written in place:
+    renaming a file over it would replace it. An error that names no file (a full disk fails at write time) is
+    raised naming ``path``, so that its one line says where."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
-        tmp.unlink(missing_ok=True)
+        if path.exists() and not path.is_file() and not path.is_dir():
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            return
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
 
 

@@ -75,10 +75,11 @@ def load_config(path: str | Path) -> SweepConfig:
     mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
     if mode not in ("context", "query"):
         raise ConfigError(f"{path}: mode={mode!r}; use context or query")
+    entries = _list(path, "policies", raw.get("policies"))
+    _refuse_split_specs(path, entries)
     try:
         kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
-        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype))
-                  for entry in _list(path, "policies", raw.get("policies"))]
+        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)) for entry in entries]
     except ValueError as exc:
         raise type(exc)(f"{path}: {exc}") from None
     policies, warnings, first_entry = [], [], {}
@@ -142,6 +143,23 @@ def load_config(path: str | Path) -> SweepConfig:
         out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity,
         raw=raw, warnings=warnings,
     )
+
+
+def _refuse_split_specs(path: Path, entries: list) -> None:
+    """A spec with parameters written unquoted in a flow list, ``[quant(bits=8,group=16)]``, reaches here as two
+    entries, ``quant(bits=8`` and ``group=16)``: YAML splits a flow list at every comma. Name the spec and its
+    quoted form, rather than the half the policy parser would refuse."""
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and entry.count("(") > entry.count(")"):
+            pieces = [entry]
+            for later in entries[i + 1:]:
+                pieces.append(str(later))
+                if "".join(pieces).count("(") <= "".join(pieces).count(")"):
+                    break
+            spec = ",".join(piece.strip() for piece in pieces)
+            raise ConfigError(f"{path}: policies: YAML split the spec {spec!r} at its comma(s) into "
+                              f"{', '.join(repr(p) for p in pieces)}; quote it: policies: [\"{spec}\"] (or give it "
+                              f"its own line: - {spec})")
 
 
 # Typed reads of the YAML's values: a value of the wrong type is one line naming the key, never coerced (true as
