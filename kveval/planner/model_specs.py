@@ -160,12 +160,10 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         outer = config
         config = dict(config["text_config"])
         config.setdefault("num_parameters", outer.get("num_parameters"))
-    typed = {key: _optional_int(config, key, name, minimum)
-             for key, minimum in (("hidden_size", 1), ("num_attention_heads", 1), ("head_dim", 1),
-                                  ("sliding_window", 1), ("sliding_window_pattern", 0), ("max_window_layers", 0),
-                                  ("attention_chunk_size", 1), ("max_position_embeddings", 1),
-                                  ("qk_rope_head_dim", 0))}
-    config = {**config, **{key: value for key, value in typed.items() if value is not None}}
+    for key, minimum in (("hidden_size", 1), ("num_attention_heads", 1), ("head_dim", 1), ("sliding_window", 0),
+                         ("sliding_window_pattern", 0), ("max_window_layers", 0), ("attention_chunk_size", 0),
+                         ("max_position_embeddings", 1), ("qk_rope_head_dim", 0)):
+        _optional_int(config, key, name, minimum)  # "4096" where a count goes: one line naming the key, not a TypeError
     get = config.get
     layers = get("num_hidden_layers", get("n_layer", get("num_layers")))
     if layers is None:
