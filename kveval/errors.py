@@ -99,8 +99,55 @@ def _described(exc: BaseException) -> str:
     return str(exc)
 
 
+class _ReaderMayLeave:
+    """``sys.stdout`` while a command runs: once its reader has gone (``kveval ... | head``: a closed pipe), what
+    the command prints is dropped, as Unix tools do, and the command runs on to its own exit code and files. The
+    file descriptor is pointed at ``/dev/null`` so that Python's own flush at exit finds no broken pipe either."""
+
+    def __init__(self, stream):
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self._gone = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to point
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def run_command(command: str, body) -> int:
-    """Run ``body()`` and map what it raises to an exit code: the one place that does (the table above)."""
+    """Run ``body()`` and map what it raises to an exit code: the one place that does (the table above). A closed
+    stdout stops the printing, not the command (:class:`_ReaderMayLeave`)."""
+    stdout = sys.stdout
+    sys.stdout = _ReaderMayLeave(stdout)
+    try:
+        return _run(command, body)
+    finally:
+        sys.stdout.flush()
+        sys.stdout = stdout
+
+
+def _run(command: str, body) -> int:
     try:
         return int(body() or 0)
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ written unless every record of every run matches an item.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import asdict, replace
@@ -145,8 +146,15 @@ def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_p
     assert "<mark>The pass key is " in (out / "report" / "leaderboard.html").read_text()  # items shown with prompts
     assert cli.main(["rescore", str(config), "--out", str(out)]) == 0
     assert {d: (d / ITEMS_FILE).read_text() for d in original} == original
-    gate_after = (out / "gate" / "gate.json").read_text().replace(str(out), "results/quickstart")
-    assert json.loads(gate_after) == json.loads(gate_before)
+    gate_after = json.loads((out / "gate" / "gate.json").read_text().replace(str(out), "results/quickstart"))
+    judged = [c.pop("judged") for r in gate_after["results"] for c in r["candidates"]]
+    assert {j["candidate"]["items_sha256"] for j in judged} == {  # what the rebuilt gate judged: these runs' items
+        hashlib.sha256(text.encode()).hexdigest() for d, text in original.items() if d.name != "none"}
+    before = json.loads(gate_before)  # a committed gate from before gates recorded what they judged, or after
+    for r in before["results"]:
+        for c in r["candidates"]:
+            c.pop("judged", None)
+    assert gate_after == before
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["rescored_under"]["kveval"] and "git_commit" in manifest["rescored_under"]
     assert cli.main(["sweep", str(config), "--out", str(out), "--quiet"]) == 0  # finished: resumed, no model runs

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 from kveval.stats.comparison import DEFAULT_RESAMPLES, check_settings, compare_runs
+from kveval.runs.records import atomic_write_text
 from kveval.runs.results import load_run, pairing_warnings
 from kveval.stats.tables import fmt_delta_ci
 from kveval.stats.tables import fmt_p
@@ -46,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rc.to_dict(), indent=2), encoding="utf-8")
+        atomic_write_text(path, json.dumps(rc.to_dict(), indent=2))
         print(f"\nwrote {path}")
     return 0

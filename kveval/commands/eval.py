@@ -35,13 +35,14 @@ def run(args) -> int:
     from kveval.runner.models import load_model
     from kveval.probes import resolve_families
     from kveval.probes.sets import ProbeSet
-    from kveval.runner.runspec import parse_run_specs
+    from kveval.runner.runspec import check_lengths, parse_run_specs
 
     if args.n < 1 or args.batch_size < 1:
         raise UsageError(f"--n {args.n} --batch-size {args.batch_size}: both count items, at least 1")
     # Parsed and checked against the model's config.json before the weights load.
     specs = parse_run_specs((["none"] if args.baseline else []) + list(args.policy), args.model, mode=args.mode,
                             kv_dtype=args.kv_dtype)
+    check_lengths(args.model, args.length or [512], "--length")
     probe_set = ProbeSet(tokenizer=args.model, families=resolve_families(args.family or ["passkey"]),
                          lengths=args.length or [512], n=args.n, depths=args.depth, seed=args.seed)
     model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)

@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     # Sized before anything is printed or written: what cannot be sized is one line (exit 2), never a FAIL hidden
     # behind an error after the verdicts.
     decisions = deployment_decision(result, **deploy) if deploy else []
+    # Written before anything is printed: a reader that goes away (| head) or a full terminal loses no verdict.
+    paths = write_gate_outputs(result, args.out) if args.out else None
     for cv in result.candidates:
         for w in cv.warnings:
             print(f"kveval gate: warning: {w}", file=sys.stderr)
@@ -87,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
             print(cv.line())
     for d in decisions:
         print(d.line)
-    if args.out:
-        paths = write_gate_outputs(result, args.out)
+    if paths:
         print(f"wrote {paths['markdown']}, {paths['junit']}, {paths['json']}")
     if result.status == INCONCLUSIVE and not cfg.inconclusive_blocks:
         print("kveval gate: warning: INCONCLUSIVE does not block (inconclusive_blocks: false)", file=sys.stderr)

@@ -81,7 +81,9 @@ def _emit(where: str | None, data: dict, table: str) -> None:
         print(json.dumps(data, indent=2))
         return
     if where is not None:
-        Path(where).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        from kveval.runs.records import atomic_write_text
+
+        atomic_write_text(Path(where), json.dumps(data, indent=2) + "\n")
     print(table)
 
 

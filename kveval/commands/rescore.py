@@ -128,6 +128,16 @@ def eval_run_dirs(folder: Path) -> list[Path]:
     return found
 
 
+def _sweep_remedy(run_dir: Path) -> str:
+    """How to rescore a sweep's run: from the config, in the sweep folder holding it (``<sweep>/runs/<model>/<run>``
+    with its manifest), or, for a run copied out of its sweep, in the sweep's own folder."""
+    folder = run_dir.parent.parent.parent
+    if run_dir.parent.parent.name == "runs" and (folder / MANIFEST_FILE).is_file():
+        return f"rescore the sweep from its config (kveval rescore CONFIG.yaml --out {folder})"
+    return (f"it is not inside its sweep's folder (no {folder.absolute() / MANIFEST_FILE}): rescore the "
+            f"sweep from its config in the folder it ran into (kveval rescore CONFIG.yaml --out SWEEP_FOLDER)")
+
+
 def rescore_eval_folders(folders: list[Path], items_file: Path | None) -> list[RescoredRun]:
     """``kveval eval`` run folders scored again against their items: those of ``items_file``, else generated again
     from the probe sets each run recorded (``extra.probe_sets``, written by ``kveval eval``). A sweep's run is
@@ -141,8 +151,7 @@ def rescore_eval_folders(folders: list[Path], items_file: Path | None) -> list[R
         info = read_run_info(run_dir)
         sweep = info.extra.get("sweep")
         if sweep is not None:
-            raise RunFolderError(f"{run_dir} is a run of the sweep {sweep}: rescore the sweep from its config "
-                                 f"(kveval rescore CONFIG.yaml --out {run_dir.parent.parent.parent})")
+            raise RunFolderError(f"{run_dir} is a run of the sweep {sweep}: {_sweep_remedy(run_dir)}")
         sets = info.extra.get("probe_sets")
         if items_file is None and not sets:
             raise UsageError(f"{run_dir} records no probe set (a kveval eval run from before they were recorded): "

@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import Any, Sequence
 
 from kveval.stats.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
 from kveval.errors import ConfigError
 from kveval.values import is_real, is_whole
+from kveval.yaml_files import load_yaml
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "gate.yaml"
 _KEYS = {
@@ -85,6 +84,8 @@ class GateConfig:
     confidence_level: float = 0.95
     n_resamples: int = 9999
     seed: int = 0
+    #: Where the rules came from (the YAML file), for messages; not a rule.
+    source: str = field(default="gate config", compare=False, repr=False)
 
     def margin_for(self, task: str) -> float:
         return float(self.margin.get(task, self.margin.get("default", 0.05)))
@@ -92,6 +93,15 @@ class GateConfig:
     def kl_limit(self, task: str) -> float | None:
         """The ``max_mean_kl`` cap of ``task`` (nats), or ``None`` when the rule is off for it."""
         return self.max_mean_kl.get(task, self.max_mean_kl.get("default"))
+
+    def check_tasks(self, known: Sequence[str]) -> None:
+        """Refuse a per-task setting (``margin``, ``max_mean_kl``) naming none of the ``known`` tasks (those of the
+        runs gated): a misspelt task would fall back to ``default`` without a word."""
+        for setting, per_task in (("margin", self.margin), ("max_mean_kl", self.max_mean_kl)):
+            unknown = [task for task in per_task if task != "default" and task not in known]
+            if unknown:
+                raise ConfigError(f"{self.source}: {setting}.{unknown[0]}: no task {unknown[0]!r} in the runs gated; "
+                                  f"their tasks are {', '.join(known)} (or default, for the rest)")
 
     def confusion_limit(self, category: str) -> float | None:
         if category in self.max_confusion_increase:
@@ -109,7 +119,7 @@ class GateConfig:
         unknown = sorted(set(data) - _KEYS)
         if unknown:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_KEYS))})")
-        cfg = cls()
+        cfg = cls(source=source)
         if "tasks" in data:
             t = data["tasks"]
             if t == "all" or t is None:
@@ -117,6 +127,9 @@ class GateConfig:
             elif isinstance(t, str):
                 cfg.tasks = [t]
             elif isinstance(t, list) and t and all(isinstance(x, str) for x in t):
+                twice = sorted({x for x in t if t.count(x) > 1})
+                if twice:
+                    raise ConfigError(f"{source}: tasks lists {', '.join(twice)} twice; list each task once")
                 cfg.tasks = list(t)
             else:
                 raise ConfigError(f"{source}: tasks must be 'all' or a non-empty list of task names, got {t!r}")
@@ -180,7 +193,7 @@ class GateConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "source"}
 
 
 def _num(v: Any, name: str, source: str) -> float:
@@ -221,12 +234,7 @@ def load_gate_config(config: str | os.PathLike | dict | GateConfig | None = None
     path = Path(config)
     if not path.is_file():
         raise ConfigError(f"{path}: no such gate config; see configs/gate.yaml")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text; a gate config is a YAML file") from None
+    data = load_yaml(path, "gate config")
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: a gate config is a mapping of settings")
     return GateConfig.from_dict(data, source=str(path))

@@ -57,7 +57,7 @@ from kveval.stats.comparison import (
 from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
 from kveval.gate.config import GateConfig
 from kveval.runs.records import RunInfo
-from kveval.runs.results import expand_run_dirs, load_run, pair_runs, pairing_warnings
+from kveval.runs.results import expand_run_dirs, load_run, pair_runs, pairing_warnings, run_digest
 
 PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
@@ -184,6 +184,10 @@ class CandidateVerdict:
     info: RunInfo | None = None
     comparison: RunComparison | None = None
     warnings: list[str] = field(default_factory=list)
+    #: What the verdict was computed on: ``{"baseline", "candidate"}`` -> :func:`~kveval.runs.results.run_digest`
+    #: (the candidate's ``None`` where it could not be read). ``kveval report --gate`` attaches the verdict only to
+    #: the runs it names.
+    judged: dict[str, Any] | None = None
 
     @property
     def reasons(self) -> list[str]:
@@ -209,6 +213,7 @@ class CandidateVerdict:
                 "run": asdict(self.info) if self.info else None,
                 "reasons": self.reasons,
                 "tasks": [t.to_dict() for t in self.tasks],
+                "judged": self.judged,
             }
         )
 
@@ -515,14 +520,17 @@ def evaluate_gate(
     candidate_dirs: Sequence[str | os.PathLike],
     *,
     metric: str | dict[str, str] | None = None,
+    known_tasks: Sequence[str] | None = None,
     noise_floor: str | os.PathLike | None = None,
 ) -> GateResult:
-    """Evaluate candidates against a baseline under the gate rules.
+    """Evaluate candidates against a baseline (a run folder, or a loaded :class:`~kveval.runs.results.Run`) under
+    the gate rules.
 
     A candidate whose results cannot be read or paired gets status ``"ERROR"``
     (the others are still judged). Raises :class:`ResultFileError` for a bad
     baseline or a gated task missing from it, :class:`UsageError` for no
-    candidates, :class:`~kveval.errors.ConfigError` for a bad config.
+    candidates, :class:`~kveval.errors.ConfigError` for a bad config, or one whose per-task settings name a task
+    not among ``known_tasks`` (default: the baseline's tasks; a sweep's: every model's).
     ``noise_floor``: a second run of the baseline in another batch arrangement (:func:`noise_floors`).
     """
     cfg = _config_object(config)
@@ -530,6 +538,7 @@ def evaluate_gate(
         raise UsageError("no candidate runs to gate")
     base = load_run(baseline_dir, metric=metric)
     base_tasks = list(dict.fromkeys(it.task for it in base.items))
+    cfg.check_tasks(base_tasks if known_tasks is None else known_tasks)
     if cfg.tasks == "all":
         gated = base_tasks
     else:
@@ -540,18 +549,22 @@ def evaluate_gate(
             )
         gated = list(cfg.tasks)
     verdicts: list[CandidateVerdict] = []
+    base_digest = run_digest(base)
     for cand in candidate_dirs:
+        judged = {"baseline": base_digest, "candidate": None}
         try:
             cand_run = load_run(cand, metric=metric)
+            judged["candidate"] = run_digest(cand_run)
             rc = compare_runs(
                 base, cand_run, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples, seed=cfg.seed,
                 cells=False, metric=metric,
             )
         except (ResultFileError, ValueError, OSError) as exc:
-            verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc)))
+            verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc), judged=judged))
             continue
         verdicts.append(
-            CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc, warnings=pairing_warnings(base, cand_run))
+            CandidateVerdict(str(cand), rc.candidate.name, PASS, info=rc.candidate, comparison=rc,
+                             warnings=pairing_warnings(base, cand_run), judged=judged)
         )
     floors = noise_floors(base, load_run(noise_floor, metric=metric)) if noise_floor is not None else {}
     result = GateResult(cfg, base.info, str(base.path), gated, verdicts, noise_floor=floors,
@@ -616,8 +629,10 @@ def evaluate_sweep(
     """
     cfg = _config_object(config)
     floors = {str(Path(k)): v for k, v in (noise_floors or {}).items()}
-    results = [evaluate_gate(cfg, base, cands, metric=metric, noise_floor=floors.get(str(Path(base))))
-               for base, cands in group_runs_by_baseline(run_dirs)]
+    groups = [(base, load_run(base, metric=metric), cands) for base, cands in group_runs_by_baseline(run_dirs)]
+    known = list(dict.fromkeys(it.task for _, run, _ in groups for it in run.items))
+    results = [evaluate_gate(cfg, run, cands, metric=metric, known_tasks=known, noise_floor=floors.get(str(Path(base))))
+               for base, run, cands in groups]
     if cfg.family == "sweep" and len(results) > 1:
         _judge_all(results, cfg)
     return results

@@ -231,12 +231,27 @@ def _positive_int(value, what: str, source: str) -> int:
     return value
 
 
+def _optional_int(config: dict[str, Any], key: str, source: str, minimum: int = 1) -> int | None:
+    """``config[key]`` as a whole number >= ``minimum``, or ``None`` where it is absent or null; a string such as
+    ``"4096"`` is refused (``config.json`` writes numbers as numbers), naming the key."""
+    value = config.get(key)
+    if value is None:
+        return None
+    if not is_whole(value) or value < minimum:
+        raise UsageError(f"{source}: {key}={value!r} must be a whole number >= {minimum}")
+    return value
+
+
 def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     """Read a ``config.json``-style dict (multimodal configs: their ``text_config``)."""
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         outer = config
         config = dict(config["text_config"])
         config.setdefault("num_parameters", outer.get("num_parameters"))
+    for key, minimum in (("hidden_size", 1), ("num_attention_heads", 1), ("head_dim", 1), ("sliding_window", 0),
+                         ("sliding_window_pattern", 0), ("max_window_layers", 0), ("attention_chunk_size", 0),
+                         ("max_position_embeddings", 1), ("qk_rope_head_dim", 0)):
+        _optional_int(config, key, name, minimum)  # "4096" where a count goes: one line naming the key, not a TypeError
     get = config.get
     if get("model_type") == "deepseek_v4" or get("compress_ratios") is not None or get("compress_rates") is not None:
         return _v4_spec(config, name)
@@ -251,6 +266,10 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         kv_heads = 1 if get("multi_query") else heads
     head_dim = get("head_dim")
     if head_dim is None and heads and get("hidden_size"):
+        heads = _positive_int(heads, "num_attention_heads", name)
+        if get("hidden_size") % heads:
+            raise UsageError(f"{name}: hidden_size {get('hidden_size')} does not split evenly into {heads} attention "
+                             f"heads ({get('hidden_size') / heads:.4g} each); give the model's head_dim in its config")
         head_dim = get("hidden_size") // heads
     mla_dim, mla_rope = None, 0
     if get("kv_lora_rank"):
@@ -325,7 +344,13 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      head_dim=head_dim, windows=windows, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
                      mla_rope=mla_rope, indexer_dim=indexer_dim, storage=_storage_of(config, name),
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
-                     max_position=get("max_position_embeddings"), notes=notes)
+                     max_position=None if _grows_positions(config) else get("max_position_embeddings"), notes=notes)
+
+
+def _grows_positions(config: dict[str, Any]) -> bool:
+    """Dynamic NTK RoPE: the model grows its base past ``max_position_embeddings``, which then limits nothing."""
+    scaling = config.get("rope_scaling")
+    return isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) == "dynamic"
 
 
 def model_type_of(config: dict[str, Any]) -> str:

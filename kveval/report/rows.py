@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kveval.stats.comparison import OVERALL, RunComparison, adjust_sweep, check_settings, compare_runs, confusion_rates
-from kveval.runs.results import Run, expand_run_dirs, load_run
+from kveval.runs.results import Run, expand_run_dirs, load_run, run_digest
 from kveval.runs.records import ResultFileError
 
 
@@ -77,7 +77,11 @@ def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
         raise ResultFileError(f"{p}: corrupt gate result ({exc})") from exc
     if not isinstance(data, dict) or not (isinstance(data.get("candidates"), list) or isinstance(data.get("results"), list)):
         raise ResultFileError(f"{p}: not a gate result (no candidates)")
-    return _flatten_gate(data)
+    return {**_flatten_gate(data), _FILE: str(p)}
+
+
+#: The key :func:`load_gate_result` keeps the gate file's path under (for messages).
+_FILE = "_file"
 
 
 def _flatten_gate(data: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def _flatten_gate(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _verdicts(gate: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """Map candidate path (resolved) and name to its gate entry."""
+    """Map candidate path (resolved) and name to its entry in the gate result."""
     out: dict[str, dict[str, Any]] = {}
     for c in (gate or {}).get("candidates", []):
         out[f"name:{c.get('name')}"] = c
@@ -97,6 +101,36 @@ def _verdicts(gate: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
         except OSError:
             pass
     return out
+
+
+def _check_judged(entry: dict[str, Any], run: Run, baseline: Run | None, source: str) -> None:
+    """Refuse a verdict computed on other data than ``run`` and its ``baseline`` hold now (``judged``: what the gate
+    judged, :func:`~kveval.runs.results.run_digest`), or a gate file that does not record what it judged."""
+    judged = entry.get("judged")
+    folder = Path(source).parent if source.endswith(".json") else "DIR"
+    regenerate = (f"regenerate it on these runs: kveval gate --config CONFIG --baseline "
+                  f"{baseline.path if baseline else 'BASELINE'} --candidate {run.path} [--candidate ...] --out {folder}")
+    if not isinstance(judged, dict):
+        raise ResultFileError(f"{source} records no digest of the runs its verdict on {run.info.name} judged (a gate "
+                              f"file written before gates recorded them); {regenerate}")
+    for role, now in (("candidate", run), ("baseline", baseline)):
+        if now is None:
+            continue
+        then, digest = judged.get(role), run_digest(now)
+        if then != digest:
+            raise ResultFileError(f"{source}: its verdict on {run.info.name} was computed on other data than the {role} "
+                                  f"{now.path} holds now ({_difference(then, digest)}); {regenerate}")
+
+
+def _difference(then: Any, now: dict[str, Any]) -> str:
+    """What differs between two :func:`~kveval.runs.results.run_digest` records, in a few words."""
+    if not isinstance(then, dict):
+        return "the gate could not read it"
+    if then.get("identity") != now["identity"]:
+        return "another run or model identity"
+    if then.get("items") != now["items"]:
+        return f"{then.get('items')} items judged, {now['items']} now"
+    return f"items sha256 {str(then.get('items_sha256'))[:12]} judged, {now['items_sha256'][:12]} now"
 
 
 def collect_rows(
@@ -133,7 +167,8 @@ def collect_rows(
                     f"two baselines for model {r.info.model!r}: {baselines[r.info.model].path} and {r.path}; report one"
                 )
             baselines[r.info.model] = r
-    verdicts = _verdicts(load_gate_result(gate_result))
+    gate = load_gate_result(gate_result)
+    verdicts = _verdicts(gate)
     rows: list[Row] = []
     tasks: list[str] = []
     for r in runs:
@@ -149,9 +184,10 @@ def collect_rows(
         for it in r.items:
             by_task.setdefault(it.task, []).append(it.score)
         conf = confusion_rates(r.items)
-        judged = None
-        if not r.info.is_baseline:
-            judged = verdicts.get(f"path:{r.path.resolve()}") or verdicts.get(f"name:{r.info.name}")
+        judged = None if r.info.is_baseline else (verdicts.get(f"path:{r.path.resolve()}")
+                                                  or verdicts.get(f"name:{r.info.name}"))
+        if judged is not None:
+            _check_judged(judged, r, baselines.get(r.info.model), (gate or {}).get(_FILE, "the gate result"))
         rows.append(
             Row(
                 run=r,

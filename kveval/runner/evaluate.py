@@ -22,6 +22,7 @@ from kveval.runs.records import (
     ItemWriter,
     RunInfo,
     cut_partial_item,
+    is_probe_record,
     iter_items,
     read_run_info,
     write_run_info,
@@ -88,7 +89,7 @@ def _record(item, result, score) -> ItemRecord:
 def finalize_run(run_dir: Path) -> RunInfo:
     """Write the run's measured averages (bytes per token, speed) into ``run.json``."""
     info = read_run_info(run_dir)
-    records = [r for r in iter_items(run_dir) if "bytes_per_token" in r.metrics]  # probe items (lm-eval items carry none)
+    records = [r for r in iter_items(run_dir) if is_probe_record(r)]  # lm-eval's samples measure no cache
     if records:
         info.bytes_per_token = statistics.fmean(r.metrics["bytes_per_token"] for r in records)
         info.nominal_bytes_per_token = statistics.fmean(r.metrics["nominal_bytes_per_token"] for r in records)
@@ -206,7 +207,7 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
         if (recorded.get("hash") or identity["hash"]) != identity["hash"] or (not recorded and info.model != model_name):
             raise RunFolderError(f"{run_dir} holds runs of model {recorded.get('source') or info.model}, not {identity['source']}; "
                                  f"pass --out to a new folder, or delete {run_dir}")
-        done = set()
+        done, probes = set(), set()
         if (run_dir / "items.jsonl").is_file():
             cut_partial_item(run_dir)  # a killed run's half-written line: it is rerun
             wanted = {item.id: item.hash for item in items}
@@ -215,6 +216,12 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
                     raise RunFolderError(f"{run_dir}: item {record.id} was run on another prompt (hash {record.hash[:12]}, "
                                          f"now {wanted[record.id][:12]}); pass --out to a new folder, or delete {run_dir}")
                 done.add(record.id)
+                if is_probe_record(record):
+                    probes.add(record.id)
+        expected = len(probes | {item.id for item in items})
+        if info.extra.get("expected_items") != expected:  # more items asked of the run: it is unfinished until they are in
+            info.extra["expected_items"] = expected
+            write_run_info(run_dir, info)
         hardware, recorded_hardware = hardware_of(model), info.extra.get("hardware")
         if (recorded_hardware and recorded_hardware != hardware and not recorded_hardware.startswith("mixed")
                 and any(item.id not in done for item in items)):
@@ -232,7 +239,8 @@ def _open_run(run_dir: Path, spec: RunSpec, model, model_name: str, identity: di
     info = RunInfo(name=f"{model_folder(identity)}/{spec.key}", model=model_name, policy=stack.spec, mode=spec.mode,
                    family=stack.label, ratio=stack.ratio, kv_dtype=spec.kv_dtype_name or deployment_dtype_name(model),
                    model_identity=identity,
-                   extra={**(extra or {}), **representation_info(stack, model), "hardware": hardware_of(model)})
+                   extra={**(extra or {}), **representation_info(stack, model), "hardware": hardware_of(model),
+                          "expected_items": len({item.id for item in items})})
     write_run_info(run_dir, info)
     return run_dir
 

@@ -162,6 +162,20 @@ def _model_shape(model):
         return None
 
 
+def check_lengths(model, lengths, source: str) -> None:
+    """Refuse probe lengths (tokens) that reach past ``model``'s positions (``max_position_embeddings`` of its config,
+    read without weights), before any item is generated: a length of ten million would otherwise build its texts
+    for minutes before the request check sees it. A model whose config cannot be read here, or that grows its
+    positions (dynamic NTK), is left to that check."""
+    shape = _model_shape(model)
+    limit = shape.max_position if shape is not None else None
+    for length in lengths:
+        if limit and length >= limit:
+            raise UsageError(f"{source}: length {length} reaches past {shape.name}'s {limit} positions "
+                             f"(max_position_embeddings); give lengths below {limit}, leaving room for the question "
+                             f"and the answer")
+
+
 def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None) -> list[RunSpec]:
     """Parse several specs (duplicates by canonical key dropped, order kept), checked against ``model``'s config.
 
@@ -176,4 +190,4 @@ def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None
     return list(specs.values())
 
 
-__all__ = ["MODES", "RunSpec", "parse_mode", "parse_run_specs"]
+__all__ = ["MODES", "RunSpec", "check_lengths", "parse_mode", "parse_run_specs"]

@@ -157,6 +157,35 @@ def read_run_info(run_dir: str | os.PathLike) -> RunInfo:
         raise ResultFileError(f"{path}: corrupt run file ({exc}); delete the run folder and run it again") from exc
 
 
+def is_probe_record(record: ItemRecord) -> bool:
+    """A probe item's record (it measured the cache), not one of lm-eval's samples: what ``extra.items`` counts."""
+    return "bytes_per_token" in record.metrics
+
+
+def holds(done: int, expected: int) -> str | None:
+    """``"holds 1 of 2 items"`` where ``done`` falls short of ``expected``, else ``None``: how every check of a run's
+    items words a run that did not finish (:func:`missing_items`, :func:`kveval.sweep.run.unfinished`)."""
+    return f"holds {done} of {expected} items" if done < expected else None
+
+
+def missing_items(info: RunInfo, records: list[ItemRecord]) -> str | None:
+    """Why a run folder holds fewer probe items than its ``run.json`` records, or ``None``.
+
+    The runner records ``extra.expected_items`` when it opens a run (the items it was asked for, more when a resumed
+    run is given more) and ``extra.items`` when the run finishes (:func:`kveval.runner.evaluate.finalize_run`). A run
+    cut short (a killed sweep, an ``items.jsonl`` cut at a line boundary) holds fewer. A run the runner opened before
+    it recorded ``expected_items`` (``extra.hardware`` written) and never finished records neither count: it did not
+    finish either. Runs written by other tools record neither and are taken as they are.
+    """
+    counts = [info.extra.get(key) for key in ("expected_items", "items")]
+    expected = max((n for n in counts if isinstance(n, int) and not isinstance(n, bool)), default=None)
+    done = len({r.id for r in records if is_probe_record(r)})
+    if expected is None:
+        opened_by_runner = "hardware" in info.extra and done
+        return "did not finish (its run.json records no finished item count)" if opened_by_runner else None
+    return holds(done, expected)
+
+
 def item_line(record: ItemRecord) -> str:
     """One line of ``items.jsonl``: the record as sorted JSON, newline-terminated."""
     return json.dumps(asdict(record), sort_keys=True) + "\n"
@@ -217,16 +246,29 @@ def read_items(run_dir: str | os.PathLike) -> list[ItemRecord]:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a whole file so that readers see either the old or the new content."""
+    """Write a whole file so that readers see either the old or the new content.
+
+    A path that is there and is neither a file nor a folder (``/dev/stdout``, a pipe, a device) is written in place:
+    renaming a file over it would replace it. An error that names no file (a full disk fails at write time) is
+    raised naming ``path``, so that its one line says where."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
-        tmp.unlink(missing_ok=True)
+        if path.exists() and not path.is_file() and not path.is_dir():
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            return
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
 
 

@@ -20,6 +20,7 @@ partial or different item set is not a comparison.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -31,7 +32,17 @@ import numpy as np
 
 from kveval.runs.lm_eval_schema import as_float as _as_float
 from kveval.runs.lm_eval_schema import read_run_fields  # the keys the kveval model type writes
-from kveval.runs.records import ITEMS_FILE, RUN_FILE, ItemRecord, ResultFileError, RunInfo, read_items, read_run_info
+from kveval.runs.records import (
+    ITEMS_FILE,
+    RUN_FILE,
+    ItemRecord,
+    ResultFileError,
+    RunInfo,
+    item_line,
+    missing_items,
+    read_items,
+    read_run_info,
+)
 from kveval.values import is_real
 
 #: How many folder levels below a given path a run folder is looked for (sweep/runs/<model>/<policy>).
@@ -64,6 +75,19 @@ class Run:
     info: RunInfo
     items: list[ItemRecord]
     source: str
+
+
+def run_digest(run: Run) -> dict[str, Any]:
+    """What a verdict on ``run`` was computed on, as ``gate.json`` records it (``judged``) and ``kveval report --gate``
+    checks it: the run's identity (name, model and its full identity, policy, mode, cache dtype), its number of items
+    and the SHA-256 of its items as ``items.jsonl`` lines (for a run kveval wrote: ``sha256sum items.jsonl``)."""
+    info = run.info
+    return {
+        "identity": {"name": info.name, "model": info.model, "model_identity": info.model_identity,
+                     "policy": info.policy, "mode": info.mode, "kv_dtype": info.kv_dtype},
+        "items": len(run.items),
+        "items_sha256": hashlib.sha256("".join(item_line(r) for r in run.items).encode()).hexdigest(),
+    }
 
 
 def load_run(path: str | os.PathLike | Run, *, metric: str | dict[str, str] | None = None) -> Run:
@@ -104,12 +128,17 @@ def load_run(path: str | os.PathLike | Run, *, metric: str | dict[str, str] | No
 
 
 def load_kveval_run(path: str | os.PathLike) -> Run:
-    """Read a kveval run folder; raises :class:`ResultFileError` on bad files."""
+    """Read a kveval run folder; raises :class:`ResultFileError` on bad files, and on a run that holds fewer items
+    than its ``run.json`` records (:func:`~kveval.runs.records.missing_items`): no verdict on a part of a run."""
     p = Path(path)
     info = read_run_info(p)
     items = read_items(p)
     if not items:
         raise ResultFileError(f"{p / ITEMS_FILE}: no items; the run did not finish any item")
+    short = missing_items(info, items)
+    if short:
+        raise ResultFileError(f"{p}: the run {info.name} {short}; finish it first (run the kveval sweep or kveval eval "
+                              f"that wrote it again: it resumes), or run it again into a new folder")
     validate_items(items, p / ITEMS_FILE)
     return Run(p, info, items, "kveval")
 
@@ -475,6 +504,12 @@ def _ids(xs: Iterable[str], k: int = 5) -> str:
     return shown + (f", ... ({len(xs) - k} more)" if len(xs) > k else "")
 
 
+def _model_of(info: RunInfo) -> str:
+    """``'smollm2-135m' (embedded:smollm2-135m@None, hash 6e985e12)``: a run's model and its recorded identity."""
+    ident = info.model_identity
+    return f"{info.model!r}" + (f" ({ident.get('source')}@{ident.get('revision')}, hash {ident.get('hash')})" if ident else "")
+
+
 def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecord]]:
     """Pair two runs item by item, in the baseline's order.
 
@@ -482,17 +517,19 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
     ------
     ResultFileError
         Duplicate ids, items present in only one run, prompt-hash or task
-        mismatches, different result formats, (kveval runs) different models, different cache dtypes (where both
+        mismatches, different result formats, different models (their names, and their full recorded identities
+        where both record one: source, revision, hash), different cache dtypes (where both
         record one), or runs computed on different hardware (``extra["hardware"]``, :func:`kveval.runner.evaluate.hardware_of`; runs that predate it pair as before).
     """
     if baseline.source != candidate.source:
         raise ResultFileError(
             f"cannot pair a {baseline.source} result ({baseline.path}) with a {candidate.source} result ({candidate.path})"
         )
-    if baseline.info.model != candidate.info.model:
+    identities = [run.info.model_identity for run in (baseline, candidate)]
+    if baseline.info.model != candidate.info.model or (all(identities) and identities[0] != identities[1]):
         raise ResultFileError(
-            f"cannot pair runs of different models: baseline {baseline.info.model!r} ({baseline.path}) "
-            f"vs candidate {candidate.info.model!r} ({candidate.path})"
+            f"cannot pair runs of different models: baseline {_model_of(baseline.info)} ({baseline.path}) "
+            f"vs candidate {_model_of(candidate.info)} ({candidate.path}); compare runs of one model"
         )
     hardware = [run.info.extra.get("hardware") for run in (baseline, candidate)]
     if all(hardware) and (hardware[0] != hardware[1] or hardware[0].startswith("mixed")):

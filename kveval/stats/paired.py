@@ -42,6 +42,7 @@ Everything here is pure arithmetic on counts (no files, no randomness).
 from __future__ import annotations
 
 from kveval.errors import UsageError
+from kveval.values import is_real
 
 import math
 from dataclasses import dataclass
@@ -403,12 +404,14 @@ def items_needed(
         z_a = float(_st.norm.ppf(1 - alpha))
         return max(1, math.ceil(z_a * z_a * (1 - margin) / margin)) if margin > 0 else None
     guess = items_needed_approx(p_regress, p_improve, margin, alpha, target_power) or 1
+    if guess > max_items:  # past the exact search's reach (its grid grows with n): the closed form, close there
+        return guess
     # Power is not monotone in n (lattice effects): find the first n from which it stays above target.
     lo, hi = 1, max(2, guess)
     while power(hi, p_regress, p_improve, margin, alpha, goal) < target_power:
         lo, hi = hi, hi * 2
         if hi > max_items:
-            return None
+            return guess
     while lo < hi:  # binary search on a power curve that is monotone apart from small lattice wiggles
         mid = (lo + hi) // 2
         if power(mid, p_regress, p_improve, margin, alpha, goal) >= target_power:
@@ -416,6 +419,10 @@ def items_needed(
         else:
             lo = mid + 1
     return hi
+
+
+#: The most items per task :func:`plan` answers with: past it a margin is too small for any run to show.
+MAX_PLANNED_ITEMS = 10**9
 
 
 @dataclass(frozen=True)
@@ -461,16 +468,22 @@ def plan(
     target_power : float, optional
         Probability of a decision (default 0.8).
     """
-    if not 0 < baseline_accuracy <= 1:
-        raise UsageError(f"baseline accuracy must be in (0, 1], got {baseline_accuracy}")
-    if not 0 <= churn <= 1:
-        raise UsageError(f"churn must be in [0, 1], got {churn}")
-    if not 0 < margin < 1:
-        raise UsageError(f"margin must be in (0, 1), got {margin}")
+    for name, value, low, high, closed in (
+        ("baseline accuracy", baseline_accuracy, 0, 1, "(0, 1]"), ("churn", churn, 0, 1, "[0, 1]"),
+        ("margin", margin, 0, 1, "(0, 1)"), ("alpha (one-sided error rate)", alpha, 0, 0.5, "(0, 0.5)"),
+        ("power", target_power, 0, 1, "(0, 1)"), ("loss", loss, 0, 1, "[0, 1)"),
+    ):
+        inside = is_real(value) and (low <= value if closed[0] == "[" else low < value) and (
+            value <= high if closed[-1] == "]" else value < high)
+        if not inside:
+            raise UsageError(f"{name} must be in {closed}, got {value}")
     p_improve = min(baseline_accuracy * churn, 1 - baseline_accuracy) if baseline_accuracy < 1 else 0.0
     p_regress = baseline_accuracy * churn + loss
     if p_regress > baseline_accuracy:
         raise UsageError(f"churn {churn} and loss {loss} flip more than the baseline's right items")
     goal = "pass" if p_improve - p_regress > -margin else "fail"
     n = items_needed(p_regress, p_improve, margin, alpha, target_power)
+    if n is not None and n > MAX_PLANNED_ITEMS:
+        raise UsageError(f"margin {margin:g} would need about {n:.2g} items per task (churn {churn:g}, power "
+                         f"{target_power:g}): more than {MAX_PLANNED_ITEMS:.0e}, which no run holds; give a larger margin")
     return PlanResult(baseline_accuracy, churn, loss, margin, alpha, target_power, p_regress, p_improve, goal, n)

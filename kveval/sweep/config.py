@@ -6,10 +6,10 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-import yaml
 from typing import TYPE_CHECKING
 from kveval.errors import ConfigError
 from kveval.values import is_real, is_whole
+from kveval.yaml_files import load_yaml
 if TYPE_CHECKING:
     import torch
 
@@ -69,12 +69,7 @@ def load_config(path: str | Path) -> SweepConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such sweep config; see configs/quickstart.yaml for an example")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text; a sweep config is a YAML file") from None
+    raw = load_yaml(path, "sweep config") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a sweep config is a mapping of keys ({', '.join(sorted(CONFIG_KEYS))})")
     unknown = set(raw) - CONFIG_KEYS
@@ -87,10 +82,11 @@ def load_config(path: str | Path) -> SweepConfig:
     mode = raw.get("mode", "context")  # policies may override it with a suffix: snapkv(ratio=0.5)@query
     if mode not in ("context", "query"):
         raise ConfigError(f"{path}: mode={mode!r}; use context or query")
+    entries = _list(path, "policies", raw.get("policies"))
+    _refuse_split_specs(path, entries)
     try:
         kv_dtype = parse_kv_dtype(raw.get("kv_dtype"))
-        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype))
-                  for entry in _list(path, "policies", raw.get("policies"))]
+        parsed = [(str(entry), RunSpec.parse(str(entry), default_mode=mode, kv_dtype=kv_dtype)) for entry in entries]
     except ValueError as exc:
         raise type(exc)(f"{path}: {exc}") from None
     policies, warnings, first_entry = [], [], {}
@@ -139,6 +135,8 @@ def load_config(path: str | Path) -> SweepConfig:
         from kveval.gate.config import load_gate_config
 
         gate = load_gate_config(path.parent / gate)  # a bad gate file is reported now, before any model loads
+        if not lm_eval:  # the runs' tasks are the probe families: a misspelt per-task key is known now too
+            gate.check_tasks(families)
     depths = probes.get("depths")
     if depths is not None:
         depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]
@@ -157,6 +155,23 @@ def load_config(path: str | Path) -> SweepConfig:
         out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity, noise_floor=noise_floor,
         raw=raw, warnings=warnings,
     )
+
+
+def _refuse_split_specs(path: Path, entries: list) -> None:
+    """A spec with parameters written unquoted in a flow list, ``[quant(bits=8,group=16)]``, reaches here as two
+    entries, ``quant(bits=8`` and ``group=16)``: YAML splits a flow list at every comma. Name the spec and its
+    quoted form, rather than the half the policy parser would refuse."""
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and entry.count("(") > entry.count(")"):
+            pieces = [entry]
+            for later in entries[i + 1:]:
+                pieces.append(str(later))
+                if "".join(pieces).count("(") <= "".join(pieces).count(")"):
+                    break
+            spec = ",".join(piece.strip() for piece in pieces)
+            raise ConfigError(f"{path}: policies: YAML split the spec {spec!r} at its comma(s) into "
+                              f"{', '.join(repr(p) for p in pieces)}; quote it: policies: [\"{spec}\"] (or give it "
+                              f"its own line: - {spec})")
 
 
 # Typed reads of the YAML's values: a value of the wrong type is one line naming the key, never coerced (true as

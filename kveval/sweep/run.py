@@ -275,16 +275,16 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
     is not finished either: :func:`~kveval.runner.evaluate.evaluate_policies` then refuses the folder, naming it."""
     from kveval.errors import ResultFileError
     from kveval.runs.fidelity import read_fidelity
-    from kveval.runs.records import iter_items
+    from kveval.runs.records import holds, iter_items
 
     try:
         records = list(iter_items(run_dir))
     except (ResultFileError, OSError) as exc:  # missing, or a killed writer's half line
         return f"not readable ({exc})" if isinstance(exc, ResultFileError) else "not run yet"
     written = {r.id: r.hash for r in records}
-    done = sum(written.get(item.id) == item.hash for item in items)
-    if done < len(items):
-        return f"holds {done} of {len(items)} items"
+    short = holds(sum(written.get(item.id) == item.hash for item in items), len(items))
+    if short:
+        return short
     tasks = {r.metrics.get("lm_eval_task") for r in records}
     missing = [task for task in config.lm_eval.get("tasks", []) if task not in tasks]
     if missing:
@@ -336,9 +336,12 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     from kveval.sweep.executors import InProcessExecutor
     from kveval.modeling.sources import resolve_device_dtype
 
-    for model_name in config.models:  # every spec against every model's config.json, before any weights load
+    from kveval.runner.runspec import check_lengths
+
+    for model_name in config.models:  # every spec and length against every model's config.json, before any weights load
         for spec in config.policies:
             spec.for_model(model_name)
+        check_lengths(model_name, config.lengths, f"sweep {config.name}: probes.lengths")
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / MANIFEST_FILE
     previous = read_manifest(out, config)
