@@ -93,7 +93,7 @@ def test_adakv_few_drops_keep_what_the_ranking_keeps(monkeypatch):
     alone (``adaptive_choice``) would. Rows within the budget keep every token. A tie at the boundary, a NaN, a
     guaranteed token among the lowest, or a row more than ``FEW_DROPS`` over goes to the ranking, which must then
     give the same."""
-    from kveval.policies import base
+    from kveval.tensors import ranking as base
 
     g = torch.Generator().manual_seed(9)
     fast, ranked = [], []
@@ -146,7 +146,7 @@ def test_adakv_decode_steps_drop_without_ranking(monkeypatch):
     """In a real AdaKV generation every row comes back over its budget by one token per head at each decode step:
     those steps drop by ``topk``, with no ranking (a tie would send a step to the ranking, which float attention
     mass almost never gives). The old single-drop check served none of them: it took only rows one token over."""
-    from kveval.policies import base
+    from kveval.tensors import ranking as base
 
     model = tiny_llama()
     served = []
