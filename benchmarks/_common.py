@@ -34,8 +34,8 @@ def families(args: argparse.Namespace) -> list[str]:
 
 def load_model_and_items(args: argparse.Namespace):
     """Load ``--model`` and generate ``--n`` items of ``--length`` tokens per family; ``(model, tokenizer, items)``."""
-    from kveval.runner.models import load_model
     from kveval.probes import generate_items
+    from kveval.runner.models import load_model
 
     model, tokenizer = load_model(args.model)
     items = [it for family in families(args) for it in generate_items(family, tokenizer, args.length, args.n)]

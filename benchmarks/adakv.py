@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from _common import specs_of, add_probe_options, families, load_model_and_items, run_root
+from _common import add_probe_options, families, load_model_and_items, run_root, specs_of
 
 
 def main() -> None:
@@ -33,9 +33,9 @@ def main() -> None:
     parser.add_argument("--duo", default="duo(heads=0.25,sink=4,window=64)")
     args = parser.parse_args()
 
+    from kveval.policies.spec import parse_policy
     from kveval.runner.evaluate import evaluate_policies
     from kveval.runs.fidelity import read_fidelity
-    from kveval.policies.spec import parse_policy
     from kveval.runs.records import read_items
 
     model, tokenizer, items = load_model_and_items(args)

@@ -21,7 +21,7 @@ import argparse
 import statistics
 import time
 
-from _common import specs_of, add_probe_options, families, load_model_and_items, run_root
+from _common import add_probe_options, families, load_model_and_items, run_root, specs_of
 
 
 def main() -> None:
@@ -33,8 +33,8 @@ def main() -> None:
 
     from kveval.runner.evaluate import evaluate_policies
     from kveval.runs.fidelity import read_fidelity
-    from kveval.stats.fidelity import items_to_separate
     from kveval.runs.records import read_items
+    from kveval.stats.fidelity import items_to_separate
 
     model, tokenizer, items = load_model_and_items(args)
     out = run_root(args, "kveval-fidelity-")

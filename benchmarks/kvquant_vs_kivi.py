@@ -21,12 +21,13 @@ loads an embedded model: run it under the heavy lock.
 
 from __future__ import annotations
 
-from _common import specs_of
 import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from _common import specs_of
 
 
 def equal_bytes_outliers(head_dim: int, bits: int, kv_itemsize: int = 2, group: int = 32) -> float:
@@ -51,10 +52,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from kveval.modeling.architectures import cache_head_dims
-    from kveval.runner.evaluate import evaluate_policies
-    from kveval.runs.fidelity import read_fidelity
-    from kveval.runner.models import load_model
     from kveval.probes import generate_items
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.models import load_model
+    from kveval.runs.fidelity import read_fidelity
     from kveval.runs.records import read_items, read_run_info
 
     model, tokenizer = load_model(args.model)

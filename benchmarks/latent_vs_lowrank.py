@@ -19,12 +19,13 @@ it under the heavy lock.
 
 from __future__ import annotations
 
-from _common import specs_of
 import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from _common import specs_of
 
 
 def budget_policies(kv_heads: int, ranks: list[int], rope_dims: int) -> list[list[str]]:
@@ -50,13 +51,13 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
     args = parser.parse_args()
 
-    from kveval.runner.evaluate import evaluate_policies
-    from kveval.runs.fidelity import read_fidelity
-    from kveval.stats.fidelity import kl_bounds
     from kveval.planner.model_specs import load_model_spec
-    from kveval.runner.models import load_model
     from kveval.probes import generate_items
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runner.models import load_model
+    from kveval.runs.fidelity import read_fidelity
     from kveval.runs.records import read_items, read_run_info
+    from kveval.stats.fidelity import kl_bounds
 
     families = args.family or ["niah_single", "niah_multikey"]
     model, tokenizer = load_model(args.model)

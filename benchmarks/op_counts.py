@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+
 from kveval.policies.spec import parse_policy
 
 
@@ -54,13 +55,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from throughput import _decode_mode, _hf_generate
 
+    from kveval.probes import encode_item, generate_items
     from kveval.runner.device_waits import OpCounter
     from kveval.runner.generation import Prompt, generate
     from kveval.runner.models import load_model
-    from kveval.probes import encode_item, generate_items
-
-    from throughput import _decode_mode, _hf_generate
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)

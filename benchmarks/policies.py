@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
 from kveval.policies.spec import parse_policy
 
 POLICIES = [
@@ -35,9 +36,9 @@ def main() -> None:
     parser.add_argument("--kv-dtype", default=None, help="cache dtype bytes are stated against (default: the checkpoint's)")
     args = parser.parse_args()
 
+    from kveval.probes import encode_item, generate_items
     from kveval.runner.generation import Prompt, generate, generate_many
     from kveval.runner.models import load_model
-    from kveval.probes import encode_item, generate_items
     from kveval.stores.base import deployment_kv_dtype, dtype_name, parse_kv_dtype
 
     model, tokenizer = load_model(args.model)

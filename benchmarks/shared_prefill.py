@@ -32,6 +32,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+
 from kveval.policies.spec import parse_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,9 +83,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: each probe's own answer length")
     args = parser.parse_args()
 
+    from kveval.probes import encode_item, generate_items
     from kveval.runner.generation import Prompt, generate, generate_many
     from kveval.runner.models import load_model
-    from kveval.probes import encode_item, generate_items
     from kveval.sweep.config import load_config
 
     config = load_config(args.config)

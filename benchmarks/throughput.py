@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
 from kveval.policies.spec import parse_policy
 
 DEFAULT_POLICIES = ["snapkv(ratio=0.5)", "streaming(ratio=0.5)", "h2o(ratio=0.5)", "tova(ratio=0.5)",
@@ -232,9 +233,9 @@ def main() -> None:
 
     import kveval.runner.generation
     from kveval.cache.compressed import CompressedCache
+    from kveval.probes import encode_item, generate_items
     from kveval.runner.generation import Prompt, _continue, generate, prefill_prompts
     from kveval.runner.models import load_model
-    from kveval.probes import encode_item, generate_items
     from kveval.runner.runspec import RunSpec
 
     model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)

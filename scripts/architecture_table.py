@@ -23,12 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from tiny_models import ARCHITECTURES, tiny_model  # noqa: E402
-
-from kveval.modeling import architectures  # noqa: E402
 from kveval.cache.compressed import CompressedCache  # noqa: E402
 from kveval.cache.exactness import measure_exactness  # noqa: E402
+from kveval.modeling import architectures  # noqa: E402
 from kveval.policies.spec import parse_policy
+
+from tiny_models import ARCHITECTURES, tiny_model  # noqa: E402
 
 POLICIES = ("none", "kivi(bits=4)", "snapkv(ratio=0.5)")
 TOKENS = 256

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kveval.cache.compressed import CompressedCache
-from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.runner.runspec import RunSpec
 from kveval.stores.base import parse_kv_dtype
 

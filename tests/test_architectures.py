@@ -10,16 +10,17 @@ unknown layer types and inexact models are refused.
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, Tok, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from kveval.modeling import architectures
 from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
-from kveval.errors import UnsupportedModelError
 from kveval.cache.exactness import measure_exactness, prefill_and_decode, self_check
-from kveval.runner.generation import Prompt, generate
+from kveval.errors import UnsupportedModelError
+from kveval.modeling import architectures
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate
+
+from tiny_models import ARCHITECTURES, Tok, tiny_model
 
 # Calibrations (lowrank, latent, kvquant, duo) of this file's own: one remembered or on disk from another run
 # would stand in for the calibration pass under test.
@@ -269,9 +270,9 @@ def test_cli_runs_a_model_folder_after_its_self_check(tmp_path, capsys):
 
 def test_sweep_takes_the_skip_self_check_that_the_refusal_names(tmp_path, monkeypatch):
     """The self-check's refusal names --skip-self-check: kveval sweep must have it and pass it to load_model."""
-    from kveval.runner import models
     from kveval.commands.main import main
     from kveval.errors import UsageError
+    from kveval.runner import models
 
     loaded = []
 

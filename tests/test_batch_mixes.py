@@ -13,14 +13,15 @@ import pytest
 import torch
 from test_run_folders import CharTok, _items
 from test_shared_prefill import _records
-from tiny_models import tiny_llama
 
 from kveval.errors import UsageError
-from kveval.runner.evaluate import evaluate_policies
-from kveval.runs.fidelity import read_fidelity
-from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.policies.spec import parse_policy
+from kveval.runner.evaluate import evaluate_policies
+from kveval.runner.generation import Prompt, generate, generate_many
+from kveval.runs.fidelity import read_fidelity
+
 from cache_runs import specs_of
+from tiny_models import tiny_llama
 
 LIMITS = [2, 7, 3, 5, 1]
 

@@ -13,10 +13,11 @@ an EOS id that ends rows at different steps.
 
 import pytest
 import torch
-from tiny_models import Tok, tiny_gemma3, tiny_llama
 
-from kveval.runner.generation import Prompt, generate, generate_each
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate, generate_each
+
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 STEPS = 12
 
@@ -105,9 +106,9 @@ def test_llama4_query_temperature_counts_each_rows_own_positions(spec):
 
 
 def test_llama4_query_temperature_is_given_back_after_a_failed_forward():
-    from tiny_models import tiny_model
-
     from kveval.modeling.architectures import row_query_temperatures, taken_query_temperature
+
+    from tiny_models import tiny_model
 
     model = tiny_model("llama4")
     tuned = [layer.self_attn for layer in model.model.layers if not layer.self_attn.use_rope]
@@ -175,8 +176,8 @@ def test_a_row_crossing_longropes_switch_after_its_first_forward_is_refused(cont
     generate for Phi-3 recomputes the whole cache with the long factors there; kveval's rows gave other tokens
     than transformers' batch 1 (at batch 1 as at 3). Refused before any forward, naming the fix; the forward that
     would cross, met on another path (a cache driven step by step), is refused too."""
-    from kveval.modeling.architectures import check_rope_batch
     from kveval.errors import UnsupportedModelError
+    from kveval.modeling.architectures import check_rope_batch
 
     model = _longrope_phi3()
     prompts = [Prompt(p.context[:context], p.question[:question]) for p in _prompts_of([80] * batch_size)]
@@ -196,10 +197,10 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     batches before it. kveval resets the base at each batch's first forward, so rows of one length past the
     switch give, together, in any order of batches, the tokens each gives alone on a fresh model; rows of
     different lengths past it are refused before any forward, and a forward that would mix them on the way."""
-    from tiny_models import tiny_model
-
-    from kveval.modeling.architectures import check_rope_batch, rope_switches
     from kveval.errors import UnsupportedModelError
+    from kveval.modeling.architectures import check_rope_batch, rope_switches
+
+    from tiny_models import tiny_model
 
     def check(lengths, active):
         check_rope_batch(fresh, [0] * len(lengths), lengths, active)
@@ -253,11 +254,11 @@ def test_llama4_calibrations_run_inside_kvevals_forward_as_outside_it():
     """DuoAttention, lowrank and latent calibrate on their first use, inside the forward kveval drives, where the
     Llama 4 query temperature is kveval's (per row). Their own forwards declare no positions: they run with the
     modules' own scaling, so they give what they give outside (it raised, so these policies could not run)."""
-    from tiny_models import tiny_model
-
     from kveval.calibration import kv as lowrank
     from kveval.calibration import retrieval_heads
     from kveval.modeling.architectures import row_query_temperatures
+
+    from tiny_models import tiny_model
 
     model = tiny_model("llama4", attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5)
     text = lowrank.read_calibration_text()

@@ -12,20 +12,21 @@ a short residual window at different steps in different rows.
 
 import pytest
 import torch
-from cache_runs import fingerprint
-from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
-from kveval.tensors import batch_buffer
 from kveval.cache import buffered_decode, coded_rows
-from kveval.tensors.batch_buffer import BatchBuffer
 from kveval.cache.buffered_decode import BufferedDecode
 from kveval.cache.compressed import CompressedCache
-from kveval.cache.layers import CompressedLayer
 from kveval.cache.decode_evictions import _ranked_kept, kept_slots
-from kveval.runner.generation import Prompt, generate
-from kveval.tensors.ranking import top_slots
-from kveval.stores.base import parse_kv_dtype
+from kveval.cache.layers import CompressedLayer
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate
+from kveval.stores.base import parse_kv_dtype
+from kveval.tensors import batch_buffer
+from kveval.tensors.batch_buffer import BatchBuffer
+from kveval.tensors.ranking import top_slots
+
+from cache_runs import fingerprint
+from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
 #: Catch-ups, buffer growth and code growth come every 16 steps or slots here (64 in use): the same code, reached
 #: in 30 decode steps instead of 70 (:func:`dense_events`).
@@ -119,7 +120,8 @@ def test_a_layer_that_selects_nothing_holds_the_same_slots_in_every_head(gemma, 
     """A mask from positions skips reading whether the heads share slots where the layer selects nothing (its
     selection is None: a sliding layer always, a full one under a policy without selection): every mask built so
     holds slots equal in every head, at every forward of mixed-length batches with padding."""
-    from kveval.cache import layers as cache_layers, layer_masks
+    from kveval.cache import layer_masks
+    from kveval.cache import layers as cache_layers
 
     model = gemma if name == "gemma3" else (tiny_model(name) if name == "llama4" else tiny_llama())
     trusted = []

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from tiny_models import Tok, tiny_gemma3, tiny_llama
 from transformers import DynamicCache
 
 from kveval.cache.compressed import CompressedCache
-from kveval.runner.generation import Prompt, generate
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate
+
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 SELECTION = ["h2o(ratio=0.5)", "snapkv(ratio=0.5,window=4,kernel=3)", "pyramidkv(ratio=0.5,window=4)",
              "tova(ratio=0.5)", "knorm(ratio=0.5)", "random(ratio=0.5)"]
@@ -349,10 +350,10 @@ def test_scoring_by_blocks_of_visible_slots_is_bit_identical_to_one_call(variant
     move with it."""
     import sys
 
-    from tiny_models import tiny_model
-
     from kveval.modeling.architectures import EagerKernel, SdpaKernel
     from kveval.tensors.block_probabilities import SINK_SLOT_STEP, AttentionProbabilities, visible_probabilities
+
+    from tiny_models import tiny_model
 
     if variant.startswith("sdpa"):  # "sdpa H/KVxD": query heads, KV heads, head width
         module, extra, kernel = None, {}, SdpaKernel()

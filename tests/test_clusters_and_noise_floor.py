@@ -240,6 +240,7 @@ def _differences(a: Path, b: Path) -> tuple[int, int]:
 
 def test_a_sweep_with_a_noise_floor_reruns_only_its_baseline_and_the_gate_reports_it(tmp_path):
     from kveval.commands.main import main
+
     from tests.test_models import tiny_llama_folder
 
     config = _sweep_config(tmp_path, tiny_llama_folder(tmp_path / "tiny"))

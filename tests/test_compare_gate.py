@@ -14,13 +14,13 @@ from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
 from kveval.commands import main as cli
-from kveval.stats.comparison import compare_runs
-from kveval.runs.results import load_run
-from kveval.stats import paired
 from kveval.errors import ConfigError
 from kveval.gate.config import GateConfig, load_gate_config
 from kveval.gate.rules import FAIL, PASS, evaluate_gate
 from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
+from kveval.runs.results import load_run
+from kveval.stats import paired
+from kveval.stats.comparison import compare_runs
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_YAML = REPO / "configs" / "gate.yaml"

@@ -8,16 +8,17 @@ ending rows at different steps) compared with generations in which no eviction w
 
 import pytest
 import torch
-from cache_runs import fingerprint, random_prompts
-from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval.cache import decode_evictions
-from kveval.tensors.batch_buffer import BatchBuffer
 from kveval.cache.compressed import CompressedCache
-from kveval.cache.layers import CompressedLayer
 from kveval.cache.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction
-from kveval.runner.generation import generate
+from kveval.cache.layers import CompressedLayer
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import generate
+from kveval.tensors.batch_buffer import BatchBuffer
+
+from cache_runs import fingerprint, random_prompts
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 BATCH, HEADS, DIM = 3, 2, 4
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_runs import fingerprint, random_prompts
-from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
-from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
 from kveval.cache.layers import CompressedLayer
+from kveval.policies.spec import parse_policy
 from kveval.runner.device_waits import OpCounter
 from kveval.runner.generation import generate
-from kveval.policies.spec import parse_policy
 from kveval.stores.base import DenseStore
+from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
+
+from cache_runs import fingerprint, random_prompts
+from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
 
 #: Contexts of three lengths and questions of two: every batch of three or more is left-padded in both forwards.
 SIZES = [(41, 4), (52, 6), (23, 4), (35, 6), (27, 4), (44, 4)]

@@ -4,10 +4,10 @@ import importlib.util
 
 import pytest
 
+from kveval.policies.spec import parse_policy
+from kveval.probes import encode_item, generate_items, score_answer
 from kveval.runner.generation import Prompt, encode_prompt, generate
 from kveval.runner.models import load_model
-from kveval.probes import encode_item, generate_items, score_answer
-from kveval.policies.spec import parse_policy
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,16 @@ import errno
 
 import pytest
 
-from kveval.errors import (EXIT_ERROR, EXIT_FAIL, EXIT_INTERNAL, ConfigError, PolicyRegistryError, PolicySpecError,
-                           UsageError, run_command)
+from kveval.errors import (
+    EXIT_ERROR,
+    EXIT_FAIL,
+    EXIT_INTERNAL,
+    ConfigError,
+    PolicyRegistryError,
+    PolicySpecError,
+    UsageError,
+    run_command,
+)
 
 
 def _raise(exc):

@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 
 from kveval.commands.main import main
-from kveval.sweep.executors import Cell, InProcessExecutor, make_executor
 from kveval.runs.records import read_items
 from kveval.sweep.config import load_config
+from kveval.sweep.executors import Cell, InProcessExecutor, make_executor
 from kveval.sweep.run import plan_cells
+
 from tests.test_models import tiny_llama_folder
 
 POLICIES = '["snapkv(ratio=0.5)", "kivi(bits=4,group=8)", "window(16)"]'

@@ -6,18 +6,19 @@ import numpy as np
 import pytest
 import torch
 from test_run_folders import CharTok, _items
-from tiny_models import Tok, tiny_llama
 
-from kveval.stats.comparison import compare_runs
 from kveval.errors import UsageError
+from kveval.gate.config import GateConfig
+from kveval.policies.spec import parse_policy
 from kveval.runner.evaluate import evaluate_policies
 from kveval.runner.fidelity import answer_distributions, compare_distributions
-from kveval.runs.fidelity import FIDELITY_FILE, read_fidelity
-from kveval.stats.fidelity import items_to_separate, kl_bounds
 from kveval.runner.generation import Prompt, generate
-from kveval.policies.spec import parse_policy
+from kveval.runs.fidelity import FIDELITY_FILE, read_fidelity
+from kveval.stats.comparison import compare_runs
+from kveval.stats.fidelity import items_to_separate, kl_bounds
+
 from cache_runs import specs_of
-from kveval.gate.config import GateConfig
+from tiny_models import Tok, tiny_llama
 
 
 def _prompts(seed=3):
@@ -162,8 +163,8 @@ def fidelity_runs(tmp_path_factory):
 
 def test_gate_rule_max_mean_kl(fidelity_runs):
     from kveval.errors import ConfigError
-    from kveval.gate.rules import evaluate_gate
     from kveval.gate.config import GateConfig, load_gate_config
+    from kveval.gate.rules import evaluate_gate
 
     assert GateConfig().max_mean_kl == {} and load_gate_config("configs/gate.yaml").max_mean_kl == {}  # off by default
     assert GateConfig.from_dict({"max_mean_kl": 0.1}).kl_limit("any") == 0.1
@@ -187,8 +188,8 @@ def test_gate_rule_max_mean_kl(fidelity_runs):
 
 
 def test_compare_and_report_show_the_kl(fidelity_runs, tmp_path):
-    from kveval.stats.tables import format_table
     from kveval.report.leaderboard import build_report
+    from kveval.stats.tables import format_table
 
     root, base, int8, int2, plain = fidelity_runs
     table = format_table(compare_runs(base, int2, n_resamples=200, cells=False))

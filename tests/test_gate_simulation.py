@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from kveval.commands import main as cli
-from kveval.stats import paired
 from kveval.runs.records import ITEMS_FILE, ItemRecord, RunInfo, write_run_info
+from kveval.stats import paired
 
 REPO = Path(__file__).resolve().parent.parent
 GATE_YAML = REPO / "configs" / "gate.yaml"

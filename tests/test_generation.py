@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 from kveval.errors import UsageError
-from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.stores.base import parse_kv_dtype
+
+from tiny_models import Tok, tiny_gemma3, tiny_llama
 
 
 def _prompts(seed=10):

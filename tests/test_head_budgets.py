@@ -8,6 +8,16 @@ import math
 
 import pytest
 import torch
+
+import kveval.calibration.retrieval_heads as retrieval_heads
+from kveval.cache.compressed import CompressedCache
+from kveval.cache.decode_evictions import kept_slots
+from kveval.errors import PolicySpecError
+from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate
+from kveval.stores.headwise import HeadwiseStore
+from kveval.tensors.ranking import adaptive_choice, adaptive_choice_batch
+
 from cache_runs import (
     assert_one_batch_equals_batch_size_one,
     assert_shared_prefill_equals_own_runs,
@@ -17,15 +27,6 @@ from cache_runs import (
     random_prompts,
 )
 from tiny_models import Tok, tiny_gemma3, tiny_llama
-
-import kveval.calibration.retrieval_heads as retrieval_heads
-from kveval.cache.compressed import CompressedCache
-from kveval.errors import PolicySpecError
-from kveval.runner.generation import Prompt, generate
-from kveval.stores.headwise import HeadwiseStore
-from kveval.policies.spec import parse_policy
-from kveval.cache.decode_evictions import kept_slots
-from kveval.tensors.ranking import adaptive_choice, adaptive_choice_batch
 
 ADAPTIVE = ["snapkv(ratio=0.5,window=4,adaptive=true)", "h2o(ratio=0.5,adaptive=true)", "knorm(ratio=0.5,adaptive=true)",
             "pyramidkv(ratio=0.5,window=4,adaptive=true)"]

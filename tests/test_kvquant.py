@@ -2,6 +2,13 @@
 
 import pytest
 import torch
+
+from kveval.cache.compressed import CompressedCache
+from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.modeling.architectures import ROTATE_HALF_ROPE, rope_hook
+from kveval.policies.spec import parse_policy
+from kveval.stores.kvquant import KVQuantCodec, KVQuantStore
+
 from cache_runs import (
     assert_one_batch_equals_batch_size_one,
     assert_one_line_error,
@@ -11,12 +18,6 @@ from cache_runs import (
     random_prompts,
 )
 from tiny_models import Tok, tiny_gemma3, tiny_llama, tiny_model
-
-from kveval.modeling.architectures import ROTATE_HALF_ROPE, rope_hook
-from kveval.cache.compressed import CompressedCache
-from kveval.errors import PolicySpecError, UnsupportedModelError
-from kveval.stores.kvquant import KVQuantCodec, KVQuantStore
-from kveval.policies.spec import parse_policy
 
 EXACT = torch.float32  # kv_dtype of the arithmetic tests: outliers and sinks not rounded to bf16
 

@@ -2,6 +2,14 @@
 
 import pytest
 import torch
+from test_lowrank import EXACT, FULL_RANK_TOLERANCE
+
+from kveval.cache.compressed import CompressedCache
+from kveval.policies.spec import parse_policy
+from kveval.runner.runspec import RunSpec
+from kveval.stores.base import DenseStore
+from kveval.stores.latent import LatentStore
+
 from cache_runs import (
     assert_one_batch_equals_batch_size_one,
     assert_one_line_error,
@@ -12,14 +20,7 @@ from cache_runs import (
     random_ids,
     random_prompts,
 )
-from test_lowrank import EXACT, FULL_RANK_TOLERANCE
 from tiny_models import Tok, tiny_gemma3, tiny_llama
-
-from kveval.cache.compressed import CompressedCache
-from kveval.stores.latent import LatentStore
-from kveval.policies.spec import parse_policy
-from kveval.runner.runspec import RunSpec
-from kveval.stores.base import DenseStore
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")  # every test calibrates into its own folder
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kveval.errors import UsageError
 from kveval.cache.attention import register_attention
+from kveval.errors import UsageError
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402

@@ -12,12 +12,14 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
+from test_lm_eval import tiny_model  # noqa: E402
+
 from kveval.cache.compressed import CompressedCache  # noqa: E402
 from kveval.lm_eval import tasks_dir  # noqa: E402
 from kveval.lm_eval.model import KVEvalLM, ResponseStore  # noqa: E402
-from kveval.runs.records import iter_items  # noqa: E402
 from kveval.runner.runspec import RunSpec  # noqa: E402
-from test_lm_eval import tiny_model  # noqa: E402
+from kveval.runs.records import iter_items  # noqa: E402
+
 from cache_runs import specs_of
 
 TASKS = ["kveval_niah_single", "kveval_niah_multikey_mc"]
@@ -170,8 +172,8 @@ def test_fidelity_key_is_validated(tmp_path):
 def test_sweep_fidelity_equals_kveval_eval_fidelity_and_resumes(model, tokenizer, tmp_path, mode):
     from kveval.runner.evaluate import evaluate_policies
     from kveval.runs.fidelity import FIDELITY_FILE
-    from kveval.sweep.run import CellRunner, plan_cells, sweep_items
     from kveval.sweep.config import load_config
+    from kveval.sweep.run import CellRunner, plan_cells, sweep_items
 
     path = tmp_path / "fid.yaml"
     path.write_text(FIDELITY_CONFIG.format(mode=mode))

@@ -2,6 +2,12 @@
 
 import pytest
 import torch
+
+import kveval.calibration.kv as calibration
+from kveval.cache.compressed import CompressedCache
+from kveval.policies.spec import parse_policy
+from kveval.stores.lowrank import LowRankStore
+
 from cache_runs import (
     assert_one_batch_equals_batch_size_one,
     assert_one_line_error,
@@ -13,11 +19,6 @@ from cache_runs import (
     random_prompts,
 )
 from tiny_models import Tok, tiny_gemma3, tiny_llama
-
-import kveval.calibration.kv as calibration
-from kveval.cache.compressed import CompressedCache
-from kveval.stores.lowrank import LowRankStore
-from kveval.policies.spec import parse_policy
 
 FULL_RANK_TOLERANCE = 1e-4  # max |logit difference| at rank = head_dim (float32 rounding of x B B^T only)
 EXACT = torch.float32  # kv_dtype of the tests on projection arithmetic: coefficients not rounded to the deployment's bf16

@@ -4,11 +4,11 @@ import importlib.util
 
 import pytest
 
+from kveval.commands.main import main
 from kveval.errors import ModelNotFoundError
 from kveval.modeling import sources
-from kveval.runner import models
-from kveval.commands.main import main
 from kveval.policies.spec import parse_policy
+from kveval.runner import models
 
 
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
@@ -54,7 +54,9 @@ def test_bad_policy_fails_before_loading_the_model(capsys):
 
 def tiny_llama_folder(folder):
     """A tiny Llama saved with a word-level tokenizer: a model folder as a user gives it."""
-    from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
+    from tokenizers import Tokenizer
+    from tokenizers import models as tokenizer_models
+    from tokenizers import pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from tests.tiny_models import tiny_llama

@@ -4,16 +4,16 @@ import dataclasses
 
 import pytest
 import torch
-from cache_runs import assert_one_line_error
-from tiny_models import tiny_llama
 
 from kveval.cache.compressed import CompressedCache
 from kveval.errors import PolicySpecError, UsageError
 from kveval.policies.registry import POLICIES
-from kveval.tensors.scoring_state import ScoringState
-from kveval.policies.spec import parse_policy
-from kveval.policies.spec import param_types
+from kveval.policies.spec import param_types, parse_policy
 from kveval.runner.runspec import RunSpec
+from kveval.tensors.scoring_state import ScoringState
+
+from cache_runs import assert_one_line_error
+from tiny_models import tiny_llama
 
 
 @pytest.mark.parametrize("spec, message", [

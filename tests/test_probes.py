@@ -290,8 +290,8 @@ def test_lm_eval_tasks_load_from_other_cwd(tmp_path, monkeypatch):
 @pytest.mark.parametrize("question", ["What is the pass key?", "pass key", "Which number follows 7?\nAnswer briefly."])
 def test_generate_and_probes_encode_the_same_prompt_identically(tok, plain_tok, question):
     """``kveval generate`` (encode_prompt) and ``kveval eval`` (PromptFrame + encode_item) give identical ids."""
-    from kveval.runner.generation import encode_prompt
     from kveval.probes.item import PromptFrame, encode_parts
+    from kveval.runner.generation import encode_prompt
 
     context = "The pass key is 7342. Remember it. The grass is green. The pass key is 7342."
     for tokenizer in (tok, plain_tok):

@@ -28,9 +28,8 @@ import torch
 
 from kveval.commands.main import COMMANDS
 from kveval.policies.registry import POLICIES
-from kveval.policies.spec import _split_terms, param_types
+from kveval.policies.spec import _split_terms, param_types, parse_policy
 from kveval.runner.runspec import RunSpec
-from kveval.policies.spec import parse_policy
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text(encoding="utf-8")

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kveval.commands import main as cli
-from kveval.gate.rules import evaluate_gate
-from kveval.gate.report import write_gate_outputs
-from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
-from kveval.report.leaderboard import build_report
 from kveval.gate.config import GateConfig
+from kveval.gate.report import write_gate_outputs
+from kveval.gate.rules import evaluate_gate
+from kveval.report.leaderboard import build_report
+from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 
 PNG = b"\x89PNG\r\n\x1a\n"
 NOMINAL = 2 * 30 * 3 * 64 * 4  # fp32 SmolLM2 K+V bytes per token

@@ -3,13 +3,14 @@
 import json
 
 import pytest
-from tiny_models import tiny_llama
 
 from kveval.errors import RunFolderError
-from kveval.runner.evaluate import evaluate_policies, model_folder, model_identity
 from kveval.probes.item import ProbeItem, prompt_hash
+from kveval.runner.evaluate import evaluate_policies, model_folder, model_identity
 from kveval.runs.records import read_items, read_run_info
+
 from cache_runs import specs_of
+from tiny_models import tiny_llama
 
 
 class CharTok:

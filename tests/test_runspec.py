@@ -65,12 +65,12 @@ def test_generate_refuses_a_bad_spec_before_loading(monkeypatch, capsys):
 def test_below_the_edge_nothing_parses_a_string():
     """Specs and dtypes are parsed once, at the edge: the cache, the generator and the runner take typed values and
     refuse a string as the caller's bug (a TypeError, not a user error) instead of parsing it again."""
-    from tiny_models import tiny_llama
-
     from kveval.cache.compressed import CompressedCache
     from kveval.runner.evaluate import evaluate_policies
     from kveval.runner.generation import generate, generate_each
     from kveval.stores.base import parse_kv_dtype
+
+    from tiny_models import tiny_llama
 
     model = tiny_llama()
     with pytest.raises(TypeError, match="takes a PolicyStack"):

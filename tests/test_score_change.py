@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from test_compare_gate import write_run
 
-from kveval.stats import paired
-from kveval.stats.comparison import compare_runs
 from kveval.gate.rules import FAIL, INCONCLUSIVE, PASS, GateConfig, evaluate_gate
 from kveval.runs.records import ItemRecord
+from kveval.stats import paired
+from kveval.stats.comparison import compare_runs
 
 NO_FLIP_CAP = {"margin": 0.10, "max_negative_flip_rate": None, "max_confusion_increase": None}
 

@@ -13,17 +13,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from cache_runs import assert_shared_prefill_equals_own_runs, fingerprint, random_prompts
 from test_run_folders import CharTok, _items
-from tiny_models import ARCHITECTURES, Tok, tiny_gemma3, tiny_llama, tiny_model
 
 import kveval.runner.generation as generation
 from kveval.cache.compressed import CompressedCache
+from kveval.policies.spec import parse_policy
 from kveval.runner.evaluate import evaluate_policies
 from kveval.runner.generation import Prompt, can_share_prefill, generate_many
 from kveval.stores.base import parse_kv_dtype
-from kveval.policies.spec import parse_policy
-from cache_runs import specs_of
+
+from cache_runs import assert_shared_prefill_equals_own_runs, fingerprint, random_prompts, specs_of
+from tiny_models import ARCHITECTURES, Tok, tiny_gemma3, tiny_llama, tiny_model
 
 #: Every policy family, several scores per kind (two SnapKV windows, PyramidKV sharing one), stacks.
 POLICIES = [
@@ -192,8 +192,8 @@ def test_a_sweep_killed_between_policies_of_one_prefill_resumes_without_recomput
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode", [("smollm2-135m", "context"), ("gemma3-270m", "query")])
 def test_embedded_model_from_one_prefill_equals_its_own_runs(name, mode):
-    from kveval.runner.models import load_model
     from kveval.probes import encode_item, generate_items
+    from kveval.runner.models import load_model
 
     model, tokenizer = load_model(name)
     items = generate_items("passkey", tokenizer, 320, 2, seed=0)

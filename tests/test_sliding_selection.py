@@ -5,15 +5,16 @@ on every such model."""
 
 import pytest
 import torch
-from cache_runs import assert_shared_prefill_equals_own_runs, random_ids, random_prompts
-from tiny_models import Tok, tiny_model
 
-from kveval.tensors.batch_buffer import PAD_POSITION
 from kveval.cache.compressed import CompressedCache
 from kveval.cache.exactness import prefill_and_decode
-from kveval.runner.generation import generate
 from kveval.planner.memory import plan
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import generate
+from kveval.tensors.batch_buffer import PAD_POSITION
+
+from cache_runs import assert_shared_prefill_equals_own_runs, random_ids, random_prompts
+from tiny_models import Tok, tiny_model
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")
 
@@ -178,9 +179,9 @@ def test_duo_calibration_longer_than_the_window_is_refused():
     """Duo ranks heads by the attention answer queries give a needle; where the probe is longer than the sliding
     window selection acts on, the needle has left the window and the ranking would rest on nothing (it did: the
     needle's slots were read by position in a trimmed row). Refused in one line, naming what fits."""
-    from kveval.errors import UsageError
-
     import re
+
+    from kveval.errors import UsageError
 
     model = tiny_model("mistral", sliding_window=256)
     with pytest.raises(UsageError, match=r"calib_tokens=160\): its passkey probes .* 256-token sliding window") as refused:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import scipy.stats as st
@@ -10,7 +9,8 @@ from scipy import optimize
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.multitest import multipletests
 
-from kveval.stats import paired, significance as stats
+from kveval.stats import paired
+from kveval.stats import significance as stats
 
 RNG = np.random.default_rng(12345)
 BASE_BIN = (RNG.random(60) < 0.7).astype(float)

@@ -7,22 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_gemma3, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kveval.cache.attention import register_attention
 from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UsageError
-from kveval.stores.lowrank import LowRankStore
 from kveval.policies.spec import parse_policy
-from kveval.tensors.quantization import (
-    FP8_FORMATS,
-    dequantize,
-    dequantize_into,
-    quantize,
-    quantize_fp8,
-    quantized_values,
-)
 from kveval.stores.base import (
     DenseStore,
     QuantizedStore,
@@ -31,6 +21,17 @@ from kveval.stores.base import (
     deployment_kv_dtype,
     parse_kv_dtype,
 )
+from kveval.stores.lowrank import LowRankStore
+from kveval.tensors.quantization import (
+    FP8_FORMATS,
+    dequantize,
+    dequantize_into,
+    quantize,
+    quantize_fp8,
+    quantized_values,
+)
+
+from tiny_models import tiny_gemma3, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 

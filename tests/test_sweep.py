@@ -163,8 +163,8 @@ def test_a_deployment_question_that_cannot_be_asked_is_refused_before_the_sweep(
     """A bad --gpu-memory was read after every model had run, and its error kept the gate's outputs from being
     written; it is refused before any model loads."""
     from kveval.commands import main as cli
-    from kveval.runner import models
     from kveval.errors import UsageError
+    from kveval.runner import models
 
     loaded = []
 
@@ -183,8 +183,8 @@ def test_a_folder_or_file_that_is_not_what_it_claims_is_one_line(tmp_path, monke
     """A non-UTF-8 config or gate file and a damaged or foreign manifest.json were internal errors (a traceback);
     runs in a folder without a manifest (kveval eval's) were taken over and gated with the sweep's own items."""
     from kveval.commands import main as cli
-    from kveval.runner import models
     from kveval.errors import UsageError
+    from kveval.runner import models
 
     def no_model(name, **kwargs):
         raise UsageError("stop here: no model is loaded in this test")
@@ -220,8 +220,8 @@ def test_a_sweep_resumed_under_other_code_says_so(tmp_path, monkeypatch, capsys)
     fix, a new torch) held items of two versions under a manifest naming only the last. It now keeps the code the
     sweep started under and warns when it resumes under other code."""
     from kveval.commands import main as cli
-    from kveval.runner import models
     from kveval.errors import UsageError
+    from kveval.runner import models
 
     def no_model(name, **kwargs):
         raise UsageError("stop here: no model is loaded in this test")

@@ -12,8 +12,8 @@ from kveval.commands import main as cli
 from kveval.errors import ConfigError, RunFolderError
 from kveval.runs.records import ItemRecord, ItemWriter, RunInfo, atomic_write_text, write_run_info
 from kveval.runs.results import expand_run_dirs
-from kveval.sweep.run import LOCK_FILE, sweep_lock
 from kveval.sweep.config import load_config
+from kveval.sweep.run import LOCK_FILE, sweep_lock
 
 CONFIG = """
 name: integrity

@@ -65,15 +65,15 @@ from __future__ import annotations
 
 import torch
 
-from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
 from kveval.cache.coded_rows import CodedRows, SharedScratch, seal_together
 from kveval.cache.decode_encodings import CoefficientSteps, KVQuantResidual, QuantizedResidual, encode_aged_sides
 from kveval.cache.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction, LayerScoring
+from kveval.cache.rows import seal_rows
+from kveval.stores.base import DenseStore, QuantizedStore
 from kveval.stores.headwise import HeadwiseStore
 from kveval.stores.kvquant import KVQuantStore
 from kveval.stores.lowrank import CoefficientStore
-from kveval.cache.rows import seal_rows
-from kveval.stores.base import DenseStore, QuantizedStore
+from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
 
 CATCH_UP_STEPS = 64  # decode steps between catch-ups of the rows' stores
 

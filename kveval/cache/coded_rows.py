@@ -39,10 +39,10 @@ from dataclasses import replace
 
 import torch
 
-from kveval.tensors.batch_buffer import run_targets, slot_range, slot_rows, take_slots, uploaded
 from kveval.errors import UsageError
-from kveval.tensors.quantization import FP8_FORMATS, QuantizedBlock, dequantize_into
 from kveval.stores.base import QuantizedSequence, encode
+from kveval.tensors.batch_buffer import run_targets, slot_range, slot_rows, take_slots, uploaded
+from kveval.tensors.quantization import FP8_FORMATS, QuantizedBlock, dequantize_into
 
 _MIN_GROWTH_TOKENS = 64  # capacity grows by at least this many tokens' worth (of units, of tail slots)
 

@@ -54,17 +54,17 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
-from kveval.modeling import architectures
-from kveval.calibration import retrieval_heads
-from kveval.tensors.batch_buffer import real_runs
-from kveval.cache.layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.cache.coded_rows import SharedScratch
 from kveval.cache.decode_evictions import DeferredEvictions
+from kveval.cache.layers import CompressedHybridLayer, CompressedLayer, score_key
+from kveval.cache.rows import RowState
+from kveval.calibration import retrieval_heads
 from kveval.errors import UnsupportedModelError, UsageError
+from kveval.modeling import architectures
 from kveval.modeling.layer_types import selecting_layers
 from kveval.policies.base import PolicyStack, require_stack
-from kveval.cache.rows import RowState
 from kveval.stores.base import DenseStore, cache_kv_dtype, dtype_name
+from kveval.tensors.batch_buffer import real_runs
 
 
 @dataclass

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.tensors.batch_buffer import BatchBuffer, slot_range, uploaded
+from kveval.stores.base import DenseStore, QuantizedSequence, QuantizedStore
 from kveval.stores.kvquant import KVQuantStore
 from kveval.stores.lowrank import CoefficientStore
+from kveval.tensors.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.tensors.quantization import quantized_values
-from kveval.stores.base import DenseStore, QuantizedSequence, QuantizedStore
 
 
 @dataclass

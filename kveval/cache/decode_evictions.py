@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, move_rows, slot_range, slot_rows, take_rows
-from kveval.tensors.scoring_state import ScoringState
 from kveval.tensors.ranking import best_first, top_slots
+from kveval.tensors.scoring_state import ScoringState
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.modeling.architectures import architecture_name
 from kveval.errors import UnsupportedModelError
+from kveval.modeling.architectures import architecture_name
 
 FLOAT32_TOLERANCE = 1e-3
 HALF_TOLERANCE = 3e-2

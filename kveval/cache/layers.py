@@ -16,15 +16,15 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
-from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, slot_range, uploaded
-from kveval.tensors.block_probabilities import AttentionProbabilities, attention_mass
 from kveval.cache.buffered_decode import BufferedDecode
 from kveval.cache.decode_evictions import BudgetEviction
-from kveval.stores.headwise import HeadwiseStore
 from kveval.cache.layer_masks import held_slots, positions_mask, visible_prefix
-from kveval.tensors.scoring_state import ScoringState
 from kveval.cache.rows import RowState, seal_rows
 from kveval.stores.base import DenseStore
+from kveval.stores.headwise import HeadwiseStore
+from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, slot_range, uploaded
+from kveval.tensors.block_probabilities import AttentionProbabilities, attention_mass
+from kveval.tensors.scoring_state import ScoringState
 
 
 def score_key(selection) -> tuple | None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.tensors.batch_buffer import PAD_POSITION as _PAD_POSITION
-from kveval.stores.headwise import HeadwiseStore
 from kveval.stores.base import DenseStore, seal_together
+from kveval.stores.headwise import HeadwiseStore
+from kveval.tensors.batch_buffer import PAD_POSITION as _PAD_POSITION
 
 
 def _left_pad(rows: list[torch.Tensor], slots: int, fill) -> torch.Tensor:

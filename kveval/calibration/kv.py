@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import hashlib
 import json
 import os
@@ -14,11 +12,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
+
 import torch
+
+from kveval.errors import UsageError
 from kveval.modeling.architectures import ATTENTION, HYBRID, NONE, STATE, cache_layer_plan, own_query_temperatures
 from kveval.paths import cache_dir
-
-
 
 CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
 DEFAULT_CALIBRATION = Path(__file__).parents[1] / "data" / "calibration.txt"
@@ -111,8 +110,13 @@ def _calibration_cache(plans):
     the whole pass); state and hybrid layers are the model's own conv/recurrent
     layers, which its Mamba or linear-attention modules need.
     """
-    from transformers.cache_utils import (Cache, DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer,
-                                          LinearAttentionLayer)
+    from transformers.cache_utils import (
+        Cache,
+        DummyLayer,
+        DynamicLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionLayer,
+    )
 
     kinds = {ATTENTION: lambda plan: DynamicLayer(), NONE: lambda plan: DummyLayer(),
              STATE: lambda plan: LinearAttentionLayer(number_of_states=plan.number_of_states),

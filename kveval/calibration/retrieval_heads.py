@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-from kveval.modeling.architectures import own_query_temperatures
-from kveval.errors import UsageError
 from kveval.calibration.kv import (
     load_or_compute,
     load_versioned,
@@ -39,6 +37,8 @@ from kveval.calibration.kv import (
     save_atomic,
     tokenize_for,
 )
+from kveval.errors import UsageError
+from kveval.modeling.architectures import own_query_temperatures
 from kveval.paths import cache_dir
 from kveval.probes.text import REPEAT_SENTENCES
 

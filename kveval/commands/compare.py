@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from kveval.stats.comparison import DEFAULT_RESAMPLES, check_settings, compare_runs
+
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import load_run, pairing_warnings
-from kveval.stats.tables import fmt_delta_ci
-from kveval.stats.tables import fmt_p
-from kveval.stats.tables import format_table
+from kveval.stats.comparison import DEFAULT_RESAMPLES, check_settings, compare_runs
+from kveval.stats.tables import fmt_delta_ci, fmt_p, format_table
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from kveval.errors import UsageError
-from kveval.runs.records import iter_items, read_run_info
 from kveval.runner.evaluate import evaluate_policies
+from kveval.runs.records import iter_items, read_run_info
 
 
 def configure(parser) -> None:
@@ -32,9 +33,9 @@ def configure(parser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from kveval.runner.models import load_model
     from kveval.probes import resolve_families
     from kveval.probes.sets import ProbeSet
+    from kveval.runner.models import load_model
     from kveval.runner.runspec import check_lengths, parse_run_specs
 
     if args.n < 1 or args.batch_size < 1:

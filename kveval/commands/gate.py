@@ -8,12 +8,12 @@ import argparse
 import math
 import sys
 
-from kveval.stats import paired
-from kveval.gate.deployment import add_deployment_arguments, deployment_decision, deployment_of
 from kveval.errors import EXIT_PASS, UsageError
-from kveval.gate.rules import ERROR, INCONCLUSIVE, evaluate_gate
 from kveval.gate.config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
+from kveval.gate.deployment import add_deployment_arguments, deployment_decision, deployment_of
 from kveval.gate.report import write_gate_outputs
+from kveval.gate.rules import ERROR, INCONCLUSIVE, evaluate_gate
+from kveval.stats import paired
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

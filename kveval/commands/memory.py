@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-from kveval.policies.spec import parse_policy
-
 import argparse
 import json
 from pathlib import Path
+
+from kveval.errors import UsageError
+from kveval.planner.memory import (
+    FitResult,
+    compare,
+    format_compare,
+    format_plan,
+    max_fit,
+    parse_headroom,
+    parse_tokens,
+    plan,
+)
 from kveval.planner.model_specs import load_model_spec, preset_names
-from kveval.planner.memory import FitResult, compare, format_compare, format_plan, plan
 from kveval.planner.native import FORMATS
-from kveval.planner.memory import max_fit
-from kveval.planner.memory import parse_headroom
-from kveval.planner.memory import parse_tokens
+from kveval.policies.spec import parse_policy
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+
 from kveval.sweep.config import load_config
-from kveval.sweep.run import run_sweep, summarize
-from kveval.sweep.run import sweep_lock
+from kveval.sweep.run import run_sweep, summarize, sweep_lock
 
 
 def configure(parser) -> None:
@@ -45,8 +45,8 @@ def run(args) -> int:
     from kveval.gate.deployment import deployment_of
 
     deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
-    from kveval.sweep.executors import make_executor
     from kveval.modeling.sources import placement_from_args
+    from kveval.sweep.executors import make_executor
 
     load_options = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
     executor = make_executor(args.executor, args.address, args.workers,

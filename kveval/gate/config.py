@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from kveval.stats.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
 from kveval.errors import ConfigError
+from kveval.stats.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
 from kveval.values import is_real, is_whole
 from kveval.yaml_files import load_yaml
 

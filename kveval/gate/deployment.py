@@ -9,12 +9,11 @@ gate. ``kveval gate`` and ``kveval sweep`` take ``--gpu-memory --context
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from kveval.dtypes import CACHE_DTYPE_BYTES
+from kveval.errors import UsageError
 from kveval.gate.rules import PASS, GateResult
 
 

@@ -13,10 +13,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Sequence
 
-from kveval.stats.tables import fmt_p
 from kveval.gate.rules import ERROR, FAIL, INCONCLUSIVE, PASS, GateResult, exit_code, overall_status
 from kveval.runs.records import atomic_write_text
-
+from kveval.stats.tables import fmt_p
 
 #: Regressed items listed per candidate x task in ``gate.md``.
 SHOWN_REGRESSED = 20

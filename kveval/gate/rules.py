@@ -43,8 +43,12 @@ from typing import Any, Sequence
 
 from scipy import stats as _st
 
-from kveval.stats import fidelity
-from kveval.stats import paired, significance as stats
+from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
+from kveval.gate.config import GateConfig
+from kveval.runs.records import RunInfo
+from kveval.runs.results import expand_run_dirs, load_run, pair_runs, pairing_warnings, run_digest
+from kveval.stats import fidelity, paired
+from kveval.stats import significance as stats
 from kveval.stats.comparison import (
     CONFUSION_CATEGORIES,
     OVERALL,
@@ -54,10 +58,6 @@ from kveval.stats.comparison import (
     adjust_pvalues,
     compare_runs,
 )
-from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
-from kveval.gate.config import GateConfig
-from kveval.runs.records import RunInfo
-from kveval.runs.results import expand_run_dirs, load_run, pair_runs, pairing_warnings, run_digest
 
 PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}

@@ -15,11 +15,10 @@ then runs lm-eval's CLI exactly as ``lm-eval`` would.
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import os
 import sys
 
+from kveval.errors import UsageError
 
 
 def _include_paths(user: str | list | None) -> list[str] | str | None:
@@ -74,8 +73,8 @@ def _check_kveval_args(args) -> None:
     """Fail in a second on a bad policy spec or mode, before lm-eval indexes its tasks and loads the model."""
     if getattr(args, "model", None) != "kveval" or not isinstance(getattr(args, "model_args", None), dict):
         return
-    from kveval.runner.generation import MODES
     from kveval.lm_eval.model import policy_from_arg
+    from kveval.runner.generation import MODES
 
     policy_from_arg(args.model_args.get("policy", "none"))
     compress = args.model_args.get("compress", "context")

@@ -97,31 +97,18 @@ import json
 import logging
 from importlib import metadata as importlib_metadata
 
+import lm_eval.models  # noqa: F401  (fills lm-eval's model registry first: registering before breaks get_model("hf"))
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
-
-import lm_eval.models  # noqa: F401  (fills lm-eval's model registry first: registering before breaks get_model("hf"))
 from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from tqdm import tqdm
 
 import kveval
-from kveval.modeling.architectures import check_rope_batch, rope_switches
 from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
-from kveval.runner.generation import (
-    MODES,
-    Prompt,
-    can_share_prefill,
-    check_batch_size,
-    check_request,
-    forward_rows,
-    generate_each,
-)
 from kveval.errors import UsageError
-from kveval.runner.evaluate import deployment_dtype_name, hardware_of, model_identity
 from kveval.lm_eval import data_parallel
-from kveval.runs import lm_eval_schema as schema
 from kveval.lm_eval.arguments import (
     HFLM_KEYS,
     UNSUPPORTED,
@@ -132,8 +119,20 @@ from kveval.lm_eval.arguments import (
     split_model_args,
     unescape,
 )
+from kveval.modeling.architectures import check_rope_batch, rope_switches
 from kveval.policies.base import PolicyStack
+from kveval.runner.evaluate import deployment_dtype_name, hardware_of, model_identity
+from kveval.runner.generation import (
+    MODES,
+    Prompt,
+    can_share_prefill,
+    check_batch_size,
+    check_request,
+    forward_rows,
+    generate_each,
+)
 from kveval.runner.runspec import RunSpec
+from kveval.runs import lm_eval_schema as schema
 
 log = logging.getLogger(__name__)
 

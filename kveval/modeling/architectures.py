@@ -47,7 +47,6 @@ from typing import Callable, Protocol
 
 import torch
 
-from kveval.tensors.block_probabilities import SINK_SLOT_STEP
 from kveval.errors import UnsupportedModelError
 from kveval.modeling.layer_types import (
     ATTENTION_LAYER_TYPES,
@@ -56,6 +55,7 @@ from kveval.modeling.layer_types import (
     KNOWN_LAYER_TYPES,
     STATE_LAYER_TYPES,
 )
+from kveval.tensors.block_probabilities import SINK_SLOT_STEP
 
 #: The name kveval's attention function is registered under (``attn_implementation="kveval"``).
 KVEVAL_ATTENTION = "kveval"

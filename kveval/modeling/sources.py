@@ -16,13 +16,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
-
 DEFAULT_MODEL = "smollm2-135m"
 
 
-from kveval.errors import ModelNotFoundError, UsageError  # noqa: E402  (ModelNotFoundError is re-exported)
-from kveval.paths import cache_dir  # noqa: E402  (re-exported: callers and tests ask kveval.models)
+from kveval.errors import ModelNotFoundError, UsageError  # noqa: E402
+from kveval.paths import cache_dir  # noqa: E402
 
 
 @dataclass(frozen=True)

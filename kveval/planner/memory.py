@@ -52,8 +52,6 @@ subtracts the weights (given, or parameters x bytes per parameter) and keeps a
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import dataclasses
 import functools
 import math
@@ -62,6 +60,7 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from kveval.errors import UsageError
 from kveval.modeling.layer_types import selecting_layers
 from kveval.planner.model_specs import ModelSpec, load_model_spec
 from kveval.planner.native import PartPlan, native_layers, parse_storage, storages

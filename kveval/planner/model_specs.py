@@ -6,14 +6,13 @@ one, a Hugging Face Hub id (``transformers.AutoConfig``; offline only when cache
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kveval.errors import UsageError
 from kveval.modeling.layer_types import KNOWN_LAYER_TYPES, KV_LAYER_TYPES
 from kveval.values import is_whole
 

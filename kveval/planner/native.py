@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from kveval.errors import UsageError
 from kveval.planner.model_specs import ModelSpec
 
-
 # ----------------------------------------------------------------------------------------------
 # storage formats
 

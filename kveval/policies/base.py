@@ -21,12 +21,11 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
+
 from kveval.errors import PolicySpecError
-from kveval.tensors.ranking import ADAKV_FLOOR
+from kveval.tensors.ranking import ADAKV_FLOOR, adaptive_choice, adaptive_choice_batch, top_slots
 from kveval.tensors.scoring_state import ScoringState
-from kveval.tensors.ranking import adaptive_choice
-from kveval.tensors.ranking import adaptive_choice_batch
-from kveval.tensors.ranking import top_slots
+
 if TYPE_CHECKING:
     import torch
 

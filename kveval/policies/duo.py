@@ -9,9 +9,9 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.tensors.scoring_state import ScoringState
-from kveval.tensors.ranking import top_slots
 from kveval.policies.window import SinkWindowPolicy
+from kveval.tensors.ranking import top_slots
+from kveval.tensors.scoring_state import ScoringState
 
 SCOPES = ("global", "layer")
 DEFAULT_DUO_WINDOW = 64

@@ -12,7 +12,21 @@ import inspect
 import re
 
 from kveval.errors import PolicyRegistryError
-from kveval.policies import duo, h2o, knorm, kvquant, latent, lowrank, none, pyramidkv, quant, random, snapkv, tova, window
+from kveval.policies import (
+    duo,
+    h2o,
+    knorm,
+    kvquant,
+    latent,
+    lowrank,
+    none,
+    pyramidkv,
+    quant,
+    random,
+    snapkv,
+    tova,
+    window,
+)
 from kveval.policies.base import Policy
 
 #: Spec name -> policy class. Read it; add to it only through :func:`register_policy`.

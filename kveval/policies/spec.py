@@ -7,13 +7,11 @@ import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
-from kveval.errors import PolicySpecError
-from kveval.values import is_real
-from kveval.policies.base import FAMILY_ORDER
-from kveval.policies.registry import POLICIES
-from kveval.policies.base import Policy
-from kveval.policies.base import PolicyStack
 
+from kveval.errors import PolicySpecError
+from kveval.policies.base import FAMILY_ORDER, Policy, PolicyStack
+from kveval.policies.registry import POLICIES
+from kveval.values import is_real
 
 _TERM = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*)\))?\s*$", re.S)
 

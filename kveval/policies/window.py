@@ -15,8 +15,8 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.tensors.scoring_state import ScoringState
 from kveval.policies.base import SelectionPolicy, check_ratio, ratio_keep_count
+from kveval.tensors.scoring_state import ScoringState
 
 DEFAULT_WINDOW_SIZE = 256
 DEFAULT_STREAMING_WINDOW = 252

@@ -22,11 +22,10 @@ before the latest one, chain hops in order) pushes it.
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kveval.errors import UsageError
 from kveval.probes.item import PromptFrame, char_spans_to_tokens, encode_parts
 
 

@@ -9,12 +9,11 @@ model's tokenizer and renders one :class:`~kveval.probes.item.ProbeItem` per tur
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from kveval.errors import UsageError
 from kveval.probes.build import Layout, Plant, Unit, fit
 from kveval.probes.item import Needle, ProbeItem, PromptFrame, encode_parts, prompt_hash
 from kveval.probes.text import REPEAT_SENTENCES, SentenceStream, UniqueDraw, kind_noun

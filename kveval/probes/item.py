@@ -10,12 +10,12 @@ token positions (``length``, needle ``span``) refer to it.
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import bisect
 import hashlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from kveval.errors import UsageError
 
 ROLES = ("target", "distractor", "stale")
 

@@ -12,9 +12,9 @@ same context and question give the same ids in ``generate`` and ``eval``.
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 from dataclasses import dataclass
+
+from kveval.errors import UsageError
 
 # Placeholders used to split a rendered chat template into the context part and the question part.
 _CTX_MARK = "\u2063KVEVAL_CONTEXT\u2063"

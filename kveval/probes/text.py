@@ -20,13 +20,13 @@ Haystacks
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import functools
 import random
 import re
 import uuid
 from importlib import resources
+
+from kveval.errors import UsageError
 
 REPEAT_SENTENCES = (
     "The grass is green.",

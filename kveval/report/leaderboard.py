@@ -29,8 +29,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kveval.stats.comparison import _clean
-from kveval.runs.records import atomic_write_text
+from kveval.report.html import to_html
+from kveval.report.items import RunChanges, run_changes
 from kveval.report.plots import (
     by_model,
     plot_confusion,
@@ -39,10 +39,10 @@ from kveval.report.plots import (
     plot_score_vs_compression,
     slug,
 )
-from kveval.report.html import to_html
-from kveval.report.items import RunChanges, run_changes
 from kveval.report.rows import Row, collect_rows, fmt, load_gate_result
+from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
+from kveval.stats.comparison import _clean
 
 # ----------------------------------------------------------------------------- tables
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kveval.stats.comparison import CATEGORIES, OVERALL, confusion_rates
 from kveval.report.rows import Row
+from kveval.stats.comparison import CATEGORIES, OVERALL, confusion_rates
 
 
 def _figure(width: float, height: float):

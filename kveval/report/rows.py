@@ -4,8 +4,6 @@ of each column marked within each model."""
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import json
 import math
 import os
@@ -15,9 +13,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kveval.stats.comparison import OVERALL, RunComparison, adjust_sweep, check_settings, compare_runs, confusion_rates
-from kveval.runs.results import Run, expand_run_dirs, load_run, run_digest
+from kveval.errors import UsageError
 from kveval.runs.records import ResultFileError
+from kveval.runs.results import Run, expand_run_dirs, load_run, run_digest
+from kveval.stats.comparison import OVERALL, RunComparison, adjust_sweep, check_settings, compare_runs, confusion_rates
 
 
 @dataclass

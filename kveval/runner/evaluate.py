@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from kveval.errors import RunFolderError, UsageError
+from kveval.runner.runspec import RunSpec
 from kveval.runs.records import (
     ItemRecord,
     ItemWriter,
@@ -27,7 +28,6 @@ from kveval.runs.records import (
     read_run_info,
     write_run_info,
 )
-from kveval.runner.runspec import RunSpec
 
 
 def run_slug(text: str) -> str:
@@ -130,8 +130,8 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
         A run folder to resume holds another model (identity) or other prompts
         under the same item ids.
     """
-    from kveval.runner.generation import Prompt, check_batch_size, check_request, generate_each
     from kveval.probes import encode_item, score_answer
+    from kveval.runner.generation import Prompt, check_batch_size, check_request, generate_each
 
     check_batch_size(batch_size)  # before any run folder opens
     if not all(isinstance(p, RunSpec) for p in policies):

@@ -35,8 +35,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-
-
 from kveval.runs.fidelity import FIDELITY_FILE, FidelityItem, cut_partial_line, read_fidelity
 
 # ----------------------------------------------------------------------------- distributions
@@ -136,8 +134,8 @@ def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequen
     candidates : sequence of (RunSpec, Path)
         Each candidate's spec and run folder.
     """
-    from kveval.runner.generation import Prompt
     from kveval.probes import encode_item
+    from kveval.runner.generation import Prompt
 
     done = {d: read_fidelity(d) for _, d in candidates}
     for d in done:

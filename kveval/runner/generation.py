@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kveval.modeling.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
-from kveval.tensors.batch_buffer import uploaded
 from kveval.cache.compressed import CacheStats, CompressedCache
 from kveval.errors import UsageError
+from kveval.modeling.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
 from kveval.policies.base import PolicyStack, require_stack
 from kveval.stores.base import cache_kv_dtype
+from kveval.tensors.batch_buffer import uploaded
 from kveval.values import is_whole
 
 MODES = ("context", "query")

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 from kveval.errors import ModelNotFoundError, UsageError  # noqa: E402  (ModelNotFoundError is re-exported)
-from kveval.modeling.sources import DEFAULT_MODEL
-from kveval.modeling.sources import EMBEDDED
-from kveval.modeling.sources import _dequantized_cache
-from kveval.modeling.sources import _save_atomically
-from kveval.modeling.sources import _source
-from kveval.modeling.sources import load_tokenizer
-from kveval.modeling.sources import parse_max_memory
-from kveval.modeling.sources import resolve_device_dtype
+from kveval.modeling.sources import (
+    DEFAULT_MODEL,
+    EMBEDDED,
+    _dequantized_cache,
+    _save_atomically,
+    _source,
+    load_tokenizer,
+    parse_max_memory,
+    resolve_device_dtype,
+)
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
@@ -56,8 +59,8 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kveval.modeling.architectures import check_supported
     from kveval.cache.attention import ATTENTION_NAME, register_attention
+    from kveval.modeling.architectures import check_supported
     from kveval.stores.base import DEFAULT_KV_DTYPE, checkpoint_kv_dtype
 
     if isinstance(max_memory, str):

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-
 from kveval.errors import ResultFileError
 
 #: Per-candidate file of per-item fidelity measurements, next to ``items.jsonl``.

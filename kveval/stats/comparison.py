@@ -26,12 +26,12 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from kveval.runs.fidelity import attach_fidelity
-from kveval.stats import fidelity
-from kveval.stats import paired, significance as stats
 from kveval.errors import UsageError
+from kveval.runs.fidelity import attach_fidelity
 from kveval.runs.records import ItemRecord, RunInfo
 from kveval.runs.results import Run, load_run, pair_runs
+from kveval.stats import fidelity, paired
+from kveval.stats import significance as stats
 from kveval.values import is_real, is_whole
 
 #: Memory-confusion categories of probe items, in display order.

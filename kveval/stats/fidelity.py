@@ -9,9 +9,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from kveval.errors import UsageError
-
 from kveval.runs.fidelity import FIELDS, METRIC_KEY
-
 
 
 def kl_bounds(values: Sequence[float], alpha: float = 0.05, n_resamples: int = 9999, seed: int = 0) -> tuple[float, float]:

@@ -41,15 +41,15 @@ Everything here is pure arithmetic on counts (no files, no randomness).
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-from kveval.values import is_real
-
 import math
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import optimize
 from scipy import stats as _st
+
+from kveval.errors import UsageError
+from kveval.values import is_real
 
 __all__ = [
     "MarginTest",

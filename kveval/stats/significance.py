@@ -16,8 +16,6 @@ and tasks of mostly partial scores with enough items
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import inspect
 import math
 import warnings
@@ -26,6 +24,8 @@ from typing import Sequence
 
 import numpy as np
 from scipy import stats as _st
+
+from kveval.errors import UsageError
 
 __all__ = [
     "Interval",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+
 from kveval.stats.comparison import OVERALL, Comparison, RunComparison
 
 

@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 from kveval.stores.base import TokenStore, alive_order, alive_slots
+from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
 KVQUANT_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
 _KMEANS_SAMPLES = 1 << 20  # normalized values a codebook is fitted on (evenly strided subsample)
@@ -303,8 +303,8 @@ def _calibrate_layer(keys: torch.Tensor, values: torch.Tensor, s: KVQuantSetting
 
 def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model_key: str = "") -> KVQuantCalibration:
     """One forward pass over the calibration text; per layer, key channel ranges and K/V codebooks."""
-    from kveval.modeling.architectures import rope_hook
     from kveval.calibration.kv import calibration_kv
+    from kveval.modeling.architectures import rope_hook
 
     kv, used = calibration_kv(model, text, tokens)
     layers = []

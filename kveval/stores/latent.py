@@ -51,8 +51,6 @@ per model, reported apart (:meth:`kveval.policies.latent.LatentPolicy.basis_byte
 
 from __future__ import annotations
 
-from kveval.errors import UsageError
-
 import copy
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -62,6 +60,7 @@ from typing import ClassVar
 import torch
 
 from kveval.calibration.kv import CALIBRATION_VERSION, CalibrationText, calibration_kv, load_versioned, save_atomic
+from kveval.errors import UsageError
 from kveval.stores.lowrank import CoefficientStore, reconstruct
 
 

@@ -51,7 +51,9 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+
 import torch
+
 from kveval.stores.base import DenseStore, QuantizedStore, TokenStore
 
 

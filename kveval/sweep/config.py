@@ -7,9 +7,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
 from kveval.errors import ConfigError
 from kveval.values import is_real, is_whole
 from kveval.yaml_files import load_yaml
+
 if TYPE_CHECKING:
     import torch
 

@@ -21,8 +21,6 @@ import platform
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
-
-
 from typing import TYPE_CHECKING
 
 from kveval.errors import RunFolderError, UsageError
@@ -31,8 +29,8 @@ from kveval.sweep.config import SweepConfig
 
 if TYPE_CHECKING:
     from kveval.gate.config import GateConfig
-    from kveval.sweep.executors import Cell, CellResult, Executor
     from kveval.runner.runspec import RunSpec
+    from kveval.sweep.executors import Cell, CellResult, Executor
 
 #: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
 LOCK_FILE = ".kveval-sweep.lock"
@@ -234,9 +232,9 @@ class CellRunner:
         import torch
         from tqdm import tqdm
 
+        from kveval.modeling.sources import load_tokenizer
         from kveval.runner.evaluate import evaluate_policies
         from kveval.sweep.executors import CellResult
-        from kveval.modeling.sources import load_tokenizer
 
         config = self.config
         items = sweep_items(config, load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
@@ -333,10 +331,9 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     lock (:func:`sweep_lock`); cells only append items to their own run folders.
     Results do not depend on the executor or on ``policies_per_cell``.
     """
-    from kveval.sweep.executors import InProcessExecutor
     from kveval.modeling.sources import resolve_device_dtype
-
     from kveval.runner.runspec import check_lengths
+    from kveval.sweep.executors import InProcessExecutor
 
     for model_name in config.models:  # every spec and length against every model's config.json, before any weights load
         for spec in config.policies:
@@ -406,10 +403,10 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
     """
     import lm_eval
 
-    from kveval.runs.results import records_from_samples
     from kveval.lm_eval import register, tasks_dir
     from kveval.lm_eval.model import ResponseStore
     from kveval.runs.records import ItemWriter, iter_items
+    from kveval.runs.results import records_from_samples
 
     done = [{r.metrics.get("lm_eval_task") for r in iter_items(d)} for d in run_dirs]
     if all(set(settings["tasks"]) <= finished for finished in done):
@@ -442,8 +439,8 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     ``probes``: the sweep's probe items by prompt hash, where the caller holds them, for the report's item views.
     """
     from kveval.gate.deployment import deployment_decision
-    from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
     from kveval.gate.report import write_gate_outputs
+    from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
     from kveval.report.leaderboard import build_report
 
     floors = {str(d): noise_floor_run(out, d) for d in run_dirs if noise_floor_run(out, d).is_dir()}
