@@ -53,7 +53,7 @@ def test_random_control_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = ("import torch; from kveval.policies import parse_policy, ScoringState;"
+    code = ("import torch; from kveval.policies.spec import parse_policy; from kveval.tensors.scoring_state import ScoringState;"
             "p = parse_policy('random(ratio=0.5,seed=3)').selection;"
             "s = ScoringState(torch.zeros(1, 8, 4), torch.arange(8)[None], None, 0, 1, seed=1);"
             "print(p.scores(s).argsort().tolist())")
@@ -130,7 +130,7 @@ def test_spec_is_checked_against_the_model_config_before_loading():
 
 def test_runspec_parses_mode_suffix_and_kv_dtype_once():
     spec = RunSpec.parse("snapkv(ratio=0.5)@query", kv_dtype="bf16")
-    assert (spec.spec, spec.mode, spec.kv_dtype) == ("snapkv(ratio=0.5)", "query", "bfloat16")
+    assert (spec.spec, spec.mode, spec.kv_dtype, spec.kv_dtype_name) == ("snapkv(ratio=0.5)", "query", torch.bfloat16, "bfloat16")
     assert spec.key == "snapkv(ratio=0.5)@query@kv_dtype=bfloat16"
     assert RunSpec.parse(spec.key) == spec
     assert RunSpec.parse("none@query").effective_mode == "context"

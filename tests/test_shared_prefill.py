@@ -69,7 +69,7 @@ def test_the_prefill_keeps_only_the_scores_present_policies_need():
     model = tiny_llama()
     policies = ["snapkv(ratio=0.5,window=4)", "pyramidkv(ratio=0.3,window=4)", "snapkv(ratio=0.5,window=8)", "h2o(ratio=0.5)",
                 "quant(bits=8,group=8)", "knorm(ratio=0.5)", "random(ratio=0.5)"]
-    cache = CompressedCache(model, parse_policy("none"), defer_compression=True, scores_for=policies)
+    cache = CompressedCache(model, parse_policy("none"), defer_compression=True, scores_for=[parse_policy(p) for p in policies])
     assert cache.score_keys == [("window", 4), ("window", 8), ("all", None)]
     with torch.no_grad():
         model(torch.arange(1, 30)[None], cache=cache)
@@ -90,7 +90,7 @@ def test_one_policy_cache_at_a_time(monkeypatch):
     def watched(self, policy):
         gc.collect()
         assert all(ref() is None for ref in alive), "a previous policy's cache is still held"
-        cache = derive(parse_policy(self), policy)
+        cache = derive(self, policy)
         alive.append(weakref.ref(cache))
         return cache
 
