@@ -142,8 +142,7 @@ class TaskVerdict:
     @property
     def within_noise_floor(self) -> bool:
         """Whether this candidate's flips on the task are no more than the baseline's own under a batch rearrangement."""
-        c, floor = self.comparison, self.noise_floor
-        return floor is not None and c.n_regressed + c.n_improved <= floor.flips
+        return _within_floor(self.comparison, self.noise_floor)
 
     @property
     def lower_bound(self) -> float:
@@ -438,7 +437,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     if not test.lower > -margin:
         pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
     needed = None
-    within_floor = noise_floor is not None and c.n_regressed + c.n_improved <= noise_floor.flips
+    within_floor = _within_floor(c, noise_floor)
     if reasons and within_floor:  # what fired rests on flips the baseline makes against itself
         pending = [f"{reason} (but {c.n_regressed + c.n_improved} flips do not exceed the baseline's own "
                    f"{noise_floor.flips} under another batch arrangement: not shown harmful)" for reason in reasons] + pending
@@ -465,6 +464,12 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     mdl = _min_detectable_loss(c, margin, cfg)
     return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c,
                        mdl, noise_floor)
+
+
+def _within_floor(c: Comparison, floor: NoiseFloor | None) -> bool:
+    """Whether a candidate's flips (right->wrong plus wrong->right) do not exceed the baseline's own flips under
+    another batch arrangement; ``False`` where no floor was measured."""
+    return floor is not None and c.n_regressed + c.n_improved <= floor.flips
 
 
 def _min_detectable_loss(c: Comparison, margin: float, cfg: GateConfig) -> float | None:
