@@ -101,8 +101,9 @@ def test_changes_are_regressed_improved_and_changed_items_with_their_prompts(swe
     assert (c.candidate.text, c.candidate.category) == (" 9031", "distractor")
     assert c.candidate.recalled == (Recalled("distractor", "9031", "door code"),)
     assert c.candidate.recalled[0].describe() == "9031: the value of 'door code' (a distractor)"
-    assert c.kept == ("The cache held 150 of the 310 tokens seen, on average over layers and heads; the needle is at "
-                      "tokens 120-128 of the prompt. Whether the needle's own tokens were kept is not recorded by the run.")
+    assert c.kept == ("The cache held 150 of the 310 tokens seen, on average over layers and heads (tokens 120-128 of "
+                      "the prompt). Whether the needle's own tokens were kept is not recorded by this run (it predates "
+                      "needle_kept).")
 
 
 def test_without_prompts_the_view_says_so_and_keeps_what_the_records_hold(sweep):

@@ -464,6 +464,24 @@ class CompressedCache(Cache):
         seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
         return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row), dtype_name(self.kv_dtype))
 
+    def span_retention(self, row: int, spans: "Sequence[tuple[int, int]]") -> float | None:
+        """Share of the slots of the tokens in ``spans`` that row ``row`` still holds, over every attention layer and
+        KV head: 1.0 when each layer keeps every one of those tokens for every head, 0.0 when none is left anywhere.
+
+        ``spans``: ``(start, end)`` original token positions of the row (end exclusive), as a probe's needle
+        :attr:`~kveval.probes.item.Needle.span`. A sliding layer whose window has passed the span counts as not
+        holding it, as the model's own cache does not. ``None`` when the spans are empty."""
+        wanted = sorted({p for start, end in spans for p in range(start, end)})
+        if not wanted or not self.attention_layers:
+            return None
+        held = slots = 0
+        for layer in self.attention_layers:
+            positions = layer.rows[row].positions
+            target = torch.tensor(wanted, dtype=positions.dtype, device=positions.device)
+            held += int(torch.isin(positions, target).sum())
+            slots += positions.shape[0] * len(wanted)
+        return held / slots
+
     def _state_bytes(self, row: int | None) -> int:
         """Bytes of the state layers' conv and recurrent states (one row's share when ``row`` is given)."""
         total = 0

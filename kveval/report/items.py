@@ -16,9 +16,9 @@ needle it belongs to (a distractor's value as that key's); an lm-eval item's doc
 (:class:`~kveval.runs.results.SampleDocument`). Probe prompts come keyed by prompt hash
 (:func:`kveval.sweep.recorded.recorded_probe_items`), so a prompt is only shown beside the record run on it.
 
-Whether a needle's own tokens survived a selection policy is not recorded by a run (``items.jsonl`` holds the
-mean number of context tokens kept over layers and heads, ``kept_tokens_mean``, not which ones): :attr:`ItemChange.kept`
-says what is known, in words.
+Whether a needle's own tokens survived is recorded per item as ``needle_kept`` (the share of the target needle's
+token slots the cache held once the prompt was in, over layers and KV heads; runs written before kveval recorded
+it have only ``kept_tokens_mean``): :attr:`ItemChange.kept` says what is known, in words.
 """
 
 from __future__ import annotations
@@ -164,20 +164,32 @@ def passage(context: str, value: str, window: int = WINDOW) -> Passage | None:
     return Passage(context[lo:start], context[start:end], context[end:hi], lo > 0, hi < len(context))
 
 
-def kept_note(record: ItemRecord, probe: ProbeItem | None) -> str:
-    """What is known of whether the needle's tokens stayed in the candidate's cache, in words (``""``: the run
-    kept every token, no selection)."""
+def kept_note(record: ItemRecord, probe: ProbeItem | None, baseline: ItemRecord | None = None) -> str:
+    """What is known of whether the needle's tokens stayed in the candidate's cache, in words (``""``: the run kept
+    every token, no selection). ``baseline``: its share is named where the model's own cache does not hold the whole
+    needle either (sliding-window layers)."""
     kept = record.metrics.get("kept_tokens_mean")
     seen = record.metrics.get("tokens_seen") or record.length
+    share = record.metrics.get("needle_kept")
+    targets = [n for n in (probe.needles if probe else []) if n.role == "target"]
+    where = ""
+    if targets and targets[0].span != (0, 0):
+        where = f" (tokens {targets[0].span[0]}-{targets[0].span[1]} of the prompt)"
+    if share is not None:
+        if share >= 1 and (kept is None or not seen or kept >= seen):
+            return ""
+        if share >= 1:
+            return f"The needle{where} was kept whole in every layer and head."
+        if share <= 0:
+            return f"The needle{where} was dropped from every layer and head."
+        own = baseline.metrics.get("needle_kept") if baseline is not None else None
+        also = f"; the uncompressed cache held {own:.0%} (sliding layers)" if own is not None and own < 1 else ""
+        return f"The cache kept {share:.0%} of the needle's token slots{where}, over layers and heads{also}."
     if kept is None or (seen and kept >= seen):
         return ""
-    where = ""
-    targets = [n for n in (probe.needles if probe else []) if n.role == "target"]
-    if targets and targets[0].span != (0, 0):
-        where = f"; the needle is at tokens {targets[0].span[0]}-{targets[0].span[1]} of the prompt"
     of = f" of the {seen} tokens seen" if seen else " tokens"
     return (f"The cache held {kept:g}{of}, on average over layers and heads{where}. Whether the needle's own tokens "
-            f"were kept is not recorded by the run.")
+            f"were kept is not recorded by this run (it predates needle_kept).")
 
 
 def run_changes(
@@ -215,7 +227,7 @@ def run_changes(
                 question=probe.question if probe else None,
                 needle=f"{target.key} = {target.value}" if target else None,
                 passage=passage(probe.context, target.value) if target else None,
-                kept=kept_note(cand, probe),
+                kept=kept_note(cand, probe, base),
                 document=documents.get(base.id),
             )
         )

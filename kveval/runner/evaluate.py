@@ -82,8 +82,13 @@ def _record(item, result, score) -> ItemRecord:
                  "bytes_per_token": stats.bytes_per_token, "nominal_bytes_per_token": stats.nominal_bytes_per_token,
                  "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
                  "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
-                 "group": item.group, "turn": item.turn},
+                 "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept},
     )
+
+
+def target_spans(item) -> tuple[tuple[int, int], ...]:
+    """The token spans of ``item``'s target needles (what :func:`_record` reports as ``needle_kept``)."""
+    return tuple(n.span for n in item.needles if n.role == "target" and n.span[1] > n.span[0])
 
 
 def finalize_run(run_dir: Path) -> RunInfo:
@@ -149,7 +154,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
         if progress is not None:
             progress.update(sum(item.id in finished for finished in done for item in items))
         for needed, batch in _pending_batches(items, done, batch_size):
-            prompts = [Prompt(*encode_item(tokenizer, item)) for item in batch]
+            prompts = [Prompt(*encode_item(tokenizer, item), watched=target_spans(item)) for item in batch]
             limits = [item.max_new_tokens for item in batch]  # each its own: a batch's mix changes no answer
             check_request(model, prompts, limits, specs[0].mode, len(batch))
             outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=limits,

@@ -45,6 +45,9 @@ class Prompt:
 
     context: list[int]
     question: list[int] = field(default_factory=list)
+    #: ``(start, end)`` token positions (in ``context + question``) whose retention the result reports
+    #: (:attr:`GenerationResult.watched_kept`): a probe's target needle.
+    watched: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -71,6 +74,10 @@ class GenerationResult:
         Generated tokens of this row divided by the batch's decode time.
     decode_seconds : float
         The batch's decode time (after the first token), seconds.
+    watched_kept : float or None
+        Share of the slots of the prompt's :attr:`Prompt.watched` tokens the cache held once the prompt was in
+        (compressed, before the first answer token), over attention layers and KV heads
+        (:meth:`CompressedCache.span_retention`); ``None`` when the prompt watches nothing.
     """
 
     text: str
@@ -80,6 +87,7 @@ class GenerationResult:
     prefill_seconds: float
     decode_tokens_per_second: float
     decode_seconds: float = 0.0
+    watched_kept: float | None = None
 
 
 def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None = None) -> Prompt:
@@ -337,6 +345,7 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)
         last_logits = torch.where(mask[:, -1:], logits[:, -1].float(), last_logits)
     prefill_seconds = time.perf_counter() - started
+    watched_kept = [cache.span_retention(b, p.watched) if p.watched else None for b, p in enumerate(prompts)]
     eos = eos_ids(model, tokenizer)
     batch = len(prompts)
     limits = row_limits(max_new_tokens, batch)
@@ -374,7 +383,7 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         for s in stop:
             text = text.split(s)[0]
         results.append(GenerationResult(text, tokens[b], logprobs[b], cache.stats(row=b), prefill_seconds,
-                                        len(tokens[b]) / decode_seconds, decode_seconds))
+                                        len(tokens[b]) / decode_seconds, decode_seconds, watched_kept[b]))
     return results
 
 
