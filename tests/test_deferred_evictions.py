@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from kveval.cache import decode_evictions
-from kveval.cache.compressed import CompressedCache
 from kveval.cache.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction
 from kveval.cache.layers import CompressedLayer
 from kveval.policies.spec import parse_policy

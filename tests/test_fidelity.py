@@ -163,7 +163,7 @@ def fidelity_runs(tmp_path_factory):
 
 def test_gate_rule_max_mean_kl(fidelity_runs):
     from kveval.errors import ConfigError
-    from kveval.gate.config import GateConfig, load_gate_config
+    from kveval.gate.config import load_gate_config
     from kveval.gate.rules import evaluate_gate
 
     assert GateConfig().max_mean_kl == {} and load_gate_config("configs/gate.yaml").max_mean_kl == {}  # off by default

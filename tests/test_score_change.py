@@ -10,8 +10,6 @@ scores with 30 items or more take the paired bootstrap, where that bound would o
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from test_compare_gate import write_run

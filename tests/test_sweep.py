@@ -1,7 +1,6 @@
 """The sweep on the embedded model: kill it halfway, rerun, and get what an uninterrupted run gets."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

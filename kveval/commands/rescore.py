@@ -177,8 +177,8 @@ def rescore_eval_folders(folders: list[Path], items_file: Path | None) -> list[R
             if key not in generated:
                 generated[key] = probe_set.items()
             items.update((item.id, item) for item in generated[key])
-        fix = (f"its recorded probe sets generate other items here (another tokenizer or kveval version); give "
-               f"--items, the items file it was run on")
+        fix = ("its recorded probe sets generate other items here (another tokenizer or kveval version); give "
+               "--items, the items file it was run on")
         out.append(rescore_run(run_dir, items, fix))
     return out
 

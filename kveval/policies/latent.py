@@ -150,7 +150,8 @@ class LatentPolicy(CalibratedPolicy):
         calibration = self.calibration_for(model)
         total = 0
         for layer in calibration.kv_layers:
-            heads, group = calibration.num_heads(layer), self._check_calibrated_layer(calibration, layer)
+            self._check_calibrated_layer(calibration, layer)
+            heads = calibration.num_heads(layer)
             widths = (calibration.head_dim(layer) - self.rope_dims) + calibration.value_dim(layer)
             total += 4 * heads * self.rank * widths  # (heads / group) bases of group x width rows each
         return total
