@@ -281,7 +281,7 @@ class SglangPolicy(EnginePolicy):
     Follows ``python/sglang/srt/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod``: one checkpoint
     ``kv_scale`` copied to K and V; none: no scale) and ``python/sglang/srt/mem_cache/memory_pool.py``
     (``MHATokenToKVPool.set_kv_buffer``: ``cache_k.div_(k_scale)`` in the model dtype, then ``cache_k.to(fp8)``,
-    which does not saturate).
+    torch's own cast: two roundings, and past the range whatever the running torch's cast gives).
 
     Attributes
     ----------
@@ -292,7 +292,7 @@ class SglangPolicy(EnginePolicy):
     """
 
     name = "sglang"
-    description = "SGLang fp8 KV cache: one per-tensor scale copied to K and V (or none), torch's non-saturating cast"
+    description = "SGLang fp8 KV cache: one per-tensor scale copied to K and V (or none), divided in the model dtype, torch's cast"
     engine: ClassVar[str] = "SGLang"
     follows: ClassVar[str] = ("python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer; "
                               "python/sglang/srt/layers/quantization/kv_cache.py")

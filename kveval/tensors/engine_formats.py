@@ -26,7 +26,8 @@ Per-tensor FP8 and INT8 (one float32 scale per layer for K, one for V):
   format's largest finite value clamped to it.
 * ``torch-cast`` FP8 (SGLang, ``python/sglang/srt/mem_cache/memory_pool.py``, ``MHATokenToKVPool.set_kv_buffer``):
   ``cache_k.div_(k_scale)`` in the model dtype, then ``cache_k.to(fp8)``: the quotient is rounded to the model dtype
-  first, and torch's cast does not saturate (e4m3fn: NaN from 480 in magnitude on).
+  first (two roundings), then torch's own cast, whatever it does past the format's range in the torch that runs it
+  (c10's conversion gave NaN past 464 for e4m3fn; torch 2.13 on a CPU saturates e4m3fn, and e5m2 gives inf).
 * INT8 (TensorRT-LLM): ``x * (1 / scale)`` in float32, then ``cvt.rni.sat.s8.f32``: round to nearest even,
   saturate to ``[-128, 127]``.
 """
@@ -158,7 +159,7 @@ def fp8_saturating(x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
 
 def fp8_torch_cast(x: torch.Tensor, scale: float | None, fmt: str, model_dtype: torch.dtype) -> torch.Tensor:
     """SGLang's cache write: ``x`` in the model dtype, divided in place by ``scale`` when one is set (the quotient
-    rounded to the model dtype), then torch's own cast (no saturation: e4m3fn NaN, e5m2 inf past the range)."""
+    rounded to the model dtype), then torch's own cast (past the range: whatever this torch's cast gives)."""
     y = x.to(model_dtype)
     if scale is not None:
         y = y / scale
