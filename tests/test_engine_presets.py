@@ -324,3 +324,32 @@ def test_memory_command_answers_in_engine_terms(capsys):
                      "--gpu-memory-utilization", "1.5"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kveval memory: error:") and "\n" not in err
+
+
+def test_sliding_layers_hold_their_window_in_engine_codes():
+    """Gemma 3 (tiny: 3 sliding layers of window 16, 1 full; 1 KV head of 32): 30 + 5 tokens, q8_0/q4_0 rows of
+    34 + 18 bytes; each sliding layer holds 15 tokens, the full one 35."""
+    from tiny_models import tiny_gemma3
+
+    _, cache = context_then_steps(tiny_gemma3(), "llamacpp(k=q8_0,v=q4_0)", random_ids(30, 1), random_ids(5, 2),
+                                  "float32")
+    assert cache.stats().kv_bytes == (3 * 15 + 35) * (34 + 18)
+
+
+def test_llamacpp_takes_q_in_the_k_types_vec_dot_type():
+    """ggml converts Q to K's vec_dot_type before Q.K (ggml/src/ggml-cpu/ops.cpp, q_to_vec_dot; ggml_mul_mat):
+    q8_0 for q8_0/q4_0/q5_0 K (and q8_1, the same codes and scale, for q4_1/q5_1), f16 for f16."""
+    from kveval.tensors.engine_formats import ggml_query
+
+    q = _rows(7)
+    reference = gguf.quants.dequantize(gguf.quants.quantize(q.reshape(-1, 64).numpy(), _gguf("q8_0")), _gguf("q8_0"))
+    for k in ("q8_0", "q4_0", "q5_0", "q4_1", "q5_1"):
+        np.testing.assert_array_equal(ggml_query(q, k).reshape(-1, 64).numpy(), reference)
+    assert torch.equal(ggml_query(q, "f16"), q.half().float())
+    model, ids, steps = tiny_model("llama"), random_ids(20, 1), random_ids(3, 2)
+    with_q, _ = context_then_steps(model, "llamacpp(k=q4_0,v=q4_0)", ids, steps, "float32")
+    without, _ = context_then_steps(model, "llamacpp(k=q4_0,v=q4_0,quantize_q=false)", ids, steps, "float32")
+    assert not torch.equal(with_q[0], without[0])
+    f32_q, _ = context_then_steps(model, "llamacpp(k=f32,v=f32)", ids, steps, "float32")
+    f32_plain, _ = context_then_steps(model, "llamacpp(k=f32,v=f32,quantize_q=false)", ids, steps, "float32")
+    assert all(torch.equal(a, b) for a, b in zip(f32_q, f32_plain))

@@ -316,6 +316,11 @@ class QuantizationPolicy(RepresentationPolicy):
         """The newest tokens kept in the cache dtype, unquantized (KIVI's residual window). 0 by default."""
         return 0
 
+    def attended_query(self, query: "torch.Tensor") -> "torch.Tensor":
+        """The queries (``[B, heads, q, head_dim]``, after RoPE) as the Q.K product takes them: an engine whose dot
+        products convert Q to the K cache's type (llama.cpp) rounds them here. Default: unchanged."""
+        return query
+
     @abstractmethod
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse (:class:`~kveval.errors.PolicySpecError`) a head width this quantizer cannot code."""

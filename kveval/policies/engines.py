@@ -158,6 +158,11 @@ class LlamaCppPolicy(EnginePolicy):
     k, v : str
         Cache types of K and V: ``f16`` (llama.cpp's default), ``bf16``, ``f32``, ``q8_0``, ``q5_1``, ``q5_0``,
         ``q4_1``, ``q4_0``. Block types need a head width that is a multiple of 32, as llama.cpp does.
+    quantize_q : bool
+        Round Q as ggml's Q.K takes it (default ``true``): converted to the K type's ``vec_dot_type``
+        (``q8_0`` for a ``q8_0``/``q4_0``/``q5_0`` K, ``q8_1`` for ``q4_1``/``q5_1``, ``f16``/``bf16`` for those),
+        as the CPU flash attention (``ggml/src/ggml-cpu/ops.cpp``, ``q_to_vec_dot``) and ``ggml_mul_mat`` both do;
+        ``false``: K/V codes alone.
     """
 
     name = "llamacpp"
@@ -167,6 +172,7 @@ class LlamaCppPolicy(EnginePolicy):
     has_scales: ClassVar[bool] = False
     k: str = "f16"
     v: str = "f16"
+    quantize_q: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -185,6 +191,13 @@ class LlamaCppPolicy(EnginePolicy):
             if kind.startswith("q") and head_dim % 32:
                 raise PolicySpecError(f"{self.spec()}: {key}={kind} codes blocks of 32 values and head_dim={head_dim} "
                                       f"is not a multiple of 32 (llama.cpp refuses it too); use f16 or bf16")
+
+    def attended_query(self, query):
+        if not self.quantize_q:
+            return query
+        from kveval.tensors.engine_formats import ggml_query
+
+        return ggml_query(query, self.k)
 
     def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
         from kveval.tensors.engine_formats import ggml_row_bytes

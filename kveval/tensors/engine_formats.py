@@ -147,6 +147,24 @@ def ggml_dequantize(raw: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
     return values.reshape(*lead, dim)
 
 
+#: ggml's ``vec_dot_type`` of each cache type (``ggml/src/ggml-cpu/ggml-cpu.c``, ``type_traits_cpu``): the type
+#: ggml converts the other operand (Q) to before a dot product with rows of that type.
+GGML_VEC_DOT_TYPE = {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1",
+                     "f16": "f16", "bf16": "bf16", "f32": "f32"}
+
+
+def ggml_query(q: torch.Tensor, k_type: str) -> torch.Tensor:
+    """Rows ``[..., D]`` as a dot product with ``k_type`` rows takes them: converted to its ``vec_dot_type`` and read
+    back in float32. ``q8_1``'s ``d`` and codes are ``q8_0``'s (``quantize_row_q8_1_ref``); its per-block sum, kept
+    in float16 for the minimum term of ``q4_1``/``q5_1`` dot products, is not modelled (the exact sum is used)."""
+    kind = GGML_VEC_DOT_TYPE[k_type]
+    if kind == "f32":
+        return q
+    if kind in ("q8_0", "q8_1"):
+        return ggml_dequantize(ggml_quantize(q.float(), "q8_0"), "q8_0", q.shape[-1]).to(q.dtype)
+    return q.to(torch.float16 if kind == "f16" else torch.bfloat16).to(q.dtype)
+
+
 # --- per-tensor FP8 / INT8 ---------------------------------------------------------------------------------
 def fp8_saturating(x: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
     """vLLM's cache write: ``x / scale`` in float32, cast to FP8 with ``__NV_SATFINITE`` (round to nearest even,
