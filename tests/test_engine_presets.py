@@ -25,7 +25,13 @@ from kveval.tensors.engine_formats import (
     int8_saturating,
 )
 
-from cache_runs import assert_one_batch_equals_batch_size_one, context_then_steps, random_ids, random_prompts
+from cache_runs import (
+    assert_one_batch_equals_batch_size_one,
+    assert_shared_prefill_equals_own_runs,
+    context_then_steps,
+    random_ids,
+    random_prompts,
+)
 from tiny_models import Tok, tiny_model
 
 gguf = pytest.importorskip("gguf")
@@ -251,6 +257,15 @@ def test_a_batch_gives_batch_size_ones_answers():
                                            "llamacpp(k=q8_0,v=q4_0)", max_new_tokens=3)
 
 
+def test_a_sweeps_shared_prefill_gives_engine_presets_their_own_runs():
+    """An engine codes the prompt as it prefills, so it cannot be derived from a shared uncompressed prefill: in a
+    cell with other policies it prefills alone, and every policy's answers and bytes equal its own run's."""
+    model = tiny_model("llama")
+    assert_shared_prefill_equals_own_runs(model, Tok(), random_prompts([(30, 3), (17, 2)], seed=9),
+                                          ["none", "llamacpp(k=q4_0,v=q4_0)", "quant(bits=4,group=32)", "vllm"],
+                                          max_new_tokens=3)
+
+
 def test_eviction_then_engine_codes_bytes():
     model = tiny_model("llama")
     _, cache = context_then_steps(model, "snapkv(ratio=0.5)+llamacpp(k=q8_0,v=q4_0)", random_ids(20, 5),
@@ -353,3 +368,19 @@ def test_llamacpp_takes_q_in_the_k_types_vec_dot_type():
     f32_q, _ = context_then_steps(model, "llamacpp(k=f32,v=f32)", ids, steps, "float32")
     f32_plain, _ = context_then_steps(model, "llamacpp(k=f32,v=f32,quantize_q=false)", ids, steps, "float32")
     assert all(torch.equal(a, b) for a, b in zip(f32_q, f32_plain))
+
+
+def test_x86_cpu_q8_0_rounds_halves_to_even_with_127_over_amax():
+    """ggml/src/ggml-cpu/arch/x86/quants.c quantize_row_q8_0: id = 127 / amax and _mm256_round_ps(_MM_ROUND_NEAREST).
+    On the row whose scaled values are halves it gives 0, 2, 2 where the reference gives 1, 2, 3."""
+    x = torch.zeros(1, 1, 32)
+    x[0, 0, :4] = torch.tensor([127.0, 0.5, 1.5, 2.5])
+    assert ggml_quantize(x, "q8_0", x86=True)[0, 0, 2:6].view(torch.int8).tolist() == [127, 0, 2, 2]
+    rows = _rows(8)
+    amax = rows.reshape(3, 40, 2, 32).abs().amax(-1, keepdim=True)
+    expected = np.round(rows.reshape(3, 40, 2, 32).numpy() * (np.float32(127) / amax.numpy()))  # numpy: half to even
+    codes = ggml_quantize(rows, "q8_0", x86=True).reshape(3, 40, 2, 34)[..., 2:].view(torch.int8)
+    np.testing.assert_array_equal(codes.numpy(), expected.astype(np.int8))
+    model = tiny_model("llama")
+    cpu, _ = context_then_steps(model, "llamacpp(k=q8_0,v=q8_0,cpu=true)", random_ids(20, 1), random_ids(2, 2), "float32")
+    assert all(torch.isfinite(x).all() for x in cpu)

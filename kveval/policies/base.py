@@ -310,6 +310,9 @@ class QuantizationPolicy(RepresentationPolicy):
     """Encodes the stored numbers in fewer bits: the quantization family."""
 
     family: ClassVar[str] = "quantization"
+    #: Tokens are coded as they arrive and the prefill's attention reads the codes (a serving engine's cache): no
+    #: uncompressed prefill can be shared with other policies and derived into this one.
+    codes_on_arrival: ClassVar[bool] = False
 
     @property
     def residual_tokens(self) -> int:
@@ -378,6 +381,11 @@ class PolicyStack:
     @property
     def ratio(self) -> float | None:
         return self.selection.nominal_ratio if self.selection is not None else None
+
+    @property
+    def prefills_alone(self) -> bool:
+        """Whether this stack needs a prefill of its own (its quantization codes tokens on arrival)."""
+        return self.quantization is not None and self.quantization.codes_on_arrival
 
     @property
     def is_none(self) -> bool:

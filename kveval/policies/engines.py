@@ -44,6 +44,7 @@ class EnginePolicy(QuantizationPolicy):
     per-layer scales from the calibration pass where the preset calls for them."""
 
     #: Read by the planner beside ``kvquant``'s (a codec that sizes its own codes): engines code post-RoPE K/V.
+    codes_on_arrival: ClassVar[bool] = True
     pre_rope: ClassVar[bool] = False
     sink: ClassVar[int] = 0
     residual: ClassVar[int] = 0
@@ -163,6 +164,10 @@ class LlamaCppPolicy(EnginePolicy):
         (``q8_0`` for a ``q8_0``/``q4_0``/``q5_0`` K, ``q8_1`` for ``q4_1``/``q5_1``, ``f16``/``bf16`` for those),
         as the CPU flash attention (``ggml/src/ggml-cpu/ops.cpp``, ``q_to_vec_dot``) and ``ggml_mul_mat`` both do;
         ``false``: K/V codes alone.
+    cpu : bool
+        llama.cpp on an x86 CPU (AVX) build: ``q8_0`` codes (of K, V and Q) as its SIMD ``quantize_row_q8_0`` gives
+        them (``id = 127 / amax``, halves rounded to even), not the reference function's (``1 / d``, ``roundf``),
+        which CUDA's copy kernels follow. Default ``false``.
     """
 
     name = "llamacpp"
@@ -173,6 +178,7 @@ class LlamaCppPolicy(EnginePolicy):
     k: str = "f16"
     v: str = "f16"
     quantize_q: bool = True
+    cpu: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -197,7 +203,7 @@ class LlamaCppPolicy(EnginePolicy):
             return query
         from kveval.tensors.engine_formats import ggml_query
 
-        return ggml_query(query, self.k)
+        return ggml_query(query, self.k, self.cpu)
 
     def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
         from kveval.tensors.engine_formats import ggml_row_bytes
@@ -207,7 +213,7 @@ class LlamaCppPolicy(EnginePolicy):
     def codec(self, model, layer_idx: int):
         from kveval.stores.engine import EngineCodec, SideFormat
 
-        return EngineCodec(SideFormat("ggml", ggml_type=self.k), SideFormat("ggml", ggml_type=self.v))
+        return EngineCodec(SideFormat("ggml", ggml_type=self.k, x86=self.cpu), SideFormat("ggml", ggml_type=self.v, x86=self.cpu))
 
 
 @dataclass

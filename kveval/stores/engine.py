@@ -45,10 +45,11 @@ class SideFormat:
     fp8: str = "e4m3"
     scale: float | None = 1.0
     model_dtype: torch.dtype | None = None
+    x86: bool = False  # ggml on an x86 CPU build: q8_0 rounded as its SIMD from_float does
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "ggml":
-            return ggml_quantize(x, self.ggml_type)
+            return ggml_quantize(x, self.ggml_type, self.x86)
         if self.kind == "fp8-sat":
             return fp8_saturating(x, self.scale, self.fp8)
         if self.kind == "fp8-sat-mul":

@@ -84,9 +84,13 @@ def _signed_max(b: torch.Tensor) -> torch.Tensor:
     return b.gather(-1, b.abs().argmax(dim=-1, keepdim=True))
 
 
-def ggml_quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
+def ggml_quantize(x: torch.Tensor, kind: str, x86: bool = False) -> torch.Tensor:
     """Rows ``[..., D]`` (float32) -> ``[..., row bytes]`` uint8, exactly as llama.cpp's reference quantizer
-    (``quantize_row_<kind>_ref``) lays out ``D / 32`` blocks."""
+    (``quantize_row_<kind>_ref``) lays out ``D / 32`` blocks.
+
+    ``x86``: ``q8_0`` as ggml's CPU ``from_float`` codes it on an x86 build with AVX (``ggml/src/ggml-cpu/arch/x86/
+    quants.c``, ``quantize_row_q8_0``): ``id = 127 / amax`` rather than ``1 / d``, and ``_mm256_round_ps(...,
+    _MM_ROUND_NEAREST)``, halves to even. The other types' CPU ``from_float`` is the reference function."""
     x = x.float()
     if kind == "f32":
         return x.contiguous().view(torch.uint8)
@@ -97,8 +101,13 @@ def ggml_quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
     lead, dim = x.shape[:-1], x.shape[-1]
     b = x.reshape(*lead, dim // GGML_BLOCK, GGML_BLOCK)
     if kind == "q8_0":
-        d = b.abs().amax(dim=-1, keepdim=True) / 127
-        q = _roundf(b * _inverse(d)).to(torch.int8).view(torch.uint8)
+        amax = b.abs().amax(dim=-1, keepdim=True)
+        d = amax / 127
+        if x86:
+            inverse = torch.where(amax == 0, torch.zeros_like(amax), 127 / torch.where(amax == 0, torch.ones_like(amax), amax))
+            q = torch.round(b * inverse).to(torch.int8).view(torch.uint8)  # torch.round: half to even
+        else:
+            q = _roundf(b * _inverse(d)).to(torch.int8).view(torch.uint8)
         parts = [_f16_bytes(d), q]
     elif kind in ("q4_0", "q5_0"):
         half = 8 if kind == "q4_0" else 16
@@ -153,7 +162,7 @@ GGML_VEC_DOT_TYPE = {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8
                      "f16": "f16", "bf16": "bf16", "f32": "f32"}
 
 
-def ggml_query(q: torch.Tensor, k_type: str) -> torch.Tensor:
+def ggml_query(q: torch.Tensor, k_type: str, x86: bool = False) -> torch.Tensor:
     """Rows ``[..., D]`` as a dot product with ``k_type`` rows takes them: converted to its ``vec_dot_type`` and read
     back in float32. ``q8_1``'s ``d`` and codes are ``q8_0``'s (``quantize_row_q8_1_ref``); its per-block sum, kept
     in float16 for the minimum term of ``q4_1``/``q5_1`` dot products, is not modelled (the exact sum is used)."""
@@ -161,7 +170,7 @@ def ggml_query(q: torch.Tensor, k_type: str) -> torch.Tensor:
     if kind == "f32":
         return q
     if kind in ("q8_0", "q8_1"):
-        return ggml_dequantize(ggml_quantize(q.float(), "q8_0"), "q8_0", q.shape[-1]).to(q.dtype)
+        return ggml_dequantize(ggml_quantize(q.float(), "q8_0", x86), "q8_0", q.shape[-1]).to(q.dtype)
     return q.to(torch.float16 if kind == "f16" else torch.bfloat16).to(q.dtype)
 
 
