@@ -384,3 +384,30 @@ def test_x86_cpu_q8_0_rounds_halves_to_even_with_127_over_amax():
     model = tiny_model("llama")
     cpu, _ = context_then_steps(model, "llamacpp(k=q8_0,v=q8_0,cpu=true)", random_ids(20, 1), random_ids(2, 2), "float32")
     assert all(torch.isfinite(x).all() for x in cpu)
+
+
+def test_gate_verdicts_join_the_engine_table(tmp_path, capsys):
+    """kveval memory --engine ... --gate: each preset the gate judged on this model shows its verdict."""
+    import json
+
+    gate = {"results": [{"baseline": {"model": "smollm2-135m", "policy": "none"}, "candidates": [
+        {"name": "smollm2-135m/llamacpp(k=q8_0,v=q4_0)", "status": "PASS"},
+        {"name": "smollm2-135m/llamacpp(k=q4_0, v=q4_0)", "status": "FAIL"},
+        {"name": "gemma3-270m/llamacpp(k=q8_0,v=q8_0)", "status": "FAIL"}]}]}
+    (tmp_path / "gate.json").write_text(json.dumps(gate))
+    assert cli.main(["memory", "smollm2-135m", "--engine", "llamacpp", "--gpu-memory", "4GiB", "--ctx-size", "8k",
+                     "--parallel", "2", "--gate", str(tmp_path), "--json"]) == 0
+    rows = {f["preset"]: f["verdict"] for f in __import__("json").loads(capsys.readouterr().out)["presets"]}
+    assert rows["llamacpp(k=q8_0,v=q4_0)"] == "PASS" and rows["llamacpp(k=q4_0,v=q4_0)"] == "FAIL"
+    assert rows["llamacpp(k=q8_0,v=q8_0)"] is None  # judged on another model only
+
+
+def test_largest_parallel_is_the_largest_whose_buffer_fits():
+    """With a policy that keeps a full-precision residual (KIVI), the answer is still the largest --parallel whose
+    buffer fits: P fits and P + 1 does not."""
+    p = llamacpp_plan("smollm2-135m", "1GiB", ctx_size=4096, parallel=2, weights="300MB",
+                      presets=["kivi(bits=4)", "llamacpp(k=q4_0,v=q4_0)"])
+    for f, spec in zip(p.presets, ["kivi(bits=4)", "llamacpp(k=q4_0,v=q4_0)"]):
+        def need(n):
+            return plan("smollm2-135m", -(-(n * 2048) // 256) * 256, 1, parse_policy(spec)).sequence_bytes
+        assert need(f.sequences) <= p.pool_bytes < need(f.sequences + 1)

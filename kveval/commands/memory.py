@@ -47,6 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", default="0", help="engine: memory besides weights and KV (activations, CUDA graphs, "
                         "compute buffers), e.g. 2GiB (default 0)")
     parser.add_argument("--presets", help="engine: ';'-separated policy specs to answer at (default: the engine's presets)")
+    parser.add_argument("--gate", metavar="GATE_JSON", help="engine: a gate.json (or the folder holding it) whose "
+                        "verdicts on this model are shown beside each preset")
     parser.add_argument("--layers", action="store_true", help="print every layer")
     parser.add_argument("--list-presets", action="store_true", help="list the named presets and exit")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON (to stdout, or to PATH)")
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     """``--engine``: the engine's KV pool and what fits in it, at each preset."""
-    from kveval.planner.engines import format_engine_plan, llamacpp_plan, vllm_plan
+    from kveval.planner.engines import format_engine_plan, join_verdicts, llamacpp_plan, vllm_plan
 
     if not args.model or not args.gpu_memory:
         raise UsageError(f"--engine {args.engine} needs a model and --gpu-memory, e.g. llama-3.1-8b --gpu-memory 80GiB")
@@ -112,8 +114,22 @@ def _engine(args: argparse.Namespace) -> int:
             raise UsageError("--engine llamacpp needs --ctx-size, e.g. 32k")
         p = llamacpp_plan(args.model, args.gpu_memory, ctx_size=parse_tokens(args.ctx_size, "ctx_size"),
                           parallel=args.parallel, **common)
+    if args.gate:
+        join_verdicts(p, _read_gate(args.gate))
     _emit(args.json, p.to_dict(), format_engine_plan(p))
     return 0
+
+
+def _read_gate(where: str) -> dict:
+    """``gate.json`` at ``where`` (a file, or a folder holding one)."""
+    path = Path(where)
+    if path.is_dir():
+        path = path / "gate.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--gate {where}: cannot read a gate.json ({type(exc).__name__}); give the gate's --out "
+                         f"folder or its gate.json") from exc
 
 
 def _emit(where: str | None, data: dict, table: str) -> None:

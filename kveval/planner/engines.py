@@ -54,6 +54,7 @@ class PresetFit:
     concurrent: int  # vLLM: min(sequences, max_num_seqs); llama.cpp: --parallel when it fits, else 0
     max_concurrency: float | None  # vLLM's log line: blocks x block_size / max_model_len
     fits: bool
+    verdict: str | None = None  # the gate's, where a gate.json judged this preset on this model (join_verdicts)
 
 
 @dataclass
@@ -165,7 +166,8 @@ def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weight
         per_cell = plan(spec, 1, 1, stack, dtype_bytes)
         buffer = plan(spec, cells, 1, stack, dtype_bytes).sequence_bytes
         # largest P with P slots of `slot` tokens: the buffer of pad(P x slot) cells within the budget
-        lo, hi = 0, max(1, budget // max(1, per_cell.sequence_bytes * slot)) + 1
+        # an upper bound: no cache holds a token in fewer bytes than its amortized bytes_per_token
+        lo, hi = 0, max(1, int(budget // max(1.0, per_cell.bytes_per_token * slot))) + 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             need = plan(spec, -(-(mid * slot) // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD, 1, stack, dtype_bytes).sequence_bytes
@@ -176,29 +178,60 @@ def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weight
                       {"ctx_size": ctx_size, "parallel": parallel, "slot_tokens": slot, "cells": cells}, fits, notes)
 
 
+def join_verdicts(p: EnginePlan, gate: dict) -> int:
+    """Put the gate's verdict (``gate.json``: :mod:`kveval.gate.report`) on each preset it judged on this model, the
+    baseline's as PASS; the number of presets joined. Specs are compared in canonical form."""
+    from kveval.policies.spec import parse_policy
+
+    verdicts = {}
+    for result in gate.get("results", []):
+        base = result.get("baseline") or {}
+        if base.get("model") == p.model:
+            verdicts[parse_policy(base.get("policy", "none")).spec] = "PASS (baseline)"
+            for c in result.get("candidates", []):
+                model, _, spec = str(c.get("name", "")).partition("/")
+                if model == p.model and spec:
+                    try:
+                        verdicts[parse_policy(spec).spec] = c.get("status")
+                    except ValueError:
+                        continue
+    joined = 0
+    for f in p.presets:
+        f.verdict = verdicts.get(parse_policy(f.preset).spec)
+        joined += f.verdict is not None
+    return joined
+
+
 def format_engine_plan(p: EnginePlan) -> str:
     s = p.settings
     lines = [f"model      {p.model}"]
+    judged = any(f.verdict is not None for f in p.presets)
+    gate_head = "  gate" if judged else ""
+
+    def verdict(f: PresetFit) -> str:
+        return f"  {f.verdict or 'not judged'}" if judged else ""
+
     if p.engine == "vllm":
         lines.append(f"engine     vLLM: --gpu-memory-utilization {s['gpu_memory_utilization']:g} --max-model-len "
                      f"{s['max_model_len']:,} --max-num-seqs {s['max_num_seqs']} (block size {s['block_size']})")
         lines.append(f"KV pool    {human_bytes(p.pool_bytes)} = {human_bytes(p.gpu_bytes)} x {s['gpu_memory_utilization']:g}"
                      f" - weights {human_bytes(p.weights_bytes)} - overhead {human_bytes(p.overhead_bytes)}")
-        lines.append(f"{'preset':<44} {'B/token':>10} {'per seq':>10} {'blocks':>9} {'fit':>6} {'running':>8} {'vLLM conc.':>10}")
+        lines.append(f"{'preset':<44} {'B/token':>10} {'per seq':>10} {'blocks':>9} {'fit':>6} {'running':>8} "
+                     f"{'vLLM conc.':>10}{gate_head}")
         for f in p.presets:
             blocks = f"{f.blocks:,}" if f.blocks is not None else "-"
             lines.append(f"{f.preset:<44} {f.bytes_per_token:>10,.0f} {human_bytes(f.sequence_bytes):>10} {blocks:>9} "
-                         f"{f.sequences:>6,} {f.concurrent:>8,} {f.max_concurrency:>9.2f}x")
+                         f"{f.sequences:>6,} {f.concurrent:>8,} {f.max_concurrency:>9.2f}x{verdict(f)}")
         lines.append("fit: sequences of max-model-len the pool holds; running: at most --max-num-seqs of them")
     else:
         lines.append(f"engine     llama.cpp: --ctx-size {s['ctx_size']:,} --parallel {s['parallel']} "
                      f"({s['slot_tokens']:,} tokens a slot; {s['cells']:,} cells after padding to {LLAMACPP_CTX_PAD})")
         lines.append(f"budget     {human_bytes(p.pool_bytes)} = {human_bytes(p.gpu_bytes)} - weights "
                      f"{human_bytes(p.weights_bytes)} - overhead {human_bytes(p.overhead_bytes)}")
-        lines.append(f"{'preset':<44} {'B/token':>10} {'KV buffer':>10} {'fits':>5} {'max --parallel':>15}")
+        lines.append(f"{'preset':<44} {'B/token':>10} {'KV buffer':>10} {'fits':>5} {'max --parallel':>15}{gate_head}")
         for f in p.presets:
             lines.append(f"{f.preset:<44} {f.bytes_per_token:>10,.0f} {human_bytes(f.sequence_bytes):>10} "
-                         f"{'yes' if f.fits else 'no':>5} {f.sequences:>15,}")
+                         f"{'yes' if f.fits else 'no':>5} {f.sequences:>15,}{verdict(f)}")
         lines.append(f"max --parallel: slots of {s['slot_tokens']:,} tokens whose buffer fits the budget")
     lines += [f"note       {n}" for n in p.notes]
     return "\n".join(lines)
