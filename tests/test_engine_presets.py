@@ -249,6 +249,9 @@ def test_trtllm_scale_is_one_per_layer_shared_by_k_and_v():
         amax = max(int8["k_amax"][i], int8["v_amax"][i])
         assert int8["k_scales"][i] == int8["v_scales"][i] == float(torch.tensor(amax) / 127)
         assert fp8["k_scales"][i] == max(1.0, float(torch.tensor(amax) / 448))
+    from pathlib import Path
+
+    assert Path(int8["cache_file"]).is_file() and int8["cache_file"] == fp8["cache_file"]  # one pass, kept on disk
 
 
 def test_a_batch_gives_batch_size_ones_answers():

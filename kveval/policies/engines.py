@@ -88,21 +88,22 @@ class EnginePolicy(QuantizationPolicy):
         (``{"k": [...], "v": [...], "tokens": T, "calibration_id": ...}``; ``None`` for a layer without K/V)."""
         state = self._state(model)
         if "amax" not in state:
-            from kveval.calibration.kv import DEFAULT_CALIB_TOKENS, calibration_kv, read_calibration_text
+            import torch
+
+            from kveval.calibration.kv import DEFAULT_CALIB_TOKENS, KVAmax, load_or_calibrate, read_calibration_text
             from kveval.stores.base import deployment_kv_dtype
 
             text = read_calibration_text(None)
             tokens = self.calib_tokens or DEFAULT_CALIB_TOKENS
-            kv, used = calibration_kv(model, text, tokens)
+            found = load_or_calibrate(model, text, tokens, KVAmax)  # cached on disk like every calibration
             dtype = deployment_kv_dtype(model)
 
-            def peak(x):
-                return float(x.to(dtype).abs().amax().float())
+            def rounded(a):  # the amax of K in the deployment dtype (rounding is monotonic)
+                return None if a is None else float(torch.tensor(a, dtype=torch.float32).to(dtype).float())
 
-            state["amax"] = {"k": [None if p is None else peak(p[0]) for p in kv],
-                             "v": [None if p is None else peak(p[1]) for p in kv],
-                             "tokens": used, "calibration_id": text.calibration_id(tokens),
-                             "dtype": str(dtype).removeprefix("torch.")}
+            state["amax"] = {"k": [rounded(a) for a in found.k], "v": [rounded(a) for a in found.v],
+                             "tokens": found.tokens, "calibration_id": text.calibration_id(tokens),
+                             "cache_file": str(found.path), "dtype": str(dtype).removeprefix("torch.")}
         return state["amax"]
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
@@ -124,7 +125,7 @@ class EnginePolicy(QuantizationPolicy):
         if self.needs_calibration:
             amax = self.amax(model)
             info.update(calibration_id=amax["calibration_id"], calibration_tokens_used=amax["tokens"],
-                        k_amax=amax["k"], v_amax=amax["v"], amax_dtype=amax["dtype"])
+                        cache_file=amax["cache_file"], k_amax=amax["k"], v_amax=amax["v"], amax_dtype=amax["dtype"])
         return info
 
     engine: ClassVar[str] = ""
