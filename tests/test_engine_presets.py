@@ -416,3 +416,11 @@ def test_largest_parallel_is_the_largest_whose_buffer_fits():
         def need(n):
             return plan("smollm2-135m", -(-(n * 2048) // 256) * 256, 1, parse_policy(spec)).sequence_bytes
         assert need(f.sequences) <= p.pool_bytes < need(f.sequences + 1)
+
+
+@pytest.mark.parametrize("spec", ["vllm", "vllm(scales=dynamic,calib_tokens=64)", "sglang(kv_scale=0.5)", "trtllm",
+                                  "llamacpp(k=q8_0,v=q4_0,quantize_q=false,cpu=true)"])
+def test_canonical_specs_name_the_cache_type_and_parse_back(spec):
+    canonical = parse_policy(spec).spec
+    assert canonical.split("(")[1].split("=")[0] in ("kv_cache_dtype", "k")  # the first parameter, always shown
+    assert parse_policy(canonical).spec == canonical

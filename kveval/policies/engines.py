@@ -74,7 +74,6 @@ class EnginePolicy(QuantizationPolicy):
 
     # --- scales ----------------------------------------------------------------------------------
     needs_calibration: ClassVar[bool] = False
-    calib_tokens: ClassVar[int | None] = None
 
     def _state(self, model) -> dict:
         entry = self._models.get(id(model))
@@ -94,7 +93,7 @@ class EnginePolicy(QuantizationPolicy):
             from kveval.stores.base import deployment_kv_dtype
 
             text = read_calibration_text(None)
-            tokens = self.calib_tokens or DEFAULT_CALIB_TOKENS
+            tokens = getattr(self, "calib_tokens", None) or DEFAULT_CALIB_TOKENS
             found = load_or_calibrate(model, text, tokens, KVAmax)  # cached on disk like every calibration
             dtype = deployment_kv_dtype(model)
 
