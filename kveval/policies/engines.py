@@ -4,9 +4,9 @@ Each reproduces what its engine stores for K and V, byte for byte: the codes, th
 saturation (the formats: :mod:`kveval.tensors.engine_formats`; the store, which codes every token on arrival as
 the engines do: :mod:`kveval.stores.engine`). Per-tensor scales computed from data (vLLM's first batch,
 ModelOpt's amax) come from kveval's calibration pass (:func:`kveval.calibration.kv.calibration_kv`) and are
-recorded with the run (:meth:`EnginePolicy.run_info`). What each engine does beyond its cache (llama.cpp
-quantizing Q to ``q8_0`` for its dot products, FP8 attention kernels folding scales into the softmax scale) is
-not emulated: see ``docs/engines.md``.
+recorded with the run (:meth:`EnginePolicy.run_info`). Of what the engines do beyond their cache, llama.cpp's
+conversion of Q to the K type's ``vec_dot_type`` is emulated (:meth:`LlamaCppPolicy.attended_query`); FP8 attention
+kernels' own roundings (scales folded into the softmax scale, FP8 queries) are not: see ``docs/engines.md``.
 """
 
 from __future__ import annotations
