@@ -310,7 +310,7 @@ def test_planner_sizes_presets_as_the_engine_stores_them(spec, per_token):
 def test_vllm_pool_arithmetic():
     """80 GiB x 0.9 - 16 GB of weights = 61,309,411,328 B; an fp8 block (16 tokens x 32 layers x 8 heads x 128 x K
     and V x 1 byte) is 1 MiB: 58,469 blocks; 32k tokens are 2,048 blocks: 28 sequences (64 allowed), and vLLM's
-    "maximum concurrency" 58,469 x 16 / 32,768 = 28.55x."""
+    "maximum concurrency" 58,469 / 2,048 = 28.55x (blocks / blocks a request takes)."""
     p = vllm_plan("llama-3.1-8b", "80GiB", gpu_memory_utilization=0.9, max_model_len=32768, max_num_seqs=64,
                   weights="16GB", presets=["none", "vllm(kv_cache_dtype=fp8)"])
     assert p.pool_bytes == 61_309_411_328
@@ -318,6 +318,8 @@ def test_vllm_pool_arithmetic():
     assert (fp8.blocks, fp8.sequences, fp8.concurrent) == (58_469, 28, 28)
     assert fp8.max_concurrency == pytest.approx(28.5493, abs=1e-4)
     assert (bf16.blocks, bf16.sequences) == (29_234, 14)
+    odd = vllm_plan("llama-3.1-8b", "80GiB", max_model_len=1000, weights="16GB", presets=["vllm(kv_cache_dtype=fp8)"])
+    assert odd.presets[0].sequences == 58_469 // 63 and odd.presets[0].max_concurrency == 58_469 / 63  # 1000 -> 63 blocks
     small = vllm_plan("llama-3.1-8b", "80GiB", max_model_len=32768, max_num_seqs=4, weights="16GB")
     assert [f.concurrent for f in small.presets] == [4, 4]
 

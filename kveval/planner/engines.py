@@ -6,7 +6,8 @@ everything else (activations of the profile run, CUDA graphs, non-torch allocati
 kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16) tokens
 of every layer; a sequence of ``max_model_len`` tokens takes ``ceil(max_model_len / 16)`` blocks. Sequences of
 that length that fit = blocks // blocks per sequence, at most ``max_num_seqs`` at once; vLLM refuses to start when
-not even one fits. vLLM's own log line, "Maximum concurrency for N tokens per request", is blocks x 16 / N.
+not even one fits. vLLM's own log line, "Maximum concurrency for N tokens per request", is blocks / ceil(N / 16)
+(blocks x 16 / N in older versions: the same when N is a multiple of 16).
 
 llama.cpp (``llama-server --ctx-size C --parallel P``): one KV buffer of ``C`` cells (padded up to a multiple of
 256, as ``llama_kv_cache`` pads with flash attention) for all layers, shared by the ``P`` slots (each slot a
@@ -52,7 +53,7 @@ class PresetFit:
     blocks: int | None  # vLLM: blocks in the pool
     sequences: int  # vLLM: sequences of max_model_len that fit (before max_num_seqs); llama.cpp: largest --parallel
     concurrent: int  # vLLM: min(sequences, max_num_seqs); llama.cpp: --parallel when it fits, else 0
-    max_concurrency: float | None  # vLLM's log line: blocks x block_size / max_model_len
+    max_concurrency: float | None  # vLLM's log line: blocks / ceil(max_model_len / block_size)
     fits: bool
     verdict: str | None = None  # the gate's, where a gate.json judged this preset on this model (join_verdicts)
 
@@ -122,7 +123,7 @@ def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_mod
     if not extra:
         notes.append("overhead 0: vLLM also subtracts the profile run's peak activations, CUDA graphs and non-torch "
                      "memory, which only a run measures (vLLM logs them); give --overhead to include them")
-    pool = max(0, math.floor(gpu * utilization) - weight_bytes - extra)
+    pool = max(0, math.ceil(gpu * utilization) - weight_bytes - extra)  # requested memory: ceil(total x utilization)
     _sliding_note(spec, "vLLM", notes)
     blocks_per_seq = -(-max_model_len // VLLM_BLOCK_SIZE)
     kv_layers = sum(spec.holds_kv)
@@ -134,7 +135,8 @@ def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_mod
         full = all(w is None for w in spec.windows)
         blocks = pool // block_bytes if full else None
         sequences = pool // seq
-        concurrency = blocks * VLLM_BLOCK_SIZE / max_model_len if blocks is not None else sequences
+        # vLLM V1's get_max_concurrency_for_kv_cache_config: blocks / blocks a request of max_model_len takes
+        concurrency = blocks / blocks_per_seq if blocks is not None else sequences
         fits.append(PresetFit(text, block_plan.bytes_per_token, seq, blocks, sequences, min(sequences, max_num_seqs),
                               concurrency, sequences >= 1))
     if kv_layers and any(not f.fits for f in fits):
