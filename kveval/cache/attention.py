@@ -9,7 +9,9 @@ attention kwargs during ``cache.update`` (the attention module passes that same
 dict to this function). Attention then runs on the kept tokens under that mask,
 and afterwards the layer may score and compress (see
 :meth:`kveval.cache.layers.CompressedLayer.after_attention`), using the same kernel's
-attention probabilities. No modeling code is copied or patched, with one exception: Llama 4 scales the queries
+attention probabilities. A quantization policy may round the queries as an engine's Q.K product takes them
+(:meth:`~kveval.policies.base.QuantizationPolicy.attended_query`: llama.cpp converts Q to the K cache's
+``vec_dot_type``). No modeling code is copied or patched, with one exception: Llama 4 scales the queries
 of its layers without RoPE by a position that counts a left-padded row's padding, so in the forwards kveval
 drives it turns that scaling off and applies it here, per row
 (:func:`kveval.modeling.architectures.row_query_temperatures`).
@@ -44,6 +46,9 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
             raise RuntimeError(f"{type(module).__name__}'s query temperature was taken over in a forward without "
                                "declared positions")
         query = temperature.apply(query, layer.cache.input_positions.to(query.device))
+    quantization = layer.cache.policy.quantization if layer is not None else None
+    if quantization is not None:  # an engine's Q.K may take Q in the K cache's type (llama.cpp)
+        query = quantization.attended_query(query)
     kernel = attention_kernel(module, kwargs)
     output = kernel.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if layer is not None:

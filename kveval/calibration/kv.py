@@ -227,6 +227,42 @@ class Calibration:
         return calibrate(model, text, tokens, model_key)
 
 
+@dataclass
+class KVAmax:
+    """Per layer, the largest magnitude of the calibration pass's post-RoPE K and of its V (float32; ``None`` for a
+    layer without K/V): what the engine presets' per-tensor scales come from (:mod:`kveval.policies.engines`).
+    Rounding to a 16-bit dtype is monotonic, so the amax of K rounded to it is this amax rounded to it."""
+
+    k: list[float | None]
+    v: list[float | None]
+    tokens: int
+    text_sha256: str
+    model_key: str
+    path: Path | None = None
+    KIND: ClassVar[str] = "amax"
+
+    def save(self, path: Path) -> None:
+        save_atomic({"version": CALIBRATION_VERSION, "k": self.k, "v": self.v, "tokens": self.tokens,
+                     "text_sha256": self.text_sha256, "model_key": self.model_key}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "KVAmax | None":
+        payload = load_versioned(path, CALIBRATION_VERSION)
+        if payload is None:
+            return None
+        return cls(payload["k"], payload["v"], payload["tokens"], payload["text_sha256"], payload["model_key"], path)
+
+    @classmethod
+    def calibrate(cls, model, text: CalibrationText, tokens: int, model_key: str = "") -> "KVAmax":
+        kv, used = calibration_kv(model, text, tokens)
+
+        def peak(x: torch.Tensor) -> float:
+            return float(x.abs().amax())
+
+        return cls([None if p is None else peak(p[0]) for p in kv], [None if p is None else peak(p[1]) for p in kv],
+                   used, text.sha256, model_key)
+
+
 def save_atomic(payload: dict, path: Path) -> None:
     """``torch.save`` to a temporary file next to ``path``, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

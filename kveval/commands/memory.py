@@ -37,6 +37,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"'indexer=fp8-128,latent=bf16' or 'all=bf16'; formats: {', '.join(FORMATS)}")
     parser.add_argument("--compare", metavar="MODELS", help="compare the native caches of MODELS (comma-separated, "
                         "in order) at --context (comma-separated, e.g. 128k,1m), each against the one before")
+    parser.add_argument("--engine", choices=("vllm", "llamacpp"), help="answer in a serving engine's terms: the KV pool "
+                        "it allocates on --gpu-memory and what fits at each of its presets (docs/engines.md)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM: fraction of the GPU it may use (default 0.9)")
+    parser.add_argument("--max-model-len", help="vLLM: tokens a sequence may reach, e.g. 32k")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="vLLM: sequences running at once (default 256)")
+    parser.add_argument("--ctx-size", help="llama.cpp: KV cells shared by the slots, e.g. 32k")
+    parser.add_argument("--parallel", type=int, default=1, help="llama.cpp: slots sharing --ctx-size (default 1)")
+    parser.add_argument("--overhead", default="0", help="engine: memory besides weights and KV (activations, CUDA graphs, "
+                        "compute buffers), e.g. 2GiB (default 0)")
+    parser.add_argument("--presets", help="engine: ';'-separated policy specs to answer at (default: the engine's presets)")
+    parser.add_argument("--gate", metavar="GATE_JSON", help="engine: a gate.json (or the folder holding it) whose "
+                        "verdicts on this model are shown beside each preset")
     parser.add_argument("--layers", action="store_true", help="print every layer")
     parser.add_argument("--list-presets", action="store_true", help="list the named presets and exit")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON (to stdout, or to PATH)")
@@ -49,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.compare:
         return _compare(args)
+    if args.engine:
+        return _engine(args)
     if not args.model:
         raise UsageError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
     headroom = parse_headroom(args.headroom)
@@ -79,6 +93,43 @@ def run(args: argparse.Namespace) -> int:
     p = plan(spec, shown, batch, policy, args.dtype_bytes, new_tokens, storage=args.storage)
     _emit(args.json, {"plan": p.to_dict(), "fit": [f.to_dict() for f in fits]}, format_plan(p, fits, args.layers))
     return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    """``--engine``: the engine's KV pool and what fits in it, at each preset."""
+    from kveval.planner.engines import format_engine_plan, join_verdicts, llamacpp_plan, vllm_plan
+
+    if not args.model or not args.gpu_memory:
+        raise UsageError(f"--engine {args.engine} needs a model and --gpu-memory, e.g. llama-3.1-8b --gpu-memory 80GiB")
+    presets = [p.strip() for p in args.presets.split(";") if p.strip()] if args.presets else None
+    common = dict(weights=args.weights, overhead=args.overhead, dtype_bytes=args.dtype_bytes, presets=presets)
+    if args.engine == "vllm":
+        if not args.max_model_len:
+            raise UsageError("--engine vllm needs --max-model-len, e.g. 32k")
+        p = vllm_plan(args.model, args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                      max_model_len=parse_tokens(args.max_model_len, "max_model_len"), max_num_seqs=args.max_num_seqs,
+                      **common)
+    else:
+        if not args.ctx_size:
+            raise UsageError("--engine llamacpp needs --ctx-size, e.g. 32k")
+        p = llamacpp_plan(args.model, args.gpu_memory, ctx_size=parse_tokens(args.ctx_size, "ctx_size"),
+                          parallel=args.parallel, **common)
+    if args.gate:
+        join_verdicts(p, _read_gate(args.gate))
+    _emit(args.json, p.to_dict(), format_engine_plan(p))
+    return 0
+
+
+def _read_gate(where: str) -> dict:
+    """``gate.json`` at ``where`` (a file, or a folder holding one)."""
+    path = Path(where)
+    if path.is_dir():
+        path = path / "gate.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--gate {where}: cannot read a gate.json ({type(exc).__name__}); give the gate's --out "
+                         f"folder or its gate.json") from exc
 
 
 def _emit(where: str | None, data: dict, table: str) -> None:

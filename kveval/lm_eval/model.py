@@ -445,7 +445,8 @@ class KVEvalLM(HFLM):
         batch_size = self._int_batch_size(override_bs)
         self._check_rope_forwards(plans, groups, order, batch_size)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        share = len(stacks) > 1 and can_share_prefill(self.model, self.kv_dtype)
+        share = (len(stacks) > 1 and can_share_prefill(self.model, self.kv_dtype)
+                 and not any(s.prefills_alone for s in stacks))  # an engine's cache codes the prefill as it runs
         out = [([None] * len(plans), []) for _ in stacks]
         pbar = tqdm(total=len(plans) * len(stacks), disable=(disable_tqdm or self.rank != 0),
                     desc="Running loglikelihood requests (kveval)")

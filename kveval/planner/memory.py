@@ -175,7 +175,7 @@ class _Layout:
 def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
     quant = stack.quantization
     if stack.structure is not None:
-        raise UsageError(f"{quant.spec()}: kvquant codes K/V, not low-rank coefficients")
+        raise UsageError(f"{quant.spec()}: codes K/V heads, not low-rank coefficients")
     if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
         if quant.pre_rope:
             raise UsageError(f"{quant.spec()}: an MLA latent is cached without RoPE, and kveval's cache has no RoPE "
@@ -437,7 +437,7 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     if stack.selection is not None and stack.selection.per_head_budgets and stack.quantization is not None:
         notes.append(f"{stack.selection.spec()}: per-head budgets are planned as equal heads; each head's own "
                      f"remainder of per-channel groups and residual makes the measured bytes differ slightly")
-    if stack.selection is not None and layout.kvquant is not None:
+    if stack.selection is not None and layout.kvquant is not None and layout.kvquant.sink:
         notes.append(f"{layout.kvquant.spec()}: the sink token(s) are counted as kept in full precision; "
                      f"{stack.selection.spec()} may drop them (then each is coded instead)")
     if layout.residual and stack.quantization is not None:

@@ -310,11 +310,19 @@ class QuantizationPolicy(RepresentationPolicy):
     """Encodes the stored numbers in fewer bits: the quantization family."""
 
     family: ClassVar[str] = "quantization"
+    #: Tokens are coded as they arrive and the prefill's attention reads the codes (a serving engine's cache): no
+    #: uncompressed prefill can be shared with other policies and derived into this one.
+    codes_on_arrival: ClassVar[bool] = False
 
     @property
     def residual_tokens(self) -> int:
         """The newest tokens kept in the cache dtype, unquantized (KIVI's residual window). 0 by default."""
         return 0
+
+    def attended_query(self, query: "torch.Tensor") -> "torch.Tensor":
+        """The queries (``[B, heads, q, head_dim]``, after RoPE) as the Q.K product takes them: an engine whose dot
+        products convert Q to the K cache's type (llama.cpp) rounds them here. Default: unchanged."""
+        return query
 
     @abstractmethod
     def check_head_dim(self, head_dim: int) -> None:
@@ -373,6 +381,11 @@ class PolicyStack:
     @property
     def ratio(self) -> float | None:
         return self.selection.nominal_ratio if self.selection is not None else None
+
+    @property
+    def prefills_alone(self) -> bool:
+        """Whether this stack needs a prefill of its own (its quantization codes tokens on arrival)."""
+        return self.quantization is not None and self.quantization.codes_on_arrival
 
     @property
     def is_none(self) -> bool:

@@ -14,6 +14,7 @@ import re
 from kveval.errors import PolicyRegistryError
 from kveval.policies import (
     duo,
+    engines,
     h2o,
     knorm,
     kvquant,
@@ -75,5 +76,9 @@ for _builtin in (
     window.StreamingPolicy,
     kvquant.KVQuantPolicy,
     latent.LatentPolicy,
+    engines.LlamaCppPolicy,
+    engines.VllmPolicy,
+    engines.SglangPolicy,
+    engines.TrtllmPolicy,
 ):
     register_policy(_builtin)

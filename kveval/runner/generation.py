@@ -420,21 +420,26 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     prefill plus one policy's cache. Yields ``(policy, results)`` as each policy
     finishes, in the order given, so a caller can write them before the next
     starts. Results equal :func:`generate`'s for the same batch. Without
-    :func:`can_share_prefill`, or for one policy, each policy runs its own prefill.
+    :func:`can_share_prefill`, or for one policy, each policy runs its own prefill; so does a policy whose cache
+    codes tokens on arrival (:attr:`PolicyStack.prefills_alone`: an engine's).
     ``prefill_seconds`` of every result counts the shared prefill as its own.
     """
     stacks = [require_stack(p, "generate_each") for p in policies]
-    if len(stacks) < 2 or not can_share_prefill(model, kv_dtype):
+    sharing = [s for s in stacks if not s.prefills_alone]  # an engine's cache attends over its codes from the start
+    if len(sharing) < 2 or not can_share_prefill(model, kv_dtype):
         for stack in stacks:
             yield stack, _generate_batch(model, tokenizer, prompts, stack, max_new_tokens, mode, stop or [], seed, kv_dtype)
         return
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.perf_counter()
-    shared = CompressedCache(model, PolicyStack(), seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=stacks)
+    shared = CompressedCache(model, PolicyStack(), seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=sharing)
     last_logits, seen = prefill_prompts(model, shared, prompts, mode, pad_id)
     shared.drop_batch_buffers()  # only its rows are read from now on: one cache in memory less
     shared_seconds = time.perf_counter() - started
     for stack in stacks:
+        if stack.prefills_alone:
+            yield stack, _generate_batch(model, tokenizer, prompts, stack, max_new_tokens, mode, stop or [], seed, kv_dtype)
+            continue
         own_start = time.perf_counter() - shared_seconds
         cache = shared.derive(stack)
         results = _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop or [], own_start)

@@ -1,0 +1,239 @@
+"""The deployment question in an engine's own terms: the KV pool vLLM or llama.cpp allocates, and what fits in it.
+
+vLLM (V1; ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``, ``vllm/v1/core/kv_cache_utils.py``
+``get_num_blocks``): the KV pool is ``gpu_memory x gpu_memory_utilization`` less the weights and the peak of
+everything else (activations of the profile run, CUDA graphs, non-torch allocations: ``overhead`` here, which
+kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16) tokens
+of every layer; a sequence of ``max_model_len`` tokens takes ``ceil(max_model_len / 16)`` blocks. Sequences of
+that length that fit = blocks // blocks per sequence, at most ``max_num_seqs`` at once; vLLM refuses to start when
+not even one fits. vLLM's own log line, "Maximum concurrency for N tokens per request", is blocks / ceil(N / 16)
+(blocks x 16 / N in older versions: the same when N is a multiple of 16).
+
+llama.cpp (``llama-server --ctx-size C --parallel P``): one KV buffer of ``C`` cells (padded up to a multiple of
+256, as ``llama_kv_cache`` pads with flash attention) for all layers, shared by the ``P`` slots (each slot a
+context of ``C / P`` tokens); its bytes are cells x the cache types' row bytes (ggml blocks with their scales). It
+fits when weights + that buffer + ``overhead`` (compute buffers) stay within the GPU's memory.
+
+Bytes per token come from the presets' policies (:mod:`kveval.policies.engines`) through the planner
+(:func:`kveval.planner.memory.plan`), so the deployment answer uses the footprint kveval measures. Sliding-window
+layers are sized as kveval's cache holds them (``window - 1`` tokens a sequence); vLLM's hybrid allocator and
+llama.cpp's SWA cache round those differently, which this module does not model (it says so in ``notes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from kveval.errors import UsageError
+from kveval.planner.memory import human_bytes, parse_size, plan
+from kveval.planner.model_specs import load_model_spec
+
+VLLM_BLOCK_SIZE = 16
+LLAMACPP_CTX_PAD = 256
+ENGINES = ("vllm", "llamacpp")
+
+#: The presets each engine's question is answered at, as policy specs (``none``: the model dtype, vLLM's ``auto``
+#: and llama.cpp's ``f16``).
+ENGINE_PRESETS = {
+    "vllm": ("none", "vllm(kv_cache_dtype=fp8)"),
+    "llamacpp": ("llamacpp(k=f16,v=f16)", "llamacpp(k=q8_0,v=q8_0)", "llamacpp(k=q8_0,v=q4_0)",
+                 "llamacpp(k=q5_1,v=q5_1)", "llamacpp(k=q5_0,v=q5_0)", "llamacpp(k=q4_1,v=q4_1)",
+                 "llamacpp(k=q4_0,v=q4_0)"),
+}
+
+
+@dataclass
+class PresetFit:
+    """One preset under one engine deployment."""
+
+    preset: str
+    bytes_per_token: float
+    sequence_bytes: int  # one sequence (vLLM: max_model_len in whole blocks; llama.cpp: the whole buffer)
+    blocks: int | None  # vLLM: blocks in the pool
+    sequences: int  # vLLM: sequences of max_model_len that fit (before max_num_seqs); llama.cpp: largest --parallel
+    concurrent: int  # vLLM: min(sequences, max_num_seqs); llama.cpp: --parallel when it fits, else 0
+    max_concurrency: float | None  # vLLM's log line: blocks / ceil(max_model_len / block_size)
+    fits: bool
+    verdict: str | None = None  # the gate's, where a gate.json judged this preset on this model (join_verdicts)
+
+
+@dataclass
+class EnginePlan:
+    engine: str
+    model: str
+    gpu_bytes: int
+    weights_bytes: int
+    overhead_bytes: int
+    pool_bytes: int  # vLLM: the KV pool; llama.cpp: memory left for the KV buffer
+    settings: dict
+    presets: list[PresetFit]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_fraction(value, what: str) -> float:
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UsageError(f"{what}={value!r} must be a fraction in (0, 1], e.g. 0.9")
+    return float(value)
+
+
+def _check_positive(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UsageError(f"{what}={value!r} must be a positive integer")
+    return value
+
+
+def _weights(spec, weights, dtype_bytes: int, notes: list[str]) -> int:
+    if weights is not None:
+        return parse_size(weights, "weights")
+    if not spec.num_parameters:
+        raise UsageError(f"cannot estimate the weights of {spec.name} from its config; give them, e.g. --weights 16GB")
+    size = int(math.ceil(spec.num_parameters * dtype_bytes))
+    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {dtype_bytes} bytes = {human_bytes(size)}")
+    return size
+
+
+def _presets(engine: str, presets) -> list:
+    from kveval.policies.spec import parse_policy
+
+    return [(text, parse_policy(text)) for text in (presets or ENGINE_PRESETS[engine])]
+
+
+def _sliding_note(spec, engine: str, notes: list[str]) -> None:
+    if any(w is not None for w in spec.windows):
+        notes.append(f"{spec.name} has sliding-window layers, sized as kveval's cache holds them (window - 1 tokens "
+                     f"a sequence); {engine}'s own allocator rounds them differently")
+
+
+def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_model_len: int,
+              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None) -> EnginePlan:
+    """What ``vllm serve --gpu-memory-utilization U --max-model-len N --max-num-seqs S`` allocates on a GPU of
+    ``gpu_memory``, and how many sequences of ``N`` tokens fit at each preset (see the module doc)."""
+    spec = load_model_spec(model)
+    gpu = parse_size(gpu_memory, "gpu_memory")
+    utilization = _check_fraction(gpu_memory_utilization, "gpu_memory_utilization")
+    max_model_len = _check_positive(max_model_len, "max_model_len")
+    max_num_seqs = _check_positive(max_num_seqs, "max_num_seqs")
+    notes: list[str] = []
+    weight_bytes = _weights(spec, weights, dtype_bytes, notes)
+    extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
+    if not extra:
+        notes.append("overhead 0: vLLM also subtracts the profile run's peak activations, CUDA graphs and non-torch "
+                     "memory, which only a run measures (vLLM logs them); give --overhead to include them")
+    pool = max(0, math.ceil(gpu * utilization) - weight_bytes - extra)  # requested memory: ceil(total x utilization)
+    _sliding_note(spec, "vLLM", notes)
+    blocks_per_seq = -(-max_model_len // VLLM_BLOCK_SIZE)
+    kv_layers = sum(spec.holds_kv)
+    fits = []
+    for text, stack in _presets("vllm", presets):
+        block_plan = plan(spec, VLLM_BLOCK_SIZE, 1, stack, dtype_bytes)
+        block_bytes = block_plan.sequence_bytes  # one block of every layer
+        seq = plan(spec, blocks_per_seq * VLLM_BLOCK_SIZE, 1, stack, dtype_bytes).sequence_bytes
+        full = all(w is None for w in spec.windows)
+        blocks = pool // block_bytes if full else None
+        sequences = pool // seq
+        # vLLM V1's get_max_concurrency_for_kv_cache_config: blocks / blocks a request of max_model_len takes
+        concurrency = blocks / blocks_per_seq if blocks is not None else sequences
+        fits.append(PresetFit(text, block_plan.bytes_per_token, seq, blocks, sequences, min(sequences, max_num_seqs),
+                              concurrency, sequences >= 1))
+    if kv_layers and any(not f.fits for f in fits):
+        notes.append("a preset where not one sequence of max_model_len fits: vLLM refuses to start with it")
+    return EnginePlan("vllm", spec.name, gpu, weight_bytes, extra, pool,
+                      {"gpu_memory_utilization": utilization, "max_model_len": max_model_len,
+                       "max_num_seqs": max_num_seqs, "block_size": VLLM_BLOCK_SIZE}, fits, notes)
+
+
+def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weights=None, overhead=0,
+                  dtype_bytes: int = 2, presets=None) -> EnginePlan:
+    """What ``llama-server --ctx-size C --parallel P`` allocates for its KV cache at each preset, whether weights
+    and cache fit on a GPU of ``gpu_memory``, and the largest ``--parallel`` at ``C / P`` tokens a slot that would."""
+    spec = load_model_spec(model)
+    gpu = parse_size(gpu_memory, "gpu_memory")
+    ctx_size = _check_positive(ctx_size, "ctx_size")
+    parallel = _check_positive(parallel, "parallel")
+    if ctx_size < parallel:
+        raise UsageError(f"ctx_size={ctx_size} is shared by the {parallel} slots: give at least one cell a slot")
+    notes: list[str] = []
+    weight_bytes = _weights(spec, weights, dtype_bytes, notes)
+    extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
+    budget = max(0, gpu - weight_bytes - extra)
+    slot = ctx_size // parallel
+    cells = -(-ctx_size // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
+    _sliding_note(spec, "llama.cpp", notes)
+    fits = []
+    for text, stack in _presets("llamacpp", presets):
+        per_cell = plan(spec, 1, 1, stack, dtype_bytes)
+        buffer = plan(spec, cells, 1, stack, dtype_bytes).sequence_bytes
+        # largest P with P slots of `slot` tokens: the buffer of pad(P x slot) cells within the budget
+        # an upper bound: no cache holds a token in fewer bytes than its amortized bytes_per_token
+        lo, hi = 0, max(1, int(budget // max(1.0, per_cell.bytes_per_token * slot))) + 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            need = plan(spec, -(-(mid * slot) // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD, 1, stack, dtype_bytes).sequence_bytes
+            lo, hi = (mid, hi) if need <= budget else (lo, mid - 1)
+        fits.append(PresetFit(text, per_cell.bytes_per_token, buffer, None, lo, parallel if buffer <= budget else 0,
+                              None, buffer <= budget))
+    return EnginePlan("llamacpp", spec.name, gpu, weight_bytes, extra, budget,
+                      {"ctx_size": ctx_size, "parallel": parallel, "slot_tokens": slot, "cells": cells}, fits, notes)
+
+
+def join_verdicts(p: EnginePlan, gate: dict) -> int:
+    """Put the gate's verdict (``gate.json``: :mod:`kveval.gate.report`) on each preset it judged on this model, the
+    baseline's as PASS; the number of presets joined. Specs are compared in canonical form."""
+    from kveval.policies.spec import parse_policy
+
+    verdicts = {}
+    for result in gate.get("results", []):
+        base = result.get("baseline") or {}
+        if base.get("model") == p.model:
+            verdicts[parse_policy(base.get("policy", "none")).spec] = "PASS (baseline)"
+            for c in result.get("candidates", []):
+                model, _, spec = str(c.get("name", "")).partition("/")
+                if model == p.model and spec:
+                    try:
+                        verdicts[parse_policy(spec).spec] = c.get("status")
+                    except ValueError:
+                        continue
+    joined = 0
+    for f in p.presets:
+        f.verdict = verdicts.get(parse_policy(f.preset).spec)
+        joined += f.verdict is not None
+    return joined
+
+
+def format_engine_plan(p: EnginePlan) -> str:
+    s = p.settings
+    lines = [f"model      {p.model}"]
+    judged = any(f.verdict is not None for f in p.presets)
+    gate_head = "  gate" if judged else ""
+
+    def verdict(f: PresetFit) -> str:
+        return f"  {f.verdict or 'not judged'}" if judged else ""
+
+    if p.engine == "vllm":
+        lines.append(f"engine     vLLM: --gpu-memory-utilization {s['gpu_memory_utilization']:g} --max-model-len "
+                     f"{s['max_model_len']:,} --max-num-seqs {s['max_num_seqs']} (block size {s['block_size']})")
+        lines.append(f"KV pool    {human_bytes(p.pool_bytes)} = {human_bytes(p.gpu_bytes)} x {s['gpu_memory_utilization']:g}"
+                     f" - weights {human_bytes(p.weights_bytes)} - overhead {human_bytes(p.overhead_bytes)}")
+        lines.append(f"{'preset':<44} {'B/token':>10} {'per seq':>10} {'blocks':>9} {'fit':>6} {'running':>8} "
+                     f"{'vLLM conc.':>10}{gate_head}")
+        for f in p.presets:
+            blocks = f"{f.blocks:,}" if f.blocks is not None else "-"
+            lines.append(f"{f.preset:<44} {f.bytes_per_token:>10,.0f} {human_bytes(f.sequence_bytes):>10} {blocks:>9} "
+                         f"{f.sequences:>6,} {f.concurrent:>8,} {f.max_concurrency:>9.2f}x{verdict(f)}")
+        lines.append("fit: sequences of max-model-len the pool holds; running: at most --max-num-seqs of them")
+    else:
+        lines.append(f"engine     llama.cpp: --ctx-size {s['ctx_size']:,} --parallel {s['parallel']} "
+                     f"({s['slot_tokens']:,} tokens a slot; {s['cells']:,} cells after padding to {LLAMACPP_CTX_PAD})")
+        lines.append(f"budget     {human_bytes(p.pool_bytes)} = {human_bytes(p.gpu_bytes)} - weights "
+                     f"{human_bytes(p.weights_bytes)} - overhead {human_bytes(p.overhead_bytes)}")
+        lines.append(f"{'preset':<44} {'B/token':>10} {'KV buffer':>10} {'fits':>5} {'max --parallel':>15}{gate_head}")
+        for f in p.presets:
+            lines.append(f"{f.preset:<44} {f.bytes_per_token:>10,.0f} {human_bytes(f.sequence_bytes):>10} "
+                         f"{'yes' if f.fits else 'no':>5} {f.sequences:>15,}{verdict(f)}")
+        lines.append(f"max --parallel: slots of {s['slot_tokens']:,} tokens whose buffer fits the budget")
+    lines += [f"note       {n}" for n in p.notes]
+    return "\n".join(lines)

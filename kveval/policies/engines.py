@@ -1,0 +1,390 @@
+"""Serving engines' KV-cache numerics as quantization policies: ``llamacpp``, ``vllm``, ``sglang``, ``trtllm``.
+
+Each reproduces what its engine stores for K and V, byte for byte: the codes, their scales, the rounding and the
+saturation (the formats: :mod:`kveval.tensors.engine_formats`; the store, which codes every token on arrival as
+the engines do: :mod:`kveval.stores.engine`). Per-tensor scales computed from data (vLLM's first batch,
+ModelOpt's amax) come from kveval's calibration pass (:func:`kveval.calibration.kv.calibration_kv`) and are
+recorded with the run (:meth:`EnginePolicy.run_info`). Of what the engines do beyond their cache, llama.cpp's
+conversion of Q to the K type's ``vec_dot_type`` is emulated (:meth:`LlamaCppPolicy.attended_query`); FP8 attention
+kernels' own roundings (scales folded into the softmax scale, FP8 queries) are not: see ``docs/engines.md``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kveval.errors import PolicySpecError
+from kveval.policies.base import QuantizationPolicy
+from kveval.values import is_real, is_whole
+
+LLAMACPP_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+#: llama.cpp cache types kveval does not reproduce, and why (one line each).
+LLAMACPP_UNPINNED = {"iq4_nl": "the gguf package has no reference quantizer to check it against bit for bit"}
+#: vLLM's ``calculate_kv_scales`` divisors (``vllm/envs.py``: ``K_SCALE_CONSTANT``, ``V_SCALE_CONSTANT``).
+VLLM_K_SCALE_CONSTANT, VLLM_V_SCALE_CONSTANT = 200, 100
+FP8_LARGEST = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+def _fp8_format(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise PolicySpecError(f"{name}: kv_cache_dtype={value!r} must be one of {', '.join(allowed)}")
+    return "e5m2" if value.endswith("e5m2") else "e4m3"
+
+
+def _positive_scale(name: str, key: str, value) -> None:
+    if value is not None and (not is_real(value) or not value > 0):
+        raise PolicySpecError(f"{name}: {key}={value!r} must be a positive number (the per-tensor dequantization scale)")
+
+
+@dataclass
+class EnginePolicy(QuantizationPolicy):
+    """What the engine presets share: per-token codes sized by :meth:`coded_bytes`, no residual, no sinks, and
+    per-layer scales from the calibration pass where the preset calls for them."""
+
+    #: Read by the planner beside ``kvquant``'s (a codec that sizes its own codes): engines code post-RoPE K/V.
+    codes_on_arrival: ClassVar[bool] = True
+    pre_rope: ClassVar[bool] = False
+    sink: ClassVar[int] = 0
+    residual: ClassVar[int] = 0
+
+    def __post_init__(self):
+        self._models: dict[int, tuple[weakref.ref, dict]] = {}
+
+    # --- what the stack and the cache ask of a quantizer -----------------------------------------
+    def check_head_dim(self, head_dim: int) -> None:
+        """Any head width codes (block formats refuse in :class:`LlamaCppPolicy`)."""
+
+    def fit_widths(self, widths: dict[str, int], label: str) -> None:
+        if label != "head_dim":
+            raise PolicySpecError(f"{self.spec()}: an engine codes K/V heads, not a structure's {label} coefficients; "
+                                  f"drop the structure policy")
+
+    def planned_quants(self) -> None:
+        """``None``: engine codes are sized by :meth:`coded_bytes`."""
+        return None
+
+    def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
+        """Bytes the engine stores per token and KV head, ``(K, V)`` (scales inside ggml blocks included)."""
+        return key_dim, value_dim  # one byte a value (FP8, INT8)
+
+    def bytes_per_token(self, head_dim: int, kv_itemsize: int = 2) -> float:
+        return sum(self.coded_bytes(head_dim, head_dim, kv_itemsize))
+
+    # --- scales ----------------------------------------------------------------------------------
+    needs_calibration: ClassVar[bool] = False
+
+    def _state(self, model) -> dict:
+        entry = self._models.get(id(model))
+        if entry is None or entry[0]() is not model:
+            entry = (weakref.ref(model), {})
+            self._models[id(model)] = entry
+        return entry[1]
+
+    def amax(self, model) -> dict:
+        """Per layer, the largest |K| and |V| of the calibration pass, in the model's deployment dtype
+        (``{"k": [...], "v": [...], "tokens": T, "calibration_id": ...}``; ``None`` for a layer without K/V)."""
+        state = self._state(model)
+        if "amax" not in state:
+            import torch
+
+            from kveval.calibration.kv import DEFAULT_CALIB_TOKENS, KVAmax, load_or_calibrate, read_calibration_text
+            from kveval.stores.base import deployment_kv_dtype
+
+            text = read_calibration_text(None)
+            tokens = getattr(self, "calib_tokens", None) or DEFAULT_CALIB_TOKENS
+            found = load_or_calibrate(model, text, tokens, KVAmax)  # cached on disk like every calibration
+            dtype = deployment_kv_dtype(model)
+
+            def rounded(a):  # the amax of K in the deployment dtype (rounding is monotonic)
+                return None if a is None else float(torch.tensor(a, dtype=torch.float32).to(dtype).float())
+
+            state["amax"] = {"k": [rounded(a) for a in found.k], "v": [rounded(a) for a in found.v],
+                             "tokens": found.tokens, "calibration_id": text.calibration_id(tokens),
+                             "cache_file": str(found.path), "dtype": str(dtype).removeprefix("torch.")}
+        return state["amax"]
+
+    def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
+        """Layer ``layer_idx``'s K and V dequantization scales (float32 values)."""
+        return 1.0, 1.0
+
+    def prepare(self, model) -> None:
+        if self.needs_calibration:
+            self.amax(model)
+
+    def run_info(self, model) -> dict:
+        info: dict = {"engine": self.engine, "follows": self.follows}
+        layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)
+        if self.has_scales:
+            scales = [self.layer_scales(model, i) for i in range(layers)]
+            info["k_scales"] = [k for k, _ in scales]
+            info["v_scales"] = [v for _, v in scales]
+            info["scale_bytes"] = 8 * layers  # a float32 K and V scale per layer, per model (not per token)
+        if self.needs_calibration:
+            amax = self.amax(model)
+            info.update(calibration_id=amax["calibration_id"], calibration_tokens_used=amax["tokens"],
+                        cache_file=amax["cache_file"], k_amax=amax["k"], v_amax=amax["v"], amax_dtype=amax["dtype"])
+        return info
+
+    engine: ClassVar[str] = ""
+    follows: ClassVar[str] = ""
+    has_scales: ClassVar[bool] = True
+
+    # --- the store -------------------------------------------------------------------------------
+    def codec(self, model, layer_idx: int):
+        raise NotImplementedError
+
+    def make_store(self, inner, model, layer_idx: int):
+        """A :class:`kveval.stores.engine.EngineStore` in place of ``inner`` (computing in its dtype)."""
+        from kveval.stores.engine import EngineStore
+
+        state = self._state(model)
+        codecs = state.setdefault("codecs", {})
+        if layer_idx not in codecs:
+            codecs[layer_idx] = self.codec(model, layer_idx)
+        return EngineStore(codecs[layer_idx], inner.compute_dtype)
+
+
+@dataclass
+class LlamaCppPolicy(EnginePolicy):
+    """llama.cpp's ``--cache-type-k`` / ``--cache-type-v``: ggml blocks of 32 values along each token's head row.
+
+    Follows ``ggml/src/ggml-quants.c`` (``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``,
+    ``quantize_row_q4_1_ref``, ``quantize_row_q5_0_ref``, ``quantize_row_q5_1_ref`` and the matching
+    ``dequantize_row_*``), checked bit for bit against the ``gguf`` package's numpy port (``gguf.quants``).
+
+    Attributes
+    ----------
+    k, v : str
+        Cache types of K and V: ``f16`` (llama.cpp's default), ``bf16``, ``f32``, ``q8_0``, ``q5_1``, ``q5_0``,
+        ``q4_1``, ``q4_0``. Block types need a head width that is a multiple of 32, as llama.cpp does.
+    quantize_q : bool
+        Round Q as ggml's Q.K takes it (default ``true``): converted to the K type's ``vec_dot_type``
+        (``q8_0`` for a ``q8_0``/``q4_0``/``q5_0`` K, ``q8_1`` for ``q4_1``/``q5_1``, ``f16``/``bf16`` for those),
+        as the CPU flash attention (``ggml/src/ggml-cpu/ops.cpp``, ``q_to_vec_dot``) and ``ggml_mul_mat`` both do;
+        ``false``: K/V codes alone.
+    cpu : bool
+        llama.cpp on an x86 CPU (AVX) build: ``q8_0`` codes (of K, V and Q) as its SIMD ``quantize_row_q8_0`` gives
+        them (``id = 127 / amax``, halves rounded to even), not the reference function's (``1 / d``, ``roundf``),
+        which CUDA's copy kernels follow. Default ``false``.
+    """
+
+    name = "llamacpp"
+    description = "llama.cpp cache types (--cache-type-k/-v): q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16 ggml blocks"
+    engine: ClassVar[str] = "llama.cpp"
+    follows: ClassVar[str] = "ggml/src/ggml-quants.c quantize_row_<type>_ref / dequantize_row_<type>"
+    has_scales: ClassVar[bool] = False
+    k: str = "f16"
+    v: str = "f16"
+    quantize_q: bool = True
+    cpu: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("k", "v"):
+            value = getattr(self, key)
+            if value in LLAMACPP_UNPINNED:
+                raise PolicySpecError(f"{self.name}: {key}={value} is not reproduced ({LLAMACPP_UNPINNED[value]}); "
+                                      f"use one of {', '.join(LLAMACPP_TYPES)}")
+            if value not in LLAMACPP_TYPES:
+                raise PolicySpecError(f"{self.name}: {key}={value!r} is not a llama.cpp cache type; use one of "
+                                      f"{', '.join(LLAMACPP_TYPES)}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        for key in ("k", "v"):
+            kind = getattr(self, key)
+            if kind.startswith("q") and head_dim % 32:
+                raise PolicySpecError(f"{self.spec()}: {key}={kind} codes blocks of 32 values and head_dim={head_dim} "
+                                      f"is not a multiple of 32 (llama.cpp refuses it too); use f16 or bf16")
+
+    def attended_query(self, query):
+        if not self.quantize_q:
+            return query
+        from kveval.tensors.engine_formats import ggml_query
+
+        return ggml_query(query, self.k, self.cpu)
+
+    def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
+        from kveval.tensors.engine_formats import ggml_row_bytes
+
+        return ggml_row_bytes(self.k, key_dim), ggml_row_bytes(self.v, value_dim)
+
+    def codec(self, model, layer_idx: int):
+        from kveval.stores.engine import EngineCodec, SideFormat
+
+        return EngineCodec(SideFormat("ggml", ggml_type=self.k, x86=self.cpu), SideFormat("ggml", ggml_type=self.v, x86=self.cpu))
+
+
+@dataclass
+class VllmPolicy(EnginePolicy):
+    """vLLM's ``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``: per-tensor K and V scales, a saturating cast.
+
+    Follows ``vllm/model_executor/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod.process_weights_after_loading``:
+    the checkpoint's ``k_scale``/``v_scale``, else 1.0 with a warning), ``vllm/attention/layer.py``
+    (``Attention.calc_kv_scales``: ``abs(key).max() / K_SCALE_CONSTANT`` (200), ``abs(value).max() /
+    V_SCALE_CONSTANT`` (100), once, on the first batch) and ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
+    (``scaled_vec_conversion<uint8_t, float>``: ``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, ...)``).
+
+    Attributes
+    ----------
+    kv_cache_dtype : str
+        ``fp8`` (= ``fp8_e4m3`` on CUDA), ``fp8_e4m3`` or ``fp8_e5m2``.
+    scales : str
+        ``unit`` (1.0: vLLM's default for a checkpoint without scales), ``dynamic`` (``calculate_kv_scales``:
+        computed from the first batch; here the calibration pass is that batch, so no prompt order matters) or
+        ``checkpoint`` (``k_scale``/``v_scale`` given, for every layer).
+    k_scale, v_scale : float, optional
+        The checkpoint's scales, with ``scales=checkpoint``.
+    calib_tokens : int, optional
+        Tokens of the calibration text for ``scales=dynamic`` (default 2048).
+    """
+
+    name = "vllm"
+    description = "vLLM fp8 KV cache: per-tensor K/V scales (unit, dynamic first batch, checkpoint), saturating cast"
+    engine: ClassVar[str] = "vLLM"
+    follows: ClassVar[str] = ("vllm/attention/layer.py Attention.calc_kv_scales; "
+                              "vllm/model_executor/layers/quantization/kv_cache.py; "
+                              "csrc/quantization/fp8/nvidia/quant_utils.cuh scaled_vec_conversion")
+    kv_cache_dtype: str = "fp8"
+    scales: str = "unit"
+    k_scale: float | None = None
+    v_scale: float | None = None
+    calib_tokens: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.format = _fp8_format(self.name, self.kv_cache_dtype, ("fp8", "fp8_e4m3", "fp8_e5m2"))
+        if self.scales not in ("unit", "dynamic", "checkpoint"):
+            raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
+        for key in ("k_scale", "v_scale"):
+            _positive_scale(self.name, key, getattr(self, key))
+        given = (self.k_scale is not None, self.v_scale is not None)
+        if self.scales == "checkpoint" and not all(given):
+            raise PolicySpecError(f"{self.name}: scales=checkpoint needs k_scale= and v_scale= (the checkpoint's scales)")
+        if self.scales != "checkpoint" and any(given):
+            raise PolicySpecError(f"{self.name}: k_scale/v_scale are the checkpoint's scales; add scales=checkpoint")
+        if self.calib_tokens is not None and (not is_whole(self.calib_tokens) or self.calib_tokens < 2):
+            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
+
+    @property
+    def needs_calibration(self) -> bool:  # type: ignore[override]
+        return self.scales == "dynamic"
+
+    def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
+        import torch
+
+        if self.scales == "unit":
+            return 1.0, 1.0
+        if self.scales == "checkpoint":
+            return float(torch.tensor(self.k_scale, dtype=torch.float32)), float(torch.tensor(self.v_scale, dtype=torch.float32))
+        amax = self.amax(model)
+        k, v = amax["k"][layer_idx], amax["v"][layer_idx]
+        if k is None:
+            return None, None
+        # abs(key).max() in the model dtype divided by a float32 tensor: a float32 quotient
+        return (float(torch.tensor(k, dtype=torch.float32) / VLLM_K_SCALE_CONSTANT),
+                float(torch.tensor(v, dtype=torch.float32) / VLLM_V_SCALE_CONSTANT))
+
+    def codec(self, model, layer_idx: int):
+        from kveval.stores.engine import EngineCodec, SideFormat
+
+        k, v = self.layer_scales(model, layer_idx)
+        return EngineCodec(SideFormat("fp8-sat", fp8=self.format, scale=k), SideFormat("fp8-sat", fp8=self.format, scale=v))
+
+
+@dataclass
+class SglangPolicy(EnginePolicy):
+    """SGLang's ``--kv-cache-dtype fp8_e4m3|fp8_e5m2``: one per-tensor scale for K and V, torch's own cast.
+
+    Follows ``python/sglang/srt/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod``: one checkpoint
+    ``kv_scale`` copied to K and V; none: no scale) and ``python/sglang/srt/mem_cache/memory_pool.py``
+    (``MHATokenToKVPool.set_kv_buffer``: ``cache_k.div_(k_scale)`` in the model dtype, then ``cache_k.to(fp8)``,
+    torch's own cast: two roundings, and past the range whatever the running torch's cast gives).
+
+    Attributes
+    ----------
+    kv_cache_dtype : str
+        ``fp8_e4m3`` or ``fp8_e5m2``.
+    kv_scale : float, optional
+        The checkpoint's scale, used for K and V; none: the values are cast as they are (a scale of 1.0).
+    """
+
+    name = "sglang"
+    description = "SGLang fp8 KV cache: one per-tensor scale copied to K and V (or none), divided in the model dtype, torch's cast"
+    engine: ClassVar[str] = "SGLang"
+    follows: ClassVar[str] = ("python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer; "
+                              "python/sglang/srt/layers/quantization/kv_cache.py")
+    kv_cache_dtype: str = "fp8_e4m3"
+    kv_scale: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.format = _fp8_format(self.name, self.kv_cache_dtype, ("fp8_e4m3", "fp8_e5m2"))
+        _positive_scale(self.name, "kv_scale", self.kv_scale)
+
+    def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
+        return self.kv_scale, self.kv_scale
+
+    def codec(self, model, layer_idx: int):
+        from kveval.stores.base import deployment_kv_dtype
+        from kveval.stores.engine import EngineCodec, SideFormat
+
+        side = SideFormat("fp8-cast", fp8=self.format, scale=self.kv_scale, model_dtype=deployment_kv_dtype(model))
+        return EngineCodec(side, side)
+
+
+@dataclass
+class TrtllmPolicy(EnginePolicy):
+    """TensorRT-LLM with a ModelOpt-calibrated KV cache: INT8 or FP8, one scale per layer shared by K and V.
+
+    Follows ``modelopt/torch/export/quant_utils.py`` (``get_scaling_factor``: ``amax / maxbound``, 127 for INT8 and
+    448 for FP8; ``get_kv_cache_scaling_factor``: FP8 scales at least 1.0) and
+    ``modelopt/torch/export/model_config_utils.py`` (``kv_cache_scaling_factor = max(k, v)``, one per layer, for
+    TensorRT-LLM). The cache write multiplies by the float32 reciprocal and rounds to nearest even, saturating
+    (INT8: ``cvt.rni.sat.s8.f32``; FP8: the ``__nv_fp8_e4m3`` constructor, ``__NV_SATFINITE``).
+
+    Attributes
+    ----------
+    kv_cache_dtype : str
+        ``int8`` or ``fp8``.
+    calib_tokens : int, optional
+        Tokens of the calibration text the amax is taken over (default 2048).
+    """
+
+    name = "trtllm"
+    description = "TensorRT-LLM/ModelOpt KV cache: int8 or fp8, amax-calibrated scale per layer shared by K and V"
+    engine: ClassVar[str] = "TensorRT-LLM (ModelOpt)"
+    follows: ClassVar[str] = ("modelopt/torch/export/quant_utils.py get_scaling_factor, get_kv_cache_scaling_factor; "
+                              "modelopt/torch/export/model_config_utils.py kv_cache_scaling_factor")
+    needs_calibration: ClassVar[bool] = True
+    kv_cache_dtype: str = "int8"
+    calib_tokens: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_cache_dtype not in ("int8", "fp8"):
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype!r} must be int8 or fp8")
+        if self.calib_tokens is not None and (not is_whole(self.calib_tokens) or self.calib_tokens < 2):
+            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
+
+    def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
+        import torch
+
+        amax = self.amax(model)
+        k, v = amax["k"][layer_idx], amax["v"][layer_idx]
+        if k is None:
+            return None, None
+        bound = 127.0 if self.kv_cache_dtype == "int8" else 448.0
+        ks, vs = (torch.tensor(a, dtype=torch.float32) / bound for a in (k, v))
+        if self.kv_cache_dtype == "fp8":
+            ks, vs = ks.clamp(min=1.0), vs.clamp(min=1.0)
+        shared = float(torch.maximum(ks, vs))
+        return shared, shared
+
+    def codec(self, model, layer_idx: int):
+        from kveval.stores.engine import EngineCodec, SideFormat
+
+        scale, _ = self.layer_scales(model, layer_idx)
+        side = SideFormat("int8", scale=scale) if self.kv_cache_dtype == "int8" else SideFormat("fp8-sat-mul", scale=scale)
+        return EngineCodec(side, side)
