@@ -11,8 +11,10 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip_install torch                      # CUDA build for GPU machines
   else
-    # No GPU: prefer PyTorch's CPU build (small); fall back to PyPI's default build.
-    pip_install --timeout 15 --retries 0 --index-url https://download.pytorch.org/whl/cpu torch 2>/dev/null || pip_install torch
+    # No GPU: PyTorch's CPU build (small), the release results/ was made with, from PyTorch's index or a local
+    # wheel; PyPI's default build (CUDA, several GB) only when neither is reachable.
+    pip_install --timeout 15 --retries 0 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 2>/dev/null \
+      || pip_install torch==2.13.0 2>/dev/null || pip_install torch
   fi
 fi
 if [ "${1:-}" = "--test" ]; then
