@@ -13,12 +13,13 @@ from pathlib import Path
 
 def add_probe_options(parser: argparse.ArgumentParser, *, n: int, families: tuple[str, ...] = ("niah_multikey",),
                       length: int = 512) -> None:
-    """The options of a probe benchmark: ``--model --family (repeatable) --length --n --batch-size --out``.
+    """The options of a probe benchmark: ``--model --dtype --family (repeatable) --length --n --batch-size --out``.
 
     ``n`` is the items per family, ``length`` the probe length in tokens;
     ``families`` are used when no ``--family`` is given.
     """
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto", help="compute dtype (float32, bfloat16; default: load_model's choice)")
     parser.add_argument("--family", action="append", default=None, help=f"probe family; repeat (default {', '.join(families)})")
     parser.add_argument("--length", type=int, default=length)
     parser.add_argument("--n", type=int, default=n, help="items per family")
@@ -37,7 +38,7 @@ def load_model_and_items(args: argparse.Namespace):
     from kveval.probes import generate_items
     from kveval.runner.models import load_model
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     items = [it for family in families(args) for it in generate_items(family, tokenizer, args.length, args.n)]
     return model, tokenizer, items
 

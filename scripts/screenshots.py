@@ -2,8 +2,9 @@
 
     python3 scripts/screenshots.py results/quickstart/report/leaderboard.html --out docs/img
 
-Writes ``leaderboard.png`` (the page as it opens) and ``fail-items.png`` (the first FAIL's item view, followed from
-its leaderboard cell as a reader would). Needs ``chromium``, ``chromium-driver`` and ``selenium``
+Writes ``<prefix>leaderboard.png`` (the page as it opens) and ``<prefix>items.png``: the first FAIL's item view,
+followed from its leaderboard cell as a reader would (or, on a page with no FAIL, the first cell that links to
+changed items). ``--prefix lm-eval-`` names the shots of an lm-eval report apart. Needs ``chromium``, ``chromium-driver`` and ``selenium``
 (``bash scripts/setup.sh --test``).
 """
 
@@ -38,21 +39,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     parser.add_argument("--width", type=int, default=1400)
     parser.add_argument("--height", type=int, default=1000)
+    parser.add_argument("--prefix", default="", help="file name prefix, e.g. lm-eval-")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     driver = browser(args.width, args.height)
     try:
         driver.get(args.page.resolve().as_uri())
-        driver.save_screenshot(str(args.out / "leaderboard.png"))
-        fail = driver.find_elements("css selector", "#leaderboard td.FAIL a")
-        if not fail:
-            sys.exit(f"screenshots.py: {args.page} has no FAIL to follow")
-        fail[0].click()
+        board, items = args.out / f"{args.prefix}leaderboard.png", args.out / f"{args.prefix}items.png"
+        driver.save_screenshot(str(board))
+        links = (driver.find_elements("css selector", "#leaderboard td.FAIL a")
+                 or driver.find_elements("css selector", "#leaderboard td a"))
+        if not links:
+            sys.exit(f"screenshots.py: {args.page} links to no changed items")
+        links[0].click()
         driver.execute_script("document.querySelector('section.items article.item').scrollIntoView()")
-        driver.save_screenshot(str(args.out / "fail-items.png"))
+        driver.save_screenshot(str(items))
     finally:
         driver.quit()
-    print(f"wrote {args.out / 'leaderboard.png'} and {args.out / 'fail-items.png'}")
+    print(f"wrote {board} and {items}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ if [ "${1:-}" = "--test" ]; then
   # install it (no root, no network, not Debian) those tests skip, saying so.
   if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"
-    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver; } \
-      >/dev/null 2>&1 || echo "setup.sh: could not install chromium and chromium-driver; the browser tests will skip" >&2
+    # Twice: on a machine that has just booted, apt's lists or lock can be busy for the first try.
+    apt_chromium() { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver; }
+    { apt_chromium || { sleep 20; apt_chromium; }; } >/dev/null 2>&1 || echo "setup.sh: could not install chromium and chromium-driver; the browser tests will skip" >&2
   fi
 else
   pip_install -e .

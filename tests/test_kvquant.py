@@ -352,6 +352,6 @@ def test_embedded_models_generate_with_a_quarter_of_the_bytes(name, monkeypatch)
     model, tokenizer = load_model(name)
     prompt = encode_prompt(tokenizer, "The pass key is 71432. Remember it. 71432 is the pass key. " * 8 + "What is the pass key?")
     none, = generate(model, tokenizer, [prompt], parse_policy("none"), max_new_tokens=6)
-    ours, = generate(model, tokenizer, [prompt], parse_policy("kvquant(bits=4)"), max_new_tokens=6)
+    ours, = generate(model, tokenizer, [prompt], parse_policy("kvquant(bits=4,calib_tokens=256)"), max_new_tokens=6)
     assert ours.token_ids and ours.stats.kv_bytes < none.stats.kv_bytes / 3
-    assert parse_policy("kvquant(bits=4)").quantization.codebook_bytes(model) > 0
+    assert parse_policy("kvquant(bits=4,calib_tokens=256)").quantization.codebook_bytes(model) > 0

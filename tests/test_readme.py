@@ -206,7 +206,8 @@ GENERATE = [c for c in COMMANDS_SHOWN if c.startswith("generate")]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
-@pytest.mark.parametrize("policy", [None, "lowrank(rank=16)+quant(bits=8)"])
+# The README's stacking example, calibrated on 256 tokens instead of 2048: the same code path at an eighth of the time.
+@pytest.mark.parametrize("policy", [None, "lowrank(rank=16,calib_tokens=256)+quant(bits=8)"])
 def test_readme_generate_runs_on_the_embedded_models(model, policy, capsys):
     """The README's generate command, and its stacking example, on both embedded models (short prompt)."""
     from kveval.commands.main import main

@@ -237,6 +237,25 @@ def test_lm_eval_items_show_the_document_prompt_and_both_choices(lm_eval_runs, t
     assert '<pre class="doc prompt">Question 3: which colour is the sky?</pre>' in page
 
 
+def test_lm_eval_samples_of_kveval_probe_tasks_carry_their_confusion_category(tmp_path):
+    """kveval's generate_until tasks log one ``cat_<name>`` metric per category: the item view and the confusion
+    column name a distractor's value as a distractor, as for kveval's own runs."""
+    from kveval.runs.results import records_from_samples
+
+    cats = ["cat_correct", "cat_distractor", "cat_stale", "cat_partial", "cat_over_inclusion", "cat_fabricated", "cat_empty"]
+
+    def row(doc_id, category):
+        return {"doc_id": doc_id, "prompt_hash": f"h{doc_id}", "target": "6983147", "filtered_resps": [" 7667818."],
+                "metrics": ["score", "correct", *cats], "score": float(category == "correct"),
+                "correct": float(category == "correct"), **{c: float(c == f"cat_{category}") for c in cats}}
+
+    rows = [row(0, "distractor"), row(1, "correct"), {**row(2, "empty"), "cat_fabricated": 1.0},
+            {k: v for k, v in row(3, "stale").items() if not k.startswith("cat_")}]
+    records = records_from_samples(rows, "kveval_niah_multikey", None, tmp_path / "samples.jsonl")
+    # two categories at once, or none logged: no category is claimed
+    assert [r.category for r in records] == ["distractor", "correct", "", ""]
+
+
 # ----------------------------------------------------------------------------- prompts generated again
 
 

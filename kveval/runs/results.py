@@ -383,10 +383,18 @@ def records_from_samples(rows: list[dict], task: str, metric: str | dict[str, st
                 answer=answer,
                 gold=[str(row.get("target", ""))],
                 logprob_gold=gold_lp,
+                category=_category(row),
                 metrics={"metric": chosen, "doc_id": row["doc_id"], "filter": flt},
             )
         )
     return records
+
+
+def _category(row: dict) -> str:
+    """The confusion category a task's ``cat_<name>`` metrics give the sample (kveval's probe tasks write one per
+    category, 1.0 for the answer's own), or ``""`` where the task has none or they do not name exactly one."""
+    named = [m[4:] for m in row.get("metrics", []) if isinstance(m, str) and m.startswith("cat_") and row.get(m) == 1]
+    return named[0] if len(named) == 1 else ""
 
 
 def _pick_metric(row: dict, path: Path) -> str:
