@@ -13,7 +13,7 @@ from pathlib import Path
 
 def add_probe_options(parser: argparse.ArgumentParser, *, n: int, families: tuple[str, ...] = ("niah_multikey",),
                       length: int = 512) -> None:
-    """The options of a probe benchmark: ``--model --dtype --family (repeatable) --length --n --batch-size --out``.
+    """The options of a probe benchmark: ``--model --dtype --family --length --n --batch-size --seed --depth --out``.
 
     ``n`` is the items per family, ``length`` the probe length in tokens;
     ``families`` are used when no ``--family`` is given.
@@ -24,6 +24,8 @@ def add_probe_options(parser: argparse.ArgumentParser, *, n: int, families: tupl
     parser.add_argument("--length", type=int, default=length)
     parser.add_argument("--n", type=int, default=n, help="items per family")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0, help="probe seed (default 0)")
+    parser.add_argument("--depth", type=float, action="append", default=None, help="needle depth; repeat (default the family's)")
     parser.add_argument("--out", default=None, help="run folder root (default: a temporary folder)")
     parser.set_defaults(default_families=list(families))
 
@@ -39,7 +41,8 @@ def load_model_and_items(args: argparse.Namespace):
     from kveval.runner.models import load_model
 
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    items = [it for family in families(args) for it in generate_items(family, tokenizer, args.length, args.n)]
+    items = [it for family in families(args)
+             for it in generate_items(family, tokenizer, args.length, args.n, depths=args.depth, seed=args.seed)]
     return model, tokenizer, items
 
 
