@@ -564,19 +564,22 @@ class CompressedLayer(CacheLayerMixin):
 
         return attention_mass(probabilities, query, keys, real, all_real, first, self._slot_positions.shape[1], allowed)
 
-    def scoring_state(self, row: RowState, seed: int, reads_keys: bool = True) -> ScoringState:
+    def scoring_state(self, row: RowState, seed: int, reads_keys: bool = True, reads_values: bool = False) -> ScoringState:
         """What a policy scores ``row`` on; its keys only where the policy may read them (``reads_keys``: else
-        ``None``, and the row's keys and values are not copied to the compute dtype for nothing)."""
-        keys = row.store.keys_values()[0] if reads_keys else None
+        ``None``, and the row's keys and values are not copied to the compute dtype for nothing), its values only
+        where it declares it reads them (``reads_values``)."""
+        keys, values = row.store.keys_values() if reads_keys or reads_values else (None, None)
         padding = row.padding
         positions = row.positions if padding is None else row.positions.masked_fill(padding, -1)
-        return ScoringState(keys=keys, positions=positions, attention=row.attention, layer_idx=self.layer_idx,
-                            num_layers=self.cache.num_layers, seed=seed, model=self.cache.model)
+        return ScoringState(keys=keys if reads_keys else None, positions=positions, attention=row.attention,
+                            layer_idx=self.layer_idx, num_layers=self.cache.num_layers, seed=seed,
+                            model=self.cache.model, values=values if reads_values else None)
 
     def _scores(self, row: RowState, policy) -> tuple[torch.Tensor, ScoringState]:
         """The policy's scores of ``row`` (``-inf`` on padding slots, a fresh tensor) and the state they came from."""
         # Policies whose scores stack across layers read positions and attention alone (never keys).
-        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)), not policy.scores_stack_layers)
+        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)), not policy.scores_stack_layers,
+                                   policy.reads_values)
         scores = policy.scores(state).clone()
         scores = shared_by_group(scores, row.store)
         padding = row.padding

@@ -96,6 +96,8 @@ class SelectionPolicy(Policy):
     #: seed or model): the decode budgets of a forward's layers may then be scored at once, on their rows stacked
     #: (:class:`kveval.cache.decode_evictions.DeferredEvictions`).
     scores_stack_layers: ClassVar[bool] = False
+    #: :meth:`scores` reads the stored values (``state.values``: CUR, LagKV, CriticalKV); the others get ``None``.
+    reads_values: ClassVar[bool] = False
 
     @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:

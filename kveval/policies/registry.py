@@ -13,11 +13,16 @@ import re
 
 from kveval.errors import PolicyRegistryError
 from kveval.policies import (
+    chunkkv,
+    criticalkv,
+    cur,
     duo,
     engines,
     h2o,
+    keydiff,
     knorm,
     kvquant,
+    lagkv,
     latent,
     lowrank,
     none,
@@ -80,5 +85,10 @@ for _builtin in (
     engines.VllmPolicy,
     engines.SglangPolicy,
     engines.TrtllmPolicy,
+    keydiff.KeyDiffPolicy,
+    lagkv.LagKVPolicy,
+    cur.CURPolicy,
+    criticalkv.CriticalKVPolicy,
+    chunkkv.ChunkKVPolicy,
 ):
     register_policy(_builtin)

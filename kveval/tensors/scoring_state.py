@@ -30,7 +30,11 @@ class ScoringState:
     seed : int or tuple of int
         Per-sequence seed for the ``random`` control (one per row for a batch: see ``batch_scores``).
     model : PreTrainedModel or None
-        The model the cache serves, for policies calibrated per model (``duo``).
+        The model the cache serves, for policies calibrated per model (``duo``) or reading its weights
+        (``criticalkv``'s output projection).
+    values : torch.Tensor or None
+        Stored values (dequantized), ``[kv_heads, tokens, head_dim]``; only for a policy that declares it reads
+        them (``SelectionPolicy.reads_values``), else ``None``.
 
     With per-head budgets, heads may hold fewer tokens than the slots shown:
     their padding slots have zero keys, zero attention and position ``-1``,
@@ -44,5 +48,6 @@ class ScoringState:
     num_layers: int
     seed: "int | tuple[int, ...]" = 0
     model: object = None
+    values: "torch.Tensor | None" = None
 
 

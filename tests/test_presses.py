@@ -1,0 +1,147 @@
+"""The presses kvpress users compare against (KeyDiff, LagKV, CUR, CriticalKV, ChunkKV, threshold): each scored on a
+hand-computed case, then run on every architecture of the matrix."""
+
+import math
+
+import pytest
+import torch
+
+from kveval.cache.compressed import CompressedCache
+from kveval.cache.exactness import prefill_and_decode
+from kveval.errors import PolicySpecError
+from kveval.policies.criticalkv import projected_norms
+from kveval.policies.spec import parse_policy
+from kveval.tensors.scoring_state import ScoringState
+
+from tiny_models import ARCHITECTURES, tiny_model
+
+F64 = torch.float64
+
+
+def _state(keys=None, values=None, attention=None, model=None):
+    some = next(x for x in (keys, values, attention) if x is not None)
+    heads, n = some.shape[0], some.shape[1]
+    return ScoringState(keys=keys, positions=torch.arange(n).expand(heads, n), attention=attention, layer_idx=0,
+                        num_layers=1, model=model, values=values)
+
+
+def _selection(spec):
+    return parse_policy(spec).selection
+
+
+def _kept(policy, state):
+    scores = policy.scores(state)
+    return policy.choose(scores, policy.keep_count(scores.shape[-1]), state).tolist()
+
+
+def test_keydiff_scores_minus_the_cosine_to_the_mean_unit_key():
+    # Unit keys [1,0], [0,1], [1,0]: anchor [2/3, 1/3], |anchor| = sqrt(5)/3, so cosines 2/sqrt(5), 1/sqrt(5).
+    policy = _selection("keydiff(ratio=0.6)")
+    keys = torch.tensor([[[3.0, 0.0], [0.0, 2.0], [1.0, 0.0]]], dtype=F64)  # norms differ: only directions count
+    expected = torch.tensor([[-2 / math.sqrt(5), -1 / math.sqrt(5), -2 / math.sqrt(5)]], dtype=F64)
+    torch.testing.assert_close(policy.scores(_state(keys)).double(), expected, rtol=1e-6, atol=1e-7)
+    assert _kept(policy, _state(keys)) == [[1, 2]] or _kept(policy, _state(keys)) == [[0, 1]]  # ceil(0.4 x 3) = 2
+    assert 1 in _kept(_selection("keydiff(ratio=0.9)"), _state(keys))[0]  # the one distinct key is kept first
+
+
+def test_cur_multiplies_key_and_value_leverage_normalised_in_local_blocks():
+    keys = torch.tensor([[[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]]], dtype=F64)  # squared norms 1, 4, 9
+    values = torch.tensor([[[2.0, 0.0], [1.0, 0.0], [0.0, 1.0]]], dtype=F64)  # squared norms 4, 1, 1
+    whole = _selection("cur(ratio=0.5,sink=0,local_window=0)").scores(_state(keys, values))
+    torch.testing.assert_close(whole.double(), torch.tensor([[4 / 17, 4 / 17, 9 / 17]], dtype=F64))
+    # Blocks of 2: k2 -> [0.2, 0.8 | 1], v2 -> [0.8, 0.2 | 1]; products [0.16, 0.16, 1] over their sum 1.32.
+    local = _selection("cur(ratio=0.5,sink=0,local_window=2)").scores(_state(keys, values))
+    torch.testing.assert_close(local.double(), torch.tensor([[0.16 / 1.32, 0.16 / 1.32, 1 / 1.32]], dtype=F64))
+    sunk = _selection("cur(ratio=0.5,sink=1,local_window=2)").scores(_state(keys, values))
+    assert sunk[0, 0] == float("inf") and sunk[0, 2] == local[0, 2]
+    assert _kept(_selection("cur(ratio=0.6,sink=1,local_window=2)"), _state(keys, values)) == [[0, 2]]
+
+
+def test_lagkv_normalises_each_partition_by_the_next_ones_range():
+    # sink 1, lag 2, 6 tokens: token 0 sink; tokens 1-2 scored against the reference 3-4; 3-5 kept (no reference).
+    keys = torch.tensor([[[9, 9], [1, 1], [0, 2], [0, 0], [2, 2], [5, 5]]], dtype=F64)
+    values = torch.tensor([[[9, 9], [1, 0.5], [0, 0], [0, 0], [1, 1], [5, 5]]], dtype=F64)
+    # Keys normalised by [0, 2]: [.5, .5] (std 0), [0, 1] (std sqrt(.5)); values by [0, 1]: [1, .5] (std sqrt(.125)),
+    # [0, 0] (std 0). Softmaxed in the partition and averaged: token 1 (0.3302 + 0.5875) / 2 < token 2, so ranks 0, 1.
+    key_soft = torch.tensor([0.0, math.sqrt(0.5)]).softmax(0)
+    value_soft = torch.tensor([math.sqrt(0.125), 0.0]).softmax(0)
+    assert float((key_soft + value_soft)[0]) < float((key_soft + value_soft)[1])
+    policy = _selection("lagkv(ratio=0.5,sink=1,lag=2)")
+    assert policy.scores(_state(keys, values)).tolist() == [[1.0, 0.0, 0.5, 1.0, 1.0, 1.0]]
+    # Shorter than sink + 2 lag: recency, as the reference falls back to.
+    short = policy.scores(_state(keys[:, :4], values[:, :4]))
+    torch.testing.assert_close(short, torch.tensor([[1.0, 0.0, 1 / 3, 2 / 3]]))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.layer_idx = 0
+        self.o_proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.o_proj.weight.data = weight
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.attn = _Attention(weight)
+
+
+def test_criticalkv_reweights_the_second_stage_by_the_projected_value_norm():
+    # One query head of width 2 through W_o = diag(1, 2): ||v W_o^T||_1 = |v0| + 2 |v1|.
+    model = _Model(torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
+    values = torch.tensor([[[1.0, 0.0], [0.0, 5.0], [1.0, 1.0], [1.0, 0.0]]])
+    assert projected_norms(values, model, 0).tolist() == [[1.0, 10.0, 3.0, 1.0]]
+    attention = torch.tensor([[0.4, 0.1, 0.3, 0.2]])
+    policy = _selection("criticalkv(ratio=0.25,window=1,kernel=1)")  # keep 3; the first stage int(1.5) = 1: the window
+    scores = policy.scores(_state(attention=attention, values=values, model=model))
+    eps = 1e-4
+    torch.testing.assert_close(scores[0, :3], torch.tensor([(0.4 + eps) * 1, (0.1 + eps) * 10, (0.3 + eps) * 3]))
+    assert scores[0, 3] == float("inf")
+    # SnapKV alone would keep 0, 2, 3; the value through W_o trades token 0 for token 1.
+    assert _kept(policy, _state(attention=attention, values=values, model=model)) == [[1, 2, 3]]
+    assert _kept(_selection("snapkv(ratio=0.25,window=1,kernel=1)"), _state(attention=attention)) == [[0, 2, 3]]
+    # No output projection to read (model None): the value's own L1 norm.
+    assert projected_norms(values, None, 0).tolist() == [[1.0, 5.0, 2.0, 1.0]]
+
+
+def test_chunkkv_keeps_whole_chunks_by_their_mean_head_summed_score():
+    attention = torch.tensor([[0.1, 0.3, 0.5, 0.4, 0.0], [0.3, 0.1, 0.0, 0.1, 0.0]])
+    # The window token scores the largest finite score, 0.5, in each head; summed over heads [.4, .4, .5, .5, 1];
+    # chunks of 2: means 0.4, 0.5, 1.0 (the last chunk is one token).
+    policy = _selection("chunkkv(ratio=0.4,window=1,kernel=1,chunk=2)")
+    scores = policy.scores(_state(attention=attention))
+    torch.testing.assert_close(scores, torch.tensor([[0.4, 0.4, 0.5, 0.5, 1.0]] * 2))
+    assert _kept(policy, _state(attention=attention)) == [[2, 3, 4]] * 2  # ceil(0.6 x 5) = 3: two best chunks
+    # 4 kept: the best chunks whole, then the first token of the next.
+    assert _kept(_selection("chunkkv(ratio=0.2,window=1,kernel=1,chunk=2)"), _state(attention=attention)) == [[0, 2, 3, 4]] * 2
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("cur(ratio=0.5,leverage=sum)", "leverage='sum' must be one of"),
+    ("lagkv(ratio=0.5,lag=0)", "lag=0 must be a positive"),
+    ("criticalkv(ratio=0.5,first_stage=2)", "first_stage=2.0 must be in [0, 1]"),
+    ("chunkkv(ratio=0.5,chunk=0)", "chunk=0 must be a positive"),
+    ("chunkkv(ratio=0.5,adaptive=true)", "adaptive=true changes nothing"),
+    ("keydiff(ratio=0.5,decode_budget=8)", "decode_budget is not supported"),
+])
+def test_bad_parameters_are_one_clear_error(spec, message):
+    with pytest.raises(PolicySpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_policy(spec)
+
+
+PRESSES = ["keydiff(ratio=0.5)", "lagkv(ratio=0.5,lag=8)", "cur(ratio=0.5)", "criticalkv(ratio=0.5)",
+           "chunkkv(ratio=0.5,chunk=4)", "cur(ratio=0.5,adaptive=true)"]
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_presses_run_on_the_architecture_matrix_below_nominal_bytes(name):
+    model = tiny_model(name)
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    for spec in PRESSES:
+        cache = CompressedCache(model, parse_policy(spec))
+        with torch.no_grad():
+            logits = prefill_and_decode(model, cache, ids, 2)
+        stats = cache.stats()
+        assert all(bool(torch.isfinite(x).all()) for x in logits), spec
+        assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
