@@ -117,7 +117,25 @@ def test_chunkkv_keeps_whole_chunks_by_their_mean_head_summed_score():
     assert _kept(_selection("chunkkv(ratio=0.2,window=1,kernel=1,chunk=2)"), _state(attention=attention)) == [[0, 2, 3, 4]] * 2
 
 
+def test_threshold_keeps_what_its_scorer_rates_above_it_and_the_window():
+    # knorm scores minus the key norm: norms 1, 5, 2, 4, 3 in head 0; 6, 6, 6, 6, 1 in head 1.
+    keys = torch.tensor([[[1.0, 0.0], [3.0, 4.0], [0.0, 2.0], [4.0, 0.0], [0.0, 3.0]],
+                         [[6.0, 0.0], [0.0, 6.0], [6.0, 0.0], [0.0, 6.0], [1.0, 0.0]]])
+    policy = _selection("threshold(scorer=knorm,threshold=-3.5,window=1)")
+    assert policy.keep_count(5) == 5 and policy.per_head_budgets and policy.nominal_ratio is None
+    chosen = policy.choose(policy.scores(_state(keys)), 5, _state(keys))
+    # Head 0: norms below 3.5 (tokens 0, 2, 4), the window's token 4; head 1: token 4 only (window and the best).
+    assert [c.tolist() for c in chosen] == [[0, 2, 4], [4]]
+    no_window = _selection("threshold(scorer=knorm,threshold=-5.5,window=0)")
+    assert [c.tolist() for c in no_window.choose(no_window.scores(_state(keys)), 5, _state(keys))] == [[0, 1, 2, 3, 4], [4]]
+    # Nothing above the threshold and no window: each head still keeps its best token.
+    none_above = _selection("threshold(scorer=knorm,threshold=0,window=0)")
+    assert [c.tolist() for c in none_above.choose(none_above.scores(_state(keys)), 5, _state(keys))] == [[0], [4]]
+    assert _selection("threshold(scorer=cur)").reads_values and not _selection("threshold(scorer=keydiff)").reads_values
+
+
 @pytest.mark.parametrize("spec, message", [
+    ("threshold(scorer=snapkv)", "scorer='snapkv' is not one of knorm, keydiff, cur, lagkv"),
     ("cur(ratio=0.5,leverage=sum)", "leverage='sum' must be one of"),
     ("lagkv(ratio=0.5,lag=0)", "lag=0 must be a positive"),
     ("criticalkv(ratio=0.5,first_stage=2)", "first_stage=2.0 must be in [0, 1]"),
@@ -131,7 +149,8 @@ def test_bad_parameters_are_one_clear_error(spec, message):
 
 
 PRESSES = ["keydiff(ratio=0.5)", "lagkv(ratio=0.5,lag=8)", "cur(ratio=0.5)", "criticalkv(ratio=0.5)",
-           "chunkkv(ratio=0.5,chunk=4)", "cur(ratio=0.5,adaptive=true)"]
+           "chunkkv(ratio=0.5,chunk=4)", "cur(ratio=0.5,adaptive=true)",
+           "threshold(scorer=keydiff,threshold=-0.5,window=8)"]
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -145,3 +164,40 @@ def test_presses_run_on_the_architecture_matrix_below_nominal_bytes(name):
         stats = cache.stats()
         assert all(bool(torch.isfinite(x).all()) for x in logits), spec
         assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
+
+
+def test_threshold_runs_record_the_ratio_each_item_reached(tmp_path):
+    from test_run_folders import CharTok, _items
+
+    from kveval.report.leaderboard import to_markdown
+    from kveval.report.rows import collect_rows
+    from kveval.runner.evaluate import evaluate_policies
+    from kveval.runs.records import iter_items, read_run_info
+
+    from cache_runs import specs_of
+    from tiny_models import tiny_llama
+
+    items = _items(context="the pass key is 42. " * 3, n=2) + _items(context="a b c d e f g h i j k " * 5, n=1)
+    items[-1].id = "passkey-long"
+    dirs = evaluate_policies(tiny_llama(), CharTok(), items, specs_of(["none", "threshold(scorer=keydiff,threshold=-0.2,window=4)"]),
+                             tmp_path, "org/M")
+    reached = [r.metrics["achieved_ratio"] for r in iter_items(dirs[1])]
+    assert all(0 < r < 1 for r in reached) and len(set(reached)) > 1  # compressed, and by a different ratio per item
+    assert [r.metrics["achieved_ratio"] for r in iter_items(dirs[0])] == [0.0] * 3  # none removes nothing
+    info = read_run_info(dirs[1])
+    assert info.ratio is None
+    assert info.extra["achieved_ratio"] == {"mean": pytest.approx(sum(reached) / 3), "min": min(reached), "max": max(reached)}
+    assert "achieved_ratio" not in read_run_info(dirs[0]).extra
+    text = info.ratio_text
+    assert text == f"~{sum(reached) / 3:.2f} [{min(reached):.2f}-{max(reached):.2f}]"
+    assert text in to_markdown(*collect_rows(dirs, n_resamples=200))
+
+
+def test_the_planner_sizes_a_threshold_at_its_achieved_ratio_only():
+    from kveval.planner.memory import plan
+
+    policy = parse_policy("threshold(scorer=knorm,threshold=-3)")
+    with pytest.raises(PolicySpecError, match="plan it at a run's achieved ratio"):
+        plan("smollm2-135m", 4096, policy=policy)
+    policy.selection.achieved_ratio = 0.5
+    assert plan("smollm2-135m", 4096, policy=policy).total_bytes == plan("smollm2-135m", 4096, policy=parse_policy("knorm(ratio=0.5)")).total_bytes

@@ -607,7 +607,7 @@ class CompressedLayer(CacheLayerMixin):
         n = row.store.length
         candidates = n - min(protect_last, n)
         keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
-        if keep < candidates:
+        if keep < candidates or (policy.thresholded and candidates):
             scores, state = self._scores(row, policy)
             chosen = policy.choose(scores[:, :candidates], keep, state)
             protected = torch.arange(candidates, n, device=scores.device)

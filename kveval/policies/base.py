@@ -98,6 +98,9 @@ class SelectionPolicy(Policy):
     scores_stack_layers: ClassVar[bool] = False
     #: :meth:`scores` reads the stored values (``state.values``: CUR, LagKV, CriticalKV); the others get ``None``.
     reads_values: ClassVar[bool] = False
+    #: A threshold, not a count, decides what stays (:mod:`kveval.policies.threshold`): :meth:`choose` runs even where
+    #: :meth:`keep_count` keeps every candidate, and the ratio reached is measured per item.
+    thresholded: ClassVar[bool] = False
 
     @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:

@@ -30,6 +30,7 @@ from kveval.policies import (
     quant,
     random,
     snapkv,
+    threshold,
     tova,
     window,
 )
@@ -90,5 +91,6 @@ for _builtin in (
     cur.CURPolicy,
     criticalkv.CriticalKVPolicy,
     chunkkv.ChunkKVPolicy,
+    threshold.ThresholdPolicy,
 ):
     register_policy(_builtin)
