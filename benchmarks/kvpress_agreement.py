@@ -47,6 +47,10 @@ METHODS = {
     "criticalkv": ("criticalkv(ratio={r},window=64,kernel=5,pooling=avg)",
                    "CriticalKVPress(SnapKVPress(compression_ratio={r}))"),
     "chunkkv": ("chunkkv(ratio={r},window=64,kernel=5,pooling=avg)", "ChunkKVPress(SnapKVPress(compression_ratio={r}))"),
+    "expected_attention": ("expected_attention(ratio={r})", "ExpectedAttentionPress(compression_ratio={r})"),
+    # A threshold reaches its own ratio (about 0.5 on SmolLM2-135M's probes at -0.8): the ratio is not used.
+    "threshold": ("threshold(scorer=keydiff,threshold=-0.8,window=128)",
+                  "DMSPress(KeyDiffPress(), threshold=-0.8, sliding_window_size=128)"),
 }
 
 
@@ -63,9 +67,15 @@ def _worker(job_path: str, out_path: str) -> None:
     rope = getattr(config, "rope_parameters", None)  # transformers 5's key; 4.x reads rope_theta (else 10,000)
     if isinstance(rope, dict) and rope.get("rope_type", "default") == "default" and "rope_theta" in rope:
         config.rope_theta = rope["rope_theta"]
-    model = AutoModelForCausalLM.from_pretrained(job["model"], config=config, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    eos = model.generation_config.eos_token_id
+    models = {}  # SDPA as kvpress's pipeline runs; eager for ObservedAttentionPress, which reads the probabilities
+
+    def load(attention: str):
+        if attention not in models:
+            models[attention] = AutoModelForCausalLM.from_pretrained(job["model"], config=config, dtype=torch.float32,
+                                                                     attn_implementation=attention).eval()
+        return models[attention]
+
+    eos = load("sdpa").generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     out = {}
     for method, expression in job["presses"].items():
@@ -73,6 +83,7 @@ def _worker(job_path: str, out_path: str) -> None:
         kept: dict[int, list] = {}
         _record_kept(press, kept)
         observed = isinstance(press, kvpress.ObservedAttentionPress)
+        model = load("eager" if observed else "sdpa")
         rows = []
         for item in job["items"]:
             torch.manual_seed(0)
@@ -82,6 +93,8 @@ def _worker(job_path: str, out_path: str) -> None:
             cache = DynamicCache()
             with torch.no_grad(), press(model):
                 model(input_ids=context, past_key_values=cache, output_attentions=observed)
+            if isinstance(press, kvpress.DMSPress):  # masks evicted keys instead of dropping them
+                _record_masked(model, context.shape[1], kept)
             answer = _decode(model, cache, question, context.shape[1], item["max_new_tokens"], eos)
             rows.append({"id": item["id"], "answer": answer, "kept": [kept[i] for i in sorted(kept)]})
         out[method] = rows
@@ -107,6 +120,19 @@ def _record_kept(press, kept: dict) -> None:
 
     press.compress = compress
     del torch
+
+
+def _record_masked(model, n: int, kept: dict) -> None:
+    """Each layer's kept positions where the press masks keys (``module.masked_key_indices``) rather than drops them."""
+    heads = model.config.num_key_value_heads
+    for module in model.modules():
+        if hasattr(module, "masked_key_indices") and hasattr(module, "layer_idx"):
+            masked = [set() for _ in range(heads)]
+            if module.masked_key_indices is not None:
+                _, head, seq = module.masked_key_indices
+                for h, i in zip(head.tolist(), seq.tolist()):
+                    masked[h].add(i)
+            kept[module.layer_idx] = [[i for i in range(n) if i not in masked[h]] for h in range(heads)]
 
 
 def _decode(model, cache, question, context_length: int, max_new_tokens: int, eos: set) -> list[int]:
@@ -152,7 +178,10 @@ def _kveval_side(model, tokenizer, items, encoded, spec: str) -> list[dict]:
 
 
 def sorted_heads(positions) -> list[list[int]]:
-    return [sorted(int(p) for p in head if int(p) >= 0) for head in positions]
+    """Each KV head's kept positions; per-head stores pad heads holding fewer at kveval's padding position."""
+    from kveval.tensors.batch_buffer import PAD_POSITION
+
+    return [sorted(int(p) for p in head if 0 <= int(p) < PAD_POSITION) for head in positions]
 
 
 def jaccard(a: list[list[list[int]]], b: list[list[list[int]]]) -> float:
@@ -163,6 +192,11 @@ def jaccard(a: list[list[list[int]]], b: list[list[list[int]]]) -> float:
             sa, sb = set(head_a), set(head_b)
             scores.append(len(sa & sb) / max(1, len(sa | sb)))
     return statistics.fmean(scores) if scores else float("nan")
+
+
+def kept_share(kept: list[list[list[int]]], n: int) -> float:
+    """Mean fraction of the ``n`` context tokens kept, over layers and heads."""
+    return statistics.fmean(len(head) / n for layer in kept for head in layer)
 
 
 def model_folder(name: str) -> str:
@@ -214,7 +248,7 @@ def main(argv=None) -> None:
     results = {}
     print(f"{args.model}, {len(items)} items ({', '.join(sorted({it.family for it in items}))}, {args.length} tokens), "
           f"ratio {args.ratio}; baseline accuracy {statistics.fmean(r['correct'] for r in baseline):.2f}")
-    print(f"{'method':<12} {'kveval spec':<52} {'acc kveval':>10} {'acc kvpress':>11} {'same R/W':>9} {'same text':>9} {'kept Jaccard':>12}")
+    print(f"{'method':<12} {'kveval spec':<52} {'acc kveval':>10} {'acc kvpress':>11} {'same R/W':>9} {'same text':>9} {'kept Jaccard':>12} {'kept share kveval / kvpress':>27}")
     for m in methods:
         ours = _kveval_side(model, tokenizer, items, encoded, METHODS[m][0].format(r=args.ratio))
         other = theirs[m]
@@ -223,15 +257,18 @@ def main(argv=None) -> None:
         same = statistics.fmean(a["correct"] == b for a, b in zip(ours, their_correct))
         same_text = statistics.fmean(a["text"].strip() == t.strip() for a, t in zip(ours, their_text))
         overlap = statistics.fmean(jaccard(a["kept"], b["kept"]) for a, b in zip(ours, other))
+        share_ours = statistics.fmean(kept_share(a["kept"], len(c)) for a, (c, _) in zip(ours, encoded))
+        share_theirs = statistics.fmean(kept_share(b["kept"], len(c)) for b, (c, _) in zip(other, encoded))
         results[m] = {"spec": METHODS[m][0].format(r=args.ratio), "press": job["presses"][m],
                       "accuracy_kveval": statistics.fmean(r["correct"] for r in ours),
                       "accuracy_kvpress": statistics.fmean(their_correct), "same_right_wrong": same,
-                      "same_answer": same_text, "kept_jaccard": overlap,
+                      "same_answer": same_text, "kept_jaccard": overlap, "kept_share_kveval": share_ours,
+                      "kept_share_kvpress": share_theirs,
                       "items": [{"id": a["id"], "kveval": a["text"], "kvpress": t, "kept_kveval": a["kept"][0],
                                  "kept_kvpress": b["kept"][0]} for a, b, t in zip(ours, other, their_text)]}
         r = results[m]
         print(f"{m:<12} {r['spec']:<52} {r['accuracy_kveval']:>10.2f} {r['accuracy_kvpress']:>11.2f} "
-              f"{same:>9.0%} {same_text:>9.0%} {overlap:>12.3f}", flush=True)
+              f"{same:>9.0%} {same_text:>9.0%} {overlap:>12.3f} {share_ours:>7.3f} / {share_theirs:.3f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

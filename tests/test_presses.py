@@ -8,7 +8,8 @@ import torch
 
 from kveval.cache.compressed import CompressedCache
 from kveval.cache.exactness import prefill_and_decode
-from kveval.errors import PolicySpecError
+from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.modeling.architectures import mla_dims
 from kveval.policies.criticalkv import projected_norms
 from kveval.policies.spec import parse_policy
 from kveval.tensors.scoring_state import ScoringState
@@ -134,7 +135,47 @@ def test_threshold_keeps_what_its_scorer_rates_above_it_and_the_window():
     assert _selection("threshold(scorer=cur)").reads_values and not _selection("threshold(scorer=keydiff)").reads_values
 
 
+def test_expected_attention_scores_the_softmax_of_the_expected_logit_times_the_value_norm():
+    # No RoPE hook (model None): mu = [1, 0], covariance diag(0, 8/3) over the 3 queries.
+    queries = torch.tensor([[[1.0, 0.0], [1.0, 2.0], [1.0, -2.0]]])
+    keys = torch.tensor([[[2.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])
+    values = torch.tensor([[[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]]])
+    state = ScoringState(keys=keys, positions=torch.arange(3)[None], attention=None, layer_idx=0, num_layers=1,
+                         values=values, queries=queries, query_positions=torch.arange(3))
+    # Mean alone: k . mu / sqrt(2) = [sqrt(2), 0, 0]; the covariance adds k^T S k / (2 x 2) = [0, 2/3, 0].
+    plain = _selection("expected_attention(ratio=0.5,sink=0,covariance=false,vnorm=false)").scores(state)
+    torch.testing.assert_close(plain, torch.tensor([[math.sqrt(2), 0.0, 0.0]]).softmax(-1))
+    full = _selection("expected_attention(ratio=0.5,sink=0,vnorm=false)").scores(state)
+    torch.testing.assert_close(full, torch.tensor([[math.sqrt(2), 2 / 3, 0.0]]).softmax(-1))
+    normed = _selection("expected_attention(ratio=0.5,sink=0)").scores(state)
+    torch.testing.assert_close(normed, full * torch.tensor([[1.0, 2.0, 3.0]]))
+    # A sink stays, and leaves the statistics and the softmax: mu = [1, 0], S = diag(0, 4) from queries 1 and 2.
+    sunk = _selection("expected_attention(ratio=0.5,sink=1,vnorm=false)").scores(state)
+    assert sunk[0, 0] == float("inf")
+    torch.testing.assert_close(sunk[0, 1:], torch.tensor([4 / 4, 0.0]).softmax(-1))
+
+
+def test_expected_attention_takes_queries_back_before_rope_and_averages_the_future_rotation():
+    from kveval.modeling.architectures import rope_hook
+    from kveval.policies.expected_attention import query_statistics
+
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    hook = rope_hook(model, 0)
+    d = model.config.head_dim
+    q = torch.randn(2, 1, d, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(10)
+    rotated = hook.rotate(q.expand(2, 10, d), positions.expand(2, 10))  # one query, at ten positions
+    mu, cov = query_statistics(rotated, positions, model, 0, 0, 7, d, True)
+    future = torch.arange(10, 17)
+    expected = hook.rotate(q.expand(2, 7, d), future.expand(2, 7)).mean(dim=1)  # mean of R(p) q over the next 7
+    torch.testing.assert_close(mu, expected, rtol=1e-5, atol=1e-5)
+    assert float(cov.abs().max()) < 1e-4  # one query before RoPE: no spread
+
+
 @pytest.mark.parametrize("spec, message", [
+    ("expected_attention(ratio=0.5,future=0)", "future=0 must be a positive"),
     ("threshold(scorer=snapkv)", "scorer='snapkv' is not one of knorm, keydiff, cur, lagkv"),
     ("cur(ratio=0.5,leverage=sum)", "leverage='sum' must be one of"),
     ("lagkv(ratio=0.5,lag=0)", "lag=0 must be a positive"),
@@ -150,7 +191,7 @@ def test_bad_parameters_are_one_clear_error(spec, message):
 
 PRESSES = ["keydiff(ratio=0.5)", "lagkv(ratio=0.5,lag=8)", "cur(ratio=0.5)", "criticalkv(ratio=0.5)",
            "chunkkv(ratio=0.5,chunk=4)", "cur(ratio=0.5,adaptive=true)",
-           "threshold(scorer=keydiff,threshold=-0.5,window=8)"]
+           "threshold(scorer=keydiff,threshold=-0.5,window=8)", "expected_attention(ratio=0.5,future=16)"]
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -159,6 +200,11 @@ def test_presses_run_on_the_architecture_matrix_below_nominal_bytes(name):
     ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(1))
     for spec in PRESSES:
         cache = CompressedCache(model, parse_policy(spec))
+        if spec.startswith("expected_attention") and mla_dims(model.config) is not None:
+            with pytest.raises(UnsupportedModelError, match="an MLA latent cache"):  # queries do not meet a latent
+                with torch.no_grad():
+                    prefill_and_decode(model, cache, ids, 2)
+            continue
         with torch.no_grad():
             logits = prefill_and_decode(model, cache, ids, 2)
         stats = cache.stats()
@@ -201,3 +247,25 @@ def test_the_planner_sizes_a_threshold_at_its_achieved_ratio_only():
         plan("smollm2-135m", 4096, policy=policy)
     policy.selection.achieved_ratio = 0.5
     assert plan("smollm2-135m", 4096, policy=policy).total_bytes == plan("smollm2-135m", 4096, policy=parse_policy("knorm(ratio=0.5)")).total_bytes
+
+
+@pytest.mark.parametrize("spec", ["keydiff(ratio=0.5)", "lagkv(ratio=0.5,lag=4)", "cur(ratio=0.5)",
+                                  "criticalkv(ratio=0.5,window=4)", "chunkkv(ratio=0.5,window=4,chunk=3)",
+                                  "threshold(scorer=cur,threshold=0.02,window=4)", "expected_attention(ratio=0.5,future=8)"])
+def test_a_batch_gives_the_answers_of_batch_size_one(spec):
+    from cache_runs import assert_one_batch_equals_batch_size_one, random_prompts
+    from tiny_models import Tok, tiny_llama
+
+    assert_one_batch_equals_batch_size_one(tiny_llama(), Tok(), random_prompts([(30, 5), (41, 3), (25, 6)], 3), spec,
+                                           max_new_tokens=4, kv_dtype="float32")
+
+
+def test_one_shared_prefill_serves_the_presses_as_their_own_runs():
+    from cache_runs import assert_shared_prefill_equals_own_runs, random_prompts
+    from tiny_models import Tok, tiny_llama
+
+    specs = ["snapkv(ratio=0.5,window=4)", "criticalkv(ratio=0.5,window=4)", "keydiff(ratio=0.5)", "cur(ratio=0.5)",
+             "threshold(scorer=keydiff,threshold=-0.3,window=4)", "expected_attention(ratio=0.5,future=8)"]
+    assert parse_policy(specs[-1]).prefills_alone and not parse_policy(specs[1]).prefills_alone
+    assert_shared_prefill_equals_own_runs(tiny_llama(), Tok(), random_prompts([(30, 5), (41, 3)], 4), specs,
+                                          max_new_tokens=3, kv_dtype="float32")

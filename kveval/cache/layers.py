@@ -529,8 +529,13 @@ class CompressedLayer(CacheLayerMixin):
         the GQA group of a KV head, or every head for a store with one shared
         head (MLA's latent), whose tokens are then kept or dropped for all heads at once.
         """
-        mass = self._mass(query, keys, probabilities, key)
         needs = key[0]
+        if needs == "queries":  # the queries themselves, per row: its real columns (a prefill's)
+            real = self.cache.input_real(query.shape[0], query.shape[2], query.device)
+            for b, row in enumerate(self.rows):
+                row.queries, row.query_positions = query[b][:, real[b]], self._query_positions[b][real[b]]
+            return
+        mass = self._mass(query, keys, probabilities, key)
         deferred, own = self.cache.defer_compression, score_key(self.selection)
         for b, row in enumerate(self.rows):
             n = row.store.length
@@ -573,7 +578,8 @@ class CompressedLayer(CacheLayerMixin):
         positions = row.positions if padding is None else row.positions.masked_fill(padding, -1)
         return ScoringState(keys=keys if reads_keys else None, positions=positions, attention=row.attention,
                             layer_idx=self.layer_idx, num_layers=self.cache.num_layers, seed=seed,
-                            model=self.cache.model, values=values if reads_values else None)
+                            model=self.cache.model, values=values if reads_values else None, queries=row.queries,
+                            query_positions=row.query_positions)
 
     def _scores(self, row: RowState, policy) -> tuple[torch.Tensor, ScoringState]:
         """The policy's scores of ``row`` (``-inf`` on padding slots, a fresh tensor) and the state they came from."""
@@ -598,6 +604,7 @@ class CompressedLayer(CacheLayerMixin):
         rescored = policy is not None and policy.decode_budget is not None
         for row in rows:
             row.compressed = True
+            row.queries = row.query_positions = None
             if not rescored and not self.cache.defer_compression:
                 row.attention = None  # no decode budget: these scores rank nothing again
         self._decode = None

@@ -17,6 +17,7 @@ from kveval.policies import (
     criticalkv,
     cur,
     duo,
+    expected_attention,
     engines,
     h2o,
     keydiff,
@@ -92,5 +93,6 @@ for _builtin in (
     criticalkv.CriticalKVPolicy,
     chunkkv.ChunkKVPolicy,
     threshold.ThresholdPolicy,
+    expected_attention.ExpectedAttentionPolicy,
 ):
     register_policy(_builtin)

@@ -35,6 +35,10 @@ class ScoringState:
     values : torch.Tensor or None
         Stored values (dequantized), ``[kv_heads, tokens, head_dim]``; only for a policy that declares it reads
         them (``SelectionPolicy.reads_values``), else ``None``.
+    queries, query_positions : torch.Tensor or None
+        The prefill's queries as attention read them (after RoPE), ``[query_heads, q, head_dim]``, and their
+        positions, ``[q]`` (a sliding layer may already hold fewer tokens than it had queries); only for
+        ``attention == "queries"`` (Expected Attention), else ``None``.
 
     With per-head budgets, heads may hold fewer tokens than the slots shown:
     their padding slots have zero keys, zero attention and position ``-1``,
@@ -49,5 +53,7 @@ class ScoringState:
     seed: "int | tuple[int, ...]" = 0
     model: object = None
     values: "torch.Tensor | None" = None
+    queries: "torch.Tensor | None" = None
+    query_positions: "torch.Tensor | None" = None
 
 
