@@ -98,6 +98,9 @@ def test_criticalkv_reweights_the_second_stage_by_the_projected_value_norm():
     scores = policy.scores(_state(attention=attention, values=values, model=model))
     eps = 1e-4
     torch.testing.assert_close(scores[0, :3], torch.tensor([(0.4 + eps) * 1, (0.1 + eps) * 10, (0.3 + eps) * 3]))
+    # The window's attention is its queries' mean (kvpress's scale, which epsilon meets): window=2 halves the sum.
+    halved = _selection("criticalkv(ratio=0.25,window=2,kernel=1)").scores(_state(attention=attention, values=values, model=model))
+    torch.testing.assert_close(halved[0, :2], torch.tensor([(0.2 + eps) * 1, (0.05 + eps) * 10]))
     assert scores[0, 3] == float("inf")
     # SnapKV alone would keep 0, 2, 3; the value through W_o trades token 0 for token 1.
     assert _kept(policy, _state(attention=attention, values=values, model=model)) == [[1, 2, 3]]

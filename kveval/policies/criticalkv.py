@@ -17,7 +17,7 @@ class CriticalKVPolicy(SnapKVPolicy):
     Perspective"), over SnapKV's scores as kvpress's ``CriticalKVPress(SnapKVPress())``.
 
     Two stages per KV head: the best ``first_stage`` share of the kept count goes by SnapKV's scores alone; the
-    rest by ``(score + epsilon) x ||V W_o||_1``, the L1 norm of each value through its query heads' slices of the
+    rest by ``(score + epsilon) x ||V W_o||_1`` (``score``: the window's mean attention, as kvpress), the L1 norm of each value through its query heads' slices of the
     layer's output projection, averaged over the query heads sharing the KV head. Where the layer has no output
     projection kveval can read per head (an MLA latent, a fused or unusual projection), the second stage weighs
     by the value's own L1 norm. Reads values and the model's weights.
@@ -42,7 +42,8 @@ class CriticalKVPolicy(SnapKVPolicy):
             raise PolicySpecError(f"criticalkv: first_stage={self.first_stage} must be in [0, 1] (share of the budget)")
 
     def scores(self, state: ScoringState) -> torch.Tensor:
-        base = super().scores(state).float()
+        # SnapKV's attention summed over the window's queries, as their mean (kvpress's scale): epsilon is added to it.
+        base = super().scores(state).float() / self.window
         n = base.shape[-1]
         first = int(self.keep_count(n, state.layer_idx, state.num_layers) * self.first_stage)
         rescaled = (base + self.epsilon) * projected_norms(state.values.float(), state.model, state.layer_idx)
