@@ -16,7 +16,7 @@ import re
 import statistics
 from pathlib import Path
 
-from kveval.errors import RunFolderError, UsageError
+from kveval.errors import PolicySpecError, RunFolderError, UsageError
 from kveval.runner.runspec import RunSpec
 from kveval.runs.records import (
     ItemRecord,
@@ -97,7 +97,10 @@ def _reaches_ratio_per_item(policy: str) -> bool:
     it removes differs per item (:mod:`kveval.policies.threshold`)."""
     from kveval.policies.spec import parse_policy
 
-    selection = parse_policy(policy).selection
+    try:
+        selection = parse_policy(policy).selection
+    except PolicySpecError:  # a policy registered in the process that ran it, not in this one: not kveval's threshold
+        return False
     return selection is not None and selection.thresholded
 
 
