@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 #: (kveval spec, kvpress press) per method, ``{r}`` the ratio. kveval's parameters are set to kvpress's defaults where
-#: they differ (SnapKV's window 64 / kernel 5 / mean pooling, H2O without a recent window), so the rules are compared,
+#: they differ (SnapKV's window 64 / kernel 5 / mean pooling, H2O without a recent window and ranking by mean attention), so the rules are compared,
 #: not the defaults; the docs name every default that differs.
 METHODS = {
     "knorm": ("knorm(ratio={r})", "KnormPress(compression_ratio={r})"),
@@ -39,7 +39,7 @@ METHODS = {
     "snapkv": ("snapkv(ratio={r},window=64,kernel=5,pooling=avg)", "SnapKVPress(compression_ratio={r})"),
     "pyramidkv": ("pyramidkv(ratio={r},window=64,kernel=5,pooling=avg)", "PyramidKVPress(compression_ratio={r})"),
     "tova": ("tova(ratio={r})", "TOVAPress(compression_ratio={r})"),
-    "h2o": ("h2o(ratio={r},recent=0)", "ObservedAttentionPress(compression_ratio={r})"),
+    "h2o": ("h2o(ratio={r},recent=0,mean=true)", "ObservedAttentionPress(compression_ratio={r})"),
     "random": ("random(ratio={r})", "RandomPress(compression_ratio={r})"),
     "keydiff": ("keydiff(ratio={r})", "KeyDiffPress(compression_ratio={r})"),
     "lagkv": ("lagkv(ratio={r})", "LagKVPress(compression_ratio={r})"),

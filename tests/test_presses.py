@@ -177,6 +177,15 @@ def test_expected_attention_takes_queries_back_before_rope_and_averages_the_futu
     assert float(cov.abs().max()) < 1e-4  # one query before RoPE: no spread
 
 
+def test_h2o_mean_divides_the_attention_by_the_queries_that_saw_each_token():
+    # Positions 0-3 under causal attention are seen by 4, 3, 2, 1 queries.
+    attention = torch.tensor([[4.0, 1.5, 2.0, 0.5]])
+    state = ScoringState(keys=None, positions=torch.arange(4)[None], attention=attention, layer_idx=0, num_layers=1)
+    assert _selection("h2o(ratio=0.5,recent=0,mean=true)").scores(state).tolist() == [[1.0, 0.5, 1.0, 0.5]]
+    assert _selection("h2o(ratio=0.5,recent=0)").scores(state).tolist() == [[4.0, 1.5, 2.0, 0.5]]  # the paper's sum
+    assert _selection("h2o(ratio=0.5,recent=1,mean=true)").scores(state).tolist() == [[1.0, 0.5, 1.0, float("inf")]]
+
+
 @pytest.mark.parametrize("spec, message", [
     ("expected_attention(ratio=0.5,future=0)", "future=0 must be a positive"),
     ("threshold(scorer=snapkv)", "scorer='snapkv' is not one of knorm, keydiff, cur, lagkv"),
