@@ -186,7 +186,22 @@ def test_h2o_mean_divides_the_attention_by_the_queries_that_saw_each_token():
     assert _selection("h2o(ratio=0.5,recent=1,mean=true)").scores(state).tolist() == [[1.0, 0.5, 1.0, float("inf")]]
 
 
+def test_pyramidkv_takes_kvpress_layer_schedule():
+    # 494 tokens, ratio 0.5, window 64, 30 layers: average 247; the first layer is capped at 494 - 64 = 430, so the
+    # last keeps 2 x 247 - 430 = 64, the steps (430 - 64) / 29 between, each rounded.
+    policy = _selection("pyramidkv(ratio=0.5,window=64,schedule=kvpress)")
+    counts = [policy.keep_count(494, i, 30) for i in range(30)]
+    assert counts[0] == 430 and counts[-1] == 64 and counts[1] == round(430 - 366 / 29)
+    assert sorted(counts, reverse=True) == counts
+    # The paper's schedule (the default): 2 x 247 - 247/20 = 481.65 down to 12.35, ceiled.
+    paper = _selection("pyramidkv(ratio=0.5,window=64)")
+    assert [paper.keep_count(494, i, 30) for i in (0, 29)] == [482, 13]
+    # Too short for the window's floor: every layer the average, rounded as kvpress (round half to even).
+    assert {policy.keep_count(100, i, 30) for i in range(30)} == {50}
+
+
 @pytest.mark.parametrize("spec, message", [
+    ("pyramidkv(ratio=0.5,schedule=steep)", "schedule='steep' must be paper or kvpress"),
     ("expected_attention(ratio=0.5,future=0)", "future=0 must be a positive"),
     ("threshold(scorer=snapkv)", "scorer='snapkv' is not one of knorm, keydiff, cur, lagkv"),
     ("cur(ratio=0.5,leverage=sum)", "leverage='sum' must be one of"),
