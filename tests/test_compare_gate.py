@@ -661,3 +661,18 @@ def test_one_graded_score_tests_the_score_change_its_interval_shows(tmp_path):
 def test_compare_warns_on_swapped_runs(runs, capsys):
     assert cli.main(["compare", str(runs["same"]), str(runs["base"]), "--resamples", "199"]) == 0
     assert "kveval compare: warning: baseline and candidate look swapped" in capsys.readouterr().err
+
+
+def test_the_deployment_sizes_a_threshold_at_the_ratio_its_run_reached(runs, capsys):
+    """A threshold's kept count depends on the scores: the deployment plans it at its run's mean achieved ratio
+    (run.json's ``achieved_ratio``), the bytes a ratio policy at that ratio would hold; a run without one is named
+    as not sized, and the verdicts stand."""
+    reached = write_run(runs["tmp"] / "thr", runs["items"], policy="threshold(scorer=knorm,threshold=-3.0)",
+                        extra={"achieved_ratio": {"mean": 0.75, "min": 0.7, "max": 0.8}})
+    unknown = write_run(runs["tmp"] / "thr2", runs["items"], policy="threshold(scorer=knorm,threshold=-4.0)")
+    argv = gate_argv(runs, reached, unknown, runs["bad"]) + ["--gpu-memory", "1GiB", "--context", "8192"]
+    assert cli.main(argv) == 1
+    fits = json.loads((runs["tmp"] / "gate" / "gate.json").read_text())["deployment"]
+    assert fits["fits"]["smollm2-135m/threshold(scorer=knorm,threshold=-3.0)"][0] == fits["fits"]["smollm2-135m/snapkv(ratio=0.75)"][0]
+    assert "threshold(scorer=knorm,threshold=-4.0)" in next(iter(fits["unplanned"]))
+    assert "plan it at a run's achieved ratio" in next(iter(fits["unplanned"].values()))

@@ -78,9 +78,12 @@ def test_streaming_ratio_keeps_sinks_and_most_recent_as_kvpress():
 
 def test_every_selection_policy_takes_ratio():
     for name, cls in POLICIES.items():
-        if cls.family == "selection":
+        if cls.family == "selection" and not cls.thresholded:
             stack = parse_policy(f"{name}(ratio=0.5)")
             assert stack.ratio == 0.5 and stack.selection.keep_count(100) == 50, name
+    # A threshold reaches a ratio of its own per item: asked for one, it names what it takes instead.
+    assert_one_line_error(lambda: parse_policy("threshold(ratio=0.5)"), PolicySpecError,
+                          "threshold has no parameter 'ratio'; parameters: scorer, threshold, window")
 
 
 def test_streaming_ratio_compresses_the_prefill_on_a_model():

@@ -529,8 +529,13 @@ class CompressedLayer(CacheLayerMixin):
         the GQA group of a KV head, or every head for a store with one shared
         head (MLA's latent), whose tokens are then kept or dropped for all heads at once.
         """
-        mass = self._mass(query, keys, probabilities, key)
         needs = key[0]
+        if needs == "queries":  # the queries themselves, per row: its real columns (a prefill's)
+            real = self.cache.input_real(query.shape[0], query.shape[2], query.device)
+            for b, row in enumerate(self.rows):
+                row.queries, row.query_positions = query[b][:, real[b]], self._query_positions[b][real[b]]
+            return
+        mass = self._mass(query, keys, probabilities, key)
         deferred, own = self.cache.defer_compression, score_key(self.selection)
         for b, row in enumerate(self.rows):
             n = row.store.length
@@ -564,19 +569,23 @@ class CompressedLayer(CacheLayerMixin):
 
         return attention_mass(probabilities, query, keys, real, all_real, first, self._slot_positions.shape[1], allowed)
 
-    def scoring_state(self, row: RowState, seed: int, reads_keys: bool = True) -> ScoringState:
+    def scoring_state(self, row: RowState, seed: int, reads_keys: bool = True, reads_values: bool = False) -> ScoringState:
         """What a policy scores ``row`` on; its keys only where the policy may read them (``reads_keys``: else
-        ``None``, and the row's keys and values are not copied to the compute dtype for nothing)."""
-        keys = row.store.keys_values()[0] if reads_keys else None
+        ``None``, and the row's keys and values are not copied to the compute dtype for nothing), its values only
+        where it declares it reads them (``reads_values``)."""
+        keys, values = row.store.keys_values() if reads_keys or reads_values else (None, None)
         padding = row.padding
         positions = row.positions if padding is None else row.positions.masked_fill(padding, -1)
-        return ScoringState(keys=keys, positions=positions, attention=row.attention, layer_idx=self.layer_idx,
-                            num_layers=self.cache.num_layers, seed=seed, model=self.cache.model)
+        return ScoringState(keys=keys if reads_keys else None, positions=positions, attention=row.attention,
+                            layer_idx=self.layer_idx, num_layers=self.cache.num_layers, seed=seed,
+                            model=self.cache.model, values=values if reads_values else None, queries=row.queries,
+                            query_positions=row.query_positions)
 
     def _scores(self, row: RowState, policy) -> tuple[torch.Tensor, ScoringState]:
         """The policy's scores of ``row`` (``-inf`` on padding slots, a fresh tensor) and the state they came from."""
         # Policies whose scores stack across layers read positions and attention alone (never keys).
-        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)), not policy.scores_stack_layers)
+        state = self.scoring_state(row, self.cache.seed_for(self.rows.index(row)), not policy.scores_stack_layers,
+                                   policy.reads_values)
         scores = policy.scores(state).clone()
         scores = shared_by_group(scores, row.store)
         padding = row.padding
@@ -595,6 +604,7 @@ class CompressedLayer(CacheLayerMixin):
         rescored = policy is not None and policy.decode_budget is not None
         for row in rows:
             row.compressed = True
+            row.queries = row.query_positions = None
             if not rescored and not self.cache.defer_compression:
                 row.attention = None  # no decode budget: these scores rank nothing again
         self._decode = None
@@ -604,7 +614,7 @@ class CompressedLayer(CacheLayerMixin):
         n = row.store.length
         candidates = n - min(protect_last, n)
         keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
-        if keep < candidates:
+        if keep < candidates or (policy.thresholded and candidates):
             scores, state = self._scores(row, policy)
             chosen = policy.choose(scores[:, :candidates], keep, state)
             protected = torch.arange(candidates, n, device=scores.device)

@@ -36,6 +36,10 @@ class RowState:
     tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
     compressed: bool = False
     scores: dict | None = None  # deferred prefill only: {score_key: [kv_heads, tokens]} for every policy it serves
+    #: The prefill's queries as attention read them (after RoPE), ``[query_heads, tokens, head_dim]``, for a policy
+    #: whose ``attention`` is ``"queries"`` (Expected Attention); dropped once the row is compressed.
+    queries: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None  # [queries], their positions
 
     def take(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, columns: "slice | torch.Tensor") -> None:
         """Append the tokens in ``columns`` of one row's ``keys``/``values`` (``[H, q, D]``) at ``positions`` (``[q]``).

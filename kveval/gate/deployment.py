@@ -130,7 +130,10 @@ def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, he
     for name, info, _ in runs:
         try:
             # run.json records the policy as its spec: read here, at the edge where the decision reads the run
-            plan = memory.plan(info.model, context, batch, policy=parse_policy(info.policy), dtype_bytes=_element_bytes(info))
+            stack = parse_policy(info.policy)
+            if stack.selection is not None and stack.selection.thresholded:  # sized at the ratio its run reached
+                stack.selection.achieved_ratio = (info.extra.get("achieved_ratio") or {}).get("mean")
+            plan = memory.plan(info.model, context, batch, policy=stack, dtype_bytes=_element_bytes(info))
         except ValueError as exc:  # a policy the planner does not model, or one that does not fit the model
             unplanned[name] = str(exc)
             continue

@@ -332,7 +332,8 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
                              f"it keeps leave the window while decoding depends on their scores, so {context} + "
                              f"{new_tokens} new tokens cannot be sized; plan the prefill alone (new_tokens=0) or a "
                              f"run shorter than the window")
-        tokens = selection.keep_count(held, i, spec.num_layers) + new_tokens
+        kept = selection.planned_keep(held) if selection.thresholded else selection.keep_count(held, i, spec.num_layers)
+        tokens = kept + new_tokens
         budget = selection.decode_budget
         if new_tokens and budget is not None:
             tokens = min(tokens, max(int(budget), 1))

@@ -81,7 +81,8 @@ class SelectionPolicy(Policy):
     Subclasses say which attention they need to score tokens (``attention``):
     ``"none"`` (scores from keys alone, or no scores), ``"window"`` (the last
     ``window`` queries of the prefill), ``"all"`` (every query), ``"last"``
-    (the most recent query).
+    (the most recent query), ``"queries"`` (no attention mass: the prefill's queries themselves,
+    ``ScoringState.queries``; such a policy prefills alone, as no shared prefill keeps queries).
     """
 
     family: ClassVar[str] = "selection"
@@ -96,6 +97,11 @@ class SelectionPolicy(Policy):
     #: seed or model): the decode budgets of a forward's layers may then be scored at once, on their rows stacked
     #: (:class:`kveval.cache.decode_evictions.DeferredEvictions`).
     scores_stack_layers: ClassVar[bool] = False
+    #: :meth:`scores` reads the stored values (``state.values``: CUR, LagKV, CriticalKV); the others get ``None``.
+    reads_values: ClassVar[bool] = False
+    #: A threshold, not a count, decides what stays (:mod:`kveval.policies.threshold`): :meth:`choose` runs even where
+    #: :meth:`keep_count` keeps every candidate, and the ratio reached is measured per item.
+    thresholded: ClassVar[bool] = False
 
     @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
@@ -384,8 +390,10 @@ class PolicyStack:
 
     @property
     def prefills_alone(self) -> bool:
-        """Whether this stack needs a prefill of its own (its quantization codes tokens on arrival)."""
-        return self.quantization is not None and self.quantization.codes_on_arrival
+        """Whether this stack needs a prefill of its own: its quantization codes tokens on arrival, or its selection
+        reads the prefill's queries (which a shared prefill does not keep)."""
+        return ((self.quantization is not None and self.quantization.codes_on_arrival)
+                or (self.selection is not None and self.selection.attention == "queries"))
 
     @property
     def is_none(self) -> bool:

@@ -25,12 +25,17 @@ class H2OPolicy(RatioSelectionPolicy):
     ----------
     recent : int
         Most recent tokens always kept (part of the budget).
+    mean : bool
+        Rank by the *mean* attention a token received, its sum divided by the number of queries that could see it
+        (``newest - position + 1`` under causal attention), as kvpress's ``ObservedAttentionPress`` does; the H2O
+        paper (the default, ``false``) ranks by the sum, which favours early tokens.
     """
 
     name = "h2o"
     description = "H2O: keep tokens with the most accumulated attention plus a recent window"
     attention = "all"
     recent: int = 16
+    mean: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -42,4 +47,7 @@ class H2OPolicy(RatioSelectionPolicy):
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         newest = state.positions.max(dim=-1, keepdim=True).values
-        return torch.where(state.positions > newest - self.recent, float("inf"), state.attention)
+        attention = state.attention
+        if self.mean:
+            attention = attention / (newest - state.positions + 1).clamp(min=1)
+        return torch.where(state.positions > newest - self.recent, float("inf"), attention)

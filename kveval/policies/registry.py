@@ -13,11 +13,17 @@ import re
 
 from kveval.errors import PolicyRegistryError
 from kveval.policies import (
+    chunkkv,
+    criticalkv,
+    cur,
     duo,
     engines,
+    expected_attention,
     h2o,
+    keydiff,
     knorm,
     kvquant,
+    lagkv,
     latent,
     lowrank,
     none,
@@ -25,6 +31,7 @@ from kveval.policies import (
     quant,
     random,
     snapkv,
+    threshold,
     tova,
     window,
 )
@@ -80,5 +87,12 @@ for _builtin in (
     engines.VllmPolicy,
     engines.SglangPolicy,
     engines.TrtllmPolicy,
+    keydiff.KeyDiffPolicy,
+    lagkv.LagKVPolicy,
+    cur.CURPolicy,
+    criticalkv.CriticalKVPolicy,
+    chunkkv.ChunkKVPolicy,
+    threshold.ThresholdPolicy,
+    expected_attention.ExpectedAttentionPolicy,
 ):
     register_policy(_builtin)

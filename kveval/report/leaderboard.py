@@ -58,7 +58,7 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
         cells: list[tuple[str, bool]] = [
             (r.info.model, False),
             (r.label, False),
-            (fmt(r.info.ratio, "{:g}"), False),
+            (r.info.ratio_text, False),
             (fmt(r.info.bytes_per_token, "{:,.0f}"), False),
             (fmt(r.info.compression, "{:.2f}x"), "compression" in r.best),
         ]
@@ -124,6 +124,9 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
             "family": i.family,
             "mode": i.mode,
             "ratio": i.ratio,
+            "achieved_ratio_mean": (i.extra.get("achieved_ratio") or {}).get("mean"),
+            "achieved_ratio_min": (i.extra.get("achieved_ratio") or {}).get("min"),
+            "achieved_ratio_max": (i.extra.get("achieved_ratio") or {}).get("max"),
             "bytes_per_token": i.bytes_per_token,
             "nominal_bytes_per_token": i.nominal_bytes_per_token,
             "compression": i.compression,

@@ -16,7 +16,7 @@ import re
 import statistics
 from pathlib import Path
 
-from kveval.errors import RunFolderError, UsageError
+from kveval.errors import PolicySpecError, RunFolderError, UsageError
 from kveval.runner.runspec import RunSpec
 from kveval.runs.records import (
     ItemRecord,
@@ -82,13 +82,26 @@ def _record(item, result, score) -> ItemRecord:
                  "bytes_per_token": stats.bytes_per_token, "nominal_bytes_per_token": stats.nominal_bytes_per_token,
                  "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
                  "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
-                 "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept},
+                 "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept,
+                 "achieved_ratio": 1.0 - stats.ratio},
     )
 
 
 def target_spans(item) -> tuple[tuple[int, int], ...]:
     """The token spans of ``item``'s target needles (what :func:`_record` reports as ``needle_kept``)."""
     return tuple(n.span for n in item.needles if n.role == "target" and n.span[1] > n.span[0])
+
+
+def _reaches_ratio_per_item(policy: str) -> bool:
+    """Whether the run's policy (its spec, as ``run.json`` records it) keeps what clears a threshold, so the ratio
+    it removes differs per item (:mod:`kveval.policies.threshold`)."""
+    from kveval.policies.spec import parse_policy
+
+    try:
+        selection = parse_policy(policy).selection
+    except PolicySpecError:  # a policy registered in the process that ran it, not in this one: not kveval's threshold
+        return False
+    return selection is not None and selection.thresholded
 
 
 def finalize_run(run_dir: Path) -> RunInfo:
@@ -104,6 +117,9 @@ def finalize_run(run_dir: Path) -> RunInfo:
             "ttft_s_mean": statistics.fmean(r.metrics["ttft_s"] for r in records),
             "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
         })
+        ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
+        if ratios and _reaches_ratio_per_item(info.policy):
+            info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
     write_run_info(run_dir, info)
     return info
 

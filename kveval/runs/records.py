@@ -79,6 +79,15 @@ class RunInfo:
         return self.policy == "none"
 
     @property
+    def ratio_text(self) -> str:
+        """The ratio column's text: the nominal ratio (``0.5``), or for a policy whose ratio differs per item (a
+        threshold) the mean and range it reached, fraction of the cache's bytes removed (``~0.44 [0.38-0.51]``)."""
+        reached = self.extra.get("achieved_ratio")
+        if reached:
+            return f"~{reached['mean']:.2f} [{reached['min']:.2f}-{reached['max']:.2f}]"
+        return "-" if self.ratio is None else f"{self.ratio:g}"
+
+    @property
     def compression(self) -> float | None:
         """Uncompressed / measured bytes (2.0 means half the memory)."""
         if not self.bytes_per_token or not self.nominal_bytes_per_token:

@@ -30,7 +30,15 @@ class ScoringState:
     seed : int or tuple of int
         Per-sequence seed for the ``random`` control (one per row for a batch: see ``batch_scores``).
     model : PreTrainedModel or None
-        The model the cache serves, for policies calibrated per model (``duo``).
+        The model the cache serves, for policies calibrated per model (``duo``) or reading its weights
+        (``criticalkv``'s output projection).
+    values : torch.Tensor or None
+        Stored values (dequantized), ``[kv_heads, tokens, head_dim]``; only for a policy that declares it reads
+        them (``SelectionPolicy.reads_values``), else ``None``.
+    queries, query_positions : torch.Tensor or None
+        The prefill's queries as attention read them (after RoPE), ``[query_heads, q, head_dim]``, and their
+        positions, ``[q]`` (a sliding layer may already hold fewer tokens than it had queries); only for
+        ``attention == "queries"`` (Expected Attention), else ``None``.
 
     With per-head budgets, heads may hold fewer tokens than the slots shown:
     their padding slots have zero keys, zero attention and position ``-1``,
@@ -44,5 +52,8 @@ class ScoringState:
     num_layers: int
     seed: "int | tuple[int, ...]" = 0
     model: object = None
+    values: "torch.Tensor | None" = None
+    queries: "torch.Tensor | None" = None
+    query_positions: "torch.Tensor | None" = None
 
 
