@@ -82,7 +82,8 @@ def _record(item, result, score) -> ItemRecord:
                  "bytes_per_token": stats.bytes_per_token, "nominal_bytes_per_token": stats.nominal_bytes_per_token,
                  "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
                  "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
-                 "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept},
+                 "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept,
+                 **({"parts": stats.parts, "state_bytes": stats.state_bytes} if stats.parts else {})},
     )
 
 
@@ -136,9 +137,10 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
         under the same item ids.
     """
     from kveval.probes import encode_item, score_answer
-    from kveval.runner.generation import Prompt, check_batch_size, check_request, generate_each
+    from kveval.runner.generation import Prompt, check_batch_size, check_request, forward_batch_size, generate_each
 
     check_batch_size(batch_size)  # before any run folder opens
+    batch_size = forward_batch_size(model, batch_size)
     if not all(isinstance(p, RunSpec) for p in policies):
         raise TypeError("evaluate_policies takes RunSpecs; parse specs at the edge with RunSpec.parse")
     specs = list(policies)
