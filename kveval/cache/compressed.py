@@ -520,12 +520,15 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
 
     2 x attention layers x kv_heads x head_dim x bytes per element; for MLA,
     (kv_lora_rank + qk_rope_head_dim) x attention layers x bytes (the latent and
-    the RoPE key). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
+    the RoPE key), plus DeepSeek V3.2's indexer key (``index_head_dim``). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
     the model's deployment dtype (:func:`kveval.stores.base.deployment_kv_dtype`).
     """
     attention_layers = sum(p.holds_tokens for p in architectures.cache_layer_plan(model.config))
     element = cache_kv_dtype(model, dtype).itemsize
-    return attention_layers * sum(architectures.cache_widths(model.config)) * element
+    indexer = getattr(model.config.get_text_config(decoder=True), "index_head_dim", 0) or 0
+    if not architectures.is_native(model.config) or any(p.sliding_window for p in architectures.cache_layer_plan(model.config)):
+        indexer = 0  # DeepSeek V4's indexer keeps an entry per compression window, not per token
+    return attention_layers * (sum(architectures.cache_widths(model.config)) + indexer) * element
 
 
 def _retrieval_calibration_cache(model, window: int) -> CompressedCache:

@@ -35,7 +35,7 @@ indexer's mask are laid over the batch's columns, where a padded row would pool 
 
 Compression. Quantization codes every part: the window or latent as any store (K's coding for the entries, which
 are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
-(``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=none``: the cache dtype).
+(``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache dtype).
 Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries are
 coded as they arrive, as its latent's tokens are). Selection, structure and codecs that calibrate per head are
 refused before any weights load (:func:`check_policy`): evicting from these parts would change what the model's
@@ -71,12 +71,14 @@ def check_policy(config, stack) -> None:
     name = {"deepseek_v4": "DeepSeek V4", "deepseek_v32": "DeepSeek V3.2", "glm_moe_dsa": "GLM MoE-DSA"}.get(model_type)
     if name is None:
         return
-    parts = "window, CSA/HCA entries and indexer" if model_type == "deepseek_v4" else "latent and indexer keys"
+    v4 = model_type == "deepseek_v4"
+    parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
     if stack.selection is not None:
+        indexed = ("the model's own indexer and block masks index its entries by number" if v4 else
+                   "the model's own indexer picks its top-k by slot under the model's own mask")
         raise UnsupportedModelError(
-            f"{stack.selection.spec()}: {name}'s cache ({parts}) is indexed by entry number in the model's own "
-            f"indexer and block masks, which an eviction would shift; kveval does not select on it: evaluate a "
-            f"quantization ({', '.join(PART_QUANTIZERS)})")
+            f"{stack.selection.spec()}: in {name}'s cache ({parts}) {indexed}, which an eviction would shift; "
+            f"kveval does not select on it: evaluate a quantization ({', '.join(PART_QUANTIZERS)})")
     if stack.structure is not None:
         raise UnsupportedModelError(
             f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
@@ -94,7 +96,7 @@ def part_coding(quantization, part: str, width: int) -> "tuple[TensorQuant | Non
     if quantization is None:
         return None, 0
     indexer = getattr(quantization, "indexer", "same")
-    if part == "indexer" and indexer == "none":
+    if part == "indexer" and indexer == "native":
         return None, 0
     if part == "indexer" and indexer == "fp8":
         return TensorQuant(8, "token", _divisor(width, INDEXER_FP8_GROUP), fp8="e4m3"), 0

@@ -19,9 +19,9 @@ from kveval.tensors.quantization import TensorQuant
 
 AXES = ("token", "channel")
 #: How a quantizer codes the DSA indexer's keys (DeepSeek V3.2, GLM MoE-DSA, DeepSeek V4's CSA layers; other models
-#: have none): ``same`` as the other parts of the cache, ``none`` kept in the cache dtype, ``fp8`` as DeepSeek serves
+#: have none): ``same`` as the other parts of the cache, ``native`` kept in the cache dtype, ``fp8`` as DeepSeek serves
 #: them, e4m3 with one float scale per 128 values (per key where it is narrower). See docs/methods.md.
-INDEXER_CODINGS = ("same", "none", "fp8")
+INDEXER_CODINGS = ("same", "native", "fp8")
 
 
 @dataclass
