@@ -5,7 +5,8 @@ Tiny random configs (tests/tiny_models.py NATIVE_ARCHITECTURES): V3.2 with a 16-
 every 16. ``none`` equals the model's own eager forward with transformers' own cache, through prefill, a question
 in one forward and decode steps (pending tokens at every forward's end, windows closed by decode steps, CSA's
 overlap carried across calls); every part's bytes equal the count by hand; quantization codes every part below
-the native cache; batch 3 gives each row's answers alone; what cannot be expressed is refused in one line.
+the native cache; a selection on V3.2's latent takes the indexer keys with it; batch 3 gives each row's answers
+alone; what cannot be expressed is refused in one line.
 """
 
 import pytest
@@ -165,13 +166,62 @@ REFUSALS = {
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
     "kvquant(bits=4)": "with quant, kivi, fp8 only",
 }
+V32_REFUSALS = {
+    "snapkv(ratio=0.5)": "scores with attention probabilities, which on this model hold the indexer's top-k",
+    "h2o(ratio=0.5)+kivi(bits=4)": "scores with attention probabilities",
+    "duo(heads=0.5)": "budgets heads apart",
+    "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
+    "kvquant(bits=4)": "with quant, kivi, fp8 only",
+}
 
 
-@pytest.mark.parametrize("name", NATIVE)
-@pytest.mark.parametrize("spec", sorted(REFUSALS))
-def test_what_cannot_be_expressed_is_refused_at_construction(name, spec):
-    with pytest.raises(UnsupportedModelError, match=REFUSALS[spec]):
+@pytest.mark.parametrize("name, spec, message", [("deepseek_v4", spec, m) for spec, m in sorted(REFUSALS.items())]
+                         + [("deepseek_v32", spec, m) for spec, m in sorted(V32_REFUSALS.items())])
+def test_what_cannot_be_expressed_is_refused_at_construction(name, spec, message):
+    with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(")):
         CompressedCache(tiny_model(name), parse_policy(spec))
+
+
+LATENT_SELECTIONS = ["window(size=20)", "streaming(sink=4,window=16)", "knorm(ratio=0.5)", "random(ratio=0.5)",
+                     "knorm(budget=12,decode_budget=16)+quant(bits=4,group=8)"]
+
+
+@pytest.mark.parametrize("spec", LATENT_SELECTIONS)
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_v32_selects_on_its_latent_with_the_indexer_keys_alongside(spec, mode):
+    """A token's latent and indexer key are kept or dropped together, for every head; below the native cache in
+    both parts; batch 3 gives each row alone (row i's random seed is seed + i, as in the batch)."""
+    model = tiny_model("deepseek_v32")
+    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
+    alone = [generate(model, Tok(), [p], parse_policy(spec), max_new_tokens=6, mode=mode, seed=i)[0]
+             for i, p in enumerate(prompts)]
+    together = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=6, mode=mode, batch_size=3)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and a.stats.parts == b.stats.parts
+    stats = alone[0].stats
+    kept = stats.kept_tokens[0][0]
+    assert kept < stats.tokens_seen[0]
+    assert stats.nominal_parts == {"latent": 2 * stats.tokens_seen[0] * 24 * 2, "indexer": 2 * stats.tokens_seen[0] * 16 * 2}
+    if "quant" not in spec:
+        assert stats.parts == {"latent": 2 * kept * 24 * 2, "indexer": 2 * kept * 16 * 2}
+    assert all(0 < stats.parts[p] < stats.nominal_parts[p] for p in stats.parts)
+
+
+def test_v32_keeps_the_indexer_keys_of_the_tokens_it_keeps():
+    """After the context (whose forward every policy attends uncompressed), the kept tokens' indexer keys are the
+    ones the uncompressed cache holds at those positions."""
+    model = tiny_model("deepseek_v32")
+    ids = _ids(40, 3)
+    caches = {}
+    for spec in ("none", "knorm(ratio=0.5)"):
+        caches[spec] = CompressedCache(model, parse_policy(spec), kv_dtype=FP32)
+        with torch.no_grad():
+            model(ids, cache=caches[spec], position_ids=torch.arange(40)[None])
+    for layer, full in zip(caches["knorm(ratio=0.5)"].layers, caches["none"].layers):
+        positions = layer.rows[0].positions[0]
+        assert positions.numel() == 20
+        kept = layer.parts["indexer"][0].read(16, "cpu")[0]
+        torch.testing.assert_close(kept, full.parts["indexer"][0].read(16, "cpu")[0, positions], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("spec", sorted(REFUSALS))
@@ -187,6 +237,22 @@ def test_the_cli_refuses_in_one_line_before_the_weights_load(tmp_path, capsys, m
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--policy", spec]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and REFUSALS[spec] in err[0] and "DeepSeek V4" in err[0]
+
+
+def test_the_cli_runs_a_selection_on_v32s_latent(tmp_path, capsys):
+    import json
+
+    from kveval.commands.main import main
+
+    from test_architectures import _save_with_tokenizer
+
+    _save_with_tokenizer(tiny_model("deepseek_v32", attn="eager"), tmp_path)
+    prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--raw", "--dtype", "float32",
+                 "--device", "cpu", "--max-new-tokens", "3", "--policy", "window(size=16)+fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["parts"]) == {"latent", "indexer"} and out["kept_tokens_per_layer"] == [16, 16]
 
 
 def test_the_cli_shows_the_parts(tmp_path, capsys):

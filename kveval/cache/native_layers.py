@@ -33,13 +33,15 @@ every token it saw: a forward with padding is refused (:class:`~kveval.errors.Un
 kveval's drivers run such models' rows one at a time (:func:`rows_alone`), since the compressor's windows and the
 indexer's mask are laid over the batch's columns, where a padded row would pool its padding.
 
-Compression. Quantization codes every part: the window or latent as any store (K's coding for the entries, which
+Compression. On V3.2's latent, a selection that needs no attention (:data:`LATENT_SELECTIONS`) keeps a token's
+latent and indexer key together (:class:`IndexedLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries, which
 are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
 (``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache dtype).
 Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries are
-coded as they arrive, as its latent's tokens are). Selection, structure and codecs that calibrate per head are
-refused before any weights load (:func:`check_policy`): evicting from these parts would change what the model's
-indexer and its block masks index by entry number, which kveval does not re-express.
+coded as they arrive, as its latent's tokens are). Refused before any weights load (:func:`check_policy`):
+selection on V4 (its block masks and indexer number the compressed entries from the first, which an eviction
+would shift), selections that score with attention (the model's carries the indexer's top-k), structure, and
+other codecs.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ from kveval.tensors.quantization import TensorQuant
 INDEXER_FP8_GROUP = 128
 #: The quantizers whose coding of each part is defined here (grouped integer and FP8 codes, K's coding for keys).
 PART_QUANTIZERS = ("quant", "kivi", "fp8")
+#: Selections that act on V3.2's latent (one decision per token for all heads, its indexer key leaving with it):
+#: those that score without attention (the model's attention there carries the indexer's top-k).
+LATENT_SELECTIONS = ("window", "streaming", "knorm", "random")
 
 
 def rows_alone(model) -> bool:
@@ -73,12 +78,19 @@ def check_policy(config, stack) -> None:
         return
     v4 = model_type == "deepseek_v4"
     parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
-    if stack.selection is not None:
-        indexed = ("the model's own indexer and block masks index its entries by number" if v4 else
-                   "the model's own indexer picks its top-k by slot under the model's own mask")
+    selection = stack.selection
+    if selection is not None and v4:
         raise UnsupportedModelError(
-            f"{stack.selection.spec()}: in {name}'s cache ({parts}) {indexed}, which an eviction would shift; "
-            f"kveval does not select on it: evaluate a quantization ({', '.join(PART_QUANTIZERS)})")
+            f"{selection.spec()}: in {name}'s cache ({parts}) the model's own indexer and block masks number the "
+            f"entries from the first, which an eviction would shift; kveval does not select on it: evaluate a "
+            f"quantization ({', '.join(PART_QUANTIZERS)})")
+    if selection is not None and (selection.attention != "none" or selection.per_head_budgets):
+        why = ("scores with attention probabilities, which on this model hold the indexer's top-k that kveval's "
+               "scoring does not fold in" if selection.attention != "none" else
+               "budgets heads apart, where the latent is one head for all")
+        raise UnsupportedModelError(
+            f"{selection.spec()}: {why}; on {name}'s latent use a selection that needs no attention "
+            f"({', '.join(LATENT_SELECTIONS)})")
     if stack.structure is not None:
         raise UnsupportedModelError(
             f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
@@ -119,6 +131,7 @@ class PartSequence:
         self.coded = None if quant is None else QuantizedSequence(quant, residual, kv_dtype)
         self.dense: torch.Tensor | None = None
         self.compute_dtype: torch.dtype | None = None
+        self.appended = 0  # entries ever appended: what the model's own cache holds (nothing evicted)
 
     @property
     def length(self) -> int:
@@ -128,6 +141,7 @@ class PartSequence:
 
     def append(self, x: torch.Tensor, seal: bool) -> None:
         self.compute_dtype = self.compute_dtype or x.dtype
+        self.appended += x.shape[1]
         if x.shape[1] == 0:
             return
         if self.coded is not None:
@@ -141,6 +155,13 @@ class PartSequence:
     def seal(self) -> None:
         if self.coded is not None:
             self.coded.seal()
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep entries ``index`` (``[1, n']``, increasing); coded entries are never re-encoded."""
+        if self.coded is not None:
+            self.coded.select(index)
+        elif self.dense is not None:
+            self.dense = self.dense[:, index[0]]
 
     def read(self, width: int, device) -> torch.Tensor:
         """Every entry, ``[1, n, width]`` in the dtype they came in."""
@@ -224,7 +245,7 @@ class NativeLayer(CompressedLayer):
         out = {self.store_part: (row.store.nbytes, self.nominal_tokens(row) * self.token_elements * item)}
         for name, rows in self.parts.items():
             part = rows[b]
-            out[name] = (part.nbytes, part.length * self.part_widths[name] * item)
+            out[name] = (part.nbytes, part.appended * self.part_widths[name] * item)
         return out
 
     def row_state_bytes(self, b: int) -> int:
@@ -237,7 +258,13 @@ class NativeLayer(CompressedLayer):
 
 class IndexedLayer(NativeLayer):
     """``indexed_attention`` (DeepSeek V3.2, GLM MoE-DSA): transformers' ``DynamicIndexedLayer``. The latent and RoPE
-    key are the store's (MLA: :mod:`kveval.modeling.architectures`), the indexer's keys part ``indexer``."""
+    key are the store's (MLA: :mod:`kveval.modeling.architectures`), the indexer's keys part ``indexer``.
+
+    A selection (:data:`LATENT_SELECTIONS`) keeps a token's latent and its indexer key together, for every head at
+    once. The layer then reports the slots it holds as its length (``get_seq_length``, ``get_mask_sizes``), so the
+    model's own causal mask is laid over them: every held token before this forward's, which are causal among
+    themselves, and the model's indexer picks its top-k among what is held. With nothing evicted that is the
+    model's own layout, column for column."""
 
     store_part = "latent"
 
@@ -248,6 +275,23 @@ class IndexedLayer(NativeLayer):
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         """New indexer keys ``[B, n, index_head_dim]``; every key held, ``[B, total, index_head_dim]``."""
         return self.append_part("indexer", indexer_key_states)
+
+    def _held(self) -> int:
+        return self._rows[0].store.length if self._rows else 0
+
+    def get_seq_length(self) -> int:
+        return self._held()
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self._held() + query_length, 0
+
+    def _select(self, row, index) -> None:
+        super()._select(row, index)
+        if isinstance(index, list):
+            index = torch.stack(index)
+        b = next(i for i, r in enumerate(self._rows) if r is row)
+        for rows in self.parts.values():
+            rows[b].select(index[:1])
 
 
 class WindowLayer(NativeLayer):
@@ -334,5 +378,5 @@ def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
     raise UnsupportedModelError(f"layer {layer_idx}: native layer type {plan.layer_type!r} has no kveval layer")
 
 
-__all__ = ["CsaLayer", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "NativeLayer", "PART_QUANTIZERS",
+__all__ = ["CsaLayer", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
            "PartSequence", "WindowLayer", "check_policy", "native_layer", "part_coding", "rows_alone"]
