@@ -2,7 +2,7 @@
 
 Tiny random configs (tests/tiny_models.py NATIVE_ARCHITECTURES): V3.2 with a 16-wide latent, an 8-wide RoPE key and
 16-wide indexer keys choosing 8 tokens; V4 with a window of 8, CSA every 4 tokens (16-wide indexer, top 3) and HCA
-every 16. ``none`` equals the model's own eager forward with transformers' own cache, through prefill, a question
+every 16; GLM's MoE-DSA as V3.2, its second layer reusing the first's top-k. ``none`` equals the model's own eager forward with transformers' own cache, through prefill, a question
 in one forward and decode steps (pending tokens at every forward's end, windows closed by decode steps, CSA's
 overlap carried across calls); every part's bytes equal the count by hand; quantization codes every part below
 the native cache; a selection on V3.2's latent takes the indexer keys with it; batch 3 gives each row's answers
@@ -22,7 +22,7 @@ from kveval.runner.generation import Prompt, generate
 from tiny_models import Tok, tiny_model
 
 FP32 = torch.float32
-NATIVE = ["deepseek_v32", "deepseek_v4"]
+NATIVE = ["deepseek_v32", "deepseek_v4", "glm_moe_dsa"]
 
 
 def _ids(n, seed):
@@ -176,7 +176,8 @@ V32_REFUSALS = {
 
 
 @pytest.mark.parametrize("name, spec, message", [("deepseek_v4", spec, m) for spec, m in sorted(REFUSALS.items())]
-                         + [("deepseek_v32", spec, m) for spec, m in sorted(V32_REFUSALS.items())])
+                         + [("deepseek_v32", spec, m) for spec, m in sorted(V32_REFUSALS.items())]
+                         + [("glm_moe_dsa", "knorm(ratio=0.5)", "reuse an earlier layer's top-k slots")])
 def test_what_cannot_be_expressed_is_refused_at_construction(name, spec, message):
     with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(")):
         CompressedCache(tiny_model(name), parse_policy(spec))
@@ -200,6 +201,12 @@ def test_v32_selects_on_its_latent_with_the_indexer_keys_alongside(spec, mode):
         assert a.token_ids == b.token_ids and a.stats.parts == b.stats.parts
     stats = alone[0].stats
     kept = stats.kept_tokens[0][0]
+    if spec.startswith("window"):  # every layer keeps the same tokens: GLM's layers that reuse a top-k may select
+        glm = tiny_model("glm_moe_dsa")
+        assert ([r.token_ids for r in generate(glm, Tok(), prompts, parse_policy(spec), max_new_tokens=6, mode=mode,
+                                                batch_size=3)]
+                == [generate(glm, Tok(), [p], parse_policy(spec), max_new_tokens=6, mode=mode)[0].token_ids
+                    for p in prompts])
     assert kept < stats.tokens_seen[0]
     assert stats.nominal_parts == {"latent": 2 * stats.tokens_seen[0] * 24 * 2, "indexer": 2 * stats.tokens_seen[0] * 16 * 2}
     if "quant" not in spec:

@@ -97,6 +97,12 @@ NATIVE_ARCHITECTURES = {
         "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
         "n_group": 1, "topk_group": 1}),
+    # GLM's MoE-DSA: the same indexed layer, its second and third layers reusing the first's top-k ("shared").
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+        "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2,
+        "index_head_dim": 16, "index_topk": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "indexer_types": ["full", "shared", "full"]}),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", {
         "num_hidden_layers": 3, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 8, "index_head_dim": 16,
         "index_n_heads": 2, "index_topk": 3,

@@ -69,10 +69,24 @@ def rows_alone(model) -> bool:
     return is_native(model.config)
 
 
+def _shares_indexer(config: dict) -> bool:
+    """Whether some layer of a GLM MoE-DSA config reuses an earlier layer's top-k (``indexer_types`` "shared", or the
+    ``index_topk_pattern`` / ``index_topk_freq`` it is made from)."""
+    if config.get("indexer_types") is not None:
+        return "shared" in config["indexer_types"]
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        return "S" in pattern if isinstance(pattern, str) else "shared" in pattern
+    return int(config.get("index_topk_freq") or 1) > 1
+
+
 def check_policy(config, stack) -> None:
-    """Refuse, in one line, a policy these layers cannot apply exactly (anything but quantization by
-    :data:`PART_QUANTIZERS`); ``config``: a transformers config or the ``model_type`` string."""
-    model_type = config if isinstance(config, str) else getattr(config.get_text_config(decoder=True), "model_type", "")
+    """Refuse, in one line, a policy these layers cannot apply exactly: on V4 anything but quantization by
+    :data:`PART_QUANTIZERS`; on V3.2 and GLM MoE-DSA those and :data:`LATENT_SELECTIONS` (only those that keep the
+    same tokens in every layer where a layer reuses another's top-k). ``config``: a transformers config or a dict."""
+    if not isinstance(config, dict):
+        config = config.get_text_config(decoder=True).to_dict()
+    model_type = config.get("model_type", "")
     name = {"deepseek_v4": "DeepSeek V4", "deepseek_v32": "DeepSeek V3.2", "glm_moe_dsa": "GLM MoE-DSA"}.get(model_type)
     if name is None:
         return
@@ -91,6 +105,10 @@ def check_policy(config, stack) -> None:
         raise UnsupportedModelError(
             f"{selection.spec()}: {why}; on {name}'s latent use a selection that needs no attention "
             f"({', '.join(LATENT_SELECTIONS)})")
+    if selection is not None and selection.name not in ("window", "streaming") and _shares_indexer(config):
+        raise UnsupportedModelError(
+            f"{selection.spec()}: some of this {name} model's layers reuse an earlier layer's top-k slots, which "
+            f"name the same tokens only where every layer keeps the same ones; use window or streaming")
     if stack.structure is not None:
         raise UnsupportedModelError(
             f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "

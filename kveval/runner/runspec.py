@@ -133,7 +133,7 @@ class RunSpec:
         if native is not None:  # DeepSeek V3.2 / V4: their own cache's parts (kveval.cache.native_layers)
             from kveval.cache.native_layers import check_policy
 
-            check_policy(native["model_type"], self.policy)
+            check_policy(native, self.policy)
             if self.policy.is_none:
                 return self
             stack = _copy_stack(self.policy)
