@@ -523,12 +523,17 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
     the RoPE key), plus DeepSeek V3.2's indexer key (``index_head_dim``). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
     the model's deployment dtype (:func:`kveval.stores.base.deployment_kv_dtype`).
     """
-    attention_layers = sum(p.holds_tokens for p in architectures.cache_layer_plan(model.config))
+    plans = architectures.cache_layer_plan(model.config)
+    attention_layers = sum(p.holds_tokens for p in plans)
     element = cache_kv_dtype(model, dtype).itemsize
-    indexer = getattr(model.config.get_text_config(decoder=True), "index_head_dim", 0) or 0
-    if not architectures.is_native(model.config) or any(p.sliding_window for p in architectures.cache_layer_plan(model.config)):
-        indexer = 0  # DeepSeek V4's indexer keeps an entry per compression window, not per token
-    return attention_layers * (sum(architectures.cache_widths(model.config)) + indexer) * element
+    text = model.config.get_text_config(decoder=True)
+    indexer = 0
+    if architectures.is_native(model.config) and not any(p.sliding_window for p in plans):
+        # V3.2 / GLM MoE-DSA: an indexer key per token in each layer that runs its own indexer (GLM's "shared"
+        # layers reuse another's top-k). V4's indexer keeps an entry per compression window, not per token.
+        kinds = getattr(text, "indexer_types", None) or ["full"] * attention_layers
+        indexer = sum(kind == "full" for kind in kinds) * (getattr(text, "index_head_dim", 0) or 0)
+    return (attention_layers * sum(architectures.cache_widths(model.config)) + indexer) * element
 
 
 def _retrieval_calibration_cache(model, window: int) -> CompressedCache:
