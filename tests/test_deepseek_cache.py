@@ -277,3 +277,26 @@ def test_the_cli_shows_the_parts(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["parts"]) == {"window", "csa", "indexer", "hca"} and out["state_bytes"] > 0
     assert out["kv_bytes"] == sum(out["parts"].values()) < out["nominal_bytes"] == sum(out["nominal_parts"].values())
+
+
+def test_an_evaluation_reports_each_part_on_the_leaderboard(tmp_path):
+    """A run over probe items on a tiny V4 records each part's bytes; the leaderboard shows them per token."""
+    import csv
+
+    from kveval.report.leaderboard import build_report
+    from kveval.runner.evaluate import evaluate_policies
+
+    from cache_runs import specs_of
+    from test_run_folders import CharTok, _items
+
+    items = _items("the pass key is 42. " * 3, n=3)
+    dirs = evaluate_policies(tiny_model("deepseek_v4"), CharTok(), items, specs_of(["none", "quant(bits=4,group=8)"]),
+                             tmp_path / "runs", "org/V4", batch_size=3)
+    build_report(dirs, tmp_path / "report", n_resamples=100)
+    board = (tmp_path / "report" / "leaderboard.md").read_text()
+    assert "bytes/token by part" in board and "csa" in board and "state" in board
+    rows = {r["policy"]: r for r in csv.DictReader(open(tmp_path / "report" / "leaderboard.csv"))}
+    none, quant = rows["none"], rows["quant(bits=4,group=8)"]
+    for part in ("window", "csa", "indexer", "hca"):
+        assert 0 < float(quant[f"bytes_per_token[{part}]"]) < float(none[f"bytes_per_token[{part}]"])
+    assert float(none["state_bytes"]) > 0

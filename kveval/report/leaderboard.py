@@ -53,6 +53,9 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
     with_kl = any(r.fidelity for r in rows)  # runs made with --fidelity: mean KL from the baseline, nats
     if with_kl:
         header.insert(-1, "KL")
+    with_parts = any(_parts(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
+    if with_parts:
+        header.insert(4, "bytes/token by part")
     out = []
     for r in rows:
         cells: list[tuple[str, bool]] = [
@@ -62,6 +65,11 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
             (fmt(r.info.bytes_per_token, "{:,.0f}"), False),
             (fmt(r.info.compression, "{:.2f}x"), "compression" in r.best),
         ]
+        if with_parts:
+            parts = _parts(r)
+            state = r.info.extra.get("state_bytes_mean")
+            text = ", ".join(f"{name} {value:,.1f}" for name, value in parts.items()) if parts else "-"
+            cells.insert(4, (text + (f"; state {state:,.0f} B" if parts and state else ""), False))
         for t in tasks:
             s = r.task_scores.get(t)
             text = fmt(s)
@@ -88,6 +96,11 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
     return header, out
 
 
+def _parts(row: Row) -> dict[str, float]:
+    """A run's bytes per token by part of the model's own cache (DeepSeek V3.2/V4), empty for other models."""
+    return row.info.extra.get("parts_bytes_per_token") or {}
+
+
 def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = ()) -> str:
     header, body = _table(rows, tasks)
 
@@ -101,6 +114,8 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
         "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). *-flips*: share of items right at baseline and wrong under the policy. "
         "*confusion*: share of items answered with a wrong value (distractor, stale, partial, over-inclusion, fabricated). "
         "Best per model in **bold**."
+        + (" *bytes/token by part*: DeepSeek V3.2/V4's own cache parts (latent, window, csa, hca, indexer), measured "
+           "apart, and the compressors' constant-size state per sequence." if "bytes/token by part" in header else "")
         + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
            "along the baseline's own answer (teacher-forced; `kveval eval --fidelity`)." if "KL" in header else ""),
         "",
@@ -143,6 +158,10 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
                 "confusion_rate": r.confusion_rate,
             }
         )
+        for name, value in _parts(r).items():
+            rec[f"bytes_per_token[{name}]"] = value
+        if _parts(r):
+            rec["state_bytes"] = i.extra.get("state_bytes_mean")
         if r.fidelity:
             rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",
                                                                   "answer_logprob_delta")})

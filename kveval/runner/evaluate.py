@@ -105,6 +105,13 @@ def finalize_run(run_dir: Path) -> RunInfo:
             "ttft_s_mean": statistics.fmean(r.metrics["ttft_s"] for r in records),
             "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
         })
+        parted = [r for r in records if r.metrics.get("parts")]
+        if parted:  # DeepSeek V3.2/V4: each part's bytes per token, and the constant-size state (kveval.cache.native_layers)
+            names = list(dict.fromkeys(name for r in parted for name in r.metrics["parts"]))
+            info.extra["parts_bytes_per_token"] = {
+                name: statistics.fmean(r.metrics["parts"].get(name, 0) / max(1, r.metrics["tokens_seen"]) for r in parted)
+                for name in names}
+            info.extra["state_bytes_mean"] = statistics.fmean(r.metrics.get("state_bytes", 0) for r in parted)
     write_run_info(run_dir, info)
     return info
 
