@@ -300,3 +300,25 @@ def test_an_evaluation_reports_each_part_on_the_leaderboard(tmp_path):
     for part in ("window", "csa", "indexer", "hca"):
         assert 0 < float(quant[f"bytes_per_token[{part}]"]) < float(none[f"bytes_per_token[{part}]"])
     assert float(none["state_bytes"]) > 0
+
+
+def test_lm_eval_loglikelihoods_equal_stock_hflm():
+    """Through lm-eval (continuations sharing a context are scored on forked rows), ``none`` gives stock HFLM's
+    log-likelihoods on a tiny V4 with a real vocabulary, at any batch size (its rows run one at a time)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from kveval.lm_eval.model import KVEvalLM
+    from kveval.modeling.sources import load_tokenizer
+
+    from test_lm_eval import PAIRS, ll_requests
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    pairs = PAIRS + [(PAIRS[0][0], " and more words")]
+    vocab = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id or 0}
+    reference = HFLM(pretrained=tiny_model("deepseek_v4", attn="eager", **vocab), tokenizer=tokenizer,
+                     batch_size=1).loglikelihood(ll_requests(pairs))
+    for batch_size in (1, 3):
+        lm = KVEvalLM(pretrained=tiny_model("deepseek_v4", **vocab), tokenizer=tokenizer, policy="none",
+                      batch_size=batch_size, kv_dtype="float32")
+        for (a, greedy_a), (b, greedy_b) in zip(lm.loglikelihood(ll_requests(pairs)), reference):
+            assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b

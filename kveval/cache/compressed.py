@@ -389,6 +389,8 @@ class CompressedCache(Cache):
                 layer.rows = rows
         for layer, rows in zip(clone.attention_layers, saved):
             layer.rows = [copy.deepcopy(rows[i], _compact_views(rows[i], dict(memo))) for i in index]
+            if isinstance(layer, native_layers.NativeLayer):
+                layer.take_rows(index)
         picked = torch.tensor(index, dtype=torch.long)
         for layer in clone.state_layers:
             for states in (layer.conv_states, layer.recurrent_states):

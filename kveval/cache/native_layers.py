@@ -21,7 +21,9 @@ GLM MoE-DSA)                     ``update``) and the DSA indexer's keys
 
 The latent and the window are a :class:`~kveval.cache.layers.CompressedLayer`'s token store (V4's K=V entries are
 stored once, as keys with values of width 0: its attention reads ``cache.update(kv, kv)[0]``). The compressed
-entries and the indexer's keys are :class:`PartSequence` s, one per row. The pending tokens and the overlap are
+entries and the indexer's keys are :class:`PartSequence` s, one per row, held in the cache dtype (in a 16-bit
+model transformers' own V4 layers keep the float32 its norms return; a deployment stores them in its cache dtype,
+and so does kveval, whose self-check tolerance for 16-bit models covers that rounding). The pending tokens and the overlap are
 constant-size state, kept as the model hands them (a tensor in the compute dtype held in the cache dtype, as a
 deployment computing in it holds it) and counted in ``state_bytes``, apart from the per-token bytes.
 
@@ -265,6 +267,15 @@ class NativeLayer(CompressedLayer):
             part = rows[b]
             out[name] = (part.nbytes, part.appended * self.part_widths[name] * item)
         return out
+
+    def take_rows(self, index: list[int]) -> None:
+        """Keep row ``index[j]`` of the parts and states as row ``j`` (a forked cache's layer: see
+        :meth:`~kveval.cache.compressed.CompressedCache.fork_rows`), each an independent copy."""
+        import copy
+
+        self.parts = {name: [copy.deepcopy(rows[i]) for i in index] for name, rows in self.parts.items()}
+        picked = torch.tensor(index, dtype=torch.long)
+        self.states = {name: x.index_select(0, picked.to(x.device)) for name, x in self.states.items()}
 
     def row_state_bytes(self, b: int) -> int:
         return sum(x[b].numel() * x.element_size() for x in self.states.values())
