@@ -148,7 +148,13 @@ def test_batch_of_three_gives_each_rows_answers_alone(name, policy):
 
 @pytest.mark.parametrize("name", NATIVE)
 def test_the_load_time_self_check_covers_them(name):
-    result = measure_exactness(tiny_model(name), prefill=37, decode=6)
+    from kveval.cache.exactness import probe_length, self_check
+
+    model = tiny_model(name)
+    # V4: past the window (8) and one HCA window (16), with tokens left pending
+    assert probe_length(model.config) == (27 if name == "deepseek_v4" else 24)
+    assert self_check(model).max_difference <= 1e-5
+    result = measure_exactness(model, prefill=37, decode=6)
     assert result.exact and result.max_difference <= 1e-5
 
 
