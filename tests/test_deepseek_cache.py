@@ -301,6 +301,7 @@ def test_an_evaluation_reports_each_part_on_the_leaderboard(tmp_path):
     build_report(dirs, tmp_path / "report", n_resamples=100)
     board = (tmp_path / "report" / "leaderboard.md").read_text()
     assert "bytes/token by part" in board and "csa" in board and "state" in board
+    assert "bytes/token by part" in (tmp_path / "report" / "leaderboard.html").read_text()
     rows = {r["policy"]: r for r in csv.DictReader(open(tmp_path / "report" / "leaderboard.csv"))}
     none, quant = rows["none"], rows["quant(bits=4,group=8)"]
     for part in ("window", "csa", "indexer", "hca"):

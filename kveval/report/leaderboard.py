@@ -39,7 +39,7 @@ from kveval.report.plots import (
     plot_score_vs_compression,
     slug,
 )
-from kveval.report.rows import Row, collect_rows, fmt, load_gate_result
+from kveval.report.rows import Row, collect_rows, fmt, load_gate_result, part_bytes, part_bytes_text
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
 from kveval.stats.comparison import _clean
@@ -53,7 +53,7 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
     with_kl = any(r.fidelity for r in rows)  # runs made with --fidelity: mean KL from the baseline, nats
     if with_kl:
         header.insert(-1, "KL")
-    with_parts = any(_parts(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
+    with_parts = any(part_bytes(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
     if with_parts:
         header.insert(4, "bytes/token by part")
     out = []
@@ -66,10 +66,7 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
             (fmt(r.info.compression, "{:.2f}x"), "compression" in r.best),
         ]
         if with_parts:
-            parts = _parts(r)
-            state = r.info.extra.get("state_bytes_mean")
-            text = ", ".join(f"{name} {value:,.1f}" for name, value in parts.items()) if parts else "-"
-            cells.insert(4, (text + (f"; state {state:,.0f} B" if parts and state else ""), False))
+            cells.insert(4, (part_bytes_text(r), False))
         for t in tasks:
             s = r.task_scores.get(t)
             text = fmt(s)
@@ -94,11 +91,6 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
         cells.append(("baseline" if r.info.is_baseline else (r.verdict or "-"), False))
         out.append(cells)
     return header, out
-
-
-def _parts(row: Row) -> dict[str, float]:
-    """A run's bytes per token by part of the model's own cache (DeepSeek V3.2/V4), empty for other models."""
-    return row.info.extra.get("parts_bytes_per_token") or {}
 
 
 def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = ()) -> str:
@@ -158,9 +150,9 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
                 "confusion_rate": r.confusion_rate,
             }
         )
-        for name, value in _parts(r).items():
+        for name, value in part_bytes(r).items():
             rec[f"bytes_per_token[{name}]"] = value
-        if _parts(r):
+        if part_bytes(r):
             rec["state_bytes"] = i.extra.get("state_bytes_mean")
         if r.fidelity:
             rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",
