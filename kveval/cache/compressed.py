@@ -44,6 +44,10 @@ reported apart from the per-token K/V bytes (:attr:`CacheStats.state_bytes`).
 
 MLA (DeepSeek V2/V3): the cache receives the normed latent and the shared RoPE
 key (one "KV head" each) and stores those; see :mod:`kveval.modeling.architectures`.
+
+DeepSeek V3.2, GLM MoE-DSA and DeepSeek V4 keep cache layers of their own (the DSA indexer's keys, V4's compressed
+entries, pending tokens and overlap): :mod:`kveval.cache.native_layers` mirrors them part by part, and
+:meth:`CompressedCache.stats` reports each part (:attr:`CacheStats.parts`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Two questions are answered here and nowhere else:
    (:func:`transformers.cache_utils.get_layer_types_and_kwargs`) and maps every
    entry to a :class:`LayerPlan`: compressed attention (full or sliding),
    constant-size state (linear attention / Mamba conv + recurrent states, kept by
-   transformers' own ``LinearAttentionLayer``), or nothing (MLP-only layers,
+   transformers' own ``LinearAttentionLayer``), the model's own cache layer mirrored
+   part by part (DeepSeek V3.2 / GLM MoE-DSA's ``indexed_attention``, every layer of
+   DeepSeek V4: :mod:`kveval.cache.native_layers`), or nothing (MLP-only layers,
    KV-sharing consumers). A layer type kveval does not know is refused with
    :class:`~kveval.errors.UnsupportedModelError`, never treated as plain attention.
 
