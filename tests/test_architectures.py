@@ -20,7 +20,7 @@ from kveval.modeling import architectures
 from kveval.policies.spec import parse_policy
 from kveval.runner.generation import Prompt, generate
 
-from tiny_models import ARCHITECTURES, Tok, tiny_model
+from tiny_models import ARCHITECTURES, NATIVE_ARCHITECTURES, Tok, tiny_model
 
 # Calibrations (lowrank, latent, kvquant, duo) of this file's own: one remembered or on disk from another run
 # would stand in for the calibration pass under test.
@@ -38,7 +38,7 @@ def _ids(n, seed):
     return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + sorted(NATIVE_ARCHITECTURES))
 def test_none_equals_eager_through_prefill_and_decode(name):
     model, reference = tiny_model(name), tiny_model(name, attn="eager")
     ids = _ids(40, 0)
@@ -60,7 +60,8 @@ def test_none_equals_eager_through_prefill_and_decode(name):
                 assert (a is None) == (b is None)
                 if a is not None:  # the same states up to the attention kernels' rounding upstream
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert (stats.state_bytes > 0) == bool(state_layers)
+    # DeepSeek V4's compressors keep their pending tokens and overlap between forwards: state too.
+    assert (stats.state_bytes > 0) == (bool(state_layers) or name == "deepseek_v4")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -88,13 +88,36 @@ ARCHITECTURES = {
 }
 
 
+#: Models whose own cache layers kveval mirrors part by part (kveval.cache.native_layers): DeepSeek V3.2 (MLA latent +
+#: DSA indexer keys) and V4 (window 8, CSA every 4 tokens with an indexer, HCA every 16). Policy none only in the
+#: matrix: selection is refused on them (tests/test_deepseek_cache.py covers quantization and refusals).
+NATIVE_ARCHITECTURES = {
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1}),
+    # GLM's MoE-DSA: the same indexed layer, its second and third layers reusing the first's top-k ("shared").
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+        "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2,
+        "index_head_dim": 16, "index_topk": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "indexer_types": ["full", "shared", "full"]}),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", {
+        "num_hidden_layers": 3, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 8, "index_head_dim": 16,
+        "index_n_heads": 2, "index_topk": 3,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}}),
+}
+
+
 def tiny_model(name: str, attn: str = "kveval", seed: int = 0, **config):
     """A tiny random model of architecture ``name`` (a key of :data:`ARCHITECTURES`); same seed, same weights.
     ``config``: overrides of its config."""
     import transformers
 
     register_attention()
-    config_class, model_class, overrides = ARCHITECTURES[name]
+    config_class, model_class, overrides = {**ARCHITECTURES, **NATIVE_ARCHITECTURES}[name]
     torch.manual_seed(seed)
     config = getattr(transformers, config_class)(**{**_BASE, **overrides, **config})
     config._attn_implementation = attn

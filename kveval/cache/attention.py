@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-from kveval.modeling.architectures import KVEVAL_ATTENTION, attention_kernel, taken_query_temperature
+from kveval.modeling.architectures import KVEVAL_ATTENTION, attention_kernel, is_native, taken_query_temperature
 from kveval.tensors.block_probabilities import AttentionProbabilities
 
 ATTENTION_NAME = KVEVAL_ATTENTION
@@ -34,6 +35,7 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
     """Exact attention over the cache's kept tokens (``query`` is ``[B, heads, q, head_dim]``)."""
     layer = kwargs.pop("kveval_layer", None)
     own_mask = kwargs.pop("kveval_mask", None)
+    attention_mask = _fold_sparse_indices(attention_mask, kwargs.pop("indices", None), query, key)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if own_mask is not None:
@@ -57,7 +59,31 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
     return output, None
 
 
+def _fold_sparse_indices(attention_mask, indices, query, key):
+    """DeepSeek V3.2 / GLM MoE-DSA: the indexer's top-k tokens per query (``indices``, ``[B, q, k]``), which the model
+    folds into the mask itself only for its eager and SDPA attention and otherwise hands to the attention function:
+    folded here exactly as the model folds them (every other key at the dtype's lowest value)."""
+    if indices is None:
+        return attention_mask
+    batch, _, q_len, _ = query.shape
+    unselected = (indices.new_ones((batch, q_len, key.shape[2]), dtype=torch.bool)
+                  .scatter(-1, indices.long(), False).unsqueeze(1))
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~unselected
+    return attention_mask.masked_fill(unselected, torch.finfo(query.dtype).min)
+
+
+def kveval_mask(*args, config=None, **kwargs):
+    """The model's mask for ``attn_implementation="kveval"``: SDPA's (boolean, or ``None`` where causal), and for the
+    models whose own cache layers kveval mirrors (:mod:`kveval.cache.native_layers`) always the eager one, additive:
+    their attention adds the compressor's block bias and the indexer's top-k to it, which needs a tensor of 0 / -inf
+    (what the model's eager attention gets)."""
+    if config is not None and is_native(config):
+        return eager_mask(*args, config=config, **kwargs)
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
 def register_attention() -> None:
     """Make ``attn_implementation="kveval"`` available (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kveval_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, kveval_mask)

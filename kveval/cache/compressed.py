@@ -44,6 +44,10 @@ reported apart from the per-token K/V bytes (:attr:`CacheStats.state_bytes`).
 
 MLA (DeepSeek V2/V3): the cache receives the normed latent and the shared RoPE
 key (one "KV head" each) and stores those; see :mod:`kveval.modeling.architectures`.
+
+DeepSeek V3.2, GLM MoE-DSA and DeepSeek V4 keep cache layers of their own (the DSA indexer's keys, V4's compressed
+entries, pending tokens and overlap): :mod:`kveval.cache.native_layers` mirrors them part by part, and
+:meth:`CompressedCache.stats` reports each part (:attr:`CacheStats.parts`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
 from kveval.cache.coded_rows import SharedScratch
 from kveval.cache.decode_evictions import DeferredEvictions
+from kveval.cache import native_layers
 from kveval.cache.layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.cache.rows import RowState
 from kveval.calibration import retrieval_heads
@@ -89,6 +94,11 @@ class CacheStats:
         (the rounded mean over heads when heads keep different counts: ``adaptive=true``, ``duo``).
     kv_dtype : str
         The cache dtype full-precision tokens are stored in and ``nominal_bytes`` counts (``"bfloat16"``).
+    parts : dict of str to int
+        Models whose own cache layers hold several parts (DeepSeek V3.2: ``latent``, ``indexer``; V4: ``window``,
+        ``csa``, ``hca``, ``indexer``; :mod:`kveval.cache.native_layers`): the measured bytes of each, summing to
+        ``kv_bytes``; empty for other models. ``nominal_parts``: the same parts as the model's own cache holds
+        them in ``kv_dtype``, summing to ``nominal_bytes``.
     state_bytes : int
         Constant-size per-sequence states of linear-attention / Mamba layers
         (conv and recurrent states), kept exactly and counted apart: they are
@@ -102,6 +112,8 @@ class CacheStats:
     kept_tokens: list[list[int]] = field(default_factory=list)
     state_bytes: int = 0
     kv_dtype: str = ""
+    parts: dict[str, int] = field(default_factory=dict)
+    nominal_parts: dict[str, int] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -121,7 +133,8 @@ class CacheStats:
         return (f"cache: measured {self.kv_bytes:,} B, uncompressed {self.nominal_bytes:,} B ({self.kv_dtype}), "
                 f"ratio {self.ratio:.3f} ({1 / self.ratio if self.ratio else float('inf'):.2f}x smaller), "
                 f"{self.bytes_per_token:,.0f} B/token"
-                + (f", plus {self.state_bytes:,} B of linear-attention/SSM state" if self.state_bytes else ""))
+                + (f" ({', '.join(f'{k} {v:,} B' for k, v in self.parts.items())})" if self.parts else "")
+                + (f", plus {self.state_bytes:,} B of constant-size state" if self.state_bytes else ""))
 
 
 def _compact_views(row: RowState, memo: dict) -> dict:
@@ -206,6 +219,7 @@ class CompressedCache(Cache):
         config = model.config.get_text_config()
         plans = architectures.check_supported(model.config)
         self.policy = require_stack(policy, "CompressedCache")
+        self.config = model.config
         self.num_layers = config.num_hidden_layers
         self.head_dim, value_dim = architectures.cache_head_dims(model.config)
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -219,6 +233,7 @@ class CompressedCache(Cache):
         self.selecting_layers = dict(zip((i for i, _ in held), selecting_layers(
             [plan.sliding_window for _, plan in held], [plan.chunked for _, plan in held])))
         for served_policy in served:  # refused before the prefill, not after it
+            native_layers.check_policy(model.config, served_policy)
             self._check_representation(served_policy, value_dim)
             self._check_selection(served_policy, model.config)
         #: Attention scores a deferred prefill keeps (:func:`kveval.cache.layers.score_key`), each once.
@@ -257,6 +272,8 @@ class CompressedCache(Cache):
         """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
         if plan.kind == architectures.ATTENTION:
             return CompressedLayer(self, layer_idx, plan.sliding_window, chunked=plan.chunked)
+        if plan.kind == architectures.NATIVE:
+            return native_layers.native_layer(self, layer_idx, plan, self.config)
         if plan.kind == architectures.HYBRID:
             return CompressedHybridLayer(self, layer_idx, plan.sliding_window, plan.number_of_states)
         if plan.kind == architectures.STATE:
@@ -376,6 +393,8 @@ class CompressedCache(Cache):
                 layer.rows = rows
         for layer, rows in zip(clone.attention_layers, saved):
             layer.rows = [copy.deepcopy(rows[i], _compact_views(rows[i], dict(memo))) for i in index]
+            if isinstance(layer, native_layers.NativeLayer):
+                layer.take_rows(index)
         picked = torch.tensor(index, dtype=torch.long)
         for layer in clone.state_layers:
             for states in (layer.conv_states, layer.recurrent_states):
@@ -450,19 +469,28 @@ class CompressedCache(Cache):
     # --- measurement ----------------------------------------------------------------------------
     def stats(self, row: int | None = None) -> CacheStats:
         """Measured and nominal bytes, and kept tokens per layer, for the batch or one of its rows."""
-        kv = index = nominal = 0
-        kept = []
+        kv = index = nominal = state = 0
+        kept, parts, nominal_parts = [], {}, {}
         for layer in self.attention_layers:
-            rows = layer.rows if row is None else layer.rows[row:row + 1]
+            numbers = range(len(layer.rows)) if row is None else [row]
             per_token = layer.token_elements * self.kv_dtype.itemsize
-            for r in rows:
-                kv += r.store.nbytes
+            for b in numbers:
+                r = layer.rows[b]
                 index += r.index_bytes()
-                nominal += layer.nominal_tokens(r) * per_token
-            kept.append([r.kept_tokens() for r in rows])
+                if isinstance(layer, native_layers.NativeLayer):
+                    for name, (measured, native) in layer.row_parts(b).items():
+                        parts[name] = parts.get(name, 0) + measured
+                        nominal_parts[name] = nominal_parts.get(name, 0) + native
+                        kv, nominal = kv + measured, nominal + native
+                    state += layer.row_state_bytes(b)
+                else:
+                    kv += r.store.nbytes
+                    nominal += layer.nominal_tokens(r) * per_token
+            kept.append([layer.rows[b].kept_tokens() for b in numbers])
         first = self.attention_layers[0].rows if self.attention_layers else []
         seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
-        return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row), dtype_name(self.kv_dtype))
+        return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row) + state, dtype_name(self.kv_dtype),
+                          parts, nominal_parts)
 
     def span_retention(self, row: int, spans: "Sequence[tuple[int, int]]") -> float | None:
         """Share of the slots of the tokens in ``spans`` that row ``row`` still holds, over every attention layer and
@@ -498,12 +526,20 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
 
     2 x attention layers x kv_heads x head_dim x bytes per element; for MLA,
     (kv_lora_rank + qk_rope_head_dim) x attention layers x bytes (the latent and
-    the RoPE key). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
+    the RoPE key), plus DeepSeek V3.2's indexer key (``index_head_dim``). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
     the model's deployment dtype (:func:`kveval.stores.base.deployment_kv_dtype`).
     """
-    attention_layers = sum(p.holds_tokens for p in architectures.cache_layer_plan(model.config))
+    plans = architectures.cache_layer_plan(model.config)
+    attention_layers = sum(p.holds_tokens for p in plans)
     element = cache_kv_dtype(model, dtype).itemsize
-    return attention_layers * sum(architectures.cache_widths(model.config)) * element
+    text = model.config.get_text_config(decoder=True)
+    indexer = 0
+    if architectures.is_native(model.config) and not any(p.sliding_window for p in plans):
+        # V3.2 / GLM MoE-DSA: an indexer key per token in each layer that runs its own indexer (GLM's "shared"
+        # layers reuse another's top-k). V4's indexer keeps an entry per compression window, not per token.
+        kinds = getattr(text, "indexer_types", None) or ["full"] * attention_layers
+        indexer = sum(kind == "full" for kind in kinds) * (getattr(text, "index_head_dim", 0) or 0)
+    return (attention_layers * sum(architectures.cache_widths(model.config)) + indexer) * element
 
 
 def _retrieval_calibration_cache(model, window: int) -> CompressedCache:

@@ -3,7 +3,8 @@
 Policy ``none`` through kveval's cache and attention must give the logits of
 the model's own eager attention with its own ``DynamicCache``; otherwise every
 baseline and comparison on that model would be silently wrong. The probe: a
-prefill of ``prefill`` random token ids, then ``decode`` greedy single-token
+prefill of ``prefill`` random token ids (24; DeepSeek V4: past its window and its
+widest compressor's window, :func:`probe_length`), then ``decode`` greedy single-token
 steps, logits compared at every step. Stored tokens are kept in the model's
 compute dtype here (``kv_dtype`` = model dtype), so the probe measures attention
 and caching, not the deployment's storage precision.
@@ -75,9 +76,19 @@ def measure_exactness(model, prefill: int = 24, decode: int = 4, seed: int = 0) 
     return Exactness(difference, scale, relative * scale)
 
 
+def probe_length(config, prefill: int = 24) -> int:
+    """The self-check's prefill: 24 tokens, or for DeepSeek V4 enough to pass its window and close a window of its
+    widest compressor with tokens left pending (so the probe reaches every part of its cache)."""
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "model_type", None) != "deepseek_v4":
+        return prefill
+    rates = (getattr(text, "compress_rates", None) or {}).values()
+    return max(prefill, (text.sliding_window or 0) + max(rates, default=0) + 3)
+
+
 def self_check(model) -> Exactness:
     """Refuse (:class:`UnsupportedModelError`, one line) a model on which kveval's ``none`` is not exact."""
-    result = measure_exactness(model)
+    result = measure_exactness(model, prefill=probe_length(model.config))
     if not result.exact:
         raise UnsupportedModelError(
             f"{architecture_name(model.config)}: kveval's uncompressed attention differs from the model's eager attention "
@@ -86,4 +97,4 @@ def self_check(model) -> Exactness:
     return result
 
 
-__all__ = ["Exactness", "measure_exactness", "prefill_and_decode", "self_check"]
+__all__ = ["Exactness", "measure_exactness", "prefill_and_decode", "probe_length", "self_check"]

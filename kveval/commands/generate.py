@@ -37,7 +37,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"policy": spec.spec, "mode": spec.mode, "kv_dtype": spec.kv_dtype_name, "answer": result.text,
                           "tokens": prompt.length, "kv_bytes": stats.kv_bytes, "nominal_bytes": stats.nominal_bytes,
-                          "ratio": stats.ratio, "index_bytes": stats.index_bytes,
+                          "ratio": stats.ratio, "index_bytes": stats.index_bytes, "state_bytes": stats.state_bytes,
+                          "parts": stats.parts, "nominal_parts": stats.nominal_parts,
                           "kept_tokens_per_layer": [k[0] for k in stats.kept_tokens], "logprobs": result.logprobs}))
         return 0
     print(result.text)

@@ -128,6 +128,7 @@ from kveval.runner.generation import (
     can_share_prefill,
     check_batch_size,
     check_request,
+    forward_batch_size,
     forward_rows,
     generate_each,
 )
@@ -371,7 +372,8 @@ class KVEvalLM(HFLM):
             log.warning(message, *args)
 
     def _int_batch_size(self, override: int | None = None) -> int:
-        return _whole_batch_size(override if override is not None else self.batch_size)
+        # DeepSeek V3.2/V4: one row per forward (their compressors pool the batch's columns, padding too)
+        return forward_batch_size(self.model, _whole_batch_size(override if override is not None else self.batch_size))
 
     def _question_length(self, text: str | None, tokens: list[int], encode) -> int:
         """Tokens at the end of ``tokens`` that belong to the question (from ``question_marker`` on)."""

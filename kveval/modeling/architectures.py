@@ -7,7 +7,9 @@ Two questions are answered here and nowhere else:
    (:func:`transformers.cache_utils.get_layer_types_and_kwargs`) and maps every
    entry to a :class:`LayerPlan`: compressed attention (full or sliding),
    constant-size state (linear attention / Mamba conv + recurrent states, kept by
-   transformers' own ``LinearAttentionLayer``), or nothing (MLP-only layers,
+   transformers' own ``LinearAttentionLayer``), the model's own cache layer mirrored
+   part by part (DeepSeek V3.2 / GLM MoE-DSA's ``indexed_attention``, every layer of
+   DeepSeek V4: :mod:`kveval.cache.native_layers`), or nothing (MLP-only layers,
    KV-sharing consumers). A layer type kveval does not know is refused with
    :class:`~kveval.errors.UnsupportedModelError`, never treated as plain attention.
 
@@ -53,6 +55,8 @@ from kveval.modeling.layer_types import (
     EMPTY_LAYER_TYPES,
     HYBRID_LAYER_TYPES,
     KNOWN_LAYER_TYPES,
+    NATIVE_LAYER_TYPES,
+    NATIVE_MODEL_TYPES,
     STATE_LAYER_TYPES,
 )
 from kveval.tensors.block_probabilities import SINK_SLOT_STEP
@@ -63,6 +67,7 @@ KVEVAL_ATTENTION = "kveval"
 ATTENTION = "attention"
 STATE = "state"
 HYBRID = "hybrid"  # attention and a state in the same layer (Falcon-H1)
+NATIVE = "native"  # the model's own cache layer, its parts mirrored (DeepSeek V3.2 / V4: kveval.cache.native_layers)
 NONE = "none"
 
 
@@ -97,7 +102,7 @@ class LayerPlan:
     @property
     def holds_tokens(self) -> bool:
         """Whether the layer keeps per-token K/V (what policies compress)."""
-        return self.kind in (ATTENTION, HYBRID)
+        return self.kind in (ATTENTION, HYBRID, NATIVE)
 
 
 def architecture_name(config) -> str:
@@ -116,8 +121,13 @@ def cache_layer_plan(config) -> list[LayerPlan]:
     except (AttributeError, TypeError, ValueError) as exc:  # pragma: no cover - exotic configs
         raise UnsupportedModelError(f"{architecture_name(config)}: cannot read its cache layer types ({exc})") from exc
     plans = []
+    native = is_native(config)
     for kind, kwargs in zip(layer_types, layer_kwargs):
-        if kind in ATTENTION_LAYER_TYPES:
+        if native and kind in NATIVE_LAYER_TYPES | {"sliding_attention"}:
+            # DeepSeek V4: every layer keeps a window of K=V entries (its own cache layer's window); V3.2: none.
+            window = getattr(text, "sliding_window", None) if getattr(text, "model_type", "") == "deepseek_v4" else None
+            plans.append(LayerPlan(NATIVE, kind, sliding_window=window or None))
+        elif kind in ATTENTION_LAYER_TYPES:
             window = kwargs.get("sliding_window") if kind != "full_attention" else None
             plans.append(LayerPlan(ATTENTION, kind, sliding_window=window or None, chunked=kind == "chunked_attention"))
         elif kind in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES:
@@ -127,11 +137,18 @@ def cache_layer_plan(config) -> list[LayerPlan]:
         elif kind in EMPTY_LAYER_TYPES:
             plans.append(LayerPlan(NONE, kind))
         else:
-            known = sorted(KNOWN_LAYER_TYPES)
+            known = sorted(KNOWN_LAYER_TYPES | NATIVE_LAYER_TYPES)
             raise UnsupportedModelError(
                 f"{architecture_name(config)}: cache layer type {kind!r} is not supported by kveval "
                 f"(known: {', '.join(known)}); it would not be evaluated exactly, so it is refused")
     return plans
+
+
+def is_native(config) -> bool:
+    """Whether ``config``'s cache is mirrored part by part from the model's own cache layers
+    (:data:`~kveval.modeling.layer_types.NATIVE_MODEL_TYPES`: DeepSeek V3.2, GLM MoE-DSA, DeepSeek V4)."""
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "model_type", None) in NATIVE_MODEL_TYPES
 
 
 def check_supported(config) -> list[LayerPlan]:
@@ -189,7 +206,10 @@ def check_mla_modules(model) -> None:
 
 
 def cache_widths(config) -> tuple[int, int]:
-    """Elements per token per attention layer of what reaches ``Cache.update``: (keys, values), all heads together."""
+    """Elements per token per attention layer of what reaches ``Cache.update``: (keys, values), all heads together.
+    DeepSeek V4 stores one K=V tensor per entry: (head_dim, 0)."""
+    if _keys_are_values(config):
+        return config.get_text_config(decoder=True).head_dim, 0
     mla = mla_dims(config)
     if mla is not None:
         return mla.kv_lora_rank, mla.qk_rope_head_dim
@@ -199,8 +219,16 @@ def cache_widths(config) -> tuple[int, int]:
     return kv_heads * head_dim, kv_heads * head_dim
 
 
+def _keys_are_values(config) -> bool:
+    """DeepSeek V4: its attention reads one tensor as K and V (``cache.update(kv, kv)``), which its cache holds once."""
+    return getattr(config.get_text_config(decoder=True), "model_type", None) == "deepseek_v4"
+
+
 def cache_head_dims(config) -> tuple[int, int]:
-    """Width of one stored K and one stored V head (MLA: the latent and the RoPE key)."""
+    """Width of one stored K and one stored V head (MLA: the latent and the RoPE key; DeepSeek V4: K=V, stored as K
+    alone, so V has width 0)."""
+    if _keys_are_values(config):
+        return config.get_text_config(decoder=True).head_dim, 0
     mla = mla_dims(config)
     if mla is not None:
         return mla.kv_lora_rank, mla.qk_rope_head_dim
@@ -689,8 +717,8 @@ def rope_hook(model, layer_idx: int) -> RopeHook:
 
 
 __all__ = ["ATTENTION", "AttentionKernel", "EAGER_VARIANTS", "EagerKernel", "HYBRID", "KVEVAL_ATTENTION",
-           "LayerPlan", "MlaDims", "NONE", "QueryTemperature", "ROTATE_HALF_ROPE", "RopeHook", "RopeSwitch", "STATE",
+           "LayerPlan", "MlaDims", "NATIVE", "NONE", "QueryTemperature", "ROTATE_HALF_ROPE", "RopeHook", "RopeSwitch", "STATE",
            "SdpaKernel", "architecture_name", "attention_kernel", "cache_head_dims", "cache_layer_plan",
-           "cache_widths", "causal_mask", "check_mla_modules", "check_rope_batch", "check_supported",
+           "cache_widths", "causal_mask", "check_mla_modules", "check_rope_batch", "check_supported", "is_native",
            "eager_variant", "mla_dims", "own_query_temperatures", "reset_rope_lengths", "rope_hook", "rope_switches",
            "row_query_temperatures", "taken_query_temperature"]

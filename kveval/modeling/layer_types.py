@@ -14,7 +14,17 @@ STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
 HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 #: Nothing (MLP-only layers, and layers that read another layer's K/V).
 EMPTY_LAYER_TYPES = frozenset({"dummy", "moe", "mlp"})
+#: A model's own cache layers whose parts kveval mirrors (:mod:`kveval.cache.native_layers`): DeepSeek V3.2 / GLM
+#: MoE-DSA's indexed attention (MLA latent + RoPE key, and the DSA indexer's keys), DeepSeek V4's compressed sparse
+#: attention (window, CSA entries, indexer entries, pending tokens and overlap) and heavily compressed attention
+#: (window, HCA entries, pending tokens).
+NATIVE_LAYER_TYPES = frozenset({"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"})
+#: ``model_type`` values whose every attention layer is a native one (DeepSeek V4's sliding layers too: K=V, one
+#: stored tensor), and the families that keep DSA indexer keys.
+NATIVE_MODEL_TYPES = frozenset({"deepseek_v4", "deepseek_v32", "glm_moe_dsa"})
 #: The layers that hold per-token K/V, and every type known.
+#: (The native types are known to the cache alone, not to these sets, which the memory planner reads: it sizes
+#: them on its own terms.)
 KV_LAYER_TYPES = ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES
 KNOWN_LAYER_TYPES = KV_LAYER_TYPES | STATE_LAYER_TYPES | EMPTY_LAYER_TYPES
 
@@ -39,4 +49,4 @@ def selecting_layers(windows, chunked) -> list[bool]:
 
 
 __all__ = ["ATTENTION_LAYER_TYPES", "EMPTY_LAYER_TYPES", "HYBRID_LAYER_TYPES", "KNOWN_LAYER_TYPES", "KV_LAYER_TYPES",
-           "STATE_LAYER_TYPES", "selecting_layers", "selection_slides"]
+           "NATIVE_LAYER_TYPES", "NATIVE_MODEL_TYPES", "STATE_LAYER_TYPES", "selecting_layers", "selection_slides"]

@@ -18,6 +18,10 @@ from kveval.policies.base import QuantizationPolicy
 from kveval.tensors.quantization import TensorQuant
 
 AXES = ("token", "channel")
+#: How a quantizer codes the DSA indexer's keys (DeepSeek V3.2, GLM MoE-DSA, DeepSeek V4's CSA layers; other models
+#: have none): ``same`` as the other parts of the cache, ``native`` kept in the cache dtype, ``fp8`` as DeepSeek serves
+#: them, e4m3 with one float scale per 128 values (per key where it is narrower). See docs/methods.md.
+INDEXER_CODINGS = ("same", "native", "fp8")
 
 
 @dataclass
@@ -43,6 +47,8 @@ class GroupedQuantizationPolicy(QuantizationPolicy):
         return self.residual
 
     def check_group_and_residual(self) -> None:
+        if self.indexer not in INDEXER_CODINGS:
+            raise PolicySpecError(f"{self.name}: indexer={self.indexer!r} must be one of {', '.join(INDEXER_CODINGS)}")
         if not isinstance(self.group, int) or self.group < 1:
             raise PolicySpecError(f"{self.name}: group={self.group!r} must be a positive integer")
         if not isinstance(self.residual, int) or self.residual < 0:
@@ -93,6 +99,8 @@ class QuantPolicy(GroupedQuantizationPolicy):
     ----------
     bits : int
         Bit width for K and V (2, 4 or 8) unless ``k_bits``/``v_bits`` are given.
+    indexer : str
+        DeepSeek V3.2/V4 only: how the indexer's keys are coded (:data:`INDEXER_CODINGS`).
     k_bits, v_bits : int, optional
         Separate bit widths for keys and values.
     k_axis, v_axis : str
@@ -116,6 +124,7 @@ class QuantPolicy(GroupedQuantizationPolicy):
     group: int = 64
     residual: int = 0
     symmetric: bool = False
+    indexer: str = "same"
 
     def __post_init__(self):
         _check_bits(self.name, "bits", self.bits)
@@ -158,6 +167,7 @@ class KiviPolicy(GroupedQuantizationPolicy):
     bits: int = 2
     group: int = 32
     residual: int = 128
+    indexer: str = "same"
 
     def __post_init__(self):
         _check_bits(self.name, "bits", self.bits)
@@ -194,6 +204,7 @@ class Fp8Policy(GroupedQuantizationPolicy):
     axis: str = "token"
     group: int = 64
     residual: int = 0
+    indexer: str = "same"
 
     def __post_init__(self):
         if self.format not in ("e4m3", "e5m2"):

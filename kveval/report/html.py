@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from kveval.report.items import KINDS, Answer, ItemChange, RunChanges
-from kveval.report.rows import Row, fmt
+from kveval.report.rows import Row, fmt, part_bytes, part_bytes_text
 from kveval.report.verdicts import Verdict, verdict
 
 STAR = "\u2605"
@@ -151,6 +151,9 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
            with_kl: bool) -> list[str]:
     head = [("verdict", None), ("model", None), ("policy", None), ("ratio", None), ("bytes/token", None),
             ("compression", None)]
+    with_parts = any(part_bytes(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
+    if with_parts:
+        head.insert(5, ("bytes/token by part", None))
     head += [(t, t) for t in tasks]
     head += [("all items", None), ("change [CI]", None), ("-flips", None), ("confusion", None)]
     if with_kl:
@@ -169,6 +172,8 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
             _cell(fmt(i.bytes_per_token, "{:,.0f}"), value=i.bytes_per_token, href=link),
             _cell(fmt(i.compression, "{:.2f}x"), value=i.compression, best="compression" in r.best, href=link),
         ]
+        if with_parts:
+            cells.insert(5, _cell(part_bytes_text(r), classes=["l"], href=link))
         for t in tasks:
             s = r.task_scores.get(t)
             text = fmt(s)

@@ -39,7 +39,7 @@ from kveval.report.plots import (
     plot_score_vs_compression,
     slug,
 )
-from kveval.report.rows import Row, collect_rows, fmt, load_gate_result
+from kveval.report.rows import Row, collect_rows, fmt, load_gate_result, part_bytes, part_bytes_text
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
 from kveval.stats.comparison import _clean
@@ -53,6 +53,9 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
     with_kl = any(r.fidelity for r in rows)  # runs made with --fidelity: mean KL from the baseline, nats
     if with_kl:
         header.insert(-1, "KL")
+    with_parts = any(part_bytes(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
+    if with_parts:
+        header.insert(4, "bytes/token by part")
     out = []
     for r in rows:
         cells: list[tuple[str, bool]] = [
@@ -62,6 +65,8 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
             (fmt(r.info.bytes_per_token, "{:,.0f}"), False),
             (fmt(r.info.compression, "{:.2f}x"), "compression" in r.best),
         ]
+        if with_parts:
+            cells.insert(4, (part_bytes_text(r), False))
         for t in tasks:
             s = r.task_scores.get(t)
             text = fmt(s)
@@ -101,6 +106,8 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
         "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). *-flips*: share of items right at baseline and wrong under the policy. "
         "*confusion*: share of items answered with a wrong value (distractor, stale, partial, over-inclusion, fabricated). "
         "Best per model in **bold**."
+        + (" *bytes/token by part*: DeepSeek V3.2/V4's own cache parts (latent, window, csa, hca, indexer), measured "
+           "apart, and the compressors' constant-size state per sequence." if "bytes/token by part" in header else "")
         + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
            "along the baseline's own answer (teacher-forced; `kveval eval --fidelity`)." if "KL" in header else ""),
         "",
@@ -146,6 +153,10 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
                 "confusion_rate": r.confusion_rate,
             }
         )
+        for name, value in part_bytes(r).items():
+            rec[f"bytes_per_token[{name}]"] = value
+        if part_bytes(r):
+            rec["state_bytes"] = i.extra.get("state_bytes_mean")
         if r.fidelity:
             rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",
                                                                   "answer_logprob_delta")})

@@ -55,6 +55,21 @@ def fmt(x: float | None, spec: str = "{:.3f}") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
 
 
+def part_bytes(row: Row) -> dict[str, float]:
+    """A run's bytes per token by part of the model's own cache (DeepSeek V3.2/V4: ``latent``, ``window``, ``csa``,
+    ``hca``, ``indexer``), empty for other models."""
+    return row.info.extra.get("parts_bytes_per_token") or {}
+
+
+def part_bytes_text(row: Row) -> str:
+    """:func:`part_bytes` as one cell, with the compressors' constant-size state per sequence; ``-`` where none."""
+    parts = part_bytes(row)
+    if not parts:
+        return "-"
+    state = row.info.extra.get("state_bytes_mean")
+    return ", ".join(f"{name} {value:,.1f}" for name, value in parts.items()) + (f"; state {state:,.0f} B" if state else "")
+
+
 def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
     """Gate verdicts as the ``gate.json`` dict, from a GateResult, a dict, or a gate.json path (or its folder)."""
     if gate_result is None:

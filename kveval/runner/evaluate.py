@@ -83,7 +83,8 @@ def _record(item, result, score) -> ItemRecord:
                  "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
                  "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
                  "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept,
-                 "achieved_ratio": 1.0 - stats.ratio},
+                 "achieved_ratio": 1.0 - stats.ratio,
+                 **({"parts": stats.parts, "state_bytes": stats.state_bytes} if stats.parts else {})},
     )
 
 
@@ -120,6 +121,13 @@ def finalize_run(run_dir: Path) -> RunInfo:
         ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
         if ratios and _reaches_ratio_per_item(info.policy):
             info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
+        parted = [r for r in records if r.metrics.get("parts")]
+        if parted:  # DeepSeek V3.2/V4: each part's bytes per token, and the constant-size state (kveval.cache.native_layers)
+            names = list(dict.fromkeys(name for r in parted for name in r.metrics["parts"]))
+            info.extra["parts_bytes_per_token"] = {
+                name: statistics.fmean(r.metrics["parts"].get(name, 0) / max(1, r.metrics["tokens_seen"]) for r in parted)
+                for name in names}
+            info.extra["state_bytes_mean"] = statistics.fmean(r.metrics.get("state_bytes", 0) for r in parted)
     write_run_info(run_dir, info)
     return info
 
@@ -152,9 +160,10 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
         under the same item ids.
     """
     from kveval.probes import encode_item, score_answer
-    from kveval.runner.generation import Prompt, check_batch_size, check_request, generate_each
+    from kveval.runner.generation import Prompt, check_batch_size, check_request, forward_batch_size, generate_each
 
     check_batch_size(batch_size)  # before any run folder opens
+    batch_size = forward_batch_size(model, batch_size)
     if not all(isinstance(p, RunSpec) for p in policies):
         raise TypeError("evaluate_policies takes RunSpecs; parse specs at the edge with RunSpec.parse")
     specs = list(policies)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kveval.cache.compressed import CacheStats, CompressedCache
+from kveval.cache.native_layers import rows_alone
 from kveval.errors import UsageError
 from kveval.modeling.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
 from kveval.policies.base import PolicyStack, require_stack
@@ -299,12 +300,21 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "PolicyStack | Non
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
     policy = require_stack(policy, "generate")
+    batch_size = forward_batch_size(model, batch_size)
     results = []
     for first in range(0, len(prompts), batch_size):
         results += _generate_batch(model, tokenizer, prompts[first:first + batch_size], policy,
                                    limits[first:first + batch_size], mode, stop or [],
                                    batch_seeds(seed, first, batch_size), kv_dtype, quantized_decode)
     return results
+
+
+def forward_batch_size(model, batch_size: int) -> int:
+    """The rows a forward takes: ``batch_size``, or 1 for models whose own cache layers kveval mirrors (DeepSeek
+    V3.2/V4: :func:`~kveval.cache.native_layers.rows_alone`), whose compressor windows and indexer mask are laid
+    over the batch's columns, so that a padded row would pool its padding. Each row then gets exactly its answer
+    alone, whatever ``batch_size`` asked."""
+    return 1 if rows_alone(model) else batch_size
 
 
 def batch_seeds(seed: "int | Sequence[int]", first: int, size: int) -> "int | list[int]":
@@ -404,6 +414,8 @@ def can_share_prefill(model, kv_dtype: "torch.dtype | None" = None) -> bool:
     different 16-bit dtypes (bfloat16 compute, float16 cache).
     """
     kv = cache_kv_dtype(model, kv_dtype)
+    if rows_alone(model):  # its native layers' parts and states are built as each policy's prefill goes
+        return False
     return model.dtype == kv or model.dtype in (torch.float32, torch.float64)
 
 
@@ -459,6 +471,7 @@ def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     """
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
+    batch_size = forward_batch_size(model, batch_size)
     stacks = list({s.spec: s for s in (require_stack(p, "generate_each") for p in policies)}.values())
     out = {s.spec: [] for s in stacks}
     for first in range(0, len(prompts), batch_size):

@@ -15,7 +15,10 @@ head width.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kveval.errors import PolicySpecError, UsageError
@@ -126,6 +129,16 @@ class RunSpec:
         raises :class:`PolicySpecError`. A model whose config cannot be read
         here is returned unchanged: loading it reports the problem.
         """
+        native = _native_config(model)
+        if native is not None:  # DeepSeek V3.2 / V4: their own cache's parts (kveval.cache.native_layers)
+            from kveval.cache.native_layers import check_policy
+
+            check_policy(native, self.policy)
+            if self.policy.is_none:
+                return self
+            stack = _copy_stack(self.policy)
+            stack.fit_groups(math.gcd(*_native_widths(native)))
+            return replace(self, policy=stack)
         shape = _model_shape(model)
         if shape is None or self.policy.is_none:
             return self
@@ -148,6 +161,39 @@ def _copy_stack(stack: PolicyStack) -> PolicyStack:
     import copy
 
     return PolicyStack(*(copy.copy(p) if p is not None else None for p in (stack.selection, stack.structure, stack.quantization)))
+
+
+def _native_config(model) -> "dict | None":
+    """``model``'s text config as a dict (a name, folder or ``config.json`` path, dict, config or loaded model) where
+    its cache is one kveval mirrors part by part (:data:`~kveval.modeling.layer_types.NATIVE_MODEL_TYPES`), else
+    ``None`` (also where it cannot be read here: loading it reports that)."""
+    from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
+
+    if hasattr(model, "config") and not isinstance(model, dict):
+        model = model.config
+    if hasattr(model, "get_text_config"):
+        model = model.get_text_config(decoder=True).to_dict()
+    elif isinstance(model, (str, Path)):
+        path = Path(model).expanduser()
+        path = path / "config.json" if path.is_dir() else path
+        if path.name != "config.json" or not path.is_file():
+            return None
+        try:
+            model = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+    if not isinstance(model, dict):
+        return None
+    model = model.get("text_config") or model
+    return model if model.get("model_type") in NATIVE_MODEL_TYPES else None
+
+
+def _native_widths(config: dict) -> tuple[int, ...]:
+    """The widths a quantizer's per-token groups must divide in such a model's store part: V4's K=V head, V3.2's
+    latent and RoPE key (its other parts fit their own groups: :func:`kveval.cache.native_layers.part_coding`)."""
+    if config["model_type"] == "deepseek_v4":
+        return (int(config.get("head_dim") or 512),)
+    return int(config.get("kv_lora_rank") or 512), int(config.get("qk_rope_head_dim") or 64)
 
 
 def _model_shape(model):

@@ -1,0 +1,411 @@
+"""kveval's cache layers for models whose own cache layers hold more than per-token K/V: DeepSeek V3.2 (and GLM's
+MoE-DSA models) and DeepSeek V4. Each mirrors transformers' own layer method for method, so the model's code runs
+unchanged against it, and keeps every part apart so that each is measured (and coded) on its own.
+
+===============================  =====================================================  =================================
+layer type                       transformers' layer                                    parts (per token / per entry)
+===============================  =====================================================  =================================
+``indexed_attention`` (V3.2,     ``DynamicIndexedLayer``: latent + RoPE key (through    ``latent``, ``indexer``
+GLM MoE-DSA)                     ``update``) and the DSA indexer's keys
+                                 (``update_indexer``)
+``sliding_attention`` (V4)       ``DynamicSlidingWindowLayer``: the last                ``window``
+                                 ``sliding_window - 1`` K=V entries
+``heavily_compressed_attention``  ``DeepseekV4HCACache``: the window, one entry per     ``window``, ``hca``; state:
+(V4)                             ``compress_rates[hca]`` tokens, and the tokens         pending tokens
+                                 waiting for their window (``buffer_kv/gate``)
+``compressed_sparse_attention``  ``DeepseekV4CSACache``: the window, one entry per      ``window``, ``csa``, ``indexer``;
+(V4)                             ``compress_rates[csa]`` tokens for attention and one   state: pending tokens and the
+                                 for the indexer, the pending tokens and the last       overlap
+                                 window's overlap half (``overlap_kv/gate``)
+===============================  =====================================================  =================================
+
+The latent and the window are a :class:`~kveval.cache.layers.CompressedLayer`'s token store (V4's K=V entries are
+stored once, as keys with values of width 0: its attention reads ``cache.update(kv, kv)[0]``). The compressed
+entries and the indexer's keys are :class:`PartSequence` s, one per row, held in the cache dtype (in a 16-bit
+model transformers' own V4 layers keep the float32 its norms return; a deployment stores them in its cache dtype,
+and so does kveval, whose self-check tolerance for 16-bit models covers that rounding). The pending tokens and the overlap are
+constant-size state, kept as the model hands them (a tensor in the compute dtype held in the cache dtype, as a
+deployment computing in it holds it) and counted in ``state_bytes``, apart from the per-token bytes.
+
+Exactness. These layers return what the model's own layers return, in the same layout: the window's entries
+(``get_mask_sizes`` mirrors the sliding layer's), the latent, the entries emitted so far. Attention then runs under
+the model's own mask (with the compressor's block bias and the indexer's top-k folded in by the model's code), so
+kveval puts no mask of its own (``kveval_mask`` is ``None``). That layout is the model's as long as a row holds
+every token it saw: a forward with padding is refused (:class:`~kveval.errors.UnsupportedModelError`), and
+kveval's drivers run such models' rows one at a time (:func:`rows_alone`), since the compressor's windows and the
+indexer's mask are laid over the batch's columns, where a padded row would pool its padding.
+
+Compression. On V3.2's latent, a selection that needs no attention (:data:`LATENT_SELECTIONS`) keeps a token's
+latent and indexer key together (:class:`IndexedLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries, which
+are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
+(``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache dtype).
+Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries are
+coded as they arrive, as its latent's tokens are). Refused before any weights load (:func:`check_policy`):
+selection on V4 (its block masks and indexer number the compressed entries from the first, which an eviction
+would shift), selections that score with attention (the model's carries the indexer's top-k), structure, and
+other codecs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kveval.cache.layers import CompressedLayer
+from kveval.errors import UnsupportedModelError
+from kveval.stores.base import QuantizedSequence
+from kveval.tensors.quantization import TensorQuant
+
+#: DeepSeek's serving format of the indexer's keys: e4m3 with one scale per this many values.
+INDEXER_FP8_GROUP = 128
+#: The quantizers whose coding of each part is defined here (grouped integer and FP8 codes, K's coding for keys).
+PART_QUANTIZERS = ("quant", "kivi", "fp8")
+#: Selections that act on V3.2's latent (one decision per token for all heads, its indexer key leaving with it):
+#: those that score without attention (the model's attention there carries the indexer's top-k).
+LATENT_SELECTIONS = ("window", "streaming", "knorm", "random")
+
+
+def rows_alone(model) -> bool:
+    """Whether kveval's drivers run ``model``'s rows one at a time (its native layers take no padding)."""
+    from kveval.modeling.architectures import is_native
+
+    return is_native(model.config)
+
+
+def _shares_indexer(config: dict) -> bool:
+    """Whether some layer of a GLM MoE-DSA config reuses an earlier layer's top-k (``indexer_types`` "shared", or the
+    ``index_topk_pattern`` / ``index_topk_freq`` it is made from)."""
+    if config.get("indexer_types") is not None:
+        return "shared" in config["indexer_types"]
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        return "S" in pattern if isinstance(pattern, str) else "shared" in pattern
+    return int(config.get("index_topk_freq") or 1) > 1
+
+
+def check_policy(config, stack) -> None:
+    """Refuse, in one line, a policy these layers cannot apply exactly: on V4 anything but quantization by
+    :data:`PART_QUANTIZERS`; on V3.2 and GLM MoE-DSA those and :data:`LATENT_SELECTIONS` (only those that keep the
+    same tokens in every layer where a layer reuses another's top-k). ``config``: a transformers config or a dict."""
+    if not isinstance(config, dict):
+        config = config.get_text_config(decoder=True).to_dict()
+    model_type = config.get("model_type", "")
+    name = {"deepseek_v4": "DeepSeek V4", "deepseek_v32": "DeepSeek V3.2", "glm_moe_dsa": "GLM MoE-DSA"}.get(model_type)
+    if name is None:
+        return
+    v4 = model_type == "deepseek_v4"
+    parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
+    selection = stack.selection
+    if selection is not None and v4:
+        raise UnsupportedModelError(
+            f"{selection.spec()}: in {name}'s cache ({parts}) the model's own indexer and block masks number the "
+            f"entries from the first, which an eviction would shift; kveval does not select on it: evaluate a "
+            f"quantization ({', '.join(PART_QUANTIZERS)})")
+    if selection is not None and (selection.attention != "none" or selection.per_head_budgets):
+        why = ("scores with attention probabilities, which on this model hold the indexer's top-k that kveval's "
+               "scoring does not fold in" if selection.attention != "none" else
+               "budgets heads apart, where the latent is one head for all")
+        raise UnsupportedModelError(
+            f"{selection.spec()}: {why}; on {name}'s latent use a selection that needs no attention "
+            f"({', '.join(LATENT_SELECTIONS)})")
+    if selection is not None and selection.name not in ("window", "streaming") and _shares_indexer(config):
+        raise UnsupportedModelError(
+            f"{selection.spec()}: some of this {name} model's layers reuse an earlier layer's top-k slots, which "
+            f"name the same tokens only where every layer keeps the same ones; use window or streaming")
+    if stack.structure is not None:
+        raise UnsupportedModelError(
+            f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
+            f"kveval has no low-rank basis for its parts: evaluate a quantization ({', '.join(PART_QUANTIZERS)})")
+    quantization = stack.quantization
+    if quantization is not None and quantization.name not in PART_QUANTIZERS:
+        raise UnsupportedModelError(
+            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {', '.join(PART_QUANTIZERS)} only; "
+            f"use one of those")
+
+
+def part_coding(quantization, part: str, width: int) -> "tuple[TensorQuant | None, int]":
+    """How ``part`` (``width`` values per entry) is coded under ``quantization``: a
+    :class:`~kveval.tensors.quantization.TensorQuant` (``None``: kept in the cache dtype) and its residual tokens."""
+    if quantization is None:
+        return None, 0
+    indexer = getattr(quantization, "indexer", "same")
+    if part == "indexer" and indexer == "native":
+        return None, 0
+    if part == "indexer" and indexer == "fp8":
+        return TensorQuant(8, "token", _divisor(width, INDEXER_FP8_GROUP), fp8="e4m3"), 0
+    quant = quantization.key_quant
+    if quant.axis == "token" and width % quant.group:  # the part's own width (the window's was fitted at the spec)
+        quant = TensorQuant(quant.bits, quant.axis, _divisor(width, quant.group), quant.symmetric, quant.fp8)
+    return quant, quantization.residual_tokens
+
+
+def _divisor(width: int, group: int) -> int:
+    """The largest divisor of ``width`` not above ``group``."""
+    return max(d for d in range(1, min(group, width) + 1) if width % d == 0)
+
+
+class PartSequence:
+    """One row's entries of one part (``[1, n, width]`` each time): dense in the cache dtype, or coded."""
+
+    def __init__(self, quant: TensorQuant | None, residual: int, kv_dtype: torch.dtype):
+        self.kv_dtype = kv_dtype
+        self.coded = None if quant is None else QuantizedSequence(quant, residual, kv_dtype)
+        self.dense: torch.Tensor | None = None
+        self.compute_dtype: torch.dtype | None = None
+        self.appended = 0  # entries ever appended: what the model's own cache holds (nothing evicted)
+
+    @property
+    def length(self) -> int:
+        if self.coded is not None:
+            return self.coded.length
+        return 0 if self.dense is None else self.dense.shape[1]
+
+    def append(self, x: torch.Tensor, seal: bool) -> None:
+        self.compute_dtype = self.compute_dtype or x.dtype
+        self.appended += x.shape[1]
+        if x.shape[1] == 0:
+            return
+        if self.coded is not None:
+            self.coded.append(x)
+            if seal:
+                self.coded.seal()
+        else:
+            x = x.to(self.kv_dtype)
+            self.dense = x.clone() if self.dense is None else torch.cat([self.dense, x], dim=1)
+
+    def seal(self) -> None:
+        if self.coded is not None:
+            self.coded.seal()
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep entries ``index`` (``[1, n']``, increasing); coded entries are never re-encoded."""
+        if self.coded is not None:
+            self.coded.select(index)
+        elif self.dense is not None:
+            self.dense = self.dense[:, index[0]]
+
+    def read(self, width: int, device) -> torch.Tensor:
+        """Every entry, ``[1, n, width]`` in the dtype they came in."""
+        if not self.length:
+            return torch.zeros(1, 0, width, dtype=self.compute_dtype, device=device)
+        if self.coded is not None:
+            return self.coded.materialize()
+        return self.dense.to(self.compute_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        if self.coded is not None:
+            return self.coded.nbytes
+        return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+
+
+class NativeLayer(CompressedLayer):
+    """A native cache layer: its store part (:attr:`store_part`) is the :class:`CompressedLayer`'s; the others are
+    :class:`PartSequence` s per row, and the constant-size state is held in :attr:`states`."""
+
+    store_part = "latent"
+
+    def __init__(self, cache, layer_idx: int, sliding_window: int | None = None):
+        super().__init__(cache, layer_idx, sliding_window)
+        self.parts: dict[str, list[PartSequence]] = {}
+        self.part_widths: dict[str, int] = {}
+        self.states: dict[str, torch.Tensor] = {}  # what the model's own layer keeps between forwards, by name
+        self.state_dtypes: dict[str, torch.dtype] = {}
+        self.sealing = False  # the first forward has been attended: new entries are coded as they arrive
+
+    # --- what attention reads, in the model's own layout ---------------------------------------------------------
+    def update(self, key_states, value_states, *args, kwargs=None, **extra):
+        real = self.cache.input_counts(key_states.shape[0], key_states.shape[2])[1]
+        if not real:
+            raise UnsupportedModelError(
+                f"layer {self.layer_idx} ({type(self).__name__}): a padded batch would pool padding into the "
+                f"model's compressed entries and indexer; run its rows one at a time (kveval's drivers do)")
+        keys, values = super().update(key_states, value_states, *args, kwargs=kwargs, **extra)
+        if kwargs is not None:
+            kwargs["kveval_mask"] = None  # the model's own mask: this layer holds its layout
+        return keys, values
+
+    def _could_batch(self) -> bool:  # one row at a time, the plain path: the model's layout at every step
+        return False
+
+    def after_attention(self, query, keys, probabilities) -> None:
+        super().after_attention(query, keys, probabilities)
+        for rows in self.parts.values():
+            for part in rows:
+                part.seal()
+        self.sealing = True
+
+    # --- the parts ------------------------------------------------------------------------------------------------
+    def append_part(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Append ``x`` (``[B, n, width]``) to part ``name`` of every row; all its entries, ``[B, total, width]``."""
+        rows = self.parts.get(name)
+        if rows is None:
+            quant, residual = part_coding(self.cache.policy.quantization, name, x.shape[-1])
+            rows = self.parts[name] = [PartSequence(quant, residual, self.cache.kv_dtype) for _ in range(x.shape[0])]
+            self.part_widths[name] = x.shape[-1]
+        for b, part in enumerate(rows):
+            part.append(x[b:b + 1], self.sealing)
+        return torch.cat([part.read(x.shape[-1], x.device) for part in rows], dim=0)
+
+    def hold_state(self, name: str, x: "torch.Tensor | None") -> None:
+        """Keep ``x`` between forwards: in the cache dtype where the model computes it in its compute dtype (as a
+        deployment computing in the cache dtype holds it), else as it is (V4's gates carry a float32 bias)."""
+        self.state_dtypes[name] = x.dtype
+        self.states[name] = (x.to(self.cache.kv_dtype) if x.dtype == self.dtype else x).clone()
+
+    def read_state(self, name: str) -> "torch.Tensor | None":
+        """State ``name`` in the dtype the model gave it, ``None`` before it was held."""
+        x = self.states.get(name)
+        return None if x is None else x.to(self.state_dtypes[name])
+
+    # --- measurement ----------------------------------------------------------------------------------------------
+    def row_parts(self, b: int) -> dict[str, tuple[int, int]]:
+        """Row ``b``'s parts: ``{name: (measured bytes, bytes of the model's own cache in the cache dtype)}``."""
+        row = self.rows[b]
+        item = self.cache.kv_dtype.itemsize
+        out = {self.store_part: (row.store.nbytes, self.nominal_tokens(row) * self.token_elements * item)}
+        for name, rows in self.parts.items():
+            part = rows[b]
+            out[name] = (part.nbytes, part.appended * self.part_widths[name] * item)
+        return out
+
+    def take_rows(self, index: list[int]) -> None:
+        """Keep row ``index[j]`` of the parts and states as row ``j`` (a forked cache's layer: see
+        :meth:`~kveval.cache.compressed.CompressedCache.fork_rows`), each an independent copy."""
+        import copy
+
+        self.parts = {name: [copy.deepcopy(rows[i]) for i in index] for name, rows in self.parts.items()}
+        picked = torch.tensor(index, dtype=torch.long)
+        self.states = {name: x.index_select(0, picked.to(x.device)) for name, x in self.states.items()}
+
+    def row_state_bytes(self, b: int) -> int:
+        return sum(x[b].numel() * x.element_size() for x in self.states.values())
+
+    def reset(self) -> None:
+        super().reset()
+        self.parts, self.part_widths, self.states, self.state_dtypes, self.sealing = {}, {}, {}, {}, False
+
+
+class IndexedLayer(NativeLayer):
+    """``indexed_attention`` (DeepSeek V3.2, GLM MoE-DSA): transformers' ``DynamicIndexedLayer``. The latent and RoPE
+    key are the store's (MLA: :mod:`kveval.modeling.architectures`), the indexer's keys part ``indexer``.
+
+    A selection (:data:`LATENT_SELECTIONS`) keeps a token's latent and its indexer key together, for every head at
+    once. The layer then reports the slots it holds as its length (``get_seq_length``, ``get_mask_sizes``), so the
+    model's own causal mask is laid over them: every held token before this forward's, which are causal among
+    themselves, and the model's indexer picks its top-k among what is held. With nothing evicted that is the
+    model's own layout, column for column."""
+
+    store_part = "latent"
+
+    def __init__(self, cache, layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self.indexer_position_ids = None  # GLM's multi-dimensional positions: never set for the models kveval runs
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """New indexer keys ``[B, n, index_head_dim]``; every key held, ``[B, total, index_head_dim]``."""
+        return self.append_part("indexer", indexer_key_states)
+
+    def _held(self) -> int:
+        return self._rows[0].store.length if self._rows else 0
+
+    def get_seq_length(self) -> int:
+        return self._held()
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self._held() + query_length, 0
+
+    def _select(self, row, index) -> None:
+        super()._select(row, index)
+        if isinstance(index, list):
+            index = torch.stack(index)
+        b = next(i for i, r in enumerate(self._rows) if r is row)
+        for rows in self.parts.values():
+            rows[b].select(index[:1])
+
+
+class WindowLayer(NativeLayer):
+    """DeepSeek V4's ``sliding_attention``: the last ``sliding_window - 1`` K=V entries between forwards
+    (``DynamicSlidingWindowLayer``), stored once (as keys; values of width 0)."""
+
+    store_part = "window"
+
+    def update(self, key_states, value_states, *args, kwargs=None, **extra):
+        keys, _ = super().update(key_states, key_states[..., :0], *args, kwargs=kwargs, **extra)
+        return keys, keys
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        """As ``DynamicSlidingWindowLayer``: the window's entries and this forward's, from the column the window
+        starts at."""
+        seen, window = self.columns_seen, self.sliding_window
+        held = window - 1 if seen >= window else seen
+        return held + query_length, max(seen - window + 1, 0)
+
+
+class HcaLayer(WindowLayer):
+    """DeepSeek V4's ``heavily_compressed_attention`` (``DeepseekV4HCACache``): the window, the compressor's entries
+    (part ``hca``) and its pending tokens (state ``buffer_kv/compressor``, ``buffer_gate/compressor``)."""
+
+    layer_type = "heavily_compressed_attention"
+    entry_parts = {"compressor": "hca"}
+
+    def __init__(self, cache, layer_idx: int, sliding_window: int, config):
+        super().__init__(cache, layer_idx, sliding_window)
+        self.compress_rate = config.compress_rates[self.layer_type]
+        self.entry_count = {name: 0 for name in self.entry_parts}
+
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        """As ``DeepseekV4HCACache.store_compression_weights``: the pending tokens then ``kv``/``gate``, cut at the
+        last whole window; what follows waits. ``(chunk_kv, chunk_gate, first_window_position)``."""
+        first_window_position = self.entry_count[name] * self.compress_rate
+        pending_kv, pending_gate = self.read_state(f"buffer_kv/{name}"), self.read_state(f"buffer_gate/{name}")
+        if pending_kv is not None and pending_kv.shape[1]:
+            kv = torch.cat([pending_kv, kv], dim=1)
+            gate = torch.cat([pending_gate, gate], dim=1)
+        usable = (kv.shape[1] // self.compress_rate) * self.compress_rate
+        self.hold_state(f"buffer_kv/{name}", kv[:, usable:])
+        self.hold_state(f"buffer_gate/{name}", gate[:, usable:])
+        return kv[:, :usable], gate[:, :usable], first_window_position
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        """New entries ``[B, n, width]`` of series ``name``; every entry so far, ``[B, total, width]``."""
+        self.entry_count[name] += compressed.shape[1]
+        return self.append_part(self.entry_parts[name], compressed)
+
+    def reset(self) -> None:
+        super().reset()
+        self.entry_count = {name: 0 for name in self.entry_parts}
+
+
+class CsaLayer(HcaLayer):
+    """DeepSeek V4's ``compressed_sparse_attention`` (``DeepseekV4CSACache``): as :class:`HcaLayer` with entries
+    ``csa``, plus the indexer's entries (part ``indexer``) and each series' overlap half (state ``overlap_kv/*``,
+    ``overlap_gate/*``)."""
+
+    layer_type = "compressed_sparse_attention"
+    entry_parts = {"compressor": "csa", "indexer": "indexer"}
+
+    def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
+        """As ``DeepseekV4CSACache.update_overlap_state``: the prior call's last-window Ca half (``None`` at first),
+        and this call's kept for the next."""
+        prior_kv, prior_gate = self.read_state(f"overlap_kv/{name}"), self.read_state(f"overlap_gate/{name}")
+        self.hold_state(f"overlap_kv/{name}", chunk_kv[:, -1, :, :head_dim])
+        self.hold_state(f"overlap_gate/{name}", chunk_gate[:, -1, :, :head_dim])
+        return prior_kv, prior_gate
+
+
+def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
+    """The :class:`NativeLayer` of one model layer (``plan``: its :class:`~kveval.modeling.architectures.LayerPlan`)."""
+    text = config.get_text_config(decoder=True)
+    if plan.layer_type == "indexed_attention":
+        return IndexedLayer(cache, layer_idx)
+    if plan.layer_type == "sliding_attention":
+        return WindowLayer(cache, layer_idx, plan.sliding_window)
+    if plan.layer_type == "heavily_compressed_attention":
+        return HcaLayer(cache, layer_idx, plan.sliding_window, text)
+    if plan.layer_type == "compressed_sparse_attention":
+        return CsaLayer(cache, layer_idx, plan.sliding_window, text)
+    raise UnsupportedModelError(f"layer {layer_idx}: native layer type {plan.layer_type!r} has no kveval layer")
+
+
+__all__ = ["CsaLayer", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
+           "PartSequence", "WindowLayer", "check_policy", "native_layer", "part_coding", "rows_alone"]

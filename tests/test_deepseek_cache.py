@@ -1,0 +1,331 @@
+"""DeepSeek V3.2 and V4 through their own cache layers, mirrored part by part (kveval.cache.native_layers).
+
+Tiny random configs (tests/tiny_models.py NATIVE_ARCHITECTURES): V3.2 with a 16-wide latent, an 8-wide RoPE key and
+16-wide indexer keys choosing 8 tokens; V4 with a window of 8, CSA every 4 tokens (16-wide indexer, top 3) and HCA
+every 16; GLM's MoE-DSA as V3.2, its second layer reusing the first's top-k. ``none`` equals the model's own eager forward with transformers' own cache, through prefill, a question
+in one forward and decode steps (pending tokens at every forward's end, windows closed by decode steps, CSA's
+overlap carried across calls); every part's bytes equal the count by hand; quantization codes every part below
+the native cache; a selection on V3.2's latent takes the indexer keys with it; batch 3 gives each row's answers
+alone; what cannot be expressed is refused in one line.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kveval.cache.compressed import CompressedCache
+from kveval.cache.exactness import measure_exactness
+from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.policies.spec import parse_policy
+from kveval.runner.generation import Prompt, generate
+
+from tiny_models import Tok, tiny_model
+
+FP32 = torch.float32
+NATIVE = ["deepseek_v32", "deepseek_v4", "glm_moe_dsa"]
+
+
+def _ids(n, seed):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _three_calls(model, cache, context=21, question=6, steps=18):
+    """Prefill ``context`` tokens, a question of ``question`` tokens in one forward, then ``steps`` greedy steps; the
+    logits of every forward. 21 and 27 leave pending tokens in both compressors; the steps close windows."""
+    ids = _ids(context + question, 0)
+    out = [model(ids[:, :context], cache=cache, position_ids=torch.arange(context)[None]).logits,
+           model(ids[:, context:], cache=cache, position_ids=torch.arange(context, context + question)[None]).logits]
+    nxt, n = out[-1][:, -1:].argmax(-1), context + question
+    for step in range(steps):
+        out.append(model(nxt, cache=cache, position_ids=torch.tensor([[n + step]])).logits)
+        nxt = out[-1][:, -1:].argmax(-1)
+    return out
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_none_is_the_models_own_forward_across_calls(name):
+    model, reference = tiny_model(name), tiny_model(name, attn="eager")
+    cache = CompressedCache(model, parse_policy("none"), kv_dtype=FP32)
+    ours, theirs = _three_calls(model, cache), _three_calls(reference, DynamicCache(config=reference.config))
+    difference = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+    # V4 attends through the model's own eager function (its sinks): the same bits. V3.2 through SDPA: its rounding.
+    assert difference == 0.0 if name == "deepseek_v4" else difference <= 1e-5
+    stats = cache.stats()
+    assert stats.kv_bytes == stats.nominal_bytes and stats.parts == stats.nominal_parts
+
+
+def test_v4_holds_what_its_own_cache_holds():
+    """After the three calls (45 tokens), kveval's parts are the model's own cache's tensors."""
+    model, reference = tiny_model("deepseek_v4"), tiny_model("deepseek_v4", attn="eager")
+    cache, own = CompressedCache(model, parse_policy("none"), kv_dtype=FP32), DynamicCache(config=reference.config)
+    _three_calls(model, cache), _three_calls(reference, own)
+    for i in (1, 2):
+        mine, theirs = cache.layers[i], own.layers[i]
+        for name, part in mine.entry_parts.items():
+            assert mine.entry_count[name] == theirs.entry_count[name]
+            torch.testing.assert_close(mine.parts[part][0].read(1, "cpu"), theirs.compressed_kv[name], atol=0, rtol=0)
+            torch.testing.assert_close(mine.read_state(f"buffer_kv/{name}"), theirs.buffer_kv[name], atol=0, rtol=0)
+    torch.testing.assert_close(cache.layers[1].read_state("overlap_kv/indexer"), own.layers[1].overlap_kv["indexer"])
+
+
+@pytest.mark.parametrize("kv_dtype, item", [(FP32, 4), (torch.bfloat16, 2)])
+def test_v4_bytes_per_part_are_the_count_by_hand(kv_dtype, item):
+    model = tiny_model("deepseek_v4")
+    cache = CompressedCache(model, parse_policy("none"), kv_dtype=kv_dtype)
+    _three_calls(model, cache)  # 21 + 6 + 18 = 45 tokens
+    stats = cache.stats()
+    seen = 45
+    assert stats.tokens_seen == [seen]
+    assert stats.parts == {
+        "window": 3 * 7 * 32 * item,  # every layer: the last window - 1 K=V entries of head_dim 32
+        "csa": (seen // 4) * 32 * item,  # one entry per 4 tokens
+        "indexer": (seen // 4) * 16 * item,  # and one indexer key of 16 per entry
+        "hca": (seen // 16) * 32 * item,  # one entry per 16 tokens
+    }
+    assert stats.kv_bytes == sum(stats.parts.values())
+    # State: the tokens waiting for their window (kv and gate: CSA 2 x 32 wide, its indexer 2 x 16, HCA 32), each
+    # window's overlap half (4 x 32, 4 x 16), kv and gate, in the cache dtype (this model computes every one in its
+    # own float32; a bfloat16 model's overlap gates carry its float32 bias, and are held so).
+    csa_pending, hca_pending = seen % 4, seen % 16
+    pending = (csa_pending * (64 + 32) + hca_pending * 32) * 2 * item
+    overlap = (4 * 32 + 4 * 16) * 2 * item
+    assert stats.state_bytes == pending + overlap
+
+
+def test_v32_bytes_per_part_are_the_count_by_hand():
+    model = tiny_model("deepseek_v32")
+    cache = CompressedCache(model, parse_policy("none"), kv_dtype=torch.bfloat16)
+    _three_calls(model, cache)
+    stats = cache.stats()
+    assert stats.parts == {"latent": 2 * 45 * (16 + 8) * 2, "indexer": 2 * 45 * 16 * 2} and stats.state_bytes == 0
+
+
+@pytest.mark.parametrize("name", NATIVE)
+@pytest.mark.parametrize("spec", ["fp8(group=8)", "kivi(bits=4,group=8,residual=0)", "quant(bits=4,group=8)",
+                                  "quant(bits=8,group=8,indexer=fp8)"])
+def test_quantization_codes_every_part_below_the_native_cache(name, spec):
+    model = tiny_model(name)
+    cache = CompressedCache(model, parse_policy(spec))
+    logits = _three_calls(model, cache)
+    stats = cache.stats()
+    assert all(bool(torch.isfinite(x).all()) for x in logits)
+    for part, measured in stats.parts.items():
+        if part in ("window", "hca") and spec.startswith("kivi"):  # 7 and 2 entries: no whole group of 8 to code
+            assert measured == stats.nominal_parts[part]
+        else:
+            assert 0 < measured < stats.nominal_parts[part], (part, stats.parts)
+
+
+def test_the_indexer_takes_its_own_coding():
+    """``indexer=fp8``: e4m3 with one float16 scale per 128 values (per 16-wide key here); ``indexer=native``: the cache
+    dtype; the other parts as the quantizer says."""
+    model = tiny_model("deepseek_v32")
+    parts = {}
+    for spec in ("quant(bits=4,group=8)", "quant(bits=4,group=8,indexer=fp8)", "quant(bits=4,group=8,indexer=native)"):
+        cache = CompressedCache(model, parse_policy(spec), kv_dtype=torch.bfloat16)
+        _three_calls(model, cache)
+        parts[spec] = cache.stats().parts
+    same, fp8, native = parts.values()
+    assert same["latent"] == fp8["latent"] == native["latent"]
+    assert fp8["indexer"] == 2 * 45 * (16 + 2) and native["indexer"] == 2 * 45 * 16 * 2
+    assert same["indexer"] == 2 * 45 * (16 // 2 + 2 * 2 * 2)  # 4-bit codes, a bf16 scale and zero per 8 values
+    with pytest.raises(PolicySpecError, match="indexer='int3' must be one of same, native, fp8"):
+        parse_policy("quant(bits=4,indexer=int3)")
+
+
+@pytest.mark.parametrize("name", NATIVE)
+@pytest.mark.parametrize("policy", ["none", "quant(bits=4,group=8)"])
+def test_batch_of_three_gives_each_rows_answers_alone(name, policy):
+    model = tiny_model(name)
+    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
+    alone = [generate(model, Tok(), [p], parse_policy(policy), max_new_tokens=6)[0] for p in prompts]
+    together = generate(model, Tok(), prompts, parse_policy(policy), max_new_tokens=6, batch_size=3)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert (a.stats.kv_bytes, a.stats.parts, a.stats.state_bytes) == (b.stats.kv_bytes, b.stats.parts, b.stats.state_bytes)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_the_load_time_self_check_covers_them(name):
+    from kveval.cache.exactness import probe_length, self_check
+
+    model = tiny_model(name)
+    # V4: past the window (8) and one HCA window (16), with tokens left pending
+    assert probe_length(model.config) == (27 if name == "deepseek_v4" else 24)
+    assert self_check(model).max_difference <= 1e-5
+    result = measure_exactness(model, prefill=37, decode=6)
+    assert result.exact and result.max_difference <= 1e-5
+
+
+def test_a_padded_forward_is_refused():
+    model = tiny_model("deepseek_v4")
+    cache = CompressedCache(model, parse_policy("none"))
+    cache.set_input_mask(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(UnsupportedModelError, match="run its rows one at a time"), torch.no_grad():
+        model(_ids(8, 0).view(2, 4), cache=cache, position_ids=torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3]]))
+
+
+REFUSALS = {
+    "snapkv(ratio=0.5)": "kveval does not select on it",
+    "window(size=20)": "kveval does not select on it",
+    "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
+    "kvquant(bits=4)": "with quant, kivi, fp8 only",
+}
+V32_REFUSALS = {
+    "snapkv(ratio=0.5)": "scores with attention probabilities, which on this model hold the indexer's top-k",
+    "h2o(ratio=0.5)+kivi(bits=4)": "scores with attention probabilities",
+    "duo(heads=0.5)": "budgets heads apart",
+    "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
+    "kvquant(bits=4)": "with quant, kivi, fp8 only",
+}
+
+
+@pytest.mark.parametrize("name, spec, message", [("deepseek_v4", spec, m) for spec, m in sorted(REFUSALS.items())]
+                         + [("deepseek_v32", spec, m) for spec, m in sorted(V32_REFUSALS.items())]
+                         + [("glm_moe_dsa", "knorm(ratio=0.5)", "reuse an earlier layer's top-k slots")])
+def test_what_cannot_be_expressed_is_refused_at_construction(name, spec, message):
+    with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(")):
+        CompressedCache(tiny_model(name), parse_policy(spec))
+
+
+LATENT_SELECTIONS = ["window(size=20)", "streaming(sink=4,window=16)", "knorm(ratio=0.5)", "random(ratio=0.5)",
+                     "knorm(budget=12,decode_budget=16)+quant(bits=4,group=8)"]
+
+
+@pytest.mark.parametrize("spec", LATENT_SELECTIONS)
+@pytest.mark.parametrize("mode", ["context", "query"])
+def test_v32_selects_on_its_latent_with_the_indexer_keys_alongside(spec, mode):
+    """A token's latent and indexer key are kept or dropped together, for every head; below the native cache in
+    both parts; batch 3 gives each row alone (row i's random seed is seed + i, as in the batch)."""
+    model = tiny_model("deepseek_v32")
+    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
+    alone = [generate(model, Tok(), [p], parse_policy(spec), max_new_tokens=6, mode=mode, seed=i)[0]
+             for i, p in enumerate(prompts)]
+    together = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=6, mode=mode, batch_size=3)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and a.stats.parts == b.stats.parts
+    stats = alone[0].stats
+    kept = stats.kept_tokens[0][0]
+    if spec.startswith("window"):  # every layer keeps the same tokens: GLM's layers that reuse a top-k may select
+        glm = tiny_model("glm_moe_dsa")
+        assert ([r.token_ids for r in generate(glm, Tok(), prompts, parse_policy(spec), max_new_tokens=6, mode=mode,
+                                                batch_size=3)]
+                == [generate(glm, Tok(), [p], parse_policy(spec), max_new_tokens=6, mode=mode)[0].token_ids
+                    for p in prompts])
+    assert kept < stats.tokens_seen[0]
+    assert stats.nominal_parts == {"latent": 2 * stats.tokens_seen[0] * 24 * 2, "indexer": 2 * stats.tokens_seen[0] * 16 * 2}
+    if "quant" not in spec:
+        assert stats.parts == {"latent": 2 * kept * 24 * 2, "indexer": 2 * kept * 16 * 2}
+    assert all(0 < stats.parts[p] < stats.nominal_parts[p] for p in stats.parts)
+
+
+def test_v32_keeps_the_indexer_keys_of_the_tokens_it_keeps():
+    """After the context (whose forward every policy attends uncompressed), the kept tokens' indexer keys are the
+    ones the uncompressed cache holds at those positions."""
+    model = tiny_model("deepseek_v32")
+    ids = _ids(40, 3)
+    caches = {}
+    for spec in ("none", "knorm(ratio=0.5)"):
+        caches[spec] = CompressedCache(model, parse_policy(spec), kv_dtype=FP32)
+        with torch.no_grad():
+            model(ids, cache=caches[spec], position_ids=torch.arange(40)[None])
+    for layer, full in zip(caches["knorm(ratio=0.5)"].layers, caches["none"].layers):
+        positions = layer.rows[0].positions[0]
+        assert positions.numel() == 20
+        kept = layer.parts["indexer"][0].read(16, "cpu")[0]
+        torch.testing.assert_close(kept, full.parts["indexer"][0].read(16, "cpu")[0, positions], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("spec", sorted(REFUSALS))
+def test_the_cli_refuses_in_one_line_before_the_weights_load(tmp_path, capsys, monkeypatch, spec):
+    from kveval.commands.main import main
+    from kveval.runner import models
+
+    from test_architectures import _save_with_tokenizer
+
+    _save_with_tokenizer(tiny_model("deepseek_v4", attn="eager"), tmp_path)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--policy", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and REFUSALS[spec] in err[0] and "DeepSeek V4" in err[0]
+
+
+def test_the_cli_runs_a_selection_on_v32s_latent(tmp_path, capsys):
+    import json
+
+    from kveval.commands.main import main
+
+    from test_architectures import _save_with_tokenizer
+
+    _save_with_tokenizer(tiny_model("deepseek_v32", attn="eager"), tmp_path)
+    prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--raw", "--dtype", "float32",
+                 "--device", "cpu", "--max-new-tokens", "3", "--policy", "window(size=16)+fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["parts"]) == {"latent", "indexer"} and out["kept_tokens_per_layer"] == [16, 16]
+
+
+def test_the_cli_shows_the_parts(tmp_path, capsys):
+    import json
+
+    from kveval.commands.main import main
+
+    from test_architectures import _save_with_tokenizer
+
+    _save_with_tokenizer(tiny_model("deepseek_v4", attn="eager"), tmp_path)
+    prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--raw", "--dtype", "float32",
+                 "--device", "cpu", "--max-new-tokens", "3", "--policy", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["parts"]) == {"window", "csa", "indexer", "hca"} and out["state_bytes"] > 0
+    assert out["kv_bytes"] == sum(out["parts"].values()) < out["nominal_bytes"] == sum(out["nominal_parts"].values())
+
+
+def test_an_evaluation_reports_each_part_on_the_leaderboard(tmp_path):
+    """A run over probe items on a tiny V4 records each part's bytes; the leaderboard shows them per token."""
+    import csv
+
+    from kveval.report.leaderboard import build_report
+    from kveval.runner.evaluate import evaluate_policies
+
+    from cache_runs import specs_of
+    from test_run_folders import CharTok, _items
+
+    items = _items("the pass key is 42. " * 3, n=3)
+    dirs = evaluate_policies(tiny_model("deepseek_v4"), CharTok(), items, specs_of(["none", "quant(bits=4,group=8)"]),
+                             tmp_path / "runs", "org/V4", batch_size=3)
+    build_report(dirs, tmp_path / "report", n_resamples=100)
+    board = (tmp_path / "report" / "leaderboard.md").read_text()
+    assert "bytes/token by part" in board and "csa" in board and "state" in board
+    assert "bytes/token by part" in (tmp_path / "report" / "leaderboard.html").read_text()
+    rows = {r["policy"]: r for r in csv.DictReader(open(tmp_path / "report" / "leaderboard.csv"))}
+    none, quant = rows["none"], rows["quant(bits=4,group=8)"]
+    for part in ("window", "csa", "indexer", "hca"):
+        assert 0 < float(quant[f"bytes_per_token[{part}]"]) < float(none[f"bytes_per_token[{part}]"])
+    assert float(none["state_bytes"]) > 0
+
+
+def test_lm_eval_loglikelihoods_equal_stock_hflm():
+    """Through lm-eval (continuations sharing a context are scored on forked rows), ``none`` gives stock HFLM's
+    log-likelihoods on a tiny V4 with a real vocabulary, at any batch size (its rows run one at a time)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from kveval.lm_eval.model import KVEvalLM
+    from kveval.modeling.sources import load_tokenizer
+
+    from test_lm_eval import PAIRS, ll_requests
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    pairs = PAIRS + [(PAIRS[0][0], " and more words")]
+    vocab = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id or 0}
+    reference = HFLM(pretrained=tiny_model("deepseek_v4", attn="eager", **vocab), tokenizer=tokenizer,
+                     batch_size=1).loglikelihood(ll_requests(pairs))
+    for batch_size in (1, 3):
+        lm = KVEvalLM(pretrained=tiny_model("deepseek_v4", **vocab), tokenizer=tokenizer, policy="none",
+                      batch_size=batch_size, kv_dtype="float32")
+        for (a, greedy_a), (b, greedy_b) in zip(lm.loglikelihood(ll_requests(pairs)), reference):
+            assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
