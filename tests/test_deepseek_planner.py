@@ -28,6 +28,8 @@ from kveval.commands import main as cli
 from kveval.planner.memory import compare, plan
 from kveval.policies.spec import parse_policy
 
+from tiny_models import tiny_model
+
 GiB = 2**30
 M = 2**20
 
@@ -181,3 +183,48 @@ def test_planned_bytes_are_the_bytes_transformers_cache_holds(config, dtype_name
         p = plan(source, prefill, new_tokens=decode, dtype_bytes=size)
         assert [layer.bytes for layer in p.layers] == measured
         assert p.sequence_bytes == sum(measured) == sum(part.bytes for part in p.parts)
+
+
+# Planner part -> the parts kveval's own cache measures (kveval.cache.native_layers); the compressor's pending tokens
+# and CSA's overlap are its constant-size state_bytes.
+MEASURED_PART = {"latent": "latent", "rope": "latent", "indexer": "indexer", "window": "window",
+                 "csa-entries": "csa", "csa-indexer": "indexer", "hca-entries": "hca"}
+
+
+@pytest.mark.parametrize("config", [V32, V4], ids=["deepseek_v32", "deepseek_v4"])
+@pytest.mark.parametrize("prefill,decode", [(40, 0), (37, 5)])
+def test_planned_parts_are_the_parts_kvevals_cache_measures(config, prefill, decode):
+    """The same tiny configs through kveval's cache under ``none`` (float32): each planned part is the bytes kveval
+    measures for it, and the planned state is its ``state_bytes``."""
+    import torch
+
+    from kveval.cache.compressed import CompressedCache
+
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    name = config["model_type"]
+    model = tiny_model(name, **settings)
+    cache = CompressedCache(model, parse_policy("none"), kv_dtype=torch.float32)
+    ids = torch.randint(0, config["vocab_size"], (1, prefill + decode), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids[:, :prefill], cache=cache, use_cache=True)
+        for step in range(decode):
+            model(ids[:, prefill + step:prefill + step + 1], cache=cache, use_cache=True,
+                  position_ids=torch.tensor([[prefill + step]]))
+    stats = cache.stats()
+    planned: dict[str, int] = {}
+    for part in plan(config, prefill, new_tokens=decode, dtype_bytes=4).parts:
+        if part.name != "state":
+            planned[MEASURED_PART[part.name]] = planned.get(MEASURED_PART[part.name], 0) + part.bytes
+    state = sum(p.bytes for p in plan(config, prefill, new_tokens=decode, dtype_bytes=4).parts if p.name == "state")
+    measured = {k: v for k, v in stats.parts.items() if v}
+    if name == "deepseek_v4":
+        # V4's window entry is one vector for K and V. kveval stores it once in every layer; transformers'
+        # DynamicSlidingWindowLayer (the sliding-only layers) holds it twice, as keys and values, and the planner
+        # sizes what transformers holds (the test above): one extra copy per sliding-only layer.
+        held = min(prefill + decode, config["sliding_window"] - 1)
+        entry = held * config["head_dim"] * 4
+        assert measured.pop("window") == config["num_hidden_layers"] * entry
+        sliding_only = config["layer_types"].count("sliding_attention")
+        assert planned.pop("window") == (config["num_hidden_layers"] + sliding_only) * entry
+    assert planned == measured
+    assert state == stats.state_bytes
