@@ -9,6 +9,8 @@ the native cache; a selection on V3.2's latent takes the indexer keys with it; b
 alone; what cannot be expressed is refused in one line.
 """
 
+import json
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -239,10 +241,10 @@ def test_v32_keeps_the_indexer_keys_of_the_tokens_it_keeps():
 
 @pytest.mark.parametrize("spec", sorted(REFUSALS))
 def test_the_cli_refuses_in_one_line_before_the_weights_load(tmp_path, capsys, monkeypatch, spec):
+    from test_architectures import _save_with_tokenizer
+
     from kveval.commands.main import main
     from kveval.runner import models
-
-    from test_architectures import _save_with_tokenizer
 
     _save_with_tokenizer(tiny_model("deepseek_v4", attn="eager"), tmp_path)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
@@ -255,9 +257,9 @@ def test_the_cli_refuses_in_one_line_before_the_weights_load(tmp_path, capsys, m
 def test_the_cli_runs_a_selection_on_v32s_latent(tmp_path, capsys):
     import json
 
-    from kveval.commands.main import main
-
     from test_architectures import _save_with_tokenizer
+
+    from kveval.commands.main import main
 
     _save_with_tokenizer(tiny_model("deepseek_v32", attn="eager"), tmp_path)
     prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
@@ -271,9 +273,9 @@ def test_the_cli_runs_a_selection_on_v32s_latent(tmp_path, capsys):
 def test_the_cli_shows_the_parts(tmp_path, capsys):
     import json
 
-    from kveval.commands.main import main
-
     from test_architectures import _save_with_tokenizer
+
+    from kveval.commands.main import main
 
     _save_with_tokenizer(tiny_model("deepseek_v4", attn="eager"), tmp_path)
     prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
@@ -289,11 +291,12 @@ def test_an_evaluation_reports_each_part_on_the_leaderboard(tmp_path):
     """A run over probe items on a tiny V4 records each part's bytes; the leaderboard shows them per token."""
     import csv
 
+    from test_run_folders import CharTok, _items
+
     from kveval.report.leaderboard import build_report
     from kveval.runner.evaluate import evaluate_policies
 
     from cache_runs import specs_of
-    from test_run_folders import CharTok, _items
 
     items = _items("the pass key is 42. " * 3, n=3)
     dirs = evaluate_policies(tiny_model("deepseek_v4"), CharTok(), items, specs_of(["none", "quant(bits=4,group=8)"]),
@@ -313,11 +316,10 @@ def test_lm_eval_loglikelihoods_equal_stock_hflm():
     """Through lm-eval (continuations sharing a context are scored on forked rows), ``none`` gives stock HFLM's
     log-likelihoods on a tiny V4 with a real vocabulary, at any batch size (its rows run one at a time)."""
     from lm_eval.models.huggingface import HFLM
+    from test_lm_eval import PAIRS, ll_requests
 
     from kveval.lm_eval.model import KVEvalLM
     from kveval.modeling.sources import load_tokenizer
-
-    from test_lm_eval import PAIRS, ll_requests
 
     tokenizer = load_tokenizer("smollm2-135m")
     pairs = PAIRS + [(PAIRS[0][0], " and more words")]
@@ -329,3 +331,31 @@ def test_lm_eval_loglikelihoods_equal_stock_hflm():
                       batch_size=batch_size, kv_dtype="float32")
         for (a, greedy_a), (b, greedy_b) in zip(lm.loglikelihood(ll_requests(pairs)), reference):
             assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+
+
+@pytest.mark.slow
+def test_a_sweep_over_a_local_tiny_v4_folder_runs_to_a_report_and_a_gate(tmp_path):
+    """A user's path end to end: a V4 model folder (random weights, SmolLM2's shipped tokenizer) swept under two
+    quantizations to a leaderboard that shows the parts and a gate that judges each run."""
+    from kveval.commands.main import main
+    from kveval.modeling.sources import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    folder = tmp_path / "tiny-v4"
+    model = tiny_model("deepseek_v4", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id or 0,
+                       max_position_embeddings=512)
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"name: tiny-v4\nmodels: ['{folder}']\nbatch_size: 2\nkv_dtype: float32\n"
+                      "policies: ['quant(bits=4,group=8)', 'fp8(group=16)']\n"
+                      "probes: {families: [passkey], lengths: [160], depths: [0.5], n: 2}\n")
+    out = tmp_path / "out"
+    assert main(["sweep", str(config), "--out", str(out), "--quiet"]) in (0, 1, 3)  # a verdict, whichever
+    board = (out / "report" / "leaderboard.md").read_text()
+    assert "bytes/token by part" in board and "csa" in board and "hca" in board
+    gate = json.loads((out / "gate" / "gate.json").read_text())
+    judged = {c["name"].split("/", 1)[1].split("@")[0]: c["status"] for r in gate.get("results", [gate]) for c in r["candidates"]}
+    assert judged.keys() == {"quant(bits=4,group=8)", "fp8(format=e4m3,group=16)"}
+    assert set(judged.values()) <= {"PASS", "FAIL", "INCONCLUSIVE"}
