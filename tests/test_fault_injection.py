@@ -104,7 +104,7 @@ def killed_sweep_run(run_dir: Path, keep: int, expected: int | None) -> None:
     cut_items(run_dir, keep)
 
     def opened(info):
-        for key in ("items", "peak_kv_bytes", "ttft_s_mean", "decode_tokens_per_s_mean"):
+        for key in ("items", "peak_kv_bytes", "ttft_s_mean", "decode_tokens_per_s_mean", "expected_items"):
             info["extra"].pop(key, None)
         info["bytes_per_token"] = info["nominal_bytes_per_token"] = None
         if expected is not None:
