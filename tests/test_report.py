@@ -178,3 +178,27 @@ def test_an_output_path_through_a_file_is_one_line_not_a_bug(sweep, tmp_path, ca
         assert cli.main(["report", str(sweep), "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "internal error" not in err[0] and str(blocker) in err[0], err
+
+
+def test_a_policy_run_in_both_modes_is_shown_side_by_side(tmp_path):
+    """kvpress's leaderboard separates query-agnostic and query-aware compression: a sweep that runs a policy both
+    ways gets one line per policy with both modes' scores and changes adjacent, and the gap between them."""
+    base = write(tmp_path / "none", "none", items())
+    agnostic = write(tmp_path / "snap", "snapkv(ratio=0.5)", items(n_wrong_extra=2), bpt=9000.0)
+    aware = write(tmp_path / "snapq", "snapkv(ratio=0.5)", items(n_wrong_extra=1), bpt=9000.0)
+    info = json.loads((aware / "run.json").read_text())
+    info.update(mode="query", name="smollm2-135m/snapkv(ratio=0.5)@query")
+    (aware / "run.json").write_text(json.dumps(info))
+    alone = write(tmp_path / "knorm", "knorm(ratio=0.5)", items(n_wrong_extra=1), bpt=9000.0)  # one mode only
+    paths = build_report([base, agnostic, aware, alone], tmp_path / "out", n_resamples=100)
+    board = Path(paths["markdown"]).read_text()
+    section = board.split("## Query-agnostic and query-aware", 1)[1]
+    [line] = [ln for ln in section.splitlines() if ln.startswith("| smollm2-135m")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # 160 items, 80% right at baseline; agnostic loses every fourth of the first 40 right items (8), aware of 20 (4)
+    assert cells[1:] == ["snapkv(ratio=0.5)", "9,000", "0.750", "-0.050", "0.775", "-0.025", "+0.025"]
+    assert "knorm" not in section
+    page = Path(paths["html"]).read_text()
+    assert "<h2>Query-agnostic and query-aware</h2>" in page and "<td>+0.025</td>" in page
+    only_one = build_report([base, agnostic, alone], tmp_path / "out2", n_resamples=100)
+    assert "Query-agnostic and query-aware" not in Path(only_one["markdown"]).read_text()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from kveval.report.items import KINDS, Answer, ItemChange, RunChanges
-from kveval.report.rows import Row, fmt, part_bytes, part_bytes_text
+from kveval.report.rows import MODES_HEADER, Row, fmt, modes_table, part_bytes, part_bytes_text
 from kveval.report.verdicts import Verdict, verdict
 
 STAR = "\u2605"
@@ -405,6 +405,13 @@ def to_html(rows: Sequence[Row], tasks: Sequence[str], plots: Sequence[Path], de
         _filters(rows, tasks, verdicts),
     ]
     out += _table(rows, tasks, verdicts, ids, with_kl)
+    modes = modes_table(rows)
+    if modes:
+        out += ["<h2>Query-agnostic and query-aware</h2>",
+                '<p class="note">The same policies compressing the context before the question is seen (agnostic) and '
+                "with the question in view (aware).</p>",
+                '<table class="modes"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in MODES_HEADER) + "</tr></thead><tbody>"
+                + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in line) + "</tr>" for line in modes) + "</tbody></table>"]
     models = list(dict.fromkeys(r.info.model for r in rows))
     svgs = [s for s in (_scatter(m, [r for r in rows if r.info.model == m], verdicts, ids) for m in models) if s]
     if svgs or plots:

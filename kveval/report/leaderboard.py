@@ -39,7 +39,16 @@ from kveval.report.plots import (
     plot_score_vs_compression,
     slug,
 )
-from kveval.report.rows import Row, collect_rows, fmt, load_gate_result, part_bytes, part_bytes_text
+from kveval.report.rows import (
+    MODES_HEADER,
+    Row,
+    collect_rows,
+    fmt,
+    load_gate_result,
+    modes_table,
+    part_bytes,
+    part_bytes_text,
+)
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
 from kveval.stats.comparison import _clean
@@ -116,6 +125,13 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
     ]
     for cells in body:
         lines.append("| " + " | ".join(f"**{esc(t)}**" if b else esc(t) for t, b in cells) + " |")
+    modes = modes_table(rows)
+    if modes:
+        lines += ["", "## Query-agnostic and query-aware", "",
+                  "The same policies compressing the context before the question is seen (agnostic, what a cache "
+                  "reused across questions gets) and with the question in view (aware).", "",
+                  "| " + " | ".join(MODES_HEADER) + " |", "|---|---|" + "---:|" * (len(MODES_HEADER) - 2)]
+        lines += ["| " + " | ".join(esc(c) for c in line) + " |" for line in modes]
     if gate_lines:
         lines += ["", "## Gate", ""] + [f"- {esc(g)}" for g in gate_lines]
     return "\n".join(lines) + "\n"

@@ -50,6 +50,16 @@ class Row:
         return i.policy if i.mode == "context" else f"{i.policy} [{i.mode}]"
 
 
+def mode_pairs(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
+    """``(query-agnostic, query-aware)`` rows of every model and policy a sweep ran in both modes, in row order: what
+    the leaderboard puts side by side (as kvpress's leaderboard separates the two settings)."""
+    by_key: dict[tuple[str, str], dict[str, Row]] = {}
+    for r in rows:
+        if not r.info.is_baseline:
+            by_key.setdefault((r.info.model, r.info.policy), {})[r.info.mode] = r
+    return [(modes["context"], modes["query"]) for modes in by_key.values() if {"context", "query"} <= modes.keys()]
+
+
 def fmt(x: float | None, spec: str = "{:.3f}") -> str:
     """A leaderboard cell's number as text (``"-"`` for none or NaN), for the markdown and the HTML alike."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
@@ -256,3 +266,20 @@ def _mark_best(rows: list[Row], tasks: list[str]) -> None:
 
 
 __all__ = ["Row", "collect_rows", "fmt", "load_gate_result"]
+
+
+MODES_HEADER = ["model", "policy", "bytes/token", "all items: query-agnostic", "change", "all items: query-aware",
+                "change", "aware - agnostic"]
+
+
+def modes_table(rows: Sequence[Row]) -> list[list[str]]:
+    """One line per model and policy run in both modes (:func:`mode_pairs`): the mean score over
+    all items and its change against the baseline in each mode, then the query-aware score minus the agnostic one."""
+    out = []
+    for agnostic, aware in mode_pairs(rows):
+        def change(r: Row) -> str:
+            return f"{r.comparison.overall.delta:+.3f}" if r.comparison is not None else "-"
+        out.append([agnostic.info.model, agnostic.info.policy, fmt(agnostic.info.bytes_per_token, "{:,.0f}"),
+                    fmt(agnostic.score), change(agnostic), fmt(aware.score), change(aware),
+                    f"{aware.score - agnostic.score:+.3f}"])
+    return out
