@@ -264,6 +264,12 @@ def test_threshold_runs_record_the_ratio_each_item_reached(tmp_path):
     text = info.ratio_text
     assert text == f"~{sum(reached) / 3:.2f} [{min(reached):.2f}-{max(reached):.2f}]"
     assert text in to_markdown(*collect_rows(dirs, n_resamples=200))
+    # the report plots the ratio each item reached; a report of fixed-ratio runs has no such plot
+    from kveval.report.leaderboard import build_report
+
+    plots = [p.name for p in build_report(dirs, tmp_path / "report", n_resamples=200)["plots"]]
+    assert "achieved_ratio_org_M.png" in plots
+    assert not any(p.name.startswith("achieved_ratio") for p in build_report(dirs[:1], tmp_path / "r0", n_resamples=200)["plots"])
 
 
 def test_the_planner_sizes_a_threshold_at_its_achieved_ratio_only():

@@ -33,6 +33,7 @@ from kveval.report.html import to_html
 from kveval.report.items import RunChanges, run_changes
 from kveval.report.plots import (
     by_model,
+    plot_achieved_ratios,
     plot_confusion,
     plot_heatmaps,
     plot_kl_vs_compression,
@@ -292,7 +293,7 @@ def build_report(
         if p:
             plots.append(p)
     for model, group in by_model(rows).items():
-        for fn, stem in ((plot_heatmaps, "heatmap"), (plot_confusion, "confusion")):
+        for fn, stem in ((plot_heatmaps, "heatmap"), (plot_confusion, "confusion"), (plot_achieved_ratios, "achieved_ratio")):
             p = fn(model, group, out / f"{stem}_{slug(model)}.png")
             if p:
                 plots.append(p)
