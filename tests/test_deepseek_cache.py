@@ -254,37 +254,27 @@ def test_the_cli_refuses_in_one_line_before_the_weights_load(tmp_path, capsys, m
     assert len(err) == 1 and REFUSALS[spec] in err[0] and "DeepSeek V4" in err[0]
 
 
-def test_the_cli_runs_a_selection_on_v32s_latent(tmp_path, capsys):
-    import json
-
+@pytest.mark.parametrize("name,policy,parts", [
+    ("deepseek_v32", "window(size=16)+fp8", {"latent", "indexer"}),  # a selection on V3.2's latent
+    ("deepseek_v4", "fp8", {"window", "csa", "indexer", "hca"}),
+])
+def test_the_cli_shows_the_parts(tmp_path, capsys, name, policy, parts):
     from test_architectures import _save_with_tokenizer
 
     from kveval.commands.main import main
 
-    _save_with_tokenizer(tiny_model("deepseek_v32", attn="eager"), tmp_path)
+    _save_with_tokenizer(tiny_model(name, attn="eager"), tmp_path)
     prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--raw", "--dtype", "float32",
-                 "--device", "cpu", "--max-new-tokens", "3", "--policy", "window(size=16)+fp8", "--json"]) == 0
+                 "--device", "cpu", "--max-new-tokens", "3", "--policy", policy, "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out["parts"]) == {"latent", "indexer"} and out["kept_tokens_per_layer"] == [16, 16]
-
-
-def test_the_cli_shows_the_parts(tmp_path, capsys):
-    import json
-
-    from test_architectures import _save_with_tokenizer
-
-    from kveval.commands.main import main
-
-    _save_with_tokenizer(tiny_model("deepseek_v4", attn="eager"), tmp_path)
-    prompt = " ".join(f"w{4 + i % 120}" for i in range(40))
-    capsys.readouterr()
-    assert main(["generate", "--model", str(tmp_path), "--prompt", prompt, "--raw", "--dtype", "float32",
-                 "--device", "cpu", "--max-new-tokens", "3", "--policy", "fp8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out["parts"]) == {"window", "csa", "indexer", "hca"} and out["state_bytes"] > 0
+    assert set(out["parts"]) == parts
     assert out["kv_bytes"] == sum(out["parts"].values()) < out["nominal_bytes"] == sum(out["nominal_parts"].values())
+    if name == "deepseek_v32":
+        assert out["kept_tokens_per_layer"] == [16, 16]
+    else:
+        assert out["state_bytes"] > 0
 
 
 def test_an_evaluation_reports_each_part_on_the_leaderboard(tmp_path):
