@@ -178,6 +178,10 @@ V32_REFUSALS = {
     "snapkv(ratio=0.5)": "scores with attention probabilities, which on this model hold the indexer's top-k",
     "h2o(ratio=0.5)+kivi(bits=4)": "scores with attention probabilities",
     "duo(heads=0.5)": "budgets heads apart",
+    "expected_attention(ratio=0.5)": "scores with the prefill's queries",
+    # key-only scorers kveval has not checked on a latent that stands for every head's keys and values at once
+    "keydiff(ratio=0.5)": "is not one of the selections checked on it",
+    "lagkv(ratio=0.5)": "is not one of the selections checked on it",
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
     "kvquant(bits=4)": "with quant, kivi, fp8 only",
 }

@@ -35,7 +35,7 @@ every token it saw: a forward with padding is refused (:class:`~kveval.errors.Un
 kveval's drivers run such models' rows one at a time (:func:`rows_alone`), since the compressor's windows and the
 indexer's mask are laid over the batch's columns, where a padded row would pool its padding.
 
-Compression. On V3.2's latent, a selection that needs no attention (:data:`LATENT_SELECTIONS`) keeps a token's
+Compression. On V3.2's latent, one of the selections checked on it (:data:`LATENT_SELECTIONS`) keeps a token's
 latent and indexer key together (:class:`IndexedLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries, which
 are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
 (``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache dtype).
@@ -100,13 +100,19 @@ def check_policy(config, stack) -> None:
             f"{selection.spec()}: in {name}'s cache ({parts}) the model's own indexer and block masks number the "
             f"entries from the first, which an eviction would shift; kveval does not select on it: evaluate a "
             f"quantization ({', '.join(PART_QUANTIZERS)})")
-    if selection is not None and (selection.attention != "none" or selection.per_head_budgets):
-        why = ("scores with attention probabilities, which on this model hold the indexer's top-k that kveval's "
-               "scoring does not fold in" if selection.attention != "none" else
-               "budgets heads apart, where the latent is one head for all")
+    if selection is not None and (selection.name not in LATENT_SELECTIONS or selection.per_head_budgets):
+        if selection.attention == "queries":
+            why = ("scores with the prefill's queries, which on this model attend only to the indexer's top-k that "
+                   "kveval's scoring does not fold in")
+        elif selection.attention != "none":
+            why = ("scores with attention probabilities, which on this model hold the indexer's top-k that kveval's "
+                   "scoring does not fold in")
+        elif selection.per_head_budgets:
+            why = "budgets heads apart, where the latent is one head for all"
+        else:
+            why = "is not one of the selections checked on it (the latent stands for every head's keys and values at once)"
         raise UnsupportedModelError(
-            f"{selection.spec()}: {why}; on {name}'s latent use a selection that needs no attention "
-            f"({', '.join(LATENT_SELECTIONS)})")
+            f"{selection.spec()}: {why}; on {name}'s latent use one of {', '.join(LATENT_SELECTIONS)}")
     if selection is not None and selection.name not in ("window", "streaming") and _shares_indexer(config):
         raise UnsupportedModelError(
             f"{selection.spec()}: some of this {name} model's layers reuse an earlier layer's top-k slots, which "
