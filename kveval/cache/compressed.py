@@ -58,9 +58,9 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 
+from kveval.cache import native_layers
 from kveval.cache.coded_rows import SharedScratch
 from kveval.cache.decode_evictions import DeferredEvictions
-from kveval.cache import native_layers
 from kveval.cache.layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.cache.rows import RowState
 from kveval.calibration import retrieval_heads

@@ -132,7 +132,7 @@ def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, he
             # run.json records the policy as its spec: read here, at the edge where the decision reads the run
             stack = parse_policy(info.policy)
             if stack.selection is not None and stack.selection.thresholded:  # sized at the ratio its run reached
-                stack.selection.achieved_ratio = (info.extra.get("achieved_ratio") or {}).get("mean")
+                stack.selection.achieved_ratio = info.achieved_ratio.get("mean")
             plan = memory.plan(info.model, context, batch, policy=stack, dtype_bytes=_element_bytes(info))
         except ValueError as exc:  # a policy the planner does not model, or one that does not fit the model
             unplanned[name] = str(exc)

@@ -458,9 +458,9 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     else:
         status = PASS
     if noise_floor is not None:
+        differ = "1 answer differs" if noise_floor.answers == 1 else f"{noise_floor.answers} answers differ"
         notes.append(f"noise floor: the baseline run again in another batch arrangement flips {noise_floor.flips} of "
-                     f"{noise_floor.n} items ({noise_floor.answers} answer{'' if noise_floor.answers == 1 else 's'} differ"
-                     f"{'s' if noise_floor.answers == 1 else ''}); this candidate flips "
+                     f"{noise_floor.n} items ({differ}); this candidate flips "
                      f"{c.n_regressed + c.n_improved}" + (" (within the floor)" if within_floor else ""))
     mdl = _min_detectable_loss(c, margin, cfg)
     return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c,

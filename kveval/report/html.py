@@ -167,7 +167,7 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
             _cell(v.status, value=v.status, classes=["l", v.status], href=link),
             _cell(i.model, classes=["l"], href=link),
             _cell(r.label, classes=["l"], href=link),
-            _cell(i.ratio_text, value=i.ratio if i.ratio is not None else (i.extra.get("achieved_ratio") or {}).get("mean"),
+            _cell(i.ratio_text, value=i.ratio if i.ratio is not None else i.achieved_ratio.get("mean"),
                   href=link),
             _cell(fmt(i.bytes_per_token, "{:,.0f}"), value=i.bytes_per_token, href=link),
             _cell(fmt(i.compression, "{:.2f}x"), value=i.compression, best="compression" in r.best, href=link),

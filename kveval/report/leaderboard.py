@@ -148,9 +148,7 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
             "family": i.family,
             "mode": i.mode,
             "ratio": i.ratio,
-            "achieved_ratio_mean": (i.extra.get("achieved_ratio") or {}).get("mean"),
-            "achieved_ratio_min": (i.extra.get("achieved_ratio") or {}).get("min"),
-            "achieved_ratio_max": (i.extra.get("achieved_ratio") or {}).get("max"),
+            **{f"achieved_ratio_{k}": i.achieved_ratio.get(k) for k in ("mean", "min", "max")},
             "bytes_per_token": i.bytes_per_token,
             "nominal_bytes_per_token": i.nominal_bytes_per_token,
             "compression": i.compression,
@@ -170,9 +168,10 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
                 "confusion_rate": r.confusion_rate,
             }
         )
-        for name, value in part_bytes(r).items():
+        parts = part_bytes(r)
+        for name, value in parts.items():
             rec[f"bytes_per_token[{name}]"] = value
-        if part_bytes(r):
+        if parts:
             rec["state_bytes"] = i.extra.get("state_bytes_mean")
         if r.fidelity:
             rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",

@@ -180,9 +180,9 @@ def plot_confusion(model: str, group: list[Row], path: Path) -> Path | None:
 
 
 def plot_achieved_ratios(model: str, group: list[Row], path: Path) -> Path | None:
-    """Each item's achieved ratio (fraction of context KV pairs removed) against its score change, per run whose
-    policy reaches a ratio per item (``achieved_ratio`` in ``run.json``: threshold methods). ``None`` without one."""
-    runs = [r for r in group if (r.info.extra or {}).get("achieved_ratio") and not r.info.is_baseline]
+    """Each item's achieved ratio (fraction of the cache's bytes removed), one strip per run whose policy reaches a
+    ratio per item (``achieved_ratio`` in ``run.json``: threshold methods), a bar at its mean. ``None`` without one."""
+    runs = [r for r in group if r.info.achieved_ratio and not r.info.is_baseline]
     if not runs:
         return None
     fig = _figure(max(5.0, 1.1 * len(runs) + 3.0), 3.8)
@@ -191,11 +191,10 @@ def plot_achieved_ratios(model: str, group: list[Row], path: Path) -> Path | Non
         ratios = [it.metrics["achieved_ratio"] for it in r.run.items if it.metrics.get("achieved_ratio") is not None]
         jitter = np.linspace(-0.25, 0.25, len(ratios)) if len(ratios) > 1 else np.zeros(len(ratios))
         ax.scatter(k + jitter, ratios, s=10, alpha=0.6)
-        spread = r.info.extra["achieved_ratio"]
-        ax.hlines(spread["mean"], k - 0.3, k + 0.3, colors="black", linewidth=1.5)
+        ax.hlines(r.info.achieved_ratio["mean"], k - 0.3, k + 0.3, colors="black", linewidth=1.5)
     ax.set_xticks(np.arange(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(runs) - 0.4)
-    ax.set_ylabel("ratio reached (KV pairs removed)")
+    ax.set_ylabel("ratio reached (cache bytes removed)")
     ax.set_ylim(0, 1)
     ax.set_title(f"{model}: ratio each item reached (bar: mean)")
     fig.tight_layout()

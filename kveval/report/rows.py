@@ -60,6 +60,22 @@ def mode_pairs(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
     return [(modes["context"], modes["query"]) for modes in by_key.values() if {"context", "query"} <= modes.keys()]
 
 
+MODES_HEADER = ["model", "policy", "bytes/token", "all items: query-agnostic", "change", "all items: query-aware",
+                "change", "aware - agnostic"]
+
+
+def _change(r: Row) -> str:
+    return f"{r.comparison.overall.delta:+.3f}" if r.comparison is not None else "-"
+
+
+def modes_table(rows: Sequence[Row]) -> list[list[str]]:
+    """One line per model and policy run in both modes (:func:`mode_pairs`), under :data:`MODES_HEADER`: the mean
+    score over all items and its change against the baseline in each mode, then the aware score minus the agnostic."""
+    return [[agnostic.info.model, agnostic.info.policy, fmt(agnostic.info.bytes_per_token, "{:,.0f}"),
+             fmt(agnostic.score), _change(agnostic), fmt(aware.score), _change(aware),
+             f"{aware.score - agnostic.score:+.3f}"] for agnostic, aware in mode_pairs(rows)]
+
+
 def fmt(x: float | None, spec: str = "{:.3f}") -> str:
     """A leaderboard cell's number as text (``"-"`` for none or NaN), for the markdown and the HTML alike."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
@@ -265,21 +281,5 @@ def _mark_best(rows: list[Row], tasks: list[str]) -> None:
         mark(group, "kl", lambda r: r.fidelity["kl_mean"] if r.fidelity else None, False)
 
 
-__all__ = ["Row", "collect_rows", "fmt", "load_gate_result"]
-
-
-MODES_HEADER = ["model", "policy", "bytes/token", "all items: query-agnostic", "change", "all items: query-aware",
-                "change", "aware - agnostic"]
-
-
-def modes_table(rows: Sequence[Row]) -> list[list[str]]:
-    """One line per model and policy run in both modes (:func:`mode_pairs`): the mean score over
-    all items and its change against the baseline in each mode, then the query-aware score minus the agnostic one."""
-    out = []
-    for agnostic, aware in mode_pairs(rows):
-        def change(r: Row) -> str:
-            return f"{r.comparison.overall.delta:+.3f}" if r.comparison is not None else "-"
-        out.append([agnostic.info.model, agnostic.info.policy, fmt(agnostic.info.bytes_per_token, "{:,.0f}"),
-                    fmt(agnostic.score), change(agnostic), fmt(aware.score), change(aware),
-                    f"{aware.score - agnostic.score:+.3f}"])
-    return out
+__all__ = ["MODES_HEADER", "Row", "collect_rows", "fmt", "load_gate_result", "mode_pairs", "modes_table", "part_bytes",
+           "part_bytes_text"]

@@ -79,10 +79,16 @@ class RunInfo:
         return self.policy == "none"
 
     @property
+    def achieved_ratio(self) -> dict[str, float]:
+        """For a policy whose ratio differs per item (a threshold): the ``mean``, ``min`` and ``max`` fraction of the
+        cache's bytes its items removed, as :func:`kveval.runner.evaluate.finalize_run` records it; else empty."""
+        return self.extra.get("achieved_ratio") or {}
+
+    @property
     def ratio_text(self) -> str:
-        """The ratio column's text: the nominal ratio (``0.5``), or for a policy whose ratio differs per item (a
-        threshold) the mean and range it reached, fraction of the cache's bytes removed (``~0.44 [0.38-0.51]``)."""
-        reached = self.extra.get("achieved_ratio")
+        """The ratio column's text: the nominal ratio (``0.5``), or for a policy whose ratio differs per item the mean
+        and range it reached (:attr:`achieved_ratio`, e.g. ``~0.44 [0.38-0.51]``)."""
+        reached = self.achieved_ratio
         if reached:
             return f"~{reached['mean']:.2f} [{reached['min']:.2f}-{reached['max']:.2f}]"
         return "-" if self.ratio is None else f"{self.ratio:g}"
