@@ -221,9 +221,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     python = Path(args.venv) / "bin" / "python"
     if not python.is_file():
-        raise SystemExit(f"no kvpress environment at {args.venv}; create it as this script's docstring says "
-                         f"(python3 -m venv ~/.venvs/kvpress; ~/.venvs/kvpress/bin/pip install "
-                         f"kvpress-0.5.5-py3-none-any.whl 'transformers<5' torch==2.13.0)")
+        print(f"kvpress_agreement.py: no kvpress environment at {args.venv}; create it as this script's docstring says "
+              f"(python3 -m venv ~/.venvs/kvpress; ~/.venvs/kvpress/bin/pip install "
+              f"kvpress-0.5.5-py3-none-any.whl 'transformers<5' torch==2.13.0)", file=sys.stderr)
+        raise SystemExit(2)  # bad set-up, not a verdict: exit 1 means a gate's FAIL in this project
 
     import torch
 

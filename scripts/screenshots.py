@@ -16,6 +16,12 @@ import sys
 from pathlib import Path
 
 
+def refuse(message: str) -> None:
+    """Bad input or a missing browser: one line and exit code 2, as kveval's own commands (1 is a gate's FAIL)."""
+    print(f"screenshots.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def browser(width: int, height: int):
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
@@ -24,7 +30,7 @@ def browser(width: int, height: int):
     binary = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
     driver = shutil.which("chromedriver")
     if not binary or not driver:
-        sys.exit("screenshots.py: needs Chromium and chromedriver (bash scripts/setup.sh --test)")
+        refuse("needs Chromium and chromedriver (bash scripts/setup.sh --test)")
     options = Options()
     options.binary_location = binary
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
@@ -50,7 +56,7 @@ def main() -> None:
         links = (driver.find_elements("css selector", "#leaderboard td.FAIL a")
                  or driver.find_elements("css selector", "#leaderboard td a"))
         if not links:
-            sys.exit(f"screenshots.py: {args.page} links to no changed items")
+            refuse(f"{args.page} links to no changed items")
         links[0].click()
         driver.execute_script("document.querySelector('section.items article.item').scrollIntoView()")
         driver.save_screenshot(str(items))
