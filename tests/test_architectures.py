@@ -77,12 +77,51 @@ def test_every_policy_family_runs_below_nominal_bytes(name):
         assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
 
 
-@pytest.mark.parametrize("name", NAMES)
+# The models whose own cache layers kveval mirrors part by part (kveval.cache.native_layers) take a selection that
+# needs no attention (V3.2's latent: one decision per token for all heads; V4's compressed entries, by ratio) and the
+# quantizers that code each part; structure is refused there (tests/test_deepseek_cache.py). One of each family
+# they take, and a stack: every part measured below the model's own cache.
+NATIVE_POLICIES = {
+    "deepseek_v32": ["knorm(ratio=0.5)", "window(size=20)", "kivi(bits=4,residual=8,group=8)", "quant(bits=8,group=8)",
+                     "fp8(group=8)", "knorm(ratio=0.5)+kivi(bits=2,residual=8,group=8)"],
+    "deepseek_v4": ["knorm(ratio=0.5)", "streaming(ratio=0.5,sink=4)", "quant(bits=8,group=16)", "fp8(group=16)",
+                    "kivi(bits=4,residual=0,group=4)", "knorm(ratio=0.5)+quant(bits=4,group=16,indexer=fp8)"],
+}
+NATIVE_POLICIES["glm_moe_dsa"] = ["window(size=20)", *NATIVE_POLICIES["deepseek_v32"][2:5]]
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE_ARCHITECTURES))
+def test_every_policy_family_a_native_cache_takes_runs_below_its_bytes(name):
+    model = tiny_model(name)
+    ids = _ids(64, 1)
+    for spec in NATIVE_POLICIES[name]:
+        cache = CompressedCache(model, parse_policy(spec))
+        with torch.no_grad():
+            logits = prefill_and_decode(model, cache, ids, 2)
+        stats = cache.stats()
+        assert all(bool(torch.isfinite(x).all()) for x in logits), spec
+        assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
+        # A selection on V4's entries leaves its sliding window as the model holds it; KIVI codes K by channel in
+        # whole groups of tokens, which a window of 7 sliding entries never seals.
+        whole = ({"window"} if name == "deepseek_v4" and "+" not in spec
+                 and spec.startswith(("knorm(", "streaming(", "kivi(")) else set())
+        assert all(stats.parts[p] < stats.nominal_parts[p] for p in set(stats.parts) - whole), (spec, stats.parts)
+        assert all(stats.parts[p] == stats.nominal_parts[p] for p in whole), (spec, stats.parts)
+    for spec in ("lowrank(rank=8,calib_tokens=96)", "latent(rank=8,calib_tokens=96)"):
+        with pytest.raises(UnsupportedModelError, match="no low-rank basis for its parts"):
+            CompressedCache(model, parse_policy(spec))
+
+
+@pytest.mark.parametrize("name", NAMES + sorted(NATIVE_ARCHITECTURES))
 @pytest.mark.parametrize("policy, mode", [("snapkv(ratio=0.5)+kivi(bits=4,residual=8)", "context"),
                                           ("window(size=20)", "query")])
 def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one(name, policy, mode):
     """Questions of 3, 1 and 4 tokens (padded after the contexts in context mode: state layers must not see it)
     and EOS on, set to row 0's first token (it ends before any step: the others' steps must leave its cache)."""
+    if name in NATIVE_ARCHITECTURES:  # the policies of the same families these caches take
+        policy = {"deepseek_v4": ["knorm(ratio=0.5)+kivi(bits=4,residual=8,group=16)", "streaming(ratio=0.5,sink=4)"],
+                  "deepseek_v32": ["knorm(ratio=0.5)+kivi(bits=4,residual=8,group=8)", policy],
+                  "glm_moe_dsa": ["window(size=20)+kivi(bits=4,residual=8,group=8)", policy]}[name][mode == "query"]
     model = tiny_model(name)
     prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
     model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], parse_policy(policy), max_new_tokens=1,

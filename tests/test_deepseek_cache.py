@@ -10,6 +10,8 @@ alone; what cannot be expressed is refused in one line.
 """
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -169,8 +171,11 @@ def test_a_padded_forward_is_refused():
 
 
 REFUSALS = {
-    "snapkv(ratio=0.5)": "kveval does not select on it",
-    "window(size=20)": "kveval does not select on it",
+    "snapkv(ratio=0.5)": "scores with attention, which over V4's compressed entries is the model's indexer's top-k",
+    "window(size=20)": "token counts (size, window, budget, decode_budget) do not map onto entries",
+    "knorm(ratio=0.5,decode_budget=30)": "give ratio= alone",
+    "keydiff(ratio=0.5)": "is not one of the selections checked on V4's compressed entries",
+    "knorm(ratio=0.5,adaptive=true)": "budgets heads apart",
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
     "kvquant(bits=4)": "with quant, kivi, fp8 only",
 }
@@ -191,7 +196,7 @@ V32_REFUSALS = {
                          + [("deepseek_v32", spec, m) for spec, m in sorted(V32_REFUSALS.items())]
                          + [("glm_moe_dsa", "knorm(ratio=0.5)", "reuse an earlier layer's top-k slots")])
 def test_what_cannot_be_expressed_is_refused_at_construction(name, spec, message):
-    with pytest.raises(UnsupportedModelError, match=message.replace("(", r"\(")):
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
         CompressedCache(tiny_model(name), parse_policy(spec))
 
 
@@ -241,6 +246,130 @@ def test_v32_keeps_the_indexer_keys_of_the_tokens_it_keeps():
         assert positions.numel() == 20
         kept = layer.parts["indexer"][0].read(16, "cpu")[0]
         torch.testing.assert_close(kept, full.parts["indexer"][0].read(16, "cpu")[0, positions], atol=0, rtol=0)
+
+
+V4_SELECTIONS = ["knorm(ratio=0.5)", "window(ratio=0.5)", "streaming(ratio=0.6,sink=4)", "random(ratio=0.7)",
+                 "knorm(ratio=0.5)+quant(bits=4,group=8)"]
+
+
+@torch.no_grad()
+def _v4_selected_against_its_own_cache(spec, context=50, question=7, steps=10, index_topk=16):
+    """On a tiny V4 whose indexer picks ``index_topk`` entries (16: all of them, so that ties in its scores, which
+    its ReLU makes common on random weights and which top-k breaks by the entry's place, cannot choose between
+    equals differently in the two numberings): kveval's cache under ``spec`` (the context in one forward, compressed; the question in one forward; greedy
+    steps), and the reference: transformers' own cache and eager attention, the same context, then the entries
+    kveval evicted removed from its lists (``compressed_kv``; the emitted count, which places later entries, left
+    as it is) and every later token fed alone, where the numbering of entries cannot matter (a single query sees
+    every entry its cache holds, and its indexer ranks those). The logits of every later token, both sides."""
+    model = tiny_model("deepseek_v4", index_topk=index_topk)
+    reference = tiny_model("deepseek_v4", attn="eager", index_topk=index_topk)
+    cache, own = CompressedCache(model, parse_policy(spec), kv_dtype=FP32), DynamicCache(config=reference.config)
+    ids = _ids(context + question, 5)
+    model(ids[:, :context], cache=cache, position_ids=torch.arange(context)[None])
+    reference(ids[:, :context], cache=own, position_ids=torch.arange(context)[None])
+    for layer, theirs in zip(cache.layers, own.layers):
+        kept = (getattr(layer, "kept_entries", None) or [None])[0]
+        for name in getattr(layer, "entry_parts", {}):
+            if kept is not None:
+                theirs.compressed_kv[name] = theirs.compressed_kv[name][:, kept]
+    ours = model(ids[:, context:], cache=cache, position_ids=torch.arange(context, context + question)[None]).logits[0]
+    theirs = torch.cat([reference(ids[:, t:t + 1], cache=own, position_ids=torch.tensor([[t]])).logits[0]
+                        for t in range(context, context + question)])
+    ours, theirs, n = [ours], [theirs], context + question
+    nxt = ours[-1][-1:].argmax(-1)[None]
+    for step in range(steps):
+        ours.append(model(nxt, cache=cache, position_ids=torch.tensor([[n + step]])).logits[0])
+        theirs.append(reference(nxt, cache=own, position_ids=torch.tensor([[n + step]])).logits[0])
+        nxt = ours[-1][-1:].argmax(-1)[None]
+    return cache, own, torch.cat(ours), torch.cat(theirs)
+
+
+@pytest.mark.parametrize("spec", V4_SELECTIONS[:4])
+def test_v4_selects_entries_as_its_own_cache_without_them_attends(spec):
+    """The question's forward (7 tokens, one of them closing a CSA window at 51, so a new entry the earlier
+    question tokens must not see) and the decode steps equal the model's own cache with the evicted entries
+    removed; the window stays whole; CSA's indexer keys leave with their entries."""
+    cache, own, ours, theirs = _v4_selected_against_its_own_cache(spec)
+    assert float((ours - theirs).abs().max()) <= 1e-5
+    csa, hca = cache.layers[1], cache.layers[2]
+    assert csa.kept_entries[0].numel() == math.ceil(12 * (1 - parse_policy(spec).selection.ratio))
+    assert csa.parts["csa"][0].length == csa.parts["indexer"][0].length == own.layers[1].compressed_kv["compressor"].shape[1]
+    assert hca.parts["hca"][0].length == own.layers[2].compressed_kv["compressor"].shape[1]
+    assert cache.layers[0].rows[0].store.length == 7  # the sliding layer's window, as the model holds it
+
+
+def test_v4_without_hiding_the_evicted_entries_differs():
+    """The evicted entries, handed to the model as zeros at their numbers, must be hidden from attention: left
+    visible, the same run gives other logits."""
+    from kveval.cache.native_layers import HcaLayer
+
+    hide = HcaLayer.hide_evicted
+    try:
+        HcaLayer.hide_evicted = lambda self, mask, query, key: mask
+        _, _, ours, theirs = _v4_selected_against_its_own_cache("knorm(ratio=0.5)")
+    finally:
+        HcaLayer.hide_evicted = hide
+    assert float((ours - theirs).abs().max()) > 1e-3
+
+
+@torch.no_grad()
+def test_v4_indexer_picks_its_top_k_among_the_entries_held():
+    """With the tiny config's top 3 of up to 16 entries, every query's picks are held entries, the best-scored of
+    them; without the scores' mask the indexer would pick evicted ones (scored 0 as zeros, above the negative
+    scores of held ones)."""
+    from kveval.cache.native_layers import HcaLayer
+
+    model = tiny_model("deepseek_v4")
+    indexer = model.model.layers[1].self_attn.compressor.indexer
+    picks = []
+    handle = indexer.register_forward_hook(lambda module, args, out: picks.append(out.clone()))
+    try:
+        for masked in (True, False):
+            hide = HcaLayer.hide_evicted_scores
+            if not masked:
+                HcaLayer.hide_evicted_scores = lambda self, scores: scores
+            try:
+                picks.clear()
+                cache = CompressedCache(model, parse_policy("knorm(ratio=0.5)"), kv_dtype=FP32)
+                ids = _ids(66, 5)
+                model(ids[:, :50], cache=cache, position_ids=torch.arange(50)[None])
+                picks.clear()
+                model(ids[:, 50:], cache=cache, position_ids=torch.arange(50, 66)[None])
+            finally:
+                HcaLayer.hide_evicted_scores = hide
+            layer = cache.layers[1]
+            evicted = sorted(set(range(12)) - set(layer.kept_entries[0].tolist()))
+            chosen = set(picks[0][picks[0] >= 0].tolist())
+            assert bool(chosen & set(evicted)) != masked, (masked, chosen, evicted)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("spec, mode", [(spec, mode) for i, spec in enumerate(V4_SELECTIONS)
+                                        for mode in ("context", "query")[i % 2:][:1 + (i == 0)]])
+def test_v4_selection_measures_fewer_entries_and_batch_three_is_each_alone(spec, mode):
+    """CSA's and HCA's entries (and the indexer's) are below the native cache by the ratio; the window and the
+    pending state are the model's; batch 3 = each row alone. The entries the context's tokens alone make are the
+    candidates (query mode protects the question's), ``ceil((1 - ratio) x n)`` of them stay, and every later one."""
+    model = tiny_model("deepseek_v4")
+    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((60, 5), (41, 1), (49, 9))]
+    alone = [generate(model, Tok(), [p], parse_policy(spec), max_new_tokens=6, mode=mode, seed=i)[0]
+             for i, p in enumerate(prompts)]
+    together = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=6, mode=mode, batch_size=3)
+    none = generate(model, Tok(), prompts, parse_policy("none"), max_new_tokens=6, mode=mode, batch_size=3)
+    ratio = parse_policy(spec).selection.ratio
+    for prompt, a, b, full in zip(prompts, alone, together, none):
+        assert a.token_ids == b.token_ids and a.stats.parts == b.stats.parts
+        assert a.stats.nominal_parts == full.stats.nominal_parts and a.stats.state_bytes == full.stats.state_bytes
+        assert a.stats.parts["window"] == (full.stats.parts["window"] if "quant" not in spec
+                                           else full.stats.parts["window"] // 2)
+        for part in ("csa", "indexer", "hca"):
+            assert 0 < a.stats.parts[part] < full.stats.parts[part], (part, a.stats.parts, full.stats.parts)
+        if "quant" not in spec:
+            for part, rate in (("csa", 4), ("hca", 16)):
+                native, free = a.stats.tokens_seen[0] // rate, len(prompt.context) // rate
+                held = a.stats.parts[part] * native // a.stats.nominal_parts[part]
+                assert held == math.ceil(free * (1 - ratio)) + native - free, (part, held, native, free)
 
 
 @pytest.mark.parametrize("spec", sorted(REFUSALS))

@@ -42,6 +42,8 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
         if own_mask.shape[1] > 1 and own_mask.shape[1] != query.shape[1]:
             own_mask = own_mask.repeat_interleave(query.shape[1] // own_mask.shape[1], dim=1)
         attention_mask = own_mask
+    if layer is not None:
+        attention_mask = layer.hide_evicted(attention_mask, query, key)
     temperature = taken_query_temperature(module)
     if temperature is not None:  # Llama 4 without RoPE: each row's queries by its own positions, not the batch's
         if layer is None or layer.cache.input_positions is None:

@@ -468,6 +468,12 @@ class CompressedLayer(CacheLayerMixin):
                               heads_share=self.selection is None)
 
     # --- scoring and compression ----------------------------------------------------------------
+    def hide_evicted(self, attention_mask, query: torch.Tensor, key: torch.Tensor):
+        """The mask attention runs under, given the one it was handed (the model's, or the layer's own): a layer that
+        hands the model slots it no longer holds (DeepSeek V4's evicted entries, kept at their numbers: see
+        :class:`~kveval.cache.native_layers.HcaLayer`) hides them here. Default: unchanged."""
+        return attention_mask
+
     def after_attention(self, query: torch.Tensor, keys: torch.Tensor, probabilities: AttentionProbabilities) -> None:
         """Called by the attention function once this layer's output is computed.
 

@@ -36,14 +36,16 @@ kveval's drivers run such models' rows one at a time (:func:`rows_alone`), since
 indexer's mask are laid over the batch's columns, where a padded row would pool its padding.
 
 Compression. On V3.2's latent, one of the selections checked on it (:data:`LATENT_SELECTIONS`) keeps a token's
-latent and indexer key together (:class:`IndexedLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries, which
-are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
+latent and indexer key together (:class:`IndexedLayer`). On V4, one of :data:`ENTRY_SELECTIONS` removes the fraction
+``ratio`` of each CSA/HCA layer's compressed entries at the prefill (a CSA entry's indexer key with it), the sliding
+window left as the model defines it; the entries keep their numbers, as the model's block masks and indexer need
+(:class:`HcaLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries,
+which are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
 (``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache dtype).
 Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries are
 coded as they arrive, as its latent's tokens are). Refused before any weights load (:func:`check_policy`):
-selection on V4 (its block masks and indexer number the compressed entries from the first, which an eviction
-would shift), selections that score with attention (the model's carries the indexer's top-k), structure, and
-other codecs.
+selections that score with attention (the model's carries the indexer's top-k), per-head budgets, token budgets on
+V4's entries, structure, and other codecs.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kveval.cache.layers import CompressedLayer
 from kveval.errors import UnsupportedModelError
 from kveval.stores.base import QuantizedSequence
 from kveval.tensors.quantization import TensorQuant
+from kveval.tensors.scoring_state import ScoringState
 
 #: DeepSeek's serving format of the indexer's keys: e4m3 with one scale per this many values.
 INDEXER_FP8_GROUP = 128
@@ -62,6 +65,10 @@ PART_QUANTIZERS = ("quant", "kivi", "fp8")
 #: Selections that act on V3.2's latent (one decision per token for all heads, its indexer key leaving with it):
 #: those that score without attention (the model's attention there carries the indexer's top-k).
 LATENT_SELECTIONS = ("window", "streaming", "knorm", "random")
+#: Selections that act on V4's compressed entries (CSA's with their indexer keys, HCA's), sized by ``ratio``: those
+#: that score an entry by itself (its key, its position, a seed), with no attention (the model's attention over the
+#: entries is the indexer's top-k per query, which kveval's attention scores do not fold in).
+ENTRY_SELECTIONS = ("window", "streaming", "knorm", "random")
 
 
 def rows_alone(model) -> bool:
@@ -96,10 +103,8 @@ def check_policy(config, stack) -> None:
     parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
     selection = stack.selection
     if selection is not None and v4:
-        raise UnsupportedModelError(
-            f"{selection.spec()}: in {name}'s cache ({parts}) the model's own indexer and block masks number the "
-            f"entries from the first, which an eviction would shift; kveval does not select on it: evaluate a "
-            f"quantization ({', '.join(PART_QUANTIZERS)})")
+        _check_entry_selection(selection, name)
+        selection = None  # checked: the V3.2 rules below are the latent's
     if selection is not None and (selection.name not in LATENT_SELECTIONS or selection.per_head_budgets):
         if selection.attention == "queries":
             why = ("scores with the prefill's queries, which on this model attend only to the indexer's top-k that "
@@ -126,6 +131,26 @@ def check_policy(config, stack) -> None:
         raise UnsupportedModelError(
             f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {', '.join(PART_QUANTIZERS)} only; "
             f"use one of those")
+
+
+def _check_entry_selection(selection, name: str) -> None:
+    """Refuse, in one line, a selection V4's compressed entries cannot take (:data:`ENTRY_SELECTIONS`, by ``ratio``)."""
+    if selection.name not in ENTRY_SELECTIONS or selection.per_head_budgets:
+        if selection.attention != "none":
+            why = ("scores with attention, which over V4's compressed entries is the model's indexer's top-k per "
+                   "query, not folded into kveval's scores")
+        elif selection.per_head_budgets:
+            why = "budgets heads apart, where each compressed entry is one K=V vector for every head"
+        else:
+            why = "is not one of the selections checked on V4's compressed entries"
+        raise UnsupportedModelError(
+            f"{selection.spec()}: {why}; on {name}'s CSA/HCA entries use one of {', '.join(ENTRY_SELECTIONS)} "
+            f"with ratio=")
+    if selection.nominal_ratio is None or selection.decode_budget is not None:
+        raise UnsupportedModelError(
+            f"{selection.spec()}: on {name} a selection removes the fraction ratio= of each CSA/HCA layer's "
+            f"compressed entries at the prefill (the sliding window stays the model's); token counts (size, window, "
+            f"budget, decode_budget) do not map onto entries of several tokens: give ratio= alone")
 
 
 def part_coding(quantization, part: str, width: int) -> "tuple[TensorQuant | None, int]":
@@ -243,6 +268,10 @@ class NativeLayer(CompressedLayer):
     # --- the parts ------------------------------------------------------------------------------------------------
     def append_part(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Append ``x`` (``[B, n, width]``) to part ``name`` of every row; all its entries, ``[B, total, width]``."""
+        return torch.cat(self.append_part_rows(name, x), dim=0)
+
+    def append_part_rows(self, name: str, x: torch.Tensor) -> list[torch.Tensor]:
+        """Append ``x`` (``[B, n, width]``) to part ``name`` of every row; each row's entries held, ``[1, held, width]``."""
         rows = self.parts.get(name)
         if rows is None:
             quant, residual = part_coding(self.cache.policy.quantization, name, x.shape[-1])
@@ -250,7 +279,7 @@ class NativeLayer(CompressedLayer):
             self.part_widths[name] = x.shape[-1]
         for b, part in enumerate(rows):
             part.append(x[b:b + 1], self.sealing)
-        return torch.cat([part.read(x.shape[-1], x.device) for part in rows], dim=0)
+        return [part.read(x.shape[-1], x.device) for part in rows]
 
     def hold_state(self, name: str, x: "torch.Tensor | None") -> None:
         """Keep ``x`` between forwards: in the cache dtype where the model computes it in its compute dtype (as a
@@ -331,9 +360,14 @@ class IndexedLayer(NativeLayer):
 
 class WindowLayer(NativeLayer):
     """DeepSeek V4's ``sliding_attention``: the last ``sliding_window - 1`` K=V entries between forwards
-    (``DynamicSlidingWindowLayer``), stored once (as keys; values of width 0)."""
+    (``DynamicSlidingWindowLayer``), stored once (as keys; values of width 0). No selection acts on it: the window
+    stays as the model defines it (a selection acts on the compressed entries: :class:`HcaLayer`)."""
 
     store_part = "window"
+
+    @property
+    def takes_selection(self) -> bool:
+        return False
 
     def update(self, key_states, value_states, *args, kwargs=None, **extra):
         keys, _ = super().update(key_states, key_states[..., :0], *args, kwargs=kwargs, **extra)
@@ -349,7 +383,15 @@ class WindowLayer(NativeLayer):
 
 class HcaLayer(WindowLayer):
     """DeepSeek V4's ``heavily_compressed_attention`` (``DeepseekV4HCACache``): the window, the compressor's entries
-    (part ``hca``) and its pending tokens (state ``buffer_kv/compressor``, ``buffer_gate/compressor``)."""
+    (part ``hca``) and its pending tokens (state ``buffer_kv/compressor``, ``buffer_gate/compressor``).
+
+    A selection (:data:`ENTRY_SELECTIONS`) removes the fraction ``ratio`` of the entries a row's prefill emitted
+    (:meth:`compress_rows`); entries that cover a protected token (a query-aware prompt's question) stay, and so do
+    all later ones. The model numbers entries from the first: its compressor's block bias lets query ``t`` see entry
+    ``w`` when ``w < (t + 1) // rate``, its indexer ranks entries by that number. So the layer hands the model every
+    entry at its own number, an evicted one as zeros, and hides those (:meth:`hide_evicted`: the attention mask;
+    :func:`install_indexer_masks`: the indexer's scores, so its top-k is chosen among the entries held). What is
+    stored and measured is the held entries alone; attention and the indexer's top-k are the model's over them."""
 
     layer_type = "heavily_compressed_attention"
     entry_parts = {"compressor": "hca"}
@@ -358,6 +400,84 @@ class HcaLayer(WindowLayer):
         super().__init__(cache, layer_idx, sliding_window)
         self.compress_rate = config.compress_rates[self.layer_type]
         self.entry_count = {name: 0 for name in self.entry_parts}
+        #: Per row, after a selection: the entry numbers it kept of those emitted before it (``None``: every entry
+        #: held), and how many were emitted then; every entry emitted since is held.
+        self.kept_entries: list[torch.Tensor | None] = []
+        self.entries_at_selection: list[int] = []
+
+    # --- selection on the entries ---------------------------------------------------------------------------------
+    def compress_rows(self, rows, protect_last, policy=None) -> None:
+        super().compress_rows(rows, protect_last, policy)  # the window: sealed as it is (no selection acts on it)
+        selection = self.cache.policy.selection
+        if selection is None:
+            return
+        for row, protect in zip(rows, protect_last):
+            b = next(i for i, r in enumerate(self._rows) if r is row)
+            self._select_entries(b, row.tokens_seen - min(protect, row.tokens_seen), selection)
+
+    def _select_entries(self, b: int, free_tokens: int, selection) -> None:
+        """Keep ``selection``'s share of row ``b``'s entries that cover none of its last tokens after ``free_tokens``
+        (an entry covers the tokens up to ``(w + 1) x rate``); the others stay."""
+        while len(self.kept_entries) <= b:
+            self.kept_entries.append(None)
+            self.entries_at_selection.append(0)
+        emitted = self.entry_count["compressor"]
+        candidates = min(free_tokens // self.compress_rate, emitted)
+        keep = selection.keep_count(candidates, self.layer_idx, self.cache.num_layers)
+        if keep >= candidates:
+            return
+        scored = self.parts[self.entry_parts["compressor"]][b]
+        entries = scored.read(self.part_widths[self.entry_parts["compressor"]], self._device())[:, :candidates]
+        positions = (torch.arange(candidates, device=entries.device) * self.compress_rate)[None]
+        state = ScoringState(keys=entries, positions=positions, attention=None, layer_idx=self.layer_idx,
+                             num_layers=self.cache.num_layers, seed=self.cache.seed_for(b), model=self.cache.model)
+        chosen = selection.choose(selection.scores(state), keep, state)[0]
+        index = torch.cat([chosen, torch.arange(candidates, emitted, device=chosen.device)])
+        for part in self.entry_parts.values():
+            self.parts[part][b].select(index[None])
+        self.kept_entries[b], self.entries_at_selection[b] = index, emitted
+
+    def _device(self):
+        return self._rows[0].positions.device if self._rows else "cpu"
+
+    def _held_numbers(self, b: int, emitted: int) -> "torch.Tensor | None":
+        """The numbers of the entries row ``b`` holds of the ``emitted`` so far; ``None`` when it holds them all."""
+        kept = self.kept_entries[b] if b < len(self.kept_entries) else None
+        if kept is None:
+            return None
+        return torch.cat([kept, torch.arange(self.entries_at_selection[b], emitted, device=kept.device)])
+
+    def _evicted(self, emitted: int, device) -> "torch.Tensor | None":
+        """``[B, emitted]``, true at the entries a row no longer holds; ``None`` when every row holds every entry."""
+        if not any(k is not None for k in self.kept_entries):
+            return None
+        gone = torch.zeros(len(self._rows), emitted, dtype=torch.bool, device=device)
+        for b in range(len(self._rows)):
+            held = self._held_numbers(b, emitted)
+            if held is not None:
+                gone[b] = True
+                gone[b, held.to(device)] = False
+        return gone
+
+    def hide_evicted(self, attention_mask, query, key):
+        """The model's mask with the evicted entries (the last ``emitted`` key columns) hidden from every query."""
+        emitted = self.entry_count["compressor"]
+        gone = self._evicted(emitted, query.device)
+        if gone is None:
+            return attention_mask
+        if attention_mask is None:
+            attention_mask = query.new_zeros(query.shape[0], 1, query.shape[2], key.shape[2])
+        columns = torch.zeros(attention_mask.shape[0], key.shape[2], dtype=torch.bool, device=query.device)
+        columns[:, key.shape[2] - emitted:] = gone
+        columns = columns[:, None, None, :]
+        if attention_mask.dtype == torch.bool:
+            return attention_mask & ~columns
+        return attention_mask.masked_fill(columns, float("-inf"))
+
+    def hide_evicted_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """The indexer's scores (``[B, q, emitted]``) with the evicted entries at ``-inf``: its top-k among the held."""
+        gone = self._evicted(scores.shape[-1], scores.device)
+        return scores if gone is None else scores.masked_fill(gone[:, None, :], float("-inf"))
 
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
         """As ``DeepseekV4HCACache.store_compression_weights``: the pending tokens then ``kv``/``gate``, cut at the
@@ -373,13 +493,29 @@ class HcaLayer(WindowLayer):
         return kv[:, :usable], gate[:, :usable], first_window_position
 
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
-        """New entries ``[B, n, width]`` of series ``name``; every entry so far, ``[B, total, width]``."""
+        """New entries ``[B, n, width]`` of series ``name``; every entry so far at its own number, ``[B, total,
+        width]`` (an evicted one as zeros, hidden by :meth:`hide_evicted`)."""
         self.entry_count[name] += compressed.shape[1]
-        return self.append_part(self.entry_parts[name], compressed)
+        emitted = self.entry_count[name]
+        rows = self.append_part_rows(self.entry_parts[name], compressed)
+        if all(self._held_numbers(b, emitted) is None for b in range(len(rows))):
+            return torch.cat(rows, dim=0)
+        numbered = rows[0].new_zeros(len(rows), emitted, compressed.shape[-1])
+        for b, held in enumerate(rows):
+            numbers = self._held_numbers(b, emitted)
+            numbered[b, slice(None) if numbers is None else numbers] = held[0]
+        return numbered
+
+    def take_rows(self, index: list[int]) -> None:
+        super().take_rows(index)
+        self.kept_entries = [self.kept_entries[i] if i < len(self.kept_entries) else None for i in index]
+        self.entries_at_selection = [self.entries_at_selection[i] if i < len(self.entries_at_selection) else 0
+                                     for i in index]
 
     def reset(self) -> None:
         super().reset()
         self.entry_count = {name: 0 for name in self.entry_parts}
+        self.kept_entries, self.entries_at_selection = [], []
 
 
 class CsaLayer(HcaLayer):
@@ -399,6 +535,39 @@ class CsaLayer(HcaLayer):
         return prior_kv, prior_gate
 
 
+def install_indexer_masks(model) -> None:
+    """Let V4's indexers rank only the entries a :class:`CsaLayer` holds (idempotent).
+
+    ``DeepseekV4Indexer`` scores every entry the cache hands it, at its own number, and takes its top-k; an entry
+    the layer evicted is handed as zeros, which would score 0 and could take a top-k slot. Two forward hooks (no
+    modeling code changed): one before each indexer notes the cache layer it is called with, one after its scorer
+    sets the evicted entries' scores to ``-inf`` (:meth:`HcaLayer.hide_evicted_scores`). With nothing evicted, or
+    with another cache, the scores pass unchanged."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+
+    for module in model.modules():
+        if not isinstance(module, DeepseekV4Indexer) or getattr(module, "kveval_masks", False):
+            continue
+        module.kveval_masks = True
+        module.register_forward_pre_hook(_note_indexer_layer, with_kwargs=True)
+        module.scorer.register_forward_hook(_hide_evicted_scores)
+
+
+def _note_indexer_layer(module, args, kwargs) -> None:
+    """Before ``DeepseekV4Indexer.forward(hidden_states, q_residual, position_ids, cache, layer_idx)``: note the
+    :class:`CsaLayer` it reads on its scorer (``None`` for another cache)."""
+    names = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
+    given = {**dict(zip(names, args)), **kwargs}
+    cache, layer_idx = given.get("cache"), given.get("layer_idx")
+    layer = cache.layers[layer_idx] if cache is not None and layer_idx is not None else None
+    module.scorer.kveval_layer = layer if isinstance(layer, CsaLayer) else None
+
+
+def _hide_evicted_scores(module, args, output):
+    layer = getattr(module, "kveval_layer", None)
+    return output if layer is None else layer.hide_evicted_scores(output)
+
+
 def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
     """The :class:`NativeLayer` of one model layer (``plan``: its :class:`~kveval.modeling.architectures.LayerPlan`)."""
     text = config.get_text_config(decoder=True)
@@ -409,9 +578,10 @@ def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
     if plan.layer_type == "heavily_compressed_attention":
         return HcaLayer(cache, layer_idx, plan.sliding_window, text)
     if plan.layer_type == "compressed_sparse_attention":
+        install_indexer_masks(cache.model)
         return CsaLayer(cache, layer_idx, plan.sliding_window, text)
     raise UnsupportedModelError(f"layer {layer_idx}: native layer type {plan.layer_type!r} has no kveval layer")
 
 
-__all__ = ["CsaLayer", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
-           "PartSequence", "WindowLayer", "check_policy", "native_layer", "part_coding", "rows_alone"]
+__all__ = ["CsaLayer", "ENTRY_SELECTIONS", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
+           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "part_coding", "rows_alone"]
