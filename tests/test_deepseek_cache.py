@@ -194,7 +194,9 @@ V32_REFUSALS = {
 
 @pytest.mark.parametrize("name, spec, message", [("deepseek_v4", spec, m) for spec, m in sorted(REFUSALS.items())]
                          + [("deepseek_v32", spec, m) for spec, m in sorted(V32_REFUSALS.items())]
-                         + [("glm_moe_dsa", "knorm(ratio=0.5)", "reuse an earlier layer's top-k slots")])
+                         + [("glm_moe_dsa", "knorm(ratio=0.5)", "reuse an earlier layer's top-k slots")]
+                         + [(name, "indexer(ratio=0.5)", f"which a {name} model does not have")
+                            for name in ("deepseek_v32", "llama")])
 def test_what_cannot_be_expressed_is_refused_at_construction(name, spec, message):
     with pytest.raises(UnsupportedModelError, match=re.escape(message)):
         CompressedCache(tiny_model(name), parse_policy(spec))
@@ -249,7 +251,7 @@ def test_v32_keeps_the_indexer_keys_of_the_tokens_it_keeps():
 
 
 V4_SELECTIONS = ["knorm(ratio=0.5)", "window(ratio=0.5)", "streaming(ratio=0.6,sink=4)", "random(ratio=0.7)",
-                 "knorm(ratio=0.5)+quant(bits=4,group=8)"]
+                 "indexer(ratio=0.5,window=8)", "knorm(ratio=0.5)+quant(bits=4,group=8)"]
 
 
 @torch.no_grad()
@@ -284,7 +286,7 @@ def _v4_selected_against_its_own_cache(spec, context=50, question=7, steps=10, i
     return cache, own, torch.cat(ours), torch.cat(theirs)
 
 
-@pytest.mark.parametrize("spec", V4_SELECTIONS[:4])
+@pytest.mark.parametrize("spec", V4_SELECTIONS[:5])
 def test_v4_selects_entries_as_its_own_cache_without_them_attends(spec):
     """The question's forward (7 tokens, one of them closing a CSA window at 51, so a new entry the earlier
     question tokens must not see) and the decode steps equal the model's own cache with the evicted entries
@@ -293,6 +295,8 @@ def test_v4_selects_entries_as_its_own_cache_without_them_attends(spec):
     assert float((ours - theirs).abs().max()) <= 1e-5
     csa, hca = cache.layers[1], cache.layers[2]
     assert csa.kept_entries[0].numel() == math.ceil(12 * (1 - parse_policy(spec).selection.ratio))
+    if spec.startswith("indexer"):  # HCA has no indexer: its entries stay
+        assert hca.parts["hca"][0].length == hca.entry_count["compressor"]
     assert csa.parts["csa"][0].length == csa.parts["indexer"][0].length == own.layers[1].compressed_kv["compressor"].shape[1]
     assert hca.parts["hca"][0].length == own.layers[2].compressed_kv["compressor"].shape[1]
     assert cache.layers[0].rows[0].store.length == 7  # the sliding layer's window, as the model holds it
@@ -345,6 +349,43 @@ def test_v4_indexer_picks_its_top_k_among_the_entries_held():
         handle.remove()
 
 
+def test_index_shares_by_hand():
+    """Two entries of 2 tokens each; queries at positions 1, 3 and 4 see 1, 2 and 2 entries (s < (t + 1) // 2);
+    with window 2 only the last two count: softmax of (1, 3) twice, and (0.5, 0.5) from nothing else."""
+    from kveval.policies.indexer import index_shares
+
+    scores = torch.tensor([[[9.0, 9.0], [1.0, 3.0], [2.0, 2.0]]])
+    positions = torch.tensor([[1, 3, 4]])
+    shares = index_shares(scores, positions, rate=2, window=2)
+    e = math.exp(2.0)
+    torch.testing.assert_close(shares, torch.tensor([[1 / (1 + e) + 0.5, e / (1 + e) + 0.5]]))
+    # a query that sees no entry adds nothing (position 0 with rate 2: none is closed)
+    assert float(index_shares(scores[:, :1], torch.tensor([[0]]), rate=2, window=1).sum()) == 0.0
+
+
+@torch.no_grad()
+def test_v4_indexer_keeps_the_entries_its_own_indexer_favours():
+    """``indexer(ratio=0.5,window=8)`` keeps, in CSA's layer, the 6 of 12 context entries with the largest summed
+    shares of the model's own indexer scores over the context's last 8 queries (read here from transformers' own
+    forward with its own cache); the question's entries and HCA's stay."""
+    from kveval.policies.indexer import index_shares
+
+    model, reference = tiny_model("deepseek_v4"), tiny_model("deepseek_v4", attn="eager")
+    seen = []
+    scorer = reference.model.layers[1].self_attn.compressor.indexer.scorer
+    handle = scorer.register_forward_hook(lambda module, args, out: seen.append(out.clone()))
+    try:
+        reference(_ids(50, 5), cache=DynamicCache(config=reference.config), position_ids=torch.arange(50)[None])
+    finally:
+        handle.remove()
+    shares = index_shares(seen[0], torch.arange(50)[None], rate=4, window=8)[0]
+    cache = CompressedCache(model, parse_policy("indexer(ratio=0.5,window=8)"), kv_dtype=FP32)
+    model(_ids(50, 5), cache=cache, position_ids=torch.arange(50)[None])
+    kept = cache.layers[1].kept_entries[0]
+    assert kept.tolist() == sorted(shares.topk(6).indices.tolist())
+    assert cache.layers[2].kept_entries == [None] and cache.layers[2].parts["hca"][0].length == 3
+
+
 @pytest.mark.parametrize("spec, mode", [(spec, mode) for i, spec in enumerate(V4_SELECTIONS)
                                         for mode in ("context", "query")[i % 2:][:1 + (i == 0)]])
 def test_v4_selection_measures_fewer_entries_and_batch_three_is_each_alone(spec, mode):
@@ -363,13 +404,25 @@ def test_v4_selection_measures_fewer_entries_and_batch_three_is_each_alone(spec,
         assert a.stats.nominal_parts == full.stats.nominal_parts and a.stats.state_bytes == full.stats.state_bytes
         assert a.stats.parts["window"] == (full.stats.parts["window"] if "quant" not in spec
                                            else full.stats.parts["window"] // 2)
-        for part in ("csa", "indexer", "hca"):
+        selected = ("csa", "indexer") if spec.startswith("indexer") else ("csa", "indexer", "hca")  # HCA: no indexer
+        for part in selected:
             assert 0 < a.stats.parts[part] < full.stats.parts[part], (part, a.stats.parts, full.stats.parts)
         if "quant" not in spec:
-            for part, rate in (("csa", 4), ("hca", 16)):
+            for part, rate in (("csa", 4), ("hca", 16))[:1 + ("hca" in selected)]:
                 native, free = a.stats.tokens_seen[0] // rate, len(prompt.context) // rate
                 held = a.stats.parts[part] * native // a.stats.nominal_parts[part]
                 assert held == math.ceil(free * (1 - ratio)) + native - free, (part, held, native, free)
+
+
+def test_the_indexer_selection_is_refused_before_another_models_weights_load(capsys, monkeypatch):
+    from kveval.commands.main import main
+    from kveval.runner import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    capsys.readouterr()
+    assert main(["generate", "--model", "smollm2-135m", "--prompt", "w5", "--policy", "indexer(ratio=0.5)"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lightning indexer over its compressed entries, which smollm2-135m does not have" in err[0]
 
 
 @pytest.mark.parametrize("spec", sorted(REFUSALS))

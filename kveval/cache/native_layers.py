@@ -54,6 +54,7 @@ import torch
 
 from kveval.cache.layers import CompressedLayer
 from kveval.errors import UnsupportedModelError
+from kveval.policies.indexer import INDEXER_MODEL_TYPES, index_shares
 from kveval.stores.base import QuantizedSequence
 from kveval.tensors.quantization import TensorQuant
 from kveval.tensors.scoring_state import ScoringState
@@ -67,8 +68,9 @@ PART_QUANTIZERS = ("quant", "kivi", "fp8")
 LATENT_SELECTIONS = ("window", "streaming", "knorm", "random")
 #: Selections that act on V4's compressed entries (CSA's with their indexer keys, HCA's), sized by ``ratio``: those
 #: that score an entry by itself (its key, its position, a seed), with no attention (the model's attention over the
-#: entries is the indexer's top-k per query, which kveval's attention scores do not fold in).
-ENTRY_SELECTIONS = ("window", "streaming", "knorm", "random")
+#: entries is the indexer's top-k per query, which kveval's attention scores do not fold in), and ``indexer``, the
+#: model's own indexer scores (CSA layers only).
+ENTRY_SELECTIONS = ("window", "streaming", "knorm", "random", "indexer")
 
 
 def rows_alone(model) -> bool:
@@ -96,12 +98,14 @@ def check_policy(config, stack) -> None:
     if not isinstance(config, dict):
         config = config.get_text_config(decoder=True).to_dict()
     model_type = config.get("model_type", "")
+    selection = stack.selection
+    if model_type not in INDEXER_MODEL_TYPES:
+        refuse_model_indexer(stack, f"a {model_type or 'this'} model")
     name = {"deepseek_v4": "DeepSeek V4", "deepseek_v32": "DeepSeek V3.2", "glm_moe_dsa": "GLM MoE-DSA"}.get(model_type)
     if name is None:
         return
     v4 = model_type == "deepseek_v4"
     parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
-    selection = stack.selection
     if selection is not None and v4:
         _check_entry_selection(selection, name)
         selection = None  # checked: the V3.2 rules below are the latent's
@@ -133,10 +137,19 @@ def check_policy(config, stack) -> None:
             f"use one of those")
 
 
+def refuse_model_indexer(stack, model: str) -> None:
+    """Refuse a selection scored by DeepSeek V4's own indexer (``indexer``) on ``model``, which has none."""
+    selection = stack.selection
+    if selection is not None and selection.attention == "indexer":
+        raise UnsupportedModelError(
+            f"{selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed entries, which "
+            f"{model} does not have; use a selection of its own (knorm, snapkv, ...)")
+
+
 def _check_entry_selection(selection, name: str) -> None:
     """Refuse, in one line, a selection V4's compressed entries cannot take (:data:`ENTRY_SELECTIONS`, by ``ratio``)."""
     if selection.name not in ENTRY_SELECTIONS or selection.per_head_budgets:
-        if selection.attention != "none":
+        if selection.attention not in ("none", "indexer"):
             why = ("scores with attention, which over V4's compressed entries is the model's indexer's top-k per "
                    "query, not folded into kveval's scores")
         elif selection.per_head_budgets:
@@ -424,18 +437,25 @@ class HcaLayer(WindowLayer):
         emitted = self.entry_count["compressor"]
         candidates = min(free_tokens // self.compress_rate, emitted)
         keep = selection.keep_count(candidates, self.layer_idx, self.cache.num_layers)
-        if keep >= candidates:
+        attention = self._entry_attention(b, selection)
+        if keep >= candidates or (selection.attention == "indexer" and attention is None):
             return
         scored = self.parts[self.entry_parts["compressor"]][b]
         entries = scored.read(self.part_widths[self.entry_parts["compressor"]], self._device())[:, :candidates]
         positions = (torch.arange(candidates, device=entries.device) * self.compress_rate)[None]
-        state = ScoringState(keys=entries, positions=positions, attention=None, layer_idx=self.layer_idx,
+        attention = None if attention is None else attention[:, :candidates]
+        state = ScoringState(keys=entries, positions=positions, attention=attention, layer_idx=self.layer_idx,
                              num_layers=self.cache.num_layers, seed=self.cache.seed_for(b), model=self.cache.model)
         chosen = selection.choose(selection.scores(state), keep, state)[0]
         index = torch.cat([chosen, torch.arange(candidates, emitted, device=chosen.device)])
         for part in self.entry_parts.values():
             self.parts[part][b].select(index[None])
         self.kept_entries[b], self.entries_at_selection[b] = index, emitted
+
+    def _entry_attention(self, b: int, selection) -> "torch.Tensor | None":
+        """What an entry selection scores row ``b`` with beside the entries: the indexer's shares (``[1, entries]``,
+        :class:`CsaLayer`); ``None`` here (HCA has no indexer: ``indexer`` leaves its entries)."""
+        return None
 
     def _device(self):
         return self._rows[0].positions.device if self._rows else "cpu"
@@ -526,6 +546,32 @@ class CsaLayer(HcaLayer):
     layer_type = "compressed_sparse_attention"
     entry_parts = {"compressor": "csa", "indexer": "indexer"}
 
+    def __init__(self, cache, layer_idx: int, sliding_window: int, config):
+        super().__init__(cache, layer_idx, sliding_window, config)
+        self.index_shares: list[torch.Tensor] = []  # per row, under ``indexer``: its prefill's summed index shares
+
+    def observe_index_scores(self, scores: torch.Tensor, positions: torch.Tensor) -> None:
+        """The indexer's scores of one forward (``[B, q, entries]``, queries at ``positions``): under the ``indexer``
+        selection, before the rows are compressed, each entry's summed share (:func:`index_shares`)."""
+        selection = self.cache.policy.selection
+        if selection is None or selection.attention != "indexer" or all(r.compressed for r in self._rows):
+            return
+        shares = index_shares(scores, positions.to(scores.device), self.compress_rate, selection.window)
+        self.index_shares = [shares[b:b + 1] for b in range(shares.shape[0])]
+
+    def _entry_attention(self, b: int, selection) -> "torch.Tensor | None":
+        if selection.attention != "indexer":
+            return None
+        return self.index_shares[b]
+
+    def take_rows(self, index: list[int]) -> None:
+        super().take_rows(index)
+        self.index_shares = [self.index_shares[i] for i in index if i < len(self.index_shares)]
+
+    def reset(self) -> None:
+        super().reset()
+        self.index_shares = []
+
     def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
         """As ``DeepseekV4CSACache.update_overlap_state``: the prior call's last-window Ca half (``None`` at first),
         and this call's kept for the next."""
@@ -561,11 +607,16 @@ def _note_indexer_layer(module, args, kwargs) -> None:
     cache, layer_idx = given.get("cache"), given.get("layer_idx")
     layer = cache.layers[layer_idx] if cache is not None and layer_idx is not None else None
     module.scorer.kveval_layer = layer if isinstance(layer, CsaLayer) else None
+    module.scorer.kveval_positions = given.get("position_ids")
 
 
 def _hide_evicted_scores(module, args, output):
+    """After the scorer: its scores to the layer (the ``indexer`` selection's), the evicted entries' at ``-inf``."""
     layer = getattr(module, "kveval_layer", None)
-    return output if layer is None else layer.hide_evicted_scores(output)
+    if layer is None:
+        return output
+    layer.observe_index_scores(output, module.kveval_positions)
+    return layer.hide_evicted_scores(output)
 
 
 def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
@@ -584,4 +635,4 @@ def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
 
 
 __all__ = ["CsaLayer", "ENTRY_SELECTIONS", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
-           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "part_coding", "rows_alone"]
+           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "refuse_model_indexer", "part_coding", "rows_alone"]

@@ -311,7 +311,11 @@ def _selecting(spec: ModelSpec) -> list[bool]:
 
 
 def _check_selection(spec: ModelSpec, stack) -> None:
-    """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does."""
+    """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does, and
+    one scored by a model's own indexer (run on the model only)."""
+    if stack.selection is not None and stack.selection.attention == "indexer":
+        raise UsageError(f"{stack.selection.spec()}: scores with DeepSeek V4's lightning indexer, which kveval runs on "
+                         f"the model (kveval generate/eval); the planner sizes V4's native cache (policy none)")
     if stack.selection is not None and not any(_selecting(spec)):
         raise UsageError(f"{stack.selection.spec()}: every attention layer of {spec.name} is chunked, and selection "
                          f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")

@@ -20,6 +20,7 @@ from kveval.policies import (
     engines,
     expected_attention,
     h2o,
+    indexer,
     keydiff,
     knorm,
     kvquant,
@@ -94,5 +95,6 @@ for _builtin in (
     chunkkv.ChunkKVPolicy,
     threshold.ThresholdPolicy,
     expected_attention.ExpectedAttentionPolicy,
+    indexer.IndexerPolicy,
 ):
     register_policy(_builtin)

@@ -142,6 +142,9 @@ class RunSpec:
         shape = _model_shape(model)
         if shape is None or self.policy.is_none:
             return self
+        from kveval.cache.native_layers import refuse_model_indexer
+
+        refuse_model_indexer(self.policy, shape.name)
         head_dim = shape.head_dim
         stack = _copy_stack(self.policy)
         structure = stack.structure
