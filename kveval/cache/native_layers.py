@@ -132,9 +132,11 @@ def check_policy(config, stack) -> None:
             f"kveval has no low-rank basis for its parts: evaluate a quantization ({', '.join(PART_QUANTIZERS)})")
     quantization = stack.quantization
     if quantization is not None and quantization.name not in PART_QUANTIZERS:
+        why = (" (its codebooks and key ranges are calibrated on per-head K/V, and kveval's calibration pass does not "
+               "collect these parts)" if quantization.name == "kvquant" else "")
         raise UnsupportedModelError(
-            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {', '.join(PART_QUANTIZERS)} only; "
-            f"use one of those")
+            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {', '.join(PART_QUANTIZERS)} "
+            f"only{why}; use one of those")
 
 
 def refuse_model_indexer(stack, model: str) -> None:
