@@ -492,6 +492,25 @@ class CompressedCache(Cache):
         return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row) + state, dtype_name(self.kv_dtype),
                           parts, nominal_parts)
 
+    def kv_bytes(self, row: int) -> int:
+        """``stats(row=row).kv_bytes`` alone (no index bytes, no kept tokens): what a decode step's peak reads."""
+        total = 0
+        for layer in self.attention_layers:
+            if isinstance(layer, native_layers.NativeLayer):
+                total += sum(measured for measured, _ in layer.row_parts(row).values())
+            else:
+                total += layer.rows[row].store.nbytes
+        return total
+
+    @property
+    def shrinks_while_decoding(self) -> bool:
+        """Whether a row's K/V bytes may fall while it decodes, so that their peak may come before the end: a decode
+        budget evicts, a structure or quantization may encode its full-precision residual tokens. Without them
+        (none, a selection at the prefill alone) bytes only grow, and peak where decoding ends."""
+        policy = self.policy
+        return (policy.structure is not None or policy.quantization is not None
+                or (policy.selection is not None and policy.selection.decode_budget is not None))
+
     def span_retention(self, row: int, spans: "Sequence[tuple[int, int]]") -> float | None:
         """Share of the slots of the tokens in ``spans`` that row ``row`` still holds, over every attention layer and
         KV head: 1.0 when each layer keeps every one of those tokens for every head, 0.0 when none is left anywhere.

@@ -30,6 +30,7 @@ from kveval.policies import (
     pyramidkv,
     quant,
     random,
+    rkv,
     snapkv,
     threshold,
     tova,
@@ -94,5 +95,6 @@ for _builtin in (
     chunkkv.ChunkKVPolicy,
     threshold.ThresholdPolicy,
     expected_attention.ExpectedAttentionPolicy,
+    rkv.RKVPolicy,
 ):
     register_policy(_builtin)
