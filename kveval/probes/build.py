@@ -115,12 +115,15 @@ class Turn:
 class Spec:
     """What a family's generator returns: the context's layout, the questions asked against it, the values' shape,
     and how answers are scored (``"values"``: :func:`kveval.probes.scoring.score_answer`'s value sets;
-    ``"sequence"``: an ordered list, :func:`kveval.probes.scoring.score_sequence`)."""
+    ``"sequence"``: an ordered list, :func:`kveval.probes.scoring.score_sequence`). ``answer_room``: the items'
+    ``max_new_tokens`` is this many times the tokens of the gold values joined by commas (at least 16 more), room
+    for an answer that writes more than the values (numbers, words around them)."""
 
     layout: Layout
     turns: list[Turn]
     value_kind: str
     scoring: str = "values"
+    answer_room: float = 2.0
 
 
 @dataclass

@@ -9,6 +9,7 @@ model's tokenizer and renders one :class:`~kveval.probes.item.ProbeItem` per tur
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -502,8 +503,8 @@ def _realize(spec: Spec, fam: Family, p: dict[str, Any], tokenizer, frame: Promp
         prompt_context, prompt_question = frame.render(built.context, turn.question, turn.answer_prefix)
         assert prompt_context == built.prompt_context
         gold, stale = set(turn.gold), set(turn.stale)
-        needles = [Needle(pl.key, pl.value, "target" if pl.value in gold else "stale" if pl.value in stale else "distractor",
-                          pl.token_span) for pl in built.placed]
+        needles = [Needle(pl.key, pl.value, "target" if pl.value in gold or pl.value == turn.primary
+                          else "stale" if pl.value in stale else "distractor", pl.token_span) for pl in built.placed]
         primary = next(pl for pl in built.placed if pl.value == turn.primary)
         gold_tokens = len(tokenizer(", ".join(turn.gold), add_special_tokens=False)["input_ids"])
         params = {"length": length, "seed": seed, "index": index, "tokenizer": tok_name, **p}
@@ -525,7 +526,7 @@ def _realize(spec: Spec, fam: Family, p: dict[str, Any], tokenizer, frame: Promp
             depth_actual=round(built.depth_of(primary), 4),
             group=group,
             turn=t,
-            max_new_tokens=max(gold_tokens + 16, 2 * gold_tokens),
+            max_new_tokens=max(gold_tokens + 16, math.ceil(spec.answer_room * gold_tokens)),
             answer_prefix=turn.answer_prefix,
             value_kind=spec.value_kind,
             scoring=spec.scoring,

@@ -5,15 +5,17 @@ Both ask the model to write out an ordered list it read in the context, and are 
 only for the exact list):
 
 ``recite_list``
-    ``num_items`` words, each stated with its rank ("Word 3 of the list is: cello."), spread in order over the
-    context; the answer is every word, in order, comma-separated.
+    ``num_items`` words written once, numbered, in one sentence at the item's depth ("The list of 12 words, in
+    order: 1. tapir, 2. mango, ..."); the answer, which starts as that sentence does, is every word in order: a
+    copy that an evicted word of the list, or of the answer written so far, can break.
 ``state_trace``
     a counter of one key set, then updated ``num_updates - 1`` times through the context, between the updates of
     ``num_distractors`` other keys' counters; the answer is every value the asked counter held, first to last
     (a value of another counter is a ``distractor``).
 
-The list's elements are needles (role ``target``) at evenly spread depths; the item's ``depth`` places the element
-nearest it exactly, the others keep their order around it.
+``recite_list``'s list is one needle (role ``target``: the item's primary needle, though its value is the whole
+list); ``state_trace``'s values are needles at evenly spread depths, the item's ``depth`` placing the one nearest
+it exactly, the others keeping their order around it.
 """
 
 from __future__ import annotations
@@ -52,19 +54,20 @@ def _ordered_plants(texts: list[str], key: str, values: list[str], depth: float)
 
 
 def recite_list(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
-    """An ordered list of words spread through the context; write them all out in order."""
+    """An ordered list of words, written out once at the requested depth; write them all out in order."""
     n = p["num_items"]
     draw = UniqueDraw(rng)
     words = [draw.word() for _ in range(n)]
-    texts = [f"Word {i + 1} of the list is: {w}." for i, w in enumerate(words)]
-    plants, primary = _ordered_plants(texts, "list", words, depth)
+    block = ", ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    lead = f"The list of {n} words, in order:"
+    plant = Plant(f"{lead} {block}.", "list", block, depth, primary=True)
     units, pad = _filler(p["haystack"], rng)
-    intro = (f"A list of {n} words is hidden in the following text, one word at a time with its place in "
-             "the list. Memorize the list in order. I will ask you to write it out afterwards.")
-    question = f"Write out all {n} words of the list, in order, separated by commas."
-    prefix = f"The {n} words of the list, in order, are:"
-    return Spec(Layout(intro, units, pad, plants), [Turn(question, prefix, words, primary, depth)], "word",
-                scoring="sequence")
+    intro = (f"A list of {n} words is hidden in the following text. Memorize the list in order. I will ask you to "
+             "write it out afterwards.")
+    question = f"Write out all {n} words of the list, in order, numbered as in the text."
+    prefix = f"{lead} 1."
+    return Spec(Layout(intro, units, pad, [plant]), [Turn(question, prefix, words, block, depth)], "word",
+                scoring="sequence", answer_room=3.0)  # room for the numbers written between the words
 
 
 def state_trace(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
