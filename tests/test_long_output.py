@@ -79,8 +79,9 @@ def test_long_output_items_ask_for_long_ordered_answers(tok):
     assert {"recite_list", "state_trace"} <= set(FAMILIES)
     (recite,) = generate_items("recite_list", tok, 400, 1, depths=[0.5], num_items=10)
     assert recite.scoring == "sequence" and len(recite.gold) == 10 and len(set(recite.gold)) == 10
-    (needle,) = recite.needles  # the list, one target needle, numbered as the answer writes it
-    assert needle.role == "target" and needle.value.startswith(f"1. {recite.gold[0]}, 2. {recite.gold[1]}")
+    assert [n.value for n in recite.needles] == recite.gold and all(n.role == "target" for n in recite.needles)
+    # One sentence, numbered as the answer writes it.
+    assert f"in order: 1. {recite.gold[0]}, 2. {recite.gold[1]}, 3. " in recite.context
     assert recite.prompt_question.endswith("1.") and recite.max_new_tokens >= 60
     assert score_answer(recite, " " + ", ".join(f"{i + 1}. {w}" for i, w in enumerate(recite.gold)) + ".").correct
 

@@ -503,8 +503,8 @@ def _realize(spec: Spec, fam: Family, p: dict[str, Any], tokenizer, frame: Promp
         prompt_context, prompt_question = frame.render(built.context, turn.question, turn.answer_prefix)
         assert prompt_context == built.prompt_context
         gold, stale = set(turn.gold), set(turn.stale)
-        needles = [Needle(pl.key, pl.value, "target" if pl.value in gold or pl.value == turn.primary
-                          else "stale" if pl.value in stale else "distractor", pl.token_span) for pl in built.placed]
+        needles = [Needle(pl.key, pl.value, "target" if pl.value in gold else "stale" if pl.value in stale else "distractor",
+                          pl.token_span) for pl in built.placed]
         primary = next(pl for pl in built.placed if pl.value == turn.primary)
         gold_tokens = len(tokenizer(", ".join(turn.gold), add_special_tokens=False)["input_ids"])
         params = {"length": length, "seed": seed, "index": index, "tokenizer": tok_name, **p}

@@ -13,9 +13,10 @@ only for the exact list):
     ``num_distractors`` other keys' counters; the answer is every value the asked counter held, first to last
     (a value of another counter is a ``distractor``).
 
-``recite_list``'s list is one needle (role ``target``: the item's primary needle, though its value is the whole
-list); ``state_trace``'s values are needles at evenly spread depths, the item's ``depth`` placing the one nearest
-it exactly, the others keeping their order around it.
+Every element is a needle (role ``target``). ``recite_list``'s list starts at the item's depth, its words one
+sentence in order (``depth_actual``, its last word's, the primary needle's, lies up to the list's length further);
+``state_trace``'s at evenly spread depths, the item's ``depth``
+placing the one nearest it exactly, the others keeping their order around it.
 """
 
 from __future__ import annotations
@@ -58,15 +59,19 @@ def recite_list(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
     n = p["num_items"]
     draw = UniqueDraw(rng)
     words = [draw.word() for _ in range(n)]
-    block = ", ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
     lead = f"The list of {n} words, in order:"
-    plant = Plant(f"{lead} {block}.", "list", block, depth, primary=True)
+    # One needle per word, numbered, all at the item's depth: the others in order, then the last (the primary)
+    # right after them (its nearest gap that follows them), so that the list reads as one sentence.
+    texts = [f"{i + 1}. {w}" + ("." if i == n - 1 else ",") for i, w in enumerate(words)]
+    texts[0] = f"{lead} {texts[0]}"
+    plants = [Plant(text, "list", w, depth, primary=i == n - 1, order="" if i == n - 1 else "before")
+              for i, (text, w) in enumerate(zip(texts, words))]
     units, pad = _filler(p["haystack"], rng)
     intro = (f"A list of {n} words is hidden in the following text. Memorize the list in order. I will ask you to "
              "write it out afterwards.")
     question = f"Write out all {n} words of the list, in order, numbered as in the text."
     prefix = f"{lead} 1."
-    return Spec(Layout(intro, units, pad, [plant]), [Turn(question, prefix, words, block, depth)], "word",
+    return Spec(Layout(intro, units, pad, plants), [Turn(question, prefix, words, words[-1], depth)], "word",
                 scoring="sequence", answer_room=3.0)  # room for the numbers written between the words
 
 
