@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kveval.errors import PolicySpecError
+from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.policies.base import RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState
 
@@ -34,7 +34,8 @@ class RKVPolicy(RatioSelectionPolicy):
     Units: ``window`` and ``kernel`` in tokens (queries), ``mix`` is the paper's lambda (0.07, the reference's
     default), ``threshold`` a cosine similarity. The prefill may be compressed too (``ratio``/``budget`` scored
     the same way with the prompt's last ``window`` queries); ``rkv(ratio=0,decode_budget=...)`` compresses while
-    decoding only. Reads the queries themselves, so it prefills alone (no shared prefill) and decodes row by row.
+    decoding only. Reads the queries themselves, so it prefills alone (no shared prefill) and decodes row by row;
+    an MLA latent cache, whose keys are not the queries' width, is refused.
     """
 
     name = "rkv"
@@ -71,6 +72,10 @@ class RKVPolicy(RatioSelectionPolicy):
         keys = state.keys.float()  # [H, n, d]
         heads, n, dim = keys.shape
         queries = state.queries.float()  # [query heads, w, d]
+        if queries.shape[-1] != dim or queries.shape[0] % heads:
+            raise UnsupportedModelError(f"{self.spec()}: the queries ({queries.shape[0]} heads x {queries.shape[-1]}) "
+                                        f"do not meet the cached keys ({heads} x {dim}) head for head (an MLA latent "
+                                        f"cache); use a policy that scores the cache itself, e.g. knorm or h2o")
         logits = torch.einsum("hgqd,hnd->hgqn", queries.view(heads, -1, queries.shape[1], dim), keys) * dim ** -0.5
         logits = logits.amax(dim=1)  # [H, w, n]: the max over each KV head's query heads
         newest = state.positions.max(dim=-1, keepdim=True).values
