@@ -64,6 +64,32 @@ def test_none_equals_eager_through_prefill_and_decode(name):
     assert (stats.state_bytes > 0) == (bool(state_layers) or name == "deepseek_v4")
 
 
+#: Decode-phase compression (docs/methods.md): the budget kept every 4 steps (kvpress's DecodingPress), and R-KV.
+DECODE_PHASE = ["knorm(ratio=0.5,decode_budget=24,decode_interval=4)",
+                "rkv(ratio=0.5,decode_budget=24,decode_interval=4,window=4)"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_phase_policies_keep_their_budget_while_decoding(name):
+    """64 tokens halved to 32, then 6 decode steps: over decode_budget + decode_interval - 1 = 27 tokens after the
+    first step, every selecting layer is compressed to 24, and holds at most 27 between steps. R-KV's queries do not
+    meet an MLA latent's keys: refused in one line."""
+    model = tiny_model(name)
+    ids = _ids(64, 1)
+    for spec in DECODE_PHASE:
+        cache = CompressedCache(model, parse_policy(spec))
+        try:
+            with torch.no_grad():
+                logits = prefill_and_decode(model, cache, ids, 6)
+        except UnsupportedModelError as exc:
+            assert spec.startswith("rkv") and "MLA" in str(exc), (spec, exc)
+            continue
+        stats = cache.stats()
+        assert all(bool(torch.isfinite(x).all()) for x in logits), spec
+        assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
+        assert max(max(layer) for layer in stats.kept_tokens) <= 27, spec
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_policy_family_runs_below_nominal_bytes(name):
     model = tiny_model(name)

@@ -492,6 +492,27 @@ class CompressedCache(Cache):
         return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row) + state, dtype_name(self.kv_dtype),
                           parts, nominal_parts)
 
+    def kv_bytes(self, row: int) -> int:
+        """``stats(row=row).kv_bytes`` alone (no index bytes, no kept tokens): what a decode step's peak reads."""
+        total = 0
+        for layer in self.attention_layers:
+            if isinstance(layer, native_layers.NativeLayer):
+                total += sum(measured for measured, _ in layer.row_parts(row).values())
+            else:
+                total += layer.rows[row].store.nbytes
+        return total
+
+    @property
+    def peaks_between_steps(self) -> bool:
+        """Whether a row's K/V bytes may peak between the prompt's end and the end of decoding, and are read after
+        every step to find the peak: a decode budget compressed every ``decode_interval`` steps (above 1) grows
+        past its budget and falls back. Such rows decode one by one, so the read costs no catch-up of a batched
+        decode. Elsewhere the bytes grow, or grow to a decode budget and stay there, and peak after the prompt or
+        at the end; a residual window's full-precision tokens (KIVI) fall as each group is encoded, so there the
+        larger of those two is short of the true peak by at most one group's unencoded tokens."""
+        selection = self.policy.selection
+        return selection is not None and selection.decode_budget is not None and selection.decode_interval > 1
+
     def span_retention(self, row: int, spans: "Sequence[tuple[int, int]]") -> float | None:
         """Share of the slots of the tokens in ``spans`` that row ``row`` still holds, over every attention layer and
         KV head: 1.0 when each layer keeps every one of those tokens for every head, 0.0 when none is left anywhere.

@@ -159,9 +159,10 @@ class BudgetEviction:
 
     @staticmethod
     def serves(selection) -> bool:
-        """Whether ``selection``'s decode budget can be kept for a batch (one budget for every head, batch scores)."""
+        """Whether ``selection``'s decode budget can be kept for a batch (one budget for every head, batch scores,
+        evicted at every step over it: a ``decode_interval`` above 1 decodes row by row)."""
         return (selection.decode_budget is not None and selection.batch_scores and not selection.per_head_budgets
-                and selection.attention in ("none", "all", "last"))
+                and selection.attention in ("none", "all", "last") and selection.decode_interval == 1)
 
     @classmethod
     def of_window(cls, window: int) -> "BudgetEviction":
@@ -400,7 +401,8 @@ class HeadBudgetEviction:
 
     @staticmethod
     def serves(selection) -> bool:
-        return selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
+        return (selection.decode_budget is not None and selection.per_head_budgets and selection.batch_scores
+                and selection.decode_interval == 1)
 
     def defers(self, buffer: BatchBuffer) -> bool:
         """Whether this step's eviction may wait for the forward's other layers' (:class:`DeferredEvictions`): a

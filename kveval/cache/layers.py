@@ -502,7 +502,7 @@ class CompressedLayer(CacheLayerMixin):
             for key in (self.cache.score_keys if self.takes_selection else []):
                 self._observe(query, keys, probabilities, key)
         elif needs != "none" and (not all(r.compressed for r in self.rows)
-                                  or (needs in ("all", "last") and policy.decode_budget is not None)):
+                                  or (needs in ("all", "last", "queries") and policy.decode_budget is not None)):
             # Compressed rows are scored again only under a decode budget: without one nothing ranks them again.
             self._observe(query, keys, probabilities, score_key(policy))
         if self.is_sliding:  # like the model's own sliding layer: keep only what the next query can still see
@@ -516,7 +516,7 @@ class CompressedLayer(CacheLayerMixin):
             # A row this forward gave no token (its sequence ended) keeps its cache, as alone (spared_rows).
             given = self.cache.input_counts(len(rows), query.shape[2])[0]
             for row, count in zip(rows, given):
-                if row.compressed and count and row.store.length > policy.decode_budget:
+                if row.compressed and count and row.store.length > policy.decode_limit:
                     self._evict_to(row, policy.decode_budget, protect_last=1)
                     evicted.append(row)
         seal_rows(evicted)
@@ -538,8 +538,15 @@ class CompressedLayer(CacheLayerMixin):
         needs = key[0]
         if needs == "queries":  # the queries themselves, per row: its real columns (a prefill's)
             real = self.cache.input_real(query.shape[0], query.shape[2], query.device)
+            recent = self.selection.kept_queries if self.selection is not None else None
             for b, row in enumerate(self.rows):
-                row.queries, row.query_positions = query[b][:, real[b]], self._query_positions[b][real[b]]
+                queries, positions = query[b][:, real[b]], self._query_positions[b][real[b]]
+                if recent is not None:  # a window of the most recent queries, this forward's appended
+                    if row.queries is not None:
+                        queries = torch.cat([row.queries, queries], dim=1)
+                        positions = torch.cat([row.query_positions, positions])
+                    queries, positions = queries[:, -recent:], positions[-recent:]
+                row.queries, row.query_positions = queries, positions
             return
         mass = self._mass(query, keys, probabilities, key)
         deferred, own = self.cache.defer_compression, score_key(self.selection)
@@ -610,7 +617,8 @@ class CompressedLayer(CacheLayerMixin):
         rescored = policy is not None and policy.decode_budget is not None
         for row in rows:
             row.compressed = True
-            row.queries = row.query_positions = None
+            if not (rescored and policy.kept_queries is not None):  # else the recent queries score the decode budget
+                row.queries = row.query_positions = None
             if not rescored and not self.cache.defer_compression:
                 row.attention = None  # no decode budget: these scores rank nothing again
         self._decode = None

@@ -338,7 +338,7 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
                              f"run shorter than the window")
         kept = selection.planned_keep(held) if selection.thresholded else selection.keep_count(held, i, spec.num_layers)
         tokens = kept + new_tokens
-        budget = selection.decode_budget
+        budget = selection.decode_limit  # the budget, and what it may grow by between evictions (decode_interval)
         if new_tokens and budget is not None:
             tokens = min(tokens, max(int(budget), 1))
         whole = selection.whole_head_fraction  # duo: retrieval heads keep every token

@@ -89,6 +89,7 @@ class SelectionPolicy(Policy):
     attention: ClassVar[str] = "none"
     supports_decode_budget: ClassVar[bool] = True
     decode_budget = None  # tokens the cache may hold while decoding; None lets it grow
+    decode_interval = 1  # decode steps the cache may grow past decode_budget before it is compressed back to it
     #: :meth:`scores` also takes a whole batch: the state's tensors may carry leading row dimensions
     #: (``[rows, kv_heads, tokens]``), and each row's scores depend on that row alone, as they would for the row
     #: by itself. The cache then keeps a decode budget for the batch at once (:mod:`kveval.cache.buffered_decode`).
@@ -110,6 +111,20 @@ class SelectionPolicy(Policy):
     @abstractmethod
     def scores(self, state: "ScoringState") -> "torch.Tensor":
         """Per KV head and token, higher = more worth keeping; shape ``[kv_heads, tokens]``."""
+
+    @property
+    def kept_queries(self) -> int | None:
+        """With ``attention == "queries"``: how many of the row's most recent queries it keeps, appending each
+        forward's (a decode-phase policy's observation window, R-KV's); ``None``: the prefill's queries alone,
+        replaced by each forward's (Expected Attention)."""
+        return None
+
+    @property
+    def decode_limit(self) -> int | None:
+        """The most tokens a row holds between decode steps under :attr:`decode_budget`: the budget, plus the
+        ``decode_interval - 1`` tokens it may grow by before the next eviction (``None``: no decode budget). A row
+        holding more after a step's attention is compressed back to ``decode_budget``."""
+        return None if self.decode_budget is None else self.decode_budget + self.decode_interval - 1
 
     @property
     def whole_head_fraction(self) -> float:
@@ -172,6 +187,20 @@ class RatioSelectionPolicy(SelectionPolicy):
         While decoding, the cache never holds more than this many tokens
         (context and generated together); ``None`` lets it grow. With
         ``adaptive``, a per-head average: the layer holds ``decode_budget x kv_heads``.
+    decode_interval : int
+        Compress every ``decode_interval`` steps, as kvpress's ``DecodingPress``
+        (``compression_interval``, ``target_size`` = ``decode_budget``, the
+        policy's own scores as its wrapped press): the cache grows past
+        ``decode_budget`` for ``decode_interval - 1`` steps, and a row that then
+        holds ``decode_budget + decode_interval`` tokens after a step's
+        attention keeps its ``decode_budget`` best-scored (its newest always).
+        The trigger is the row's length, not a step counter: from the first
+        eviction on, that is every ``decode_interval`` steps, as kvpress, but a
+        row whose prefill left fewer tokens than the budget is first compressed
+        when it reaches ``decode_budget + decode_interval`` (kvpress compresses
+        after ``compression_interval`` steps whatever the length). 1 (the
+        default) evicts at every step over the budget. Needs ``decode_budget``.
+        Above 1, rows decode one by one (no batched decode eviction).
     adaptive : bool
         AdaKV (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by
         Adaptive Budget Allocation for Efficient LLM Inference"): the layer's
@@ -187,6 +216,7 @@ class RatioSelectionPolicy(SelectionPolicy):
     ratio: float | None = None
     budget: int | None = None
     decode_budget: int | None = None
+    decode_interval: int = 1
     adaptive: bool = False
     floor: float = ADAKV_FLOOR
 
@@ -208,6 +238,11 @@ class RatioSelectionPolicy(SelectionPolicy):
                 raise PolicySpecError(f"{self.name}: decode_budget is not supported (its scores come from the prefill only); use h2o, tova, knorm or random")
             if self.decode_budget < 1:
                 raise PolicySpecError(f"{self.name}: decode_budget={self.decode_budget} must be a positive number of tokens")
+        if self.decode_interval < 1:
+            raise PolicySpecError(f"{self.name}: decode_interval={self.decode_interval} must be a positive number of decode steps")
+        if self.decode_interval > 1 and self.decode_budget is None:
+            raise PolicySpecError(f"{self.name}: decode_interval={self.decode_interval} needs decode_budget= (the tokens "
+                                  f"the cache is compressed back to every decode_interval steps)")
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.budget is not None:

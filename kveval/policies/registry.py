@@ -31,6 +31,7 @@ from kveval.policies import (
     pyramidkv,
     quant,
     random,
+    rkv,
     snapkv,
     threshold,
     tova,
@@ -96,5 +97,6 @@ for _builtin in (
     threshold.ThresholdPolicy,
     expected_attention.ExpectedAttentionPolicy,
     indexer.IndexerPolicy,
+    rkv.RKVPolicy,
 ):
     register_policy(_builtin)

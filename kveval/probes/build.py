@@ -87,6 +87,46 @@ class Layout:
 
 
 @dataclass
+class Turn:
+    """One question against a context.
+
+    Attributes
+    ----------
+    question, answer_prefix : str
+    gold : list of str
+        Values the answer must contain.
+    primary : str
+        Value of the needle whose depth is the item's depth.
+    depth : float
+        Requested depth of that needle.
+    stale : list of str
+        Overwritten values of the asked key(s); every other non-gold needle is a distractor.
+    """
+
+    question: str
+    answer_prefix: str
+    gold: list[str]
+    primary: str
+    depth: float
+    stale: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Spec:
+    """What a family's generator returns: the context's layout, the questions asked against it, the values' shape,
+    and how answers are scored (``"values"``: :func:`kveval.probes.scoring.score_answer`'s value sets;
+    ``"sequence"``: an ordered list, :func:`kveval.probes.scoring.score_sequence`). ``answer_room``: the items'
+    ``max_new_tokens`` is this many times the tokens of the gold values joined by commas (at least 16 more), room
+    for an answer that writes more than the values (numbers, words around them)."""
+
+    layout: Layout
+    turns: list[Turn]
+    value_kind: str
+    scoring: str = "values"
+    answer_room: float = 2.0
+
+
+@dataclass
 class Placed:
     key: str
     value: str

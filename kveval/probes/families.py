@@ -9,50 +9,20 @@ model's tokenizer and renders one :class:`~kveval.probes.item.ProbeItem` per tur
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from kveval.errors import UsageError
-from kveval.probes.build import Layout, Plant, Unit, fit
+from kveval.probes.build import Layout, Plant, Spec, Turn, Unit, fit
 from kveval.probes.item import Needle, ProbeItem, PromptFrame, encode_parts, prompt_hash
+from kveval.probes.long_output import HAYSTACKS, recite_list, state_trace
 from kveval.probes.text import REPEAT_SENTENCES, SentenceStream, UniqueDraw, kind_noun
 from kveval.values import is_whole
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTH_TOLERANCE = 0.02
-
-
-@dataclass
-class Turn:
-    """One question against a context.
-
-    Attributes
-    ----------
-    question, answer_prefix : str
-    gold : list of str
-        Values the answer must contain.
-    primary : str
-        Value of the needle whose depth is the item's depth.
-    depth : float
-        Requested depth of that needle.
-    stale : list of str
-        Overwritten values of the asked key(s); every other non-gold needle is a distractor.
-    """
-
-    question: str
-    answer_prefix: str
-    gold: list[str]
-    primary: str
-    depth: float
-    stale: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Spec:
-    layout: Layout
-    turns: list[Turn]
-    value_kind: str
 
 
 # ----------------------------------------------------------------------------- haystack helpers
@@ -385,7 +355,7 @@ class Family:
             if name.startswith("num_"):
                 if not is_whole(value) or value < 0:
                     raise UsageError(f"{self.name}: {name} must be a non-negative integer, not {value!r}")
-        minimum = {"num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0}
+        minimum = {"num_items": 1, "num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0}
         for name, low in minimum.items():
             if name in out and out[name] < low:
                 raise UsageError(f"{self.name}: {name} must be at least {low}")
@@ -423,6 +393,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("multi_turn", multi_turn,
            {"haystack": "repeat", "value_kind": "number", "num_turns": 3, "num_distractors": 2},
            {"haystack": _HAY_N, "value_kind": _KINDS}, "several questions against one shared context"),
+    Family("recite_list", recite_list, {"haystack": "repeat", "num_items": 12}, {"haystack": HAYSTACKS},
+           "long output: write out a list of words spread through the context, in order"),
+    Family("state_trace", state_trace, {"haystack": "repeat", "num_updates": 8, "num_distractors": 1},
+           {"haystack": HAYSTACKS}, "long output: every value one counter held, first to last"),
 )}
 
 
@@ -552,9 +526,10 @@ def _realize(spec: Spec, fam: Family, p: dict[str, Any], tokenizer, frame: Promp
             depth_actual=round(built.depth_of(primary), 4),
             group=group,
             turn=t,
-            max_new_tokens=max(gold_tokens + 16, 2 * gold_tokens),
+            max_new_tokens=max(gold_tokens + 16, math.ceil(spec.answer_room * gold_tokens)),
             answer_prefix=turn.answer_prefix,
             value_kind=spec.value_kind,
+            scoring=spec.scoring,
         ))
     return items
 

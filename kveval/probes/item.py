@@ -18,6 +18,7 @@ from typing import Any
 from kveval.errors import UsageError
 
 ROLES = ("target", "distractor", "stale")
+SCORINGS = ("values", "sequence")
 
 from kveval.probes.prompts import (
     CONTEXT_QUESTION_SEPARATOR,
@@ -102,6 +103,9 @@ class ProbeItem:
         for lm-eval it is the ``gen_prefix``).
     value_kind : str
         Shape of the values: ``number``, ``word``, ``uuid`` or ``variable``.
+    scoring : str
+        ``"values"`` (the answer's set of values against ``gold``) or ``"sequence"`` (``gold`` is an ordered list
+        the answer must write out in order, duplicates included: :func:`kveval.probes.scoring.score_sequence`).
     """
 
     id: str
@@ -122,8 +126,11 @@ class ProbeItem:
     max_new_tokens: int = 32
     answer_prefix: str = ""
     value_kind: str = "number"
+    scoring: str = "values"
 
     def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise UsageError(f"item {self.id}: scoring {self.scoring!r} is not one of {', '.join(SCORINGS)}")
         if not self.gold:
             raise UsageError(f"item {self.id}: gold must hold at least one value")
         if not 0.0 <= float(self.depth) <= 1.0:

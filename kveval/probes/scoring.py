@@ -162,6 +162,15 @@ def _word_values(answer: str, needle_values: set[str], gold: list[str], banned: 
 
 def extract_values(answer: str, item: ProbeItem) -> list[str]:
     """Values of the item's shape in ``answer``, in order, without duplicates (see module docstring)."""
+    out: list[str] = []
+    for v in _ordered_values(answer, item):
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def _ordered_values(answer: str, item: ProbeItem) -> list[str]:
+    """Values of the item's shape in ``answer``, in order, duplicates kept; echoes of the question left out."""
     kind = item.value_kind
     gold_len = max(len(g) for g in item.gold)
     needle_values = {_norm(n.value, kind) for n in item.needles} | {_norm(g, kind) for g in item.gold}
@@ -189,8 +198,7 @@ def extract_values(answer: str, item: ProbeItem) -> list[str]:
         v = _norm(v, kind)
         if v not in needle_values and _in_context(v, question, kind):
             continue  # an echo of the asked key (a whole value of the question), not an answer value
-        if v not in out:
-            out.append(v)
+        out.append(v)
     return out
 
 
@@ -226,7 +234,8 @@ def _in_context(value: str, context: str, kind: str) -> bool:
 
 
 def score_answer(item: ProbeItem, answer: str) -> Score:
-    """Score ``answer`` (the model's generated text, after the answer prefix) against ``item``.
+    """Score ``answer`` (the model's generated text, after the answer prefix) against ``item``; an item scored as a
+    sequence (``item.scoring == "sequence"``) by :func:`score_sequence`.
 
     Parameters
     ----------
@@ -238,6 +247,8 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     Score
         See the module docstring for the value parsing, the categories and their precedence.
     """
+    if item.scoring == "sequence":
+        return score_sequence(item, answer)
     kind = item.value_kind
     values = extract_values(answer or "", item)
     gold = [_norm(g, kind) for g in item.gold]
@@ -314,6 +325,78 @@ def _nearest(value: str, missing: list[str], roles: dict[str, str], near_miss) -
             best = {"value": value, "needle": target, "role": role, "prefix": near["prefix"],
                     "similarity": near["similarity"]}
     return best
+
+
+def sequence_values(answer: str, item: ProbeItem) -> list[str]:
+    """The ordered values (duplicates kept) of the answer's first paragraph: its text up to the first blank line
+    after some value, where a base model goes on to other text."""
+    text = answer or ""
+    for paragraph in re.split(r"\n\s*\n", text):
+        values = _ordered_values(paragraph, item)
+        if values:
+            return values
+    return []
+
+
+def edit_distance(a: list[str], b: list[str]) -> int:
+    """Levenshtein distance between two sequences of elements: insertions, deletions and substitutions, each 1."""
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def _common_subsequence(a: list[str], b: list[str]) -> int:
+    """Length of the longest common subsequence of ``a`` and ``b``."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b, 1):
+            current.append(previous[j - 1] + 1 if x == y else max(previous[j], current[j - 1]))
+        previous = current
+    return previous[-1]
+
+
+def score_sequence(item: ProbeItem, answer: str) -> Score:
+    """Score an answer that must write ``item.gold`` out in order (long-output families,
+    :mod:`kveval.probes.long_output`).
+
+    The answer's values (:func:`sequence_values`: its first paragraph, duplicates kept) are aligned with the gold
+    list by edit distance over elements: ``score = 1 - distance / max(len(values), len(gold))``, in [0, 1], 1 only
+    for the exact list. ``detail`` counts ``omitted`` gold elements (gold's multiset less the answer's), ``invented``
+    elements (the answer's less gold's) and ``reordered`` ones (present in both, out of the longest common
+    subsequence), with ``distance`` and ``length`` (values written).
+
+    Categories: ``correct`` (the exact list), ``empty`` (no value), ``distractor`` (a value of another key's
+    needle, the tracked state of another variable), ``over_inclusion`` (every gold element in order, plus invented
+    ones), ``partial`` (some gold element), else ``fabricated``.
+    """
+    kind = item.value_kind
+    values = sequence_values(answer, item)
+    gold = [_norm(g, kind) for g in item.gold]
+    shared = sum(min(values.count(v), gold.count(v)) for v in set(gold))
+    in_order = _common_subsequence(values, gold)
+    distance = edit_distance(values, gold)
+    detail: dict[str, Any] = {"values": values, "found": shared, "required": len(gold), "distance": distance,
+                              "length": len(values), "omitted": len(gold) - shared, "invented": len(values) - shared,
+                              "reordered": shared - in_order}
+    if not values:
+        return Score(0.0, False, "empty", None, detail)
+    score = 1.0 - distance / max(len(values), len(gold))
+    if values == gold:
+        return Score(1.0, True, "correct", None, detail)
+    gold_set = set(gold)
+    roles = {_norm(n.value, kind): n.role for n in item.needles if _norm(n.value, kind) not in gold_set}
+    extras = [v for v in dict.fromkeys(values) if v not in gold_set]
+    recalled = ",".join(f"{roles.get(v, 'fabricated')}:{v}" for v in extras) or None
+    if any(roles.get(v) == "distractor" for v in extras):
+        return Score(score, False, "distractor", recalled, detail)
+    if in_order == len(gold):
+        return Score(score, False, "over_inclusion", recalled, detail)
+    return Score(score, False, "partial" if shared else "fabricated", recalled, detail)
 
 
 def category_metrics(result: Score) -> dict[str, float]:

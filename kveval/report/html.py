@@ -29,7 +29,17 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from kveval.report.items import KINDS, Answer, ItemChange, RunChanges
-from kveval.report.rows import MODES_HEADER, Row, fmt, modes_table, part_bytes, part_bytes_text
+from kveval.report.rows import (
+    DECODE_HEADER,
+    MODES_HEADER,
+    Row,
+    decode_cells,
+    fmt,
+    modes_table,
+    part_bytes,
+    part_bytes_text,
+    shows_decode,
+)
 from kveval.report.verdicts import Verdict, verdict
 
 STAR = "\u2605"
@@ -154,6 +164,9 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
     with_parts = any(part_bytes(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
     if with_parts:
         head.insert(5, ("bytes/token by part", None))
+    with_decode = shows_decode(rows)
+    if with_decode:
+        head += [(h, None) for h in DECODE_HEADER]
     head += [(t, t) for t in tasks]
     head += [("all items", None), ("change [CI]", None), ("-flips", None), ("confusion", None)]
     if with_kl:
@@ -174,6 +187,8 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
         ]
         if with_parts:
             cells.insert(5, _cell(part_bytes_text(r), classes=["l"], href=link))
+        if with_decode:
+            cells += [_cell(text, value=value, href=link) for text, value in decode_cells(r)]
         for t in tasks:
             s = r.task_scores.get(t)
             text = fmt(s)

@@ -41,14 +41,18 @@ from kveval.report.plots import (
     slug,
 )
 from kveval.report.rows import (
+    DECODE_HEADER,
     MODES_HEADER,
     Row,
     collect_rows,
+    decode_cells,
     fmt,
     load_gate_result,
     modes_table,
     part_bytes,
     part_bytes_text,
+    peak_decode_bytes,
+    shows_decode,
 )
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
@@ -66,6 +70,9 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
     with_parts = any(part_bytes(r) for r in rows)  # DeepSeek V3.2/V4: their caches' parts, measured apart
     if with_parts:
         header.insert(4, "bytes/token by part")
+    with_decode = shows_decode(rows)  # peak bytes while decoding, and the answers' length against the baseline
+    if with_decode:
+        header[header.index("compression") + 1:header.index("compression") + 1] = DECODE_HEADER
     out = []
     for r in rows:
         cells: list[tuple[str, bool]] = [
@@ -77,6 +84,8 @@ def _table(rows: list[Row], tasks: list[str]) -> tuple[list[str], list[list[tupl
         ]
         if with_parts:
             cells.insert(4, (part_bytes_text(r), False))
+        if with_decode:
+            cells += [(text, False) for text, _ in decode_cells(r)]
         for t in tasks:
             s = r.task_scores.get(t)
             text = fmt(s)
@@ -118,6 +127,9 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
         "Best per model in **bold**."
         + (" *bytes/token by part*: DeepSeek V3.2/V4's own cache parts (latent, window, csa, hca, indexer), measured "
            "apart, and the compressors' constant-size state per sequence." if "bytes/token by part" in header else "")
+        + (" *peak decode MiB*: the most K/V bytes an item's cache held between decode steps, mean over items. "
+           "*output length*: the answers' tokens against the baseline's, mean ratio per item (mean change in "
+           "tokens): longer answers spend what compression saves." if DECODE_HEADER[0] in header else "")
         + (" *KL*: mean per-token KL divergence (nats) of the policy's next-token distributions from the baseline's, "
            "along the baseline's own answer (teacher-forced; `kveval eval --fidelity`)." if "KL" in header else ""),
         "",
@@ -166,6 +178,9 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
                 "positive_flip_rate": o.positive_flip_rate if o else None,
                 "agreement": o.agreement if o else None,
                 "confusion_rate": r.confusion_rate,
+                "peak_decode_bytes_mean": peak_decode_bytes(r),
+                "output_length_ratio": o.output_length_ratio if o else None,
+                "output_length_delta": o.output_length_delta if o else None,
             }
         )
         parts = part_bytes(r)

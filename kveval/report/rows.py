@@ -96,6 +96,37 @@ def part_bytes_text(row: Row) -> str:
     return ", ".join(f"{name} {value:,.1f}" for name, value in parts.items()) + (f"; state {state:,.0f} B" if state else "")
 
 
+def peak_decode_bytes(row: Row) -> float | None:
+    """Mean over the run's items of the peak K/V bytes held while decoding (``metrics["peak_kv_bytes"]``: the
+    most any step held, :attr:`~kveval.runner.generation.GenerationResult.peak_kv_bytes`); ``None`` for runs that
+    did not record it."""
+    peaks = [it.metrics.get("peak_kv_bytes") for it in row.run.items]
+    peaks = [p for p in peaks if p is not None]
+    return float(np.mean(peaks)) if peaks else None
+
+
+def shows_decode(rows: Sequence[Row]) -> bool:
+    """Whether the leaderboard shows the decode columns (:data:`DECODE_HEADER`): some run recorded its peak bytes."""
+    return any(peak_decode_bytes(r) is not None for r in rows)
+
+
+#: The decode columns: peak K/V bytes while decoding (mean per item), and the answers' length against the baseline.
+DECODE_HEADER = ["peak decode MiB", "output length"]
+
+
+def decode_cells(row: Row) -> list[tuple[str, float | None]]:
+    """The :data:`DECODE_HEADER` cells of ``row`` as (text, sort value): the mean peak in MiB, and the mean ratio of
+    the answer's tokens to the baseline's with the mean change in tokens (the baseline: its mean tokens)."""
+    peak = peak_decode_bytes(row)
+    peak_cell = (fmt(None if peak is None else peak / 2**20, "{:,.2f}"), peak)
+    o = row.comparison.overall if row.comparison is not None else None
+    if o is not None and o.output_length_ratio is not None:
+        return [peak_cell, (f"x{o.output_length_ratio:.2f} ({o.output_length_delta:+.1f} tok)", o.output_length_ratio)]
+    lengths = [it.metrics.get("new_tokens") for it in row.run.items]
+    lengths = [n for n in lengths if n is not None]
+    return [peak_cell, (f"{np.mean(lengths):.1f} tok" if lengths and row.info.is_baseline else "-", None)]
+
+
 def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
     """Gate verdicts as the ``gate.json`` dict, from a GateResult, a dict, or a gate.json path (or its folder)."""
     if gate_result is None:
@@ -281,5 +312,5 @@ def _mark_best(rows: list[Row], tasks: list[str]) -> None:
         mark(group, "kl", lambda r: r.fidelity["kl_mean"] if r.fidelity else None, False)
 
 
-__all__ = ["MODES_HEADER", "Row", "collect_rows", "fmt", "load_gate_result", "mode_pairs", "modes_table", "part_bytes",
-           "part_bytes_text"]
+__all__ = ["DECODE_HEADER", "MODES_HEADER", "Row", "collect_rows", "decode_cells", "fmt", "load_gate_result", "mode_pairs",
+           "modes_table", "part_bytes", "part_bytes_text", "peak_decode_bytes", "shows_decode"]

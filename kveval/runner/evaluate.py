@@ -84,6 +84,7 @@ def _record(item, result, score) -> ItemRecord:
                  "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
                  "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept,
                  "achieved_ratio": 1.0 - stats.ratio,
+                 "peak_kv_bytes": result.peak_kv_bytes, "new_tokens": len(result.token_ids),
                  **({"parts": stats.parts, "state_bytes": stats.state_bytes} if stats.parts else {})},
     )
 

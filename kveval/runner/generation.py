@@ -79,6 +79,11 @@ class GenerationResult:
         Share of the slots of the prompt's :attr:`Prompt.watched` tokens the cache held once the prompt was in
         (compressed, before the first answer token), over attention layers and KV heads
         (:meth:`CompressedCache.span_retention`); ``None`` when the prompt watches nothing.
+    peak_kv_bytes : int
+        The most K/V bytes this row's cache held between forwards from the prompt's end (compressed) to the end
+        of decoding (:meth:`CompressedCache.kv_bytes`, in the deployment's ``kv_dtype`` as ``stats.kv_bytes``):
+        at least ``stats.kv_bytes``; read after every step where the bytes may peak in between
+        (:attr:`CompressedCache.peaks_between_steps`), else after the prompt and at the end.
     """
 
     text: str
@@ -89,6 +94,7 @@ class GenerationResult:
     decode_tokens_per_second: float
     decode_seconds: float = 0.0
     watched_kept: float | None = None
+    peak_kv_bytes: int = 0
 
 
 def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None = None) -> Prompt:
@@ -363,6 +369,9 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     logprobs = [[] for _ in range(batch)]
     done = [False] * batch
     decode_started = time.perf_counter()
+    # The bytes after the prompt, and after every step where they may peak in between (CompressedCache.peaks_between_steps).
+    peaks = [cache.kv_bytes(b) for b in range(batch)]
+    stepwise = cache.peaks_between_steps
     for _ in range(max(limits)):
         log_probs = torch.log_softmax(last_logits, dim=-1)
         next_ids = log_probs.argmax(dim=-1, keepdim=True)
@@ -386,14 +395,18 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         # Finished rows get nothing (an all-padding row, never stored): their cache stays as at batch size 1.
         logits, _ = forward_rows(model, cache, [[] if done[b] else [chosen[b]] for b in range(batch)], seen, pad_id)
         last_logits = logits[:, -1].float()
+        if stepwise:
+            peaks = [max(peak, cache.kv_bytes(b)) for b, peak in enumerate(peaks)]
     decode_seconds = max(time.perf_counter() - decode_started, 1e-9)
     results = []
     for b in range(batch):
         text = tokenizer.decode(tokens[b], skip_special_tokens=True)
         for s in stop:
             text = text.split(s)[0]
-        results.append(GenerationResult(text, tokens[b], logprobs[b], cache.stats(row=b), prefill_seconds,
-                                        len(tokens[b]) / decode_seconds, decode_seconds, watched_kept[b]))
+        stats = cache.stats(row=b)
+        results.append(GenerationResult(text, tokens[b], logprobs[b], stats, prefill_seconds,
+                                        len(tokens[b]) / decode_seconds, decode_seconds, watched_kept[b],
+                                        max(stats.kv_bytes, peaks[b])))
     return results
 
 

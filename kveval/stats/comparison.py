@@ -123,6 +123,11 @@ class Comparison:
     design_effect : float
         How many independent items' variance each item carries (:func:`kveval.stats.paired.design_effect`); the
         interval, the test and the gate's margin tests run on the counts divided by it. 1 for independent items.
+    output_length_ratio, output_length_delta : float or None
+        The candidate's answer length against the baseline's, paired by item, from the items' ``new_tokens``
+        (generated tokens): the mean of candidate / baseline over the items where the baseline wrote any, and the
+        mean difference in tokens; ``None`` where the runs did not record lengths. A compression that makes the
+        model write longer (repeating, losing its place) pays for it in decode steps and cache.
     fidelity : dict or None
         The baseline's answer teacher-forced through the candidate
         (:func:`kveval.stats.fidelity.summarize`): ``n``, mean ``kl_mean``,
@@ -166,6 +171,8 @@ class Comparison:
     p_holm: float | None = None
     p_bh: float | None = None
     fidelity: dict[str, float] | None = None
+    output_length_ratio: float | None = None
+    output_length_delta: float | None = None
     clusters: int = 0
     design_effect: float = 1.0
     baseline_scores: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
@@ -301,6 +308,7 @@ def compare_pairs(
         logprob_ci_high=lp_high,
         n_logprob=len(lp),
         fidelity=fidelity.summarize(cand, 1 - confidence_level, seed or 0),
+        **output_length_change(pairs),
         clusters=len(set(clusters)),
         design_effect=design,
         baseline_scores=a,
@@ -349,6 +357,16 @@ def depth_bucket(depth: float | None) -> float | None:
 
 def _grid_key(b: ItemRecord, buckets: dict[int, int]) -> tuple[int | None, float | None]:
     return (buckets.get(int(b.length)) if b.length is not None else None, depth_bucket(b.depth))
+
+
+def output_length_change(pairs: Sequence[tuple[ItemRecord, ItemRecord]]) -> dict[str, float | None]:
+    """``output_length_ratio`` and ``output_length_delta`` of :class:`Comparison` (``None`` each where no pair
+    recorded both lengths, ``metrics["new_tokens"]``; the ratio also where every baseline length is 0)."""
+    lengths = [(x.metrics.get("new_tokens"), y.metrics.get("new_tokens")) for x, y in pairs]
+    lengths = [(a, b) for a, b in lengths if a is not None and b is not None]
+    ratios = [b / a for a, b in lengths if a > 0]
+    return {"output_length_ratio": float(np.mean(ratios)) if ratios else None,
+            "output_length_delta": float(np.mean([b - a for a, b in lengths])) if lengths else None}
 
 
 @dataclass
