@@ -362,6 +362,10 @@ class Family:
     choices : dict
         Allowed values for string parameters (``haystack``, ``value_kind``).
     description : str
+    system_prompt : bool
+        The context is a system prompt that the family's requests share (:mod:`kveval.probes.shared_prompt`): it
+        is the chat template's system message where the template has one (:meth:`PromptFrame.for_system`), and
+        its items record ``params["system_prompt"]`` (:meth:`ProbeItem.random_seed`: one seed per group).
     """
 
     name: str
@@ -369,6 +373,7 @@ class Family:
     defaults: dict[str, Any]
     choices: dict[str, tuple[str, ...]]
     description: str
+    system_prompt: bool = False
 
     def resolve(self, params: dict[str, Any]) -> dict[str, Any]:
         """Defaults overridden by ``params``; unknown names and bad values raise ValueError."""
@@ -385,7 +390,8 @@ class Family:
             if name.startswith("num_"):
                 if not is_whole(value) or value < 0:
                     raise UsageError(f"{self.name}: {name} must be a non-negative integer, not {value!r}")
-        minimum = {"num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0}
+        minimum = {"num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0,
+                   "num_requests": 1}
         for name, low in minimum.items():
             if name in out and out[name] < low:
                 raise UsageError(f"{self.name}: {name} must be at least {low}")
@@ -424,6 +430,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            {"haystack": "repeat", "value_kind": "number", "num_turns": 3, "num_distractors": 2},
            {"haystack": _HAY_N, "value_kind": _KINDS}, "several questions against one shared context"),
 )}
+
+from kveval.probes.shared_prompt import SYSTEM_RULES  # noqa: E402  (it builds on this module's Spec and Family)
+
+FAMILIES[SYSTEM_RULES.name] = SYSTEM_RULES
 
 
 def resolve_families(names: Sequence[str] | str) -> list[str]:
@@ -505,7 +515,7 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
     elif isinstance(depths, (int, float)):
         depths = [depths]
     depths = _check_depths(depths)
-    frame = PromptFrame.for_tokenizer(tokenizer)
+    frame = PromptFrame.for_system(tokenizer) if fam.system_prompt else PromptFrame.for_tokenizer(tokenizer)
     tok_name = _tokenizer_name(tokenizer)
     tag = fam.tag(p)
     items: list[ProbeItem] = []
@@ -536,6 +546,8 @@ def _realize(spec: Spec, fam: Family, p: dict[str, Any], tokenizer, frame: Promp
         params = {"length": length, "seed": seed, "index": index, "tokenizer": tok_name, **p}
         if multi:
             params["num_turns"] = len(spec.turns)
+        if fam.system_prompt:
+            params["system_prompt"] = True
         items.append(ProbeItem(
             id=f"{group}-t{t}" if multi else group,
             hash=prompt_hash(prompt_context, prompt_question),
