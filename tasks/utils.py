@@ -129,6 +129,7 @@ load_kv_retrieval = _loader("kv_retrieval")
 load_variable_tracking = _loader("variable_tracking")
 load_update_stream = _loader("update_stream")
 load_multi_turn = _loader("multi_turn")
+load_system_rules = _loader("system_rules")
 load_niah_multikey_mc = _loader("niah_multikey", mc=True)
 load_kv_retrieval_mc = _loader("kv_retrieval", mc=True)
 
