@@ -87,6 +87,38 @@ class Layout:
 
 
 @dataclass
+class Turn:
+    """One question against a context.
+
+    Attributes
+    ----------
+    question, answer_prefix : str
+    gold : list of str
+        Values the answer must contain.
+    primary : str
+        Value of the needle whose depth is the item's depth.
+    depth : float
+        Requested depth of that needle.
+    stale : list of str
+        Overwritten values of the asked key(s); every other non-gold needle is a distractor.
+    """
+
+    question: str
+    answer_prefix: str
+    gold: list[str]
+    primary: str
+    depth: float
+    stale: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Spec:
+    layout: Layout
+    turns: list[Turn]
+    value_kind: str
+
+
+@dataclass
 class Placed:
     key: str
     value: str

@@ -10,49 +10,18 @@ model's tokenizer and renders one :class:`~kveval.probes.item.ProbeItem` per tur
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from kveval.errors import UsageError
-from kveval.probes.build import Layout, Plant, Unit, fit
+from kveval.probes.build import Layout, Plant, Spec, Turn, Unit, fit
 from kveval.probes.item import Needle, ProbeItem, PromptFrame, encode_parts, prompt_hash
+from kveval.probes.shared_prompt import system_rules
 from kveval.probes.text import REPEAT_SENTENCES, SentenceStream, UniqueDraw, kind_noun
 from kveval.values import is_whole
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTH_TOLERANCE = 0.02
-
-
-@dataclass
-class Turn:
-    """One question against a context.
-
-    Attributes
-    ----------
-    question, answer_prefix : str
-    gold : list of str
-        Values the answer must contain.
-    primary : str
-        Value of the needle whose depth is the item's depth.
-    depth : float
-        Requested depth of that needle.
-    stale : list of str
-        Overwritten values of the asked key(s); every other non-gold needle is a distractor.
-    """
-
-    question: str
-    answer_prefix: str
-    gold: list[str]
-    primary: str
-    depth: float
-    stale: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Spec:
-    layout: Layout
-    turns: list[Turn]
-    value_kind: str
 
 
 # ----------------------------------------------------------------------------- haystack helpers
@@ -429,11 +398,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("multi_turn", multi_turn,
            {"haystack": "repeat", "value_kind": "number", "num_turns": 3, "num_distractors": 2},
            {"haystack": _HAY_N, "value_kind": _KINDS}, "several questions against one shared context"),
+    Family("system_rules", system_rules, {"value_kind": "number", "num_requests": 4, "num_distractors": 4},
+           {"value_kind": _KINDS}, "long system prompt of tools and rules, shared by independent requests",
+           system_prompt=True),
 )}
-
-from kveval.probes.shared_prompt import SYSTEM_RULES  # noqa: E402  (it builds on this module's Spec and Family)
-
-FAMILIES[SYSTEM_RULES.name] = SYSTEM_RULES
 
 
 def resolve_families(names: Sequence[str] | str) -> list[str]:

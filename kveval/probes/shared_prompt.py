@@ -26,9 +26,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kveval.probes.build import Layout, Plant, Unit
-from kveval.probes.families import Family, Spec, Turn, _LazyStream, _repeat_words
-from kveval.probes.text import UniqueDraw
+from kveval.probes.build import Layout, Plant, Spec, Turn, Unit
+from kveval.probes.text import KEY_ADJECTIVES, KEY_NOUNS, UniqueDraw
 
 #: What filler entries are about (generic support topics; generated text, nothing copied).
 TOPICS = (
@@ -72,23 +71,29 @@ def system_rules(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
     depths = [depth] + [round(rng.random(), 4) for _ in keys[1:]]
     plants = [Plant(_entry("tool" if i % 2 == 0 else "rule", k, rng.choice(TOPICS), c), k, c, d, primary=(i == 0))
               for i, (k, c, d) in enumerate(zip(keys, codes, depths))]
-    filler_draw = UniqueDraw(random.Random(rng.getrandbits(64)))
-    filler_draw.used = draw.used  # no filler entry takes an asked or distracting key
+    filler = _filler(rng.getrandbits(64), set(keys))
 
-    def filler() -> Unit:
-        entry_kind = filler_draw.rng.choice(("tool", "rule"))
-        return Unit(_entry(entry_kind, filler_draw.key(), filler_draw.rng.choice(TOPICS),
-                           manner=filler_draw.rng.choice(MANNERS)))
+    def pad_words(k: int) -> list[str]:  # the words of the next entries, for the few tokens no whole entry fills
+        return (filler(k).text + " " + filler(k + 1).text).split()
 
-    layout = Layout(INTRO, _LazyStream(filler), lambda k: _repeat_words(k), plants, intro_sep="\n\n", joiner="\n")
+    layout = Layout(INTRO, filler, pad_words, plants, intro_sep="\n\n", joiner="\n")
     turns = [Turn(f"What is the code of {key}?", f"The code of {key} is", [code], code, d)
              for key, code, d in zip(keys[:p["num_requests"]], codes, depths)]
     return Spec(layout, turns, kind)
 
 
-SYSTEM_RULES = Family("system_rules", system_rules, {"value_kind": "number", "num_requests": 4, "num_distractors": 4},
-                      {"value_kind": ("number", "word", "uuid")},
-                      "long system prompt of tools and rules, shared by independent requests",
-                      system_prompt=True)
+def _filler(seed: int, taken: set[str]):
+    """Filler entry ``i`` (a tool or a rule without a code), drawn from ``seed`` and ``i`` alone, so that fitting
+    the context, which asks for entries in any order, always gets the same ones; never named as a ``taken`` key."""
 
-__all__ = ["SYSTEM_RULES", "system_rules"]
+    def entry(i: int) -> Unit:
+        r = random.Random(f"{seed}|{i}")
+        key = f"{r.choice(KEY_ADJECTIVES)}-{r.choice(KEY_NOUNS)}"
+        while key in taken:
+            key = f"{r.choice(KEY_ADJECTIVES)}-{r.choice(KEY_NOUNS)}"
+        return Unit(_entry(r.choice(("tool", "rule")), key, r.choice(TOPICS), manner=r.choice(MANNERS)))
+
+    return entry
+
+
+__all__ = ["INTRO", "system_rules"]
