@@ -205,6 +205,25 @@ def test_the_gate_takes_a_prompts_requests_for_one_cluster(tmp_path):
     assert c.ci_low < independent.ci_low  # the clustered interval is the wider one
 
 
+def test_the_leaderboard_shows_each_prompt_counted_once(tmp_path):
+    import csv
+
+    from kveval.report.leaderboard import build_report
+
+    dirs = _evaluate(tmp_path, _family_items(n=2, requests=2), batch_size=4, specs=("none", "snapkv(ratio=0.5,window=4)"))
+    build_report(dirs, tmp_path / "report", n_resamples=100)
+    markdown = (tmp_path / "report" / "leaderboard.md").read_text()
+    rows = {r["policy"]: r for r in csv.DictReader(open(tmp_path / "report" / "leaderboard.csv"))}
+    assert "## Shared prefixes" in markdown
+    for run_dir in dirs:
+        info = read_run_info(run_dir)
+        shared = info.extra["shared_prefix"]
+        assert float(rows[info.policy]["shared_prefix_kv_bytes_per_request"]) == shared["kv_bytes_per_request"]
+        assert (f"| tiny | {info.policy} | 2 | 4 | {shared['prefix_kv_bytes_mean']:,.0f} | "
+                f"{shared['group_kv_bytes_mean']:,.0f} | {shared['kv_bytes_per_request']:,.0f} | "
+                f"{shared['unshared_kv_bytes_per_request']:,.0f} |") in markdown
+
+
 # --- the prompt frame ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
