@@ -90,8 +90,9 @@ def _record(item, result, score) -> ItemRecord:
 
 def prefix_metrics(result) -> dict:
     """``context`` mode: the compressed context's bytes (``prefix_kv_bytes``, measured before the question) and
-    what the item's request added to them (``request_kv_bytes``: ``kv_bytes`` less the prefix; question and
-    answer tokens, less any prefix token a decode budget evicted, so it may be negative). Items sharing one
+    what the item's request added to them (``request_kv_bytes``: ``kv_bytes`` less the prefix; its question and
+    answer tokens, and what it changed in the prefix: tokens a decode budget evicted, so it may be negative, or a
+    residual quantized as its tokens arrived). Items sharing one
     context (one ``group``) record the same prefix: :func:`shared_prefix_bytes` counts it once. Empty in
     ``query`` mode, where the question is compressed with the context."""
     if result.prefix_stats is None:
