@@ -511,7 +511,8 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     starts. Results equal :func:`generate`'s for the same batch. Without
     :func:`can_share_prefill`, or for one policy, each policy runs its own prefill; so does a policy whose cache
     codes tokens on arrival (:attr:`PolicyStack.prefills_alone`: an engine's).
-    ``prefill_seconds`` of every result counts the shared prefill as its own.
+    ``prefill_seconds`` of every result counts the shared prefill as its own. Prompts of one context share one
+    row of the prefill and continue from copies of it (:func:`plan_prefixes`, :func:`serve_prefixes`).
     """
     stacks = [require_stack(p, "generate_each") for p in policies]
     sharing = [s for s in stacks if not s.prefills_alone]  # an engine's cache attends over its codes from the start
