@@ -127,7 +127,8 @@ def test_items_of_one_prompt_share_context_group_and_seed():
         assert len({i.random_seed(0) for i in members}) == 1  # one prompt, one prefix for the random control
         for item in members:
             assert item.params["system_prompt"] is True and item.prompt_context.startswith(INTRO)
-            assert item.question == f"What is the code of {item.answer_prefix.split()[-2]}?"
+            key = item.answer_prefix.removeprefix("Code of ").removesuffix(":")
+            assert item.question == f"What is the code of {key}?" and f"Code of {key}: {item.gold[0]}." in item.context
             roles = {n.value: n.role for n in item.needles}
             assert roles[item.gold[0]] == "target"
             assert all(roles[other.gold[0]] == "distractor" for other in members if other is not item)

@@ -7,7 +7,7 @@ filling the requested length::
     You are the support assistant of a software company. ...
     Tool amber-falcon: call it when the user asks about refunds.
     Rule quiet-harbor: requests about invoices must be answered briefly.
-    Tool misty-otter: call it when the user asks about passwords; its code is 4821907.
+    Tool misty-otter: call it when the user asks about passwords. Code of misty-otter: 4821907.
     ...
 
 A few entries carry a code (``num_requests`` asked, ``num_distractors`` not); the rest are filler entries of
@@ -47,12 +47,12 @@ INTRO = ("You are the support assistant of a software company. The tools you may
 
 
 def _entry(kind: str, key: str, topic: str, code: str | None = None, manner: str = "") -> str:
-    """One catalogue line: a tool or a rule, with its code when it has one."""
+    """One catalogue line: a tool or a rule, with its code when it has one (``Code of <key>: <code>.``)."""
     if kind == "tool":
-        return f"Tool {key}: call it when the user asks about {topic}" + (f"; its code is {code}." if code else ".")
-    if code:
-        return f"Rule {key}: requests about {topic} must be answered with the code {code}."
-    return f"Rule {key}: requests about {topic} must be answered {manner}."
+        line = f"Tool {key}: call it when the user asks about {topic}."
+    else:
+        line = f"Rule {key}: requests about {topic} must be answered {'with its code' if code else manner}."
+    return f"{line} Code of {key}: {code}." if code else line
 
 
 def system_rules(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
@@ -60,8 +60,9 @@ def system_rules(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
 
     Entry 0 of the asked ones sits at the requested depth, the other asked entries and the ``num_distractors``
     coded entries no request asks at random depths (an item's ``depth`` is its own entry's). Asked entries
-    alternate between tools and rules. Every request has the same wording, ``What is the code of <key>?``, so
-    the requests of one prompt differ in length by their keys' tokens alone.
+    alternate between tools and rules. Every request has the same wording, ``What is the code of <key>?``,
+    answered after ``Code of <key>:`` (the words before the code in its entry), so the requests of one prompt
+    differ in length by their keys' tokens alone.
     """
     kind = p["value_kind"]
     draw = UniqueDraw(rng)
@@ -77,7 +78,7 @@ def system_rules(rng: random.Random, depth: float, p: dict[str, Any]) -> Spec:
         return (filler(k).text + " " + filler(k + 1).text).split()
 
     layout = Layout(INTRO, filler, pad_words, plants, intro_sep="\n\n", joiner="\n")
-    turns = [Turn(f"What is the code of {key}?", f"The code of {key} is", [code], code, d)
+    turns = [Turn(f"What is the code of {key}?", f"Code of {key}:", [code], code, d)
              for key, code, d in zip(keys[:p["num_requests"]], codes, depths)]
     return Spec(layout, turns, kind)
 
