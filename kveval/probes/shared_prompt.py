@@ -23,6 +23,7 @@ model) the prompt is plain text, as every family's.
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -87,6 +88,7 @@ def _filler(seed: int, taken: set[str]):
     """Filler entry ``i`` (a tool or a rule without a code), drawn from ``seed`` and ``i`` alone, so that fitting
     the context, which asks for entries in any order, always gets the same ones; never named as a ``taken`` key."""
 
+    @functools.lru_cache(maxsize=None)  # fitting asks for each entry many times
     def entry(i: int) -> Unit:
         r = random.Random(f"{seed}|{i}")
         key = f"{r.choice(KEY_ADJECTIVES)}-{r.choice(KEY_NOUNS)}"
