@@ -131,6 +131,7 @@ load_update_stream = _loader("update_stream")
 load_multi_turn = _loader("multi_turn")
 load_recite_list = _loader("recite_list")
 load_state_trace = _loader("state_trace")
+load_system_rules = _loader("system_rules")
 load_niah_multikey_mc = _loader("niah_multikey", mc=True)
 load_kv_retrieval_mc = _loader("kv_retrieval", mc=True)
 

@@ -236,7 +236,7 @@ def test_cli_writes_loadable_jsonl(tok, tmp_path, capsys):
     expected = generate_items("passkey", tok, 512, 2, depths=[0, 1], seed=3)
     assert items[0].hash == expected[0].hash
     rc = main(["probes", "--family", "all", "--n", "1", "--length", "512", "--out", str(tmp_path / "all.jsonl")])
-    assert rc == 0 and len(read_probe_items(tmp_path / "all.jsonl")) == len(FAMILIES) + 2  # multi_turn: 3 turns
+    assert rc == 0 and len(read_probe_items(tmp_path / "all.jsonl")) == len(FAMILIES) + 2 + 3  # multi_turn: 3 turns; system_rules: 4 requests
     assert main(["probes", "--family", "bogus", "--out", str(tmp_path / "x.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "valid families:" in err and "passkey" in err

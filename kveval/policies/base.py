@@ -103,6 +103,9 @@ class SelectionPolicy(Policy):
     #: A threshold, not a count, decides what stays (:mod:`kveval.policies.threshold`): :meth:`choose` runs even where
     #: :meth:`keep_count` keeps every candidate, and the ratio reached is measured per item.
     thresholded: ClassVar[bool] = False
+    #: :meth:`scores` reads the row's seed (``state.seed``: the ``random`` control). Rows share one compressed
+    #: prefix only when their seeds agree (:func:`kveval.runner.generation.plan_prefixes`).
+    reads_row_seed: ClassVar[bool] = False
 
     @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
@@ -429,6 +432,11 @@ class PolicyStack:
         reads the prefill's queries (which a shared prefill does not keep)."""
         return ((self.quantization is not None and self.quantization.codes_on_arrival)
                 or (self.selection is not None and self.selection.attention == "queries"))
+
+    @property
+    def reads_row_seed(self) -> bool:
+        """Whether what this stack keeps depends on each row's seed (:attr:`SelectionPolicy.reads_row_seed`)."""
+        return self.selection is not None and self.selection.reads_row_seed
 
     @property
     def is_none(self) -> bool:

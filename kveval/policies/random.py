@@ -42,6 +42,7 @@ class RandomPolicy(RatioSelectionPolicy):
     seed: int = 0
 
     batch_scores = True
+    reads_row_seed = True
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         positions = state.positions  # [..., heads, tokens], -1 on padding

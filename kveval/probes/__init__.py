@@ -2,7 +2,7 @@
 
 Families (see :data:`FAMILIES`): ``passkey``, ``niah_single``, ``niah_multikey``,
 ``niah_multivalue``, ``niah_multiquery``, ``kv_retrieval``, ``variable_tracking``,
-``update_stream`` and ``multi_turn``. Items are generated offline and
+``update_stream``, ``multi_turn`` and ``system_rules`` (:mod:`kveval.probes.shared_prompt`). Items are generated offline and
 deterministically (seeded ``random.Random``) to an exact token length of the
 model's tokenizer; :func:`encode_item` turns one into context and question ids;
 :func:`score_answer` scores an answer and names its failure category.

@@ -18,6 +18,7 @@ from kveval.errors import UsageError
 from kveval.probes.build import Layout, Plant, Spec, Turn, Unit, fit
 from kveval.probes.item import Needle, ProbeItem, PromptFrame, encode_parts, prompt_hash
 from kveval.probes.long_output import HAYSTACKS, recite_list, state_trace
+from kveval.probes.shared_prompt import system_rules
 from kveval.probes.text import REPEAT_SENTENCES, SentenceStream, UniqueDraw, kind_noun
 from kveval.values import is_whole
 
@@ -332,6 +333,10 @@ class Family:
     choices : dict
         Allowed values for string parameters (``haystack``, ``value_kind``).
     description : str
+    system_prompt : bool
+        The context is a system prompt that the family's requests share (:mod:`kveval.probes.shared_prompt`): it
+        is the chat template's system message where the template has one (:meth:`PromptFrame.for_system`), and
+        its items record ``params["system_prompt"]`` (:meth:`ProbeItem.random_seed`: one seed per group).
     """
 
     name: str
@@ -339,6 +344,7 @@ class Family:
     defaults: dict[str, Any]
     choices: dict[str, tuple[str, ...]]
     description: str
+    system_prompt: bool = False
 
     def resolve(self, params: dict[str, Any]) -> dict[str, Any]:
         """Defaults overridden by ``params``; unknown names and bad values raise ValueError."""
@@ -355,7 +361,8 @@ class Family:
             if name.startswith("num_"):
                 if not is_whole(value) or value < 0:
                     raise UsageError(f"{self.name}: {name} must be a non-negative integer, not {value!r}")
-        minimum = {"num_items": 1, "num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1, "num_hops": 0}
+        minimum = {"num_items": 1, "num_values": 1, "num_queries": 1, "num_keys": 1, "num_updates": 1, "num_turns": 1,
+                   "num_hops": 0, "num_requests": 1}
         for name, low in minimum.items():
             if name in out and out[name] < low:
                 raise UsageError(f"{self.name}: {name} must be at least {low}")
@@ -397,6 +404,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "long output: write out a list of words spread through the context, in order"),
     Family("state_trace", state_trace, {"haystack": "repeat", "num_updates": 8, "num_distractors": 1},
            {"haystack": HAYSTACKS}, "long output: every value one counter held, first to last"),
+    Family("system_rules", system_rules, {"value_kind": "number", "num_requests": 4, "num_distractors": 4},
+           {"value_kind": _KINDS}, "long system prompt of tools and rules, shared by independent requests",
+           system_prompt=True),
 )}
 
 
@@ -479,7 +489,7 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
     elif isinstance(depths, (int, float)):
         depths = [depths]
     depths = _check_depths(depths)
-    frame = PromptFrame.for_tokenizer(tokenizer)
+    frame = PromptFrame.for_system(tokenizer) if fam.system_prompt else PromptFrame.for_tokenizer(tokenizer)
     tok_name = _tokenizer_name(tokenizer)
     tag = fam.tag(p)
     items: list[ProbeItem] = []
@@ -510,6 +520,8 @@ def _realize(spec: Spec, fam: Family, p: dict[str, Any], tokenizer, frame: Promp
         params = {"length": length, "seed": seed, "index": index, "tokenizer": tok_name, **p}
         if multi:
             params["num_turns"] = len(spec.turns)
+        if fam.system_prompt:
+            params["system_prompt"] = True
         items.append(ProbeItem(
             id=f"{group}-t{t}" if multi else group,
             hash=prompt_hash(prompt_context, prompt_question),

@@ -55,6 +55,28 @@ class PromptFrame:
         q = rendered.index(_Q_MARK)
         return cls(rendered[:c], rendered[c + len(_CTX_MARK):q], rendered[q + len(_Q_MARK):], True)
 
+    @classmethod
+    def for_system(cls, tokenizer) -> "PromptFrame":
+        """The frame of a system prompt: the context as the chat template's system message and the question as
+        the user message, where the template renders both verbatim, in that order; else :meth:`for_tokenizer`
+        (no template, or one that refuses a system role: the context opens the user message)."""
+        if not has_chat_template(tokenizer):
+            return cls.for_tokenizer(tokenizer)
+        from jinja2.exceptions import TemplateError
+
+        try:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "system", "content": _CTX_MARK}, {"role": "user", "content": _Q_MARK}],
+                tokenize=False, add_generation_prompt=True,
+            )
+        except TemplateError:  # "System role not supported"
+            return cls.for_tokenizer(tokenizer)
+        if not isinstance(rendered, str) or not 0 <= rendered.find(_CTX_MARK) < rendered.find(_Q_MARK):
+            return cls.for_tokenizer(tokenizer)
+        c = rendered.index(_CTX_MARK)
+        q = rendered.index(_Q_MARK)
+        return cls(rendered[:c], rendered[c + len(_CTX_MARK):q], rendered[q + len(_Q_MARK):], True)
+
     def render(self, context: str, question: str, answer_prefix: str) -> tuple[str, str]:
         if self.chat:
             return self.head + context, self.middle + question + self.tail + answer_prefix

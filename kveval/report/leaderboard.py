@@ -43,6 +43,7 @@ from kveval.report.plots import (
 from kveval.report.rows import (
     DECODE_HEADER,
     MODES_HEADER,
+    SHARED_PREFIX_HEADER,
     Row,
     collect_rows,
     decode_cells,
@@ -53,6 +54,7 @@ from kveval.report.rows import (
     part_bytes_text,
     peak_decode_bytes,
     shows_decode,
+    shared_prefix_table,
 )
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
@@ -145,6 +147,15 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
                   "reused across questions gets) and with the question in view (aware).", "",
                   "| " + " | ".join(MODES_HEADER) + " |", "|---|---|" + "---:|" * (len(MODES_HEADER) - 2)]
         lines += ["| " + " | ".join(esc(c) for c in line) + " |" for line in modes]
+    shared = shared_prefix_table(rows)
+    if shared:
+        lines += ["", "## Shared prefixes", "",
+                  "Requests that share one compressed prompt (`system_rules`: a system prompt; `multi_turn`: a "
+                  "context), its bytes counted once: *bytes per prompt* is the prefix plus every request's own "
+                  "bytes, *bytes/request shared* the prompts' bytes over their requests, *unshared* each request "
+                  "holding a copy of the prefix (the per-item figure of the table above).", "",
+                  "| " + " | ".join(SHARED_PREFIX_HEADER) + " |", "|---|---|" + "---:|" * (len(SHARED_PREFIX_HEADER) - 2)]
+        lines += ["| " + " | ".join(esc(c) for c in line) + " |" for line in shared]
     if gate_lines:
         lines += ["", "## Gate", ""] + [f"- {esc(g)}" for g in gate_lines]
     return "\n".join(lines) + "\n"
@@ -188,6 +199,8 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
             rec[f"bytes_per_token[{name}]"] = value
         if parts:
             rec["state_bytes"] = i.extra.get("state_bytes_mean")
+        for name, value in (i.extra.get("shared_prefix") or {}).items():  # each shared prompt's bytes counted once
+            rec[f"shared_prefix_{name}"] = value
         if r.fidelity:
             rec.update({f"fidelity_{k}": r.fidelity[k] for k in ("kl_mean", "kl_mean_upper", "kl_max_item", "top1_agreement",
                                                                   "answer_logprob_delta")})

@@ -76,6 +76,27 @@ def modes_table(rows: Sequence[Row]) -> list[list[str]]:
              f"{aware.score - agnostic.score:+.3f}"] for agnostic, aware in mode_pairs(rows)]
 
 
+#: Columns of :func:`shared_prefix_table`.
+SHARED_PREFIX_HEADER = ["model", "policy", "prompts", "requests", "prefix bytes", "bytes per prompt",
+                        "bytes/request shared", "bytes/request unshared"]
+
+
+def shared_prefix_table(rows: Sequence[Row]) -> list[list[str]]:
+    """One line per run whose items share prefixes (``run.json``'s ``shared_prefix``, from
+    :func:`kveval.runner.evaluate.shared_prefix_bytes`), under :data:`SHARED_PREFIX_HEADER`: prompts (groups) and
+    their requests, mean compressed prefix bytes, mean bytes per prompt (the prefix once plus every request), and
+    bytes per request with the prefix shared (amortized) and with a copy per request."""
+    lines = []
+    for r in rows:
+        shared = r.info.extra.get("shared_prefix")
+        if shared:
+            lines.append([r.info.model, r.info.policy, str(shared["groups"]), str(shared["requests"]),
+                          *(fmt(shared[k], "{:,.0f}") for k in ("prefix_kv_bytes_mean", "group_kv_bytes_mean",
+                                                                 "kv_bytes_per_request",
+                                                                 "unshared_kv_bytes_per_request"))])
+    return lines
+
+
 def fmt(x: float | None, spec: str = "{:.3f}") -> str:
     """A leaderboard cell's number as text (``"-"`` for none or NaN), for the markdown and the HTML alike."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)

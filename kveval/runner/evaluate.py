@@ -83,10 +83,51 @@ def _record(item, result, score) -> ItemRecord:
                  "kept_tokens_mean": statistics.fmean(k[0] for k in stats.kept_tokens), "tokens_seen": stats.tokens_seen[0],
                  "ttft_s": result.prefill_seconds, "decode_tokens_per_s": result.decode_tokens_per_second,
                  "group": item.group, "turn": item.turn, "needle_kept": result.watched_kept,
-                 "achieved_ratio": 1.0 - stats.ratio,
+                 "achieved_ratio": 1.0 - stats.ratio, **prefix_metrics(result),
                  "peak_kv_bytes": result.peak_kv_bytes, "new_tokens": len(result.token_ids),
                  **({"parts": stats.parts, "state_bytes": stats.state_bytes} if stats.parts else {})},
     )
+
+
+def prefix_metrics(result) -> dict:
+    """``context`` mode: the compressed context's bytes (``prefix_kv_bytes``, measured before the question) and
+    what the item's request added to them (``request_kv_bytes``: ``kv_bytes`` less the prefix; its question and
+    answer tokens, and what it changed in the prefix: tokens a decode budget evicted, so it may be negative, or a
+    residual quantized as its tokens arrived). Items sharing one
+    context (one ``group``) record the same prefix: :func:`shared_prefix_bytes` counts it once. Empty in
+    ``query`` mode, where the question is compressed with the context."""
+    if result.prefix_stats is None:
+        return {}
+    prefix = result.prefix_stats.kv_bytes
+    return {"prefix_kv_bytes": prefix, "request_kv_bytes": result.stats.kv_bytes - prefix}
+
+
+def shared_prefix_bytes(records: list) -> dict | None:
+    """Cache bytes of the run's shared prefixes, each counted once (``run.json``'s ``extra["shared_prefix"]``).
+
+    A shared prefix is a context that several items' requests continue from: a ``group`` of more than one
+    item with :func:`prefix_metrics` (``system_rules``: one system prompt; ``multi_turn``: one context). A
+    group's bytes are its prefix once plus each request's own: ``prefix_kv_bytes + sum(request_kv_bytes)``, what
+    a server holding the compressed prompt once and one cache per request would hold with every request in.
+
+    Returns ``None`` when no group shares, else ``groups`` and ``requests`` (items in them), the means over
+    groups of ``prefix_kv_bytes`` and ``group_kv_bytes``, ``kv_bytes_per_request`` (all groups' bytes over their
+    requests: the prefix amortized) and ``unshared_kv_bytes_per_request`` (the mean ``kv_bytes`` of those items:
+    each request holding a copy of the prefix, the per-row figure every other byte count in a run uses).
+    """
+    groups: dict[str, list] = {}
+    for r in records:
+        if "prefix_kv_bytes" in r.metrics:
+            groups.setdefault(r.metrics["group"], []).append(r)
+    shared = [g for g in groups.values() if len(g) > 1]
+    if not shared:
+        return None
+    prefixes = [g[0].metrics["prefix_kv_bytes"] for g in shared]  # the same for every item of a group
+    totals = [p + sum(r.metrics["request_kv_bytes"] for r in g) for p, g in zip(prefixes, shared)]
+    requests = sum(len(g) for g in shared)
+    return {"groups": len(shared), "requests": requests, "prefix_kv_bytes_mean": statistics.fmean(prefixes),
+            "group_kv_bytes_mean": statistics.fmean(totals), "kv_bytes_per_request": sum(totals) / requests,
+            "unshared_kv_bytes_per_request": statistics.fmean(r.metrics["kv_bytes"] for g in shared for r in g)}
 
 
 def target_spans(item) -> tuple[tuple[int, int], ...]:
@@ -122,6 +163,9 @@ def finalize_run(run_dir: Path) -> RunInfo:
         ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
         if ratios and _reaches_ratio_per_item(info.policy):
             info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
+        shared = shared_prefix_bytes(records)
+        if shared:
+            info.extra["shared_prefix"] = shared
         parted = [r for r in records if r.metrics.get("parts")]
         if parted:  # DeepSeek V3.2/V4: each part's bytes per token, and the constant-size state (kveval.cache.native_layers)
             names = list(dict.fromkeys(name for r in parted for name in r.metrics["parts"]))

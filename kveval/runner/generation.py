@@ -14,6 +14,12 @@ finished (EOS or a stop string) is fed nothing while the others go on, so its
 cache, and the bytes measured for it, stop growing exactly where they would at
 batch size 1.
 
+Rows whose contexts are the same token ids (a long system prompt shared by several requests) share one
+prefix in ``context`` mode: the context is prefilled and compressed once, then each row continues from its
+own copy of the compressed cache (:func:`plan_prefixes`, :meth:`CompressedCache.fork_rows`), never seeing
+another row's tokens. The answers are those of one prefill per row, bit for bit; each result reports the
+prefix's bytes (:attr:`GenerationResult.prefix_stats`) so that a shared prefix is counted once.
+
 Cache bytes are measured against ``kv_dtype``, the deployment's cache dtype
 (default: the checkpoint's, see :func:`kveval.stores.base.deployment_kv_dtype`),
 whatever dtype the model computes in.
@@ -84,6 +90,10 @@ class GenerationResult:
         of decoding (:meth:`CompressedCache.kv_bytes`, in the deployment's ``kv_dtype`` as ``stats.kv_bytes``):
         at least ``stats.kv_bytes``; read after every step where the bytes may peak in between
         (:attr:`CompressedCache.peaks_between_steps`), else after the prompt and at the end.
+    prefix_stats : CacheStats or None
+        ``context`` mode: the size of the compressed context alone, measured once it was prefilled and compressed
+        and before the question came (rows sharing one context share one prefix, and these stats). ``stats``
+        less these bytes is what the row's request (question and answer) added. ``None`` in ``query`` mode.
     """
 
     text: str
@@ -95,6 +105,7 @@ class GenerationResult:
     decode_seconds: float = 0.0
     watched_kept: float | None = None
     peak_kv_bytes: int = 0
+    prefix_stats: CacheStats | None = None
 
 
 def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None = None) -> Prompt:
@@ -329,6 +340,67 @@ def batch_seeds(seed: "int | Sequence[int]", first: int, size: int) -> "int | li
     return seed + first if isinstance(seed, int) else list(seed[first:first + size])
 
 
+def row_seeds(seed: "int | Sequence[int]", rows: int) -> list[int]:
+    """Each of ``rows`` rows' seed: ``seed + b``, or ``seed[b]`` given one per row (as :meth:`CompressedCache.seed_for`)."""
+    return [seed + b for b in range(rows)] if isinstance(seed, int) else list(seed[:rows])
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Which rows of a batch continue from one shared context prefill.
+
+    Attributes
+    ----------
+    firsts : tuple of int
+        Prefill ``g`` holds the context of row ``firsts[g]`` (the first row with that context, in order).
+    index : tuple of int
+        Row ``b`` continues from prefill ``index[b]``.
+    """
+
+    firsts: tuple[int, ...]
+    index: tuple[int, ...]
+
+    @property
+    def shares(self) -> bool:
+        """Whether some prefill serves more than one row."""
+        return len(self.firsts) < len(self.index)
+
+    def pick(self, rows: list) -> list:
+        """The entries of ``rows`` (one per row of the batch) of the rows the prefills hold."""
+        return [rows[b] for b in self.firsts]
+
+
+def plan_prefixes(prompts: list[Prompt], mode: str, seeds: list[int], seeded: bool) -> PrefixPlan:
+    """Rows sharing a prefix: in ``context`` mode those whose contexts are the same token ids and, where the
+    policy reads each row's seed (``seeded``: the ``random`` control), the same seed, so a row's compressed prefix
+    is exactly the one its own prefill would give. In ``query`` mode the question is in the prefill: no row shares.
+    """
+    if mode != "context":
+        return PrefixPlan(tuple(range(len(prompts))), tuple(range(len(prompts))))
+    prefills: dict[tuple, int] = {}
+    index = [prefills.setdefault((tuple(p.context), seeds[b] if seeded else None), len(prefills))
+             for b, p in enumerate(prompts)]
+    firsts = [index.index(g) for g in range(len(prefills))]
+    return PrefixPlan(tuple(firsts), tuple(index))
+
+
+def serve_prefixes(model, cache: CompressedCache, plan: PrefixPlan, last_logits: torch.Tensor, seen: list[int],
+                   mode: str) -> tuple[CompressedCache, torch.Tensor, list[int], "list[CacheStats] | None"]:
+    """After the prefill of ``plan``'s contexts: the cache, next-token logits and tokens seen with one row per
+    prompt, and each row's prefix stats (``context`` mode; else ``None``).
+
+    Where the plan shares, each row gets its own copy of its prefix's compressed rows
+    (:meth:`CompressedCache.fork_rows`; the model's weights are never copied): rows never see each other's
+    tokens, and each decodes as its own prefill would let it."""
+    prefixes = [cache.stats(row=g) for g in range(len(plan.firsts))] if mode == "context" else None
+    if not plan.shares:
+        return cache, last_logits, seen, prefixes
+    index = list(plan.index)
+    memo = {id(t): t for t in (model, *model.modules(), *model.parameters(), *model.buffers())}
+    forked = cache.fork_rows(index, memo)
+    return forked, last_logits[index], [seen[g] for g in index], [prefixes[g] for g in index]
+
+
 def eos_ids(model, tokenizer) -> set[int]:
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids = {tokenizer.eos_token_id} | (set(configured) if isinstance(configured, list) else {configured})
@@ -352,9 +424,10 @@ def prefill_prompts(model, cache: CompressedCache, prompts: list[Prompt], mode: 
 
 
 def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], mode: str, last_logits, seen,
-              max_new_tokens: "int | Sequence[int]", stop: list[str], started: float) -> list[GenerationResult]:
+              max_new_tokens: "int | Sequence[int]", stop: list[str], started: float,
+              prefixes: "list[CacheStats] | None" = None) -> list[GenerationResult]:
     """Append the question (``context`` mode) to the compressed cache, then decode greedily, each row up to its
-    own limit (:func:`row_limits`)."""
+    own limit (:func:`row_limits`). ``prefixes``: each row's prefix stats (:func:`serve_prefixes`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     seen = list(seen)
     if mode == "context" and any(p.question for p in prompts):
@@ -406,16 +479,19 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         stats = cache.stats(row=b)
         results.append(GenerationResult(text, tokens[b], logprobs[b], stats, prefill_seconds,
                                         len(tokens[b]) / decode_seconds, decode_seconds, watched_kept[b],
-                                        max(stats.kv_bytes, peaks[b])))
+                                        max(stats.kv_bytes, peaks[b]), None if prefixes is None else prefixes[b]))
     return results
 
 
 def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, stop, seed, kv_dtype, quantized_decode="auto"):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype, quantized_decode=quantized_decode)
+    seeds = row_seeds(seed, len(prompts))
+    plan = plan_prefixes(prompts, mode, seeds, policy.reads_row_seed)
+    cache = CompressedCache(model, policy, seed=plan.pick(seeds), kv_dtype=kv_dtype, quantized_decode=quantized_decode)
     started = time.perf_counter()
-    last_logits, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
-    return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
+    last_logits, seen = prefill_prompts(model, cache, plan.pick(prompts), mode, pad_id)
+    cache, last_logits, seen, prefixes = serve_prefixes(model, cache, plan, last_logits, seen, mode)
+    return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started, prefixes)
 
 
 def can_share_prefill(model, kv_dtype: "torch.dtype | None" = None) -> bool:
@@ -447,7 +523,8 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     starts. Results equal :func:`generate`'s for the same batch. Without
     :func:`can_share_prefill`, or for one policy, each policy runs its own prefill; so does a policy whose cache
     codes tokens on arrival (:attr:`PolicyStack.prefills_alone`: an engine's).
-    ``prefill_seconds`` of every result counts the shared prefill as its own.
+    ``prefill_seconds`` of every result counts the shared prefill as its own. Prompts of one context share one
+    row of the prefill and continue from copies of it (:func:`plan_prefixes`, :func:`serve_prefixes`).
     """
     stacks = [require_stack(p, "generate_each") for p in policies]
     sharing = [s for s in stacks if not s.prefills_alone]  # an engine's cache attends over its codes from the start
@@ -457,8 +534,11 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
         return
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     started = time.perf_counter()
-    shared = CompressedCache(model, PolicyStack(), seed=seed, defer_compression=True, kv_dtype=kv_dtype, scores_for=sharing)
-    last_logits, seen = prefill_prompts(model, shared, prompts, mode, pad_id)
+    seeds = row_seeds(seed, len(prompts))
+    plan = plan_prefixes(prompts, mode, seeds, any(s.reads_row_seed for s in sharing))
+    shared = CompressedCache(model, PolicyStack(), seed=plan.pick(seeds), defer_compression=True, kv_dtype=kv_dtype,
+                             scores_for=sharing)
+    last_logits, seen = prefill_prompts(model, shared, plan.pick(prompts), mode, pad_id)
     shared.drop_batch_buffers()  # only its rows are read from now on: one cache in memory less
     shared_seconds = time.perf_counter() - started
     for stack in stacks:
@@ -466,8 +546,9 @@ def generate_each(model, tokenizer, prompts: list[Prompt], policies: list, max_n
             yield stack, _generate_batch(model, tokenizer, prompts, stack, max_new_tokens, mode, stop or [], seed, kv_dtype)
             continue
         own_start = time.perf_counter() - shared_seconds
-        cache = shared.derive(stack)
-        results = _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop or [], own_start)
+        cache, logits, rows_seen, prefixes = serve_prefixes(model, shared.derive(stack), plan, last_logits, seen, mode)
+        results = _continue(model, tokenizer, cache, prompts, mode, logits, rows_seen, max_new_tokens, stop or [],
+                            own_start, prefixes)
         del cache  # released before the next policy's cache is derived
         yield stack, results
 
