@@ -224,7 +224,12 @@ class CompressedCache(Cache):
         self.head_dim, value_dim = architectures.cache_head_dims(model.config)
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed = list(seed) if isinstance(seed, (list, tuple)) else seed
-        self.defer_compression = defer_compression
+        #: KVzip (a selection that ``reconstructs``): the prefill stays uncompressed until
+        #: :func:`kveval.cache.reconstruction.reconstruct_and_compress` has scored it and compressed.
+        self.awaiting_reconstruction = bool(self.policy.selection is not None and self.policy.selection.reconstructs)
+        self.defer_compression = defer_compression or self.awaiting_reconstruction
+        #: Called by the attention function with ``(layer, query, keys, scaling)`` (KVzip's reconstruction forwards).
+        self.observer = None
         self.model = model
         served = [self.policy] + [require_stack(p, "CompressedCache(scores_for=...)") for p in (scores_for or [])]
         #: Layer index -> whether a selection acts on it (:func:`~kveval.modeling.layer_types.selecting_layers`: full layers,
@@ -262,6 +267,8 @@ class CompressedCache(Cache):
         """Refuse a selection policy where it has no layer to act on (:attr:`selecting_layers`): every attention
         layer is chunked (a query sees its own chunk only: a window's trim and a selection were never made to
         agree there)."""
+        if policy.selection is not None and policy.selection.reconstructs:
+            check_reconstruction(policy.selection, config)
         if policy.selection is not None and self.selecting_layers and not any(self.selecting_layers.values()):
             raise UnsupportedModelError(
                 f"{architectures.architecture_name(config)}: every attention layer is chunked, and "
@@ -521,6 +528,15 @@ class CompressedCache(Cache):
         return total
 
 
+def check_reconstruction(selection, config) -> None:
+    """Refuse, in one line, a model KVzip's reconstruction scoring cannot read: an MLA latent cache (its queries
+    do not meet per-head keys). ``config``: a transformers config."""
+    if architectures.mla_dims(config) is not None:
+        raise UnsupportedModelError(f"{selection.spec()}: {architectures.architecture_name(config)} caches an MLA "
+                                    f"latent, which the reconstruction's queries do not meet head for head; use a "
+                                    f"policy that scores the cache itself, e.g. knorm or snapkv")
+
+
 def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> int:
     """Uncompressed K/V bytes per token over all attention layers.
 
@@ -553,4 +569,5 @@ def _retrieval_calibration_cache(model, window: int) -> CompressedCache:
 
 retrieval_heads.use_cache(_retrieval_calibration_cache)  # DuoAttention calibrates its retrieval heads through this
 
-__all__ = ["CacheStats", "CompressedCache", "CompressedHybridLayer", "CompressedLayer", "nominal_bytes_per_token"]
+__all__ = ["CacheStats", "CompressedCache", "CompressedHybridLayer", "CompressedLayer", "check_reconstruction",
+           "nominal_bytes_per_token"]

@@ -102,6 +102,10 @@ class SelectionPolicy(Policy):
     #: A threshold, not a count, decides what stays (:mod:`kveval.policies.threshold`): :meth:`choose` runs even where
     #: :meth:`keep_count` keeps every candidate, and the ratio reached is measured per item.
     thresholded: ClassVar[bool] = False
+    #: Scores come from forwards run after the prefill (KVzip's reconstruction: :mod:`kveval.cache.reconstruction`):
+    #: the cache defers compression until the generation driver has run them, and :meth:`choose` runs even where
+    #: :meth:`keep_count` keeps every candidate (the budget is over all layers at once).
+    reconstructs: ClassVar[bool] = False
 
     @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
@@ -391,9 +395,10 @@ class PolicyStack:
     @property
     def prefills_alone(self) -> bool:
         """Whether this stack needs a prefill of its own: its quantization codes tokens on arrival, or its selection
-        reads the prefill's queries (which a shared prefill does not keep)."""
+        reads the prefill's queries (which a shared prefill does not keep), or its selection scores with forwards
+        of its own after the prefill (KVzip's reconstruction)."""
         return ((self.quantization is not None and self.quantization.codes_on_arrival)
-                or (self.selection is not None and self.selection.attention == "queries"))
+                or (self.selection is not None and (self.selection.attention == "queries" or self.selection.reconstructs)))
 
     @property
     def is_none(self) -> bool:

@@ -23,6 +23,7 @@ from kveval.policies import (
     keydiff,
     knorm,
     kvquant,
+    kvzip,
     lagkv,
     latent,
     lowrank,
@@ -94,5 +95,6 @@ for _builtin in (
     chunkkv.ChunkKVPolicy,
     threshold.ThresholdPolicy,
     expected_attention.ExpectedAttentionPolicy,
+    kvzip.KVzipPolicy,
 ):
     register_policy(_builtin)

@@ -214,6 +214,15 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
                      f"integer per prompt ({rows})")
 
 
+def check_mode(policy: "PolicyStack | None", mode: str) -> None:
+    """Refuse a query-agnostic reconstruction (KVzip) in ``query`` mode, where the question would sit between the
+    context and the tokens that repeat it (one line)."""
+    selection = getattr(policy, "selection", None)  # None: the baseline
+    if mode == "query" and selection is not None and selection.reconstructs:
+        raise UsageError(f"{policy.spec}: KVzip reconstructs the context before any question is seen; "
+                         f"run it in mode 'context' (--mode context)")
+
+
 def check_batch_size(batch_size) -> None:
     """Refuse a batch size that is not a whole number of at least 1 (one line)."""
     if not is_whole(batch_size) or batch_size < 1:
@@ -300,6 +309,7 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "PolicyStack | Non
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
     policy = require_stack(policy, "generate")
+    check_mode(policy, mode)
     batch_size = forward_batch_size(model, batch_size)
     results = []
     for first in range(0, len(prompts), batch_size):
@@ -402,6 +412,10 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
     cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype, quantized_decode=quantized_decode)
     started = time.perf_counter()
     last_logits, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
+    if cache.awaiting_reconstruction:  # KVzip: the reconstruction forwards, counted in the time to first token
+        from kveval.cache.reconstruction import reconstruct_and_compress
+
+        reconstruct_and_compress(model, tokenizer, cache, [p.context for p in prompts], pad_id)
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
 
 
@@ -473,6 +487,8 @@ def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     limits = row_limits(max_new_tokens, len(prompts))
     batch_size = forward_batch_size(model, batch_size)
     stacks = list({s.spec: s for s in (require_stack(p, "generate_each") for p in policies)}.values())
+    for stack in stacks:
+        check_mode(stack, mode)
     out = {s.spec: [] for s in stacks}
     for first in range(0, len(prompts), batch_size):
         for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks,

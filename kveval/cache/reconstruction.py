@@ -1,0 +1,120 @@
+"""The reconstruction pass of KVzip (:mod:`kveval.policies.kvzip`): between a context's prefill and its compression.
+
+A cache whose selection ``reconstructs`` holds its prefill uncompressed (``defer_compression``) until
+:func:`reconstruct_and_compress` has run: for each row alone, for each chunk of its context, the reconstruction
+prompt (:func:`repeat_inputs`) is fed through a copy of the row (:meth:`CompressedCache.fork_rows`: the copy
+takes the reconstruction tokens and is dropped, the row never holds them) while an observer
+(:class:`ReconstructionObserver`) scores the chunk in every selecting layer from the attention's own queries and
+keys. Then the budget over every layer (:func:`~kveval.policies.kvzip.kvzip_keep`) marks what each layer keeps,
+and every layer compresses as at the end of any prefill. Each row is reconstructed alone, so a batch gives the
+kept sets of batch size 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kveval.errors import UsageError
+from kveval.policies.kvzip import kvzip_keep, reconstruction_scores
+
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+PREVIOUS_TAIL = 8  # tokens of the previous chunk that a later prompt repeats (kvpress's prev_postfix_size)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # as kveval.probes.prompts.encode_parts
+
+
+def chat_split(tokenizer) -> tuple[int, list[int]]:
+    """The chat template's head length in tokens and its assistant turn's ids, as kvpress's ``KVzipPress`` takes
+    them: the template rendered around a dummy user message (``enable_thinking=False``), split at it; no template:
+    no head and ``"\\n"``."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return 0, _encode(tokenizer, "\n")
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    if not isinstance(rendered, str) or separator not in rendered or dummy not in rendered:
+        raise UsageError("kvzip: the tokenizer's chat template does not render the user message verbatim; "
+                         "kveval cannot find its assistant turn for the reconstruction prompt")
+    context, suffix = rendered.split(separator)[:2]
+    return len(_encode(tokenizer, context.split(dummy)[0])), _encode(tokenizer, suffix)
+
+
+def repeat_inputs(context: list[int], head: int, suffix: list[int], chunk: int, first: list[int],
+                  later: list[int]) -> list[tuple[int, int, list[int]]]:
+    """``(start, end, ids)`` per reconstruction forward: the chunk ``context[start:end]`` (after the template's
+    ``head`` tokens, ``chunk`` at a time) and the ids fed to repeat it: the ``first`` prompt (later chunks: the
+    ``later`` prompt and the previous chunk's last :data:`PREVIOUS_TAIL` tokens), the ``suffix`` (the assistant
+    turn), then the chunk."""
+    head = min(head, len(context))
+    out = []
+    for i, start in enumerate(range(head, len(context), chunk)):
+        end = min(start + chunk, len(context))
+        prompt = first if i == 0 else later + context[max(start - chunk, start - PREVIOUS_TAIL):start]
+        out.append((start, end, prompt + suffix + context[start:end]))
+    return out
+
+
+class ReconstructionObserver:
+    """Scores one reconstruction forward's chunk in every selecting layer (called by the attention function).
+
+    ``scores[layer_idx]``: ``[kv_heads, n]`` by context position, the chunk's columns written as each layer runs.
+    """
+
+    def __init__(self, n: int, start: int, end: int, sink: int, scores: dict):
+        self.n, self.start, self.end, self.sink, self.scores = n, start, end, sink, scores
+
+    def __call__(self, layer, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+        if not layer.takes_selection:
+            return
+        positions = layer._slot_positions[0, 0]  # every head holds the same slots before compression
+        q_len = query.shape[2]
+        sink = min(self.sink, self.start)
+        sinks = positions < sink
+        chunk = (positions >= self.start) & (positions < self.end)
+        repeat = (positions >= self.n) & (positions < self.n + q_len)
+        columns = (sinks | chunk | repeat).nonzero().flatten()
+        chunk_columns = chunk[columns].nonzero().flatten()
+        scored = reconstruction_scores(query[0], keys[0][:, columns], scaling, sink, chunk_columns)
+        target = self.scores.setdefault(layer.layer_idx, torch.zeros(keys.shape[1], self.n, device=keys.device))
+        target[:, positions[columns[chunk_columns]]] = scored
+
+
+def reconstruct_and_compress(model, tokenizer, cache, contexts: list[list[int]], pad_id: int) -> None:
+    """KVzip's reconstruction of every row's context (``contexts[b]``, what row ``b`` prefilled), then the
+    compression of ``cache`` that its prefill deferred."""
+    from kveval.runner.generation import forward_rows
+
+    policy = cache.policy.selection
+    head, suffix = chat_split(tokenizer)
+    first, later = _encode(tokenizer, FIRST_PROMPT), _encode(tokenizer, LATER_PROMPT)
+    layers = [layer for layer in cache.attention_layers if layer.takes_selection]
+    for b, context in enumerate(contexts):
+        n = len(context)
+        scores: dict[int, torch.Tensor] = {}
+        for start, end, ids in repeat_inputs(context, head, suffix, policy.chunk, first, later):
+            fork = cache.fork_rows([b])
+            fork.observer = ReconstructionObserver(n, start, end, policy.sink, scores)
+            forward_rows(model, fork, [ids], [n], pad_id)
+            del fork
+        held = [layer.rows[b].positions for layer in layers]
+        by_slot = []
+        for layer, positions in zip(layers, held):
+            layer_scores = scores.get(layer.layer_idx)
+            if layer_scores is None:
+                layer_scores = torch.zeros(positions.shape[0], n, device=positions.device)
+            by_slot.append(layer_scores.to(positions.device).gather(1, positions.clamp(0, n - 1)))
+        kept = kvzip_keep(by_slot, held, policy.ratio, policy.sink, policy.layerwise)
+        for layer, slot_scores, keep in zip(layers, by_slot, kept):
+            layer.rows[b].attention = slot_scores.masked_fill(~keep, float("-inf"))
+    cache.defer_compression = False
+    cache.awaiting_reconstruction = False
+    for layer in cache.attention_layers:
+        rows = layer.rows
+        layer.compress_rows(rows, [cache.protected(b) for b in range(len(rows))])
+        layer.drop_buffer()
