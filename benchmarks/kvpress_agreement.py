@@ -164,10 +164,9 @@ def _kveval_side(model, tokenizer, items, encoded, spec: str) -> list[dict]:
     import torch
 
     from kveval.cache.compressed import CompressedCache
-    from kveval.cache.reconstruction import reconstruct_and_compress
     from kveval.policies.spec import parse_policy
     from kveval.probes import score_answer
-    from kveval.runner.generation import Prompt, generate
+    from kveval.runner.generation import Prompt, generate, reconstruct_and_compress
 
     stack = parse_policy(spec)
     rows = []

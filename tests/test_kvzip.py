@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from kveval.cache.compressed import CompressedCache
-from kveval.cache.reconstruction import (FIRST_PROMPT, LATER_PROMPT, ReconstructionObserver, chat_split,
-                                         reconstruct_and_compress, repeat_inputs)
+from kveval.cache.reconstruction import FIRST_PROMPT, LATER_PROMPT, ReconstructionObserver, chat_split, repeat_inputs
 from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
 from kveval.modeling.architectures import mla_dims
 from kveval.policies.base import PolicyStack
 from kveval.policies.kvzip import kvzip_keep, reconstruction_scores
 from kveval.policies.spec import parse_policy
-from kveval.runner.generation import Prompt, generate, prefill_prompts
+from kveval.runner.generation import Prompt, generate, prefill_prompts, reconstruct_and_compress
 
 from cache_runs import assert_one_batch_equals_batch_size_one, assert_one_line_error, random_prompts
 from tiny_models import ARCHITECTURES, Tok, tiny_llama, tiny_model
@@ -30,7 +29,7 @@ def test_the_score_is_the_largest_probability_over_queries_and_group_in_the_rest
     # chunk token 1: max(1/5, 1/6, 1/4, 1/5) = 1/4.
     query = torch.tensor([[[1.0], [1.0]], [[0.0], [0.0]]])  # [heads 2, q 2, d 1]
     keys = torch.tensor([[[0.0], [math.log(2)], [0.0], [0.0], [0.0]]])  # [kv_heads 1, 1 + 2 + 2, 1]
-    scores = reconstruction_scores(query, keys, 1.0, 1, torch.tensor([1, 2]))
+    scores = reconstruction_scores(query, keys, 1.0, torch.tensor([1, 2]))
     torch.testing.assert_close(scores, torch.tensor([[2 / 5, 1 / 4]]))
 
 
@@ -44,6 +43,9 @@ def test_the_budget_is_one_bottom_k_over_every_layer_or_one_per_layer():
     assert [k.tolist() for k in per_layer] == [[[True, False, False, True]], [[True, False, True, False]]]
     # int(ratio x slots) go: 0.3 of 8 is 2 (.04 and .05)
     assert sum(int((~k).sum()) for k in kvzip_keep(scores, positions, 0.3, 1, layerwise=False)) == 2
+    # without sinks a head may lose every slot: it keeps its best one (kvpress would mask all its context keys)
+    lonely = kvzip_keep([torch.tensor([[0.9, 0.8], [0.1, 0.2]])], [torch.arange(2)[None].expand(2, 2)], 0.5, 0, False)
+    assert lonely[0].tolist() == [[True, True], [False, True]]
 
 
 def test_the_reconstruction_prompt_repeats_each_chunk_after_the_template_head():

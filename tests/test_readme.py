@@ -129,7 +129,7 @@ def test_every_readme_policy_spec_parses_and_runs_on_a_tiny_model(spec):
     with torch.no_grad():
         logits = model(ids, cache=cache).logits
         if cache.awaiting_reconstruction:  # KVzip: its reconstruction forwards come between prefill and decode
-            from kveval.cache.reconstruction import reconstruct_and_compress
+            from kveval.runner.generation import reconstruct_and_compress
 
             from tiny_models import Tok
 

@@ -225,7 +225,7 @@ class CompressedCache(Cache):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed = list(seed) if isinstance(seed, (list, tuple)) else seed
         #: KVzip (a selection that ``reconstructs``): the prefill stays uncompressed until
-        #: :func:`kveval.cache.reconstruction.reconstruct_and_compress` has scored it and compressed.
+        #: :func:`kveval.runner.generation.reconstruct_and_compress` has scored it and compressed.
         self.awaiting_reconstruction = bool(self.policy.selection is not None and self.policy.selection.reconstructs)
         self.defer_compression = defer_compression or self.awaiting_reconstruction
         #: Called by the attention function with ``(layer, query, keys, scaling)`` (KVzip's reconstruction forwards).

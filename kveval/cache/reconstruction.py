@@ -1,7 +1,7 @@
 """The reconstruction pass of KVzip (:mod:`kveval.policies.kvzip`): between a context's prefill and its compression.
 
 A cache whose selection ``reconstructs`` holds its prefill uncompressed (``defer_compression``) until
-:func:`reconstruct_and_compress` has run: for each row alone, for each chunk of its context, the reconstruction
+:func:`kveval.runner.generation.reconstruct_and_compress` has run: for each row alone, for each chunk of its context, the reconstruction
 prompt (:func:`repeat_inputs`) is fed through a copy of the row (:meth:`CompressedCache.fork_rows`: the copy
 takes the reconstruction tokens and is dropped, the row never holds them) while an observer
 (:class:`ReconstructionObserver`) scores the chunk in every selecting layer from the attention's own queries and
@@ -26,6 +26,11 @@ def _encode(tokenizer, text: str) -> list[int]:
     if not text:
         return []
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # as kveval.probes.prompts.encode_parts
+
+
+def prompt_ids(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids of the first chunk's reconstruction prompt and of the later chunks'."""
+    return _encode(tokenizer, FIRST_PROMPT), _encode(tokenizer, LATER_PROMPT)
 
 
 def chat_split(tokenizer) -> tuple[int, list[int]]:
@@ -80,38 +85,32 @@ class ReconstructionObserver:
         repeat = (positions >= self.n) & (positions < self.n + q_len)
         columns = (sinks | chunk | repeat).nonzero().flatten()
         chunk_columns = chunk[columns].nonzero().flatten()
-        scored = reconstruction_scores(query[0], keys[0][:, columns], scaling, sink, chunk_columns)
+        scored = reconstruction_scores(query[0], keys[0][:, columns], scaling, chunk_columns)
         target = self.scores.setdefault(layer.layer_idx, torch.zeros(keys.shape[1], self.n, device=keys.device))
         target[:, positions[columns[chunk_columns]]] = scored
 
 
-def reconstruct_and_compress(model, tokenizer, cache, contexts: list[list[int]], pad_id: int) -> None:
-    """KVzip's reconstruction of every row's context (``contexts[b]``, what row ``b`` prefilled), then the
-    compression of ``cache`` that its prefill deferred."""
-    from kveval.runner.generation import forward_rows
-
+def mark_kept(cache, b: int, n: int, scores: dict) -> None:
+    """Row ``b`` (``n`` context tokens) of every selecting layer gets its reconstruction scores by slot, ``-inf``
+    where the budget over every layer (:func:`~kveval.policies.kvzip.kvzip_keep`) evicts: what
+    :meth:`KVzipPolicy.choose` keeps. ``scores``: what the :class:`ReconstructionObserver` s wrote (a layer they never
+    scored, all zeros)."""
     policy = cache.policy.selection
-    head, suffix = chat_split(tokenizer)
-    first, later = _encode(tokenizer, FIRST_PROMPT), _encode(tokenizer, LATER_PROMPT)
     layers = [layer for layer in cache.attention_layers if layer.takes_selection]
-    for b, context in enumerate(contexts):
-        n = len(context)
-        scores: dict[int, torch.Tensor] = {}
-        for start, end, ids in repeat_inputs(context, head, suffix, policy.chunk, first, later):
-            fork = cache.fork_rows([b])
-            fork.observer = ReconstructionObserver(n, start, end, policy.sink, scores)
-            forward_rows(model, fork, [ids], [n], pad_id)
-            del fork
-        held = [layer.rows[b].positions for layer in layers]
-        by_slot = []
-        for layer, positions in zip(layers, held):
-            layer_scores = scores.get(layer.layer_idx)
-            if layer_scores is None:
-                layer_scores = torch.zeros(positions.shape[0], n, device=positions.device)
-            by_slot.append(layer_scores.to(positions.device).gather(1, positions.clamp(0, n - 1)))
-        kept = kvzip_keep(by_slot, held, policy.ratio, policy.sink, policy.layerwise)
-        for layer, slot_scores, keep in zip(layers, by_slot, kept):
-            layer.rows[b].attention = slot_scores.masked_fill(~keep, float("-inf"))
+    held = [layer.rows[b].positions for layer in layers]
+    by_slot = []
+    for layer, positions in zip(layers, held):
+        layer_scores = scores.get(layer.layer_idx)
+        if layer_scores is None:
+            layer_scores = torch.zeros(positions.shape[0], n, device=positions.device)
+        by_slot.append(layer_scores.to(positions.device).gather(1, positions.clamp(0, n - 1)))
+    kept = kvzip_keep(by_slot, held, policy.ratio, policy.sink, policy.layerwise)
+    for layer, slot_scores, keep in zip(layers, by_slot, kept):
+        layer.rows[b].attention = slot_scores.masked_fill(~keep, float("-inf"))
+
+
+def compress_reconstructed(cache) -> None:
+    """Compress every layer of ``cache`` as at the end of a prefill, once every row is marked (:func:`mark_kept`)."""
     cache.defer_compression = False
     cache.awaiting_reconstruction = False
     for layer in cache.attention_layers:

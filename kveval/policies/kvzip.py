@@ -88,15 +88,14 @@ class KVzipPolicy(SelectionPolicy):
         return [row.isfinite().nonzero().flatten() for row in scores]
 
 
-def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, sink: int,
-                          chunk: torch.Tensor) -> torch.Tensor:
+def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk: torch.Tensor) -> torch.Tensor:
     """One reconstruction forward's scores of a chunk in one layer, as kvpress's ``score_kvzip``.
 
     ``query``: the reconstruction tokens' queries as attention reads them (after RoPE), ``[heads, q, d]``;
-    ``keys``: ``[kv_heads, sink + c + q, d]``, the first ``sink`` tokens' keys, the chunk's ``c`` and the ``q``
-    reconstruction tokens' own (in order); ``chunk``: the columns of the chunk (``sink .. sink + c``). Returns
+    ``keys``: ``[kv_heads, s + c + q, d]``, the first ``s`` tokens' keys (the sinks), the chunk's ``c`` and the ``q``
+    reconstruction tokens' own (in order); ``chunk``: the columns of the chunk (``s .. s + c``). Returns
     ``[kv_heads, c]``: per KV head and chunk token, the largest softmax probability over every query and every query
-    head of the group, the softmax taken over those ``sink + c + q`` keys, causal among the last ``q``.
+    head of the group, the softmax taken over those ``s + c + q`` keys, causal among the last ``q``.
     """
     heads, q_len, d = query.shape
     kv_heads, width, _ = keys.shape
@@ -116,7 +115,8 @@ def kvzip_keep(scores: list[torch.Tensor], positions: list[torch.Tensor], ratio:
     ``scores[l]``: layer ``l``'s reconstruction scores ``[kv_heads, n_l]`` of its held slots, ``positions[l]`` their
     positions. Slots at positions below ``sink`` score the highest score plus 1 (kept first); then ``int(ratio x
     slots)`` slots are evicted, the lowest-scored over every layer at once, or ``int(ratio x slots of the layer)``
-    within each layer (``layerwise``). Returns per layer a boolean ``[kv_heads, n_l]`` of kept slots.
+    within each layer (``layerwise``); a head left with nothing (only possible with ``sink=0``) keeps its best slot,
+    where kvpress would mask its every context key. Returns per layer a boolean ``[kv_heads, n_l]`` of kept slots.
     """
     if not scores:
         return []
@@ -127,13 +127,14 @@ def kvzip_keep(scores: list[torch.Tensor], positions: list[torch.Tensor], ratio:
         for s, k in zip(scores, kept):
             pruned = int(s.numel() * ratio)
             k.view(-1)[torch.topk(-s.reshape(-1), pruned).indices] = False
-        return kept
-    flat = torch.cat([s.reshape(-1) for s in scores])
-    pruned = int(flat.numel() * ratio)
-    mask = torch.ones_like(flat, dtype=torch.bool)
-    mask[torch.topk(-flat, pruned).indices] = False
-    out, start = [], 0
-    for s in scores:
-        out.append(mask[start:start + s.numel()].reshape(s.shape))
-        start += s.numel()
-    return out
+    else:
+        flat = torch.cat([s.reshape(-1) for s in scores])
+        mask = torch.ones_like(flat, dtype=torch.bool)
+        mask[torch.topk(-flat, int(flat.numel() * ratio)).indices] = False
+        kept = list(torch.split(mask, [s.numel() for s in scores]))
+        kept = [k.reshape(s.shape) for k, s in zip(kept, scores)]
+    for s, k in zip(scores, kept):  # a head never holds nothing (only sink=0 could leave it so)
+        empty = ~k.any(dim=-1)
+        if bool(empty.any()):
+            k[empty, s[empty].argmax(dim=-1)] = True
+    return kept

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kveval.cache import reconstruction
 from kveval.cache.compressed import CacheStats, CompressedCache
 from kveval.cache.native_layers import rows_alone
 from kveval.errors import UsageError
@@ -413,10 +414,25 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
     started = time.perf_counter()
     last_logits, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
     if cache.awaiting_reconstruction:  # KVzip: the reconstruction forwards, counted in the time to first token
-        from kveval.cache.reconstruction import reconstruct_and_compress
-
         reconstruct_and_compress(model, tokenizer, cache, [p.context for p in prompts], pad_id)
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started)
+
+
+def reconstruct_and_compress(model, tokenizer, cache: CompressedCache, contexts: list[list[int]], pad_id: int) -> None:
+    """KVzip's reconstruction forwards over every row's context (``contexts[b]``, what row ``b`` prefilled), then the
+    compression its prefill deferred (:mod:`kveval.cache.reconstruction`). Each row alone, each chunk on a copy of
+    the row that is then dropped: the rows never hold the reconstruction's tokens, and a batch keeps batch 1's."""
+    policy = cache.policy.selection
+    head, suffix = reconstruction.chat_split(tokenizer)
+    first, later = reconstruction.prompt_ids(tokenizer)
+    for b, context in enumerate(contexts):
+        n, scores = len(context), {}
+        for start, end, ids in reconstruction.repeat_inputs(context, head, suffix, policy.chunk, first, later):
+            fork = cache.fork_rows([b])
+            fork.observer = reconstruction.ReconstructionObserver(n, start, end, policy.sink, scores)
+            forward_rows(model, fork, [ids], [n], pad_id)
+        reconstruction.mark_kept(cache, b, n, scores)
+    reconstruction.compress_reconstructed(cache)
 
 
 def can_share_prefill(model, kv_dtype: "torch.dtype | None" = None) -> bool:
