@@ -202,6 +202,14 @@ def test_query_mode_mla_and_forwards_without_the_reconstruction_are_refused_in_o
                               "before KVzip's reconstruction pass")
 
 
+def test_the_lm_eval_adapter_refuses_kvzip_before_anything_loads():
+    pytest.importorskip("lm_eval")
+    from kveval.lm_eval.model import KVEvalLM
+
+    assert_one_line_error(lambda: KVEvalLM(pretrained="no-such-model", policy="kvzip(ratio=0.5)"), UsageError,
+                          "lm-eval adapter does not run")
+
+
 def test_kvzip_is_listed_and_prefills_alone():
     from kveval.policies.registry import POLICIES
 
