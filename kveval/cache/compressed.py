@@ -267,8 +267,9 @@ class CompressedCache(Cache):
         """Refuse a selection policy where it has no layer to act on (:attr:`selecting_layers`): every attention
         layer is chunked (a query sees its own chunk only: a window's trim and a selection were never made to
         agree there)."""
-        if policy.selection is not None and policy.selection.reconstructs:
-            check_reconstruction(policy.selection, config)
+        reconstructs = policy.selection is not None and policy.selection.reconstructs
+        if reconstructs and architectures.mla_dims(config) is not None:
+            raise policy.selection.mla_refusal(architectures.architecture_name(config))
         if policy.selection is not None and self.selecting_layers and not any(self.selecting_layers.values()):
             raise UnsupportedModelError(
                 f"{architectures.architecture_name(config)}: every attention layer is chunked, and "
@@ -528,15 +529,6 @@ class CompressedCache(Cache):
         return total
 
 
-def check_reconstruction(selection, config) -> None:
-    """Refuse, in one line, a model KVzip's reconstruction scoring cannot read: an MLA latent cache (its queries
-    do not meet per-head keys). ``config``: a transformers config."""
-    if architectures.mla_dims(config) is not None:
-        raise UnsupportedModelError(f"{selection.spec()}: {architectures.architecture_name(config)} caches an MLA "
-                                    f"latent, which the reconstruction's queries do not meet head for head; use a "
-                                    f"policy that scores the cache itself, e.g. knorm or snapkv")
-
-
 def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> int:
     """Uncompressed K/V bytes per token over all attention layers.
 
@@ -569,5 +561,4 @@ def _retrieval_calibration_cache(model, window: int) -> CompressedCache:
 
 retrieval_heads.use_cache(_retrieval_calibration_cache)  # DuoAttention calibrates its retrieval heads through this
 
-__all__ = ["CacheStats", "CompressedCache", "CompressedHybridLayer", "CompressedLayer", "check_reconstruction",
-           "nominal_bytes_per_token"]
+__all__ = ["CacheStats", "CompressedCache", "CompressedHybridLayer", "CompressedLayer", "nominal_bytes_per_token"]

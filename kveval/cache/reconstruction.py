@@ -1,13 +1,13 @@
 """The reconstruction pass of KVzip (:mod:`kveval.policies.kvzip`): between a context's prefill and its compression.
 
-A cache whose selection ``reconstructs`` holds its prefill uncompressed (``defer_compression``) until
-:func:`kveval.runner.generation.reconstruct_and_compress` has run: for each row alone, for each chunk of its context, the reconstruction
-prompt (:func:`repeat_inputs`) is fed through a copy of the row (:meth:`CompressedCache.fork_rows`: the copy
-takes the reconstruction tokens and is dropped, the row never holds them) while an observer
-(:class:`ReconstructionObserver`) scores the chunk in every selecting layer from the attention's own queries and
-keys. Then the budget over every layer (:func:`~kveval.policies.kvzip.kvzip_keep`) marks what each layer keeps,
-and every layer compresses as at the end of any prefill. Each row is reconstructed alone, so a batch gives the
-kept sets of batch size 1.
+A cache whose selection ``reconstructs`` holds its prefill uncompressed (``defer_compression``) until the driver
+step :func:`kveval.runner.generation.reconstruct_and_compress` has run. For each row alone and each chunk of its
+context, the reconstruction prompt (:func:`repeat_inputs`) is fed through a copy of the row
+(:meth:`CompressedCache.fork_rows`: the copy takes the reconstruction tokens and is dropped, the row never holds
+them) while a :class:`ReconstructionObserver` scores the chunk in every selecting layer from the attention's own
+queries and keys. Then the budget over every layer (:func:`mark_kept`, :func:`~kveval.policies.kvzip.kvzip_keep`)
+marks what each head keeps, and every layer compresses as at the end of any prefill
+(:func:`compress_reconstructed`). Each row is reconstructed alone, so a batch keeps the sets of batch size 1.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.errors import PolicySpecError, UsageError
+from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
 from kveval.policies.base import SelectionPolicy, check_ratio, ratio_keep_count
 from kveval.tensors.scoring_state import ScoringState
 
@@ -71,6 +71,13 @@ class KVzipPolicy(SelectionPolicy):
     @property
     def per_head_budgets(self) -> bool:
         return True
+
+    def mla_refusal(self, model_name: str) -> UnsupportedModelError:
+        """The one-line refusal of a model that caches an MLA latent (checked on its config before the weights load,
+        and by the cache): the reconstruction's queries do not meet a latent head for head."""
+        return UnsupportedModelError(f"{self.spec()}: {model_name} caches an MLA latent, which the reconstruction's "
+                                     f"queries do not meet head for head; use a policy that scores the cache itself, "
+                                     f"e.g. knorm or snapkv")
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         """The mean over layers and heads (what the planner sizes): each layer's own count comes from the scores."""

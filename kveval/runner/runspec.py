@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
+from kveval.errors import PolicySpecError, UsageError
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
 from kveval.stores.base import dtype_name, parse_kv_dtype
@@ -148,9 +148,7 @@ class RunSpec:
         if shape is None or self.policy.is_none:
             return self
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
-            raise UnsupportedModelError(f"{self.policy.selection.spec()}: {shape.name} caches an MLA latent, which "
-                                        f"the reconstruction's queries do not meet head for head; use a policy that "
-                                        f"scores the cache itself, e.g. knorm or snapkv")
+            raise self.policy.selection.mla_refusal(shape.name)
         head_dim = shape.head_dim
         stack = _copy_stack(self.policy)
         structure = stack.structure
