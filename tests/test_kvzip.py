@@ -217,3 +217,11 @@ def test_kvzip_is_listed_and_prefills_alone():
     stack = parse_policy("kvzip(ratio=0.5)")
     assert stack.prefills_alone and stack.ratio == 0.5 and stack.spec == "kvzip(ratio=0.5)"
     assert not PolicyStack().prefills_alone
+
+
+def test_the_planner_sizes_kvzip_at_its_ratio_over_all_layers():
+    from kveval.planner.memory import plan
+
+    half = plan("smollm2-135m", 4096, policy=parse_policy("kvzip(ratio=0.5)")).total_bytes
+    assert half == plan("smollm2-135m", 4096, policy=parse_policy("knorm(ratio=0.5)")).total_bytes
+    assert half < plan("smollm2-135m", 4096, policy=parse_policy("kvzip(ratio=0.25)")).total_bytes
