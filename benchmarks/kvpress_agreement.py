@@ -248,7 +248,7 @@ def main(argv=None) -> None:
                      for it, (c, q) in zip(items, encoded)]}
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        if any(m == "kvzip" for m in methods):  # KVzipPress reads the chat template from the tokenizer's folder
+        if "kvzip" in methods:  # KVzipPress reads the chat template from the tokenizer's folder
             folder = Path(tmp) / "tokenizer"
             tokenizer.save_pretrained(folder)
             config = json.loads((folder / "tokenizer_config.json").read_text())
