@@ -52,6 +52,8 @@ METHODS = {
     # A threshold reaches its own ratio (about 0.5 on SmolLM2-135M's probes at -0.8): the ratio is not used.
     "threshold": ("threshold(scorer=keydiff,threshold=-0.8,window=128)",
                   "DMSPress(KeyDiffPress(), threshold=-0.8, sliding_window_size=128)"),
+    # Reconstruction forwards after the prefill, one budget over every layer (kvpress's layerwise=False default).
+    "kvzip": ("kvzip(ratio={r})", "KVzipPress(compression_ratio={r})"),
 }
 
 
@@ -76,6 +78,8 @@ def _worker(job_path: str, out_path: str) -> None:
                                                                      attn_implementation=attention).eval()
         return models[attention]
 
+    if job.get("tokenizer"):  # KVzipPress loads the tokenizer from the model's folder, which holds the weights alone
+        load("sdpa").config.name_or_path = job["tokenizer"]
     eos = load("sdpa").generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     out = {}
@@ -94,7 +98,7 @@ def _worker(job_path: str, out_path: str) -> None:
             cache = DynamicCache()
             with torch.no_grad(), press(model):
                 model(input_ids=context, past_key_values=cache, output_attentions=observed)
-            if isinstance(press, kvpress.DMSPress):  # masks evicted keys instead of dropping them
+            if isinstance(press, (kvpress.DMSPress, kvpress.KVzipPress)):  # mask evicted keys, not drop them
                 _record_masked(model, context.shape[1], kept)
             answer = _decode(model, cache, question, context.shape[1], item["max_new_tokens"], eos)
             rows.append({"id": item["id"], "answer": answer, "kept": [kept[i] for i in sorted(kept)]})
@@ -162,7 +166,7 @@ def _kveval_side(model, tokenizer, items, encoded, spec: str) -> list[dict]:
     from kveval.cache.compressed import CompressedCache
     from kveval.policies.spec import parse_policy
     from kveval.probes import score_answer
-    from kveval.runner.generation import Prompt, generate
+    from kveval.runner.generation import Prompt, generate, reconstruct_and_compress
 
     stack = parse_policy(spec)
     rows = []
@@ -173,6 +177,8 @@ def _kveval_side(model, tokenizer, items, encoded, spec: str) -> list[dict]:
         with torch.no_grad():
             model(torch.tensor([context]), cache=cache, use_cache=True,
                   position_ids=torch.arange(len(context))[None])
+            if cache.awaiting_reconstruction:  # KVzip: its reconstruction forwards, then the compression
+                reconstruct_and_compress(model, tokenizer, cache, [context], tokenizer.pad_token_id or 0)
         kept = [sorted_heads(layer.rows[0].positions) for layer in cache.layers if getattr(layer, "_rows", None)]
         rows.append({"id": item.id, "text": result.text, "correct": score_answer(item, result.text).correct, "kept": kept})
     return rows
@@ -242,6 +248,13 @@ def main(argv=None) -> None:
                      for it, (c, q) in zip(items, encoded)]}
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        if "kvzip" in methods:  # KVzipPress reads the chat template from the tokenizer's folder
+            folder = Path(tmp) / "tokenizer"
+            tokenizer.save_pretrained(folder)
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 5's class name, unknown to 4.x
+            (folder / "tokenizer_config.json").write_text(json.dumps(config))
+            job["tokenizer"] = str(folder)
         job_path.write_text(json.dumps(job))
         subprocess.run([str(python), __file__, "--worker", str(job_path), str(out_path)], check=True,
                        env={**os.environ, "PYTHONPATH": ""})

@@ -128,6 +128,12 @@ def test_every_readme_policy_spec_parses_and_runs_on_a_tiny_model(spec):
     cache = CompressedCache(model, parse_policy(run.policy))
     with torch.no_grad():
         logits = model(ids, cache=cache).logits
+        if cache.awaiting_reconstruction:  # KVzip: its reconstruction forwards come between prefill and decode
+            from kveval.runner.generation import reconstruct_and_compress
+
+            from tiny_models import Tok
+
+            reconstruct_and_compress(model, Tok(), cache, [ids[0].tolist()], 0)
         model(logits[:, -1:].argmax(-1), cache=cache, position_ids=torch.tensor([[48]]))
     assert cache.stats().kv_bytes > 0
 

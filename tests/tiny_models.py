@@ -131,5 +131,9 @@ class Tok:
     pad_token_id = 0
     chat_template = None
 
+    def __call__(self, text, add_special_tokens=True):
+        """Text as ids (KVzip's reconstruction prompt): each character's code, folded into the tiny vocabulary."""
+        return {"input_ids": [3 + ord(c) % 120 for c in text]}
+
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))

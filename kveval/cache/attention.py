@@ -56,6 +56,8 @@ def kveval_attention(module, query, key, value, attention_mask, dropout: float =
     kernel = attention_kernel(module, kwargs)
     output = kernel.attend(module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if layer is not None:
+        if layer.cache.observer is not None:  # KVzip's reconstruction forwards (kveval.cache.reconstruction)
+            layer.cache.observer(layer, query, key, scaling)
         probabilities = partial(kernel.probabilities, module, scaling=scaling, kwargs=kwargs)
         layer.after_attention(query, key, AttentionProbabilities(probabilities, kernel.slot_step(module)))
     return output, None

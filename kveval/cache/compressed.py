@@ -224,7 +224,12 @@ class CompressedCache(Cache):
         self.head_dim, value_dim = architectures.cache_head_dims(model.config)
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.seed = list(seed) if isinstance(seed, (list, tuple)) else seed
-        self.defer_compression = defer_compression
+        #: KVzip (a selection that ``reconstructs``): the prefill stays uncompressed until
+        #: :func:`kveval.runner.generation.reconstruct_and_compress` has scored it and compressed.
+        self.awaiting_reconstruction = bool(self.policy.selection is not None and self.policy.selection.reconstructs)
+        self.defer_compression = defer_compression or self.awaiting_reconstruction
+        #: Called by the attention function with ``(layer, query, keys, scaling)`` (KVzip's reconstruction forwards).
+        self.observer = None
         self.model = model
         served = [self.policy] + [require_stack(p, "CompressedCache(scores_for=...)") for p in (scores_for or [])]
         #: Layer index -> whether a selection acts on it (:func:`~kveval.modeling.layer_types.selecting_layers`: full layers,
@@ -262,6 +267,9 @@ class CompressedCache(Cache):
         """Refuse a selection policy where it has no layer to act on (:attr:`selecting_layers`): every attention
         layer is chunked (a query sees its own chunk only: a window's trim and a selection were never made to
         agree there)."""
+        reconstructs = policy.selection is not None and policy.selection.reconstructs
+        if reconstructs and architectures.mla_dims(config) is not None:
+            raise policy.selection.mla_refusal(architectures.architecture_name(config))
         if policy.selection is not None and self.selecting_layers and not any(self.selecting_layers.values()):
             raise UnsupportedModelError(
                 f"{architectures.architecture_name(config)}: every attention layer is chunked, and "

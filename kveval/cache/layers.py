@@ -20,6 +20,7 @@ from kveval.cache.buffered_decode import BufferedDecode
 from kveval.cache.decode_evictions import BudgetEviction
 from kveval.cache.layer_masks import held_slots, positions_mask, visible_prefix
 from kveval.cache.rows import RowState, seal_rows
+from kveval.errors import UsageError
 from kveval.stores.base import DenseStore
 from kveval.stores.headwise import HeadwiseStore
 from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, slot_range, uploaded
@@ -256,6 +257,9 @@ class CompressedLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self.cache.awaiting_reconstruction and self.cache.observer is None:
+            raise UsageError(f"{self.cache.policy.spec}: a forward after the prefill, before KVzip's reconstruction "
+                             f"pass; run it through kveval.runner.generation.generate (mode context)")
         if self.cache.evictions.pending and self.cache.evictions.holds(self._buffer):
             self.cache.evictions.flush()  # this layer runs again before the forward's last one did: evict first
         batch, _, q_len, _ = key_states.shape
@@ -628,7 +632,7 @@ class CompressedLayer(CacheLayerMixin):
         n = row.store.length
         candidates = n - min(protect_last, n)
         keep = policy.keep_count(candidates, self.layer_idx, self.cache.num_layers)
-        if keep < candidates or (policy.thresholded and candidates):
+        if keep < candidates or ((policy.thresholded or policy.reconstructs) and candidates):
             scores, state = self._scores(row, policy)
             chosen = policy.choose(scores[:, :candidates], keep, state)
             protected = torch.arange(candidates, n, device=scores.device)

@@ -224,6 +224,10 @@ class KVEvalLM(HFLM):
             raise UsageError(f"compress={compress!r}; use 'context' (query-agnostic: compress before the question) "
                              f"or 'query' (query-aware: compress with the question in view)")
         self.runspec = runspec_from_args(policy, compress, kv_dtype)
+        selection = self.runspec.policy.selection
+        if selection is not None and selection.reconstructs:
+            raise UsageError(f"{selection.spec()}: KVzip scores with reconstruction forwards after the prefill, "
+                             f"which kveval's lm-eval adapter does not run; evaluate it with kveval eval (probes)")
         if isinstance(pretrained, str):  # checked against its config.json before the weights load
             self.runspec = self.runspec.for_model(pretrained)
         self.question_marker = unescape(str(question_marker)) if question_marker not in (None, "") else None

@@ -106,6 +106,10 @@ class SelectionPolicy(Policy):
     #: :meth:`scores` reads the row's seed (``state.seed``: the ``random`` control). Rows share one compressed
     #: prefix only when their seeds agree (:func:`kveval.runner.generation.plan_prefixes`).
     reads_row_seed: ClassVar[bool] = False
+    #: Scores come from forwards run after the prefill (KVzip's reconstruction: :mod:`kveval.cache.reconstruction`):
+    #: the cache defers compression until the generation driver has run them, and :meth:`choose` runs even where
+    #: :meth:`keep_count` keeps every candidate (the budget is over all layers at once).
+    reconstructs: ClassVar[bool] = False
 
     @abstractmethod
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
@@ -429,9 +433,10 @@ class PolicyStack:
     @property
     def prefills_alone(self) -> bool:
         """Whether this stack needs a prefill of its own: its quantization codes tokens on arrival, or its selection
-        reads the prefill's queries (which a shared prefill does not keep)."""
+        reads the prefill's queries (which a shared prefill does not keep), or its selection scores with forwards
+        of its own after the prefill (KVzip's reconstruction)."""
         return ((self.quantization is not None and self.quantization.codes_on_arrival)
-                or (self.selection is not None and self.selection.attention == "queries"))
+                or (self.selection is not None and (self.selection.attention == "queries" or self.selection.reconstructs)))
 
     @property
     def reads_row_seed(self) -> bool:

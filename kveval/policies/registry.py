@@ -24,6 +24,7 @@ from kveval.policies import (
     keydiff,
     knorm,
     kvquant,
+    kvzip,
     lagkv,
     latent,
     lowrank,
@@ -98,5 +99,6 @@ for _builtin in (
     expected_attention.ExpectedAttentionPolicy,
     indexer.IndexerPolicy,
     rkv.RKVPolicy,
+    kvzip.KVzipPolicy,
 ):
     register_policy(_builtin)

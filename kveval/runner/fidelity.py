@@ -61,15 +61,26 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
     import torch
 
     from kveval.cache.compressed import CompressedCache
-    from kveval.runner.generation import check_request, eos_ids, forward_rows, prefill_prompts, row_limits
+    from kveval.runner.generation import (
+        check_mode,
+        check_request,
+        eos_ids,
+        forward_rows,
+        prefill_prompts,
+        reconstruct_and_compress,
+        row_limits,
+    )
 
     limits = row_limits(max_new_tokens, len(prompts)) if answers is None else [len(a) for a in answers]
     check_request(model, prompts, [max(1, n) for n in limits], mode, len(prompts))
+    check_mode(policy, mode)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = eos_ids(model, tokenizer)
     with torch.no_grad():
         cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype)
         last, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
+        if cache.awaiting_reconstruction:  # KVzip's reconstruction forwards, as generate runs them
+            reconstruct_and_compress(model, tokenizer, cache, [p.context for p in prompts], pad_id)
         if mode == "context" and any(p.question for p in prompts):
             logits, mask = forward_rows(model, cache, [p.question for p in prompts], seen, pad_id)
             last = torch.where(mask[:, -1:], logits[:, -1].float(), last)

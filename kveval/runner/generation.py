@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kveval.cache import reconstruction
 from kveval.cache.compressed import CacheStats, CompressedCache
 from kveval.cache.native_layers import rows_alone
 from kveval.errors import UsageError
@@ -231,6 +232,15 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
                      f"integer per prompt ({rows})")
 
 
+def check_mode(policy: "PolicyStack | None", mode: str) -> None:
+    """Refuse a query-agnostic reconstruction (KVzip) in ``query`` mode, where the question would sit between the
+    context and the tokens that repeat it (one line)."""
+    selection = getattr(policy, "selection", None)  # None: the baseline
+    if mode == "query" and selection is not None and selection.reconstructs:
+        raise UsageError(f"{policy.spec}: KVzip reconstructs the context before any question is seen; "
+                         f"run it in mode 'context' (--mode context)")
+
+
 def check_batch_size(batch_size) -> None:
     """Refuse a batch size that is not a whole number of at least 1 (one line)."""
     if not is_whole(batch_size) or batch_size < 1:
@@ -317,6 +327,7 @@ def generate(model, tokenizer, prompts: list[Prompt], policy: "PolicyStack | Non
     check_request(model, prompts, max_new_tokens, mode, batch_size)
     limits = row_limits(max_new_tokens, len(prompts))
     policy = require_stack(policy, "generate")
+    check_mode(policy, mode)
     batch_size = forward_batch_size(model, batch_size)
     results = []
     for first in range(0, len(prompts), batch_size):
@@ -490,8 +501,27 @@ def _generate_batch(model, tokenizer, prompts, policy, max_new_tokens, mode, sto
     cache = CompressedCache(model, policy, seed=plan.pick(seeds), kv_dtype=kv_dtype, quantized_decode=quantized_decode)
     started = time.perf_counter()
     last_logits, seen = prefill_prompts(model, cache, plan.pick(prompts), mode, pad_id)
+    if cache.awaiting_reconstruction:  # KVzip: the reconstruction forwards, counted in the time to first token
+        reconstruct_and_compress(model, tokenizer, cache, [p.context for p in plan.pick(prompts)], pad_id)
     cache, last_logits, seen, prefixes = serve_prefixes(model, cache, plan, last_logits, seen, mode)
     return _continue(model, tokenizer, cache, prompts, mode, last_logits, seen, max_new_tokens, stop, started, prefixes)
+
+
+def reconstruct_and_compress(model, tokenizer, cache: CompressedCache, contexts: list[list[int]], pad_id: int) -> None:
+    """KVzip's reconstruction forwards over every row's context (``contexts[b]``, what row ``b`` prefilled), then the
+    compression its prefill deferred (:mod:`kveval.cache.reconstruction`). Each row alone, each chunk on a copy of
+    the row that is then dropped: the rows never hold the reconstruction's tokens, and a batch keeps batch 1's."""
+    policy = cache.policy.selection
+    head, suffix = reconstruction.chat_split(tokenizer)
+    first, later = reconstruction.prompt_ids(tokenizer)
+    for b, context in enumerate(contexts):
+        n, scores = len(context), {}
+        for start, end, ids in reconstruction.repeat_inputs(context, head, suffix, policy.chunk, first, later):
+            fork = cache.fork_rows([b])
+            fork.observer = reconstruction.ReconstructionObserver(n, start, end, policy.sink, scores)
+            forward_rows(model, fork, [ids], [n], pad_id)
+        reconstruction.mark_kept(cache, b, n, scores)
+    reconstruction.compress_reconstructed(cache)
 
 
 def can_share_prefill(model, kv_dtype: "torch.dtype | None" = None) -> bool:
@@ -567,6 +597,8 @@ def generate_many(model, tokenizer, prompts: list[Prompt], policies: list, max_n
     limits = row_limits(max_new_tokens, len(prompts))
     batch_size = forward_batch_size(model, batch_size)
     stacks = list({s.spec: s for s in (require_stack(p, "generate_each") for p in policies)}.values())
+    for stack in stacks:
+        check_mode(stack, mode)
     out = {s.spec: [] for s in stacks}
     for first in range(0, len(prompts), batch_size):
         for stack, results in generate_each(model, tokenizer, prompts[first:first + batch_size], stacks,

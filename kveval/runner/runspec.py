@@ -61,6 +61,11 @@ class RunSpec:
     mode: str = "context"
     kv_dtype: "torch.dtype | None" = None
 
+    def __post_init__(self):
+        from kveval.runner.generation import check_mode
+
+        check_mode(self.policy, self.mode)  # KVzip reconstructs the context before any question: context mode only
+
     @classmethod
     def parse(cls, policy: "str | PolicyStack | None", mode: str | None = None, kv_dtype=None,
               default_mode: str = "context") -> "RunSpec":
@@ -145,6 +150,8 @@ class RunSpec:
         from kveval.cache.native_layers import refuse_model_indexer
 
         refuse_model_indexer(self.policy, shape.name)
+        if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
+            raise self.policy.selection.mla_refusal(shape.name)
         head_dim = shape.head_dim
         stack = _copy_stack(self.policy)
         structure = stack.structure
