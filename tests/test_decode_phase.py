@@ -80,13 +80,14 @@ def test_the_cache_grows_for_interval_steps_then_is_compressed_to_the_budget(mod
 
 @pytest.mark.parametrize("spec", ["knorm(ratio=0.5,decode_budget=20,decode_interval=8)",
                                   "h2o(ratio=0.5,decode_budget=20,decode_interval=8)",
-                                  "rkv(ratio=0.5,decode_budget=20,decode_interval=8,window=4)",
-                                  "rkv(ratio=0,decode_budget=20,decode_interval=4,window=4)"])
+                                  "rkv(ratio=0.5,decode_budget=20,decode_interval=8,window=4)"])
 @pytest.mark.parametrize("mode", ["context", "query"])
 def test_batch_of_three_equals_batch_of_one(model, spec, mode):
+    """Rows of 24, 35 and 17 tokens after the prompt (context mode) reach 27 at different steps: each is compressed
+    when it alone reaches decode_budget + decode_interval, as by itself."""
     prompts = _prompts()
-    one = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=24, mode=mode, batch_size=1)
-    three = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=24, mode=mode, batch_size=3)
+    one = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=16, mode=mode, batch_size=1)
+    three = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=16, mode=mode, batch_size=3)
     assert [r.token_ids for r in one] == [r.token_ids for r in three]
     assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
     assert [r.peak_kv_bytes for r in one] == [r.peak_kv_bytes for r in three]
