@@ -112,13 +112,13 @@ def test_bytes_that_only_grow_peak_at_the_end(model, spec):
         assert r.peak_kv_bytes == r.stats.kv_bytes > 0
 
 
-def test_a_quantized_residual_peaks_before_it_is_encoded(model):
-    """KIVI's residual tokens are held in bfloat16 until a group of them is encoded: the bytes fall then, so the
-    peak is above the final bytes where the last step encoded a group."""
-    results = generate(model, Tok(), _prompts(), parse_policy("kivi(bits=2,group=8,residual=8)"), max_new_tokens=16,
-                       batch_size=3)
-    assert all(r.peak_kv_bytes >= r.stats.kv_bytes for r in results)
-    assert any(r.peak_kv_bytes > r.stats.kv_bytes for r in results)
+def test_a_prompt_over_the_budget_peaks_before_its_first_step(model):
+    """Query-aware: the whole prompt (question included, never evicted at the prefill) is held until the first
+    decode step cuts it to the budget: the peak is the prompt's bytes (32 + 3 of its 64 + 3 tokens kept)."""
+    prompts = _prompts(shapes=((64, 3),))
+    (r,) = generate(model, Tok(), prompts, parse_policy("knorm(ratio=0.5,decode_budget=20)"), max_new_tokens=8,
+                    mode="query")
+    assert r.stats.kv_bytes == 20 * TOKEN_BYTES and r.peak_kv_bytes == 35 * TOKEN_BYTES
 
 
 def test_rkv_scores_a_hand_computed_case():

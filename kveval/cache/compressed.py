@@ -503,13 +503,15 @@ class CompressedCache(Cache):
         return total
 
     @property
-    def shrinks_while_decoding(self) -> bool:
-        """Whether a row's K/V bytes may fall while it decodes, so that their peak may come before the end: a decode
-        budget evicts, a structure or quantization may encode its full-precision residual tokens. Without them
-        (none, a selection at the prefill alone) bytes only grow, and peak where decoding ends."""
-        policy = self.policy
-        return (policy.structure is not None or policy.quantization is not None
-                or (policy.selection is not None and policy.selection.decode_budget is not None))
+    def peaks_between_steps(self) -> bool:
+        """Whether a row's K/V bytes may peak between the prompt's end and the end of decoding, and are read after
+        every step to find the peak: a decode budget compressed every ``decode_interval`` steps (above 1) grows
+        past its budget and falls back. Such rows decode one by one, so the read costs no catch-up of a batched
+        decode. Elsewhere the bytes grow, or grow to a decode budget and stay there, and peak after the prompt or
+        at the end; a residual window's full-precision tokens (KIVI) fall as each group is encoded, so there the
+        larger of those two is short of the true peak by at most one group's unencoded tokens."""
+        selection = self.policy.selection
+        return selection is not None and selection.decode_budget is not None and selection.decode_interval > 1
 
     def span_retention(self, row: int, spans: "Sequence[tuple[int, int]]") -> float | None:
         """Share of the slots of the tokens in ``spans`` that row ``row`` still holds, over every attention layer and

@@ -81,9 +81,9 @@ class GenerationResult:
         (:meth:`CompressedCache.span_retention`); ``None`` when the prompt watches nothing.
     peak_kv_bytes : int
         The most K/V bytes this row's cache held between forwards from the prompt's end (compressed) to the end
-        of decoding (:meth:`CompressedCache.kv_bytes`, in the deployment's ``kv_dtype`` as ``stats.kv_bytes``);
-        at least ``stats.kv_bytes``, above it where the cache shrank while decoding (a decode budget's
-        evictions, a residual window's tokens quantized: :attr:`CompressedCache.shrinks_while_decoding`).
+        of decoding (:meth:`CompressedCache.kv_bytes`, in the deployment's ``kv_dtype`` as ``stats.kv_bytes``):
+        at least ``stats.kv_bytes``; read after every step where the bytes may peak in between
+        (:attr:`CompressedCache.peaks_between_steps`), else after the prompt and at the end.
     """
 
     text: str
@@ -369,8 +369,9 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     logprobs = [[] for _ in range(batch)]
     done = [False] * batch
     decode_started = time.perf_counter()
-    # Bytes that never shrink peak at the end; else they are read after every forward (rows catch up to be read).
-    peaks = [cache.kv_bytes(b) for b in range(batch)] if cache.shrinks_while_decoding else None
+    # The bytes after the prompt, and after every step where they may peak in between (CompressedCache.peaks_between_steps).
+    peaks = [cache.kv_bytes(b) for b in range(batch)]
+    stepwise = cache.peaks_between_steps
     for _ in range(max(limits)):
         log_probs = torch.log_softmax(last_logits, dim=-1)
         next_ids = log_probs.argmax(dim=-1, keepdim=True)
@@ -394,7 +395,7 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         # Finished rows get nothing (an all-padding row, never stored): their cache stays as at batch size 1.
         logits, _ = forward_rows(model, cache, [[] if done[b] else [chosen[b]] for b in range(batch)], seen, pad_id)
         last_logits = logits[:, -1].float()
-        if peaks is not None:
+        if stepwise:
             peaks = [max(peak, cache.kv_bytes(b)) for b, peak in enumerate(peaks)]
     decode_seconds = max(time.perf_counter() - decode_started, 1e-9)
     results = []
@@ -405,7 +406,7 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
         stats = cache.stats(row=b)
         results.append(GenerationResult(text, tokens[b], logprobs[b], stats, prefill_seconds,
                                         len(tokens[b]) / decode_seconds, decode_seconds, watched_kept[b],
-                                        max(stats.kv_bytes, peaks[b] if peaks is not None else 0)))
+                                        max(stats.kv_bytes, peaks[b])))
     return results
 
 
