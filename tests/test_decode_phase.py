@@ -39,6 +39,7 @@ def test_decode_interval_parses_and_refuses_what_means_nothing():
     assert parse_policy("knorm(ratio=0.5)").selection.decode_limit is None
     for bad in ("knorm(ratio=0.5,decode_interval=4)", "knorm(ratio=0.5,decode_budget=20,decode_interval=0)",
                 "snapkv(ratio=0.5,decode_budget=20,decode_interval=4)", "rkv(ratio=0,decode_budget=8,window=8)",
+                "knorm(ratio=0.5,adaptive=true,decode_budget=20,decode_interval=4)",
                 "rkv(ratio=0,decode_budget=20,adaptive=true)", "rkv(ratio=0,decode_budget=20,kernel=2)"):
         with pytest.raises(PolicySpecError):
             parse_policy(bad)
