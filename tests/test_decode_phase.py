@@ -10,7 +10,7 @@ from kveval.cache.compressed import CompressedCache
 from kveval.errors import PolicySpecError
 from kveval.policies.rkv import RKVPolicy, key_redundancy
 from kveval.policies.spec import parse_policy
-from kveval.runner.generation import Prompt, generate
+from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.tensors.scoring_state import ScoringState
 
 from tiny_models import Tok, tiny_llama
@@ -39,6 +39,7 @@ def test_decode_interval_parses_and_refuses_what_means_nothing():
     assert parse_policy("knorm(ratio=0.5)").selection.decode_limit is None
     for bad in ("knorm(ratio=0.5,decode_interval=4)", "knorm(ratio=0.5,decode_budget=20,decode_interval=0)",
                 "snapkv(ratio=0.5,decode_budget=20,decode_interval=4)", "rkv(ratio=0,decode_budget=8,window=8)",
+                "knorm(ratio=0.5,adaptive=true,decode_budget=20,decode_interval=4)",
                 "rkv(ratio=0,decode_budget=20,adaptive=true)", "rkv(ratio=0,decode_budget=20,kernel=2)"):
         with pytest.raises(PolicySpecError):
             parse_policy(bad)
@@ -91,6 +92,22 @@ def test_batch_of_three_equals_batch_of_one(model, spec, mode):
     assert [r.token_ids for r in one] == [r.token_ids for r in three]
     assert [r.stats.kv_bytes for r in one] == [r.stats.kv_bytes for r in three]
     assert [r.peak_kv_bytes for r in one] == [r.peak_kv_bytes for r in three]
+
+
+def test_a_shared_prefill_gives_each_decode_phase_policy_its_own_answers(model):
+    """What a sweep runs (one prefill for every policy of a batch, each derived from it): the same tokens and peak
+    bytes as each policy alone."""
+    specs = ["none", "knorm(ratio=0,decode_budget=20,decode_interval=4)",
+             "rkv(ratio=0,decode_budget=20,decode_interval=4,window=4)"]
+    prompts = _prompts()
+    many = generate_many(model, Tok(), prompts, [parse_policy(s) for s in specs], max_new_tokens=16, batch_size=3)
+    for spec in specs:
+        alone = generate(model, Tok(), prompts, parse_policy(spec), max_new_tokens=16, batch_size=1)
+        together = many[parse_policy(spec).spec]
+        assert [r.token_ids for r in together] == [r.token_ids for r in alone], spec
+        assert [r.peak_kv_bytes for r in together] == [r.peak_kv_bytes for r in alone], spec
+    assert [r.peak_kv_bytes for r in many["rkv(ratio=0,decode_budget=20,decode_interval=4,window=4)"]] == \
+        [23 * TOKEN_BYTES] * 3
 
 
 @pytest.mark.parametrize("spec, limit", [("knorm(ratio=0.5,decode_budget=20)", 20),

@@ -206,8 +206,9 @@ class RatioSelectionPolicy(SelectionPolicy):
         row whose prefill left fewer tokens than the budget is first compressed
         when it reaches ``decode_budget + decode_interval`` (kvpress compresses
         after ``compression_interval`` steps whatever the length). 1 (the
-        default) evicts at every step over the budget. Needs ``decode_budget``.
-        Above 1, rows decode one by one (no batched decode eviction).
+        default) evicts at every step over the budget. Needs ``decode_budget``;
+        not with ``adaptive``. Above 1, rows decode one by one (no batched
+        decode eviction).
     adaptive : bool
         AdaKV (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by
         Adaptive Budget Allocation for Efficient LLM Inference"): the layer's
@@ -250,6 +251,9 @@ class RatioSelectionPolicy(SelectionPolicy):
         if self.decode_interval > 1 and self.decode_budget is None:
             raise PolicySpecError(f"{self.name}: decode_interval={self.decode_interval} needs decode_budget= (the tokens "
                                   f"the cache is compressed back to every decode_interval steps)")
+        if self.decode_interval > 1 and self.adaptive:
+            raise PolicySpecError(f"{self.name}: decode_interval with adaptive=true is not supported (heads holding "
+                                  f"different counts would reach the limit at different steps); drop one of them")
 
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.budget is not None:

@@ -179,7 +179,10 @@ class Comparison:
     candidate_scores: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("baseline_scores", "candidate_scores")}
+        """The comparison as JSON (``compare.json``, ``gate.json``); the output lengths only where the runs recorded
+        them, so that a gate rebuilt on runs made before lengths were recorded reads as it was written."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("baseline_scores", "candidate_scores")
+               and not (k in _LENGTH_FIELDS and v is None)}
         return _clean(out)
 
     def regressed_categories(self) -> Counter:
@@ -357,6 +360,10 @@ def depth_bucket(depth: float | None) -> float | None:
 
 def _grid_key(b: ItemRecord, buckets: dict[int, int]) -> tuple[int | None, float | None]:
     return (buckets.get(int(b.length)) if b.length is not None else None, depth_bucket(b.depth))
+
+
+#: :class:`Comparison`'s fields that runs made before output lengths were recorded leave ``None``.
+_LENGTH_FIELDS = ("output_length_ratio", "output_length_delta")
 
 
 def output_length_change(pairs: Sequence[tuple[ItemRecord, ItemRecord]]) -> dict[str, float | None]:
