@@ -53,8 +53,8 @@ from kveval.report.rows import (
     part_bytes,
     part_bytes_text,
     peak_decode_bytes,
-    shows_decode,
     shared_prefix_table,
+    shows_decode,
 )
 from kveval.runs.records import atomic_write_text
 from kveval.runs.results import sample_documents
