@@ -90,17 +90,23 @@ def test_decode_phase_policies_keep_their_budget_while_decoding(name):
         assert max(max(layer) for layer in stats.kept_tokens) <= 27, spec
 
 
+def _runs_below_nominal_bytes(model, spec: str):
+    """64 tokens and 2 decode steps under ``spec``: finite logits, fewer bytes than the uncompressed cache; the
+    cache's stats."""
+    cache = CompressedCache(model, parse_policy(spec))
+    with torch.no_grad():
+        logits = prefill_and_decode(model, cache, _ids(64, 1), 2)
+    stats = cache.stats()
+    assert all(bool(torch.isfinite(x).all()) for x in logits), spec
+    assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
+    return stats
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_policy_family_runs_below_nominal_bytes(name):
     model = tiny_model(name)
-    ids = _ids(64, 1)
     for spec in POLICIES:
-        cache = CompressedCache(model, parse_policy(spec))
-        with torch.no_grad():
-            logits = prefill_and_decode(model, cache, ids, 2)
-        stats = cache.stats()
-        assert all(bool(torch.isfinite(x).all()) for x in logits), spec
-        assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
+        _runs_below_nominal_bytes(model, spec)
 
 
 # The models whose own cache layers kveval mirrors part by part (kveval.cache.native_layers) take a selection that
@@ -119,14 +125,8 @@ NATIVE_POLICIES["glm_moe_dsa"] = ["window(size=20)", *NATIVE_POLICIES["deepseek_
 @pytest.mark.parametrize("name", sorted(NATIVE_ARCHITECTURES))
 def test_every_policy_family_a_native_cache_takes_runs_below_its_bytes(name):
     model = tiny_model(name)
-    ids = _ids(64, 1)
     for spec in NATIVE_POLICIES[name]:
-        cache = CompressedCache(model, parse_policy(spec))
-        with torch.no_grad():
-            logits = prefill_and_decode(model, cache, ids, 2)
-        stats = cache.stats()
-        assert all(bool(torch.isfinite(x).all()) for x in logits), spec
-        assert 0 < stats.kv_bytes < stats.nominal_bytes, spec
+        stats = _runs_below_nominal_bytes(model, spec)
         # A selection on V4's entries leaves its sliding window as the model holds it; KIVI codes K by channel in
         # whole groups of tokens, which a window of 7 sliding entries never seals.
         whole = ({"window"} if name == "deepseek_v4" and "+" not in spec
