@@ -28,3 +28,13 @@ def calibration_cache(tmp_path, monkeypatch):
     yield tmp_path / "cache"
     calibration.clear_memory_cache()
     retrieval_heads.clear_memory_cache()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """SmolLM2-135M's shipped tokenizer (chat template included), named as kveval names the model."""
+    from kveval.modeling.sources import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    tokenizer.kveval_name = "smollm2-135m"
+    return tokenizer

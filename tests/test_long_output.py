@@ -66,15 +66,6 @@ def test_another_counters_value_is_a_distractor():
     assert score_sequence(item, " 1234, 5678, 5678, 9012").score == pytest.approx(0.75)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from kveval.modeling.sources import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    tokenizer.kveval_name = "smollm2-135m"
-    return tokenizer
-
-
 def test_long_output_items_ask_for_long_ordered_answers(tok):
     assert {"recite_list", "state_trace"} <= set(FAMILIES)
     (recite,) = generate_items("recite_list", tok, 400, 1, depths=[0.5], num_items=10)

@@ -15,15 +15,6 @@ TASKS = REPO / "tasks"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from kveval.modeling.sources import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    tokenizer.kveval_name = "smollm2-135m"
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
 def plain_tok():
     """The same tokenizer without a chat template (a base model's)."""
     from kveval.modeling.sources import load_tokenizer

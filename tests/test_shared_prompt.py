@@ -227,33 +227,24 @@ def test_the_leaderboard_shows_each_prompt_counted_once(tmp_path):
 
 # --- the prompt frame ----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smol_tok():
-    from kveval.modeling.sources import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    tokenizer.kveval_name = "smollm2-135m"
-    return tokenizer
-
-
-def test_the_prompt_is_the_system_message_where_the_template_has_one(smol_tok):
-    item = generate_items("system_rules", smol_tok, 512, 1)[0]
+def test_the_prompt_is_the_system_message_where_the_template_has_one(tok):
+    item = generate_items("system_rules", tok, 512, 1)[0]
     assert item.prompt_context == "<|im_start|>system\n" + item.context
     assert item.prompt_question == ("<|im_end|>\n<|im_start|>user\n" + item.question
                                     + "<|im_end|>\n<|im_start|>assistant\n" + item.answer_prefix)
     assert item.context.startswith(INTRO)
-    context_ids, question_ids = encode_item(smol_tok, item)
+    context_ids, question_ids = encode_item(tok, item)
     assert len(context_ids) + len(question_ids) == item.length <= 512
 
 
-def test_without_a_system_role_the_prompt_opens_the_user_message(smol_tok):
-    template = smol_tok.chat_template
+def test_without_a_system_role_the_prompt_opens_the_user_message(tok):
+    template = tok.chat_template
     try:
-        smol_tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+        tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                                   "{{ raise_exception('System role not supported') }}{% endif %}"
                                   "<u>{{ m['content'] }}</u>{% endfor %}<a>")
-        assert PromptFrame.for_system(smol_tok) == PromptFrame.for_tokenizer(smol_tok)
-        smol_tok.chat_template = None
-        assert PromptFrame.for_system(smol_tok) == PromptFrame("", "\n\n", " ", False)
+        assert PromptFrame.for_system(tok) == PromptFrame.for_tokenizer(tok)
+        tok.chat_template = None
+        assert PromptFrame.for_system(tok) == PromptFrame("", "\n\n", " ", False)
     finally:
-        smol_tok.chat_template = template
+        tok.chat_template = template
