@@ -511,6 +511,16 @@ class CompressedCache(Cache):
         return total
 
     @property
+    def shrinks_while_decoding(self) -> bool:
+        """Whether a row's K/V bytes may fall while it decodes, so that they may peak when the prompt is in rather
+        than at the end: a decode budget evicts, a structure or quantization encodes its full-precision residual
+        tokens. Without them (none, a selection at the prefill alone) bytes only grow and peak at the end, and are
+        not read before it (reading makes a batched decode's rows catch up, kernels per row)."""
+        policy = self.policy
+        return (policy.structure is not None or policy.quantization is not None
+                or (policy.selection is not None and policy.selection.decode_budget is not None))
+
+    @property
     def peaks_between_steps(self) -> bool:
         """Whether a row's K/V bytes may peak between the prompt's end and the end of decoding, and are read after
         every step to find the peak: a decode budget compressed every ``decode_interval`` steps (above 1) grows

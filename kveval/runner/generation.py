@@ -453,8 +453,9 @@ def _continue(model, tokenizer, cache: CompressedCache, prompts: list[Prompt], m
     logprobs = [[] for _ in range(batch)]
     done = [False] * batch
     decode_started = time.perf_counter()
-    # The bytes after the prompt, and after every step where they may peak in between (CompressedCache.peaks_between_steps).
-    peaks = [cache.kv_bytes(b) for b in range(batch)]
+    # The bytes after the prompt where they may fall later (shrinks_while_decoding), and after every step where they
+    # may peak in between (peaks_between_steps); else the end is the peak.
+    peaks = [cache.kv_bytes(b) if cache.shrinks_while_decoding else 0 for b in range(batch)]
     stepwise = cache.peaks_between_steps
     for _ in range(max(limits)):
         log_probs = torch.log_softmax(last_logits, dim=-1)
