@@ -99,13 +99,16 @@ def _worker(job_path: str, out_path: str) -> None:
             if i == 0 or isinstance(expressions, list):
                 press = eval(expressions[i] if isinstance(expressions, list) else expressions, vars(kvpress))
                 kept: dict[int, list] = {}
-                fed = [0]  # tokens fed so far, the last forward's included (a decoding press's positions)
+                # Tokens fed so far, the last forward's included (a decoding press's positions); its compressions of a
+                # layer's head, and how many of them dropped the newest token.
+                fed = [0, 0, 0]
                 decoding = isinstance(press, kvpress.DecodingPress)
                 (_track_decoding if decoding else _record_kept)(press, kept, fed)
                 observed = isinstance(press, kvpress.ObservedAttentionPress)
                 model = load("eager" if observed else "sdpa")
             torch.manual_seed(0)
             kept.clear()
+            fed[1:] = [0, 0]
             context = torch.tensor([item["context"]])
             question = torch.tensor([item["question"]])
             cache = DynamicCache()
@@ -119,8 +122,10 @@ def _worker(job_path: str, out_path: str) -> None:
             held = kept
             if decoding:  # every layer's positions after the last step
                 shapes = [layer.keys.shape for layer in cache.layers]
-                held = {i: _held(kept, i, shape[2], fed[0], shape[1]) for i, shape in enumerate(shapes)}
-            rows.append({"id": item["id"], "answer": answer, "kept": [held[i] for i in sorted(held)]})
+                held = {i: [sorted(head) for head in _held(kept, i, shape[2], fed[0], shape[1])]
+                        for i, shape in enumerate(shapes)}
+            rows.append({"id": item["id"], "answer": answer, "kept": [held[i] for i in sorted(held)],
+                         "compressions": fed[1], "newest_dropped": fed[2]})
         out[method] = rows
         print(f"kvpress {method}: {len(rows)} items", file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps(out))
@@ -155,7 +160,8 @@ def _held(kept: dict, layer: int, n: int, end: int, heads: int) -> list[list[int
 
 def _track_decoding(press, kept: dict, fed: list) -> None:
     """Wrap a ``DecodingPress``'s ``compress`` so that ``kept[layer]`` is, per head, the positions its layer holds
-    after each compression: the returned keys matched to the layer's keys, whose positions are :func:`_held`'s."""
+    after each compression, in the order it holds them (kvpress's top-k order, not the positions'): the returned
+    keys matched to the layer's keys, whose positions are :func:`_held`'s."""
     import torch
 
     inner = press.compress
@@ -166,7 +172,10 @@ def _track_decoding(press, kept: dict, fed: list) -> None:
         heads = []
         for h in range(keys.shape[1]):
             match = (new_keys[0, h, :, None, :] == keys[0, h, None, :, :]).all(dim=-1)  # [kept, n]
-            heads.append(sorted(held[h][int(i)] for i in match.float().argmax(dim=1)))
+            heads.append([held[h][int(i)] for i in match.float().argmax(dim=1)])  # in the cache's order (top-k's)
+            if new_keys.shape[2] < keys.shape[2]:  # kveval always keeps the newest token: count where kvpress does not
+                fed[1] += 1
+                fed[2] += fed[0] - 1 not in heads[-1]
         kept[module.layer_idx] = heads
         return new_keys, new_values
 
@@ -412,7 +421,10 @@ def main(argv=None) -> None:
             results[m].update(decode_budgets=budgets, decode_interval=args.decode_interval,
                               prompt_lengths=[len(c) + len(q) for c, q in encoded],
                               answer_tokens_kveval=[len(a["ids"]) for a in ours],
-                              answer_tokens_kvpress=[len(b["answer"]) for b in other])
+                              answer_tokens_kvpress=[len(b["answer"]) for b in other],
+                              # kvpress's compressions (per layer and KV head) and those that dropped the newest token
+                              compressions_kvpress=[b["compressions"] for b in other],
+                              newest_dropped_kvpress=[b["newest_dropped"] for b in other])
         r = results[m]
         print(f"{m:<12} {r['spec']:<52} {r['accuracy_kveval']:>10.2f} {r['accuracy_kvpress']:>11.2f} "
               f"{same:>9.0%} {same_text:>9.0%} {overlap:>12.3f} {share_ours:>7.3f} / {share_theirs:.3f}", flush=True)
