@@ -17,6 +17,15 @@ fed at the positions of the uncompressed sequence and the answer decoded greedil
 items both score the same (right/right or wrong/wrong), how many answers are identical, and the mean Jaccard
 overlap of the kept token positions, over layers and KV heads. Differences and their reasons:
 docs/kvpress-agreement.md.
+
+Decode-phase compression (``DECODING``, named with ``--method``) needs answers long enough to compress during
+decoding, a long-output family:
+
+    python3 benchmarks/kvpress_agreement.py --family recite_list --length 384 --n 8 --method decoding_knorm
+
+There kvpress's ``DecodingPress`` is active over the question and the answer, not the prefill (its pipeline's
+protocol); the question's forward is its first decode step, and kveval's too (a decode budget applies to it). The
+kept positions are the whole row's (context, question and answer) after the last step.
 """
 
 from __future__ import annotations
@@ -387,7 +396,9 @@ def main(argv=None) -> None:
     baseline = _kveval_side(model, tokenizer, items, encoded, "none")
     results = {}
     print(f"{args.model}, {len(items)} items ({', '.join(sorted({it.family for it in items}))}, {args.length} tokens), "
-          f"ratio {args.ratio}; baseline accuracy {statistics.fmean(r['correct'] for r in baseline):.2f}")
+          f"ratio {args.ratio}" + (f", decode budget {args.decode_budget}, interval {args.decode_interval}"
+                                   if any(m in DECODING for m in methods) else "")
+          + f"; baseline accuracy {statistics.fmean(r['correct'] for r in baseline):.2f}")
     print(f"{'method':<12} {'kveval spec':<52} {'acc kveval':>10} {'acc kvpress':>11} {'same R/W':>9} {'same text':>9} {'kept Jaccard':>12} {'kept share kveval / kvpress':>27}")
     for m in methods:
         decoding = m in DECODING
