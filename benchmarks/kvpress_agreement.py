@@ -84,6 +84,8 @@ def _worker(job_path: str, out_path: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+    # The threads of kveval's side (main): on a shared CPU, more threads than cores spin and run an order slower.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     job = json.loads(Path(job_path).read_text())
     config = AutoConfig.from_pretrained(job["model"])
     rope = getattr(config, "rope_parameters", None)  # transformers 5's key; 4.x reads rope_theta (else 10,000)
