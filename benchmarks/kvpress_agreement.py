@@ -73,6 +73,9 @@ METHODS = {
 DECODING = {
     "decoding_knorm": ("knorm(ratio=0,decode_budget={t},decode_interval={n})",
                        "DecodingPress(KnormPress(), compression_interval={n}, target_size={t})"),
+    # A diagnostic, not kvpress's rule: its KnormPress made to keep the newest token, as kveval's decode budget does.
+    "decoding_knorm_newest": ("knorm(ratio=0,decode_budget={t},decode_interval={n})",
+                              "DecodingPress(newest_kept(KnormPress()), compression_interval={n}, target_size={t})"),
 }
 
 
@@ -108,7 +111,8 @@ def _worker(job_path: str, out_path: str) -> None:
         rows = []
         for i, item in enumerate(job["items"]):  # one press per method, or one per item (a decode budget per item)
             if i == 0 or isinstance(expressions, list):
-                press = eval(expressions[i] if isinstance(expressions, list) else expressions, vars(kvpress))
+                press = eval(expressions[i] if isinstance(expressions, list) else expressions,
+                             {**vars(kvpress), "newest_kept": _newest_kept})
                 kept: dict[int, list] = {}
                 # Tokens fed so far, the last forward's included (a decoding press's positions); its compressions of a
                 # layer's head, and how many of them dropped the newest token.
@@ -160,6 +164,19 @@ def _record_kept(press, kept: dict, fed: list) -> None:
 
     press.compress = compress
     del torch
+
+
+def _newest_kept(press):
+    """``press`` (a kvpress ScorerPress) ranking the newest token of the cache, its last, above every other."""
+    inner = press.score
+
+    def score(module, hidden_states, keys, values, attentions, kwargs):
+        scores = inner(module, hidden_states, keys, values, attentions, kwargs)
+        scores[..., -1] = float("inf")
+        return scores
+
+    press.score = score
+    return press
 
 
 def _held(kept: dict, layer: int, n: int, end: int, heads: int) -> list[list[int]]:
