@@ -189,6 +189,29 @@ def test_run_counts_each_prompt_once_and_batches_agree(tmp_path):
         assert info["kv_bytes_per_request"] < info["unshared_kv_bytes_per_request"]
 
 
+def test_a_prefix_each_request_changes_is_not_held_once(tmp_path):
+    """A decode budget evicts prefix tokens in each request's copy, and a residual window codes the prefix's newest
+    tokens there: no server holds such a prefix once. Their runs say why, count each request's own cache for the
+    prompt, and the shared figure equals the unshared one; a plain quantizer's prefix is held once."""
+    items = _family_items()
+    specs = ("h2o(ratio=0.5,decode_budget=40)", "kivi(bits=4,group=4,residual=8)", "quant(bits=8,group=8)")
+    for run_dir, spec in zip(_evaluate(tmp_path, items, batch_size=6, specs=specs), specs):
+        records = list(iter_items(run_dir))
+        info = read_run_info(run_dir).extra["shared_prefix"]
+        if spec.startswith("quant"):
+            assert info["held_once"] and "not_held_once" not in info
+            assert info["kv_bytes_per_request"] < info["unshared_kv_bytes_per_request"]
+            continue
+        assert not info["held_once"]
+        assert ("decode budget" if spec.startswith("h2o") else "residual") in info["not_held_once"]
+        groups = {}
+        for r in records:
+            groups.setdefault(r.metrics["group"], []).append(r.metrics["kv_bytes"])
+        assert info["group_kv_bytes_mean"] == np.mean([sum(g) for g in groups.values()])
+        assert info["kv_bytes_per_request"] == info["unshared_kv_bytes_per_request"] == np.mean(
+            [r.metrics["kv_bytes"] for r in records])
+
+
 def test_the_gate_takes_a_prompts_requests_for_one_cluster(tmp_path):
     items = _family_items(n=4, requests=3)
     base_dir, cand_dir = _evaluate(tmp_path, items, batch_size=8, specs=("none", "snapkv(ratio=0.5,window=4)"))
@@ -220,7 +243,7 @@ def test_the_leaderboard_shows_each_prompt_counted_once(tmp_path):
         info = read_run_info(run_dir)
         shared = info.extra["shared_prefix"]
         assert float(rows[info.policy]["shared_prefix_kv_bytes_per_request"]) == shared["kv_bytes_per_request"]
-        assert (f"| tiny | {info.policy} | 2 | 4 | {shared['prefix_kv_bytes_mean']:,.0f} | "
+        assert (f"| tiny | {info.policy} | 2 | 4 | yes | {shared['prefix_kv_bytes_mean']:,.0f} | "
                 f"{shared['group_kv_bytes_mean']:,.0f} | {shared['kv_bytes_per_request']:,.0f} | "
                 f"{shared['unshared_kv_bytes_per_request']:,.0f} |") in markdown
 

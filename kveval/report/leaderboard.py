@@ -153,7 +153,10 @@ def to_markdown(rows: list[Row], tasks: list[str], gate_lines: Sequence[str] = (
                   "Requests that share one compressed prompt (`system_rules`: a system prompt; `multi_turn`: a "
                   "context), its bytes counted once: *bytes per prompt* is the prefix plus every request's own "
                   "bytes, *bytes/request shared* the prompts' bytes over their requests, *unshared* each request "
-                  "holding a copy of the prefix (the per-item figure of the table above).", "",
+                  "holding a copy of the prefix (the per-item figure of the table above). Where each request "
+                  "changes its copy of the prefix (a decode budget evicts from it, a residual window codes its "
+                  "newest tokens), the prefix cannot be held once: *prefix held once* says why, and the bytes per "
+                  "prompt are its requests' own caches.", "",
                   "| " + " | ".join(SHARED_PREFIX_HEADER) + " |", "|---|---|" + "---:|" * (len(SHARED_PREFIX_HEADER) - 2)]
         lines += ["| " + " | ".join(esc(c) for c in line) + " |" for line in shared]
     if gate_lines:

@@ -77,20 +77,23 @@ def modes_table(rows: Sequence[Row]) -> list[list[str]]:
 
 
 #: Columns of :func:`shared_prefix_table`.
-SHARED_PREFIX_HEADER = ["model", "policy", "prompts", "requests", "prefix bytes", "bytes per prompt",
-                        "bytes/request shared", "bytes/request unshared"]
+SHARED_PREFIX_HEADER = ["model", "policy", "prompts", "requests", "prefix held once", "prefix bytes",
+                        "bytes per prompt", "bytes/request shared", "bytes/request unshared"]
 
 
 def shared_prefix_table(rows: Sequence[Row]) -> list[list[str]]:
     """One line per run whose items share prefixes (``run.json``'s ``shared_prefix``, from
     :func:`kveval.runner.evaluate.shared_prefix_bytes`), under :data:`SHARED_PREFIX_HEADER`: prompts (groups) and
-    their requests, mean compressed prefix bytes, mean bytes per prompt (the prefix once plus every request), and
-    bytes per request with the prefix shared (amortized) and with a copy per request."""
+    their requests, whether the prefix can be held once (not where each request changes its copy: a decode budget, a
+    residual window), mean compressed prefix bytes, mean bytes per prompt (the prefix once plus every request, or
+    every request's own cache where it cannot be held once), and bytes per request with the prefix shared
+    (amortized) and with a copy per request."""
     lines = []
     for r in rows:
         shared = r.info.extra.get("shared_prefix")
         if shared:
-            lines.append([r.info.model, r.info.policy, str(shared["groups"]), str(shared["requests"]),
+            held = "yes" if shared.get("held_once", True) else f"no: {shared['not_held_once']}"
+            lines.append([r.info.model, r.info.policy, str(shared["groups"]), str(shared["requests"]), held,
                           *(fmt(shared[k], "{:,.0f}") for k in ("prefix_kv_bytes_mean", "group_kv_bytes_mean",
                                                                  "kv_bytes_per_request",
                                                                  "unshared_kv_bytes_per_request"))])

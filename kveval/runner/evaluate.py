@@ -102,7 +102,26 @@ def prefix_metrics(result) -> dict:
     return {"prefix_kv_bytes": prefix, "request_kv_bytes": result.stats.kv_bytes - prefix}
 
 
-def shared_prefix_bytes(records: list) -> dict | None:
+def prefix_changed_per_request(policy: str) -> str | None:
+    """Why a run's requests cannot hold their prompt's compressed prefix once (each changes its own copy of it), or
+    ``None`` when they can: a decode budget evicts prefix tokens in each request's copy; a full-precision residual
+    window (KIVI's) has each request's tokens push the prefix's newest tokens into codes. ``policy``: the run's spec
+    as ``run.json`` records it (one registered in another process: ``None``, counted as shareable)."""
+    from kveval.policies.spec import parse_policy
+
+    try:
+        stack = parse_policy(policy)
+    except PolicySpecError:
+        return None
+    if stack.selection is not None and stack.selection.decode_budget is not None:
+        return "a decode budget evicts prefix tokens in each request's copy"
+    representation = stack.quantization
+    if representation is not None and representation.residual_tokens:
+        return "each request's tokens push the prefix's full-precision residual tokens into codes in its own copy"
+    return None
+
+
+def shared_prefix_bytes(records: list, policy: str = "none") -> dict | None:
     """Cache bytes of the run's shared prefixes, each counted once (``run.json``'s ``extra["shared_prefix"]``).
 
     A shared prefix is a context that several items' requests continue from: a ``group`` of more than one
@@ -114,6 +133,10 @@ def shared_prefix_bytes(records: list) -> dict | None:
     groups of ``prefix_kv_bytes`` and ``group_kv_bytes``, ``kv_bytes_per_request`` (all groups' bytes over their
     requests: the prefix amortized) and ``unshared_kv_bytes_per_request`` (the mean ``kv_bytes`` of those items:
     each request holding a copy of the prefix, the per-row figure every other byte count in a run uses).
+
+    Where each request changes its copy of the prefix under ``policy`` (:func:`prefix_changed_per_request`), no
+    server can hold it once: ``held_once`` is false, ``not_held_once`` says why, and a group's bytes are its
+    requests' own caches, ``sum(kv_bytes)`` (the shared figures equal the unshared ones).
     """
     groups: dict[str, list] = {}
     for r in records:
@@ -123,11 +146,19 @@ def shared_prefix_bytes(records: list) -> dict | None:
     if not shared:
         return None
     prefixes = [g[0].metrics["prefix_kv_bytes"] for g in shared]  # the same for every item of a group
-    totals = [p + sum(r.metrics["request_kv_bytes"] for r in g) for p, g in zip(prefixes, shared)]
+    why = prefix_changed_per_request(policy)
+    if why is None:
+        totals = [p + sum(r.metrics["request_kv_bytes"] for r in g) for p, g in zip(prefixes, shared)]
+    else:
+        totals = [sum(r.metrics["kv_bytes"] for r in g) for g in shared]
     requests = sum(len(g) for g in shared)
-    return {"groups": len(shared), "requests": requests, "prefix_kv_bytes_mean": statistics.fmean(prefixes),
-            "group_kv_bytes_mean": statistics.fmean(totals), "kv_bytes_per_request": sum(totals) / requests,
-            "unshared_kv_bytes_per_request": statistics.fmean(r.metrics["kv_bytes"] for g in shared for r in g)}
+    out = {"groups": len(shared), "requests": requests, "prefix_kv_bytes_mean": statistics.fmean(prefixes),
+           "group_kv_bytes_mean": statistics.fmean(totals), "kv_bytes_per_request": sum(totals) / requests,
+           "unshared_kv_bytes_per_request": statistics.fmean(r.metrics["kv_bytes"] for g in shared for r in g),
+           "held_once": why is None}
+    if why is not None:
+        out["not_held_once"] = why
+    return out
 
 
 def target_spans(item) -> tuple[tuple[int, int], ...]:
@@ -163,7 +194,7 @@ def finalize_run(run_dir: Path) -> RunInfo:
         ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
         if ratios and _reaches_ratio_per_item(info.policy):
             info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
-        shared = shared_prefix_bytes(records)
+        shared = shared_prefix_bytes(records, info.policy)
         if shared:
             info.extra["shared_prefix"] = shared
         parted = [r for r in records if r.metrics.get("parts")]
