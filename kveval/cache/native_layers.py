@@ -92,9 +92,10 @@ def _shares_indexer(config: dict) -> bool:
 
 
 def check_policy(config, stack) -> None:
-    """Refuse, in one line, a policy these layers cannot apply exactly: on V4 anything but quantization by
-    :data:`PART_QUANTIZERS`; on V3.2 and GLM MoE-DSA those and :data:`LATENT_SELECTIONS` (only those that keep the
-    same tokens in every layer where a layer reuses another's top-k). ``config``: a transformers config or a dict."""
+    """Refuse, in one line, a policy these layers cannot apply exactly: anything but quantization by
+    :data:`PART_QUANTIZERS` and, on V4, :data:`ENTRY_SELECTIONS` by ``ratio``; on V3.2 and GLM MoE-DSA
+    :data:`LATENT_SELECTIONS` (only those that keep the same tokens in every layer where a layer reuses another's
+    top-k); on every model but V4, the ``indexer`` selection. ``config``: a transformers config or a dict."""
     if not isinstance(config, dict):
         config = config.get_text_config(decoder=True).to_dict()
     model_type = config.get("model_type", "")
@@ -520,12 +521,12 @@ class HcaLayer(WindowLayer):
         self.entry_count[name] += compressed.shape[1]
         emitted = self.entry_count[name]
         rows = self.append_part_rows(self.entry_parts[name], compressed)
-        if all(self._held_numbers(b, emitted) is None for b in range(len(rows))):
+        numbers = [self._held_numbers(b, emitted) for b in range(len(rows))]
+        if all(n is None for n in numbers):
             return torch.cat(rows, dim=0)
         numbered = rows[0].new_zeros(len(rows), emitted, compressed.shape[-1])
-        for b, held in enumerate(rows):
-            numbers = self._held_numbers(b, emitted)
-            numbered[b, slice(None) if numbers is None else numbers] = held[0]
+        for b, (held, n) in enumerate(zip(rows, numbers)):
+            numbered[b, slice(None) if n is None else n] = held[0]
         return numbered
 
     def take_rows(self, index: list[int]) -> None:

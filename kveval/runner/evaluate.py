@@ -102,16 +102,24 @@ def prefix_metrics(result) -> dict:
     return {"prefix_kv_bytes": prefix, "request_kv_bytes": result.stats.kv_bytes - prefix}
 
 
-def prefix_changed_per_request(policy: str) -> str | None:
-    """Why a run's requests cannot hold their prompt's compressed prefix once (each changes its own copy of it), or
-    ``None`` when they can: a decode budget evicts prefix tokens in each request's copy; a full-precision residual
-    window (KIVI's) has each request's tokens push the prefix's newest tokens into codes. ``policy``: the run's spec
-    as ``run.json`` records it (one registered in another process: ``None``, counted as shareable)."""
+def _run_stack(policy: str):
+    """The run's policy (its spec, as ``run.json`` records it) as a stack, parsed once for what finalizing asks of
+    it; ``None`` for a policy registered in the process that ran it, not in this one (then none of kveval's rules
+    below apply to it)."""
     from kveval.policies.spec import parse_policy
 
     try:
-        stack = parse_policy(policy)
+        return parse_policy(policy)
     except PolicySpecError:
+        return None
+
+
+def prefix_changed_per_request(stack) -> str | None:
+    """Why a run's requests cannot hold their prompt's compressed prefix once (each changes its own copy of it), or
+    ``None`` when they can: a decode budget evicts prefix tokens in each request's copy; a full-precision residual
+    window (KIVI's) has each request's tokens push the prefix's newest tokens into codes. ``stack``: the run's
+    policy (:func:`_run_stack`; ``None``: counted as shareable)."""
+    if stack is None:
         return None
     if stack.selection is not None and stack.selection.decode_budget is not None:
         return "a decode budget evicts prefix tokens in each request's copy"
@@ -121,7 +129,7 @@ def prefix_changed_per_request(policy: str) -> str | None:
     return None
 
 
-def shared_prefix_bytes(records: list, policy: str = "none") -> dict | None:
+def shared_prefix_bytes(records: list, stack=None) -> dict | None:
     """Cache bytes of the run's shared prefixes, each counted once (``run.json``'s ``extra["shared_prefix"]``).
 
     A shared prefix is a context that several items' requests continue from: a ``group`` of more than one
@@ -134,7 +142,7 @@ def shared_prefix_bytes(records: list, policy: str = "none") -> dict | None:
     requests: the prefix amortized) and ``unshared_kv_bytes_per_request`` (the mean ``kv_bytes`` of those items:
     each request holding a copy of the prefix, the per-row figure every other byte count in a run uses).
 
-    Where each request changes its copy of the prefix under ``policy`` (:func:`prefix_changed_per_request`), no
+    Where each request changes its copy of the prefix under ``stack`` (:func:`prefix_changed_per_request`), no
     server can hold it once: ``held_once`` is false, ``not_held_once`` says why, and a group's bytes are its
     requests' own caches, ``sum(kv_bytes)`` (the shared figures equal the unshared ones).
     """
@@ -146,7 +154,7 @@ def shared_prefix_bytes(records: list, policy: str = "none") -> dict | None:
     if not shared:
         return None
     prefixes = [g[0].metrics["prefix_kv_bytes"] for g in shared]  # the same for every item of a group
-    why = prefix_changed_per_request(policy)
+    why = prefix_changed_per_request(stack)
     if why is None:
         totals = [p + sum(r.metrics["request_kv_bytes"] for r in g) for p, g in zip(prefixes, shared)]
     else:
@@ -166,16 +174,10 @@ def target_spans(item) -> tuple[tuple[int, int], ...]:
     return tuple(n.span for n in item.needles if n.role == "target" and n.span[1] > n.span[0])
 
 
-def _reaches_ratio_per_item(policy: str) -> bool:
-    """Whether the run's policy (its spec, as ``run.json`` records it) keeps what clears a threshold, so the ratio
-    it removes differs per item (:mod:`kveval.policies.threshold`)."""
-    from kveval.policies.spec import parse_policy
-
-    try:
-        selection = parse_policy(policy).selection
-    except PolicySpecError:  # a policy registered in the process that ran it, not in this one: not kveval's threshold
-        return False
-    return selection is not None and selection.thresholded
+def _reaches_ratio_per_item(stack) -> bool:
+    """Whether the run's policy (:func:`_run_stack`) keeps what clears a threshold, so the ratio it removes differs
+    per item (:mod:`kveval.policies.threshold`)."""
+    return stack is not None and stack.selection is not None and stack.selection.thresholded
 
 
 def finalize_run(run_dir: Path) -> RunInfo:
@@ -192,9 +194,10 @@ def finalize_run(run_dir: Path) -> RunInfo:
             "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
         })
         ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
-        if ratios and _reaches_ratio_per_item(info.policy):
+        stack = _run_stack(info.policy)
+        if ratios and _reaches_ratio_per_item(stack):
             info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
-        shared = shared_prefix_bytes(records, info.policy)
+        shared = shared_prefix_bytes(records, stack)
         if shared:
             info.extra["shared_prefix"] = shared
         parted = [r for r in records if r.metrics.get("parts")]
