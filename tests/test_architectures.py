@@ -115,11 +115,14 @@ def test_every_policy_family_runs_below_nominal_bytes(name):
 # they take, and a stack: every part measured below the model's own cache.
 NATIVE_POLICIES = {
     "deepseek_v32": ["knorm(ratio=0.5)", "window(size=20)", "kivi(bits=4,residual=8,group=8)", "quant(bits=8,group=8)",
-                     "fp8(group=8)", "knorm(ratio=0.5)+kivi(bits=2,residual=8,group=8)"],
+                     "fp8(group=8)", "kvquant(bits=4,pre_rope=false,calib_tokens=96)",
+                     "knorm(ratio=0.5)+kivi(bits=2,residual=8,group=8)"],
     "deepseek_v4": ["knorm(ratio=0.5)", "streaming(ratio=0.5,sink=4)", "quant(bits=8,group=16)", "fp8(group=16)",
-                    "kivi(bits=4,residual=0,group=4)", "knorm(ratio=0.5)+quant(bits=4,group=16,indexer=fp8)"],
+                    "kivi(bits=4,residual=0,group=4)", "kvquant(bits=2,pre_rope=false,calib_tokens=96)",
+                    "knorm(ratio=0.5)+quant(bits=4,group=16,indexer=fp8)",
+                    "random(ratio=0.5)+kvquant(bits=4,pre_rope=false,calib_tokens=96,indexer=fp8)"],
 }
-NATIVE_POLICIES["glm_moe_dsa"] = ["window(size=20)", *NATIVE_POLICIES["deepseek_v32"][2:5]]
+NATIVE_POLICIES["glm_moe_dsa"] = ["window(size=20)", *NATIVE_POLICIES["deepseek_v32"][2:6]]
 
 
 @pytest.mark.parametrize("name", sorted(NATIVE_ARCHITECTURES))

@@ -105,9 +105,14 @@ def test_v32_bytes_per_part_are_the_count_by_hand():
     assert stats.parts == {"latent": 2 * 45 * (16 + 8) * 2, "indexer": 2 * 45 * 16 * 2} and stats.state_bytes == 0
 
 
+KVQUANT = "kvquant(bits=4,pre_rope=false,calib_tokens=256)"
+
+
+@pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("name", NATIVE)
 @pytest.mark.parametrize("spec", ["fp8(group=8)", "kivi(bits=4,group=8,residual=0)", "quant(bits=4,group=8)",
-                                  "quant(bits=8,group=8,indexer=fp8)"])
+                                  "quant(bits=8,group=8,indexer=fp8)", KVQUANT,
+                                  "kvquant(bits=2,pre_rope=false,calib_tokens=256,indexer=fp8)"])
 def test_quantization_codes_every_part_below_the_native_cache(name, spec):
     model = tiny_model(name)
     cache = CompressedCache(model, parse_policy(spec))
@@ -138,8 +143,9 @@ def test_the_indexer_takes_its_own_coding():
         parse_policy("quant(bits=4,indexer=int3)")
 
 
+@pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("name", NATIVE)
-@pytest.mark.parametrize("policy", ["none", "quant(bits=4,group=8)"])
+@pytest.mark.parametrize("policy", ["none", "quant(bits=4,group=8)", KVQUANT])
 def test_batch_of_three_gives_each_rows_answers_alone(name, policy):
     model = tiny_model(name)
     prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
@@ -148,6 +154,93 @@ def test_batch_of_three_gives_each_rows_answers_alone(name, policy):
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids
         assert (a.stats.kv_bytes, a.stats.parts, a.stats.state_bytes) == (b.stats.kv_bytes, b.stats.parts, b.stats.state_bytes)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_the_calibration_pass_collects_every_part_the_cache_holds(name):
+    """KVQuant calibrates each part on the entries the model's own cache layers hold after one forward over the
+    calibration text (their windows made longer than the pass, so V4's window keeps every entry): bit for bit what
+    kveval's own layers hold (of the window, its last entries), the latent with its RoPE key as V2/V3's."""
+    from kveval.calibration.kv import calibration_kv_parts, read_calibration_text, tokenize_for
+
+    model, text = tiny_model(name), read_calibration_text()
+    pairs, parts, used = calibration_kv_parts(model, text, 100)
+    cache = CompressedCache(model, parse_policy("none"), kv_dtype=FP32)
+    with torch.no_grad():
+        model(torch.tensor([tokenize_for(model, text.text)[:100]]), cache=cache)
+    assert used == 100 and len(pairs) == len(parts) == len(cache.layers)
+    for layer, (keys, values), others in zip(cache.layers, pairs, parts):
+        held_keys, held_values = layer.rows[0].store.keys_values()
+        assert keys.shape[1] == values.shape[1] == 100
+        assert torch.equal(keys[:, 100 - held_keys.shape[1]:], held_keys)
+        assert torch.equal(values[:, 100 - held_values.shape[1]:], held_values)
+        assert set(others) == set(layer.parts)  # GLM's layer reusing another's top-k has no indexer keys
+        for part, entries in others.items():
+            assert torch.equal(entries, layer.parts[part][0].read(entries.shape[-1], "cpu"))
+    if name == "deepseek_v4":
+        assert [sorted(p) for p in parts] == [[], ["csa", "indexer"], ["hca"]]
+        assert parts[1]["csa"].shape[1] == 25 and parts[2]["hca"].shape[1] == 6
+
+
+@pytest.mark.usefixtures("calibration_cache")
+def test_kvquant_codes_each_v4_part_with_the_codec_calibrated_on_it():
+    """After a 45-token prefill (attended before it is coded, so every layer saw what ``none`` sees), each part holds
+    KVQuant's coding of the model's own entries: the window's K=V entries with the layer's codec, the CSA and HCA
+    entries and the indexer's keys each with the codec calibrated on that part (per-channel ranges, a 16-level
+    codebook, one outlier per vector); entries whose window starts below ``sink`` (8) stay exact. Bytes: codes,
+    outliers (a float32 value and a uint8 index), dense sink entries."""
+    spec = "kvquant(bits=4,pre_rope=false,calib_tokens=256,sink=8)"
+    model, ids = tiny_model("deepseek_v4"), _ids(45, 0)
+    none = CompressedCache(model, parse_policy("none"), kv_dtype=FP32)
+    coded = CompressedCache(model, parse_policy(spec), kv_dtype=FP32)
+    with torch.no_grad():
+        for cache in (none, coded):
+            model(ids, cache=cache, position_ids=torch.arange(45)[None])
+    calibration = coded.policy.quantization.calibration_for(model)
+
+    def through(codec, entries, positions):
+        data = codec.encode(entries, entries[..., :0], positions, FP32)
+        decoded = codec.decode(data, positions, FP32)[0]
+        return torch.where((positions < 8)[..., None], entries, decoded)
+
+    for i in range(3):
+        window = none.layers[i].rows[0].store.keys_values()[0]  # 7 entries, positions 38-44
+        held = coded.layers[i].rows[0].store.keys_values()[0]
+        assert torch.equal(held, through(calibration.codec(i), window, torch.arange(38, 45)[None]))
+        for part, entries in none.layers[i].parts.items():
+            entries = entries[0].read(none.layers[i].part_widths[part], "cpu")
+            positions = torch.arange(entries.shape[1])[None] * none.layers[i].compress_rate
+            expected = through(calibration.part_codec(i, part), entries, positions)
+            assert torch.equal(coded.layers[i].parts[part][0].read(entries.shape[-1], "cpu"), expected), part
+    coded_bytes = {32: 32 * 4 // 8 + 4 + 1, 16: 16 * 4 // 8 + 4 + 1}  # 4-bit codes, one outlier
+    assert coded.stats().parts == {
+        "window": 3 * 7 * coded_bytes[32],
+        "csa": 2 * 32 * 4 + 9 * coded_bytes[32],  # 11 entries; those at tokens 0 and 4 stay float32
+        "indexer": 2 * 16 * 4 + 9 * coded_bytes[16],
+        "hca": 1 * 32 * 4 + 1 * coded_bytes[32],  # 2 entries; the one at token 0 stays
+    }
+
+
+def test_a_calibration_of_native_parts_is_saved_and_read_back(calibration_cache):
+    """The parts' codecs go to disk with the layers' and come back the same; a file from before the values' width
+    was recorded is calibrated again, not read at the latent's width."""
+    import kveval.calibration.kv as calibration_kv
+    from kveval.stores.kvquant import KVQuantCalibration
+
+    model = tiny_model("deepseek_v4")
+    policy = parse_policy(KVQUANT).quantization
+    first = policy.calibration_for(model)
+    again = KVQuantCalibration.load(first.path, policy.settings)
+    assert [sorted(p) for p in again.parts] == [[], ["csa", "indexer"], ["hca"]] and again.nbytes() == first.nbytes()
+    for layer, part in ((1, "csa"), (1, "indexer"), (2, "hca")):
+        assert torch.equal(again.part_codec(layer, part).key_levels, first.part_codec(layer, part).key_levels)
+    stale = torch.load(first.path, weights_only=True)
+    for entry in stale["layers"]:
+        del entry["value_dim"]
+    torch.save(stale, first.path)
+    assert KVQuantCalibration.load(first.path, policy.settings) is None
+    calibration_kv.clear_memory_cache()
+    assert parse_policy(KVQUANT).quantization.calibration_for(model).nbytes() == first.nbytes()
 
 
 @pytest.mark.parametrize("name", NATIVE)
@@ -177,7 +270,9 @@ REFUSALS = {
     "keydiff(ratio=0.5)": "is not one of the selections checked on V4's compressed entries",
     "knorm(ratio=0.5,adaptive=true)": "budgets heads apart",
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
-    "kvquant(bits=4)": "with quant, kivi, fp8 only",
+    "kvquant(bits=4)": "keys before RoPE need kveval's RoPE hook, which DeepSeek V4 has none of (its entries carry "
+                       "RoPE on their last dims); use kvquant(bits=4,pre_rope=false)",
+    "llamacpp(k=q8_0,v=q8_0)": "with quant, kivi, fp8, kvquant only",
 }
 V32_REFUSALS = {
     "snapkv(ratio=0.5)": "scores with attention probabilities, which on this model hold the indexer's top-k",
@@ -188,7 +283,8 @@ V32_REFUSALS = {
     "keydiff(ratio=0.5)": "is not one of the selections checked on it",
     "lagkv(ratio=0.5)": "is not one of the selections checked on it",
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
-    "kvquant(bits=4)": "with quant, kivi, fp8 only",
+    "kvquant(bits=2,sink=4)": "latent carries no RoPE, its RoPE key is apart); use kvquant(bits=2,sink=4,pre_rope=false)",
+    "vllm(kv_cache_dtype=fp8)": "with quant, kivi, fp8, kvquant only",
 }
 
 
@@ -440,9 +536,11 @@ def test_the_cli_refuses_in_one_line_before_the_weights_load(tmp_path, capsys, m
     assert len(err) == 1 and REFUSALS[spec] in err[0] and "DeepSeek V4" in err[0]
 
 
+@pytest.mark.usefixtures("calibration_cache")
 @pytest.mark.parametrize("name,policy,parts", [
     ("deepseek_v32", "window(size=16)+fp8", {"latent", "indexer"}),  # a selection on V3.2's latent
     ("deepseek_v4", "fp8", {"window", "csa", "indexer", "hca"}),
+    ("deepseek_v4", "knorm(ratio=0.5)+" + KVQUANT, {"window", "csa", "indexer", "hca"}),
 ])
 def test_the_cli_shows_the_parts(tmp_path, capsys, name, policy, parts):
     from test_architectures import _save_with_tokenizer

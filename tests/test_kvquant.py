@@ -315,6 +315,31 @@ def test_stacked_with_snapkv_holds_fewer_bytes_and_a_shared_prefill_equals_its_o
     assert shared[specs[1]][0].stats.kv_bytes < shared[specs[0]][0].stats.kv_bytes
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_an_mla_latents_narrower_rope_key_decodes_from_its_codes(bits):
+    """On MLA (a tiny DeepSeek V3 with a 32-wide latent as keys and an 8-wide RoPE key as values) the values were
+    unpacked at the latent's width: at 3 bits the decode from codes (a GPU's default, ``quantized_decode="codes"``)
+    raised, and the values' outliers were counted at the latent's width (4 of 8 at outliers=0.1, not 1). Codes and
+    buffer give the same logits, and each coded token holds the bytes its own widths say."""
+    model = tiny_model("deepseek_v3", qk_rope_head_dim=8, head_dim=8)  # head_dim: the RoPE width in its config
+    context, steps = random_ids(40, 1), random_ids(4, 2)
+    spec = f"kvquant(bits={bits},outliers=0.1,pre_rope=false,calib_tokens=96,sink=0)"
+    runs = {}
+    for mode in ("buffer", "codes"):
+        cache = CompressedCache(model, parse_policy(spec), kv_dtype=EXACT, quantized_decode=mode)
+        n = context.shape[1]
+        with torch.no_grad():
+            logits = [model(context, cache=cache, position_ids=torch.arange(n)[None]).logits[0, -1]]
+            for i in range(steps.shape[1]):
+                logits.append(model(steps[:, i:i + 1], cache=cache, position_ids=torch.tensor([[n + i]])).logits[0, -1])
+        runs[mode] = (torch.stack(logits), cache.stats().kv_bytes)
+    assert torch.equal(runs["buffer"][0], runs["codes"][0]) and runs["buffer"][1] == runs["codes"][1]
+    # Per token and layer: latent codes (32 x bits) and 4 outliers (4 B value, 1 B index each); RoPE key codes
+    # (8 x bits) and 1 outlier, and its float16 lo and hi.
+    per_token = (32 * bits // 8 + 4 * 5) + (8 * bits // 8 + 1 * 5 + 4)
+    assert runs["codes"][1] == model.config.num_hidden_layers * (40 + 4) * per_token
+
+
 def test_per_head_budgets_are_refused_in_one_line():
     # HeadwiseStore gives each KV head its own store, which cannot tell which head's calibration it holds.
     assert_one_line_error(lambda: _logits(tiny_llama(), "snapkv(ratio=0.5,adaptive=true)+kvquant(bits=4)",

@@ -40,12 +40,13 @@ latent and indexer key together (:class:`IndexedLayer`). On V4, one of :data:`EN
 ``ratio`` of each CSA/HCA layer's compressed entries at the prefill (a CSA entry's indexer key with it), the sliding
 window left as the model defines it; the entries keep their numbers, as the model's block masks and indexer need
 (:class:`HcaLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries,
-which are keys), the compressed entries and the indexer's keys with K's coding too, and the indexer per its own term
-(``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache dtype).
-Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries are
-coded as they arrive, as its latent's tokens are). Refused before any weights load (:func:`check_policy`):
+which are keys), the compressed entries and the indexer's keys as the quantizer codes a part of keys alone (its
+``part_codes``: K's grouped coding, or KVQuant with a codec calibrated on that part), and the indexer per its own
+term (``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache
+dtype). Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries
+are coded as they arrive, as its latent's tokens are). Refused before any weights load (:func:`check_policy`):
 selections that score with attention (the model's carries the indexer's top-k), per-head budgets, token budgets on
-V4's entries, structure, and other codecs.
+V4's entries, structure, KVQuant before RoPE (no RoPE hook for these models), and other codecs.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch
 
 from kveval.cache.layers import CompressedLayer
 from kveval.errors import UnsupportedModelError
+from kveval.modeling.layer_types import NATIVE_ENTRY_PARTS, NATIVE_STORE_PARTS
 from kveval.policies.indexer import INDEXER_MODEL_TYPES, index_shares
 from kveval.stores.base import QuantizedSequence
 from kveval.tensors.quantization import TensorQuant
@@ -61,8 +63,9 @@ from kveval.tensors.scoring_state import ScoringState
 
 #: DeepSeek's serving format of the indexer's keys: e4m3 with one scale per this many values.
 INDEXER_FP8_GROUP = 128
-#: The quantizers whose coding of each part is defined here (grouped integer and FP8 codes, K's coding for keys).
-PART_QUANTIZERS = ("quant", "kivi", "fp8")
+#: The quantizers that code each part (their ``part_codes``): grouped integer and FP8 codes (K's coding, the parts
+#: being keys) and KVQuant (calibrated per part).
+PART_QUANTIZERS = ("quant", "kivi", "fp8", "kvquant")
 #: Selections that act on V3.2's latent (one decision per token for all heads, its indexer key leaving with it):
 #: those that score without attention (the model's attention there carries the indexer's top-k).
 LATENT_SELECTIONS = ("window", "streaming", "knorm", "random")
@@ -133,11 +136,14 @@ def check_policy(config, stack) -> None:
             f"kveval has no low-rank basis for its parts: evaluate a quantization ({', '.join(PART_QUANTIZERS)})")
     quantization = stack.quantization
     if quantization is not None and quantization.name not in PART_QUANTIZERS:
-        why = (" (its codebooks and key ranges are calibrated on per-head K/V, and kveval's calibration pass does not "
-               "collect these parts)" if quantization.name == "kvquant" else "")
         raise UnsupportedModelError(
             f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {', '.join(PART_QUANTIZERS)} "
-            f"only{why}; use one of those")
+            f"only; use one of those")
+    if quantization is not None and getattr(quantization, "pre_rope", False):
+        raise UnsupportedModelError(
+            f"{quantization.spec()}: keys before RoPE need kveval's RoPE hook, which {name} has none of (its "
+            f"{'entries carry RoPE on their last dims' if v4 else 'latent carries no RoPE, its RoPE key is apart'}); "
+            f"use {quantization.spec()[:-1]},pre_rope=false)")
 
 
 def refuse_model_indexer(stack, model: str) -> None:
@@ -169,33 +175,25 @@ def _check_entry_selection(selection, name: str) -> None:
             f"budget, decode_budget) do not map onto entries of several tokens: give ratio= alone")
 
 
-def part_coding(quantization, part: str, width: int) -> "tuple[TensorQuant | None, int]":
-    """How ``part`` (``width`` values per entry) is coded under ``quantization``: a
-    :class:`~kveval.tensors.quantization.TensorQuant` (``None``: kept in the cache dtype) and its residual tokens."""
-    if quantization is None:
-        return None, 0
-    indexer = getattr(quantization, "indexer", "same")
-    if part == "indexer" and indexer == "native":
-        return None, 0
-    if part == "indexer" and indexer == "fp8":
-        return TensorQuant(8, "token", _divisor(width, INDEXER_FP8_GROUP), fp8="e4m3"), 0
-    quant = quantization.key_quant
-    if quant.axis == "token" and width % quant.group:  # the part's own width (the window's was fitted at the spec)
-        quant = TensorQuant(quant.bits, quant.axis, _divisor(width, quant.group), quant.symmetric, quant.fp8)
-    return quant, quantization.residual_tokens
-
-
-def _divisor(width: int, group: int) -> int:
-    """The largest divisor of ``width`` not above ``group``."""
-    return max(d for d in range(1, min(group, width) + 1) if width % d == 0)
+def part_codes(cache, layer_idx: int, part: str, width: int, stride: int):
+    """How one row of ``part`` (``width`` values per entry, one entry per ``stride`` tokens) of layer ``layer_idx``
+    is coded under the cache's quantizer (one of :data:`PART_QUANTIZERS`): its ``part_codes``, or for the indexer's
+    keys its ``indexer`` term; ``None``: kept in the cache dtype."""
+    quantization = cache.policy.quantization
+    if quantization is None or (part == "indexer" and quantization.indexer == "native"):
+        return None
+    if part == "indexer" and quantization.indexer == "fp8":
+        return QuantizedSequence(TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width), 0, cache.kv_dtype)
+    return quantization.part_codes(cache.model, layer_idx, part, width, cache.kv_dtype, stride)
 
 
 class PartSequence:
-    """One row's entries of one part (``[1, n, width]`` each time): dense in the cache dtype, or coded."""
+    """One row's entries of one part (``[1, n, width]`` each time): dense in the cache dtype, or ``coded`` (a
+    sequence of :func:`part_codes`)."""
 
-    def __init__(self, quant: TensorQuant | None, residual: int, kv_dtype: torch.dtype):
+    def __init__(self, coded, kv_dtype: torch.dtype):
         self.kv_dtype = kv_dtype
-        self.coded = None if quant is None else QuantizedSequence(quant, residual, kv_dtype)
+        self.coded = coded
         self.dense: torch.Tensor | None = None
         self.compute_dtype: torch.dtype | None = None
         self.appended = 0  # entries ever appended: what the model's own cache holds (nothing evicted)
@@ -290,12 +288,17 @@ class NativeLayer(CompressedLayer):
         """Append ``x`` (``[B, n, width]``) to part ``name`` of every row; each row's entries held, ``[1, held, width]``."""
         rows = self.parts.get(name)
         if rows is None:
-            quant, residual = part_coding(self.cache.policy.quantization, name, x.shape[-1])
-            rows = self.parts[name] = [PartSequence(quant, residual, self.cache.kv_dtype) for _ in range(x.shape[0])]
-            self.part_widths[name] = x.shape[-1]
+            width, stride = x.shape[-1], self.part_stride(name)
+            rows = self.parts[name] = [PartSequence(part_codes(self.cache, self.layer_idx, name, width, stride),
+                                                    self.cache.kv_dtype) for _ in range(x.shape[0])]
+            self.part_widths[name] = width
         for b, part in enumerate(rows):
             part.append(x[b:b + 1], self.sealing)
         return [part.read(x.shape[-1], x.device) for part in rows]
+
+    def part_stride(self, name: str) -> int:
+        """Tokens per entry of part ``name``: 1 (a key per token, as V3.2's indexer's)."""
+        return 1
 
     def hold_state(self, name: str, x: "torch.Tensor | None") -> None:
         """Keep ``x`` between forwards: in the cache dtype where the model computes it in its compute dtype (as a
@@ -346,7 +349,7 @@ class IndexedLayer(NativeLayer):
     themselves, and the model's indexer picks its top-k among what is held. With nothing evicted that is the
     model's own layout, column for column."""
 
-    store_part = "latent"
+    store_part = NATIVE_STORE_PARTS["indexed_attention"]
 
     def __init__(self, cache, layer_idx: int):
         super().__init__(cache, layer_idx)
@@ -379,7 +382,7 @@ class WindowLayer(NativeLayer):
     (``DynamicSlidingWindowLayer``), stored once (as keys; values of width 0). No selection acts on it: the window
     stays as the model defines it (a selection acts on the compressed entries: :class:`HcaLayer`)."""
 
-    store_part = "window"
+    store_part = NATIVE_STORE_PARTS["sliding_attention"]
 
     @property
     def takes_selection(self) -> bool:
@@ -410,7 +413,7 @@ class HcaLayer(WindowLayer):
     stored and measured is the held entries alone; attention and the indexer's top-k are the model's over them."""
 
     layer_type = "heavily_compressed_attention"
-    entry_parts = {"compressor": "hca"}
+    entry_parts = NATIVE_ENTRY_PARTS[layer_type]
 
     def __init__(self, cache, layer_idx: int, sliding_window: int, config):
         super().__init__(cache, layer_idx, sliding_window)
@@ -459,6 +462,10 @@ class HcaLayer(WindowLayer):
         """What an entry selection scores row ``b`` with beside the entries: the indexer's shares (``[1, entries]``,
         :class:`CsaLayer`); ``None`` here (HCA has no indexer: ``indexer`` leaves its entries)."""
         return None
+
+    def part_stride(self, name: str) -> int:
+        """One entry per ``compress_rate`` tokens."""
+        return self.compress_rate
 
     def _device(self):
         return self._rows[0].positions.device if self._rows else "cpu"
@@ -547,7 +554,7 @@ class CsaLayer(HcaLayer):
     ``overlap_gate/*``)."""
 
     layer_type = "compressed_sparse_attention"
-    entry_parts = {"compressor": "csa", "indexer": "indexer"}
+    entry_parts = NATIVE_ENTRY_PARTS[layer_type]
 
     def __init__(self, cache, layer_idx: int, sliding_window: int, config):
         super().__init__(cache, layer_idx, sliding_window, config)
@@ -638,4 +645,4 @@ def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
 
 
 __all__ = ["CsaLayer", "ENTRY_SELECTIONS", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
-           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "refuse_model_indexer", "part_coding", "rows_alone"]
+           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "refuse_model_indexer", "part_codes", "rows_alone"]

@@ -16,7 +16,16 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import UsageError
-from kveval.modeling.architectures import ATTENTION, HYBRID, NONE, STATE, cache_layer_plan, own_query_temperatures
+from kveval.modeling.architectures import (
+    ATTENTION,
+    HYBRID,
+    NATIVE,
+    NONE,
+    STATE,
+    cache_layer_plan,
+    own_query_temperatures,
+)
+from kveval.modeling.layer_types import NATIVE_ENTRY_PARTS
 from kveval.paths import cache_dir
 
 CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
@@ -103,36 +112,76 @@ def tokenize_for(model, text: str) -> list[int]:
 
 
 # --- calibration -------------------------------------------------------------------------------
-def _calibration_cache(plans):
-    """transformers' own cache layers for the calibration pass, every attention layer whole.
+def _calibration_cache(model, plans, tokens: int):
+    """transformers' own cache layers for the calibration pass of ``tokens`` tokens, every attention layer whole.
 
     Attention layers are plain ``DynamicLayer`` s, sliding ones too (they keep
     the whole pass); state and hybrid layers are the model's own conv/recurrent
-    layers, which its Mamba or linear-attention modules need.
+    layers, which its Mamba or linear-attention modules need. A model whose own
+    layers hold more than K/V (DeepSeek V3.2, GLM MoE-DSA, V4: ``NATIVE`` plans)
+    gets its own cache, built from its config with windows longer than the pass,
+    so that its sliding layers keep every entry too.
     """
     from transformers.cache_utils import (
         Cache,
         DummyLayer,
+        DynamicCache,
         DynamicLayer,
         LinearAttentionAndFullAttentionLayer,
         LinearAttentionLayer,
     )
 
+    if any(plan.kind == NATIVE for plan in plans):
+        import copy
+
+        config = copy.deepcopy(model.config)
+        text = config.get_text_config(decoder=True)
+        if getattr(text, "sliding_window", None):
+            # One forward: the mask comes from the model's own config, the window only trims what is kept after it.
+            text.sliding_window = tokens + 1
+        return DynamicCache(config=config)
     kinds = {ATTENTION: lambda plan: DynamicLayer(), NONE: lambda plan: DummyLayer(),
              STATE: lambda plan: LinearAttentionLayer(number_of_states=plan.number_of_states),
              HYBRID: lambda plan: LinearAttentionAndFullAttentionLayer(number_of_states=plan.number_of_states)}
     return Cache(layers=[kinds[plan.kind](plan) for plan in plans])
 
 
-def _collect_kv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+#: Per layer: its stored K/V, ``[H, T, D]`` each (``None`` for a layer without K/V).
+KVPairs = list[tuple[torch.Tensor, torch.Tensor] | None]
+#: Per layer: a native layer's other parts by name (``[1, n, width]``, float32; empty for other layers).
+KVParts = list[dict[str, torch.Tensor]]
+
+
+def _native_layer_kv(plan, layer) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+    """A native cache layer's store part (V3.2's latent and RoPE key; V4's window of K=V entries, with values of
+    width 0, as kveval stores them) and its other parts (the indexer's keys, V4's compressed entries)."""
+    keys = layer.keys[0].float().cpu()
+    if plan.layer_type == "indexed_attention":
+        indexer = layer.indexer_keys  # None where the layer reuses an earlier layer's top-k (GLM's "shared")
+        return (keys, layer.values[0].float().cpu()), {} if indexer is None else {"indexer": indexer[:1].float().cpu()}
+    parts = {part: layer.compressed_kv[name][:1].float().cpu()
+             for name, part in NATIVE_ENTRY_PARTS.get(plan.layer_type, {}).items()
+             if layer.compressed_kv[name] is not None}
+    return (keys, keys[..., :0]), parts
+
+
+def _collect_kv(model, ids: torch.Tensor) -> tuple[KVPairs, KVParts]:
     """One forward pass with transformers' own cache; the stored (post-RoPE) K/V of every layer, ``[H, T, D]``, and
-    ``None`` for a layer without K/V (a Mamba or linear-attention layer)."""
+    ``None`` for a layer without K/V (a Mamba or linear-attention layer); and each native layer's other parts."""
     plans = cache_layer_plan(model.config)
-    cache = _calibration_cache(plans)
+    cache = _calibration_cache(model, plans, ids.shape[1])
     with torch.no_grad(), own_query_temperatures(model):  # run on first use, maybe inside a forward kveval drives
         model(input_ids=ids, cache=cache, use_cache=True)
-    return [(layer.keys[0].float().cpu(), layer.values[0].float().cpu()) if plan.holds_tokens else None
-            for plan, layer in zip(plans, cache.layers)]
+    pairs, parts = [], []
+    for plan, layer in zip(plans, cache.layers):
+        if plan.kind == NATIVE:
+            pair, others = _native_layer_kv(plan, layer)
+        else:
+            pair = (layer.keys[0].float().cpu(), layer.values[0].float().cpu()) if plan.holds_tokens else None
+            others = {}
+        pairs.append(pair)
+        parts.append(others)
+    return pairs, parts
 
 
 def uncentered_pca(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,15 +354,23 @@ def calibration_path(model, text: CalibrationText, tokens: int, kind: str = "") 
     return cache_dir() / "calibration" / f"{model_name(model)}{suffix}-{key}.pt", model_key
 
 
-def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], int]:
+def calibration_kv(model, text: CalibrationText, tokens: int) -> tuple[KVPairs, int]:
     """The calibration pass: post-RoPE K/V ``[H, T, D]`` (float32) of every layer (``None`` for a layer without
     K/V), and ``T``, the tokens used."""
+    pairs, _, used = calibration_kv_parts(model, text, tokens)
+    return pairs, used
+
+
+def calibration_kv_parts(model, text: CalibrationText, tokens: int) -> tuple[KVPairs, KVParts, int]:
+    """:func:`calibration_kv`, and each native layer's other parts (DeepSeek V3.2's indexer keys, V4's compressed
+    entries and their indexer keys: ``[1, n, width]``, float32, by part name; ``{}`` for other layers)."""
     ids = tokenize_for(model, text.text)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     ids = ids[: min(tokens, limit or tokens)]
     if len(ids) < 2:
         raise UsageError(f"lowrank: calibration text {text.path} gives {len(ids)} token(s); it needs at least 2")
-    return _collect_kv(model, torch.tensor([ids], dtype=torch.long, device=model.device)), len(ids)
+    pairs, parts = _collect_kv(model, torch.tensor([ids], dtype=torch.long, device=model.device))
+    return pairs, parts, len(ids)
 
 
 def calibrate(model, text: CalibrationText, tokens: int, model_key: str = "") -> Calibration:

@@ -22,6 +22,14 @@ NATIVE_LAYER_TYPES = frozenset({"indexed_attention", "compressed_sparse_attentio
 #: ``model_type`` values whose every attention layer is a native one (DeepSeek V4's sliding layers too: K=V, one
 #: stored tensor), and the families that keep DSA indexer keys.
 NATIVE_MODEL_TYPES = frozenset({"deepseek_v4", "deepseek_v32", "glm_moe_dsa"})
+#: Per layer type of those models: the part its per-token store holds (V3.2's latent with its RoPE key, V4's
+#: sliding window of K=V entries), and the part each compressed series of the model's own layer is kept as (by the
+#: names of ``DeepseekV4HCACache.compressed_kv``). The DSA indexer's per-token keys (``indexed_attention``) are part
+#: ``indexer`` too.
+NATIVE_STORE_PARTS = {"indexed_attention": "latent", "sliding_attention": "window",
+                      "compressed_sparse_attention": "window", "heavily_compressed_attention": "window"}
+NATIVE_ENTRY_PARTS = {"heavily_compressed_attention": {"compressor": "hca"},
+                      "compressed_sparse_attention": {"compressor": "csa", "indexer": "indexer"}}
 #: The layers that hold per-token K/V, and every type known.
 #: (The native types are known to the cache alone, not to these sets, which the memory planner reads: it sizes
 #: them on its own terms.)
@@ -49,4 +57,4 @@ def selecting_layers(windows, chunked) -> list[bool]:
 
 
 __all__ = ["ATTENTION_LAYER_TYPES", "EMPTY_LAYER_TYPES", "HYBRID_LAYER_TYPES", "KNOWN_LAYER_TYPES", "KV_LAYER_TYPES",
-           "NATIVE_LAYER_TYPES", "NATIVE_MODEL_TYPES", "STATE_LAYER_TYPES", "selecting_layers", "selection_slides"]
+           "NATIVE_ENTRY_PARTS", "NATIVE_LAYER_TYPES", "NATIVE_MODEL_TYPES", "NATIVE_STORE_PARTS", "STATE_LAYER_TYPES", "selecting_layers", "selection_slides"]

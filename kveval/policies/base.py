@@ -391,6 +391,15 @@ class QuantizationPolicy(RepresentationPolicy):
         :class:`~kveval.tensors.quantization.TensorQuant` each; ``None`` for a codec that sizes its own codes
         (KVQuant: ``coded_bytes``, with ``residual`` and ``sink`` tokens in the cache dtype)."""
 
+    def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype: "torch.dtype", stride: int):
+        """How one row of part ``part`` of a model's own cache layer is coded (:mod:`kveval.cache.native_layers`:
+        DeepSeek V3.2's indexer keys, V4's compressed entries and their indexer keys): keys alone, ``width`` numbers
+        per entry, one entry per ``stride`` tokens; a sequence with the interface of
+        :class:`~kveval.stores.base.QuantizedSequence` (``append``, ``seal``, ``select``, ``materialize``,
+        ``length``, ``nbytes``). Quantizers that define no coding of such parts are refused on those models before
+        the weights load (:func:`kveval.cache.native_layers.check_policy`), so this default is never reached there."""
+        raise PolicySpecError(f"{self.spec()}: codes no part {part!r} of a model's own cache layer")
+
 
 def require_stack(policy: "PolicyStack | None", where: str) -> "PolicyStack":
     """``policy`` as a stack (``None``: the baseline). A spec string here is a caller's bug: specs are parsed once,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import QuantizationPolicy
+from kveval.policies.quant import INDEXER_CODINGS
 from kveval.values import is_real, is_whole
 
 KVQUANT_BITS = (2, 3, 4, 8)
@@ -47,12 +48,21 @@ class KVQuantPolicy(QuantizationPolicy):
         Path to a UTF-8 calibration text; default the shipped ``kveval/data/calibration.txt``.
     calib_tokens : int, optional
         Tokens of the calibration text used (default 2048, at most the model's positions).
+    indexer : str
+        DeepSeek V3.2/V4 only: how the indexer's keys are coded
+        (:data:`~kveval.policies.quant.INDEXER_CODINGS`; ``same``: as KVQuant codes keys, calibrated on them).
 
     Notes
     -----
     The cache's ``nbytes`` counts per-token tensors: packed codes, outlier
     values and indices, the values' float16 ranges, sink and residual tokens.
     Codebooks and per-channel key ranges are per model: :meth:`codebook_bytes`.
+
+    On DeepSeek V3.2 and V4 (:mod:`kveval.cache.native_layers`), the store's part (V3.2's latent and RoPE key, as
+    on V2/V3; V4's sliding window of K=V entries, keys alone) is coded as above, post-RoPE (``pre_rope=false``:
+    kveval has no RoPE hook for them), and every other part (the indexer's keys, V4's CSA and HCA entries) as KVQuant
+    codes keys, with per-channel ranges and a codebook calibrated on that part's own entries in the calibration
+    pass (:meth:`part_codes`).
     """
 
     name = "kvquant"
@@ -65,8 +75,11 @@ class KVQuantPolicy(QuantizationPolicy):
     residual: int = 0
     calibration: str | None = None
     calib_tokens: int | None = None
+    indexer: str = "same"
 
     def __post_init__(self):
+        if self.indexer not in INDEXER_CODINGS:
+            raise PolicySpecError(f"{self.name}: indexer={self.indexer!r} must be one of {', '.join(INDEXER_CODINGS)}")
         if self.bits not in KVQUANT_BITS:
             raise PolicySpecError(f"{self.name}: bits={self.bits!r} is not supported; use 2, 3, 4 or 8")
         if not is_real(self.outliers) or not 0 <= self.outliers <= 1:
@@ -188,3 +201,12 @@ class KVQuantPolicy(QuantizationPolicy):
         from kveval.stores.kvquant import KVQuantStore
 
         return KVQuantStore(self.codec(model, layer_idx), self.sink, self.residual, inner.kv_dtype, inner.compute_dtype)
+
+    def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype, stride: int):
+        """A :class:`kveval.stores.kvquant.KVQuantPart`: keys alone, coded with the codec calibrated on the part's
+        entries in layer ``layer_idx`` (``sink``: entries whose window holds a token below it stay in the cache
+        dtype; ``residual``: the newest entries)."""
+        from kveval.stores.kvquant import KVQuantPart
+
+        calibration = self.calibration_for(model)
+        return KVQuantPart(calibration.part_codec(layer_idx, part), self.sink, self.residual, kv_dtype, stride)

@@ -42,6 +42,13 @@ class GroupedQuantizationPolicy(QuantizationPolicy):
     def planned_quants(self) -> tuple[TensorQuant, TensorQuant]:
         return self.key_quant, self.value_quant
 
+    def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype, stride: int):
+        """K's coding (the parts are keys), its per-token groups fitted to the part's own width, and the residual
+        window counted in entries."""
+        from kveval.stores.base import QuantizedSequence
+
+        return QuantizedSequence(self.key_quant.fitted(width), self.residual_tokens, kv_dtype)
+
     @property
     def residual_tokens(self) -> int:
         return self.residual

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.errors import PolicySpecError
+from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.stores.base import TokenStore, alive_order, alive_slots
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
@@ -120,6 +120,9 @@ class KVQuantCodec:
     ``[2**bits]`` sorted float32 codebooks in ``[-1, 1]``; ``outliers``: entries
     per vector kept sparse; ``rope``: the layer's :class:`~kveval.modeling.architectures.RopeHook`,
     ``None`` to quantize keys as they arrive (post-RoPE).
+
+    A part that holds keys alone (DeepSeek V4's K=V entries, the indexer's keys: values of width 0) has an empty
+    ``value_levels``: its values are neither coded nor stored.
     """
 
     bits: int
@@ -129,11 +132,19 @@ class KVQuantCodec:
     value_levels: torch.Tensor
     outliers: int
     rope: object = None
+    #: The values' width and their outliers per vector (``None``: the keys'); an MLA latent's RoPE key is narrower.
+    value_dim: int | None = None
+    value_outliers: int | None = None
     _on: dict = field(default_factory=dict, repr=False)
 
     @property
     def head_dim(self) -> int:
         return self.key_mid.shape[-1]
+
+    @property
+    def widths(self) -> dict[str, int]:
+        """Numbers per vector of K (``"k"``) and V (``"v"``)."""
+        return {"k": self.head_dim, "v": self.head_dim if self.value_dim is None else self.value_dim}
 
     def nbytes(self) -> int:
         """Per-model bytes of this layer: both codebooks and the key channel ranges, as float32."""
@@ -154,7 +165,8 @@ class KVQuantCodec:
         return torch.bucketize(z.clamp(-1, 1), t[f"{kind}_edges"]).to(torch.uint8)
 
     def _sparse(self, x: torch.Tensor, score: torch.Tensor, kv_dtype: torch.dtype, data: dict, kind: str) -> torch.Tensor | None:
-        index, mask = _top_mask(score, self.outliers)
+        count = self.value_outliers if kind == "v" and self.value_outliers is not None else self.outliers
+        index, mask = _top_mask(score, count)
         if index is not None:
             data[f"{kind}_out"] = x.gather(-1, index).to(kv_dtype)
             data[f"{kind}_idx"] = index.to(index_dtype(x.shape[-1]))
@@ -181,17 +193,20 @@ class KVQuantCodec:
         self._sparse(x, z.abs(), kv_dtype, data, "k")
         key_codes = self._level_codes(z, "k", t)
         v = values.float()
-        data["v_lo"], data["v_hi"] = token_range(v, self._sparse(v, v.abs(), kv_dtype, data, "v"))
-        mid, half = self._value_range(data)
-        value_codes = self._level_codes((v - mid) / half, "v", t)
+        if v.shape[-1]:
+            data["v_lo"], data["v_hi"] = token_range(v, self._sparse(v, v.abs(), kv_dtype, data, "v"))
+            mid, half = self._value_range(data)
+            value_codes = self._level_codes((v - mid) / half, "v", t)
         if read_dtype is None:
-            data["k_codes"], data["v_codes"] = pack_bits(key_codes, self.bits), pack_bits(value_codes, self.bits)
+            data["k_codes"] = pack_bits(key_codes, self.bits)
+            if v.shape[-1]:
+                data["v_codes"] = pack_bits(value_codes, self.bits)
             return data, None, None
         # As decode reads them: levels scaled back, outliers as stored, keys rotated at their positions.
         read_keys = self._with_outliers(t["k"][key_codes.long()] * t["half"][:, None] + t["mid"][:, None], data, "k")
         if self.rope is not None:
             read_keys = self.rope.rotate(read_keys, positions, angles)
-        read_values = self._with_outliers(t["v"][value_codes.long()] * half + mid, data, "v")
+        read_values = self._with_outliers(t["v"][value_codes.long()] * half + mid, data, "v") if v.shape[-1] else v
         return None, read_keys.to(read_dtype), read_values.to(read_dtype)
 
     @staticmethod
@@ -199,7 +214,7 @@ class KVQuantCodec:
         return centre_half(data["v_lo"], data["v_hi"])
 
     def _dense(self, data: dict, kind: str, t: dict) -> torch.Tensor:
-        codes = unpack_bits(data[f"{kind}_codes"], self.bits, self.head_dim).long()
+        codes = unpack_bits(data[f"{kind}_codes"], self.bits, self.widths[kind]).long()
         return t[kind][codes]
 
     def _with_outliers(self, x: torch.Tensor, data: dict, kind: str) -> torch.Tensor:
@@ -214,6 +229,8 @@ class KVQuantCodec:
         keys = self._with_outliers(keys, data, "k")
         if self.rope is not None:
             keys = self.rope.rotate(keys, positions)
+        if "v_codes" not in data:  # a part of keys alone
+            return keys.to(dtype), keys.new_zeros(*keys.shape[:-1], 0, dtype=dtype)
         mid, half = self._value_range(data)
         values = self._with_outliers(self._dense(data, "v", t) * half + mid, data, "v")
         return keys.to(dtype), values.to(dtype)
@@ -243,8 +260,12 @@ class KVQuantSettings:
 
 @dataclass
 class KVQuantCalibration:
-    """Per layer: key channel centre/half-range ``[H, D]`` and the K and V codebooks ``[2**bits]`` (float32);
-    ``None`` for a layer without K/V (a hybrid model's Mamba or linear-attention layers)."""
+    """Per layer: key channel centre/half-range ``[H, D]``, the K and V codebooks ``[2**bits]`` (float32) and the
+    values' width; ``None`` for a layer without K/V (a hybrid model's Mamba or linear-attention layers).
+
+    ``parts``: per layer, the same for each other part of a model's own cache layer (DeepSeek V3.2's indexer keys,
+    V4's CSA/HCA entries and their indexer keys; :func:`kveval.calibration.kv.calibration_kv_parts`), by part name:
+    parts of keys alone, one "head" each, calibrated on the entries the pass emitted; ``{}`` for other layers."""
 
     settings: KVQuantSettings
     layers: list[dict[str, torch.Tensor] | None]
@@ -252,36 +273,57 @@ class KVQuantCalibration:
     text_sha256: str
     model_key: str
     path: Path | None = None
+    parts: list[dict[str, dict]] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         from kveval.calibration.kv import save_atomic
 
         save_atomic({"version": KVQUANT_VERSION, "kind": self.settings.KIND, "layers": self.layers, "tokens": self.tokens,
-                     "text_sha256": self.text_sha256, "model_key": self.model_key}, path)
+                     "text_sha256": self.text_sha256, "model_key": self.model_key, "parts": self.parts}, path)
 
     @classmethod
     def load(cls, path: Path, settings: KVQuantSettings) -> "KVQuantCalibration | None":
+        """The calibration at ``path``; ``None`` when it is of another kind, or from before the values' width was
+        recorded (an MLA latent's narrower RoPE key was then read at the latent's width: calibrated again)."""
         from kveval.calibration.kv import load_versioned
 
         payload = load_versioned(path, KVQUANT_VERSION)
         if payload is None or payload.get("kind") != settings.KIND:
             return None
-        return cls(settings, payload["layers"], payload["tokens"], payload["text_sha256"], payload["model_key"], path)
+        if any(entry is not None and "value_dim" not in entry for entry in payload["layers"]):
+            return None
+        return cls(settings, payload["layers"], payload["tokens"], payload["text_sha256"], payload["model_key"], path,
+                   payload.get("parts") or [{} for _ in payload["layers"]])
 
     def codec(self, layer: int, rope=None) -> KVQuantCodec:
         """The layer's :class:`KVQuantCodec` (``rope``: the layer's hook, required when calibrated pre-RoPE)."""
-        entry = self.layers[layer]
-        s = self.settings
+        return self._codec(self.layers[layer], rope)
+
+    def part_codec(self, layer: int, part: str) -> KVQuantCodec:
+        """The :class:`KVQuantCodec` of part ``part`` of native layer ``layer`` (keys alone, as they arrive)."""
+        entry = self.parts[layer].get(part) if layer < len(self.parts) else None
+        if entry is None:
+            raise UnsupportedModelError(
+                f"kvquant: the calibration pass emitted no {part!r} entries in layer {layer} (its text is shorter "
+                f"than one compressed window?); give a longer calibration text or calib_tokens")
+        return self._codec(entry, None)
+
+    def _codec(self, entry: dict, rope) -> KVQuantCodec:
+        s, value_dim = self.settings, int(entry["value_dim"])
         return KVQuantCodec(s.bits, entry["key_mid"], entry["key_half"], entry["key_levels"], entry["value_levels"],
-                            outlier_count(entry["key_mid"].shape[-1], s.outliers), rope)
+                            outlier_count(entry["key_mid"].shape[-1], s.outliers), rope, value_dim,
+                            outlier_count(value_dim, s.outliers))
 
     def nbytes(self) -> int:
-        """Per-model bytes of every layer's codebooks and key channel ranges."""
-        return sum(self.codec(i).nbytes() for i, entry in enumerate(self.layers) if entry is not None)
+        """Per-model bytes of every layer's (and part's) codebooks and key channel ranges."""
+        entries = [entry for entry in self.layers if entry is not None]
+        entries += [entry for parts in self.parts for entry in parts.values()]
+        return sum(self._codec(entry, None).nbytes() for entry in entries)
 
 
-def _calibrate_layer(keys: torch.Tensor, values: torch.Tensor, s: KVQuantSettings) -> dict[str, torch.Tensor]:
-    """One layer's ranges and codebooks from its calibration keys (pre-RoPE when ``s.pre_rope``) and values."""
+def _calibrate_layer(keys: torch.Tensor, values: torch.Tensor, s: KVQuantSettings) -> dict:
+    """One layer's ranges and codebooks from its calibration keys (pre-RoPE when ``s.pre_rope``) and values
+    (``[H, T, 0]`` for a part of keys alone: no value codebook)."""
     k = outlier_count(keys.shape[-1], s.outliers)
     tail = min(s.outliers / 2, 0.5)
     lo = torch.quantile(keys.transpose(1, 2), tail, dim=-1)  # [H, D]
@@ -289,24 +331,29 @@ def _calibrate_layer(keys: torch.Tensor, values: torch.Tensor, s: KVQuantSetting
     mid, half = (lo + hi) / 2, ((hi - lo) / 2).clamp(min=1e-6)
     levels = 2**s.bits
     uniform = torch.linspace(-1, 1, levels)
+    value_dim = values.shape[-1]
+    entry = {"key_mid": mid, "key_half": half, "value_dim": value_dim}
     if not s.nuq:
-        return {"key_mid": mid, "key_half": half, "key_levels": uniform, "value_levels": uniform.clone()}
+        return {**entry, "key_levels": uniform, "value_levels": uniform.clone() if value_dim else uniform[:0]}
     z = (keys - mid[:, None]) / half[:, None]
     _, key_mask = _top_mask(z.abs(), k)
-    _, value_mask = _top_mask(values.abs(), k)
+    keep_k = z.clamp(-1, 1) if key_mask is None else z[~key_mask].clamp(-1, 1)
+    if not value_dim:
+        return {**entry, "key_levels": kmeans_1d(keep_k, levels), "value_levels": uniform[:0]}
+    _, value_mask = _top_mask(values.abs(), outlier_count(value_dim, s.outliers))
     vmid, vhalf = centre_half(*token_range(values, value_mask))
     zv = (values - vmid) / vhalf
-    keep_k = z.clamp(-1, 1) if key_mask is None else z[~key_mask].clamp(-1, 1)
     keep_v = zv.clamp(-1, 1) if value_mask is None else zv[~value_mask].clamp(-1, 1)
-    return {"key_mid": mid, "key_half": half, "key_levels": kmeans_1d(keep_k, levels), "value_levels": kmeans_1d(keep_v, levels)}
+    return {**entry, "key_levels": kmeans_1d(keep_k, levels), "value_levels": kmeans_1d(keep_v, levels)}
 
 
 def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model_key: str = "") -> KVQuantCalibration:
-    """One forward pass over the calibration text; per layer, key channel ranges and K/V codebooks."""
-    from kveval.calibration.kv import calibration_kv
+    """One forward pass over the calibration text; per layer, key channel ranges and K/V codebooks, and those of
+    each other part of a model's own cache layers (keys alone, post-RoPE: kveval has no RoPE hook for them)."""
+    from kveval.calibration.kv import calibration_kv_parts
     from kveval.modeling.architectures import rope_hook
 
-    kv, used = calibration_kv(model, text, tokens)
+    kv, others, used = calibration_kv_parts(model, text, tokens)
     layers = []
     for i, pair in enumerate(kv):
         if pair is None:
@@ -319,7 +366,9 @@ def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model
             positions = torch.arange(keys.shape[1], device=model.device).expand(keys.shape[0], -1)
             keys = hook.unrotate(keys.to(model.device), positions, (cos[positions], sin[positions])).cpu()
         layers.append(_calibrate_layer(keys, values, settings))
-    return KVQuantCalibration(settings, layers, used, text.sha256, model_key)
+    parts = [{name: _calibrate_layer(x, x[..., :0], settings) for name, x in layer.items() if x.shape[1]}
+             for layer in others]
+    return KVQuantCalibration(settings, layers, used, text.sha256, model_key, parts=parts)
 
 
 # --- the store ---------------------------------------------------------------------------------
@@ -415,9 +464,13 @@ class KVQuantStore(TokenStore):
     """
 
     def __init__(self, codec: KVQuantCodec, sink: int, residual: int, kv_dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, stride: int = 1):
         self.codec, self.sink, self.residual = codec, sink, residual
         self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
+        #: Tokens per appended vector: a store numbering its own vectors gives the ``n``-th position ``n * stride``
+        #: (DeepSeek V4's compressed entries: the first token of the entry's window, so ``sink`` keeps the entries
+        #: whose window holds a sink token).
+        self.stride = stride
         self.sinks, self.body, self.tail = _Segment(), _Segment(), _Segment()
         self.count = 0  # live tokens per head
         self.appended = 0  # tokens ever appended (positions when the cache gives none)
@@ -441,7 +494,7 @@ class KVQuantStore(TokenStore):
                                   f"{keys.shape[-1]} (kvquant quantizes K/V heads, not low-rank coefficients)")
         kv_dtype = self.kv_dtype or keys.dtype
         heads, new = keys.shape[0], keys.shape[1]
-        positions = (self.appended + torch.arange(new, device=keys.device)).expand(heads, -1)
+        positions = ((self.appended + torch.arange(new, device=keys.device)) * self.stride).expand(heads, -1)
         self.tail.extend({"keys": keys.to(kv_dtype), "values": values.to(kv_dtype), "positions": positions}, None)
         self.count += new
         self.appended += new
@@ -541,5 +594,36 @@ class KVQuantStore(TokenStore):
         return sum(s.nbytes for s in self.segments)
 
 
-__all__ = ["KVQuantCalibration", "KVQuantCodec", "KVQuantSettings", "KVQuantStore", "calibrate_kvquant", "index_dtype",
-           "kmeans_1d", "outlier_count"]
+class KVQuantPart:
+    """One row's entries of a part of keys alone (``[1, n, width]``: DeepSeek V3.2's indexer keys, V4's compressed
+    entries and their indexer keys) held as KVQuant holds keys: a :class:`KVQuantStore` of one "head", per-channel
+    ranges and codebook calibrated on the part, sparse outliers, the sink's entries and the ``residual`` newest in
+    the cache dtype. The sequence interface of :class:`~kveval.stores.base.QuantizedSequence` (what
+    :class:`~kveval.cache.native_layers.PartSequence` holds)."""
+
+    def __init__(self, codec: KVQuantCodec, sink: int, residual: int, kv_dtype: torch.dtype, stride: int = 1):
+        self.store = KVQuantStore(codec, sink, residual, kv_dtype, stride=stride)
+
+    @property
+    def length(self) -> int:
+        return self.store.length
+
+    def append(self, x: torch.Tensor) -> None:
+        self.store.append(x, x[..., :0])
+
+    def seal(self) -> None:
+        self.store.seal()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.store.select(index)
+
+    def materialize(self) -> torch.Tensor:
+        return self.store.keys_values()[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+
+__all__ = ["KVQuantCalibration", "KVQuantCodec", "KVQuantPart", "KVQuantSettings", "KVQuantStore", "calibrate_kvquant",
+           "index_dtype", "kmeans_1d", "outlier_count"]

@@ -48,6 +48,14 @@ class TensorQuant:
     symmetric: bool = False
     fp8: str | None = None
 
+    def fitted(self, width: int) -> "TensorQuant":
+        """This coding for vectors of ``width`` numbers: a per-token group that does not divide it becomes the
+        largest divisor of ``width`` below it (per-channel groups count tokens: unchanged)."""
+        if self.axis != "token" or width % self.group == 0:
+            return self
+        group = max(d for d in range(1, min(self.group, width) + 1) if width % d == 0)
+        return TensorQuant(self.bits, self.axis, group, self.symmetric, self.fp8)
+
 
 @dataclass
 class QuantizedBlock:
