@@ -87,15 +87,53 @@ def test_compare_chronicle_ratios_and_json(capsys):
         compare(models, [M], storage="idx=bf16")
 
 
-def test_policies_on_the_new_layouts_are_refused_in_one_line(capsys):
-    for model in ("deepseek-v3.2", "deepseek-v4-flash"):
-        assert cli.main(["memory", model, "--context", "8k", "--policy", "kivi(bits=2)"]) == 2
+def test_what_the_planner_cannot_size_on_the_new_layouts_is_refused_in_one_line(capsys):
+    refusals = {
+        # a selection over parts coded before it acts: its bytes depend on which entries it keeps
+        ("deepseek-v4-flash", "knorm(ratio=0.5)+kivi(bits=2)"): "coded before knorm(ratio=0.5) acts, with a residual",
+        ("deepseek-v3.2", "knorm(ratio=0.5)+quant(bits=4,k_axis=channel)"): "latent entries are coded before",
+        # what the cache refuses, in its words
+        ("deepseek-v4-flash", "snapkv(ratio=0.5)"): "scores with attention",
+        ("deepseek-v4-flash", "kvquant(bits=4)"): "use kvquant(bits=4,pre_rope=false)",
+        ("deepseek-v3.2", "indexer(ratio=0.5)"): "which a deepseek_v32 model does not have",
+        ("deepseek-v3.2", "llamacpp(k=q8_0,v=q8_0)"): "with quant, kivi, fp8, kvquant only",
+        ("llama-3.1-8b", "indexer(ratio=0.5)"): "which llama-3.1-8b does not have",
+    }
+    for (model, policy), message in refusals.items():
+        assert cli.main(["memory", model, "--context", "8k", "--policy", policy]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "policy none" in err
+        assert len(err.splitlines()) == 1 and message in err, (policy, err)
     with pytest.raises(ValueError, match="no cache part"):
         plan("deepseek-v4-pro", 10, storage="latent=bf16")
-    with pytest.raises(ValueError, match="policy none"):
-        plan("deepseek-v3", 10, policy=parse_policy("kivi(bits=2)"), storage="all=bf16")
+    for model in ("deepseek-v3", "deepseek-v4-flash"):
+        with pytest.raises(ValueError, match="storage overrides size the native cache"):
+            plan(model, 10, policy=parse_policy("kivi(bits=2)"), storage="all=bf16")
+
+
+def test_a_policy_on_a_served_layout_is_compared_with_kvevals_uncompressed_cache():
+    """Under a policy the planner sizes kveval's cache (the window once in every layer, each part coded by the
+    policy from the cache dtype) against kveval's own uncompressed cache in the cache dtype, which is what a run
+    measures; the preset's serving formats are the native plan's (policy none), named in a note."""
+    served = plan("deepseek-v4-flash", 131072)
+    coded = plan("deepseek-v4-flash", 131072, policy=parse_policy("quant(bits=4,indexer=fp8)"))
+    bf16 = plan("deepseek-v4-flash", 131072, storage="all=bf16")
+    sliding_only = 2 * 127 * 512 * 2  # two sliding-only layers: transformers holds their K=V window twice
+    assert coded.baseline_sequence_bytes == bf16.sequence_bytes - sliding_only
+    assert served.sequence_bytes < bf16.sequence_bytes and any("441.99 MiB" in n for n in coded.notes)
+    assert [p.name for p in coded.parts] == ["window", "csa", "indexer", "hca", "state"]
+    assert {p.name: p.storage for p in coded.parts} == {"window": "int4/64", "csa": "int4/64",
+                                                        "indexer": "fp8-e4m3/128", "hca": "int4/64", "state": "dtype"}
+    # The selection keeps half of every CSA/HCA layer's entries; the window and the state stay.
+    half = plan("deepseek-v4-flash", 131072, policy=parse_policy("knorm(ratio=0.5)+quant(bits=4,indexer=fp8)"))
+    for whole, halved in zip(coded.parts, half.parts):
+        if whole.name in ("csa", "indexer", "hca"):
+            assert halved.entries == whole.entries // 2 and halved.bytes == whole.bytes // 2
+        else:
+            assert halved.bytes == whole.bytes
+    # The lightning indexer scores CSA's entries only: HCA keeps all of its own.
+    indexer = {p.name: p.entries for p in plan("deepseek-v4-flash", 131072,
+                                                policy=parse_policy("indexer(ratio=0.5)")).parts}
+    assert indexer["csa"] == indexer["indexer"] == 21 * 32768 // 2 and indexer["hca"] == 20 * 1024
 
 
 def test_storage_override_on_a_classic_model_matches_the_dtype_plan():
@@ -228,3 +266,64 @@ def test_planned_parts_are_the_parts_kvevals_cache_measures(config, prefill, dec
         assert planned.pop("window") == (config["num_hidden_layers"] + sliding_only) * entry
     assert planned == measured
     assert state == stats.state_bytes
+
+
+# Under a policy the planner sizes kveval's cache, part for part as kveval's layers hold them: one of each family
+# these caches take, the indexer at its own width, KVQuant's calibrated codes, selections by ratio (V4) or on the
+# latent (V3.2, GLM), with decode budgets and per-channel groups where the bytes do not depend on which tokens stay.
+PLANNED_POLICIES = {
+    "deepseek_v32": ["fp8(group=8)", "quant(bits=4,group=8,indexer=fp8)", "kivi(bits=2,group=8,residual=4)",
+                     "kvquant(bits=4,pre_rope=false,calib_tokens=128)", "knorm(ratio=0.5)+quant(bits=4,group=8)",
+                     "window(size=20)+kvquant(bits=2,pre_rope=false,sink=0,calib_tokens=128)",
+                     "knorm(budget=12,decode_budget=16)+quant(bits=4,group=8,indexer=native)", "streaming(sink=4,window=16)"],
+    "deepseek_v4": ["fp8(group=16)", "quant(bits=4,group=16,indexer=fp8)", "kivi(bits=4,residual=0,group=4)",
+                    "kivi(bits=2,group=4,residual=4)", "kvquant(bits=4,pre_rope=false,calib_tokens=128)",
+                    "knorm(ratio=0.5)+quant(bits=4,group=16)", "streaming(ratio=0.5,sink=4)", "indexer(ratio=0.5)",
+                    "random(ratio=0.5)+kvquant(bits=2,pre_rope=false,sink=0,calib_tokens=128,indexer=fp8)"],
+    "glm_moe_dsa": ["none", "quant(bits=4,group=8)", "window(size=20)+fp8(group=8)",
+                    "kvquant(bits=4,pre_rope=false,calib_tokens=128)"],
+}
+
+
+@pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("name, spec", [(n, s) for n, specs in PLANNED_POLICIES.items() for s in specs])
+def test_a_planned_policy_is_the_bytes_kvevals_cache_measures(name, spec):
+    """Prefill, then decode steps (windows closed, entries emitted, groups sealed while decoding), float32: every
+    part, the state and the uncompressed cache as kveval measures them (GLM: its second layer, reusing the first's
+    top-k, keeps no indexer keys: under none the planner's parts are the model's own, latent and RoPE key apart)."""
+    import torch
+
+    from cache_runs import context_then_steps, random_ids
+
+    model = tiny_model(name)
+    for context, steps in ((37, 5), (50, 13)):
+        planned = plan(model.config, context, new_tokens=steps, dtype_bytes=4, policy=parse_policy(spec))
+        _, cache = context_then_steps(model, spec, random_ids(context, 1), random_ids(steps, 2), kv_dtype=torch.float32)
+        stats = cache.stats()
+        parts = {p.name: p.bytes for p in planned.parts if p.name != "state"}
+        if spec == "none":
+            parts = {"latent": parts.pop("latent") + parts.pop("rope"), **parts}
+        state = sum(p.bytes for p in planned.parts if p.name == "state")
+        assert parts == stats.parts and state == stats.state_bytes, (context, steps)
+        assert planned.sequence_bytes == stats.kv_bytes + state
+        assert planned.baseline_sequence_bytes == stats.nominal_bytes + state
+
+
+def test_the_v4_gpu_configs_expected_memory_is_the_planners():
+    """configs/gpu-deepseek-v4-flash.yaml states each policy's planned cache at 32K and 128K tokens in its header:
+    every policy it runs has its row, and the row is what the planner says (a comment that cannot go stale)."""
+    from pathlib import Path
+
+    from kveval.planner.memory import human_bytes
+    from kveval.sweep.config import load_config
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "gpu-deepseek-v4-flash.yaml"
+    rows = {}
+    for line in path.read_text().splitlines():
+        words = line.lstrip("# ").split()
+        if len(words) >= 5 and words[0] != "policy" and words[2] == "MiB" and words[4] == "MiB":
+            rows[parse_policy(words[0]).spec] = (f"{words[1]} MiB", f"{words[3]} MiB")
+    for run in load_config(path).policies:
+        planned = tuple(human_bytes(plan("deepseek-v4-flash", n, policy=parse_policy(run.spec)).sequence_bytes)
+                        for n in (32768, 131072))
+        assert rows.get(run.spec) == planned, run.spec

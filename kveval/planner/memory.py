@@ -313,9 +313,9 @@ def _selecting(spec: ModelSpec) -> list[bool]:
 def _check_selection(spec: ModelSpec, stack) -> None:
     """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does, and
     one scored by a model's own indexer (run on the model only)."""
-    if stack.selection is not None and stack.selection.attention == "indexer":
-        raise UsageError(f"{stack.selection.spec()}: scores with DeepSeek V4's lightning indexer, which kveval runs on "
-                         f"the model (kveval generate/eval); the planner sizes V4's native cache (policy none)")
+    if stack.selection is not None and stack.selection.attention == "indexer":  # V4's are sized apart
+        raise UsageError(f"{stack.selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed "
+                         f"entries, which {spec.name} does not have; plan a selection of its own (knorm, snapkv, ...)")
     if stack.selection is not None and not any(_selecting(spec)):
         raise UsageError(f"{stack.selection.spec()}: every attention layer of {spec.name} is chunked, and selection "
                          f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")
@@ -376,31 +376,219 @@ def _check_dtype_bytes(dtype_bytes) -> int:
 
 
 def _native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
-    """Whether the plan is the native cache part by part; refused under a compression policy, which kveval's cache
-    does not run on DSA's indexer keys or V4's compressed entries (nor on a storage format of the planner's)."""
+    """Whether the plan is the native cache part by part (DeepSeek V3.2/V4's layouts, or a storage override); a
+    storage override is refused under a compression policy, whose coding says how each part is stored."""
     if not (spec.native_only or overrides):
         return False
-    if not stack.is_none:
-        what = ("storage overrides" if not spec.native_only else
-                "DeepSeek-V4's compressed layout" if spec.v4 is not None else "DeepSeek-V3.2's indexer keys")
-        raise UsageError(f"{stack.spec}: the planner sizes {what} for policy none only (the native cache); "
-                         f"plan --policy none")
+    if not stack.is_none and overrides:
+        raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
+                         f"own coding stores each part: drop --storage")
     return True
+
+
+def _native_sequence(spec: ModelSpec, stack, context: int, new_tokens: int, dtype_bytes: int,
+                     overrides: dict[str, str], notes: list[str]) -> tuple[list[LayerPlan], list[PartPlan]]:
+    """The native cache of one sequence, per layer and per part: the model's own under policy ``none``, kveval's
+    under a policy (:func:`_native_policy_layers`)."""
+    if not stack.is_none:
+        return _native_policy_layers(spec, stack, context, new_tokens, dtype_bytes, notes)
+    layers, parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
+    return [LayerPlan(n.index, n.kind, n.window, n.tokens, n.bytes) for n in layers], parts
 
 
 def _native_plan(spec: ModelSpec, stack, context: int, batch: int, dtype_bytes: int, new_tokens: int,
                  overrides: dict[str, str], notes: list[str]) -> MemoryPlan:
-    layers, parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
-    seq = sum(layer.bytes for layer in layers)
+    layers, parts = _native_sequence(spec, stack, context, new_tokens, dtype_bytes, overrides, notes)
+    if stack.is_none:
+        base_layers, base_parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
+    else:  # what the policy is measured against: kveval's own cache under none, in the cache dtype
+        from kveval.policies.base import PolicyStack
+
+        base_layers, base_parts = _native_policy_layers(spec, PolicyStack(), context, new_tokens, dtype_bytes, [])
+        if spec.storage:
+            served = sum(layer.bytes for layer in native_layers(spec, context + new_tokens, dtype_bytes)[0])
+            notes.append(f"uncompressed here: the cache dtype ({dtype_bytes} bytes per value), as kveval measures "
+                         f"policy none; as {spec.name} is served ({', '.join(f'{k} {v}' for k, v in spec.storage.items())}) "
+                         f"its cache holds {human_bytes(served)} (plan policy none)")
+    seq, base = sum(layer.bytes for layer in layers), sum(layer.bytes for layer in base_layers)
     growth = sum(part.growth_per_token for part in parts)
+    base_growth = sum(part.growth_per_token for part in base_parts)
     if spec.max_position and context + new_tokens > spec.max_position:
         notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
     return MemoryPlan(model=spec.name, policy=stack.spec, context=context, batch=batch, dtype_bytes=dtype_bytes,
                       new_tokens=new_tokens, bytes_per_token=growth, key_bytes_per_token=growth,
-                      value_bytes_per_token=0.0, baseline_bytes_per_token=math.ceil(growth), sequence_bytes=seq,
-                      total_bytes=seq * batch, baseline_sequence_bytes=seq, baseline_total_bytes=seq * batch,
-                      layers=[LayerPlan(n.index, n.kind, n.window, n.tokens, n.bytes) for n in layers], notes=notes,
-                      parts=parts, native=True)
+                      value_bytes_per_token=0.0, baseline_bytes_per_token=math.ceil(base_growth), sequence_bytes=seq,
+                      total_bytes=seq * batch, baseline_sequence_bytes=base, baseline_total_bytes=base * batch,
+                      layers=layers, notes=notes, parts=parts, native=True)
+
+
+# --- a policy on a native cache, as kveval's cache holds it --------------------------------------------------------
+
+@dataclass(frozen=True)
+class _PartCoding:
+    """How kveval codes one part of keys alone (:func:`kveval.cache.native_layers.part_codes`): grouped codes
+    (``quant``), KVQuant's (``kvquant``: ``coded`` bytes an entry, its sinks and residual in the cache dtype), or
+    the cache dtype (neither); ``residual`` newest entries stay uncoded."""
+
+    quant: Any = None
+    kvquant: Any = None
+    residual: int = 0
+
+    @property
+    def label(self) -> str:
+        """The storage column: ``dtype`` (uncoded), ``kvquant4``, ``int4/64``, ``int2/32ch`` (per channel), ``fp8-e4m3/128``."""
+        if self.kvquant is not None:
+            return f"kvquant{self.kvquant.bits}"
+        q = self.quant
+        if q is None:
+            return "dtype"
+        return f"{f'fp8-{q.fp8}' if q.fp8 else f'int{q.bits}'}/{q.group}{'ch' if q.axis == 'channel' else ''}"
+
+    @property
+    def sealed_before_selection(self) -> bool:
+        """Whether the bytes a selection leaves depend on which entries it keeps: a part's entries are coded after
+        its forward's attention, before the prefill is compressed, so a per-channel group keeps evicted slots and an
+        evicted entry may be a coded or an uncoded one (the residual window's, KVQuant's sinks aside)."""
+        return self.residual > 0 or (self.quant is not None and self.quant.axis == "channel")
+
+    def per_entry(self, width: int, dtype_bytes: int) -> float:
+        """Bytes of one coded entry, amortized (a per-channel group's scales over its entries)."""
+        if self.kvquant is not None:
+            return self.kvquant.coded_bytes(width, 0, dtype_bytes)[0]
+        return _stream_per_token(1, width, self.quant, dtype_bytes)
+
+    def bytes(self, n: int, width: int, dtype_bytes: int, first: int = 0, stride: int = 1,
+              sliding: "tuple[int, int, int] | None" = None) -> int:
+        """Bytes of ``n`` held entries of ``width`` values; the oldest starts at token ``first``, one entry per
+        ``stride`` tokens (KVQuant's sinks: entries whose window starts below ``sink``). ``sliding``: a sliding
+        window's ``(context, new_tokens, window)``, whose per-channel groups it cuts as it moves."""
+        if self.kvquant is not None:
+            sinks = max(0, min(n, math.ceil((self.kvquant.sink - first) / stride)))
+            whole = min(n, self.residual) + max(0, min(sinks, n - self.residual))
+            coded = self.kvquant.coded_bytes(width, 0, dtype_bytes)[0]
+            return (n - whole) * coded + whole * width * dtype_bytes
+        return _stream_bytes(n, 1, width, self.quant, self.residual, dtype_bytes, sliding)
+
+
+def _part_coding(quant, part: str, width: int) -> _PartCoding:
+    """The coding of ``part`` (``width`` values an entry) under quantizer ``quant``, as the cache's."""
+    if quant is None or (part == "indexer" and quant.indexer == "native"):
+        return _PartCoding()
+    if part == "indexer" and quant.indexer == "fp8":
+        from kveval.cache.native_layers import INDEXER_FP8_GROUP
+        from kveval.tensors.quantization import TensorQuant
+
+        return _PartCoding(TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width))
+    if quant.planned_quants() is None:
+        return _PartCoding(kvquant=quant, residual=quant.residual_tokens)
+    return _PartCoding(quant.planned_quants()[0].fitted(width), residual=quant.residual_tokens)
+
+
+def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int, dtype_bytes: int,
+                          notes: list[str]) -> tuple[list[LayerPlan], list[PartPlan]]:
+    """kveval's cache of a DeepSeek V3.2 (GLM MoE-DSA) or V4 model under ``stack``, part by part, as
+    :mod:`kveval.cache.native_layers` holds it (parts named as ``kveval generate`` prints them):
+
+    * V3.2: ``latent``, the latent and RoPE key as V2/V3's (K's and V's coding, a selection's kept tokens), and
+      ``indexer``, the keys of the same tokens in the layers that keep them, coded as a part of keys alone;
+    * V4: ``window``, every layer's newest ``window - 1`` K=V entries, stored once and coded as keys (transformers'
+      sliding-only layers hold them twice: the native cache the policy is compared with); ``csa``/``hca``, one
+      entry per ``rate`` tokens, of which a selection keeps its share of the prefill's, with CSA's ``indexer``
+      entries alongside; the compressors' pending tokens and CSA's overlap (``state``) as the native cache holds
+      them.
+
+    Refused in one line: what the cache refuses (:func:`kveval.cache.native_layers.check_policy`), and a selection
+    over parts coded before it acts with per-channel groups or a residual window (their bytes depend on which
+    entries it keeps)."""
+    from kveval.cache.native_layers import check_policy
+    from kveval.errors import UnsupportedModelError
+
+    indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
+    try:
+        check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)
+    except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
+        raise UsageError(str(refused)) from None
+    selection, quant = stack.selection, stack.quantization
+    if quant is not None and spec.v4 is not None:
+        quant.check_head_dim(spec.head_dim)  # an explicit group that does not divide the window's entries
+    parts: dict[str, list] = {}  # name -> [layers, entries, bytes, width, growth per token, storage]
+    layers: list[LayerPlan] = []
+
+    def add(name: str, n: int, size: int, width: int, growth: float, storage: str = "dtype") -> None:
+        entry = parts.setdefault(name, [0, 0, 0, width, 0.0, storage])
+        entry[0] += 1
+        entry[1] += n
+        entry[2] += size
+        entry[4] += growth
+
+    def sized(part: str, coded: _PartCoding) -> _PartCoding:
+        """``coded``, for a part a selection acts on after its entries were coded (every part these layers hold
+        but V4's window); refused where the bytes it leaves depend on which entries it keeps."""
+        if selection is not None and coded.sealed_before_selection:
+            raise UsageError(
+                f"{stack.spec}: its {part} entries are coded before {selection.spec()} acts, with "
+                f"{'a residual window' if coded.residual else 'per-channel groups'}, so the bytes it leaves depend "
+                f"on which entries it keeps; plan the selection with a per-token quantizer and residual=0, or each "
+                f"alone")
+        return coded
+
+    def coding(part: str, width: int) -> _PartCoding:
+        return sized(part, _part_coding(quant, part, width))
+
+    tokens = context + new_tokens
+    if spec.v4 is None:  # V3.2: the latent as MLA's, the indexer keys of the tokens it holds
+        layout = _layout(spec, stack, notes)
+        for _, _, _, q in layout.streams:  # the latent's K coding and its RoPE key's V coding
+            sized("latent", _PartCoding(q, layout.kvquant, layout.residual))
+        latent = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
+        indexer = coding("indexer", spec.indexer_dim)
+        if layout.kvquant is not None:
+            latent_growth = layout.kvquant_widths[0] * sum(layout.kvquant.coded_bytes(*layout.kvquant_widths[1:],
+                                                                                      dtype_bytes))
+        else:
+            latent_growth = sum(_stream_per_token(heads, dim, q, dtype_bytes) for _, heads, dim, q in layout.streams)
+        for layer in latent:
+            layers.append(layer)
+            add("latent", layer.tokens, layer.bytes, spec.mla_dim, latent_growth,
+                _part_coding(quant, "latent", spec.mla_dim - spec.mla_rope).label)
+            if spec.keeps_indexer(layer.index):
+                size = indexer.bytes(layer.tokens, spec.indexer_dim, dtype_bytes)
+                layers[-1] = dataclasses.replace(layer, bytes=layer.bytes + size)
+                add("indexer", layer.tokens, size, spec.indexer_dim, indexer.per_entry(spec.indexer_dim, dtype_bytes),
+                    indexer.label)
+    else:
+        v4 = spec.v4
+        native = native_layers(spec, tokens, dtype_bytes)[0]
+        held = min(tokens, v4.window - 1)
+        window = _part_coding(quant, "window", spec.head_dim)  # no selection acts on the window
+        for (kind, rate), own in zip(v4.layers, native):
+            sizes = {"window": window.bytes(held, spec.head_dim, dtype_bytes, first=tokens - held,
+                                            sliding=(context, new_tokens, v4.window))}
+            add("window", held, sizes["window"], spec.head_dim, 0.0, window.label)
+            if kind != "sliding":
+                emitted, before = tokens // rate, context // rate
+                # HCA has no indexer: a selection scored by it leaves HCA's entries (as the cache's layer does)
+                scores = selection is not None and not (selection.attention == "indexer" and kind == "hca")
+                kept = min(before, selection.keep_count(before, own.index, spec.num_layers)) if scores else before
+                n = kept + emitted - before
+                series = [(kind, spec.head_dim)] + ([("indexer", v4.index_dim)] if kind == "csa" else [])
+                for part, width in series:
+                    coded = coding(part, width)
+                    sizes[part] = coded.bytes(n, width, dtype_bytes, stride=rate)
+                    add(part, n, sizes[part], width, coded.per_entry(width, dtype_bytes) / rate, coded.label)
+                sizes["state"] = own.parts["state"]
+                add("state", own.parts["state"] // dtype_bytes, own.parts["state"], 1, 0.0)
+            layers.append(LayerPlan(own.index, kind, v4.window, tokens, sum(sizes.values())))
+        notes.append("kveval's cache: every layer's K=V window stored once (transformers' sliding-only layers hold "
+                     "it twice); the state uncoded, in the cache dtype")
+    if selection is not None and quant is not None and quant.planned_quants() is None and quant.sink:
+        notes.append(f"{quant.spec()}: the entries of the first {quant.sink} token(s) are counted as kept in the "
+                     f"cache dtype; {selection.spec()} may evict them")
+    order = ("latent", "window", "csa", "indexer", "hca", "state")  # as kveval generate prints them
+    plans = [PartPlan(name, storage, n_layers, width, math.ceil(size / entries) if entries else 0, entries, size,
+                      growth) for name, (n_layers, entries, size, width, growth, storage)
+             in sorted(parts.items(), key=lambda item: order.index(item[0]))]
+    return layers, plans
 
 
 def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = None, dtype_bytes: int = 2, new_tokens: int = 0,
@@ -578,7 +766,8 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
 
     def seq_bytes(n: int, sized=stack) -> int:
         if native:
-            return sum(layer.bytes for layer in native_layers(spec, n + new_tokens, dtype_bytes, overrides)[0])
+            return sum(layer.bytes for layer in _native_sequence(spec, sized, n, new_tokens, dtype_bytes, overrides,
+                                                                 [])[0])
         return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes))
 
     common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
@@ -625,8 +814,10 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     # the size dip: make sure every shorter length fits as well.
     quant = stack.quantization
     span = 0
-    if native and spec.v4 is not None:
-        span = max(rate for _, rate in spec.v4.layers) + 1
+    if native:
+        span = max([rate for _, rate in spec.v4.layers] if spec.v4 is not None else [0]) + 1
+        grouped = quant is not None and quant.planned_quants() is not None
+        span += max(q.group for q in quant.planned_quants()) + quant.residual_tokens if grouped else 0
     elif quant is not None and layout.kvquant is None:
         span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
     n = lo  # scan down until ``span`` lengths in a row below the answer fit (a dip may hide several periods)

@@ -181,6 +181,9 @@ class ModelSpec:
     mla_rope: int = 0
     #: DeepSeek-V3.2 (DSA): the lightning indexer's key width per token and layer (0: none).
     indexer_dim: int = 0
+    #: Per layer: whether it keeps indexer keys (GLM MoE-DSA's "shared" layers reuse an earlier layer's top-k and
+    #: keep none); empty: every layer, where ``indexer_dim`` is set.
+    indexer_layers: list[bool] = field(default_factory=list)
     #: DeepSeek-V4's compressed layout (``None``: another model).
     v4: V4Shape | None = None
     #: How the model's own serving stack stores each cache part (``kv_storage``; :mod:`kveval.planner.native`).
@@ -188,12 +191,17 @@ class ModelSpec:
     num_parameters: int | None = None
     max_position: int | None = None
     notes: list[str] = field(default_factory=list)
+    model_type: str = ""
 
     @property
     def native_only(self) -> bool:
-        """Whether only the native cache (policy ``none``) is planned: kveval's policies do not act on DSA's indexer
-        keys or V4's compressed entries."""
+        """Whether the cache is the model's own cache layers part by part (DSA's indexer keys, V4's compressed
+        entries: :mod:`kveval.planner.native`), not per-head or MLA K/V alone."""
         return bool(self.indexer_dim) or self.v4 is not None
+
+    def keeps_indexer(self, layer: int) -> bool:
+        """Whether layer ``layer`` keeps indexer keys."""
+        return bool(self.indexer_dim) and (not self.indexer_layers or self.indexer_layers[layer])
 
     @property
     def describe(self) -> str:
@@ -239,6 +247,21 @@ def _optional_int(config: dict[str, Any], key: str, source: str, minimum: int = 
     if not is_whole(value) or value < minimum:
         raise UsageError(f"{source}: {key}={value!r} must be a whole number >= {minimum}")
     return value
+
+
+def _indexer_layers(config: dict[str, Any], layers: int) -> list[bool]:
+    """Per layer, whether it runs its own DSA indexer and keeps its keys, as GLM MoE-DSA's configuration derives it
+    (``indexer_types``; else ``index_topk_pattern``, ``F``/``S`` per layer; else ``index_topk_freq`` from
+    ``index_skip_topk_offset``, default 2); every layer when none is given (DeepSeek V3.2)."""
+    get = config.get
+    types = get("indexer_types")
+    if types is None and get("index_topk_pattern") is not None:
+        pattern = get("index_topk_pattern")
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if types is None and get("index_topk_freq") is not None:
+        freq, offset = max(int(get("index_topk_freq")), 1), int(get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    return [True] * layers if types is None else [kind != "shared" for kind in list(types)[:layers]]
 
 
 def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
@@ -290,10 +313,15 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     window = get("sliding_window")
     layer_types = get("layer_types") or _hybrid_layer_types(config, layers, name)
     indexer_dim = 0
-    if mla_dim is not None and (model_type_of(config) == "deepseek_v32" or "indexed_attention" in (layer_types or ())):
+    if mla_dim is not None and (model_type_of(config) in ("deepseek_v32", "glm_moe_dsa")
+                                or "indexed_attention" in (layer_types or ())):
         indexer_dim = _positive_int(get("index_head_dim") or 128, "index_head_dim", name)
         notes.append(f"DSA: each layer also caches the lightning indexer's key, {indexer_dim} values per token")
         layer_types = [("full_attention" if kind == "indexed_attention" else kind) for kind in layer_types or ()]
+    indexer_layers = _indexer_layers(config, layers) if indexer_dim else []
+    if indexer_layers and not all(indexer_layers):
+        notes.append(f"DSA: {indexer_layers.count(False)} of {layers} layers reuse an earlier layer's top-k and keep "
+                     f"no indexer keys")
     model_type = str(get("model_type") or "")
     if layer_types:
         if len(layer_types) != layers:
@@ -341,7 +369,8 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      f"cache does)")
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
                      head_dim=head_dim, windows=windows, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
-                     mla_rope=mla_rope, indexer_dim=indexer_dim, storage=_storage_of(config, name),
+                     mla_rope=mla_rope, indexer_dim=indexer_dim, indexer_layers=indexer_layers,
+                     model_type=model_type, storage=_storage_of(config, name),
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
                      max_position=None if _grows_positions(config) else get("max_position_embeddings"), notes=notes)
 
@@ -412,6 +441,7 @@ def _v4_spec(config: dict[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers,
                      kv_heads=_positive_int(get("num_key_value_heads", 1), "num_key_value_heads", name),
                      head_dim=head_dim, windows=[window] * layers, v4=shape, storage=_storage_of(config, name),
+                     model_type="deepseek_v4",
                      num_parameters=get("num_parameters"), max_position=get("max_position_embeddings"), notes=notes)
 
 

@@ -177,7 +177,8 @@ def native_layers(spec: ModelSpec, tokens: int, dtype_bytes: int,
             kind = ("state" if not spec.holds_kv[i] else "mla" if spec.mla_dim is not None
                     else "full" if window is None else "sliding")
             heads = spec.kv_heads if spec.mla_dim is None else 1
-            counts = {part: held * heads for part in widths} if spec.holds_kv[i] else {}
+            counts = ({part: held * heads for part in widths if part != "indexer" or spec.keeps_indexer(i)}
+                      if spec.holds_kv[i] else {})
             for part in counts:
                 growth[part] += entry[part] * heads if grows else 0
             add(counts, i, kind, window, held)
