@@ -608,9 +608,10 @@ def test_lm_eval_loglikelihoods_equal_stock_hflm():
 
 
 @pytest.mark.slow
-def test_a_sweep_over_a_local_tiny_v4_folder_runs_to_a_report_and_a_gate(tmp_path):
-    """A user's path end to end: a V4 model folder (random weights, SmolLM2's shipped tokenizer) swept under two
-    quantizations to a leaderboard that shows the parts and a gate that judges each run."""
+def test_a_sweep_over_a_local_tiny_v4_folder_runs_to_a_report_and_a_gate(tmp_path, calibration_cache):
+    """A user's path end to end: a V4 model folder (random weights, SmolLM2's shipped tokenizer) swept under three
+    quantizations (KVQuant calibrated on the folder's own model, each part its own codebook) to a leaderboard that
+    shows the parts and a gate that judges each run."""
     from kveval.commands.main import main
     from kveval.modeling.sources import load_tokenizer
 
@@ -623,7 +624,8 @@ def test_a_sweep_over_a_local_tiny_v4_folder_runs_to_a_report_and_a_gate(tmp_pat
     tokenizer.save_pretrained(folder)
     config = tmp_path / "sweep.yaml"
     config.write_text(f"name: tiny-v4\nmodels: ['{folder}']\nbatch_size: 2\nkv_dtype: float32\n"
-                      "policies: ['quant(bits=4,group=8)', 'fp8(group=16)']\n"
+                      "policies: ['quant(bits=4,group=8)', 'fp8(group=16)', "
+                      "'kvquant(bits=4,pre_rope=false,calib_tokens=256)']\n"
                       "probes: {families: [passkey], lengths: [160], depths: [0.5], n: 2}\n")
     out = tmp_path / "out"
     assert main(["sweep", str(config), "--out", str(out), "--quiet"]) in (0, 1, 3)  # a verdict, whichever
@@ -631,5 +633,11 @@ def test_a_sweep_over_a_local_tiny_v4_folder_runs_to_a_report_and_a_gate(tmp_pat
     assert "bytes/token by part" in board and "csa" in board and "hca" in board
     gate = json.loads((out / "gate" / "gate.json").read_text())
     judged = {c["name"].split("/", 1)[1].split("@")[0]: c["status"] for r in gate.get("results", [gate]) for c in r["candidates"]}
-    assert judged.keys() == {"quant(bits=4,group=8)", "fp8(format=e4m3,group=16)"}
+    assert judged.keys() == {"quant(bits=4,group=8)", "fp8(format=e4m3,group=16)",
+                             "kvquant(bits=4,pre_rope=false,calib_tokens=256)"}
     assert set(judged.values()) <= {"PASS", "FAIL", "INCONCLUSIVE"}
+    # KVQuant's per-model codebooks and ranges: the window's in every layer, and each CSA/HCA part's (2 + 3 parts,
+    # 16 levels, 32 or 16 channels' centre and half-range each, float32)
+    kvquant = next((out / "runs").glob("*/kvquant_*/run.json"))
+    info = json.loads(kvquant.read_text())["extra"]
+    assert info["codebook_bytes"] == 4 * (3 * (16 + 2 * 32) + 2 * (16 + 2 * 32) + (16 + 2 * 16))
