@@ -22,7 +22,8 @@ What the arithmetic follows
 * DeepSeek-V3.2's indexer keys and DeepSeek-V4's compressed layout (sliding window, CSA and HCA entries, indexer
   entries, pending-window state) are planned as their own cache holds them, part by part, for policy ``none``
   (:mod:`kveval.planner.native`); ``storage=`` sets how each part is stored (FP8 with scales, FP4, BF16, ...).
-  Every plan of policy ``none`` lists its cache's parts (``MemoryPlan.parts``).
+  Every plan of policy ``none`` lists its cache's parts (``MemoryPlan.parts``). Under a compression policy these
+  models' caches are planned as kveval's cache holds them, part by part (:func:`_native_policy_layers`).
 * Policies (``kveval policies``), as :mod:`kveval.cache.compressed` stores them:
 
   - selection keeps ``keep_count(context, layer, num_layers)`` tokens per layer
@@ -118,7 +119,9 @@ class MemoryPlan:
     layers: list[LayerPlan]
     notes: list[str]
     #: The cache's parts under policy ``none`` (K and V, an MLA latent and RoPE key, V3.2's indexer keys, V4's window,
-    #: compressed entries and state), each with its storage and bytes; empty under a compression policy.
+    #: compressed entries and state), each with its storage and bytes; under a compression policy, those of a
+    #: DeepSeek V3.2/V4 cache as kveval holds them (``latent``, ``indexer``, ``window``, ``csa``, ``hca``, ``state``)
+    #: and none for other models.
     parts: list[PartPlan] = dataclasses.field(default_factory=list)
     #: Whether the plan is the native cache, part by part (V3.2/V4 layouts, or a ``storage`` override).
     native: bool = False
