@@ -243,6 +243,17 @@ def test_a_calibration_of_native_parts_is_saved_and_read_back(calibration_cache)
     assert parse_policy(KVQUANT).quantization.calibration_for(model).nbytes() == first.nbytes()
 
 
+def test_a_calibration_shorter_than_a_compressed_window_is_refused_before_any_forward(calibration_cache):
+    """10 calibration tokens close no HCA window (16 tokens): no entry to fit its codebook on. Refused in one line
+    when the policy is prepared, before the first forward (it was a refusal inside the forward)."""
+    from kveval.errors import UsageError
+
+    policy = parse_policy("kvquant(bits=4,pre_rope=false,calib_tokens=10)").quantization
+    with pytest.raises(UsageError, match="emitted no 'hca' entries in layer 2") as refused:
+        policy.prepare(tiny_model("deepseek_v4"))
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize("name", NATIVE)
 def test_the_load_time_self_check_covers_them(name):
     from kveval.cache.exactness import probe_length, self_check

@@ -159,9 +159,9 @@ def _native_layer_kv(plan, layer) -> tuple[tuple[torch.Tensor, torch.Tensor], di
     if plan.layer_type == "indexed_attention":
         indexer = layer.indexer_keys  # None where the layer reuses an earlier layer's top-k (GLM's "shared")
         return (keys, layer.values[0].float().cpu()), {} if indexer is None else {"indexer": indexer[:1].float().cpu()}
-    parts = {part: layer.compressed_kv[name][:1].float().cpu()
-             for name, part in NATIVE_ENTRY_PARTS.get(plan.layer_type, {}).items()
-             if layer.compressed_kv[name] is not None}
+    empty = keys[:, :0, :0]  # a series that emitted no entry yet (the pass is shorter than its window)
+    parts = {part: empty if layer.compressed_kv[name] is None else layer.compressed_kv[name][:1].float().cpu()
+             for name, part in NATIVE_ENTRY_PARTS.get(plan.layer_type, {}).items()}
     return (keys, keys[..., :0]), parts
 
 

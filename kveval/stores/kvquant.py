@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
 from kveval.stores.base import TokenStore, alive_order, alive_slots
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
@@ -366,8 +366,13 @@ def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model
             positions = torch.arange(keys.shape[1], device=model.device).expand(keys.shape[0], -1)
             keys = hook.unrotate(keys.to(model.device), positions, (cos[positions], sin[positions])).cpu()
         layers.append(_calibrate_layer(keys, values, settings))
-    parts = [{name: _calibrate_layer(x, x[..., :0], settings) for name, x in layer.items() if x.shape[1]}
-             for layer in others]
+    for i, layer in enumerate(others):
+        for name, x in layer.items():
+            if not x.shape[1]:
+                raise UsageError(f"kvquant: the calibration pass ({used} tokens) emitted no {name!r} entries in layer "
+                                 f"{i}, so its codebook cannot be fitted; give a longer calibration text or "
+                                 f"calib_tokens")
+    parts = [{name: _calibrate_layer(x, x[..., :0], settings) for name, x in layer.items()} for layer in others]
     return KVQuantCalibration(settings, layers, used, text.sha256, model_key, parts=parts)
 
 
