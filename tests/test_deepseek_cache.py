@@ -221,6 +221,20 @@ def test_kvquant_codes_each_v4_part_with_the_codec_calibrated_on_it():
     }
 
 
+@pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("name", NATIVE)
+def test_kvquant_decodes_the_same_from_its_codes_as_from_its_buffer(name):
+    """A GPU decodes quantized layers from their codes (``quantized_decode="codes"``), a CPU from a dequantized
+    buffer: the same logits through prefill, a question and decode steps, and the same bytes."""
+    runs = {}
+    for mode in ("buffer", "codes"):
+        model = tiny_model(name)
+        cache = CompressedCache(model, parse_policy("kvquant(bits=3,pre_rope=false,calib_tokens=256)"), kv_dtype=FP32,
+                                quantized_decode=mode)
+        runs[mode] = (torch.cat([x[0, -1:] for x in _three_calls(model, cache)]), cache.stats().parts)
+    assert torch.equal(runs["buffer"][0], runs["codes"][0]) and runs["buffer"][1] == runs["codes"][1]
+
+
 def test_a_calibration_of_native_parts_is_saved_and_read_back(calibration_cache):
     """The parts' codecs go to disk with the layers' and come back the same; a file from before the values' width
     was recorded is calibrated again, not read at the latent's width."""
