@@ -175,15 +175,26 @@ def _check_entry_selection(selection, name: str) -> None:
             f"budget, decode_budget) do not map onto entries of several tokens: give ratio= alone")
 
 
+def indexer_coding(quantization, part: str, width: int) -> "tuple[bool, TensorQuant | None]":
+    """Whether the quantizer's ``indexer`` term (``native``, ``fp8``) decides how ``part`` (``width`` values per
+    entry) is coded rather than the quantizer itself, and that coding (``None``: the cache dtype). The cache and the
+    memory planner both ask here."""
+    if part != "indexer" or quantization.indexer == "same":
+        return False, None
+    return True, (TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width)
+                  if quantization.indexer == "fp8" else None)
+
+
 def part_codes(cache, layer_idx: int, part: str, width: int, stride: int):
     """How one row of ``part`` (``width`` values per entry, one entry per ``stride`` tokens) of layer ``layer_idx``
     is coded under the cache's quantizer (one of :data:`PART_QUANTIZERS`): its ``part_codes``, or for the indexer's
-    keys its ``indexer`` term; ``None``: kept in the cache dtype."""
+    keys its ``indexer`` term (:func:`indexer_coding`); ``None``: kept in the cache dtype."""
     quantization = cache.policy.quantization
-    if quantization is None or (part == "indexer" and quantization.indexer == "native"):
+    if quantization is None:
         return None
-    if part == "indexer" and quantization.indexer == "fp8":
-        return QuantizedSequence(TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width), 0, cache.kv_dtype)
+    own, quant = indexer_coding(quantization, part, width)
+    if own:
+        return None if quant is None else QuantizedSequence(quant, 0, cache.kv_dtype)
     return quantization.part_codes(cache.model, layer_idx, part, width, cache.kv_dtype, stride)
 
 
@@ -645,4 +656,4 @@ def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
 
 
 __all__ = ["CsaLayer", "ENTRY_SELECTIONS", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
-           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "refuse_model_indexer", "part_codes", "rows_alone"]
+           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "refuse_model_indexer", "indexer_coding", "part_codes", "rows_alone"]

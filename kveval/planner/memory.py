@@ -380,12 +380,25 @@ def _check_dtype_bytes(dtype_bytes) -> int:
 
 def _native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
     """Whether the plan is the native cache part by part (DeepSeek V3.2/V4's layouts, or a storage override); a
-    storage override is refused under a compression policy, whose coding says how each part is stored."""
+    storage override is refused under a compression policy, whose coding says how each part is stored, and so is
+    what kveval's cache refuses on these models (:func:`kveval.cache.native_layers.check_policy`, checked here once
+    for a plan or a fit)."""
     if not (spec.native_only or overrides):
         return False
     if not stack.is_none and overrides:
         raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
                          f"own coding stores each part: drop --storage")
+    if not stack.is_none:
+        from kveval.cache.native_layers import check_policy
+        from kveval.errors import UnsupportedModelError
+
+        indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
+        try:
+            check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)
+        except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
+            raise UsageError(str(refused)) from None
+        if stack.quantization is not None and spec.v4 is not None:
+            stack.quantization.check_head_dim(spec.head_dim)  # an explicit group that does not divide the entries
     return True
 
 
@@ -474,14 +487,15 @@ class _PartCoding:
 
 
 def _part_coding(quant, part: str, width: int) -> _PartCoding:
-    """The coding of ``part`` (``width`` values an entry) under quantizer ``quant``, as the cache's."""
-    if quant is None or (part == "indexer" and quant.indexer == "native"):
-        return _PartCoding()
-    if part == "indexer" and quant.indexer == "fp8":
-        from kveval.cache.native_layers import INDEXER_FP8_GROUP
-        from kveval.tensors.quantization import TensorQuant
+    """The coding of ``part`` (``width`` values an entry) under quantizer ``quant``, as the cache's
+    (:func:`kveval.cache.native_layers.part_codes`)."""
+    from kveval.cache.native_layers import indexer_coding
 
-        return _PartCoding(TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width))
+    if quant is None:
+        return _PartCoding()
+    own, coded = indexer_coding(quant, part, width)
+    if own:
+        return _PartCoding(coded)
     if quant.planned_quants() is None:
         return _PartCoding(kvquant=quant, residual=quant.residual_tokens)
     return _PartCoding(quant.planned_quants()[0].fitted(width), residual=quant.residual_tokens)
@@ -500,20 +514,9 @@ def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int,
       entries alongside; the compressors' pending tokens and CSA's overlap (``state``) as the native cache holds
       them.
 
-    Refused in one line: what the cache refuses (:func:`kveval.cache.native_layers.check_policy`), and a selection
-    over parts coded before it acts with per-channel groups or a residual window (their bytes depend on which
-    entries it keeps)."""
-    from kveval.cache.native_layers import check_policy
-    from kveval.errors import UnsupportedModelError
-
-    indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
-    try:
-        check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)
-    except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
-        raise UsageError(str(refused)) from None
+    The stack has passed :func:`_native`'s checks; refused here in one line: a selection over parts coded before
+    it acts with per-channel groups or a residual window (their bytes depend on which entries it keeps)."""
     selection, quant = stack.selection, stack.quantization
-    if quant is not None and spec.v4 is not None:
-        quant.check_head_dim(spec.head_dim)  # an explicit group that does not divide the window's entries
     parts: dict[str, list] = {}  # name -> [layers, entries, bytes, width, growth per token, storage]
     layers: list[LayerPlan] = []
 

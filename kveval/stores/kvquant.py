@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
+from kveval.errors import PolicySpecError, UsageError
 from kveval.stores.base import TokenStore, alive_order, alive_slots
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
@@ -300,13 +300,9 @@ class KVQuantCalibration:
         return self._codec(self.layers[layer], rope)
 
     def part_codec(self, layer: int, part: str) -> KVQuantCodec:
-        """The :class:`KVQuantCodec` of part ``part`` of native layer ``layer`` (keys alone, as they arrive)."""
-        entry = self.parts[layer].get(part) if layer < len(self.parts) else None
-        if entry is None:
-            raise UnsupportedModelError(
-                f"kvquant: the calibration pass emitted no {part!r} entries in layer {layer} (its text is shorter "
-                f"than one compressed window?); give a longer calibration text or calib_tokens")
-        return self._codec(entry, None)
+        """The :class:`KVQuantCodec` of part ``part`` of native layer ``layer`` (keys alone, as they arrive); the
+        calibration refuses a pass that left a part without entries (:func:`calibrate_kvquant`)."""
+        return self._codec(self.parts[layer][part], None)
 
     def _codec(self, entry: dict, rope) -> KVQuantCodec:
         s, value_dim = self.settings, int(entry["value_dim"])
