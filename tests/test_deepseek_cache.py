@@ -156,6 +156,28 @@ def test_batch_of_three_gives_each_rows_answers_alone(name, policy):
         assert (a.stats.kv_bytes, a.stats.parts, a.stats.state_bytes) == (b.stats.kv_bytes, b.stats.parts, b.stats.state_bytes)
 
 
+@pytest.mark.usefixtures("calibration_cache")
+@pytest.mark.parametrize("name, policy", [
+    ("deepseek_v32", "window(size=20)+kvquant(bits=4,pre_rope=false,calib_tokens=256)"),
+    ("glm_moe_dsa", "kvquant(bits=2,pre_rope=false,calib_tokens=256,indexer=fp8)"),
+    ("deepseek_v4", "knorm(ratio=0.5)+kvquant(bits=4,pre_rope=false,calib_tokens=256)"),
+])
+def test_kvquant_in_a_batch_with_eos_gives_each_rows_answers_alone(name, policy):
+    """Questions of 3, 1 and 4 tokens, EOS set to row 0's first token (it ends before any step, the others' steps
+    must leave its cache alone): batch 3 gives each row's answers and bytes alone."""
+    model = tiny_model(name)
+    prompts = [Prompt(_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
+    model.generation_config.eos_token_id = generate(model, Tok(), prompts[:1], parse_policy(policy),
+                                                    max_new_tokens=1)[0].token_ids[0]
+    alone = [generate(model, Tok(), [p], parse_policy(policy), max_new_tokens=6)[0] for p in prompts]
+    assert alone[0].token_ids == [] and any(len(r.token_ids) > 1 for r in alone[1:])
+    together = generate(model, Tok(), prompts, parse_policy(policy), max_new_tokens=6, batch_size=3)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert (a.stats.kv_bytes, a.stats.parts, a.stats.state_bytes) == (b.stats.kv_bytes, b.stats.parts,
+                                                                          b.stats.state_bytes)
+
+
 @pytest.mark.parametrize("name", NATIVE)
 def test_the_calibration_pass_collects_every_part_the_cache_holds(name):
     """KVQuant calibrates each part on the entries the model's own cache layers hold after one forward over the
