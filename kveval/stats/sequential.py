@@ -28,7 +28,7 @@ joint distribution (the statistics at the looks are a Brownian motion sampled at
 ``Z_k sqrt(I_k)`` has independent normal increments; Armitage, McPherson and Rowe 1969, J R Stat Soc A
 132:235-244), on the grid and Simpson weights of Jennison and Turnbull (2000, "Group Sequential Methods with
 Applications to Clinical Trials", ch. 19). The same integration gives the classic constant-shape boundaries of
-Pocock and O'Brien-Fleming (:func:`constant_shape_boundaries`), the tests check both against published tables.
+Pocock and O'Brien-Fleming (:func:`constant_shape_boundaries`); the tests check both against published tables.
 
 Tango's statistic on counts is asymptotically normal with the canonical covariance (its information grows with the
 items), as is the Rao-Scott-adjusted statistic of clustered items; the information fraction at a look is its share
@@ -425,9 +425,9 @@ class SequentialDesign:
         How each error rate is spent over the looks.
 
     The default, :meth:`default`, is four equally spaced looks with O'Brien-Fleming-type spending for both
-    decisions at the gate's alpha 0.05: the last look's boundary (1.70 against the fixed-n 1.645) keeps the verdicts
-    of a full run and the items for the same power within 3% of the fixed-n plan, while a candidate that loses
-    most of its answers (z beyond -4) is stopped after a quarter of the items.
+    decisions at the gate's alpha 0.05: the last look's boundary (1.720 against the fixed-n 1.645) keeps the
+    verdicts of a full run and the items for the same power within 3% of the fixed-n plan, while a candidate that
+    loses most of its answers (z beyond -3.75) is stopped after a quarter of the items.
     """
 
     looks: tuple[int, ...]
