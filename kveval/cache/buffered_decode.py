@@ -69,30 +69,18 @@ from kveval.cache.coded_rows import CodedRows, SharedScratch, seal_together
 from kveval.cache.decode_encodings import CoefficientSteps, KVQuantResidual, QuantizedResidual, encode_aged_sides
 from kveval.cache.decode_evictions import BudgetEviction, DeferredEvictions, HeadBudgetEviction, LayerScoring
 from kveval.cache.rows import seal_rows
-from kveval.stores.base import DenseStore, QuantizedStore
-from kveval.stores.headwise import HeadwiseStore
-from kveval.stores.kvquant import KVQuantStore
-from kveval.stores.lowrank import CoefficientStore
-from kveval.tensors.batch_buffer import PAD_POSITION, BatchBuffer, real_runs
+from kveval.stores.base import BatchFamily
+from kveval.tensors.batch_buffer import BatchBuffer, real_runs
 
 CATCH_UP_STEPS = 64  # decode steps between catch-ups of the rows' stores
 
-def _dense(store) -> bool:
-    """A dense store, or per-head stores whose every head is dense (what a batched append or eviction may load)."""
-    return type(store) is DenseStore or (type(store) is HeadwiseStore and all(type(h) is DenseStore for h in store.heads))
+_DENSE, _QUANTIZED, _KVQUANT = BatchFamily.DENSE, BatchFamily.QUANTIZED, BatchFamily.KVQUANT
+_COEFFICIENTS, _PER_HEAD = BatchFamily.COEFFICIENTS, BatchFamily.PER_HEAD
 
 
 def _plain_quantized(store) -> bool:
     """A quantized store with no evicted slot (inside a unit or in the residual window)."""
-    return (type(store) is QuantizedStore and store.k.alive is None and store.k.tail_alive is None
-            and store.v.alive is None and store.v.tail_alive is None)
-
-
-def _tokenwise_quantized(store) -> bool:
-    """A quantized store that encodes each token alone, as it arrives (per-token groups, no residual window): an
-    eviction then drops whole encoded tokens, whatever it drops."""
-    return type(store) is QuantizedStore and all(side.unit == 1 and side.residual == 0 and side.tail_alive is None
-                                                 for side in (store.k, store.v))
+    return store.batch_family is _QUANTIZED and store.every_slot_alive()
 
 
 class BufferedDecode:
@@ -145,17 +133,18 @@ class BufferedDecode:
         every new token at one slot after the longest head, as dense rows do. A decode budget needs scores that
         take a batch (:attr:`SelectionPolicy.batch_scores`) and, in :meth:`for_rows`, dense stores (per head or
         not) or tokens quantized alone as they arrive; a sliding window, dense, quantized or KVQuant stores."""
-        if type(store) is HeadwiseStore:
+        family = store.batch_family
+        if family is _PER_HEAD:
             return sliding_window is None and (selection is None or selection.decode_budget is None
                                                or HeadBudgetEviction.serves(selection))
-        if isinstance(store, CoefficientStore):
+        if family is _COEFFICIENTS:
             return sliding_window is None and (selection is None or selection.decode_budget is None)
-        if type(store) is KVQuantStore:
+        if family is _KVQUANT:
             return selection is None or selection.decode_budget is None
-        if type(store) not in (DenseStore, QuantizedStore):
+        if family not in (_DENSE, _QUANTIZED):
             return False
         if sliding_window is not None:
-            return type(store) in (DenseStore, QuantizedStore, KVQuantStore)
+            return True
         if selection is None or selection.decode_budget is None:
             return True
         return BudgetEviction.serves(selection)
@@ -181,7 +170,7 @@ class BufferedDecode:
             if any(span != row.positions.shape[1] - 1 for span, row in zip(spans, held)):  # one read for the rows
                 return None
             eviction = BudgetEviction.of_window(sliding_window)
-            if all(type(s) is DenseStore for s in stores):
+            if all(s.batch_family is _DENSE for s in stores):
                 return cls(kv_dtype, eviction=eviction)
             return cls._quantized_window(stores, kv_dtype, eviction, sliding_window)
         context = LayerScoring(layer_idx, num_layers, model,
@@ -189,22 +178,22 @@ class BufferedDecode:
         if selection is not None and selection.decode_budget is not None and selection.per_head_budgets:
             budgets = selection.head_decode_budgets(model, layer_idx, num_layers, rows[0].positions.shape[0])
             if ((budgets is None and not selection.chooses_in_batch)
-                    or not all(type(s) is HeadwiseStore and _dense(s) for s in stores)):
+                    or not all(s.batch_family is _PER_HEAD and s.holds_dense() for s in stores)):
                 return None
             eviction = HeadBudgetEviction(selection, budgets, context)
             return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
         if selection is not None and selection.decode_budget is not None:
             eviction = BudgetEviction(selection.decode_budget, selection.scores, context,
                                       stacks=selection.scores_stack_layers)
-            if all(type(s) is DenseStore for s in stores):
+            if all(s.batch_family is _DENSE for s in stores):
                 return cls(kv_dtype, eviction=eviction, accumulates=accumulates)
-            if not all(_tokenwise_quantized(s) for s in stores):
+            if not all(s.batch_family is _QUANTIZED and s.encodes_on_arrival() for s in stores):
                 return None
             return cls(kv_dtype, QuantizedResidual.of([s.k for s in stores]), QuantizedResidual.of([s.v for s in stores]),
                        eviction=eviction, accumulates=accumulates)
-        if all(_dense(s) for s in stores):
+        if all(s.holds_dense() for s in stores):
             return cls(kv_dtype, accumulates=accumulates)
-        if all(type(s) is HeadwiseStore for s in stores):  # per-head budgets at the prefill: each head is a row
+        if all(s.batch_family is _PER_HEAD for s in stores):  # per-head budgets at the prefill: each head is a row
             heads = [head for s in stores for head in s.heads]
             if not all(_plain_quantized(head) for head in heads):
                 return None
@@ -231,7 +220,7 @@ class BufferedDecode:
         kvquant = KVQuantResidual.of(stores)
         if kvquant is not None:
             return cls(kv_dtype, eviction=eviction, kvquant=kvquant, window=window) if kvquant.residual + 1 <= window else None
-        if not all(type(s) is QuantizedStore and s.k.tail_alive is None and s.v.tail_alive is None for s in stores):
+        if not all(s.batch_family is _QUANTIZED and s.residual_intact() for s in stores):
             return None
         keys, values = QuantizedResidual.of([s.k for s in stores]), QuantizedResidual.of([s.v for s in stores])
         if any(side.residual + side.unit > window for side in (keys, values)):
@@ -382,11 +371,7 @@ class BufferedDecode:
             self.pending = []
             for b, row in enumerate(rows):
                 n = buffer.lengths[b]
-                if type(row.store) is HeadwiseStore:  # each head its real (last) slots
-                    heads = (buffer.positions[b, :, :n] != PAD_POSITION).sum(dim=1).tolist()
-                    row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n], heads)
-                else:
-                    row.store.load(buffer.keys[b, :, :n], buffer.values[b, :, :n])
+                row.store.load_buffer_row(buffer.keys[b, :, :n], buffer.values[b, :, :n], buffer.positions[b, :, :n])
                 row.store.mark_read()
                 row.positions = buffer.positions[b, :, :n].clone()
                 row.tokens_seen += counts[b]

@@ -68,6 +68,7 @@ from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling import architectures
 from kveval.modeling.layer_types import selecting_layers
 from kveval.policies.base import PolicyStack, require_stack
+from kveval.policies.snapkv import SnapKVPolicy
 from kveval.stores.base import DenseStore, cache_kv_dtype, dtype_name
 from kveval.tensors.batch_buffer import real_runs
 
@@ -159,7 +160,7 @@ def _compact_views(row: RowState, memo: dict) -> dict:
             pending.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             pending.extend(obj)
-        elif type(obj).__module__.startswith("kveval.") and hasattr(obj, "__dict__"):
+        elif type(obj).__module__.startswith("kveval.") and type(obj).__dictoffset__:  # its instances have a __dict__
             pending.extend(vars(obj).values())
     return memo
 
@@ -584,8 +585,6 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
 def _retrieval_calibration_cache(model, window: int) -> CompressedCache:
     """The cache DuoAttention's calibration scores heads in: the attention of the last ``window`` queries (those that
     write the passkey's answer), kept unpooled, in the model's own dtype."""
-    from kveval.policies.snapkv import SnapKVPolicy
-
     stack = PolicyStack(selection=SnapKVPolicy(ratio=0.5, window=window, kernel=1))
     return CompressedCache(model, stack, defer_compression=True, kv_dtype=model.dtype)
 

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.stores.base import DenseStore, QuantizedSequence, QuantizedStore
-from kveval.stores.kvquant import KVQuantStore
-from kveval.stores.lowrank import CoefficientStore
+from kveval.stores.base import BatchFamily, QuantizedSequence, TokenStore
 from kveval.tensors.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.tensors.quantization import quantized_values
 
@@ -142,8 +140,7 @@ class KVQuantResidual(ResidualWindow):
         """The window of ``stores`` when every one is a KVQuant store of one codec whose tail holds every head's
         newest tokens (no evicted slots in it)."""
         first = stores[0]
-        if not all(type(s) is KVQuantStore and s.codec is first.codec and (s.sink, s.residual) == (first.sink, first.residual)
-                   and s.tail.alive is None for s in stores):
+        if not all(s.batch_family is BatchFamily.KVQUANT and first.same_code(s) and s.residual_intact() for s in stores):
             return None
         return cls(first.codec, first.sink, first.residual, [s.tail.slots for s in stores])
 
@@ -177,7 +174,7 @@ class CoefficientSteps:
     their tokens are reconstructed again into the layer's buffer (:meth:`rewrite_aged`).
     """
 
-    def __init__(self, code: CoefficientStore, residuals: "list[tuple[QuantizedResidual, QuantizedResidual]] | None" = None):
+    def __init__(self, code: TokenStore, residuals: "list[tuple[QuantizedResidual, QuantizedResidual]] | None" = None):
         self.code = code  # the first row's store: encodes and decodes for the batch
         self.residuals = residuals  # per inner store, its K and V quantizers' windows (quantized inners)
         self.held: list[BatchBuffer] = []  # per inner store, the rows' coefficients (quantized inners)
@@ -188,14 +185,13 @@ class CoefficientSteps:
         """The steps of ``stores`` when every one is a sealed coefficient store on the first one's bases, over
         dense inner stores or plain quantized ones with no evicted slots."""
         first = stores[0]
-        if not all(isinstance(s, CoefficientStore) and not s.unsealed.length and (s is first or first.same_code(s))
+        if not all(s.batch_family is BatchFamily.COEFFICIENTS and not s.unsealed.length and (s is first or first.same_code(s))
                    for s in stores):
             return None
         inners = [inner for s in stores for inner in s.inners]
-        if all(type(i) is DenseStore for i in inners):
+        if all(i.batch_family is BatchFamily.DENSE for i in inners):
             return cls(first)
-        if not all(type(i) is QuantizedStore and i.k.alive is None and i.k.tail_alive is None
-                   and i.v.alive is None and i.v.tail_alive is None for i in inners):
+        if not all(i.batch_family is BatchFamily.QUANTIZED and i.every_slot_alive() for i in inners):
             return None
         return cls(first, [(QuantizedResidual.of([s.inners[i].k for s in stores]), QuantizedResidual.of([s.inners[i].v for s in stores]))
                            for i in range(len(first.inners))])
@@ -244,7 +240,7 @@ class CoefficientSteps:
         whose coefficients left the residual window at this step."""
         for side, run in self.aged:
             keys, values = self.code.decode([(run.take(held.keys), run.take(held.values)) for held in self.held])
-            held = getattr(buffer, side)
+            held = buffer.keys if side == "keys" else buffer.values
             run.put(held, (keys if side == "keys" else values).to(held.dtype))
         self.aged = []
 

@@ -164,6 +164,16 @@ class BudgetEviction:
         return (selection.decode_budget is not None and selection.batch_scores and not selection.per_head_budgets
                 and selection.attention in ("none", "all", "last") and selection.decode_interval == 1)
 
+    def stacks_with(self, other: "BudgetEviction", held: BatchBuffer, buffer: BatchBuffer) -> bool:
+        """Whether ``other``'s pending eviction (of ``buffer``; this one's of ``held``, of the same rows and heads) is
+        kept in one stack with this one's: the same budget and scores, buffers of the same width."""
+        return self.budget == other.budget and self.scores == other.scores and held.width == buffer.width
+
+    @staticmethod
+    def apply_stacked(chunk: "list[tuple[BudgetEviction, BatchBuffer]]") -> None:
+        """Keep the pending evictions of ``chunk`` (layers that :meth:`stacks_with` one another) as one stack."""
+        _apply_stacked(chunk)
+
     @classmethod
     def of_window(cls, window: int) -> "BudgetEviction":
         """A sliding layer's window: the ``window - 1`` newest positions, known from the rows' lengths with no
@@ -314,10 +324,8 @@ class DeferredEvictions:
                 chunk = group[start:start + step]
                 if len(chunk) == 1:
                     chunk[0][0].apply(chunk[0][1])
-                elif isinstance(chunk[0][0], HeadBudgetEviction):
-                    _apply_stacked_heads(chunk)
                 else:
-                    _apply_stacked(chunk)
+                    chunk[0][0].apply_stacked(chunk)
 
 
 def _stack_together(a: tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer],
@@ -329,9 +337,7 @@ def _stack_together(a: tuple["BudgetEviction | HeadBudgetEviction", BatchBuffer]
                                               and held.positions.device == buffer.positions.device
                                               and (held.attention is None) == (buffer.attention is None)):
         return False
-    if isinstance(first, HeadBudgetEviction):
-        return first.stacks_with(other)
-    return first.budget == other.budget and first.scores == other.scores and held.width == buffer.width
+    return first.stacks_with(other, held, buffer)
 
 
 def _stacked(buffers: list[BatchBuffer], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -409,8 +415,18 @@ class HeadBudgetEviction:
         budget shared by the heads by scores that read positions and attention alone, and some row over it."""
         return self.stacks and any(evicting_rows(buffer, self.decode_budget))
 
-    def stacks_with(self, other: "HeadBudgetEviction") -> bool:
+    trims_window = False  # never a sliding layer's window (BudgetEviction.trims_window)
+
+    def stacks_with(self, other: "HeadBudgetEviction", held: BatchBuffer | None = None,
+                    buffer: BatchBuffer | None = None) -> bool:
+        """Whether ``other``'s pending eviction is kept in one stack with this one's: both choose by scores that
+        stack, for one selection (the buffers, of the same rows and heads, may differ in width)."""
         return self.stacks and other.stacks and self.selection == other.selection
+
+    @staticmethod
+    def apply_stacked(chunk: "list[tuple[HeadBudgetEviction, BatchBuffer]]") -> None:
+        """Keep the pending evictions of ``chunk`` (layers that :meth:`stacks_with` one another) as one stack."""
+        _apply_stacked_heads(chunk)
 
     def _kept(self, scores: torch.Tensor, padding: torch.Tensor, width: int) -> torch.Tensor:
         """``[B, H, width]``: the slots an over-budget row keeps."""

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kveval.cache.attention import ATTENTION_NAME
+from kveval.cache.compressed import CompressedCache
 from kveval.errors import UnsupportedModelError
 from kveval.modeling.architectures import architecture_name
 
@@ -57,9 +59,6 @@ def prefill_and_decode(model, cache, ids: torch.Tensor, decode: int) -> list[tor
 def measure_exactness(model, prefill: int = 24, decode: int = 4, seed: int = 0) -> Exactness:
     """Run the probe on ``model`` (loaded with ``attn_implementation="kveval"``) and return the difference."""
     from transformers import DynamicCache
-
-    from kveval.cache.attention import ATTENTION_NAME
-    from kveval.cache.compressed import CompressedCache
 
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(min(3, vocab - 1), vocab, (1, prefill), generator=torch.Generator().manual_seed(seed))

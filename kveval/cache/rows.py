@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.stores.base import DenseStore, seal_together
-from kveval.stores.headwise import HeadwiseStore
+from kveval.stores.base import TokenStore, seal_together
 from kveval.tensors.batch_buffer import PAD_POSITION as _PAD_POSITION
 
 
@@ -30,7 +29,7 @@ def _left_pad(rows: list[torch.Tensor], slots: int, fill) -> torch.Tensor:
 class RowState:
     """One sequence in one layer: its store, the original position of every kept token, and policy scores."""
 
-    store: object
+    store: TokenStore
     positions: torch.Tensor  # [kv_heads, tokens], int64
     attention: torch.Tensor | None = None  # [kv_heads, tokens], accumulated as the policy asks
     tokens_seen: int = 0  # real tokens ever appended (the uncompressed length)
@@ -47,9 +46,9 @@ class RowState:
         ``columns``: a slice (no device sync), or a boolean mask. The store gets tensors of its own, as a boolean
         index gives, except a :class:`~kveval.stores.base.DenseStore`, which makes its own contiguous copy in its
         ``kv_dtype`` where the view is not one already, and is otherwise pointed at the layer's batch buffer within
-        the same update: no store keeps the whole batch's tensor alive."""
+        the same update: no store keeps the whole batch's tensor alive (:attr:`~kveval.stores.base.TokenStore.copies_on_append`)."""
         keys, values = keys[:, columns], values[:, columns]
-        if isinstance(columns, slice) and type(self.store) is not DenseStore:
+        if isinstance(columns, slice) and not self.store.copies_on_append:
             keys, values = (x.clone(memory_format=torch.contiguous_format) for x in (keys, values))
         self.store.append(keys, values)
         self.took(positions[columns])
@@ -60,12 +59,10 @@ class RowState:
         self.tokens_seen += positions.shape[0]
 
     def place_positions(self) -> None:
-        """Before sealing (:func:`seal_rows`): a store that encodes by position (``place_positions``: kvquant's
-        pre-RoPE keys) is told every held token's original position, which only the cache knows (sliding trims,
-        shared prefills)."""
-        place = getattr(self.store, "place_positions", None)
-        if place is not None:
-            place(self.positions)
+        """Before sealing (:func:`seal_rows`): the store is told every held token's original position, which only the
+        cache knows (sliding trims, shared prefills), for a store that encodes by position (kvquant's pre-RoPE
+        keys: :meth:`~kveval.stores.base.TokenStore.place_positions`)."""
+        self.store.place_positions(self.positions)
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep slots ``index`` (``[H, T']``) of the store and of everything held per slot."""
@@ -90,11 +87,8 @@ class RowState:
 
     def keep_heads(self, index: list[torch.Tensor]) -> None:
         """Keep slots ``index[h]`` of each head ``h``, heads keeping different numbers of tokens (per-head budgets,
-        a :class:`~kveval.stores.headwise.HeadwiseStore`): what is held per slot is left-padded, padding slots at the
-        padding position (invisible) with no attention or score."""
-        if not isinstance(self.store, HeadwiseStore):
-            raise TypeError(f"{type(self.store).__name__} holds the same tokens count in every head; "
-                            "per-head budgets need the layer's HeadwiseStore")
+        a store whose :attr:`~kveval.stores.base.TokenStore.ragged_heads`): what is held per slot is left-padded,
+        padding slots at the padding position (invisible) with no attention or score."""
         self.store.select_heads(index)
         slots = max(i.numel() for i in index)
         self.positions = _left_pad([p[i] for p, i in zip(self.positions, index)], slots, _PAD_POSITION)
@@ -107,8 +101,8 @@ class RowState:
     def window_index(self, window: int, first_new_position: int) -> "torch.Tensor | list[torch.Tensor] | None":
         """The slots a sliding layer of ``window`` positions keeps for a query at ``first_new_position`` (the
         model's own window), ``[H, T']``, or one index per head where heads hold different tokens (per-head
-        budgets: a :class:`~kveval.stores.headwise.HeadwiseStore`); ``None`` when it keeps them all."""
-        if isinstance(self.store, HeadwiseStore):
+        budgets: :attr:`~kveval.stores.base.TokenStore.ragged_heads`); ``None`` when it keeps them all."""
+        if self.store.ragged_heads:
             held = self.positions != _PAD_POSITION
             visible = (self.positions > first_new_position - window) & held
             if bool((visible == held).all()):
@@ -122,17 +116,14 @@ class RowState:
     @property
     def padding(self) -> torch.Tensor | None:
         """``[kv_heads, slots]``: True on the padding slots of heads holding fewer tokens (per-head budgets), else ``None``."""
-        if not isinstance(self.store, HeadwiseStore):
+        if not self.store.ragged_heads:
             return None
         padding = self.positions == _PAD_POSITION
         return padding if bool(padding.any()) else None
 
     def kept_tokens(self) -> int:
         """Tokens held per KV head (rounded mean over heads when per-head budgets differ)."""
-        if isinstance(self.store, HeadwiseStore) and self.store.heads:
-            lengths = self.store.head_lengths
-            return round(sum(lengths) / len(lengths))
-        return self.store.length
+        return self.store.kept_tokens()
 
     def index_bytes(self) -> int:
         """Bookkeeping bytes: the original position (and any score) of every real token; padding slots not counted."""

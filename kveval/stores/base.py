@@ -21,6 +21,8 @@ zero points, full-precision tokens); nothing is simulated.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from enum import Enum
+from typing import ClassVar
 
 import torch
 
@@ -115,14 +117,45 @@ def alive_slots(alive: torch.Tensor) -> torch.Tensor:
     return alive.nonzero()[:, 1].reshape(alive.shape[0], -1)
 
 
+class BatchFamily(Enum):
+    """Which batched decode step (:mod:`kveval.cache.buffered_decode`) may update a layer's rows holding a store, with
+    the bits each row's own store would give: the representation whose tensor ops the batch repeats for every row,
+    and so what the batch reads of such a store (named per member). A store of another representation keeps the
+    default, :attr:`NONE`: its rows decode one by one, correctly, with nothing in the cache to edit."""
+
+    NONE = "none"  #: row by row
+    DENSE = "dense"  #: tokens held as they came, in ``kv_dtype`` (``keys``, ``values``; :meth:`TokenStore.load_buffer_row`)
+    QUANTIZED = "quantized"  #: K and V each a :class:`QuantizedSequence`, ``k`` and ``v``
+    KVQUANT = "kvquant"  #: one calibrated codec: ``codec``, ``sink``, ``residual``, the tail's slots ``tail.slots``
+    #: coefficients on bases shared by the rows (:meth:`TokenStore.same_code`): ``inners``, ``unsealed``, ``encode``, ``decode``
+    COEFFICIENTS = "coefficients"
+    PER_HEAD = "per-head"  #: one inner store per KV head, ``heads``, each of a family of its own
+
+
 class TokenStore(ABC):
     """One sequence's keys and values in one layer, ``[kv_heads, tokens, head_dim]``.
 
     Tokens arrive in the compute dtype through :meth:`append` and stay as they
     are until :meth:`seal` encodes the ones the store's representation encodes
     (the cache seals after the prefill's attention and after every later
-    append). Every head holds the same number of tokens, :attr:`length`.
+    append). Every head holds the same number of tokens, :attr:`length`, unless
+    the store says its heads hold their own (:attr:`ragged_heads`).
+
+    The cache never asks which class a store is: what it needs to know, each
+    store answers (the methods and attributes below the abstract ones, with
+    defaults that suit a store that only implements the abstract ones).
     """
+
+    #: The dtype full-precision tokens are held in (``None``: as they arrive).
+    kv_dtype: "torch.dtype | None" = None
+    #: The batched decode that may update rows of this store (:class:`BatchFamily`); the default decodes row by row.
+    batch_family: ClassVar[BatchFamily] = BatchFamily.NONE
+    #: Whether :meth:`append` keeps tensors of its own whatever it is given (a contiguous copy where a view is not
+    #: one), so the cache may hand it views of a whole batch's tensor; else the cache copies a view first.
+    copies_on_append: ClassVar[bool] = False
+    #: Whether KV heads may hold different numbers of tokens (per-head budgets): :meth:`keys_values` then shows
+    #: each head's tokens right-aligned after padding, and :meth:`select_heads` keeps a count per head.
+    ragged_heads: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -178,6 +211,64 @@ class TokenStore(ABC):
         keys, values = self.keys_values()
         return keys[:, start:], values[:, start:]
 
+    # --- what the cache asks of a store (defaults: a store that only implements the abstract methods) ---------
+    @property
+    def head_groups(self) -> int:
+        """How many consecutive KV heads keep one set of tokens (a latent shared by a group): a selection's scores
+        are averaged over each group so that its heads pick the same tokens."""
+        return 1
+
+    def kept_tokens(self) -> int:
+        """Tokens held per KV head, as measured (the rounded mean over heads where they hold their own counts)."""
+        return self.length
+
+    def place_positions(self, positions: torch.Tensor) -> None:
+        """Before a seal: the original position of every held token (``[H, length]``, in held order), which only the
+        cache knows (sliding trims, shared prefills). A store that encodes by position keeps them; this default
+        needs none."""
+
+    def select_heads(self, index: "list[torch.Tensor]") -> None:
+        """Keep, in head ``h``, the slots ``index[h]`` (increasing; the heads' counts may differ): only a store whose
+        heads hold their own counts (:attr:`ragged_heads`) can."""
+        raise TypeError(f"{type(self).__name__} holds the same tokens count in every head; "
+                        "per-head budgets need the layer's HeadwiseStore")
+
+    def holds_dense(self) -> bool:
+        """Whether every token is held as it came, in ``kv_dtype`` (per head or not), so that the store can take a
+        batch buffer's row as it stands (:meth:`load_buffer_row`)."""
+        return False
+
+    def load_buffer_row(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Hold exactly a batch buffer's row: ``keys``/``values`` ``[H, n, D]`` in ``kv_dtype`` and their positions
+        ``[H, n]`` (padding slots, before a head's own tokens, at the padding position). Only a store that
+        :meth:`holds_dense` can."""
+        raise TypeError(f"{type(self).__name__} does not hold its tokens as they came; it cannot load a buffer's row")
+
+    def share_batch_row(self, keys: torch.Tensor, values: torch.Tensor, b: int, grown: bool) -> None:
+        """Where the store holds its tokens as the batch buffer holds them (``keys``/``values`` ``[B, H, slots, D]``,
+        its row ``b``, in ``kv_dtype``), hold views of that row rather than a copy (``grown``: the buffer's tensors
+        were reallocated), so the cache is held once. This default keeps its own tensors."""
+
+    def every_slot_alive(self) -> bool:
+        """Whether no slot the store holds is dead (an evicted token kept as padding inside an encoded unit, or among
+        the unencoded tokens): a batched decode can then encode and read its tokens as one block."""
+        return True
+
+    def residual_intact(self) -> bool:
+        """Whether none of the tokens waiting to be encoded (a residual window) was evicted: a batched decode can
+        then age them as the store would."""
+        return True
+
+    def encodes_on_arrival(self) -> bool:
+        """Whether each token is encoded alone as soon as it is sealed (per-token groups, no residual window), so an
+        eviction of any tokens drops whole encoded ones."""
+        return False
+
+    def same_code(self, other: "TokenStore") -> bool:
+        """Whether ``other`` encodes and decodes as this store does (one codec, one set of bases): a batch of such
+        rows may be encoded by one of them. This default says no."""
+        return False
+
 
 def seal_together(stores: "list[TokenStore]") -> None:
     """Seal every store of ``stores`` (one layer's rows): those of one class together, by its :meth:`TokenStore.seal_all`."""
@@ -194,6 +285,9 @@ class DenseStore(TokenStore):
     ``kv_dtype=None`` stores tokens in the dtype they arrive in; ``compute_dtype=None``
     hands them back in that dtype too.
     """
+
+    batch_family = BatchFamily.DENSE
+    copies_on_append = True  # append converts to a contiguous kv_dtype tensor: a copy wherever a view is not one
 
     def __init__(self, kv_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
         self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
@@ -238,6 +332,17 @@ class DenseStore(TokenStore):
 
     def seal(self) -> None:
         """Nothing to encode: dense tokens stay as they are."""
+
+    def holds_dense(self) -> bool:
+        return True
+
+    def load_buffer_row(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        self.load(keys, values)
+
+    def share_batch_row(self, keys: torch.Tensor, values: torch.Tensor, b: int, grown: bool) -> None:
+        if self.keys is not None and (grown or self.keys.data_ptr() != keys[b].data_ptr()):
+            n = self.length  # the buffer's row is the store's tokens, then any not yet caught up
+            self.keys, self.values = keys[b, :, :n], values[b, :, :n]
 
     def changed_from(self) -> int:
         return self._read
@@ -473,6 +578,8 @@ class QuantizedSequence:
 class QuantizedStore(TokenStore):
     """Keys and values each in a :class:`QuantizedSequence` (K and V may differ in bits, axis, group)."""
 
+    batch_family = BatchFamily.QUANTIZED
+
     def __init__(self, key_quant, value_quant, residual: int, kv_dtype: torch.dtype | None = None,
                  compute_dtype: torch.dtype | None = None):
         self.kv_dtype = kv_dtype
@@ -522,6 +629,15 @@ class QuantizedStore(TokenStore):
     def seal(self) -> None:
         self.k.seal()
         self.v.seal()
+
+    def every_slot_alive(self) -> bool:
+        return all(side.alive is None and side.tail_alive is None for side in (self.k, self.v))
+
+    def residual_intact(self) -> bool:
+        return self.k.tail_alive is None and self.v.tail_alive is None
+
+    def encodes_on_arrival(self) -> bool:
+        return all(side.unit == 1 and side.residual == 0 and side.tail_alive is None for side in (self.k, self.v))
 
     @property
     def nbytes(self) -> int:

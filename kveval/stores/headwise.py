@@ -19,11 +19,15 @@ from typing import Callable
 
 import torch
 
-from kveval.stores.base import TokenStore
+from kveval.stores.base import BatchFamily, TokenStore
+from kveval.tensors.batch_buffer import PAD_POSITION
 
 
 class HeadwiseStore(TokenStore):
     """One inner :class:`TokenStore` per KV head, created on the first append by ``make_store()``."""
+
+    batch_family = BatchFamily.PER_HEAD
+    ragged_heads = True
 
     def __init__(self, make_store: Callable[[], TokenStore]):
         self.make_store = make_store
@@ -72,6 +76,19 @@ class HeadwiseStore(TokenStore):
         slots = keys.shape[1]
         for h, (inner, n) in enumerate(zip(self.heads, lengths)):
             inner.load(keys[h:h + 1, slots - n:], values[h:h + 1, slots - n:])
+
+    def holds_dense(self) -> bool:
+        return all(inner.holds_dense() for inner in self.heads)
+
+    def load_buffer_row(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Each head holds its real (last) slots: those whose position is not the padding's."""
+        self.load(keys, values, (positions != PAD_POSITION).sum(dim=1).tolist())
+
+    def kept_tokens(self) -> int:
+        if not self.heads:
+            return self.length
+        lengths = self.head_lengths
+        return round(sum(lengths) / len(lengths))
 
     def select_heads(self, index: list[torch.Tensor]) -> None:
         """Keep, in head ``h``, the slots ``index[h]`` (increasing; the heads' counts may differ)."""

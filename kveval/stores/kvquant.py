@@ -39,6 +39,10 @@ Original positions are the cache's bookkeeping (every policy holds them), not co
 Positions: the cache tells the store every held token's position before it
 seals (:meth:`KVQuantStore.place_positions`); a store used alone numbers tokens
 in the order they were appended.
+
+One module, past 600 lines, on purpose: the codec's encoded tensors (codes, outliers, ranges, by name) are the
+store's per-token layout and the calibration's output is only ever that codec, so the three halves change together
+(a new field of the encoding touches the calibration, the codec and the bytes the store counts).
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ from pathlib import Path
 
 import torch
 
+from kveval.calibration.kv import calibration_kv_parts, load_versioned, save_atomic
 from kveval.errors import PolicySpecError, UsageError
-from kveval.stores.base import TokenStore, alive_order, alive_slots
+from kveval.modeling.architectures import rope_hook
+from kveval.stores.base import BatchFamily, TokenStore, alive_order, alive_slots
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
 KVQUANT_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
@@ -276,8 +282,6 @@ class KVQuantCalibration:
     parts: list[dict[str, dict]] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
-        from kveval.calibration.kv import save_atomic
-
         save_atomic({"version": KVQUANT_VERSION, "kind": self.settings.KIND, "layers": self.layers, "tokens": self.tokens,
                      "text_sha256": self.text_sha256, "model_key": self.model_key, "parts": self.parts}, path)
 
@@ -285,8 +289,6 @@ class KVQuantCalibration:
     def load(cls, path: Path, settings: KVQuantSettings) -> "KVQuantCalibration | None":
         """The calibration at ``path``; ``None`` when it is of another kind, or from before the values' width was
         recorded (an MLA latent's narrower RoPE key was then read at the latent's width: calibrated again)."""
-        from kveval.calibration.kv import load_versioned
-
         payload = load_versioned(path, KVQUANT_VERSION)
         if payload is None or payload.get("kind") != settings.KIND:
             return None
@@ -346,9 +348,6 @@ def _calibrate_layer(keys: torch.Tensor, values: torch.Tensor, s: KVQuantSetting
 def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model_key: str = "") -> KVQuantCalibration:
     """One forward pass over the calibration text; per layer, key channel ranges and K/V codebooks, and those of
     each other part of a model's own cache layers (keys alone, post-RoPE: kveval has no RoPE hook for them)."""
-    from kveval.calibration.kv import calibration_kv_parts
-    from kveval.modeling.architectures import rope_hook
-
     kv, others, used = calibration_kv_parts(model, text, tokens)
     layers = []
     for i, pair in enumerate(kv):
@@ -464,6 +463,8 @@ class KVQuantStore(TokenStore):
     :class:`kveval.stores.base.QuantizedSequence` does. Nothing is re-encoded.
     """
 
+    batch_family = BatchFamily.KVQUANT
+
     def __init__(self, codec: KVQuantCodec, sink: int, residual: int, kv_dtype: torch.dtype | None = None,
                  compute_dtype: torch.dtype | None = None, stride: int = 1):
         self.codec, self.sink, self.residual = codec, sink, residual
@@ -518,6 +519,14 @@ class KVQuantStore(TokenStore):
 
     def seal(self) -> None:
         self.seal_all([self])
+
+    def residual_intact(self) -> bool:
+        return self.tail.alive is None
+
+    def same_code(self, other: TokenStore) -> bool:
+        """The same codec object (one layer's calibration), sink and residual window."""
+        return (type(other) is KVQuantStore and other.codec is self.codec
+                and (other.sink, other.residual) == (self.sink, self.residual))
 
     def _take_due(self) -> "tuple[_Segment, torch.Tensor, torch.Tensor] | None":
         """Take the tokens leaving the residual window out of the tail: the moved slots, those of them the sinks

@@ -293,8 +293,10 @@ class LatentStore(CoefficientStore):
         return keys.to(dtype), values.to(dtype)
 
     def same_code(self, other: CoefficientStore) -> bool:
-        mine, theirs = self.layout, getattr(other, "layout", None)
-        return type(other) is LatentStore and (mine is theirs or (
+        if type(other) is not LatentStore:
+            return False
+        mine, theirs = self.layout, other.layout
+        return (mine is theirs or (
             mine.group == theirs.group and mine.rope_dims == theirs.rope_dims
             and all(a is b or (a is not None and b is not None and torch.equal(a, b))
                     for a, b in zip((mine.key_basis, mine.value_basis, mine.order), (theirs.key_basis, theirs.value_basis, theirs.order)))))

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kveval.stores.base import DenseStore, QuantizedStore, TokenStore
+from kveval.stores.base import BatchFamily, DenseStore, QuantizedStore, TokenStore
 
 
 # --- the store ---------------------------------------------------------------------------------
@@ -115,9 +115,11 @@ class CoefficientStore(TokenStore):
     token itself is sealed; a decode step re-decodes its new tokens, not the row.
     """
 
+    batch_family = BatchFamily.COEFFICIENTS
+
     def __init__(self, inners: list):
         self.inners = inners
-        self.kv_dtype = getattr(inners[0], "kv_dtype", None)
+        self.kv_dtype = inners[0].kv_dtype
         self.unsealed = DenseStore(self.kv_dtype)  # [H, T, D] tokens appended but not encoded yet
         self._sealed_read = 0  # sealed tokens at the last mark_read: later ones were shown unsealed, or not at all
 
