@@ -59,16 +59,15 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kveval.errors import UsageError
+from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling.layer_types import selecting_layers
 from kveval.planner.model_specs import ModelSpec, load_model_spec
 from kveval.planner.native import PartPlan, native_layers, parse_storage, storages
+from kveval.policies.base import Need, PlannedCoding, PolicyStack, require_stack
+from kveval.policies.compatibility import check_policy, part_coding
 from kveval.values import is_real, is_whole
-
-if TYPE_CHECKING:
-    from kveval.policies.base import PolicyStack
 
 _GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
 
@@ -145,8 +144,6 @@ class MemoryPlan:
 
 def _policy_stack(policy):
     """The planned stack: a :class:`~kveval.policies.base.PolicyStack` parsed at the edge (``None``: the baseline)."""
-    from kveval.policies.base import require_stack
-
     return require_stack(policy, "the memory planner")
 
 
@@ -161,26 +158,33 @@ def check_int(value, what: str, minimum: int) -> int:
 
 @dataclass
 class _Layout:
-    """Per-layer streams: (name, heads, dim, TensorQuant or None), the residual, and KVQuant's policy where it codes
-    the K/V (its tokens are not grouped streams: codes, outliers and sinks, :func:`_kvquant_bytes`)."""
+    """Per-layer streams: (name, heads, dim, TensorQuant or None), the residual, and the quantizer's coding where its
+    codes are sized per token (``coded``: not grouped streams, e.g. KVQuant's codes, outliers and sinks,
+    :func:`_token_coded_bytes`)."""
 
     streams: list[tuple[str, int, int, Any]]
     residual: int
-    kvquant: Any = None
+    coded: PlannedCoding | None = None
 
     @property
-    def kvquant_widths(self) -> tuple[int, int, int]:
-        """Under KVQuant: ``(heads, key width, value width)`` of its two streams (an MLA latent and its RoPE key differ)."""
+    def coded_widths(self) -> tuple[int, int, int]:
+        """Under codes sized per token: ``(heads, key width, value width)`` of its two streams (an MLA latent and its
+        RoPE key differ)."""
         (_, heads, key_dim, _), (_, _, value_dim, _) = self.streams
         return heads, key_dim, value_dim
 
+    def coded_per_token(self, dtype_bytes: int) -> tuple[int, int]:
+        """Under codes sized per token: the bytes ``(K, V)`` one coded token holds in a layer, over its heads."""
+        heads, key_dim, value_dim = self.coded_widths
+        return tuple(heads * b for b in self.coded.token_bytes(key_dim, value_dim, dtype_bytes))
 
-def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
+
+def _token_coded_layout(spec: ModelSpec, stack, coding: PlannedCoding) -> _Layout:
     quant = stack.quantization
     if stack.structure is not None:
         raise UsageError(f"{quant.spec()}: codes K/V heads, not low-rank coefficients")
     if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
-        if quant.pre_rope:
+        if Need.ROPE_HOOK in quant.needs:
             raise UsageError(f"{quant.spec()}: an MLA latent is cached without RoPE, and kveval's cache has no RoPE "
                              f"hook for MLA's shared key to code it before RoPE; plan pre_rope=false")
         streams = [("latent", 1, spec.mla_dim - spec.mla_rope, None), ("rope", 1, spec.mla_rope, None)]
@@ -188,29 +192,29 @@ def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
         streams = [("k", spec.kv_heads, spec.head_dim, None), ("v", spec.kv_heads, spec.head_dim, None)]
     for dim in sorted({dim for _, _, dim, _ in streams if dim}):
         quant.check_head_dim(dim)
-    return _Layout(streams, int(quant.residual), quant)
+    return _Layout(streams, int(coding.residual), coding)
 
 
-def _kvquant_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) -> int:
-    """Bytes of one layer's K/V under KVQuant (:class:`kveval.stores.kvquant.KVQuantStore`): the ``residual`` newest tokens
-    and those at positions below ``sink`` in the cache dtype, every other token coded (``coded_bytes``).
-    ``oldest``: the position of the oldest token held (a sliding layer's window has moved past the sinks)."""
-    quant = layout.kvquant
-    heads, key_dim, value_dim = layout.kvquant_widths
-    whole = min(tokens, quant.residual) + max(0, min(quant.sink - oldest, tokens - quant.residual))
+def _token_coded_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) -> int:
+    """Bytes of one layer's K/V under codes sized per token (KVQuant's :class:`kveval.stores.kvquant.KVQuantStore`, an
+    engine's): the ``residual`` newest tokens and those at positions below ``sink`` in the cache dtype, every other
+    token coded (``token_bytes``). ``oldest``: the position of the oldest token held (a sliding layer's window has
+    moved past the sinks)."""
+    coding = layout.coded
+    heads, key_dim, value_dim = layout.coded_widths
+    whole = min(tokens, coding.residual) + max(0, min(coding.sink - oldest, tokens - coding.residual))
     coded = tokens - whole
-    return heads * (coded * sum(quant.coded_bytes(key_dim, value_dim, dtype_bytes))
+    return heads * (coded * sum(coding.token_bytes(key_dim, value_dim, dtype_bytes))
                     + whole * (key_dim + value_dim) * dtype_bytes)
 
 
 def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
     _check_selection(spec, stack)
     quant = stack.quantization
-    quants = quant.planned_quants() if quant is not None else (None, None)
-    if quants is None:  # a codec that sizes its own codes (KVQuant)
-        return _kvquant_layout(spec, stack)
-    kq, vq = quants
-    residual = quant.residual_tokens if quant is not None else 0
+    coding = quant.planned_coding() if quant is not None else PlannedCoding()
+    if not coding.grouped:  # codes sized per token (KVQuant's, an engine's)
+        return _token_coded_layout(spec, stack, coding)
+    kq, vq, residual = coding.key, coding.value, coding.residual
     structure = stack.structure
     if spec.mla_dim is not None:
         # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's (one "head" each);
@@ -316,7 +320,7 @@ def _selecting(spec: ModelSpec) -> list[bool]:
 def _check_selection(spec: ModelSpec, stack) -> None:
     """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does, and
     one scored by a model's own indexer (run on the model only)."""
-    if stack.selection is not None and stack.selection.attention == "indexer":  # V4's are sized apart
+    if stack.selection is not None and Need.INDEXER in stack.selection.needs:  # V4's are sized apart
         raise UsageError(f"{stack.selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed "
                          f"entries, which {spec.name} does not have; plan a selection of its own (knorm, snapkv, ...)")
     if stack.selection is not None and not any(_selecting(spec)):
@@ -324,8 +328,11 @@ def _check_selection(spec: ModelSpec, stack) -> None:
                          f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")
 
 
-def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int, selects: bool) -> int:
-    """Tokens layer ``i`` holds after ``context`` then ``new_tokens``; ``selects``: whether the selection acts on it."""
+def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int, selects: bool,
+                  achieved_ratio: float | None = None) -> int:
+    """Tokens layer ``i`` holds after ``context`` then ``new_tokens``; ``selects``: whether the selection acts on it;
+    ``achieved_ratio``: the ratio a run reached, for a selection sized by it
+    (:meth:`~kveval.policies.base.SelectionPolicy.planned_keep`)."""
     if not spec.holds_kv[i]:
         return 0
     window = spec.windows[i]
@@ -339,7 +346,7 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
                              f"it keeps leave the window while decoding depends on their scores, so {context} + "
                              f"{new_tokens} new tokens cannot be sized; plan the prefill alone (new_tokens=0) or a "
                              f"run shorter than the window")
-        kept = selection.planned_keep(held) if selection.thresholded else selection.keep_count(held, i, spec.num_layers)
+        kept = selection.planned_keep(held, i, spec.num_layers, achieved_ratio=achieved_ratio)
         tokens = kept + new_tokens
         budget = selection.decode_limit  # the budget, and what it may grow by between evictions (decode_interval)
         if new_tokens and budget is not None:
@@ -351,15 +358,15 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
 
 
 def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
-                     dtype_bytes: int) -> list[LayerPlan]:
+                     dtype_bytes: int, achieved_ratio: float | None = None) -> list[LayerPlan]:
     out = []
     selecting = _selecting(spec) if stack.selection is not None else [False] * spec.num_layers
     for i, selects in enumerate(selecting):
-        tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects)
-        if layout.kvquant is not None:
+        tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects, achieved_ratio)
+        if layout.coded is not None:
             window = spec.windows[i]  # the oldest position its window still holds, selected or not
             oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
-            size = _kvquant_bytes(tokens, oldest, layout, dtype_bytes)
+            size = _token_coded_bytes(tokens, oldest, layout, dtype_bytes)
         else:
             # A sliding layer's window cuts per-channel groups as it moves on, unless a selection sealed what it
             # kept in the window (where the planner sizes it, nothing it kept leaves the window).
@@ -381,17 +388,14 @@ def _check_dtype_bytes(dtype_bytes) -> int:
 def _native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
     """Whether the plan is the native cache part by part (DeepSeek V3.2/V4's layouts, or a storage override); a
     storage override is refused under a compression policy, whose coding says how each part is stored, and so is
-    what kveval's cache refuses on these models (:func:`kveval.cache.native_layers.check_policy`, checked here once
-    for a plan or a fit)."""
+    what kveval's cache refuses on these models (:func:`kveval.policies.compatibility.check_policy`, checked here
+    once for a plan or a fit)."""
     if not (spec.native_only or overrides):
         return False
     if not stack.is_none and overrides:
         raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
                          f"own coding stores each part: drop --storage")
     if not stack.is_none:
-        from kveval.cache.native_layers import check_policy
-        from kveval.errors import UnsupportedModelError
-
         indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
         try:
             check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)
@@ -403,23 +407,22 @@ def _native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
 
 
 def _native_sequence(spec: ModelSpec, stack, context: int, new_tokens: int, dtype_bytes: int,
-                     overrides: dict[str, str], notes: list[str]) -> tuple[list[LayerPlan], list[PartPlan]]:
+                     overrides: dict[str, str], notes: list[str],
+                     achieved_ratio: float | None = None) -> tuple[list[LayerPlan], list[PartPlan]]:
     """The native cache of one sequence, per layer and per part: the model's own under policy ``none``, kveval's
     under a policy (:func:`_native_policy_layers`)."""
     if not stack.is_none:
-        return _native_policy_layers(spec, stack, context, new_tokens, dtype_bytes, notes)
+        return _native_policy_layers(spec, stack, context, new_tokens, dtype_bytes, notes, achieved_ratio)
     layers, parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
     return [LayerPlan(n.index, n.kind, n.window, n.tokens, n.bytes) for n in layers], parts
 
 
 def _native_plan(spec: ModelSpec, stack, context: int, batch: int, dtype_bytes: int, new_tokens: int,
-                 overrides: dict[str, str], notes: list[str]) -> MemoryPlan:
-    layers, parts = _native_sequence(spec, stack, context, new_tokens, dtype_bytes, overrides, notes)
+                 overrides: dict[str, str], notes: list[str], achieved_ratio: float | None = None) -> MemoryPlan:
+    layers, parts = _native_sequence(spec, stack, context, new_tokens, dtype_bytes, overrides, notes, achieved_ratio)
     if stack.is_none:
         base_layers, base_parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
     else:  # what the policy is measured against: kveval's own cache under none, in the cache dtype
-        from kveval.policies.base import PolicyStack
-
         base_layers, base_parts = _native_policy_layers(spec, PolicyStack(), context, new_tokens, dtype_bytes, [])
         if spec.storage:
             served = sum(layer.bytes for layer in native_layers(spec, context + new_tokens, dtype_bytes)[0])
@@ -442,67 +445,59 @@ def _native_plan(spec: ModelSpec, stack, context: int, batch: int, dtype_bytes: 
 
 @dataclass(frozen=True)
 class _PartCoding:
-    """How kveval codes one part of keys alone (:func:`kveval.cache.native_layers.part_codes`): grouped codes
-    (``quant``), KVQuant's (``kvquant``: ``coded`` bytes an entry, its sinks and residual in the cache dtype), or
-    the cache dtype (neither); ``residual`` newest entries stay uncoded."""
+    """How kveval codes one part of keys alone (:func:`kveval.cache.native_layers.part_codes`), as
+    :func:`kveval.policies.compatibility.part_coding` describes it: grouped codes (``coding.key``), codes sized per
+    token (``coding.token_bytes``: an entry's bytes, its sinks and residual in the cache dtype), or the cache dtype
+    (neither); the ``residual`` newest entries stay uncoded."""
 
-    quant: Any = None
-    kvquant: Any = None
-    residual: int = 0
+    coding: PlannedCoding = PlannedCoding()
+
+    @property
+    def residual(self) -> int:
+        return self.coding.residual
 
     @property
     def label(self) -> str:
         """The storage column: ``dtype`` (uncoded), ``kvquant4``, ``int4/64``, ``int2/32ch`` (per channel), ``fp8-e4m3/128``."""
-        if self.kvquant is not None:
-            return f"kvquant{self.kvquant.bits}"
-        q = self.quant
-        if q is None:
-            return "dtype"
-        return f"{f'fp8-{q.fp8}' if q.fp8 else f'int{q.bits}'}/{q.group}{'ch' if q.axis == 'channel' else ''}"
+        if not self.coding.grouped:
+            return self.coding.label
+        return "dtype" if self.coding.key is None else self.coding.key.label
 
     @property
     def sealed_before_selection(self) -> bool:
         """Whether the bytes a selection leaves depend on which entries it keeps: a part's entries are coded after
         its forward's attention, before the prefill is compressed, so a per-channel group keeps evicted slots and an
-        evicted entry may be a coded or an uncoded one (the residual window's, KVQuant's sinks aside)."""
-        return self.residual > 0 or (self.quant is not None and self.quant.axis == "channel")
+        evicted entry may be a coded or an uncoded one (the residual window's, the sinks aside)."""
+        key = self.coding.key
+        return self.residual > 0 or (key is not None and key.axis == "channel")
 
     def per_entry(self, width: int, dtype_bytes: int) -> float:
         """Bytes of one coded entry, amortized (a per-channel group's scales over its entries)."""
-        if self.kvquant is not None:
-            return self.kvquant.coded_bytes(width, 0, dtype_bytes)[0]
-        return _stream_per_token(1, width, self.quant, dtype_bytes)
+        if not self.coding.grouped:
+            return self.coding.token_bytes(width, 0, dtype_bytes)[0]
+        return _stream_per_token(1, width, self.coding.key, dtype_bytes)
 
     def bytes(self, n: int, width: int, dtype_bytes: int, first: int = 0, stride: int = 1,
               sliding: "tuple[int, int, int] | None" = None) -> int:
         """Bytes of ``n`` held entries of ``width`` values; the oldest starts at token ``first``, one entry per
-        ``stride`` tokens (KVQuant's sinks: entries whose window starts below ``sink``). ``sliding``: a sliding
+        ``stride`` tokens (sinks: entries whose window starts below ``sink``). ``sliding``: a sliding
         window's ``(context, new_tokens, window)``, whose per-channel groups it cuts as it moves."""
-        if self.kvquant is not None:
-            sinks = max(0, min(n, math.ceil((self.kvquant.sink - first) / stride)))
+        if not self.coding.grouped:
+            sinks = max(0, min(n, math.ceil((self.coding.sink - first) / stride)))
             whole = min(n, self.residual) + max(0, min(sinks, n - self.residual))
-            coded = self.kvquant.coded_bytes(width, 0, dtype_bytes)[0]
+            coded = self.coding.token_bytes(width, 0, dtype_bytes)[0]
             return (n - whole) * coded + whole * width * dtype_bytes
-        return _stream_bytes(n, 1, width, self.quant, self.residual, dtype_bytes, sliding)
+        return _stream_bytes(n, 1, width, self.coding.key, self.residual, dtype_bytes, sliding)
 
 
 def _part_coding(quant, part: str, width: int) -> _PartCoding:
     """The coding of ``part`` (``width`` values an entry) under quantizer ``quant``, as the cache's
     (:func:`kveval.cache.native_layers.part_codes`)."""
-    from kveval.cache.native_layers import indexer_coding
-
-    if quant is None:
-        return _PartCoding()
-    own, coded = indexer_coding(quant, part, width)
-    if own:
-        return _PartCoding(coded)
-    if quant.planned_quants() is None:
-        return _PartCoding(kvquant=quant, residual=quant.residual_tokens)
-    return _PartCoding(quant.planned_quants()[0].fitted(width), residual=quant.residual_tokens)
+    return _PartCoding(part_coding(quant, part, width))
 
 
 def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int, dtype_bytes: int,
-                          notes: list[str]) -> tuple[list[LayerPlan], list[PartPlan]]:
+                          notes: list[str], achieved_ratio: float | None = None) -> tuple[list[LayerPlan], list[PartPlan]]:
     """kveval's cache of a DeepSeek V3.2 (GLM MoE-DSA) or V4 model under ``stack``, part by part, as
     :mod:`kveval.cache.native_layers` holds it (parts named as ``kveval generate`` prints them):
 
@@ -545,12 +540,11 @@ def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int,
     if spec.v4 is None:  # V3.2: the latent as MLA's, the indexer keys of the tokens it holds
         layout = _layout(spec, stack, notes)
         for _, _, _, q in layout.streams:  # the latent's K coding and its RoPE key's V coding
-            sized("latent", _PartCoding(q, layout.kvquant, layout.residual))
-        latent = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
+            sized("latent", _PartCoding(layout.coded or PlannedCoding(q, residual=layout.residual)))
+        latent = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes, achieved_ratio)
         indexer = coding("indexer", spec.indexer_dim)
-        if layout.kvquant is not None:
-            latent_growth = layout.kvquant_widths[0] * sum(layout.kvquant.coded_bytes(*layout.kvquant_widths[1:],
-                                                                                      dtype_bytes))
+        if layout.coded is not None:
+            latent_growth = sum(layout.coded_per_token(dtype_bytes))
         else:
             latent_growth = sum(_stream_per_token(heads, dim, q, dtype_bytes) for _, heads, dim, q in layout.streams)
         for layer in latent:
@@ -574,8 +568,9 @@ def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int,
             if kind != "sliding":
                 emitted, before = tokens // rate, context // rate
                 # HCA has no indexer: a selection scored by it leaves HCA's entries (as the cache's layer does)
-                scores = selection is not None and not (selection.attention == "indexer" and kind == "hca")
-                kept = min(before, selection.keep_count(before, own.index, spec.num_layers)) if scores else before
+                scores = selection is not None and not (Need.INDEXER in selection.needs and kind == "hca")
+                kept = (min(before, selection.planned_keep(before, own.index, spec.num_layers,
+                                                           achieved_ratio=achieved_ratio)) if scores else before)
                 n = kept + emitted - before
                 series = [(kind, spec.head_dim)] + ([("indexer", v4.index_dim)] if kind == "csa" else [])
                 for part, width in series:
@@ -587,8 +582,9 @@ def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int,
             layers.append(LayerPlan(own.index, kind, v4.window, tokens, sum(sizes.values())))
         notes.append("kveval's cache: every layer's K=V window stored once (transformers' sliding-only layers hold "
                      "it twice); the state uncoded, in the cache dtype")
-    if selection is not None and quant is not None and quant.planned_quants() is None and quant.sink:
-        notes.append(f"{quant.spec()}: the entries of the first {quant.sink} token(s) are counted as kept in the "
+    sinks = quant.planned_coding().sink if quant is not None else 0
+    if selection is not None and sinks:
+        notes.append(f"{quant.spec()}: the entries of the first {sinks} token(s) are counted as kept in the "
                      f"cache dtype; {selection.spec()} may evict them")
     order = ("latent", "window", "csa", "indexer", "hca", "state")  # as kveval generate prints them
     plans = [PartPlan(name, storage, n_layers, width, math.ceil(size / entries) if entries else 0, entries, size,
@@ -598,12 +594,14 @@ def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int,
 
 
 def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = None, dtype_bytes: int = 2, new_tokens: int = 0,
-         storage=None) -> MemoryPlan:
+         storage=None, achieved_ratio: float | None = None) -> MemoryPlan:
     """KV-cache bytes of ``batch`` sequences of ``context`` tokens (plus ``new_tokens`` generated) under ``policy``.
 
     ``model``: preset name, ``config.json`` path or folder, Hub id, dict, ``PretrainedConfig`` or :class:`ModelSpec`.
     ``storage``: per-part storage formats for policy ``none`` (``"indexer=fp8-128"``, ``{"all": "bf16"}``;
     :data:`kveval.planner.native.FORMATS`), over the model's own (a preset's ``kv_storage``) and the dtype.
+    ``achieved_ratio``: the fraction removed that a run of the policy reached on average, for a selection whose
+    kept count its scores decide (a threshold: refused without it).
     Raises ``ValueError`` (one line) for unknown models, bad numbers or a policy that does not fit the model.
     """
     spec = load_model_spec(model)
@@ -615,17 +613,14 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     notes = list(spec.notes)
     overrides = parse_storage(storage)
     if _native(spec, stack, overrides) or (stack.is_none and spec.storage):
-        return _native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes)
+        return _native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes, achieved_ratio)
     layout = _layout(spec, stack, notes)
     base_layout = _layout(spec, _policy_stack(None), [])
-    from kveval.policies.base import PolicyStack
-
-    layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
+    layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes, achieved_ratio)
     base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
     kv_layers = sum(spec.holds_kv)
-    if layout.kvquant is not None:  # coded K and V of their widths
-        heads, key_dim, value_dim = layout.kvquant_widths
-        per_stream = [b * heads * kv_layers for b in layout.kvquant.coded_bytes(key_dim, value_dim, dtype_bytes)]
+    if layout.coded is not None:  # coded K and V of their widths
+        per_stream = [b * kv_layers for b in layout.coded_per_token(dtype_bytes)]
     else:
         per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
     key_pt = per_stream[0]
@@ -636,8 +631,8 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     if stack.selection is not None and stack.selection.per_head_budgets and stack.quantization is not None:
         notes.append(f"{stack.selection.spec()}: per-head budgets are planned as equal heads; each head's own "
                      f"remainder of per-channel groups and residual makes the measured bytes differ slightly")
-    if stack.selection is not None and layout.kvquant is not None and layout.kvquant.sink:
-        notes.append(f"{layout.kvquant.spec()}: the sink token(s) are counted as kept in full precision; "
+    if stack.selection is not None and layout.coded is not None and layout.coded.sink:
+        notes.append(f"{stack.quantization.spec()}: the sink token(s) are counted as kept in full precision; "
                      f"{stack.selection.spec()} may drop them (then each is coded instead)")
     if layout.residual and stack.quantization is not None:
         notes.append(f"the {layout.residual} most recent tokens of each layer stay in the model dtype "
@@ -742,7 +737,7 @@ def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int,
 
 def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batch: int | None = None,
             policy: "PolicyStack | None" = None, dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
-            weight_bytes_per_param: float | None = None, storage=None) -> FitResult:
+            weight_bytes_per_param: float | None = None, storage=None, achieved_ratio: float | None = None) -> FitResult:
     """Largest context (give ``batch`` or nothing: batch 1) or largest batch (give ``context``) that fits.
 
     Usable cache memory = ``gpu_memory`` x (1 - ``headroom``) - ``weights``.
@@ -750,7 +745,7 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     without ``weights``, parameters x ``weight_bytes_per_param`` (default
     ``dtype_bytes``) when the config allows the count. The context answer is the
     largest length whose cache fits at every length up to it (quantization's
-    full-precision remainder makes the size dip when a group is sealed).
+    full-precision remainder makes the size dip when a group is sealed). ``achieved_ratio``: as :func:`plan`'s.
     """
     if context is not None and batch is not None:
         raise UsageError("give context (to find the largest batch) or batch (to find the largest context), not both")
@@ -773,8 +768,9 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     def seq_bytes(n: int, sized=stack) -> int:
         if native:
             return sum(layer.bytes for layer in _native_sequence(spec, sized, n, new_tokens, dtype_bytes, overrides,
-                                                                 [])[0])
-        return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes))
+                                                                 [], achieved_ratio)[0])
+        return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes,
+                                                             achieved_ratio))
 
     common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
                   cache_budget_bytes=budget, model=spec.name, policy=stack.spec, notes=notes)
@@ -818,13 +814,13 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
             hi = mid
     # Sealing a per-channel group, or closing a V4 compression window (its buffered tokens become one entry), makes
     # the size dip: make sure every shorter length fits as well.
-    quant = stack.quantization
+    coding = stack.quantization.planned_coding() if stack.quantization is not None else None
     span = 0
     if native:
         span = max([rate for _, rate in spec.v4.layers] if spec.v4 is not None else [0]) + 1
-        grouped = quant is not None and quant.planned_quants() is not None
-        span += max(q.group for q in quant.planned_quants()) + quant.residual_tokens if grouped else 0
-    elif quant is not None and layout.kvquant is None:
+        grouped = coding is not None and coding.grouped
+        span += max(coding.key.group, coding.value.group) + coding.residual if grouped else 0
+    elif coding is not None and layout.coded is None:
         span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
     n = lo  # scan down until ``span`` lengths in a row below the answer fit (a dip may hide several periods)
     while span and n >= 1 and n > lo - span:
