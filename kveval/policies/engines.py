@@ -18,6 +18,7 @@ from typing import ClassVar
 from kveval.errors import PolicySpecError
 from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy
 from kveval.values import is_real, is_whole
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 LLAMACPP_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 #: llama.cpp cache types kveval does not reproduce, and why (one line each).

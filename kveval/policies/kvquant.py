@@ -17,6 +17,7 @@ from kveval.errors import PolicySpecError
 from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy
 from kveval.policies.quant import INDEXER_CODINGS
 from kveval.values import is_real, is_whole
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 KVQUANT_BITS = (2, 3, 4, 8)
 

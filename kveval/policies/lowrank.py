@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kveval.errors import PolicySpecError
 from kveval.policies.base import PlannedWidths, PolicyStack, StructurePolicy
 from kveval.values import is_real, is_whole
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 
 def _positive_int(name: str, key: str, value) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kveval.errors import PolicySpecError
 from kveval.policies.base import Placement, PlannedCoding, QuantizationPolicy
 from kveval.tensors.quant_format import TensorQuant
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 AXES = ("token", "channel")
 #: How a quantizer codes the DSA indexer's keys (DeepSeek V3.2, GLM MoE-DSA, DeepSeek V4's CSA layers; other models
