@@ -278,8 +278,7 @@ def test_the_planner_sizes_a_threshold_at_its_achieved_ratio_only():
     policy = parse_policy("threshold(scorer=knorm,threshold=-3)")
     with pytest.raises(PolicySpecError, match="plan it at a run's achieved ratio"):
         plan("smollm2-135m", 4096, policy=policy)
-    policy.selection.achieved_ratio = 0.5
-    assert plan("smollm2-135m", 4096, policy=policy).total_bytes == plan("smollm2-135m", 4096, policy=parse_policy("knorm(ratio=0.5)")).total_bytes
+    assert plan("smollm2-135m", 4096, policy=policy, achieved_ratio=0.5).total_bytes == plan("smollm2-135m", 4096, policy=parse_policy("knorm(ratio=0.5)")).total_bytes
 
 
 @pytest.mark.parametrize("spec", ["keydiff(ratio=0.5)", "lagkv(ratio=0.5,lag=4)", "cur(ratio=0.5)",

@@ -35,8 +35,9 @@ every token it saw: a forward with padding is refused (:class:`~kveval.errors.Un
 kveval's drivers run such models' rows one at a time (:func:`rows_alone`), since the compressor's windows and the
 indexer's mask are laid over the batch's columns, where a padded row would pool its padding.
 
-Compression. On V3.2's latent, one of the selections checked on it (:data:`LATENT_SELECTIONS`) keeps a token's
-latent and indexer key together (:class:`IndexedLayer`). On V4, one of :data:`ENTRY_SELECTIONS` removes the fraction
+Compression. On V3.2's latent, a selection that acts on it (:attr:`~kveval.policies.base.Placement.LATENT`) keeps a
+token's latent and indexer key together (:class:`IndexedLayer`). On V4, one that acts on the compressed entries
+(:attr:`~kveval.policies.base.Placement.ENTRIES`) removes the fraction
 ``ratio`` of each CSA/HCA layer's compressed entries at the prefill (a CSA entry's indexer key with it), the sliding
 window left as the model defines it; the entries keep their numbers, as the model's block masks and indexer need
 (:class:`HcaLayer`). Quantization codes every part: the window or latent as any store (K's coding for the entries,
@@ -44,150 +45,36 @@ which are keys), the compressed entries and the indexer's keys as the quantizer 
 ``part_codes``: K's grouped coding, or KVQuant with a codec calibrated on that part), and the indexer per its own
 term (``indexer=fp8``: e4m3 with one scale per 128 values, as DeepSeek serves it; ``indexer=native``: the cache
 dtype). Each forward attends its own new entries as they come, then they are coded (a compressed row's new entries
-are coded as they arrive, as its latent's tokens are). Refused before any weights load (:func:`check_policy`):
+are coded as they arrive, as its latent's tokens are). Refused before any weights load, from what each policy
+declares (:func:`kveval.policies.compatibility.check_policy`):
 selections that score with attention (the model's carries the indexer's top-k), per-head budgets, token budgets on
-V4's entries, structure, KVQuant before RoPE (no RoPE hook for these models), and other codecs.
+V4's entries, structure, keys before RoPE (no RoPE hook for these models), and codecs that code no parts.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
 from kveval.cache.layers import CompressedLayer
 from kveval.errors import UnsupportedModelError
+from kveval.modeling.architectures import is_native
 from kveval.modeling.layer_types import NATIVE_ENTRY_PARTS, NATIVE_STORE_PARTS
-from kveval.policies.indexer import INDEXER_MODEL_TYPES, index_shares
+from kveval.policies.base import Need
+from kveval.policies.compatibility import check_policy, indexer_coding, refuse_model_indexer
+from kveval.policies.indexer import index_shares
 from kveval.stores.base import QuantizedSequence
-from kveval.tensors.quantization import TensorQuant
 from kveval.tensors.scoring_state import ScoringState
-
-#: DeepSeek's serving format of the indexer's keys: e4m3 with one scale per this many values.
-INDEXER_FP8_GROUP = 128
-#: The quantizers that code each part (their ``part_codes``): grouped integer and FP8 codes (K's coding, the parts
-#: being keys) and KVQuant (calibrated per part).
-PART_QUANTIZERS = ("quant", "kivi", "fp8", "kvquant")
-#: Selections that act on V3.2's latent (one decision per token for all heads, its indexer key leaving with it):
-#: those that score without attention (the model's attention there carries the indexer's top-k).
-LATENT_SELECTIONS = ("window", "streaming", "knorm", "random")
-#: Selections that act on V4's compressed entries (CSA's with their indexer keys, HCA's), sized by ``ratio``: those
-#: that score an entry by itself (its key, its position, a seed), with no attention (the model's attention over the
-#: entries is the indexer's top-k per query, which kveval's attention scores do not fold in), and ``indexer``, the
-#: model's own indexer scores (CSA layers only).
-ENTRY_SELECTIONS = ("window", "streaming", "knorm", "random", "indexer")
-
 
 def rows_alone(model) -> bool:
     """Whether kveval's drivers run ``model``'s rows one at a time (its native layers take no padding)."""
-    from kveval.modeling.architectures import is_native
-
     return is_native(model.config)
-
-
-def _shares_indexer(config: dict) -> bool:
-    """Whether some layer of a GLM MoE-DSA config reuses an earlier layer's top-k (``indexer_types`` "shared", or the
-    ``index_topk_pattern`` / ``index_topk_freq`` it is made from)."""
-    if config.get("indexer_types") is not None:
-        return "shared" in config["indexer_types"]
-    pattern = config.get("index_topk_pattern")
-    if pattern is not None:
-        return "S" in pattern if isinstance(pattern, str) else "shared" in pattern
-    return int(config.get("index_topk_freq") or 1) > 1
-
-
-def check_policy(config, stack) -> None:
-    """Refuse, in one line, a policy these layers cannot apply exactly: anything but quantization by
-    :data:`PART_QUANTIZERS` and, on V4, :data:`ENTRY_SELECTIONS` by ``ratio``; on V3.2 and GLM MoE-DSA
-    :data:`LATENT_SELECTIONS` (only those that keep the same tokens in every layer where a layer reuses another's
-    top-k); on every model but V4, the ``indexer`` selection. ``config``: a transformers config or a dict."""
-    if not isinstance(config, dict):
-        config = config.get_text_config(decoder=True).to_dict()
-    model_type = config.get("model_type", "")
-    selection = stack.selection
-    if model_type not in INDEXER_MODEL_TYPES:
-        refuse_model_indexer(stack, f"a {model_type or 'this'} model")
-    name = {"deepseek_v4": "DeepSeek V4", "deepseek_v32": "DeepSeek V3.2", "glm_moe_dsa": "GLM MoE-DSA"}.get(model_type)
-    if name is None:
-        return
-    v4 = model_type == "deepseek_v4"
-    parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
-    if selection is not None and v4:
-        _check_entry_selection(selection, name)
-        selection = None  # checked: the V3.2 rules below are the latent's
-    if selection is not None and (selection.name not in LATENT_SELECTIONS or selection.per_head_budgets):
-        if selection.attention == "queries":
-            why = ("scores with the prefill's queries, which on this model attend only to the indexer's top-k that "
-                   "kveval's scoring does not fold in")
-        elif selection.attention != "none":
-            why = ("scores with attention probabilities, which on this model hold the indexer's top-k that kveval's "
-                   "scoring does not fold in")
-        elif selection.per_head_budgets:
-            why = "budgets heads apart, where the latent is one head for all"
-        else:
-            why = "is not one of the selections checked on it (the latent stands for every head's keys and values at once)"
-        raise UnsupportedModelError(
-            f"{selection.spec()}: {why}; on {name}'s latent use one of {', '.join(LATENT_SELECTIONS)}")
-    if selection is not None and selection.name not in ("window", "streaming") and _shares_indexer(config):
-        raise UnsupportedModelError(
-            f"{selection.spec()}: some of this {name} model's layers reuse an earlier layer's top-k slots, which "
-            f"name the same tokens only where every layer keeps the same ones; use window or streaming")
-    if stack.structure is not None:
-        raise UnsupportedModelError(
-            f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
-            f"kveval has no low-rank basis for its parts: evaluate a quantization ({', '.join(PART_QUANTIZERS)})")
-    quantization = stack.quantization
-    if quantization is not None and quantization.name not in PART_QUANTIZERS:
-        raise UnsupportedModelError(
-            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {', '.join(PART_QUANTIZERS)} "
-            f"only; use one of those")
-    if quantization is not None and getattr(quantization, "pre_rope", False):
-        raise UnsupportedModelError(
-            f"{quantization.spec()}: keys before RoPE need kveval's RoPE hook, which {name} has none of (its "
-            f"{'entries carry RoPE on their last dims' if v4 else 'latent carries no RoPE, its RoPE key is apart'}); "
-            f"use {quantization.spec()[:-1]},pre_rope=false)")
-
-
-def refuse_model_indexer(stack, model: str) -> None:
-    """Refuse a selection scored by DeepSeek V4's own indexer (``indexer``) on ``model``, which has none."""
-    selection = stack.selection
-    if selection is not None and selection.attention == "indexer":
-        raise UnsupportedModelError(
-            f"{selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed entries, which "
-            f"{model} does not have; use a selection of its own (knorm, snapkv, ...)")
-
-
-def _check_entry_selection(selection, name: str) -> None:
-    """Refuse, in one line, a selection V4's compressed entries cannot take (:data:`ENTRY_SELECTIONS`, by ``ratio``)."""
-    if selection.name not in ENTRY_SELECTIONS or selection.per_head_budgets:
-        if selection.attention not in ("none", "indexer"):
-            why = ("scores with attention, which over V4's compressed entries is the model's indexer's top-k per "
-                   "query, not folded into kveval's scores")
-        elif selection.per_head_budgets:
-            why = "budgets heads apart, where each compressed entry is one K=V vector for every head"
-        else:
-            why = "is not one of the selections checked on V4's compressed entries"
-        raise UnsupportedModelError(
-            f"{selection.spec()}: {why}; on {name}'s CSA/HCA entries use one of {', '.join(ENTRY_SELECTIONS)} "
-            f"with ratio=")
-    if selection.nominal_ratio is None or selection.decode_budget is not None:
-        raise UnsupportedModelError(
-            f"{selection.spec()}: on {name} a selection removes the fraction ratio= of each CSA/HCA layer's "
-            f"compressed entries at the prefill (the sliding window stays the model's); token counts (size, window, "
-            f"budget, decode_budget) do not map onto entries of several tokens: give ratio= alone")
-
-
-def indexer_coding(quantization, part: str, width: int) -> "tuple[bool, TensorQuant | None]":
-    """Whether the quantizer's ``indexer`` term (``native``, ``fp8``) decides how ``part`` (``width`` values per
-    entry) is coded rather than the quantizer itself, and that coding (``None``: the cache dtype). The cache and the
-    memory planner both ask here."""
-    if part != "indexer" or quantization.indexer == "same":
-        return False, None
-    return True, (TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width)
-                  if quantization.indexer == "fp8" else None)
 
 
 def part_codes(cache, layer_idx: int, part: str, width: int, stride: int):
     """How one row of ``part`` (``width`` values per entry, one entry per ``stride`` tokens) of layer ``layer_idx``
-    is coded under the cache's quantizer (one of :data:`PART_QUANTIZERS`): its ``part_codes``, or for the indexer's
+    is coded under the cache's quantizer (one that codes these parts: :attr:`~kveval.policies.base.Placement.PARTS`): its ``part_codes``, or for the indexer's
     keys its ``indexer`` term (:func:`indexer_coding`); ``None``: kept in the cache dtype."""
     quantization = cache.policy.quantization
     if quantization is None:
@@ -336,8 +223,6 @@ class NativeLayer(CompressedLayer):
     def take_rows(self, index: list[int]) -> None:
         """Keep row ``index[j]`` of the parts and states as row ``j`` (a forked cache's layer: see
         :meth:`~kveval.cache.compressed.CompressedCache.fork_rows`), each an independent copy."""
-        import copy
-
         self.parts = {name: [copy.deepcopy(rows[i]) for i in index] for name, rows in self.parts.items()}
         picked = torch.tensor(index, dtype=torch.long)
         self.states = {name: x.index_select(0, picked.to(x.device)) for name, x in self.states.items()}
@@ -354,7 +239,7 @@ class IndexedLayer(NativeLayer):
     """``indexed_attention`` (DeepSeek V3.2, GLM MoE-DSA): transformers' ``DynamicIndexedLayer``. The latent and RoPE
     key are the store's (MLA: :mod:`kveval.modeling.architectures`), the indexer's keys part ``indexer``.
 
-    A selection (:data:`LATENT_SELECTIONS`) keeps a token's latent and its indexer key together, for every head at
+    A selection (one declaring :attr:`~kveval.policies.base.Placement.LATENT`) keeps a token's latent and its indexer key together, for every head at
     once. The layer then reports the slots it holds as its length (``get_seq_length``, ``get_mask_sizes``), so the
     model's own causal mask is laid over them: every held token before this forward's, which are causal among
     themselves, and the model's indexer picks its top-k among what is held. With nothing evicted that is the
@@ -415,7 +300,7 @@ class HcaLayer(WindowLayer):
     """DeepSeek V4's ``heavily_compressed_attention`` (``DeepseekV4HCACache``): the window, the compressor's entries
     (part ``hca``) and its pending tokens (state ``buffer_kv/compressor``, ``buffer_gate/compressor``).
 
-    A selection (:data:`ENTRY_SELECTIONS`) removes the fraction ``ratio`` of the entries a row's prefill emitted
+    A selection (one declaring :attr:`~kveval.policies.base.Placement.ENTRIES`) removes the fraction ``ratio`` of the entries a row's prefill emitted
     (:meth:`compress_rows`); entries that cover a protected token (a query-aware prompt's question) stay, and so do
     all later ones. The model numbers entries from the first: its compressor's block bias lets query ``t`` see entry
     ``w`` when ``w < (t + 1) // rate``, its indexer ranks entries by that number. So the layer hands the model every
@@ -455,7 +340,7 @@ class HcaLayer(WindowLayer):
         candidates = min(free_tokens // self.compress_rate, emitted)
         keep = selection.keep_count(candidates, self.layer_idx, self.cache.num_layers)
         attention = self._entry_attention(b, selection)
-        if keep >= candidates or (selection.attention == "indexer" and attention is None):
+        if keep >= candidates or (Need.INDEXER in selection.needs and attention is None):
             return
         scored = self.parts[self.entry_parts["compressor"]][b]
         entries = scored.read(self.part_widths[self.entry_parts["compressor"]], self._device())[:, :candidates]
@@ -575,13 +460,13 @@ class CsaLayer(HcaLayer):
         """The indexer's scores of one forward (``[B, q, entries]``, queries at ``positions``): under the ``indexer``
         selection, before the rows are compressed, each entry's summed share (:func:`index_shares`)."""
         selection = self.cache.policy.selection
-        if selection is None or selection.attention != "indexer" or all(r.compressed for r in self._rows):
+        if selection is None or Need.INDEXER not in selection.needs or all(r.compressed for r in self._rows):
             return
         shares = index_shares(scores, positions.to(scores.device), self.compress_rate, selection.window)
         self.index_shares = [shares[b:b + 1] for b in range(shares.shape[0])]
 
     def _entry_attention(self, b: int, selection) -> "torch.Tensor | None":
-        if selection.attention != "indexer":
+        if Need.INDEXER not in selection.needs:
             return None
         return self.index_shares[b]
 
@@ -655,5 +540,6 @@ def native_layer(cache, layer_idx: int, plan, config) -> NativeLayer:
     raise UnsupportedModelError(f"layer {layer_idx}: native layer type {plan.layer_type!r} has no kveval layer")
 
 
-__all__ = ["CsaLayer", "ENTRY_SELECTIONS", "HcaLayer", "INDEXER_FP8_GROUP", "IndexedLayer", "LATENT_SELECTIONS", "NativeLayer", "PART_QUANTIZERS",
-           "PartSequence", "WindowLayer", "check_policy", "install_indexer_masks", "native_layer", "refuse_model_indexer", "indexer_coding", "part_codes", "rows_alone"]
+# check_policy and refuse_model_indexer are re-exported: the cache and the runner check a stack here before loading.
+__all__ = ["CsaLayer", "HcaLayer", "IndexedLayer", "NativeLayer", "PartSequence", "WindowLayer", "check_policy",
+           "install_indexer_masks", "native_layer", "refuse_model_indexer", "part_codes", "rows_alone"]

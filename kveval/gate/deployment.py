@@ -131,9 +131,8 @@ def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, he
         try:
             # run.json records the policy as its spec: read here, at the edge where the decision reads the run
             stack = parse_policy(info.policy)
-            if stack.selection is not None and stack.selection.thresholded:  # sized at the ratio its run reached
-                stack.selection.achieved_ratio = info.achieved_ratio.get("mean")
-            plan = memory.plan(info.model, context, batch, policy=stack, dtype_bytes=_element_bytes(info))
+            plan = memory.plan(info.model, context, batch, policy=stack, dtype_bytes=_element_bytes(info),
+                               achieved_ratio=info.achieved_ratio.get("mean"))  # a threshold is sized at it
         except ValueError as exc:  # a policy the planner does not model, or one that does not fit the model
             unplanned[name] = str(exc)
             continue

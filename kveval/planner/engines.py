@@ -22,12 +22,14 @@ llama.cpp's SWA cache round those differently, which this module does not model 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
 from kveval.errors import UsageError
 from kveval.planner.memory import human_bytes, parse_size, plan
 from kveval.planner.model_specs import load_model_spec
+from kveval.policies.spec import parse_policy
 
 VLLM_BLOCK_SIZE = 16
 LLAMACPP_CTX_PAD = 256
@@ -96,10 +98,17 @@ def _weights(spec, weights, dtype_bytes: int, notes: list[str]) -> int:
     return size
 
 
-def _presets(engine: str, presets) -> list:
-    from kveval.policies.spec import parse_policy
+@functools.cache
+def _preset_stacks(engine: str) -> tuple:
+    """:data:`ENGINE_PRESETS` of ``engine``, parsed once: ``(spec, stack)`` each (the planner never changes a stack)."""
+    return tuple((text, parse_policy(text)) for text in ENGINE_PRESETS[engine])
 
-    return [(text, parse_policy(text)) for text in (presets or ENGINE_PRESETS[engine])]
+
+def _presets(engine: str, presets) -> list:
+    """The presets to answer at: the given spec strings (parsed here, at the edge), else the engine's own."""
+    if presets:
+        return [(text, parse_policy(text)) for text in presets]
+    return list(_preset_stacks(engine))
 
 
 def _sliding_note(spec, engine: str, notes: list[str]) -> None:
@@ -183,8 +192,6 @@ def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weight
 def join_verdicts(p: EnginePlan, gate: dict) -> int:
     """Put the gate's verdict (``gate.json``: :mod:`kveval.gate.report`) on each preset it judged on this model, the
     baseline's as PASS; the number of presets joined. Specs are compared in canonical form."""
-    from kveval.policies.spec import parse_policy
-
     verdicts = {}
     for result in gate.get("results", []):
         base = result.get("baseline") or {}

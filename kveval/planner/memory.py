@@ -23,7 +23,7 @@ What the arithmetic follows
   entries, pending-window state) are planned as their own cache holds them, part by part, for policy ``none``
   (:mod:`kveval.planner.native`); ``storage=`` sets how each part is stored (FP8 with scales, FP4, BF16, ...).
   Every plan of policy ``none`` lists its cache's parts (``MemoryPlan.parts``). Under a compression policy these
-  models' caches are planned as kveval's cache holds them, part by part (:func:`_native_policy_layers`).
+  models' caches are planned as kveval's cache holds them, part by part (:func:`kveval.planner.native_plans.native_sequence`).
 * Policies (``kveval policies``), as :mod:`kveval.cache.compressed` stores them:
 
   - selection keeps ``keep_count(context, layer, num_layers)`` tokens per layer
@@ -53,591 +53,69 @@ subtracts the weights (given, or parameters x bytes per parameter) and keeps a
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-import re
 from dataclasses import asdict, dataclass
-from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kveval.errors import UsageError
-from kveval.modeling.layer_types import selecting_layers
-from kveval.planner.model_specs import ModelSpec, load_model_spec
-from kveval.planner.native import PartPlan, native_layers, parse_storage, storages
-from kveval.values import is_real, is_whole
-
-if TYPE_CHECKING:
-    from kveval.policies.base import PolicyStack
-
-_GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
+from kveval.planner.fit import FitResult, max_fit
+from kveval.planner.layouts import (
+    LayerPlan,
+    MemoryPlan,
+    policy_stack,
+    sequence_layers,
+    stream_layout,
+    stream_per_token,
+)
+from kveval.planner.model_specs import load_model_spec
+from kveval.planner.native import native_layers, parse_storage, storages
+from kveval.planner.native_plans import native_plan, plans_native
+from kveval.planner.units import check_dtype_bytes, check_int, human_bytes, parse_headroom, parse_size, parse_tokens
+from kveval.policies.base import PolicyStack
 
 
 # ----------------------------------------------------------------------------------------------
 # the plan
 
-@dataclass
-class LayerPlan:
-    """One layer for one sequence: its kind, window, tokens held and bytes."""
-
-    index: int
-    kind: str  # "full", "sliding" or "mla"
-    window: int | None
-    tokens: int
-    bytes: int
-
-
-@dataclass
-class MemoryPlan:
-    """KV-cache size of one model under one policy.
-
-    ``bytes_per_token`` is what one stored token costs over all layers in the
-    policy's representation (quantized codes with their amortized scales,
-    low-rank coefficients, MLA latent), before selection, windows and the
-    full-precision residual; ``key_bytes_per_token``/``value_bytes_per_token``
-    split it (MLA: the latent counts as K, the shared RoPE key as V, as the cache holds them; a native plan: all
-    as K, and ``bytes_per_token`` is what each further token adds, amortized). ``sequence_bytes`` is the exact
-    cache of one sequence of ``context`` tokens (plus ``new_tokens`` generated),
-    ``total_bytes`` that times ``batch``; ``baseline_*`` are the same without
-    compression. ``layers`` lists every layer for one sequence.
-    """
-
-    model: str
-    policy: str
-    context: int
-    batch: int
-    dtype_bytes: int
-    new_tokens: int
-    bytes_per_token: float
-    key_bytes_per_token: float
-    value_bytes_per_token: float
-    baseline_bytes_per_token: int
-    sequence_bytes: int
-    total_bytes: int
-    baseline_sequence_bytes: int
-    baseline_total_bytes: int
-    layers: list[LayerPlan]
-    notes: list[str]
-    #: The cache's parts under policy ``none`` (K and V, an MLA latent and RoPE key, V3.2's indexer keys, V4's window,
-    #: compressed entries and state), each with its storage and bytes; under a compression policy, those of a
-    #: DeepSeek V3.2/V4 cache as kveval holds them (``latent``, ``indexer``, ``window``, ``csa``, ``hca``, ``state``)
-    #: and none for other models.
-    parts: list[PartPlan] = dataclasses.field(default_factory=list)
-    #: Whether the plan is the native cache, part by part (V3.2/V4 layouts, or a ``storage`` override).
-    native: bool = False
-
-    @property
-    def compression(self) -> float:
-        """Uncompressed bytes / compressed bytes at this context."""
-        return self.baseline_sequence_bytes / self.sequence_bytes if self.sequence_bytes else math.inf
-
-    @property
-    def bytes_per_context_token(self) -> float:
-        """Effective bytes per token of the sequence (selection, windows and residual included)."""
-        return self.sequence_bytes / (self.context + self.new_tokens)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["compression"] = self.compression
-        data["bytes_per_context_token"] = self.bytes_per_context_token
-        return data
-
-
-def _policy_stack(policy):
-    """The planned stack: a :class:`~kveval.policies.base.PolicyStack` parsed at the edge (``None``: the baseline)."""
-    from kveval.policies.base import require_stack
-
-    return require_stack(policy, "the memory planner")
-
-
-def check_int(value, what: str, minimum: int) -> int:
-    """``value`` when it is a whole number of at least ``minimum``; else ``ValueError`` (one line) naming ``what``."""
-    if not is_whole(value):
-        raise UsageError(f"{what}={value!r} must be an integer")
-    if value < minimum:
-        raise UsageError(f"{what}={value} must be >= {minimum}")
-    return value
-
-
-@dataclass
-class _Layout:
-    """Per-layer streams: (name, heads, dim, TensorQuant or None), the residual, and KVQuant's policy where it codes
-    the K/V (its tokens are not grouped streams: codes, outliers and sinks, :func:`_kvquant_bytes`)."""
-
-    streams: list[tuple[str, int, int, Any]]
-    residual: int
-    kvquant: Any = None
-
-    @property
-    def kvquant_widths(self) -> tuple[int, int, int]:
-        """Under KVQuant: ``(heads, key width, value width)`` of its two streams (an MLA latent and its RoPE key differ)."""
-        (_, heads, key_dim, _), (_, _, value_dim, _) = self.streams
-        return heads, key_dim, value_dim
-
-
-def _kvquant_layout(spec: ModelSpec, stack) -> _Layout:
-    quant = stack.quantization
-    if stack.structure is not None:
-        raise UsageError(f"{quant.spec()}: codes K/V heads, not low-rank coefficients")
-    if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
-        if quant.pre_rope:
-            raise UsageError(f"{quant.spec()}: an MLA latent is cached without RoPE, and kveval's cache has no RoPE "
-                             f"hook for MLA's shared key to code it before RoPE; plan pre_rope=false")
-        streams = [("latent", 1, spec.mla_dim - spec.mla_rope, None), ("rope", 1, spec.mla_rope, None)]
-    else:
-        streams = [("k", spec.kv_heads, spec.head_dim, None), ("v", spec.kv_heads, spec.head_dim, None)]
-    for dim in sorted({dim for _, _, dim, _ in streams if dim}):
-        quant.check_head_dim(dim)
-    return _Layout(streams, int(quant.residual), quant)
-
-
-def _kvquant_bytes(tokens: int, oldest: int, layout: _Layout, dtype_bytes: int) -> int:
-    """Bytes of one layer's K/V under KVQuant (:class:`kveval.stores.kvquant.KVQuantStore`): the ``residual`` newest tokens
-    and those at positions below ``sink`` in the cache dtype, every other token coded (``coded_bytes``).
-    ``oldest``: the position of the oldest token held (a sliding layer's window has moved past the sinks)."""
-    quant = layout.kvquant
-    heads, key_dim, value_dim = layout.kvquant_widths
-    whole = min(tokens, quant.residual) + max(0, min(quant.sink - oldest, tokens - quant.residual))
-    coded = tokens - whole
-    return heads * (coded * sum(quant.coded_bytes(key_dim, value_dim, dtype_bytes))
-                    + whole * (key_dim + value_dim) * dtype_bytes)
-
-
-def _layout(spec: ModelSpec, stack, notes: list[str]) -> _Layout:
-    _check_selection(spec, stack)
-    quant = stack.quantization
-    quants = quant.planned_quants() if quant is not None else (None, None)
-    if quants is None:  # a codec that sizes its own codes (KVQuant)
-        return _kvquant_layout(spec, stack)
-    kq, vq = quants
-    residual = quant.residual_tokens if quant is not None else 0
-    structure = stack.structure
-    if spec.mla_dim is not None:
-        # As kveval's cache holds MLA: the normed latent in K's place, the shared RoPE key in V's (one "head" each);
-        # a structure policy projects them as it projects a K and a V head.
-        latent, rope = spec.mla_dim - spec.mla_rope, spec.mla_rope
-        if structure is not None:
-            widths = structure.planned_widths(1, latent, rope, mla=True)
-            latent, rope = widths.k, widths.v
-        streams = [("latent", 1, latent, kq)] + ([("rope", 1, rope, vq)] if rope else [])
-        if quant is not None:
-            notes.append(f"MLA: the latent is quantized with the key settings of {quant.spec()}, the shared RoPE "
-                         f"key with its value settings")
-    else:
-        heads, k_dim, v_dim = spec.kv_heads, spec.head_dim, spec.head_dim
-        if structure is not None:
-            widths = structure.planned_widths(spec.kv_heads, spec.head_dim, spec.head_dim)
-            if widths.k is None or widths.v is None:
-                notes.append(f"{structure.spec()}: energy= ranks come from calibration on the model; "
-                             f"planned at head_dim {spec.head_dim} (an upper bound) where no rank is given")
-            heads, k_dim, v_dim = widths.heads, widths.k or spec.head_dim, widths.v or spec.head_dim
-        streams = [("k", heads, k_dim, kq), ("v", heads, v_dim, vq)]
-    for which, _, dim, q in streams:
-        if q is not None and q.axis == "token" and dim % q.group:
-            what = {"latent": "latent width", "rope": "RoPE key width"}.get(which) or ("rank" if dim != spec.head_dim else "head_dim")
-            raise UsageError(f"{quant.spec()}: {which} group={q.group} does not divide {what}={dim}; "
-                             f"pick a divisor of {dim}")
-    return _Layout(streams, residual)
-
-
-def _scale_bytes(q) -> int:
-    """Bytes of scale (+ zero point) per quantization group."""
-    return 2 if (q.fp8 is not None or q.symmetric) else 4
-
-
-def _stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int,
-                  sliding: tuple[int, int, int] | None = None) -> int:
-    """Exact bytes of one of K/V (or the MLA latent) holding ``tokens`` tokens in one layer.
-
-    ``sliding``: ``(context, new_tokens, window)`` of a sliding layer, whose per-channel groups the window cuts
-    as it moves on while decoding (:func:`_sliding_slots`).
-    """
-    if q is None or tokens <= 0:
-        return heads * tokens * dim * dtype_bytes
-    unit = q.group if q.axis == "channel" else 1
-    if sliding is not None and unit > 1:
-        aged, tail = _sliding_slots(*sliding, residual, unit)
-    else:
-        aged = max(0, tokens - residual) // unit * unit
-        tail = tokens - aged
-    groups = heads * (aged // q.group) * dim if q.axis == "channel" else heads * aged * (dim // q.group)
-    data = math.ceil(heads * aged * dim * q.bits / 8)
-    return data + groups * _scale_bytes(q) + heads * tail * dim * dtype_bytes
-
-
-@functools.lru_cache(maxsize=4096)
-def _sliding_slots(context: int, new_tokens: int, window: int, residual: int, unit: int) -> tuple[int, int]:
-    """Quantized and full-precision slots of a sliding layer's per-channel stream (``unit``-token groups), as
-    :class:`kveval.stores.base.QuantizedSequence` holds them: the prefill keeps its last ``window - 1`` tokens and
-    seals whole groups past the ``residual`` newest; each decode step appends a token, seals, then drops the
-    oldest live one. A group the window cuts keeps its dead slots until all are dead."""
-    held = min(context, window - 1)
-    groups = max(0, held - residual) // unit
-    first_live, tail = unit, held - groups * unit  # live slots of the oldest group; tokens in full precision
-    for _ in range(new_tokens):
-        tail += 1
-        sealed = max(0, tail - residual) // unit
-        if sealed:
-            groups, tail = groups + sealed, tail - sealed * unit
-            if groups == sealed:
-                first_live = unit
-        if groups * unit - (unit - first_live) + tail <= window - 1:
-            continue  # still within the window
-        if groups:  # the oldest live token is in the oldest group
-            first_live -= 1
-            if first_live == 0:
-                groups, first_live = groups - 1, unit
-        else:
-            tail -= 1
-    return groups * unit, tail
-
-
-def _stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
-    """Amortized bytes of one stored token of one stream (scales of per-channel groups spread over ``group`` tokens)."""
-    if q is None:
-        return heads * dim * dtype_bytes
-    data = heads * dim * q.bits / 8
-    if q.axis == "channel":
-        return data + heads * dim * _scale_bytes(q) / q.group
-    return data + heads * (dim // q.group) * _scale_bytes(q)
-
-
-def _selecting(spec: ModelSpec) -> list[bool]:
-    """Per layer: whether a selection acts on it, as in the cache (:func:`~kveval.modeling.layer_types.selecting_layers`:
-    full layers, and sliding ones where every layer slides); never a layer without K/V."""
-    kv = [i for i, holds in enumerate(spec.holds_kv) if holds]
-    chunked = spec.chunked or [False] * spec.num_layers
-    out = [False] * spec.num_layers
-    for i, acts in zip(kv, selecting_layers([spec.windows[i] for i in kv], [chunked[i] for i in kv])):
-        out[i] = acts
-    return out
-
-
-def _check_selection(spec: ModelSpec, stack) -> None:
-    """Refuse a selection policy where it acts on no layer (every attention layer chunked), as the cache does, and
-    one scored by a model's own indexer (run on the model only)."""
-    if stack.selection is not None and stack.selection.attention == "indexer":  # V4's are sized apart
-        raise UsageError(f"{stack.selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed "
-                         f"entries, which {spec.name} does not have; plan a selection of its own (knorm, snapkv, ...)")
-    if stack.selection is not None and not any(_selecting(spec)):
-        raise UsageError(f"{stack.selection.spec()}: every attention layer of {spec.name} is chunked, and selection "
-                         f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")
-
-
-def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int, selects: bool) -> int:
-    """Tokens layer ``i`` holds after ``context`` then ``new_tokens``; ``selects``: whether the selection acts on it."""
-    if not spec.holds_kv[i]:
-        return 0
-    window = spec.windows[i]
-    selection = stack.selection if selects else None
-    if selection is None:
-        tokens = context + new_tokens
-    else:
-        held = context if window is None else min(context, window - 1)  # a sliding layer selects in its window
-        if window is not None and new_tokens and context + new_tokens >= window:
-            raise UsageError(f"{selection.spec()} on {spec.name}'s {window}-token sliding window: which of the tokens "
-                             f"it keeps leave the window while decoding depends on their scores, so {context} + "
-                             f"{new_tokens} new tokens cannot be sized; plan the prefill alone (new_tokens=0) or a "
-                             f"run shorter than the window")
-        kept = selection.planned_keep(held) if selection.thresholded else selection.keep_count(held, i, spec.num_layers)
-        tokens = kept + new_tokens
-        budget = selection.decode_limit  # the budget, and what it may grow by between evictions (decode_interval)
-        if new_tokens and budget is not None:
-            tokens = min(tokens, max(int(budget), 1))
-        whole = selection.whole_head_fraction  # duo: retrieval heads keep every token
-        if whole:
-            tokens = math.ceil(whole * (held + new_tokens) + (1 - whole) * tokens)  # mean per KV head
-    return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
-
-
-def _sequence_layers(spec: ModelSpec, stack, layout: _Layout, context: int, new_tokens: int,
-                     dtype_bytes: int) -> list[LayerPlan]:
-    out = []
-    selecting = _selecting(spec) if stack.selection is not None else [False] * spec.num_layers
-    for i, selects in enumerate(selecting):
-        tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects)
-        if layout.kvquant is not None:
-            window = spec.windows[i]  # the oldest position its window still holds, selected or not
-            oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
-            size = _kvquant_bytes(tokens, oldest, layout, dtype_bytes)
-        else:
-            # A sliding layer's window cuts per-channel groups as it moves on, unless a selection sealed what it
-            # kept in the window (where the planner sizes it, nothing it kept leaves the window).
-            sliding = (context, new_tokens, spec.windows[i]) if spec.windows[i] is not None and not selects else None
-            size = sum(_stream_bytes(tokens, heads, dim, q, layout.residual, dtype_bytes, sliding)
-                       for _, heads, dim, q in layout.streams)
-        kind = ("state" if not spec.holds_kv[i] else "mla" if spec.mla_dim is not None
-                else "full" if spec.windows[i] is None else "sliding")
-        out.append(LayerPlan(i, kind, spec.windows[i], tokens, size))
-    return out
-
-
-def _check_dtype_bytes(dtype_bytes) -> int:
-    if not is_whole(dtype_bytes) or dtype_bytes not in (1, 2, 4, 8):
-        raise UsageError(f"dtype_bytes={dtype_bytes!r} must be 1, 2 (fp16/bf16), 4 (fp32) or 8")
-    return dtype_bytes
-
-
-def _native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
-    """Whether the plan is the native cache part by part (DeepSeek V3.2/V4's layouts, or a storage override); a
-    storage override is refused under a compression policy, whose coding says how each part is stored, and so is
-    what kveval's cache refuses on these models (:func:`kveval.cache.native_layers.check_policy`, checked here once
-    for a plan or a fit)."""
-    if not (spec.native_only or overrides):
-        return False
-    if not stack.is_none and overrides:
-        raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
-                         f"own coding stores each part: drop --storage")
-    if not stack.is_none:
-        from kveval.cache.native_layers import check_policy
-        from kveval.errors import UnsupportedModelError
-
-        indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
-        try:
-            check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)
-        except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
-            raise UsageError(str(refused)) from None
-        if stack.quantization is not None and spec.v4 is not None:
-            stack.quantization.check_head_dim(spec.head_dim)  # an explicit group that does not divide the entries
-    return True
-
-
-def _native_sequence(spec: ModelSpec, stack, context: int, new_tokens: int, dtype_bytes: int,
-                     overrides: dict[str, str], notes: list[str]) -> tuple[list[LayerPlan], list[PartPlan]]:
-    """The native cache of one sequence, per layer and per part: the model's own under policy ``none``, kveval's
-    under a policy (:func:`_native_policy_layers`)."""
-    if not stack.is_none:
-        return _native_policy_layers(spec, stack, context, new_tokens, dtype_bytes, notes)
-    layers, parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
-    return [LayerPlan(n.index, n.kind, n.window, n.tokens, n.bytes) for n in layers], parts
-
-
-def _native_plan(spec: ModelSpec, stack, context: int, batch: int, dtype_bytes: int, new_tokens: int,
-                 overrides: dict[str, str], notes: list[str]) -> MemoryPlan:
-    layers, parts = _native_sequence(spec, stack, context, new_tokens, dtype_bytes, overrides, notes)
-    if stack.is_none:
-        base_layers, base_parts = native_layers(spec, context + new_tokens, dtype_bytes, overrides)
-    else:  # what the policy is measured against: kveval's own cache under none, in the cache dtype
-        from kveval.policies.base import PolicyStack
-
-        base_layers, base_parts = _native_policy_layers(spec, PolicyStack(), context, new_tokens, dtype_bytes, [])
-        if spec.storage:
-            served = sum(layer.bytes for layer in native_layers(spec, context + new_tokens, dtype_bytes)[0])
-            notes.append(f"uncompressed here: the cache dtype ({dtype_bytes} bytes per value), as kveval measures "
-                         f"policy none; as {spec.name} is served ({', '.join(f'{k} {v}' for k, v in spec.storage.items())}) "
-                         f"its cache holds {human_bytes(served)} (plan policy none)")
-    seq, base = sum(layer.bytes for layer in layers), sum(layer.bytes for layer in base_layers)
-    growth = sum(part.growth_per_token for part in parts)
-    base_growth = sum(part.growth_per_token for part in base_parts)
-    if spec.max_position and context + new_tokens > spec.max_position:
-        notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
-    return MemoryPlan(model=spec.name, policy=stack.spec, context=context, batch=batch, dtype_bytes=dtype_bytes,
-                      new_tokens=new_tokens, bytes_per_token=growth, key_bytes_per_token=growth,
-                      value_bytes_per_token=0.0, baseline_bytes_per_token=math.ceil(base_growth), sequence_bytes=seq,
-                      total_bytes=seq * batch, baseline_sequence_bytes=base, baseline_total_bytes=base * batch,
-                      layers=layers, notes=notes, parts=parts, native=True)
-
-
-# --- a policy on a native cache, as kveval's cache holds it --------------------------------------------------------
-
-@dataclass(frozen=True)
-class _PartCoding:
-    """How kveval codes one part of keys alone (:func:`kveval.cache.native_layers.part_codes`): grouped codes
-    (``quant``), KVQuant's (``kvquant``: ``coded`` bytes an entry, its sinks and residual in the cache dtype), or
-    the cache dtype (neither); ``residual`` newest entries stay uncoded."""
-
-    quant: Any = None
-    kvquant: Any = None
-    residual: int = 0
-
-    @property
-    def label(self) -> str:
-        """The storage column: ``dtype`` (uncoded), ``kvquant4``, ``int4/64``, ``int2/32ch`` (per channel), ``fp8-e4m3/128``."""
-        if self.kvquant is not None:
-            return f"kvquant{self.kvquant.bits}"
-        q = self.quant
-        if q is None:
-            return "dtype"
-        return f"{f'fp8-{q.fp8}' if q.fp8 else f'int{q.bits}'}/{q.group}{'ch' if q.axis == 'channel' else ''}"
-
-    @property
-    def sealed_before_selection(self) -> bool:
-        """Whether the bytes a selection leaves depend on which entries it keeps: a part's entries are coded after
-        its forward's attention, before the prefill is compressed, so a per-channel group keeps evicted slots and an
-        evicted entry may be a coded or an uncoded one (the residual window's, KVQuant's sinks aside)."""
-        return self.residual > 0 or (self.quant is not None and self.quant.axis == "channel")
-
-    def per_entry(self, width: int, dtype_bytes: int) -> float:
-        """Bytes of one coded entry, amortized (a per-channel group's scales over its entries)."""
-        if self.kvquant is not None:
-            return self.kvquant.coded_bytes(width, 0, dtype_bytes)[0]
-        return _stream_per_token(1, width, self.quant, dtype_bytes)
-
-    def bytes(self, n: int, width: int, dtype_bytes: int, first: int = 0, stride: int = 1,
-              sliding: "tuple[int, int, int] | None" = None) -> int:
-        """Bytes of ``n`` held entries of ``width`` values; the oldest starts at token ``first``, one entry per
-        ``stride`` tokens (KVQuant's sinks: entries whose window starts below ``sink``). ``sliding``: a sliding
-        window's ``(context, new_tokens, window)``, whose per-channel groups it cuts as it moves."""
-        if self.kvquant is not None:
-            sinks = max(0, min(n, math.ceil((self.kvquant.sink - first) / stride)))
-            whole = min(n, self.residual) + max(0, min(sinks, n - self.residual))
-            coded = self.kvquant.coded_bytes(width, 0, dtype_bytes)[0]
-            return (n - whole) * coded + whole * width * dtype_bytes
-        return _stream_bytes(n, 1, width, self.quant, self.residual, dtype_bytes, sliding)
-
-
-def _part_coding(quant, part: str, width: int) -> _PartCoding:
-    """The coding of ``part`` (``width`` values an entry) under quantizer ``quant``, as the cache's
-    (:func:`kveval.cache.native_layers.part_codes`)."""
-    from kveval.cache.native_layers import indexer_coding
-
-    if quant is None:
-        return _PartCoding()
-    own, coded = indexer_coding(quant, part, width)
-    if own:
-        return _PartCoding(coded)
-    if quant.planned_quants() is None:
-        return _PartCoding(kvquant=quant, residual=quant.residual_tokens)
-    return _PartCoding(quant.planned_quants()[0].fitted(width), residual=quant.residual_tokens)
-
-
-def _native_policy_layers(spec: ModelSpec, stack, context: int, new_tokens: int, dtype_bytes: int,
-                          notes: list[str]) -> tuple[list[LayerPlan], list[PartPlan]]:
-    """kveval's cache of a DeepSeek V3.2 (GLM MoE-DSA) or V4 model under ``stack``, part by part, as
-    :mod:`kveval.cache.native_layers` holds it (parts named as ``kveval generate`` prints them):
-
-    * V3.2: ``latent``, the latent and RoPE key as V2/V3's (K's and V's coding, a selection's kept tokens), and
-      ``indexer``, the keys of the same tokens in the layers that keep them, coded as a part of keys alone;
-    * V4: ``window``, every layer's newest ``window - 1`` K=V entries, stored once and coded as keys (transformers'
-      sliding-only layers hold them twice: the native cache the policy is compared with); ``csa``/``hca``, one
-      entry per ``rate`` tokens, of which a selection keeps its share of the prefill's, with CSA's ``indexer``
-      entries alongside; the compressors' pending tokens and CSA's overlap (``state``) as the native cache holds
-      them.
-
-    The stack has passed :func:`_native`'s checks; refused here in one line: a selection over parts coded before
-    it acts with per-channel groups or a residual window (their bytes depend on which entries it keeps)."""
-    selection, quant = stack.selection, stack.quantization
-    parts: dict[str, list] = {}  # name -> [layers, entries, bytes, width, growth per token, storage]
-    layers: list[LayerPlan] = []
-
-    def add(name: str, n: int, size: int, width: int, growth: float, storage: str = "dtype") -> None:
-        entry = parts.setdefault(name, [0, 0, 0, width, 0.0, storage])
-        entry[0] += 1
-        entry[1] += n
-        entry[2] += size
-        entry[4] += growth
-
-    def sized(part: str, coded: _PartCoding) -> _PartCoding:
-        """``coded``, for a part a selection acts on after its entries were coded (every part these layers hold
-        but V4's window); refused where the bytes it leaves depend on which entries it keeps."""
-        if selection is not None and coded.sealed_before_selection:
-            raise UsageError(
-                f"{stack.spec}: its {part} entries are coded before {selection.spec()} acts, with "
-                f"{'a residual window' if coded.residual else 'per-channel groups'}, so the bytes it leaves depend "
-                f"on which entries it keeps; plan the selection with a per-token quantizer and residual=0, or each "
-                f"alone")
-        return coded
-
-    def coding(part: str, width: int) -> _PartCoding:
-        return sized(part, _part_coding(quant, part, width))
-
-    tokens = context + new_tokens
-    if spec.v4 is None:  # V3.2: the latent as MLA's, the indexer keys of the tokens it holds
-        layout = _layout(spec, stack, notes)
-        for _, _, _, q in layout.streams:  # the latent's K coding and its RoPE key's V coding
-            sized("latent", _PartCoding(q, layout.kvquant, layout.residual))
-        latent = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
-        indexer = coding("indexer", spec.indexer_dim)
-        if layout.kvquant is not None:
-            latent_growth = layout.kvquant_widths[0] * sum(layout.kvquant.coded_bytes(*layout.kvquant_widths[1:],
-                                                                                      dtype_bytes))
-        else:
-            latent_growth = sum(_stream_per_token(heads, dim, q, dtype_bytes) for _, heads, dim, q in layout.streams)
-        for layer in latent:
-            layers.append(layer)
-            add("latent", layer.tokens, layer.bytes, spec.mla_dim, latent_growth,
-                _part_coding(quant, "latent", spec.mla_dim - spec.mla_rope).label)
-            if spec.keeps_indexer(layer.index):
-                size = indexer.bytes(layer.tokens, spec.indexer_dim, dtype_bytes)
-                layers[-1] = dataclasses.replace(layer, bytes=layer.bytes + size)
-                add("indexer", layer.tokens, size, spec.indexer_dim, indexer.per_entry(spec.indexer_dim, dtype_bytes),
-                    indexer.label)
-    else:
-        v4 = spec.v4
-        native = native_layers(spec, tokens, dtype_bytes)[0]
-        held = min(tokens, v4.window - 1)
-        window = _part_coding(quant, "window", spec.head_dim)  # no selection acts on the window
-        for (kind, rate), own in zip(v4.layers, native):
-            sizes = {"window": window.bytes(held, spec.head_dim, dtype_bytes, first=tokens - held,
-                                            sliding=(context, new_tokens, v4.window))}
-            add("window", held, sizes["window"], spec.head_dim, 0.0, window.label)
-            if kind != "sliding":
-                emitted, before = tokens // rate, context // rate
-                # HCA has no indexer: a selection scored by it leaves HCA's entries (as the cache's layer does)
-                scores = selection is not None and not (selection.attention == "indexer" and kind == "hca")
-                kept = min(before, selection.keep_count(before, own.index, spec.num_layers)) if scores else before
-                n = kept + emitted - before
-                series = [(kind, spec.head_dim)] + ([("indexer", v4.index_dim)] if kind == "csa" else [])
-                for part, width in series:
-                    coded = coding(part, width)
-                    sizes[part] = coded.bytes(n, width, dtype_bytes, stride=rate)
-                    add(part, n, sizes[part], width, coded.per_entry(width, dtype_bytes) / rate, coded.label)
-                sizes["state"] = own.parts["state"]
-                add("state", own.parts["state"] // dtype_bytes, own.parts["state"], 1, 0.0)
-            layers.append(LayerPlan(own.index, kind, v4.window, tokens, sum(sizes.values())))
-        notes.append("kveval's cache: every layer's K=V window stored once (transformers' sliding-only layers hold "
-                     "it twice); the state uncoded, in the cache dtype")
-    if selection is not None and quant is not None and quant.planned_quants() is None and quant.sink:
-        notes.append(f"{quant.spec()}: the entries of the first {quant.sink} token(s) are counted as kept in the "
-                     f"cache dtype; {selection.spec()} may evict them")
-    order = ("latent", "window", "csa", "indexer", "hca", "state")  # as kveval generate prints them
-    plans = [PartPlan(name, storage, n_layers, width, math.ceil(size / entries) if entries else 0, entries, size,
-                      growth) for name, (n_layers, entries, size, width, growth, storage)
-             in sorted(parts.items(), key=lambda item: order.index(item[0]))]
-    return layers, plans
-
-
 def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = None, dtype_bytes: int = 2, new_tokens: int = 0,
-         storage=None) -> MemoryPlan:
+         storage=None, achieved_ratio: float | None = None) -> MemoryPlan:
     """KV-cache bytes of ``batch`` sequences of ``context`` tokens (plus ``new_tokens`` generated) under ``policy``.
 
     ``model``: preset name, ``config.json`` path or folder, Hub id, dict, ``PretrainedConfig`` or :class:`ModelSpec`.
     ``storage``: per-part storage formats for policy ``none`` (``"indexer=fp8-128"``, ``{"all": "bf16"}``;
     :data:`kveval.planner.native.FORMATS`), over the model's own (a preset's ``kv_storage``) and the dtype.
+    ``achieved_ratio``: the fraction removed that a run of the policy reached on average, for a selection whose
+    kept count its scores decide (a threshold: refused without it).
     Raises ``ValueError`` (one line) for unknown models, bad numbers or a policy that does not fit the model.
     """
     spec = load_model_spec(model)
     context = check_int(context, "context", 1)
     batch = check_int(batch, "batch", 1)
     new_tokens = check_int(new_tokens, "new_tokens", 0)
-    dtype_bytes = _check_dtype_bytes(dtype_bytes)
-    stack = _policy_stack(policy)
+    dtype_bytes = check_dtype_bytes(dtype_bytes)
+    stack = policy_stack(policy)
     notes = list(spec.notes)
     overrides = parse_storage(storage)
-    if _native(spec, stack, overrides) or (stack.is_none and spec.storage):
-        return _native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes)
-    layout = _layout(spec, stack, notes)
-    base_layout = _layout(spec, _policy_stack(None), [])
-    from kveval.policies.base import PolicyStack
-
-    layers = _sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes)
-    base_layers = _sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
+    if plans_native(spec, stack, overrides) or (stack.is_none and spec.storage):
+        return native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes, achieved_ratio)
+    layout = stream_layout(spec, stack, notes)
+    base_layout = stream_layout(spec, policy_stack(None), [])
+    layers = sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes, achieved_ratio)
+    base_layers = sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
     kv_layers = sum(spec.holds_kv)
-    if layout.kvquant is not None:  # coded K and V of their widths
-        heads, key_dim, value_dim = layout.kvquant_widths
-        per_stream = [b * heads * kv_layers for b in layout.kvquant.coded_bytes(key_dim, value_dim, dtype_bytes)]
+    if layout.coded is not None:  # coded K and V of their widths
+        per_stream = [b * kv_layers for b in layout.coded_per_token(dtype_bytes)]
     else:
-        per_stream = [_stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
+        per_stream = [stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
     key_pt = per_stream[0]
     value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
-    base_pt = int(sum(_stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)
+    base_pt = int(sum(stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)
     if spec.max_position and context + new_tokens > spec.max_position:
         notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
     if stack.selection is not None and stack.selection.per_head_budgets and stack.quantization is not None:
         notes.append(f"{stack.selection.spec()}: per-head budgets are planned as equal heads; each head's own "
                      f"remainder of per-channel groups and residual makes the measured bytes differ slightly")
-    if stack.selection is not None and layout.kvquant is not None and layout.kvquant.sink:
-        notes.append(f"{layout.kvquant.spec()}: the sink token(s) are counted as kept in full precision; "
+    if stack.selection is not None and layout.coded is not None and layout.coded.sink:
+        notes.append(f"{stack.quantization.spec()}: the sink token(s) are counted as kept in full precision; "
                      f"{stack.selection.spec()} may drop them (then each is coded instead)")
     if layout.residual and stack.quantization is not None:
         notes.append(f"the {layout.residual} most recent tokens of each layer stay in the model dtype "
@@ -653,202 +131,7 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
 
 
 # ----------------------------------------------------------------------------------------------
-# what fits
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text, what: str = "size") -> int:
-    """Bytes from ``80GiB``, ``16GB``, ``1.5TiB`` or a plain number of bytes (GB = 10^9, GiB = 2^30)."""
-    if is_real(text):
-        value = float(text)
-    else:
-        match = _SIZE.match(str(text))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise UsageError(f"{what}={text!r} is not a size; write e.g. 80GiB, 16GB, 512MiB or a number of bytes")
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not value > 0 or not math.isfinite(value):
-        raise UsageError(f"{what}={text!r} must be a positive size")
-    return int(value)
-
-
-def parse_tokens(text, what: str = "context") -> int:
-    """Tokens from ``8192``, ``8k`` (8192) or ``1m`` (1048576)."""
-    if is_whole(text):
-        return text
-    match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([kKmM]?)\s*$", str(text))
-    if not match:
-        raise UsageError(f"{what}={text!r} is not a token count; write e.g. 8192 or 8k")
-    value = float(match.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[match.group(2).lower()]
-    if value != int(value):
-        raise UsageError(f"{what}={text!r} is not a whole number of tokens")
-    return int(value)
-
-
-def parse_headroom(value) -> float:
-    """A fraction ``0 <= h < 1`` from ``0.1`` or ``"10%"``."""
-    text = str(value).strip()
-    try:
-        h = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise UsageError(f"headroom={value!r} is not a number; give a fraction such as 0.1 or a percentage such as 10%") from None
-    if not 0 <= h < 1:
-        raise UsageError(f"headroom={value!r} is out of range; give a fraction 0 <= headroom < 1 (e.g. 0.1) or a percentage (10%)")
-    return h
-
-
-@dataclass
-class FitResult:
-    """The largest ``context`` (at ``batch``) or ``batch`` (at ``context``) whose cache fits.
-
-    ``value`` is that number (0: nothing fits; ``None``: the cache stops growing,
-    any context fits). ``cache_budget_bytes`` = GPU x (1 - headroom) - weights.
-    ``cache_bytes`` is the cache at the answer.
-    """
-
-    solve: str
-    value: int | None
-    context: int | None
-    batch: int
-    gpu_bytes: int
-    headroom: float
-    weights_bytes: int
-    weights_estimated: bool
-    cache_budget_bytes: int
-    cache_bytes: int
-    model: str
-    policy: str
-    notes: list[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int, notes: list[str]) -> tuple[int, bool]:
-    if weights is not None:
-        return parse_size(weights, "weights"), False
-    if not spec.num_parameters:
-        raise UsageError(f"cannot estimate the weights of {spec.name} from its config (mixture of experts, MLA or "
-                         f"missing sizes); give them, e.g. --weights 16GB")
-    per_param = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
-    if not is_real(per_param) or not per_param > 0:
-        raise UsageError(f"weight_bytes_per_param={per_param!r} must be a positive number (2 = fp16/bf16, 1 = int8/fp8, 0.5 = int4)")
-    size = int(math.ceil(spec.num_parameters * per_param))
-    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {per_param:g} bytes = {human_bytes(size)}")
-    return size, True
-
-
-def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batch: int | None = None,
-            policy: "PolicyStack | None" = None, dtype_bytes: int = 2, headroom=0.1, new_tokens: int = 0,
-            weight_bytes_per_param: float | None = None, storage=None) -> FitResult:
-    """Largest context (give ``batch`` or nothing: batch 1) or largest batch (give ``context``) that fits.
-
-    Usable cache memory = ``gpu_memory`` x (1 - ``headroom``) - ``weights``.
-    ``gpu_memory``/``weights``: bytes or strings such as ``"80GiB"``/``"16GB"``;
-    without ``weights``, parameters x ``weight_bytes_per_param`` (default
-    ``dtype_bytes``) when the config allows the count. The context answer is the
-    largest length whose cache fits at every length up to it (quantization's
-    full-precision remainder makes the size dip when a group is sealed).
-    """
-    if context is not None and batch is not None:
-        raise UsageError("give context (to find the largest batch) or batch (to find the largest context), not both")
-    spec = load_model_spec(model)
-    gpu = parse_size(gpu_memory, "gpu_memory")
-    h = parse_headroom(headroom)
-    dtype_bytes = _check_dtype_bytes(dtype_bytes)
-    new_tokens = check_int(new_tokens, "new_tokens", 0)
-    stack = _policy_stack(policy)
-    notes: list[str] = []
-    overrides = parse_storage(storage)
-    native = _native(spec, stack, overrides) or (stack.is_none and bool(spec.storage))
-    layout = None if native else _layout(spec, stack, notes)
-    weight_bytes, estimated = _weights(spec, weights, weight_bytes_per_param, dtype_bytes, notes)
-    budget = math.floor(gpu * (1 - Fraction(repr(h)))) - weight_bytes  # exact: 0.9 x 80 GiB is a whole number
-    if budget <= 0:
-        notes.append(f"the weights ({human_bytes(weight_bytes)}) leave nothing of {human_bytes(gpu)} less "
-                     f"{h:.0%} headroom for the cache")
-
-    def seq_bytes(n: int, sized=stack) -> int:
-        if native:
-            return sum(layer.bytes for layer in _native_sequence(spec, sized, n, new_tokens, dtype_bytes, overrides,
-                                                                 [])[0])
-        return sum(layer.bytes for layer in _sequence_layers(spec, sized, layout, n, new_tokens, dtype_bytes))
-
-    common = dict(gpu_bytes=gpu, headroom=h, weights_bytes=weight_bytes, weights_estimated=estimated,
-                  cache_budget_bytes=budget, model=spec.name, policy=stack.spec, notes=notes)
-    if context is not None:
-        context = check_int(context, "context", 1)
-        per_seq = seq_bytes(context)
-        value = max(0, budget // per_seq) if budget > 0 else 0
-        return FitResult("batch", value, context, value, cache_bytes=value * per_seq, **common)
-    batch = check_int(1 if batch is None else batch, "batch", 1)
-    limit = budget // batch if budget > 0 else -1
-    # A selection on sliding layers, decoding: sized only while nothing it kept can leave the window (the longest
-    # such context is ``sizable``); past it, the window bounds the cache at what it holds without the selection.
-    windows = [w for w, acts in zip(spec.windows, _selecting(spec)) if acts and w is not None]
-    sizable = _GIANT
-    if stack.selection is not None and new_tokens and windows:  # the sliding layers it acts on
-        sizable = max(0, min(windows) - new_tokens - 1)
-        unselected = dataclasses.replace(stack, selection=None)
-        if seq_bytes(_GIANT, unselected) <= limit:
-            notes.append(f"the window bounds the cache at {human_bytes(seq_bytes(_GIANT, unselected) * batch)} "
-                         f"whatever {stack.selection.spec()} keeps: any context fits")
-            return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT, unselected) * batch, **common)
-        if sizable == 0 or seq_bytes(1) > limit:
-            return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
-        if seq_bytes(sizable) <= limit:
-            notes.append(f"{sizable:,} tokens is the longest context sized under {stack.selection.spec()} with "
-                         f"{new_tokens} new tokens: past it, which kept tokens leave the {min(windows)}-token window "
-                         f"depends on their scores, and the window's bound, without the selection, does not fit")
-            return FitResult("context", sizable, sizable, batch, cache_bytes=seq_bytes(sizable) * batch, **common)
-    elif seq_bytes(_GIANT) <= limit:
-        notes.append(f"the cache stops growing at {human_bytes(seq_bytes(_GIANT) * batch)} (windows or budgets bound "
-                     f"every layer): any context fits")
-        return FitResult("context", None, None, batch, cache_bytes=seq_bytes(_GIANT) * batch, **common)
-    elif seq_bytes(1) > limit:
-        return FitResult("context", 0, 0, batch, cache_bytes=0, **common)
-    lo, hi = 1, sizable  # seq_bytes(lo) fits, seq_bytes(hi) does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if seq_bytes(mid) <= limit:
-            lo = mid
-        else:
-            hi = mid
-    # Sealing a per-channel group, or closing a V4 compression window (its buffered tokens become one entry), makes
-    # the size dip: make sure every shorter length fits as well.
-    quant = stack.quantization
-    span = 0
-    if native:
-        span = max([rate for _, rate in spec.v4.layers] if spec.v4 is not None else [0]) + 1
-        grouped = quant is not None and quant.planned_quants() is not None
-        span += max(q.group for q in quant.planned_quants()) + quant.residual_tokens if grouped else 0
-    elif quant is not None and layout.kvquant is None:
-        span = max(q.group for _, _, _, q in layout.streams) + layout.residual + 1
-    n = lo  # scan down until ``span`` lengths in a row below the answer fit (a dip may hide several periods)
-    while span and n >= 1 and n > lo - span:
-        if seq_bytes(n) > limit:
-            lo = n - 1
-        n -= 1
-    if spec.max_position and lo + new_tokens > spec.max_position:
-        notes.append(f"the largest context ({lo:,} tokens) is beyond the model's max_position_embeddings ({spec.max_position:,})")
-    return FitResult("context", lo, lo, batch, cache_bytes=seq_bytes(lo) * batch, **common)
-
-
-# ----------------------------------------------------------------------------------------------
-# formatting and the command
-
-def human_bytes(n: float) -> str:
-    """``512 KiB``, ``1.5 GiB``: binary units, at most two decimals."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            text = f"{n:.2f}".rstrip("0").rstrip(".")
-            return f"{text} {unit}"
-        n /= 1024
-    raise AssertionError
-
+# formatting
 
 def _layer_groups(layers: list[LayerPlan]) -> list[str]:
     groups: dict[tuple, list[int]] = {}
@@ -1007,3 +290,9 @@ def format_compare(c: Comparison) -> str:
                                                                     for name, parts in grouped.items()))
     lines += [("notes  " if i == 0 else "       ") + n for i, n in enumerate(c.notes)]
     return "\n".join(lines)
+
+
+# The planner's public names, wherever they live (the commands, the gate and the tests import them from here).
+__all__ = ["Comparison", "ComparisonRow", "FitResult", "LayerPlan", "MemoryPlan", "check_int", "compare",
+           "format_compare", "format_plan", "human_bytes", "max_fit", "parse_headroom", "parse_size", "parse_tokens",
+           "plan"]

@@ -17,22 +17,52 @@ The canonical spec (:attr:`PolicyStack.spec`) parses back to the same stack.
 
 from __future__ import annotations
 
+import enum
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from kveval.errors import PolicySpecError
 from kveval.tensors.ranking import ADAKV_FLOOR, adaptive_choice, adaptive_choice_batch, top_slots
 from kveval.tensors.scoring_state import ScoringState
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a policy runs on a model's tensors, never to parse or plan one
     import torch
 
-    from kveval.tensors.quantization import TensorQuant
+    from kveval.tensors.quant_format import TensorQuant
 
 
 FAMILY_ORDER = ("selection", "structure", "quantization")
+
+
+class Placement(enum.Enum):
+    """Where in a model's own cache a policy can act beyond per-head K/V (which every policy of its family takes):
+    what a policy declares in :attr:`Policy.placements`, and what the checks made before the weights load ask
+    (:mod:`kveval.policies.compatibility`). A policy that declares none of a model's is refused there."""
+
+    #: DeepSeek V3.2's (GLM MoE-DSA's) MLA latent: one decision per token for every head at once, the token's indexer
+    #: key leaving with it; a selection scoring without attention (the model's attention carries the indexer's top-k).
+    LATENT = "V3.2's latent with its indexer keys"
+    #: The same tokens in every layer, whatever the layer's scores: where a layer reuses an earlier layer's top-k
+    #: slots (GLM MoE-DSA's shared indexers), the slots then name the same tokens.
+    SAME_TOKENS_EVERY_LAYER = "the same tokens in every layer"
+    #: DeepSeek V4's compressed CSA/HCA entries (a CSA entry's indexer key with it), sized by ``ratio``: a selection
+    #: scoring an entry by itself (its key, its position, a seed) or by the model's own indexer.
+    ENTRIES = "V4's compressed entries"
+    #: The parts of a model's own cache layer coded as keys alone (V3.2's indexer keys, V4's window, entries and their
+    #: indexer keys): a quantizer defining :meth:`QuantizationPolicy.part_codes`.
+    PARTS = "the parts of a model's own cache layer"
+
+
+class Need(enum.Enum):
+    """What a policy needs from the model or the cache to run (:attr:`Policy.needs`)."""
+
+    ATTENTION = "attention probabilities"
+    QUERIES = "the prefill's queries"
+    INDEXER = "DeepSeek V4's indexer scores"
+    ROPE_HOOK = "keys before RoPE (a RoPE hook)"
+    CALIBRATION = "a calibration pass over the model"
 @dataclass
 class Policy(ABC):
     """Base of every policy. Subclasses are dataclasses whose fields are the spec parameters.
@@ -45,6 +75,17 @@ class Policy(ABC):
     family: ClassVar[str] = ""
     description: ClassVar[str] = ""
     given: ClassVar[frozenset[str] | None] = None  # set per object by the parser: the parameters the spec named
+    #: Where in a model's own cache this policy can act (:class:`Placement`); none by default.
+    placements: ClassVar[frozenset[Placement]] = frozenset()
+
+    def supports(self, placement: Placement) -> bool:
+        """Whether this policy can act on ``placement`` of a model's own cache."""
+        return placement in self.placements
+
+    @property
+    def needs(self) -> frozenset[Need]:
+        """What this policy needs from the model or the cache to run (:class:`Need`); nothing by default."""
+        return frozenset()
 
     def is_given(self, param: str) -> bool:
         """Whether the spec set ``param`` (built from Python: whether it differs from its default)."""
@@ -88,6 +129,7 @@ class SelectionPolicy(Policy):
     family: ClassVar[str] = "selection"
     attention: ClassVar[str] = "none"
     supports_decode_budget: ClassVar[bool] = True
+    ratio = None  # the fraction of context tokens removed, for a policy sized by one (a dataclass field there)
     decode_budget = None  # tokens the cache may hold while decoding; None lets it grow
     decode_interval = 1  # decode steps the cache may grow past decode_budget before it is compressed back to it
     #: :meth:`scores` also takes a whole batch: the state's tensors may carry leading row dimensions
@@ -118,6 +160,18 @@ class SelectionPolicy(Policy):
     @abstractmethod
     def scores(self, state: "ScoringState") -> "torch.Tensor":
         """Per KV head and token, higher = more worth keeping; shape ``[kv_heads, tokens]``."""
+
+    def planned_keep(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1,
+                     achieved_ratio: float | None = None) -> int:
+        """Tokens the memory planner sizes layer ``layer_idx`` at, of ``n_tokens`` context tokens: :meth:`keep_count`
+        by default. ``achieved_ratio``: the fraction removed that a finished run reached on average (``None``
+        outside a run's deployment decision), for a policy whose kept count the scores decide."""
+        return self.keep_count(n_tokens, layer_idx, num_layers)
+
+    @property
+    def needs(self) -> frozenset[Need]:
+        """From :attr:`attention`: what the scores read beside keys and values."""
+        return _ATTENTION_NEEDS.get(self.attention, frozenset({Need.ATTENTION}))
 
     @property
     def kept_queries(self) -> int | None:
@@ -177,7 +231,12 @@ class SelectionPolicy(Policy):
 
     @property
     def nominal_ratio(self) -> float | None:
-        return getattr(self, "ratio", None)
+        """The fraction removed that the spec asked for (``None``: sized otherwise, or by a threshold)."""
+        return self.ratio
+
+
+#: What a selection's :attr:`~SelectionPolicy.attention` needs (any other kind: attention probabilities).
+_ATTENTION_NEEDS = {"none": frozenset(), "queries": frozenset({Need.QUERIES}), "indexer": frozenset({Need.INDEXER})}
 
 
 @dataclass
@@ -357,11 +416,41 @@ class StructurePolicy(RepresentationPolicy):
         return self.stored_widths(head_dim)
 
 
+@dataclass(frozen=True)
+class PlannedCoding:
+    """How a quantizer stores K and V (and, on a model's own cache layer, each part of keys alone), as the memory
+    planner sizes it.
+
+    Either grouped codes with per-group scales (``key`` and ``value``, a
+    :class:`~kveval.tensors.quant_format.TensorQuant` each), or codes sized per token (``token_bytes(key_dim,
+    value_dim, itemsize)``: the bytes ``(K, V)`` one coded token holds per KV head, such as KVQuant's codes and
+    outliers or an engine's blocks; ``label`` names them in a storage column). Either way the ``residual`` newest
+    tokens and those at positions below ``sink`` stay in the cache dtype. Per-model tables (KVQuant's codebooks)
+    are not per-sequence bytes and are not planned.
+    """
+
+    key: "TensorQuant | None" = None
+    value: "TensorQuant | None" = None
+    token_bytes: "Callable[[int, int, int], tuple[int, int]] | None" = None
+    residual: int = 0
+    sink: int = 0
+    label: str = ""
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the codes are grouped with per-group scales (``key``, ``value``) rather than sized per token."""
+        return self.token_bytes is None
+
+
 @dataclass
 class QuantizationPolicy(RepresentationPolicy):
     """Encodes the stored numbers in fewer bits: the quantization family."""
 
     family: ClassVar[str] = "quantization"
+    #: How the DSA indexer's keys are coded (DeepSeek V3.2, GLM MoE-DSA, V4's CSA layers): ``same`` as the other
+    #: parts, ``native`` in the cache dtype, ``fp8`` as DeepSeek serves them. A parameter of the quantizers that
+    #: code those models' parts (:attr:`Placement.PARTS`); ``same`` for the others.
+    indexer = "same"
     #: Tokens are coded as they arrive and the prefill's attention reads the codes (a serving engine's cache): no
     #: uncompressed prefill can be shared with other policies and derived into this one.
     codes_on_arrival: ClassVar[bool] = False
@@ -386,10 +475,9 @@ class QuantizationPolicy(RepresentationPolicy):
         refuse an explicit group that does not divide them."""
 
     @abstractmethod
-    def planned_quants(self) -> "tuple[TensorQuant, TensorQuant] | None":
-        """K's and V's codes as the planner sizes them: grouped codes with per-group scales, one
-        :class:`~kveval.tensors.quantization.TensorQuant` each; ``None`` for a codec that sizes its own codes
-        (KVQuant: ``coded_bytes``, with ``residual`` and ``sink`` tokens in the cache dtype)."""
+    def planned_coding(self) -> PlannedCoding:
+        """K's and V's codes as the memory planner sizes them (:class:`PlannedCoding`), with the tokens kept in the
+        cache dtype; on a model's own cache layer each part of keys alone is sized as K's coding."""
 
     def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype: "torch.dtype", stride: int):
         """How one row of part ``part`` of a model's own cache layer is coded (:mod:`kveval.cache.native_layers`:
@@ -397,7 +485,7 @@ class QuantizationPolicy(RepresentationPolicy):
         per entry, one entry per ``stride`` tokens; a sequence with the interface of
         :class:`~kveval.stores.base.QuantizedSequence` (``append``, ``seal``, ``select``, ``materialize``,
         ``length``, ``nbytes``). Quantizers that define no coding of such parts are refused on those models before
-        the weights load (:func:`kveval.cache.native_layers.check_policy`), so this default is never reached there."""
+        the weights load (:func:`kveval.policies.compatibility.check_policy`), so this default is never reached there."""
         raise PolicySpecError(f"{self.spec()}: codes no part {part!r} of a model's own cache layer")
 
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import QuantizationPolicy
+from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy
 from kveval.values import is_real, is_whole
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 LLAMACPP_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 #: llama.cpp cache types kveval does not reproduce, and why (one line each).
@@ -43,11 +44,8 @@ class EnginePolicy(QuantizationPolicy):
     """What the engine presets share: per-token codes sized by :meth:`coded_bytes`, no residual, no sinks, and
     per-layer scales from the calibration pass where the preset calls for them."""
 
-    #: Read by the planner beside ``kvquant``'s (a codec that sizes its own codes): engines code post-RoPE K/V.
     codes_on_arrival: ClassVar[bool] = True
-    pre_rope: ClassVar[bool] = False
-    sink: ClassVar[int] = 0
-    residual: ClassVar[int] = 0
+    calib_tokens = None  # tokens of the calibration pass (a dataclass field of the presets that calibrate)
 
     def __post_init__(self):
         self._models: dict[int, tuple[weakref.ref, dict]] = {}
@@ -61,9 +59,13 @@ class EnginePolicy(QuantizationPolicy):
             raise PolicySpecError(f"{self.spec()}: an engine codes K/V heads, not a structure's {label} coefficients; "
                                   f"drop the structure policy")
 
-    def planned_quants(self) -> None:
-        """``None``: engine codes are sized by :meth:`coded_bytes`."""
-        return None
+    def planned_coding(self) -> PlannedCoding:
+        """Codes sized per token by :meth:`coded_bytes`: no residual, no sinks."""
+        return PlannedCoding(token_bytes=self.coded_bytes, label=self.name)
+
+    @property
+    def needs(self) -> frozenset[Need]:
+        return frozenset({Need.CALIBRATION}) if self.needs_calibration else frozenset()
 
     def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
         """Bytes the engine stores per token and KV head, ``(K, V)`` (scales inside ggml blocks included)."""
@@ -93,7 +95,7 @@ class EnginePolicy(QuantizationPolicy):
             from kveval.stores.base import deployment_kv_dtype
 
             text = read_calibration_text(None)
-            tokens = getattr(self, "calib_tokens", None) or DEFAULT_CALIB_TOKENS
+            tokens = self.calib_tokens or DEFAULT_CALIB_TOKENS
             found = load_or_calibrate(model, text, tokens, KVAmax)  # cached on disk like every calibration
             dtype = deployment_kv_dtype(model)
 

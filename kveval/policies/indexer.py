@@ -6,11 +6,8 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import SelectionPolicy, check_ratio, ratio_keep_count
+from kveval.policies.base import Placement, SelectionPolicy, check_ratio, ratio_keep_count
 from kveval.tensors.scoring_state import ScoringState
-
-#: The model types whose cache layers gather the indexer's scores (:mod:`kveval.cache.native_layers`).
-INDEXER_MODEL_TYPES = frozenset({"deepseek_v4"})
 
 
 @dataclass
@@ -35,6 +32,7 @@ class IndexerPolicy(SelectionPolicy):
     """
 
     name = "indexer"
+    placements = frozenset({Placement.ENTRIES})  # V4's CSA entries, by the model's own indexer scores
     description = "DeepSeek V4: evict CSA entries by the model's own lightning indexer (last `window` queries)"
     attention: ClassVar[str] = "indexer"
     supports_decode_budget: ClassVar[bool] = False

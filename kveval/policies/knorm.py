@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.policies.base import RatioSelectionPolicy
+from kveval.policies.base import Placement, RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState
 
 
@@ -17,6 +17,8 @@ class KnormPolicy(RatioSelectionPolicy):
     """
 
     name = "knorm"
+    #: Scores a key by itself: an MLA latent (for every head at once) or a V4 entry alike.
+    placements = frozenset({Placement.LATENT, Placement.ENTRIES})
     description = "key-norm: drop the keys with the largest L2 norm, per KV head"
 
     batch_scores = True

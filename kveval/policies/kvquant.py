@@ -14,9 +14,10 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import QuantizationPolicy
+from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy
 from kveval.policies.quant import INDEXER_CODINGS
 from kveval.values import is_real, is_whole
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 KVQUANT_BITS = (2, 3, 4, 8)
 
@@ -66,6 +67,7 @@ class KVQuantPolicy(QuantizationPolicy):
     """
 
     name = "kvquant"
+    placements = frozenset({Placement.PARTS})  # every part, with a codec calibrated on it (:meth:`part_codes`)
     description = "KVQuant: pre-RoPE per-channel keys, per-token values, calibrated nuq codebook, sparse outliers, sink"
     bits: int = 4
     outliers: float = 0.01
@@ -112,9 +114,15 @@ class KVQuantPolicy(QuantizationPolicy):
         raise PolicySpecError(f"{self.spec()}: quantizes K/V heads with codebooks calibrated on them, not a structure's "
                               f"{label} coefficients; use quant(...) or kivi(...) under a structure policy")
 
-    def planned_quants(self) -> None:
-        """``None``: KVQuant's codes are no grouped streams; the planner sizes them with :meth:`coded_bytes`."""
-        return None
+    @property
+    def needs(self) -> frozenset[Need]:
+        """A calibration pass (codebooks, key ranges), and with ``pre_rope`` the model's RoPE hook."""
+        return frozenset({Need.CALIBRATION, Need.ROPE_HOOK} if self.pre_rope else {Need.CALIBRATION})
+
+    def planned_coding(self) -> PlannedCoding:
+        """Codes sized per token (:meth:`coded_bytes`), the ``sink`` and ``residual`` tokens in the cache dtype."""
+        return PlannedCoding(token_bytes=self.coded_bytes, residual=self.residual, sink=self.sink,
+                             label=f"kvquant{self.bits}")
 
     @property
     def residual_tokens(self) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kveval.errors import PolicySpecError
 from kveval.policies.base import PlannedWidths
 from kveval.policies.lowrank import CalibratedPolicy
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kveval.errors import PolicySpecError
 from kveval.policies.base import PlannedWidths, PolicyStack, StructurePolicy
 from kveval.values import is_real, is_whole
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 
 def _positive_int(name: str, key: str, value) -> None:
@@ -96,10 +97,10 @@ def per_token_groups_of(quantization) -> dict[str, int | None]:
     """Per-token group sizes of K and V of a quantization policy or a whole stack (``None``: not per-token)."""
     if isinstance(quantization, PolicyStack):
         quantization = quantization.quantization
-    quants = quantization.planned_quants() if quantization is not None else None
-    if quants is None:
+    coding = quantization.planned_coding() if quantization is not None else None
+    if coding is None or not coding.grouped:
         return {"k": None, "v": None}
-    return {kind: (q.group if q.axis == "token" else None) for kind, q in zip(("k", "v"), quants)}
+    return {kind: (q.group if q.axis == "token" else None) for kind, q in (("k", coding.key), ("v", coding.value))}
 
 
 @dataclass

@@ -14,8 +14,9 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import QuantizationPolicy
-from kveval.tensors.quantization import TensorQuant
+from kveval.policies.base import Placement, PlannedCoding, QuantizationPolicy
+from kveval.tensors.quant_format import TensorQuant
+# Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 AXES = ("token", "channel")
 #: How a quantizer codes the DSA indexer's keys (DeepSeek V3.2, GLM MoE-DSA, DeepSeek V4's CSA layers; other models
@@ -27,7 +28,10 @@ INDEXER_CODINGS = ("same", "native", "fp8")
 @dataclass
 class GroupedQuantizationPolicy(QuantizationPolicy):
     """Quantizers that code K and V in groups with per-group scales (``quant``, ``kivi``, ``fp8``): each declares its
-    :class:`TensorQuant` for K and V, and the full-precision residual window."""
+    :class:`TensorQuant` for K and V, and the full-precision residual window. They code the parts of a model's own
+    cache layer as K (:meth:`part_codes`)."""
+
+    placements = frozenset({Placement.PARTS})
 
     @property
     @abstractmethod
@@ -39,8 +43,8 @@ class GroupedQuantizationPolicy(QuantizationPolicy):
     def value_quant(self) -> TensorQuant:
         """How V is coded."""
 
-    def planned_quants(self) -> tuple[TensorQuant, TensorQuant]:
-        return self.key_quant, self.value_quant
+    def planned_coding(self) -> PlannedCoding:
+        return PlannedCoding(self.key_quant, self.value_quant, residual=self.residual_tokens)
 
     def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype, stride: int):
         """K's coding (the parts are keys), its per-token groups fitted to the part's own width, and the residual

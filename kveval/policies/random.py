@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.policies.base import RatioSelectionPolicy
+from kveval.policies.base import Placement, RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState
 
 _LOW32 = 0xFFFFFFFF
@@ -38,6 +38,8 @@ class RandomPolicy(RatioSelectionPolicy):
     """
 
     name = "random"
+    #: Scores from the row's seed alone: an MLA latent (for every head at once) or a V4 entry alike.
+    placements = frozenset({Placement.LATENT, Placement.ENTRIES})
     description = "random eviction (seeded control)"
     seed: int = 0
 

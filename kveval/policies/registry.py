@@ -1,49 +1,106 @@
 """The policy registry: every policy class under its spec name, and nothing else.
 
-The built-in policies are listed here, one line each: importing a policy module registers nothing, so
-what exists is what this file says. A policy from outside kveval joins with :func:`register_policy`.
-The registry refuses a name that is taken and anything that is not a concrete :class:`Policy`,
-as lm-evaluation-harness's registries do.
+The built-in policies are listed here, one line each (:data:`BUILTINS`: spec name -> the module and class that
+define it); each module is imported the first time its name is looked up, so parsing ``quant(bits=4)`` imports
+the quantizers alone (and no torch). Importing a policy module registers nothing: what exists is what this file
+says. A policy from outside kveval joins with :func:`register_policy`. The registry refuses a name that is taken
+and anything that is not a concrete :class:`Policy`, as lm-evaluation-harness's registries do.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
+from collections.abc import Iterator, MutableMapping
 
 from kveval.errors import PolicyRegistryError
-from kveval.policies import (
-    chunkkv,
-    criticalkv,
-    cur,
-    duo,
-    engines,
-    expected_attention,
-    h2o,
-    indexer,
-    keydiff,
-    knorm,
-    kvquant,
-    kvzip,
-    lagkv,
-    latent,
-    lowrank,
-    none,
-    pyramidkv,
-    quant,
-    random,
-    rkv,
-    snapkv,
-    threshold,
-    tova,
-    window,
-)
-from kveval.policies.base import Policy
+from kveval.policies.base import Placement, Policy
 
-#: Spec name -> policy class. Read it; add to it only through :func:`register_policy`.
-POLICIES: dict[str, type[Policy]] = {}
+#: The built-in policies: spec name -> (module, class). Policies declaring a capability are listed in this order
+#: wherever a refusal names those that have it (:mod:`kveval.policies.compatibility`).
+BUILTINS: dict[str, tuple[str, str]] = {
+    "window": ("kveval.policies.window", "WindowPolicy"),
+    "streaming": ("kveval.policies.window", "StreamingPolicy"),
+    "knorm": ("kveval.policies.knorm", "KnormPolicy"),
+    "random": ("kveval.policies.random", "RandomPolicy"),
+    "indexer": ("kveval.policies.indexer", "IndexerPolicy"),
+    "duo": ("kveval.policies.duo", "DuoPolicy"),
+    "h2o": ("kveval.policies.h2o", "H2OPolicy"),
+    "pyramidkv": ("kveval.policies.pyramidkv", "PyramidKVPolicy"),
+    "snapkv": ("kveval.policies.snapkv", "SnapKVPolicy"),
+    "tova": ("kveval.policies.tova", "TOVAPolicy"),
+    "keydiff": ("kveval.policies.keydiff", "KeyDiffPolicy"),
+    "lagkv": ("kveval.policies.lagkv", "LagKVPolicy"),
+    "cur": ("kveval.policies.cur", "CURPolicy"),
+    "criticalkv": ("kveval.policies.criticalkv", "CriticalKVPolicy"),
+    "chunkkv": ("kveval.policies.chunkkv", "ChunkKVPolicy"),
+    "threshold": ("kveval.policies.threshold", "ThresholdPolicy"),
+    "expected_attention": ("kveval.policies.expected_attention", "ExpectedAttentionPolicy"),
+    "rkv": ("kveval.policies.rkv", "RKVPolicy"),
+    "kvzip": ("kveval.policies.kvzip", "KVzipPolicy"),
+    "lowrank": ("kveval.policies.lowrank", "LowRankPolicy"),
+    "latent": ("kveval.policies.latent", "LatentPolicy"),
+    "quant": ("kveval.policies.quant", "QuantPolicy"),
+    "kivi": ("kveval.policies.quant", "KiviPolicy"),
+    "fp8": ("kveval.policies.quant", "Fp8Policy"),
+    "kvquant": ("kveval.policies.kvquant", "KVQuantPolicy"),
+    "llamacpp": ("kveval.policies.engines", "LlamaCppPolicy"),
+    "vllm": ("kveval.policies.engines", "VllmPolicy"),
+    "sglang": ("kveval.policies.engines", "SglangPolicy"),
+    "trtllm": ("kveval.policies.engines", "TrtllmPolicy"),
+    "none": ("kveval.policies.none", "NoCompression"),
+}
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _check_class(cls) -> None:
+    """Refuse anything but a concrete :class:`Policy` with a lower-case ``name`` and a family."""
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise PolicyRegistryError(f"register_policy takes a Policy subclass, not {cls!r}")
+    if inspect.isabstract(cls) or not cls.family:
+        raise PolicyRegistryError(f"{cls.__qualname__} is abstract or declares no family: only a concrete policy can be registered")
+    if not _NAME.match(cls.name or ""):
+        raise PolicyRegistryError(f"{cls.__qualname__}.name={cls.name!r}: a policy name is lower-case letters, digits and '_'")
+
+
+class PolicyTable(MutableMapping):
+    """Spec name -> policy class, a built-in's module imported on first lookup. Iterating gives the names alone
+    (nothing imported); reading a class (``[]``, ``get``, ``items``, ``values``) imports its module."""
+
+    def __init__(self, builtins: dict[str, tuple[str, str]]):
+        self._entries: dict[str, type[Policy] | tuple[str, str]] = dict(builtins)
+
+    def __getitem__(self, name: str) -> type[Policy]:
+        entry = self._entries[name]
+        if isinstance(entry, tuple):
+            module, qualname = entry
+            cls = vars(importlib.import_module(module))[qualname]
+            _check_class(cls)
+            if cls.name != name:
+                raise PolicyRegistryError(f"{module}.{qualname} is listed as {name!r} but is named {cls.name!r}")
+            self._entries[name] = entry = cls
+        return entry
+
+    def __setitem__(self, name: str, cls: type[Policy]) -> None:
+        self._entries[name] = cls
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+
+#: Spec name -> policy class. Read it; add to it only through :func:`register_policy`.
+POLICIES = PolicyTable(BUILTINS)
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
@@ -55,12 +112,7 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
         ``cls`` is not a concrete :class:`Policy` subclass with a lower-case ``name`` and a family, or its
         name is already registered by another class.
     """
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise PolicyRegistryError(f"register_policy takes a Policy subclass, not {cls!r}")
-    if inspect.isabstract(cls) or not cls.family:
-        raise PolicyRegistryError(f"{cls.__qualname__} is abstract or declares no family: only a concrete policy can be registered")
-    if not _NAME.match(cls.name or ""):
-        raise PolicyRegistryError(f"{cls.__qualname__}.name={cls.name!r}: a policy name is lower-case letters, digits and '_'")
+    _check_class(cls)
     taken = POLICIES.get(cls.name)
     if taken is not None and taken is not cls:
         raise PolicyRegistryError(f"policy name {cls.name!r} is already registered by {taken.__module__}.{taken.__qualname__}; "
@@ -69,36 +121,10 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-for _builtin in (
-    duo.DuoPolicy,
-    h2o.H2OPolicy,
-    knorm.KnormPolicy,
-    lowrank.LowRankPolicy,
-    none.NoCompression,
-    pyramidkv.PyramidKVPolicy,
-    quant.QuantPolicy,
-    quant.KiviPolicy,
-    quant.Fp8Policy,
-    random.RandomPolicy,
-    snapkv.SnapKVPolicy,
-    tova.TOVAPolicy,
-    window.WindowPolicy,
-    window.StreamingPolicy,
-    kvquant.KVQuantPolicy,
-    latent.LatentPolicy,
-    engines.LlamaCppPolicy,
-    engines.VllmPolicy,
-    engines.SglangPolicy,
-    engines.TrtllmPolicy,
-    keydiff.KeyDiffPolicy,
-    lagkv.LagKVPolicy,
-    cur.CURPolicy,
-    criticalkv.CriticalKVPolicy,
-    chunkkv.ChunkKVPolicy,
-    threshold.ThresholdPolicy,
-    expected_attention.ExpectedAttentionPolicy,
-    indexer.IndexerPolicy,
-    rkv.RKVPolicy,
-    kvzip.KVzipPolicy,
-):
-    register_policy(_builtin)
+def supporting(placement: Placement, family: str) -> list[str]:
+    """The names of the registered policies of ``family`` that declare ``placement``, in registry order (every
+    policy module imported: a refusal's list of what would run)."""
+    return [name for name, cls in POLICIES.items() if cls.family == family and placement in cls.placements]
+
+
+__all__ = ["BUILTINS", "POLICIES", "PolicyTable", "register_policy", "supporting"]

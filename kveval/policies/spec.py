@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import difflib
 import re
 import types
 import typing
@@ -118,7 +119,9 @@ def parse_term(term: str) -> Policy:
         raise PolicySpecError(f"cannot parse policy term {term.strip()!r}; write it as name(key=value, ...), e.g. window(size=256)")
     name, args = match.group(1).lower(), match.group(2)
     if name not in POLICIES:
-        raise PolicySpecError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))} (see `kveval policies`)")
+        close = difflib.get_close_matches(name, list(POLICIES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise PolicySpecError(f"unknown policy {name!r}{hint}; known policies: {', '.join(sorted(POLICIES))} (see `kveval policies`)")
     cls = POLICIES[name]
     types_ = param_types(cls)
     valid = list(types_)

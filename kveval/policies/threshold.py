@@ -43,9 +43,6 @@ class ThresholdPolicy(SelectionPolicy):
     description = "threshold: keep what a key/value scorer rates above `threshold` (DMS/KVzap style); ratio varies per item"
     supports_decode_budget = False
     thresholded = True
-    #: Set by a reader of a finished run (the deployment gate): the fraction removed that the run reached on average,
-    #: at which the planner sizes this policy (:meth:`planned_keep`). Not a parameter: it is measured, not asked for.
-    achieved_ratio = None
     scorer: str = "keydiff"
     threshold: float = 0.0
     window: int = 128
@@ -63,20 +60,18 @@ class ThresholdPolicy(SelectionPolicy):
     def per_head_budgets(self) -> bool:
         return True
 
-    @property
-    def nominal_ratio(self) -> float | None:
-        return None
-
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         """Every token is a candidate: the threshold, not a count, decides (:meth:`choose`)."""
         return n_tokens
 
-    def planned_keep(self, n_tokens: int) -> int:
-        """Tokens the planner sizes a layer of ``n_tokens`` context tokens at: the run's achieved ratio, or a refusal."""
-        if self.achieved_ratio is None:
+    def planned_keep(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1,
+                     achieved_ratio: float | None = None) -> int:
+        """Tokens the planner sizes a layer of ``n_tokens`` context tokens at: a run's achieved ratio (measured, not
+        asked for: the deployment decision reads it from run.json), or a refusal."""
+        if achieved_ratio is None:
             raise PolicySpecError(f"{self.spec()}: a threshold's kept count depends on the scores; plan it at a run's "
                                   f"achieved ratio (the deployment gate reads it from run.json), or plan a ratio policy")
-        return ratio_keep_count(self.achieved_ratio, n_tokens)
+        return ratio_keep_count(achieved_ratio, n_tokens)
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         return self._scorer.scores(state)

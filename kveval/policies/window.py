@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import SelectionPolicy, check_ratio, ratio_keep_count
+from kveval.policies.base import Placement, SelectionPolicy, check_ratio, ratio_keep_count
 from kveval.tensors.scoring_state import ScoringState
 
 DEFAULT_WINDOW_SIZE = 256
@@ -40,6 +40,8 @@ class WindowPolicy(SelectionPolicy):
     """
 
     name = "window"
+    #: Scores by position alone: on DeepSeek's own caches it keeps the same tokens in every layer, and entries alike.
+    placements = frozenset({Placement.LATENT, Placement.SAME_TOKENS_EVERY_LAYER, Placement.ENTRIES})
     description = "sliding window: keep the `size` most recent tokens (or drop the fraction `ratio` at prefill)"
     size: int | None = None
     ratio: float | None = None
@@ -140,6 +142,8 @@ class StreamingPolicy(SinkWindowPolicy):
     """
 
     name = "streaming"
+    #: Scores by position alone: on DeepSeek's own caches it keeps the same tokens in every layer, and entries alike.
+    placements = frozenset({Placement.LATENT, Placement.SAME_TOKENS_EVERY_LAYER, Placement.ENTRIES})
     description = "StreamingLLM: the first `sink` tokens plus the `window` most recent (or drop the fraction `ratio`)"
     default_window: ClassVar[int] = DEFAULT_STREAMING_WINDOW  # the default spec streaming(sink=4) keeps 256
     sink: int = 4

@@ -31,30 +31,13 @@ from typing import NamedTuple
 
 import torch
 
+from kveval.tensors.quant_format import TensorQuant  # re-exported: codes are made from it here
+
 SCALE_DTYPE = torch.float16
 #: The smallest scale: float16's smallest positive value (subnormal, exact). A smaller one rounds to 0 in float16,
 #: and the codes of a group of zeros (or of one value) became 0/0: NaN, read back as NaN in FP8.
 MIN_SCALE = 2.0**-24
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-@dataclass(frozen=True)
-class TensorQuant:
-    """How one of K or V is quantized. ``fp8`` is ``None`` for integers."""
-
-    bits: int
-    axis: str
-    group: int
-    symmetric: bool = False
-    fp8: str | None = None
-
-    def fitted(self, width: int) -> "TensorQuant":
-        """This coding for vectors of ``width`` numbers: a per-token group that does not divide it becomes the
-        largest divisor of ``width`` below it (per-channel groups count tokens: unchanged)."""
-        if self.axis != "token" or width % self.group == 0:
-            return self
-        group = max(d for d in range(1, min(self.group, width) + 1) if width % d == 0)
-        return TensorQuant(self.bits, self.axis, group, self.symmetric, self.fp8)
 
 
 @dataclass

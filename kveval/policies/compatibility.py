@@ -1,0 +1,156 @@
+"""What a policy stack may run on a model's own cache layers, checked from the policy's declared capabilities
+(:class:`~kveval.policies.base.Placement`, :class:`~kveval.policies.base.Need`) before any weights load. Torch-free,
+below both the cache (:mod:`kveval.cache.native_layers`) and the memory planner, which ask here and name no policy.
+
+DeepSeek V3.2 (and GLM's MoE-DSA models) and DeepSeek V4 keep more than per-token K/V: an MLA latent with the DSA
+indexer's keys, or V4's sliding window, compressed CSA/HCA entries and their indexer keys. On those caches a
+selection must declare the placement it acts on (:attr:`~kveval.policies.base.Placement.LATENT`,
+:attr:`~kveval.policies.base.Placement.ENTRIES`, and where layers share an indexer's top-k
+:attr:`~kveval.policies.base.Placement.SAME_TOKENS_EVERY_LAYER`), a quantizer that it codes their parts
+(:attr:`~kveval.policies.base.Placement.PARTS`); everything else is refused in one line naming what it lacks.
+"""
+
+from __future__ import annotations
+
+from kveval.errors import UnsupportedModelError
+from kveval.policies.base import Need, Placement, PlannedCoding
+from kveval.policies.registry import supporting
+from kveval.tensors.quant_format import TensorQuant
+
+#: DeepSeek's serving format of the indexer's keys: e4m3 with one scale per this many values.
+INDEXER_FP8_GROUP = 128
+#: The model types whose cache layers gather the indexer's scores (:mod:`kveval.cache.native_layers`).
+INDEXER_MODEL_TYPES = frozenset({"deepseek_v4"})
+_MODEL_NAMES = {"deepseek_v4": "DeepSeek V4", "deepseek_v32": "DeepSeek V3.2", "glm_moe_dsa": "GLM MoE-DSA"}
+
+
+def _names(placement: Placement, family: str) -> list[str]:
+    """The registered policies of ``family`` that declare ``placement``, in registry order."""
+    return supporting(placement, family)
+
+
+def _shares_indexer(config: dict) -> bool:
+    """Whether some layer of a GLM MoE-DSA config reuses an earlier layer's top-k (``indexer_types`` "shared", or the
+    ``index_topk_pattern`` / ``index_topk_freq`` it is made from)."""
+    if config.get("indexer_types") is not None:
+        return "shared" in config["indexer_types"]
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        return "S" in pattern if isinstance(pattern, str) else "shared" in pattern
+    return int(config.get("index_topk_freq") or 1) > 1
+
+
+def check_policy(config, stack) -> None:
+    """Refuse, in one line, a policy kveval's layers for these models cannot apply exactly: a quantizer that does not
+    code their parts (:attr:`Placement.PARTS`), any structure; on V4 a selection that does not act on the compressed
+    entries (:attr:`Placement.ENTRIES`) by ``ratio``; on V3.2 and GLM MoE-DSA one that does not act on the latent
+    (:attr:`Placement.LATENT`), or, where a layer reuses another's top-k, keep the same tokens in every layer; on
+    every model but V4, a selection scored by the model's indexer. ``config``: a transformers config or a dict."""
+    if not isinstance(config, dict):
+        config = config.get_text_config(decoder=True).to_dict()
+    model_type = config.get("model_type", "")
+    selection = stack.selection
+    if model_type not in INDEXER_MODEL_TYPES:
+        refuse_model_indexer(stack, f"a {model_type or 'this'} model")
+    name = _MODEL_NAMES.get(model_type)
+    if name is None:
+        return
+    v4 = model_type == "deepseek_v4"
+    parts = "window, CSA/HCA entries and indexer" if v4 else "latent and indexer keys"
+    if selection is not None and v4:
+        _check_entry_selection(selection, name)
+        selection = None  # checked: the V3.2 rules below are the latent's
+    if selection is not None and (not selection.supports(Placement.LATENT) or selection.per_head_budgets):
+        if Need.QUERIES in selection.needs:
+            why = ("scores with the prefill's queries, which on this model attend only to the indexer's top-k that "
+                   "kveval's scoring does not fold in")
+        elif selection.needs:
+            why = ("scores with attention probabilities, which on this model hold the indexer's top-k that kveval's "
+                   "scoring does not fold in")
+        elif selection.per_head_budgets:
+            why = "budgets heads apart, where the latent is one head for all"
+        else:
+            why = "is not one of the selections checked on it (the latent stands for every head's keys and values at once)"
+        raise UnsupportedModelError(
+            f"{selection.spec()}: {why}; on {name}'s latent use one of "
+            f"{', '.join(_names(Placement.LATENT, 'selection'))}")
+    if (selection is not None and not selection.supports(Placement.SAME_TOKENS_EVERY_LAYER)
+            and _shares_indexer(config)):
+        raise UnsupportedModelError(
+            f"{selection.spec()}: some of this {name} model's layers reuse an earlier layer's top-k slots, which "
+            f"name the same tokens only where every layer keeps the same ones; use "
+            f"{' or '.join(_names(Placement.SAME_TOKENS_EVERY_LAYER, 'selection'))}")
+    quantizers = ", ".join(_names(Placement.PARTS, "quantization"))
+    if stack.structure is not None and not stack.structure.supports(Placement.PARTS):
+        raise UnsupportedModelError(
+            f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
+            f"kveval has no low-rank basis for its parts: evaluate a quantization ({quantizers})")
+    quantization = stack.quantization
+    if quantization is not None and not quantization.supports(Placement.PARTS):
+        raise UnsupportedModelError(
+            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {quantizers} only; use one of those")
+    if quantization is not None and Need.ROPE_HOOK in quantization.needs:
+        raise UnsupportedModelError(
+            f"{quantization.spec()}: keys before RoPE need kveval's RoPE hook, which {name} has none of (its "
+            f"{'entries carry RoPE on their last dims' if v4 else 'latent carries no RoPE, its RoPE key is apart'}); "
+            f"use {quantization.spec()[:-1]},pre_rope=false)")
+
+
+def refuse_model_indexer(stack, model: str) -> None:
+    """Refuse a selection scored by DeepSeek V4's own indexer (:attr:`Need.INDEXER`) on ``model``, which has none."""
+    selection = stack.selection
+    if selection is not None and Need.INDEXER in selection.needs:
+        raise UnsupportedModelError(
+            f"{selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed entries, which "
+            f"{model} does not have; use a selection of its own (knorm, snapkv, ...)")
+
+
+def _check_entry_selection(selection, name: str) -> None:
+    """Refuse, in one line, a selection V4's compressed entries cannot take (:attr:`Placement.ENTRIES`, by ``ratio``)."""
+    if not selection.supports(Placement.ENTRIES) or selection.per_head_budgets:
+        if selection.needs - {Need.INDEXER}:
+            why = ("scores with attention, which over V4's compressed entries is the model's indexer's top-k per "
+                   "query, not folded into kveval's scores")
+        elif selection.per_head_budgets:
+            why = "budgets heads apart, where each compressed entry is one K=V vector for every head"
+        else:
+            why = "is not one of the selections checked on V4's compressed entries"
+        raise UnsupportedModelError(
+            f"{selection.spec()}: {why}; on {name}'s CSA/HCA entries use one of "
+            f"{', '.join(_names(Placement.ENTRIES, 'selection'))} with ratio=")
+    if selection.nominal_ratio is None or selection.decode_budget is not None:
+        raise UnsupportedModelError(
+            f"{selection.spec()}: on {name} a selection removes the fraction ratio= of each CSA/HCA layer's "
+            f"compressed entries at the prefill (the sliding window stays the model's); token counts (size, window, "
+            f"budget, decode_budget) do not map onto entries of several tokens: give ratio= alone")
+
+
+def indexer_coding(quantization, part: str, width: int) -> "tuple[bool, TensorQuant | None]":
+    """Whether the quantizer's ``indexer`` term (``native``, ``fp8``) decides how ``part`` (``width`` values per
+    entry) is coded rather than the quantizer itself, and that coding (``None``: the cache dtype). The cache and the
+    memory planner both ask here."""
+    if part != "indexer" or quantization.indexer == "same":
+        return False, None
+    return True, (TensorQuant(8, "token", INDEXER_FP8_GROUP, fp8="e4m3").fitted(width)
+                  if quantization.indexer == "fp8" else None)
+
+
+def part_coding(quantization, part: str, width: int) -> PlannedCoding:
+    """How ``part`` (``width`` values an entry) of a model's own cache layer is coded under ``quantization``, as the
+    planner sizes it: its ``indexer`` term's coding for the indexer's keys (:func:`indexer_coding`), else K's coding
+    of the quantizer's :meth:`~kveval.policies.base.QuantizationPolicy.planned_coding` fitted to the width (keys
+    alone: ``value`` unset); ``PlannedCoding()`` (the cache dtype) without a quantizer."""
+    if quantization is None:
+        return PlannedCoding()
+    own, coded = indexer_coding(quantization, part, width)
+    if own:
+        return PlannedCoding(coded)
+    coding = quantization.planned_coding()
+    if not coding.grouped:
+        return PlannedCoding(token_bytes=coding.token_bytes, residual=coding.residual, sink=coding.sink,
+                             label=coding.label)
+    return PlannedCoding(coding.key.fitted(width), residual=coding.residual)
+
+
+__all__ = ["INDEXER_FP8_GROUP", "INDEXER_MODEL_TYPES", "check_policy", "indexer_coding", "part_coding",
+           "refuse_model_indexer"]
