@@ -105,7 +105,9 @@ class _ReaderMayLeave:
     file descriptor is pointed at ``/dev/null`` so that Python's own flush at exit finds no broken pipe either."""
 
     def __init__(self, stream):
-        self._stream, self._gone = stream, False
+        # ``None``: started with standard output closed (``kveval gate ... >&-``): nothing can be printed, and the
+        # command still runs to its own exit code and files.
+        self._stream, self._gone = stream, stream is None
 
     def write(self, text: str) -> int:
         if not self._gone:
@@ -132,6 +134,8 @@ class _ReaderMayLeave:
             pass
 
     def __getattr__(self, name):
+        if self._stream is None:
+            raise AttributeError(f"standard output is closed: it has no {name}")
         return getattr(self._stream, name)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from kveval.errors import UsageError
 from kveval.runner.evaluate import evaluate_policies
 from kveval.runs.records import iter_items, read_run_info
+from kveval.sweep.run import refuse_sweep_folder
 
 
 def configure(parser) -> None:
@@ -38,6 +39,7 @@ def run(args) -> int:
     from kveval.runner.models import load_model
     from kveval.runner.runspec import check_lengths, parse_run_specs
 
+    refuse_sweep_folder(Path(args.out), "eval")  # before anything loads: a sweep's folder is the sweep's
     if args.n < 1 or args.batch_size < 1:
         raise UsageError(f"--n {args.n} --batch-size {args.batch_size}: both count items, at least 1")
     # Parsed and checked against the model's config.json before the weights load.

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kveval.errors import UsageError
+from kveval.gate.verify import check_gate_file, judged_models, read_gate_file
 from kveval.planner.memory import (
     FitResult,
     compare,
@@ -115,21 +116,21 @@ def _engine(args: argparse.Namespace) -> int:
         p = llamacpp_plan(args.model, args.gpu_memory, ctx_size=parse_tokens(args.ctx_size, "ctx_size"),
                           parallel=args.parallel, **common)
     if args.gate:
-        join_verdicts(p, _read_gate(args.gate))
+        join_verdicts(p, _read_gate(args.gate, p.model))
     _emit(args.json, p.to_dict(), format_engine_plan(p))
     return 0
 
 
-def _read_gate(where: str) -> dict:
-    """``gate.json`` at ``where`` (a file, or a folder holding one)."""
-    path = Path(where)
-    if path.is_dir():
-        path = path / "gate.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--gate {where}: cannot read a gate.json ({type(exc).__name__}); give the gate's --out "
-                         f"folder or its gate.json") from exc
+def _read_gate(where: str, model: str) -> dict:
+    """``gate.json`` at ``where`` (a file, or a folder holding one), its verdicts derived again from its runs
+    (:func:`~kveval.gate.verify.check_gate_file`); refused where it judged no run of ``model``."""
+    data, path = read_gate_file(where)
+    judged = judged_models(data)
+    if model not in judged:
+        raise UsageError(f"--gate {where}: judged {', '.join(judged)}, not {model}; give the gate of a sweep of "
+                         f"{model}, or plan {judged[0]}")
+    check_gate_file(data, path)
+    return data
 
 
 def _emit(where: str | None, data: dict, table: str) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 from kveval.gate.rules import ERROR, FAIL, INCONCLUSIVE, PASS, GateResult, exit_code, overall_status
-from kveval.runs.records import atomic_write_text
+from kveval.gate.verify import sealed
+from kveval.runs.records import atomic_write_texts
 from kveval.stats.tables import fmt_p
 
 #: Regressed items listed per candidate x task in ``gate.md``.
@@ -170,7 +171,6 @@ def write_gate_outputs(result: GateResult | Sequence[GateResult], out_dir: str |
         results = list(result)
         md = "\n".join(to_markdown(r).replace("# kveval gate:", f"# kveval gate ({r.baseline.model}):", 1) for r in results)
         data = {"status": overall_status(results), "exit_code": exit_code(results), "results": [r.to_dict() for r in results]}
-    atomic_write_text(paths["markdown"], md)
-    atomic_write_text(paths["junit"], to_junit(result))
-    atomic_write_text(paths["json"], json.dumps(data, indent=2))
+    atomic_write_texts({paths["markdown"]: md, paths["junit"]: to_junit(result),
+                        paths["json"]: json.dumps(sealed(data), indent=2)})
     return paths

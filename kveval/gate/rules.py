@@ -278,6 +278,7 @@ class GateResult:
                 "config": self.config.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates],
                 "deployment": self.deployment.to_dict() if self.deployment else None,
+                "noise_floor_path": self.noise_floor_path,
             }
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kveval.errors import PolicySpecError, UsageError
+from kveval.values import is_whole
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
 from kveval.runner.runspec import RunSpec, parse_mode
@@ -61,6 +62,16 @@ def parse_model_args(text: str | None) -> dict:
         key, value = item.split("=", 1)
         result[key.strip()] = handle_arg_string(value)
     return result
+
+
+def whole_seed(seed) -> int:
+    """``seed=`` as lm-eval hands it over (an int, or the text of ``--model_args``), refused in one line unless it is
+    a whole number."""
+    if isinstance(seed, str) and seed.strip().lstrip("-").isdigit():
+        seed = int(seed)
+    if not is_whole(seed):
+        raise UsageError(f"model argument seed={seed!r} is not a whole number; give e.g. seed=0")
+    return seed
 
 
 def policy_from_arg(policy) -> PolicyStack:

@@ -118,6 +118,7 @@ from kveval.lm_eval.arguments import (
     runspec_from_args,
     split_model_args,
     unescape,
+    whole_seed,
 )
 from kveval.modeling.architectures import check_rope_batch, rope_switches
 from kveval.policies.base import PolicyStack
@@ -231,7 +232,7 @@ class KVEvalLM(HFLM):
         if isinstance(pretrained, str):  # checked against its config.json before the weights load
             self.runspec = self.runspec.for_model(pretrained)
         self.question_marker = unescape(str(question_marker)) if question_marker not in (None, "") else None
-        self.seed = int(seed)
+        self.seed = whole_seed(seed)
         unsupported = sorted(k for k in UNSUPPORTED if kwargs.get(k))
         if unsupported:
             raise UsageError(f"model_args {', '.join(unsupported)} are not supported by --model kveval "

@@ -110,6 +110,10 @@ def placement_from_args(args) -> dict:
     return {k: v for k, v in {"device_map": device_map, "max_memory": max_memory and parse_max_memory(max_memory)}.items() if v}
 
 
+#: The first bytes of every GGUF file (llama.cpp's ``GGUF_MAGIC``).
+GGUF_MAGIC = b"GGUF"
+
+
 def _source(name: str) -> tuple[str, dict]:
     """Map a model name to ``(from_pretrained path, extra kwargs)``."""
     if name in EMBEDDED:
@@ -119,6 +123,11 @@ def _source(name: str) -> tuple[str, dict]:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"{path}: no such GGUF file")
+        with path.open("rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+        if magic != GGUF_MAGIC:  # transformers would raise a bare ValueError deep inside from_pretrained
+            raise ModelNotFoundError(f"{path}: not a GGUF file (it does not start with the magic bytes {GGUF_MAGIC!r}); "
+                                     f"give a .gguf llama.cpp wrote, a model folder or an embedded model name")
         return str(path.parent), {"gguf_file": path.name}
     if path.exists() and not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path}: not a model folder (no config.json)")

@@ -56,7 +56,7 @@ from kveval.report.rows import (
     shared_prefix_table,
     shows_decode,
 )
-from kveval.runs.records import atomic_write_text
+from kveval.runs.records import atomic_write_texts
 from kveval.runs.results import sample_documents
 from kveval.stats.comparison import _clean
 
@@ -229,14 +229,14 @@ def csv_records(rows: list[Row], tasks: list[str]) -> list[dict[str, Any]]:
     return recs
 
 
-def _write_csv(path: Path, recs: list[dict[str, Any]]) -> None:
+def _csv_text(recs: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     fields = list(dict.fromkeys(k for rec in recs for k in rec))
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
     for rec in recs:
         w.writerow({k: ("" if v is None else v) for k, v in rec.items()})
-    atomic_write_text(path, buf.getvalue())
+    return buf.getvalue()
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -334,11 +334,14 @@ def build_report(
         "html": out / "leaderboard.html",
     }
     recs = csv_records(rows, tasks)
-    atomic_write_text(paths["markdown"], to_markdown(rows, tasks, gate_lines))
-    _write_csv(paths["csv"], recs)
-    atomic_write_text(paths["json"], json.dumps({"tasks": tasks, "rows": recs}, indent=2))
-    atomic_write_text(paths["html"], to_html(rows, tasks, plots, [f"deployment: {d['line']}" for d in _deployments(gate)],
-                                             item_changes(rows, probes)))
+    # Every format rendered first, then all written together: one that fails leaves none of them half-updated.
+    atomic_write_texts({
+        paths["markdown"]: to_markdown(rows, tasks, gate_lines),
+        paths["csv"]: _csv_text(recs),
+        paths["json"]: json.dumps({"tasks": tasks, "rows": recs}, indent=2),
+        paths["html"]: to_html(rows, tasks, plots, [f"deployment: {d['line']}" for d in _deployments(gate)],
+                               item_changes(rows, probes)),
+    })
     paths["plots"] = plots
     return paths
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kveval.errors import UsageError
+from kveval.gate.verify import check_gate_file, read_gate_file
 from kveval.runs.records import ResultFileError
 from kveval.runs.results import Run, expand_run_dirs, load_run, run_digest
 from kveval.stats.comparison import OVERALL, RunComparison, adjust_sweep, check_settings, compare_runs, confusion_rates
@@ -161,22 +162,13 @@ def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
         return gate_result.to_dict()
     if isinstance(gate_result, (list, tuple)):
         return {"candidates": [c for r in gate_result for c in load_gate_result(r)["candidates"]]}
-    p = Path(gate_result)
-    if p.is_dir():
-        p = p / "gate.json"
-    if not p.is_file():
-        raise ResultFileError(f"{p}: no gate result (gate.json written by kveval gate --out)")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ResultFileError(f"{p}: corrupt gate result ({exc})") from exc
-    if not isinstance(data, dict) or not (isinstance(data.get("candidates"), list) or isinstance(data.get("results"), list)):
-        raise ResultFileError(f"{p}: not a gate result (no candidates)")
-    return {**_flatten_gate(data), _FILE: str(p)}
+    data, path = read_gate_file(gate_result)
+    return {**_flatten_gate(data), _FILE: str(path), _RAW: data}
 
 
-#: The key :func:`load_gate_result` keeps the gate file's path under (for messages).
-_FILE = "_file"
+#: The keys :func:`load_gate_result` keeps a gate file's path (for messages) and its content as read under: a
+#: verdict read from a file is shown only once :func:`kveval.gate.verify.check_gate_file` has derived it again.
+_FILE, _RAW = "_file", "_raw"
 
 
 def _flatten_gate(data: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +255,8 @@ def collect_rows(
                 )
             baselines[r.info.model] = r
     gate = load_gate_result(gate_result)
+    if gate is not None and _RAW in gate:
+        check_gate_file(gate[_RAW], Path(gate[_FILE]), {r.info.name: r for r in runs})
     verdicts = _verdicts(gate)
     rows: list[Row] = []
     tasks: list[str] = []

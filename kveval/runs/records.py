@@ -24,6 +24,15 @@ from typing import Any, Iterator
 RUN_FILE = "run.json"
 ITEMS_FILE = "items.jsonl"
 
+#: Memory-confusion categories of probe items, in display order (an item of a task without the taxonomy records "").
+CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
+#: Wrong answers that still give a value (a confused memory); their summed rate is ``"overall"``.
+CONFUSION_CATEGORIES = ("distractor", "stale", "partial", "over_inclusion", "fabricated")
+#: Item metrics that count bytes held, never below 0 (``request_kv_bytes`` is not one: it is a difference, negative
+#: where a decode budget evicted prefix tokens).
+BYTE_COUNTS = ("kv_bytes", "index_bytes", "nominal_bytes", "bytes_per_token", "nominal_bytes_per_token",
+               "prefix_kv_bytes", "peak_kv_bytes", "state_bytes")
+
 
 from kveval.errors import ResultFileError  # noqa: E402  (re-exported: the one error hierarchy)
 
@@ -266,24 +275,36 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     A path that is there and is neither a file nor a folder (``/dev/stdout``, a pipe, a device) is written in place:
     renaming a file over it would replace it. An error that names no file (a full disk fails at write time) is
     raised naming ``path``, so that its one line says where."""
-    path = Path(path)
+    atomic_write_texts({path: text})
+
+
+def atomic_write_texts(texts: "dict[str | os.PathLike, str]") -> None:
+    """Write several whole files so that readers see either all the old contents or all the new ones, as far as a
+    file system allows: every new file is written and synced beside its old one first, and only when all are
+    written do they replace the old ones (a full disk while writing the last leaves every old file whole). Paths that
+    are neither files nor folders are written in place, as :func:`atomic_write_text` does."""
+    staged: list[tuple[Path, Path]] = []
+    current = None
     try:
-        if path.exists() and not path.is_file() and not path.is_dir():
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-            return
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
+        for path, text in texts.items():
+            current = path = Path(path)
+            if path.exists() and not path.is_file() and not path.is_dir():
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text)
+                continue
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            staged.append((tmp, path))
             tmp.write_text(text, encoding="utf-8")
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
+        for tmp, path in staged:
+            current = path
             os.replace(tmp, path)
-        except BaseException:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
+    except BaseException as exc:  # a full or read-only disk (or Ctrl-C) leaves no temporary file behind
+        for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        if exc.filename is None and exc.errno is not None:
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, str(current)) from None
         raise
 
 

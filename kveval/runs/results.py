@@ -33,6 +33,8 @@ import numpy as np
 from kveval.runs.lm_eval_schema import as_float as _as_float
 from kveval.runs.lm_eval_schema import read_run_fields  # the keys the kveval model type writes
 from kveval.runs.records import (
+    BYTE_COUNTS,
+    CATEGORIES,
     ITEMS_FILE,
     RUN_FILE,
     ItemRecord,
@@ -139,6 +141,7 @@ def load_kveval_run(path: str | os.PathLike) -> Run:
     if short:
         raise ResultFileError(f"{p}: the run {info.name} {short}; finish it first (run the kveval sweep or kveval eval "
                               f"that wrote it again: it resumes), or run it again into a new folder")
+    validate_run_info(info, p / RUN_FILE)
     validate_items(items, p / ITEMS_FILE)
     return Run(p, info, items, "kveval")
 
@@ -146,8 +149,10 @@ def load_kveval_run(path: str | os.PathLike) -> Run:
 def validate_items(items: Sequence[ItemRecord], source: Path | str) -> None:
     """Refuse, with one line naming ``source`` and the item, what a comparison cannot use.
 
-    Ids must be strings, scores finite numbers in [0, 1] and ``correct`` a
-    JSON boolean (``"false"`` as a string would read as true).
+    Ids must be strings, scores finite numbers in [0, 1], ``correct`` a JSON boolean (``"false"`` as a string
+    would read as true) that says what the score says (an item is right exactly when its score is 1, the rule of
+    every task kveval scores), the category one of the taxonomy's (:data:`~kveval.runs.records.CATEGORIES`, or
+    ``""`` for a task without it) and every byte count (:data:`~kveval.runs.records.BYTE_COUNTS`) a number >= 0.
     """
     for number, it in enumerate(items, start=1):
         where = f"{source}: item {number}"
@@ -159,8 +164,27 @@ def validate_items(items: Sequence[ItemRecord], source: Path | str) -> None:
             raise ResultFileError(f"{where}: score {score!r} is not a number in [0, 1]")
         if not isinstance(it.correct, bool):
             raise ResultFileError(f"{where}: correct {it.correct!r} is not a boolean (true or false, not a string or number)")
+        if it.correct != (score == 1):
+            raise ResultFileError(f"{where}: correct {str(it.correct).lower()} with score {score!r}; an item is "
+                                  f"correct exactly when its score is 1: the file was edited or is corrupt")
         if not isinstance(it.task, str) or not it.task:
             raise ResultFileError(f"{where}: task {it.task!r} is not a non-empty string")
+        if it.category != "" and it.category not in CATEGORIES:
+            raise ResultFileError(f"{where}: category {it.category!r} is not one of the taxonomy's "
+                                  f"({', '.join(CATEGORIES)})")
+        metrics = it.metrics if isinstance(it.metrics, dict) else {}
+        for key in BYTE_COUNTS:
+            value = metrics.get(key)
+            if value is not None and not (is_real(value) and value >= 0):
+                raise ResultFileError(f"{where}: {key} {value!r} is not a byte count (a number >= 0)")
+
+
+def validate_run_info(info: RunInfo, source: Path | str) -> None:
+    """Refuse a ``run.json`` whose byte counts are not numbers >= 0 (one line naming ``source``)."""
+    for key, value in (("bytes_per_token", info.bytes_per_token),
+                       ("nominal_bytes_per_token", info.nominal_bytes_per_token)):
+        if value is not None and not (is_real(value) and value >= 0):
+            raise ResultFileError(f"{source}: {key} {value!r} is not a byte count (a number >= 0)")
 
 
 def pairing_warnings(baseline: "Run", candidate: "Run") -> list[str]:
@@ -533,7 +557,15 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
         raise ResultFileError(
             f"cannot pair a {baseline.source} result ({baseline.path}) with a {candidate.source} result ({candidate.path})"
         )
+    if Path(baseline.path).resolve() == Path(candidate.path).resolve():
+        raise ResultFileError(f"{baseline.path} is given as both baseline and candidate; a run compared with itself "
+                              f"shows nothing: give the compressed run as the candidate")
     identities = [run.info.model_identity for run in (baseline, candidate)]
+    if any(identities) and not all(identities):
+        lacking, other = (baseline, candidate) if not identities[0] else (candidate, baseline)
+        raise ResultFileError(
+            f"{lacking.path} records no model identity, while {other.path} ran {_model_of(other.info)}: nothing shows "
+            f"they ran one model; run both again with this kveval (run.json's model_identity)")
     if baseline.info.model != candidate.info.model or (all(identities) and identities[0] != identities[1]):
         raise ResultFileError(
             f"cannot pair runs of different models: baseline {_model_of(baseline.info)} ({baseline.path}) "

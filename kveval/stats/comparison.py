@@ -28,16 +28,12 @@ import numpy as np
 
 from kveval.errors import UsageError
 from kveval.runs.fidelity import attach_fidelity
-from kveval.runs.records import ItemRecord, RunInfo
+from kveval.runs.records import CATEGORIES, CONFUSION_CATEGORIES, ItemRecord, RunInfo
 from kveval.runs.results import Run, load_run, pair_runs
 from kveval.stats import fidelity, paired
 from kveval.stats import significance as stats
 from kveval.values import is_real, is_whole
 
-#: Memory-confusion categories of probe items, in display order.
-CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
-#: Wrong answers that still give a value (a confused memory); their summed rate is ``"overall"``.
-CONFUSION_CATEGORIES = ("distractor", "stale", "partial", "over_inclusion", "fabricated")
 #: Key of the summed confusion rate in the confusion dictionaries.
 OVERALL = "overall"
 #: Cell name of the comparison that pools every item.

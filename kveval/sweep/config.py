@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ class SweepConfig:
     #: noise floor: the flips no compression causes.
     noise_floor: bool = False
     raw: dict = field(default_factory=dict)
+    path: Path | None = None  # the file it was read from (the sweep's manifest records it)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -105,8 +107,9 @@ def load_config(path: str | Path) -> SweepConfig:
             continue
         first_entry[spec.key] = entry
         policies.append(spec)
-    if not policies:
-        raise ConfigError(f"{path}: list at least one policy under 'policies' (the baseline 'none' is added for you)")
+    if not any(not spec.policy.is_none for spec in policies):
+        raise ConfigError(f"{path}: list at least one policy to compare under 'policies' (the baseline 'none' is "
+                          f"added for you, and compared with nothing it decides nothing)")
     families = [_string(path, f"probes.families[{i}]", family)
                 for i, family in enumerate(_list(path, "probes.families", probes.get("families")))] or ["passkey"]
     for family in families:
@@ -143,8 +146,11 @@ def load_config(path: str | Path) -> SweepConfig:
     if depths is not None:
         depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]
     seed_key, seed = ("probes.seed", probes["seed"]) if "seed" in probes else ("seed", raw.get("seed", 0))
+    if "models" in raw and not raw["models"]:
+        raise ConfigError(f"{path}: models: [] names no model; list one (e.g. [smollm2-135m]) or drop the key for "
+                          f"the default")
     return SweepConfig(
-        name=_string(path, "name", raw.get("name", path.stem)),
+        name=_name(path, raw.get("name", path.stem)),
         models=[_string(path, f"models[{i}]", m) for i, m in enumerate(_list(path, "models", raw.get("models")))]
         or ["smollm2-135m"],
         policies=[p for p in policies if not p.policy.is_none], mode=mode, kv_dtype=kv_dtype,
@@ -155,8 +161,22 @@ def load_config(path: str | Path) -> SweepConfig:
         family_params=_mapping(path, "probes.params", probes.get("params")),
         batch_size=_count(path, "batch_size", raw.get("batch_size", 1)), gate=gate,
         out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity, noise_floor=noise_floor,
-        raw=raw, warnings=warnings,
+        raw=raw, warnings=warnings, path=path,
     )
+
+
+#: A sweep's name: it names its folder under ``runs/``, so one path component of plain characters.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _name(path: Path, value) -> str:
+    """The sweep's ``name``, refused where it is not one plain folder name (``../escape`` would write outside
+    ``runs/``)."""
+    name = _string(path, "name", value)
+    if not _NAME.match(name) or name in (".", ".."):
+        raise ConfigError(f"{path}: name={name!r} names the sweep's folder under runs/: use letters, digits, '.', '_' "
+                          f"and '-' (no '/' or leading '.'); give --out for a folder elsewhere")
+    return name
 
 
 def _refuse_split_specs(path: Path, entries: list) -> None:

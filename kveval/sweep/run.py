@@ -84,8 +84,8 @@ def sweep_lock(out: Path):
 
 
 def _manifest(config: SweepConfig, device: str) -> dict:
-    return {"name": config.name, "config": config.raw, "config_hash": config.hash, "seed": config.seed, "device": device,
-            **_environment()}
+    return {"command": "sweep", "config_path": str(config.path) if config.path else None, "name": config.name,
+            "config": config.raw, "config_hash": config.hash, "seed": config.seed, "device": device, **_environment()}
 
 
 def _environment() -> dict:
@@ -320,6 +320,24 @@ def read_manifest(out: Path, config: SweepConfig, remedy: str | None = None) -> 
     if manifest.get("config_hash") != config.hash:
         raise RunFolderError(f"{out} holds a sweep with another config (hash {manifest.get('config_hash')}); {remedy}")
     return manifest
+
+
+def refuse_sweep_folder(out: Path, command: str) -> None:
+    """Refuse (:class:`RunFolderError`, one line) to let ``kveval <command>`` write into ``out`` where a sweep made it:
+    its manifest, runs, gate and report belong to that sweep and its config, and a run added from elsewhere would
+    leave them unpaired (the sweep could not even resume)."""
+    path = out / MANIFEST_FILE
+    if not path.is_file():
+        return
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    made_by = f"kveval sweep {manifest['config_path']}" if manifest.get("config_path") else "kveval sweep"
+    raise RunFolderError(f"{out} holds the sweep {manifest.get('name', '?')!r} made by {made_by} (config hash "
+                         f"{manifest.get('config_hash')}); kveval {command} does not write into it: give --out a new "
+                         f"folder, or add the policy to that config and run kveval sweep again")
 
 
 def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Executor | None = None,

@@ -1,0 +1,223 @@
+"""The second fault-injection audit's cases (issue 65), on copies of results/quickstart: a command writing into a
+folder another command made, verdicts edited in gate.json, items that contradict themselves, user input that
+reached an internal error, a closed standard output, and configs that would run the wrong thing.
+
+Each case ends as kveval promises: one line naming the fix and exit 2 (or the verdict's own code), nothing written
+already lost or changed. No model runs: every refusal comes before one would load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kveval.commands import main as cli
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "results" / "quickstart"
+GATE_CPU = REPO / "configs" / "gate-cpu.yaml"
+BASE, QUANT, RANDOM = "none", "quant_bits-8_group-16", "random_ratio-0.5"
+
+
+def kveval(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused(code: int, err: str, *needles: str) -> None:
+    """Exit 2 with one ``error`` line and no traceback, naming each of ``needles``."""
+    assert code == 2, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert len([line for line in err.splitlines() if ": error: " in line]) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def sweep(tmp_path) -> Path:
+    """A copy of the committed quickstart sweep folder."""
+    out = tmp_path / "quickstart"
+    shutil.copytree(QUICKSTART, out)
+    return out
+
+
+def edit_items(run_dir: Path, edit) -> None:
+    path = run_dir / "items.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    edit(rows)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# ----------------------------------------------------------------------------- 1. a folder belongs to its command
+
+
+def test_eval_refuses_to_write_into_a_finished_sweep_and_changes_nothing(sweep, capsys):
+    before = tree_digest(sweep)
+    code, _, err = kveval(capsys, "eval", "--policy", "knorm(ratio=0.5)", "--n", "5", "--out", sweep)
+    refused(code, err, str(sweep), "kveval sweep", "quickstart", "--out a new folder")
+    assert tree_digest(sweep) == before
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda raw: raw.update(policies=["none"]), "at least one policy to compare"),
+    (lambda raw: raw.update(models=[]), "models: [] names no model"),
+    (lambda raw: raw.update(name="../../escape"), "name='../../escape'"),
+])
+def test_a_config_that_would_run_the_wrong_thing_is_refused_before_any_model(tmp_path, capsys, monkeypatch, edit,
+                                                                             needle):
+    import yaml
+
+    raw = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    raw["gate"] = str(GATE_CPU)
+    edit(raw)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = kveval(capsys, "sweep", config)
+    refused(code, err, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing written, no runs/ folder
+    assert not (tmp_path.parent / "escape").exists()
+
+
+# ----------------------------------------------------------------------------- 2. verdicts are derived, never trusted
+
+
+@pytest.mark.parametrize("status", ["PASS", "LGTM"])
+def test_report_refuses_a_gate_whose_verdict_was_edited(sweep, capsys, status):
+    path = sweep / "gate" / "gate.json"
+    data = json.loads(path.read_text())
+    candidate = next(c for c in data["results"][0]["candidates"] if c["status"] == "FAIL")
+    candidate["status"] = status
+    path.write_text(json.dumps(data, indent=2))
+    code, _, err = kveval(capsys, "report", sweep, "--gate", sweep / "gate", "--out", sweep / "report2")
+    refused(code, err, "gate.json", candidate["name"], f"status '{status}' recorded, the runs give 'FAIL'")
+    assert not (sweep / "report2" / "leaderboard.md").exists()
+
+
+def test_report_shows_a_gate_whose_verdicts_its_runs_give(sweep, capsys):
+    code, out, err = kveval(capsys, "report", sweep, "--gate", sweep / "gate", "--out", sweep / "report2")
+    assert code == 0, err
+    board = (sweep / "report2" / "leaderboard.md").read_text()
+    assert "| PASS |" in board and "| FAIL |" in board
+
+
+def test_a_gate_written_now_carries_a_digest_of_its_verdicts_and_an_edit_is_named(sweep, capsys):
+    runs = sweep / "runs" / "smollm2-135m"
+    code, _, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate",
+                          runs / RANDOM, "--out", sweep / "gate2")
+    assert code == 1, err
+    path = sweep / "gate2" / "gate.json"
+    data = json.loads(path.read_text())
+    assert re.fullmatch(r"[0-9a-f]{64}", data["verdicts_sha256"])
+    data["candidates"][0]["reasons"] = ["looked fine to me"]
+    path.write_text(json.dumps(data, indent=2))
+    code, _, err = kveval(capsys, "report", runs / BASE, runs / RANDOM, "--gate", path, "--out", sweep / "r")
+    refused(code, err, "edited after kveval wrote it", "verdicts_sha256")
+
+
+def test_memory_refuses_an_edited_gate_and_another_models_gate(sweep, capsys):
+    path = sweep / "gate" / "gate.json"
+    code, out, err = kveval(capsys, "memory", "smollm2-135m", "--engine", "vllm", "--gpu-memory", "24GiB",
+                            "--max-model-len", "8k", "--gate", path)
+    assert code == 0, err
+    code, _, err = kveval(capsys, "memory", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "80GiB",
+                          "--max-model-len", "8k", "--gate", path)
+    refused(code, err, "judged smollm2-135m, not llama-3.1-8b")
+    data = json.loads(path.read_text())
+    data["results"][0]["candidates"][0]["status"] = "FAIL"
+    path.write_text(json.dumps(data))
+    code, _, err = kveval(capsys, "memory", "smollm2-135m", "--engine", "vllm", "--gpu-memory", "24GiB",
+                          "--max-model-len", "8k", "--gate", path)
+    refused(code, err, "status 'FAIL' recorded, the runs give 'PASS'")
+
+
+# ----------------------------------------------------------------------------- 3-5. one validation of runs and items
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda rows: rows[3]["metrics"].update(kv_bytes=-4608), "kv_bytes -4608 is not a byte count"),
+    (lambda rows: rows[0].update(correct=True, score=0.0), "correct true with score 0.0"),
+    (lambda rows: rows[5].update(category="teleported"), "category 'teleported' is not one of the taxonomy's"),
+])
+def test_items_that_contradict_themselves_are_refused_naming_the_item(sweep, capsys, edit, needle):
+    runs = sweep / "runs" / "smollm2-135m"
+    edit_items(runs / RANDOM, edit)
+    for argv in (["gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate", runs / RANDOM],
+                 ["report", runs / BASE, runs / RANDOM, "--out", sweep / "r"],
+                 ["compare", runs / BASE, runs / RANDOM]):
+        code, _, err = kveval(capsys, *argv)
+        refused(code, err, needle, str(runs / RANDOM))
+
+
+def test_a_baseline_is_never_gated_against_itself(sweep, capsys):
+    runs = sweep / "runs" / "smollm2-135m"
+    code, _, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate", runs / BASE)
+    assert code == 2 and "is given as both baseline and candidate" in err, err
+
+
+def test_a_run_without_a_model_identity_is_not_paired_with_one_that_names_another(sweep, capsys):
+    runs = sweep / "runs" / "smollm2-135m"
+    path = runs / BASE / "run.json"
+    info = json.loads(path.read_text())
+    del info["model_identity"]
+    path.write_text(json.dumps(info))
+    cand = runs / QUANT / "run.json"
+    info = json.loads(cand.read_text())
+    info["model_identity"]["hash"] = "0ther0ne"
+    cand.write_text(json.dumps(info))
+    code, _, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate", runs / QUANT)
+    assert code == 2 and "records no model identity" in err, err
+
+
+# ----------------------------------------------------------------------------- 3. user input never reaches a bug
+
+
+def test_a_gguf_path_that_is_not_gguf_is_refused_in_one_line(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a gguf")
+    code, _, err = kveval(capsys, "generate", "--model", fake, "--prompt", "hello")
+    refused(code, err, str(fake), "not a GGUF file")
+
+
+def test_lm_eval_refuses_a_seed_that_is_not_a_whole_number():
+    from kveval.errors import UsageError
+    from kveval.lm_eval.arguments import whole_seed
+
+    assert whole_seed("7") == 7 and whole_seed(-3) == -3
+    for bad in ("abc", 1.5, True, "1e3"):
+        with pytest.raises(UsageError, match="is not a whole number"):
+            whole_seed(bad)
+
+
+# ----------------------------------------------------------------------------- 6. a closed standard output
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["gate", "--config", GATE_CPU, "--baseline", "{runs}/none", "--candidate", "{runs}/random_ratio-0.5",
+      "--out", "{tmp}/g"], 1),
+    (["memory", "smollm2-135m", "--context", "8k"], 0),
+])
+def test_a_closed_stdout_still_gives_the_commands_own_exit_code(tmp_path, argv, expected):
+    runs = QUICKSTART / "runs" / "smollm2-135m"
+    argv = [a.format(runs=runs, tmp=tmp_path) if isinstance(a, str) else str(a) for a in argv]
+    done = subprocess.run([sys.executable, "-m", "kveval", *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.close(1))  # the child starts with fd 1 closed, as `>&-` does
+    assert done.returncode == expected, done.stderr
+    assert "Traceback" not in done.stderr
+    if argv[0] == "gate":
+        assert json.loads((tmp_path / "g" / "gate.json").read_text())["status"] == "FAIL"
