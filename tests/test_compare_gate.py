@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from pathlib import Path
@@ -202,10 +203,15 @@ def test_gate_unchanged_candidate_passes_with_enough_items(runs, capsys):
     assert junit.get("failures") == "0" and len(junit.findall(".//testcase")) == 2
 
 
-def test_gate_same_run_twice_warns(runs, capsys):
-    assert cli.main(gate_argv(runs, runs["base"])) == 0
+def test_gate_refuses_the_same_run_as_baseline_and_candidate(runs, capsys):
+    # Issue 65: a run gated against itself PASSed with a warning; it shows nothing, so it is refused.
+    assert cli.main(gate_argv(runs, runs["base"])) == 2
     err = capsys.readouterr().err
-    assert "warning: baseline and candidate are the same run" in err
+    assert "a baseline gated against itself" in err
+    copy = runs["tmp"] / "copy_of_base"
+    shutil.copytree(runs["base"], copy)
+    assert cli.main(gate_argv(runs, copy)) == 2
+    assert "is the baseline" in capsys.readouterr().err  # a copy of it, too
 
 
 def test_gate_swapped_runs_warn(runs, capsys):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kveval.runs.records import atomic_write_text
-from kveval.runs.results import load_run, pairing_warnings
+from kveval.runs.results import is_same_run, load_run, pairing_warnings
 from kveval.stats.comparison import DEFAULT_RESAMPLES, check_settings, compare_runs
 from kveval.stats.tables import fmt_delta_ci, fmt_p, format_table
 
@@ -28,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     base, cand = load_run(args.baseline, metric=args.metric), load_run(args.candidate, metric=args.metric)
+    if is_same_run(base, cand):
+        print(f"kveval compare: warning: baseline and candidate are the same run ({base.path}, {cand.path}); the "
+              f"comparison tells nothing", file=sys.stderr)
     for warning in pairing_warnings(base, cand):
         print(f"kveval compare: warning: {warning}", file=sys.stderr)
     rc = compare_runs(

@@ -46,7 +46,7 @@ from scipy import stats as _st
 from kveval.errors import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, ResultFileError, UsageError
 from kveval.gate.config import GateConfig
 from kveval.runs.records import RunInfo
-from kveval.runs.results import expand_run_dirs, load_run, pair_runs, pairing_warnings, run_digest
+from kveval.runs.results import expand_run_dirs, is_same_run, load_run, pair_runs, pairing_warnings, run_digest
 from kveval.stats import fidelity, paired
 from kveval.stats import significance as stats
 from kveval.stats.comparison import (
@@ -562,6 +562,10 @@ def evaluate_gate(
         try:
             cand_run = load_run(cand, metric=metric)
             judged["candidate"] = run_digest(cand_run)
+            if is_same_run(base, cand_run):
+                raise ResultFileError(f"{cand_run.path} is the baseline {base.path} again (the same policy, answers "
+                                      f"and scores): a baseline gated against itself shows nothing; give a "
+                                      f"compressed run as the candidate")
             rc = compare_runs(
                 base, cand_run, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples, seed=cfg.seed,
                 cells=False, metric=metric,

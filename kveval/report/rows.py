@@ -255,8 +255,6 @@ def collect_rows(
                 )
             baselines[r.info.model] = r
     gate = load_gate_result(gate_result)
-    if gate is not None and _RAW in gate:
-        check_gate_file(gate[_RAW], Path(gate[_FILE]), {r.info.name: r for r in runs})
     verdicts = _verdicts(gate)
     rows: list[Row] = []
     tasks: list[str] = []
@@ -289,6 +287,8 @@ def collect_rows(
                 baseline=baselines.get(r.info.model) if comp is not None else None,
             )
         )
+    if gate is not None and _RAW in gate:  # each verdict judged its runs (above): now it must be what they give
+        check_gate_file(gate[_RAW], Path(gate[_FILE]), {r.info.name: r for r in runs})
     adjust_sweep([row.comparison for row in rows if row.comparison is not None])
     rows.sort(
         key=lambda row: (

@@ -187,19 +187,21 @@ def validate_run_info(info: RunInfo, source: Path | str) -> None:
             raise ResultFileError(f"{source}: {key} {value!r} is not a byte count (a number >= 0)")
 
 
+def is_same_run(baseline: "Run", candidate: "Run") -> bool:
+    """Whether ``candidate`` is ``baseline`` again: the same folder, or a copy (same policy and mode, the same answers
+    and scores item by item). The gate refuses such a pairing: a baseline gated against itself shows nothing."""
+    if Path(baseline.path).resolve() == Path(candidate.path).resolve():
+        return True
+    return (baseline.info.policy == candidate.info.policy and baseline.info.mode == candidate.info.mode
+            and [(b.id, b.answer, b.score) for b in baseline.items] == [(c.id, c.answer, c.score) for c in candidate.items])
+
+
 def pairing_warnings(baseline: "Run", candidate: "Run") -> list[str]:
-    """Warnings (not errors) about a pairing that looks mistaken: the same run twice, or the runs swapped."""
-    out = []
-    same_path = Path(baseline.path).resolve() == Path(candidate.path).resolve()
-    if same_path or (baseline.info.policy == candidate.info.policy and baseline.info.mode == candidate.info.mode
-                     and [(b.id, b.answer, b.score) for b in baseline.items] == [(c.id, c.answer, c.score) for c in candidate.items]):
-        out.append(f"baseline and candidate are the same run ({baseline.path}, {candidate.path}); the gate tells nothing")
-    elif not baseline.info.is_baseline and candidate.info.is_baseline:
-        out.append(
-            f"baseline and candidate look swapped: the baseline {baseline.path} ran policy {baseline.info.policy!r}, "
-            f"the candidate {candidate.path} ran none"
-        )
-    return out
+    """Warnings (not errors) about a pairing that looks mistaken: the runs swapped."""
+    if not baseline.info.is_baseline and candidate.info.is_baseline:
+        return [f"baseline and candidate look swapped: the baseline {baseline.path} ran policy "
+                f"{baseline.info.policy!r}, the candidate {candidate.path} ran none"]
+    return []
 
 
 def expand_run_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
