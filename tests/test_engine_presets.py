@@ -6,6 +6,8 @@ sources, named at each test; the FP8 reference decodes the format from its bit l
 """
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +40,8 @@ gguf = pytest.importorskip("gguf")
 GGUF_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 pytestmark = pytest.mark.usefixtures("calibration_cache")
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _rows(seed: int = 0) -> torch.Tensor:
@@ -394,27 +398,34 @@ def test_x86_cpu_q8_0_rounds_halves_to_even_with_127_over_amax():
 
 
 def test_gate_verdicts_join_the_engine_table(tmp_path, capsys):
-    """kveval memory --engine ... --gate: each preset the gate judged on this model shows its verdict."""
+    """kveval memory --engine ... --gate: each preset the gate judged on this model shows its verdict, derived again
+    from the committed runs (a gate.json of verdicts alone, with no runs behind them, is refused: issue 65)."""
     import json
+    import shutil
 
-    gate = {"results": [{"baseline": {"model": "smollm2-135m", "policy": "none"}, "candidates": [
-        {"name": "smollm2-135m/llamacpp(k=q8_0,v=q4_0)", "status": "PASS"},
-        {"name": "smollm2-135m/llamacpp(k=q4_0, v=q4_0)", "status": "FAIL"},
-        {"name": "gemma3-270m/llamacpp(k=q8_0,v=q8_0)", "status": "FAIL"}]}]}
-    (tmp_path / "gate.json").write_text(json.dumps(gate))
+    sweep = tmp_path / "engines-equal-bytes"
+    shutil.copytree(REPO / "results" / "engines-equal-bytes", sweep)
     assert cli.main(["memory", "smollm2-135m", "--engine", "llamacpp", "--gpu-memory", "4GiB", "--ctx-size", "8k",
-                     "--parallel", "2", "--gate", str(tmp_path), "--json"]) == 0
-    rows = {f["preset"]: f["verdict"] for f in __import__("json").loads(capsys.readouterr().out)["presets"]}
-    assert rows["llamacpp(k=q8_0,v=q4_0)"] == "PASS" and rows["llamacpp(k=q4_0,v=q4_0)"] == "FAIL"
-    assert rows["llamacpp(k=q8_0,v=q8_0)"] is None  # judged on another model only
+                     "--parallel", "2", "--gate", str(sweep / "gate"), "--json"]) == 0
+    rows = {f["preset"]: f["verdict"] for f in json.loads(capsys.readouterr().out)["presets"]}
+    recorded = json.loads((sweep / "gate" / "gate.json").read_text())
+    statuses = {c["name"]: c["status"] for r in recorded["results"] for c in r["candidates"]}
+    for preset in ("llamacpp(k=q8_0,v=q8_0)", "llamacpp(k=q8_0,v=q4_0)", "llamacpp(k=q4_1,v=q4_1)",
+                   "llamacpp(k=q4_0,v=q4_0)"):
+        assert rows[preset] == statuses[f"smollm2-135m/{preset}"]
+    assert rows["llamacpp(k=q4_0,v=q4_0)"] == "FAIL"
+    assert rows["llamacpp(k=q5_0,v=q5_0)"] is None  # not judged on this model
+    (sweep / "gate" / "gate.json").write_text(json.dumps({"results": [{"baseline": {"model": "smollm2-135m"},
+                                                                        "candidates": []}]}))
+    assert cli.main(["memory", "smollm2-135m", "--engine", "llamacpp", "--gpu-memory", "4GiB", "--ctx-size", "8k",
+                     "--gate", str(sweep / "gate")]) == 2
 
 
 def test_largest_parallel_is_the_largest_whose_buffer_fits():
-    """With a policy that keeps a full-precision residual (KIVI), the answer is still the largest --parallel whose
-    buffer fits: P fits and P + 1 does not."""
-    p = llamacpp_plan("smollm2-135m", "1GiB", ctx_size=4096, parallel=2, weights="300MB",
-                      presets=["kivi(bits=4)", "llamacpp(k=q4_0,v=q4_0)"])
-    for f, spec in zip(p.presets, ["kivi(bits=4)", "llamacpp(k=q4_0,v=q4_0)"]):
+    """The answer is the largest --parallel whose buffer fits: P fits and P + 1 does not."""
+    specs = ["llamacpp(k=f16,v=f16)", "llamacpp(k=q4_0,v=q4_0)"]
+    p = llamacpp_plan("smollm2-135m", "1GiB", ctx_size=4096, parallel=2, weights="300MB", presets=specs)
+    for f, spec in zip(p.presets, specs):
         def need(n):
             return plan("smollm2-135m", -(-(n * 2048) // 256) * 256, 1, parse_policy(spec)).sequence_bytes
         assert need(f.sequences) <= p.pool_bytes < need(f.sequences + 1)
@@ -426,3 +437,32 @@ def test_canonical_specs_name_the_cache_type_and_parse_back(spec):
     canonical = parse_policy(spec).spec
     assert canonical.split("(")[1].split("=")[0] in ("kv_cache_dtype", "k")  # the first parameter, always shown
     assert parse_policy(canonical).spec == canonical
+
+
+@pytest.mark.parametrize("engine, preset, own", [
+    ("vllm", "llamacpp(k=q4_0,v=q4_0)", "llamacpp's format"),
+    ("llamacpp", "vllm(kv_cache_dtype=fp8)", "vllm's format"),
+    ("llamacpp", "kivi(bits=4)", "llama.cpp has no such KV cache"),
+    ("vllm", "snapkv(ratio=0.5)", "vLLM has no such KV cache"),
+])
+def test_the_engine_planner_sizes_only_what_the_engine_runs(engine, preset, own):
+    """Issue 65: --engine vllm with a llama.cpp preset said "50 sequences fit" for a cache type vLLM does not have."""
+    from kveval.errors import UsageError
+
+    plan_of = {"vllm": lambda: vllm_plan("llama-3.1-8b", "80GiB", max_model_len=32768, presets=[preset]),
+               "llamacpp": lambda: llamacpp_plan("llama-3.1-8b", "80GiB", ctx_size=32768, presets=[preset])}
+    with pytest.raises(UsageError, match=re.escape(own)):
+        plan_of[engine]()
+
+
+def test_default_presets_the_model_cannot_hold_are_left_out_with_a_note(tmp_path):
+    """Issue 65: head_dim 40 made the default q8_0 preset raise instead of showing the rows that apply."""
+    config = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "hidden_size": 320, "head_dim": 40, "max_position_embeddings": 131072, "vocab_size": 1000,
+              "intermediate_size": 640}
+    p = llamacpp_plan(config, "24GiB", ctx_size=32768)
+    assert [f.preset for f in p.presets] == ["llamacpp(k=f16,v=f16)"]
+    assert sum(" left out: " in n and "head_dim=40 is not a multiple of 32" in n for n in p.notes) == 6
+    v = vllm_plan(config, "24GiB", max_model_len=1 << 20)
+    assert any("--max-model-len 1,048,576 tokens exceeds the model's max_position_embeddings (131,072)" in n
+               for n in v.notes)

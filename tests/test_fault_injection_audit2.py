@@ -221,3 +221,20 @@ def test_a_closed_stdout_still_gives_the_commands_own_exit_code(tmp_path, argv, 
     assert "Traceback" not in done.stderr
     if argv[0] == "gate":
         assert json.loads((tmp_path / "g" / "gate.json").read_text())["status"] == "FAIL"
+
+
+# ----------------------------------------------------------------------------- 8. the planner accepts only what can be
+
+
+def test_a_storage_part_named_twice_is_refused(capsys):
+    code, _, err = kveval(capsys, "memory", "deepseek-v3.2", "--context", "32k", "--storage",
+                          "indexer=fp8-128,indexer=bf16")
+    refused(code, err, "storage names indexer twice")
+
+
+def test_more_kv_heads_than_attention_heads_is_refused(tmp_path, capsys):
+    config = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 16,
+              "hidden_size": 512, "max_position_embeddings": 4096, "vocab_size": 1000, "intermediate_size": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = kveval(capsys, "memory", tmp_path, "--context", "8k")
+    refused(code, err, "num_key_value_heads 16 exceeds num_attention_heads 8")

@@ -104,11 +104,43 @@ def _preset_stacks(engine: str) -> tuple:
     return tuple((text, parse_policy(text)) for text in ENGINE_PRESETS[engine])
 
 
-def _presets(engine: str, presets) -> list:
-    """The presets to answer at: the given spec strings (parsed here, at the edge), else the engine's own."""
+#: How each engine's name reads in a sentence.
+ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+
+
+def _presets(engine: str, presets, spec, dtype_bytes: int, notes: list[str]) -> list:
+    """The presets to answer at: the given spec strings (parsed here, at the edge), each refused unless ``engine``
+    serves it (the baseline ``none``, the model dtype, or a format whose :attr:`serving_engine` is ``engine``); else
+    the engine's own, less those the model cannot hold (a block format wider than its heads), which a note names."""
     if presets:
-        return [(text, parse_policy(text)) for text in presets]
-    return list(_preset_stacks(engine))
+        stacks = [(text, parse_policy(text)) for text in presets]
+        for text, stack in stacks:
+            served = stack.quantization.serving_engine if stack.quantization is not None else None
+            if not stack.is_none and (served != engine or stack.selection is not None or stack.structure is not None):
+                own = ", ".join(ENGINE_PRESETS[engine])
+                raise UsageError(f"preset {text!r}: {ENGINE_NAMES[engine]} has no such KV cache"
+                                 + (f" (it is {served}'s format)" if served and served != engine else "")
+                                 + f"; give presets {ENGINE_NAMES[engine]} runs: {own}")
+        return stacks
+    kept = []
+    for text, stack in _preset_stacks(engine):
+        try:
+            plan(spec, 1, 1, stack, dtype_bytes)
+        except ValueError as exc:
+            notes.append(f"{text} left out: {exc}")
+            continue
+        kept.append((text, stack))
+    if not kept:
+        raise UsageError(f"none of {ENGINE_NAMES[engine]}'s KV cache presets applies to {spec.name}: "
+                         f"{notes[-1].split(' left out: ', 1)[1]}")
+    return kept
+
+
+def _positions_note(spec, tokens: int, flag: str, notes: list[str]) -> None:
+    """Note a sequence longer than the model's positions, as the plain planner does."""
+    if spec.max_position and tokens > spec.max_position:
+        notes.append(f"{flag} {tokens:,} tokens exceeds the model's max_position_embeddings ({spec.max_position:,}); "
+                     f"the engine refuses it unless RoPE scaling extends the positions")
 
 
 def _sliding_note(spec, engine: str, notes: list[str]) -> None:
@@ -134,10 +166,11 @@ def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_mod
                      "memory, which only a run measures (vLLM logs them); give --overhead to include them")
     pool = max(0, math.ceil(gpu * utilization) - weight_bytes - extra)  # requested memory: ceil(total x utilization)
     _sliding_note(spec, "vLLM", notes)
+    _positions_note(spec, max_model_len, "--max-model-len", notes)
     blocks_per_seq = -(-max_model_len // VLLM_BLOCK_SIZE)
     kv_layers = sum(spec.holds_kv)
     fits = []
-    for text, stack in _presets("vllm", presets):
+    for text, stack in _presets("vllm", presets, spec, dtype_bytes, notes):
         block_plan = plan(spec, VLLM_BLOCK_SIZE, 1, stack, dtype_bytes)
         block_bytes = block_plan.sequence_bytes  # one block of every layer
         seq = plan(spec, blocks_per_seq * VLLM_BLOCK_SIZE, 1, stack, dtype_bytes).sequence_bytes
@@ -172,8 +205,9 @@ def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weight
     slot = ctx_size // parallel
     cells = -(-ctx_size // LLAMACPP_CTX_PAD) * LLAMACPP_CTX_PAD
     _sliding_note(spec, "llama.cpp", notes)
+    _positions_note(spec, slot, "a slot's --ctx-size / --parallel =", notes)
     fits = []
-    for text, stack in _presets("llamacpp", presets):
+    for text, stack in _presets("llamacpp", presets, spec, dtype_bytes, notes):
         per_cell = plan(spec, 1, 1, stack, dtype_bytes)
         buffer = plan(spec, cells, 1, stack, dtype_bytes).sequence_bytes
         # largest P with P slots of `slot` tokens: the buffer of pad(P x slot) cells within the budget

@@ -304,6 +304,9 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     if heads is None and mla_dim is None:
         raise UsageError(f"{name}: config has no num_attention_heads")
     kv_heads = _positive_int(kv_heads, "num_key_value_heads", name)
+    if mla_dim is None and kv_heads > _positive_int(heads, "num_attention_heads", name):
+        raise UsageError(f"{name}: num_key_value_heads {kv_heads} exceeds num_attention_heads {heads}; each KV head "
+                         f"serves one or more query heads, so there are at most as many: check the config")
     if head_dim is None:
         raise UsageError(f"{name}: config has neither head_dim nor hidden_size to derive it from")
     head_dim = _positive_int(head_dim, "head_dim", name)

@@ -80,6 +80,8 @@ def parse_storage(spec) -> dict[str, str]:
         if name not in FORMATS:
             raise UsageError(f"storage {part}={name or '?'}: give PART=FORMAT with FORMAT one of "
                              f"{', '.join(FORMATS)}")
+        if part in out:
+            raise UsageError(f"storage names {part} twice ({part}={out[part]}, {part}={name}); give each part once")
         out[part] = name
     return out
 

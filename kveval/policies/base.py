@@ -454,6 +454,10 @@ class QuantizationPolicy(RepresentationPolicy):
     #: Tokens are coded as they arrive and the prefill's attention reads the codes (a serving engine's cache): no
     #: uncompressed prefill can be shared with other policies and derived into this one.
     codes_on_arrival: ClassVar[bool] = False
+    #: The serving engine whose own KV cache format this reproduces, as ``kveval memory --engine`` names it
+    #: (``vllm``, ``llamacpp``, ...); ``None``: a format no engine serves as it stands. The engine planner sizes only
+    #: what the chosen engine can run.
+    serving_engine: ClassVar[str | None] = None
 
     @property
     def residual_tokens(self) -> int:

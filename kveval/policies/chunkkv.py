@@ -1,8 +1,10 @@
 """ChunkKV: SnapKV scores pooled into chunks of consecutive tokens, whole chunks kept."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.snapkv import SnapKVPolicy

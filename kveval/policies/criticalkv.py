@@ -1,8 +1,10 @@
 """CriticalKV: SnapKV scores, the second half of the budget rescaled by what each value adds to the output."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.snapkv import SnapKVPolicy

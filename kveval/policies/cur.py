@@ -1,9 +1,10 @@
 """CUR: keep the tokens with the largest approximate leverage scores of keys and values."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import RatioSelectionPolicy
@@ -63,5 +64,5 @@ def _local(norms: torch.Tensor, window: int) -> torch.Tensor:
     if not window:
         return norms
     n = norms.shape[-1]
-    padded = F.pad(norms, (0, (window - n % window) % window)).reshape(*norms.shape[:-1], -1, window)
+    padded = torch.nn.functional.pad(norms, (0, (window - n % window) % window)).reshape(*norms.shape[:-1], -1, window)
     return (padded / padded.sum(dim=-1, keepdim=True)).reshape(*norms.shape[:-1], -1)[..., :n]

@@ -6,7 +6,7 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.window import SinkWindowPolicy

@@ -173,6 +173,7 @@ class LlamaCppPolicy(EnginePolicy):
     """
 
     name = "llamacpp"
+    serving_engine: ClassVar[str] = "llamacpp"
     description = "llama.cpp cache types (--cache-type-k/-v): q8_0, q5_1, q5_0, q4_1, q4_0, f16, bf16 ggml blocks"
     engine: ClassVar[str] = "llama.cpp"
     follows: ClassVar[str] = "ggml/src/ggml-quants.c quantize_row_<type>_ref / dequantize_row_<type>"
@@ -243,6 +244,7 @@ class VllmPolicy(EnginePolicy):
     """
 
     name = "vllm"
+    serving_engine: ClassVar[str] = "vllm"
     description = "vLLM fp8 KV cache: per-tensor K/V scales (unit, dynamic first batch, checkpoint), saturating cast"
     engine: ClassVar[str] = "vLLM"
     follows: ClassVar[str] = ("vllm/attention/layer.py Attention.calc_kv_scales; "
@@ -313,6 +315,7 @@ class SglangPolicy(EnginePolicy):
     """
 
     name = "sglang"
+    serving_engine: ClassVar[str] = "sglang"
     description = "SGLang fp8 KV cache: one per-tensor scale copied to K and V (or none), divided in the model dtype, torch's cast"
     engine: ClassVar[str] = "SGLang"
     follows: ClassVar[str] = ("python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer; "
@@ -355,6 +358,7 @@ class TrtllmPolicy(EnginePolicy):
     """
 
     name = "trtllm"
+    serving_engine: ClassVar[str] = "trtllm"
     description = "TensorRT-LLM/ModelOpt KV cache: int8 or fp8, amax-calibrated scale per layer shared by K and V"
     engine: ClassVar[str] = "TensorRT-LLM (ModelOpt)"
     follows: ClassVar[str] = ("modelopt/torch/export/quant_utils.py get_scaling_factor, get_kv_cache_scaling_factor; "

@@ -1,9 +1,11 @@
 """Expected Attention: score each key by the attention future queries are expected to pay it."""
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.modeling.architectures import rope_hook

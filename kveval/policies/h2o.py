@@ -1,8 +1,10 @@
 """H2O: heavy hitters plus recent tokens."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import RatioSelectionPolicy

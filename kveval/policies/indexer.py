@@ -1,9 +1,11 @@
 """The model's own lightning indexer as the scorer: DeepSeek V4's CSA entries ranked by what its indexer picks."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import Placement, SelectionPolicy, check_ratio, ratio_keep_count

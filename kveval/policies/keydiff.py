@@ -1,9 +1,10 @@
 """KeyDiff: keep the keys least like the layer's average key direction."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from kveval.lazy import torch
 
 from kveval.policies.base import RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState
@@ -25,5 +26,5 @@ class KeyDiffPolicy(RatioSelectionPolicy):
 
     def scores(self, state: ScoringState) -> torch.Tensor:
         keys = state.keys.float()
-        anchor = F.normalize(keys, p=2, dim=-1).mean(dim=-2, keepdim=True)
-        return -F.cosine_similarity(keys, anchor, dim=-1)
+        anchor = torch.nn.functional.normalize(keys, p=2, dim=-1).mean(dim=-2, keepdim=True)
+        return -torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)

@@ -1,8 +1,10 @@
 """Key-norm: drop the keys with the largest L2 norm."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.policies.base import Placement, RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
 from kveval.policies.base import SelectionPolicy, check_ratio, ratio_keep_count

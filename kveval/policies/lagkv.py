@@ -1,8 +1,10 @@
 """LagKV: score each partition of the context against the next one, from keys and values alone."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import RatioSelectionPolicy

@@ -1,5 +1,7 @@
 """The uncompressed baseline."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 from kveval.policies.base import Policy

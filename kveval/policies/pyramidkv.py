@@ -1,5 +1,7 @@
 """PyramidKV: SnapKV scores with layer budgets that shrink with depth."""
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 

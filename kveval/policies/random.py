@@ -1,9 +1,11 @@
 """Random eviction: the control every selection policy must beat."""
 
+from __future__ import annotations
+
 import functools
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.policies.base import Placement, RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState

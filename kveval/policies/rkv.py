@@ -1,9 +1,10 @@
 """R-KV: keep tokens that recent queries attend to and that few other keys repeat."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.policies.base import RatioSelectionPolicy
@@ -83,7 +84,7 @@ class RKVPolicy(RatioSelectionPolicy):
         attention = torch.softmax(logits.masked_fill(recent[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
         importance = attention.mean(dim=1)  # [H, n]
         if self.kernel > 1:
-            importance = F.max_pool1d(importance[None], self.kernel, stride=1, padding=self.kernel // 2)[0]
+            importance = torch.nn.functional.max_pool1d(importance[None], self.kernel, stride=1, padding=self.kernel // 2)[0]
         scores = self.mix * importance - (1 - self.mix) * key_redundancy(keys, self.threshold)
         return scores.masked_fill(recent, float("inf"))
 

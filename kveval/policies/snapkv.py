@@ -1,9 +1,10 @@
 """SnapKV: score the context by the attention of an observation window of the last queries."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import RatioSelectionPolicy
@@ -55,7 +56,7 @@ class SnapKVPolicy(RatioSelectionPolicy):
     def scores(self, state: ScoringState) -> torch.Tensor:
         scores = state.attention.unsqueeze(0)
         if self.kernel > 1:
-            pool = F.max_pool1d if self.pooling == "max" else F.avg_pool1d
+            pool = torch.nn.functional.max_pool1d if self.pooling == "max" else torch.nn.functional.avg_pool1d
             scores = pool(scores, self.kernel, stride=1, padding=self.kernel // 2)
         scores = scores.squeeze(0).clone()
         scores[:, -self.window:] = float("inf")

@@ -1,8 +1,10 @@
 """Threshold eviction (DMS / KVzap style): keep every KV pair whose score clears a threshold, whatever ratio that gives."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import SelectionPolicy, ratio_keep_count

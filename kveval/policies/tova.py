@@ -1,8 +1,10 @@
 """TOVA: keep the tokens the most recent query attends to."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
+from kveval.lazy import torch
 
 from kveval.policies.base import RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState

@@ -9,10 +9,12 @@ trained context length; kveval evaluates quality *within* the trained length,
 where original positions are the faithful choice (as in kvpress).
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import Placement, SelectionPolicy, check_ratio, ratio_keep_count
