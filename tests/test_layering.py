@@ -56,7 +56,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 #: kveval's packages (and foundation modules), lowest first: a module may import its own package and those below it.
 LAYERS = (
-    ("kveval", "kveval.errors", "kveval.values", "kveval.dtypes", "kveval.paths"),  # foundation: no kveval imports
+    ("kveval", "kveval.errors", "kveval.values", "kveval.dtypes", "kveval.paths", "kveval.lazy"),  # foundation: no kveval imports
     ("kveval.yaml_files",),  # the strict YAML reader: raises kveval.errors' ConfigError
     ("kveval.tensors",),
     ("kveval.modeling",),
