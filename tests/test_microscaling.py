@@ -24,12 +24,14 @@ from kveval.tensors.microscaling import (
     decode_kv,
     decode_rows,
     e2m1_codes,
+    encode_sglang_fp4_mx_block16,
     e2m1_values,
     e8m0_values,
     encode_kv,
     encode_rows,
     nvfp4_global_scale,
     pack_e2m1,
+    sglang_e2m1_codes,
     unpack_e2m1,
 )
 
@@ -257,3 +259,31 @@ def test_stored_bytes_are_codes_block_scales_and_global_scales():
 def test_a_global_scale_is_refused_by_formats_without_one():
     with pytest.raises(UsageError, match="mxfp4 has no global scale"):
         encode_rows(torch.ones(1, 32), MXFP4, torch.tensor(1.0))
+
+
+# --- SGLang's fp4_mx_block16 -------------------------------------------------------------------------------
+#: SGLang 0.5.23's ``FP4MXBlock16KVQuantizeUtil.batched_quantize`` and ``batched_dequantize`` (float32 out) on
+#: ``_kv()``: packed codes, scales, values, sha256 first 16 hex digits. Generated once by running those two
+#: functions' source from the sglang 0.5.23 wheel (``python/sglang/srt/layers/quantization/kvfp4_tensor.py``,
+#: without the ``torch.compile`` decorator, which does not change eager numerics) on torch 2.13.0's CPU build;
+#: sglang itself does not import without its GPU dependencies.
+SGLANG_PINNED = ("41c784e3c0caa9be", "7981909ba4d4af0c", "5f16bbc172e09ca7")
+
+
+def test_sglang_fp4_mx_block16_matches_the_pinned_reference():
+    rows = encode_sglang_fp4_mx_block16(_kv())
+    assert rows.scales.shape == (4, 24, 8) and rows.nbytes == 4 * 24 * (64 + 8)
+    assert (_digest(rows.codes), _digest(rows.scales), _digest(decode_rows(rows))) == SGLANG_PINNED
+
+
+def test_sglang_rounds_e2m1_ties_up_and_drops_the_sign_of_negative_zero():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.0, -0.1, -0.25, 0.0, 1.0, 2.0, 3.0, 6.0])
+    assert sglang_e2m1_codes(x).tolist() == [1, 2, 3, 4, 5, 6, 7, 7, 0, 8, 9, 0, 2, 4, 5, 7]
+    assert e2m1_codes(x).tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 8, 8, 8, 0, 2, 4, 5, 7]  # torchao: ties to even
+    # the reference's output on this block (amax 7 -> ceil(log2(7 / 6)) = 1, scale 2 = code 128)
+    rows = encode_sglang_fp4_mx_block16(x[None])
+    assert rows.codes.tolist() == [[16, 33, 67, 101, 128, 8, 33, 83]] and rows.scales.tolist() == [[128]]
+    assert decode_rows(rows).tolist() == [[0.0, 1.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 0.0, -0.0, -0.0, 0.0, 1.0, 2.0, 3.0,
+                                           6.0]]
+    with pytest.raises(UsageError, match="blocks of 16 values; a row of 24"):
+        encode_sglang_fp4_mx_block16(torch.ones(1, 24))

@@ -38,6 +38,12 @@ Formats
   E4M3 scale is never produced (a block far below the others codes to zeros, or to the smallest values).
 * ``mxfp4``: E2M1, blocks of 32, an E8M0 scale per block.
 * ``mxfp8``: E4M3 elements, blocks of 32, an E8M0 scale per block.
+* ``fp4_mx_block16``: SGLang's FP4 KV cache (``--kv-cache-dtype fp4_mx_block16``; SGLang 0.5.23,
+  ``python/sglang/srt/layers/quantization/kvfp4_tensor.py``, ``FP4MXBlock16KVQuantizeUtil.batched_quantize``):
+  E2M1, blocks of 16, an E8M0 scale per block chosen as ``ceil(log2(max(amax / 6, 1e-10)))`` (no clamp to
+  [-127, 127]: the floor of 1e-10 keeps it above -34), values divided by ``2**e``, and its own E2M1 rounding
+  (:func:`sglang_e2m1_codes`): magnitudes at a midpoint round *up* (``abs >= bound``), and the sign bit is
+  ``value < 0``, so -0.0 codes as 0 where torchao codes 8. Read back as ``value * 2**(e - 127)``.
 
 A row whose length is not a multiple of the block is refused: torchao asserts it (``to_mx``: "the last dimension
 ... must be divisible by block_size"; ``nvfp4_quantize``: "K dim must be divisible by block_size"), and vLLM's
@@ -121,6 +127,8 @@ class MicroscalingFormat:
 NVFP4 = MicroscalingFormat("nvfp4", E2M1, 16, "e4m3", global_scale=True)
 MXFP4 = MicroscalingFormat("mxfp4", E2M1, 32, "ue8m0")
 MXFP8 = MicroscalingFormat("mxfp8", E4M3, 32, "ue8m0")
+#: SGLang's ``fp4_mx_block16``: coded only by :func:`encode_sglang_fp4_mx_block16` (its own rounding and scale rule).
+FP4_MX_BLOCK16 = MicroscalingFormat("fp4_mx_block16", E2M1, 16, "ue8m0")
 FORMATS = {f.name: f for f in (NVFP4, MXFP4, MXFP8)}
 #: Bytes of one FP32 global scale.
 GLOBAL_SCALE_BYTES = 4
@@ -136,6 +144,16 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
         # code i+1 is above midpoint i; a tie rounds up only when i+1 is the even code
         magnitude += ((a >= mid) if i % 2 else (a > mid)).to(torch.uint8)
     return magnitude | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def sglang_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """SGLang's E2M1 coding (``FP4MXBlock16KVQuantizeUtil.batched_quantize``): the magnitude code counts the
+    midpoints at or below ``abs(x)`` (ties round up, past 6 saturates), the sign bit is ``x < 0``."""
+    a = x.float().abs()
+    magnitude = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for mid in _E2M1_MIDPOINTS:
+        magnitude += (a >= mid).to(torch.uint8)
+    return magnitude | ((x < 0).to(torch.uint8) << 3)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -264,6 +282,19 @@ def encode_rows(x: torch.Tensor, fmt: MicroscalingFormat, global_scale: torch.Te
     codes = _element_codes(scaled.reshape(x.shape), fmt.element)
     return MicroscaledRows(fmt, codes, scale_codes, None if global_scale is None else global_scale.to(torch.float32),
                            dim)
+
+
+def encode_sglang_fp4_mx_block16(x: torch.Tensor) -> MicroscaledRows:
+    """Rows ``[..., D]`` as SGLang's ``fp4_mx_block16`` KV cache codes them (see the module docstring); decoded by
+    :func:`decode_rows`. Computed in float32 (SGLang computes in the KV dtype; pass float32 rows that the model dtype
+    holds exactly, e.g. bfloat16 values widened, for its bits: its division by a power of two is then exact)."""
+    dim = x.shape[-1]
+    FP4_MX_BLOCK16.check_length(dim)
+    blocks = x.float().reshape(*x.shape[:-1], dim // FP4_MX_BLOCK16.block, FP4_MX_BLOCK16.block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    exponent = torch.ceil(torch.log2(torch.clamp(amax / E2M1_MAX, min=1e-10)))
+    codes = pack_e2m1(sglang_e2m1_codes((blocks / torch.exp2(exponent)).reshape(x.shape)))
+    return MicroscaledRows(FP4_MX_BLOCK16, codes, (exponent + E8M0_BIAS).squeeze(-1).to(torch.uint8), None, dim)
 
 
 def block_scales(rows: MicroscaledRows) -> torch.Tensor:
