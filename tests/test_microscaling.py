@@ -28,6 +28,7 @@ from kveval.tensors.microscaling import (
     e2m1_values,
     e8m0_values,
     encode_kv,
+    encode_nvfp4_4over6,
     encode_rows,
     nvfp4_global_scale,
     pack_e2m1,
@@ -55,7 +56,8 @@ def _kv(seed: int = 0) -> torch.Tensor:
     x[0, 4, :32] = torch.tensor(E2M1_VALUES * 4) * 0.5 + 0.125
     x[0, 5] = -0.0
     # E2M1 midpoints (ties), values past 6 in a block whose scale is 1, their negatives
-    x[1, 0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 6.0, 7.0, -0.25, -0.75, -2.5, -3.5, -5.0, 6.0])
+    x[1, 0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.5, 6.0, 7.0,
+                                 -0.25, -0.75, -2.5, -3.5, -5.0, 6.0])
     x[1, 1, :32] = 7.0  # MX floor: amax 7 = 1.75 * 4, past E2M1's 6 -> saturates
     return x
 
@@ -226,7 +228,10 @@ def test_a_row_that_is_not_whole_blocks_is_refused(fmt, dim):
         bytes_per_token_head(fmt, dim)
     if to_mx is not None:  # the reference refuses it too
         with pytest.raises(AssertionError, match="divisible by block_size"):
-            (nvfp4_quantize(torch.ones(2, dim), 16) if fmt is NVFP4 else to_mx(torch.ones(2, dim), torch.float8_e4m3fn, 32))
+            if fmt is NVFP4:
+                nvfp4_quantize(torch.ones(2, dim), 16)
+            else:
+                to_mx(torch.ones(2, dim), torch.float8_e4m3fn, 32)
 
 
 def test_channel_blocks_run_along_tokens_and_refuse_a_partial_block():
@@ -287,3 +292,46 @@ def test_sglang_rounds_e2m1_ties_up_and_drops_the_sign_of_negative_zero():
                                            6.0]]
     with pytest.raises(UsageError, match="blocks of 16 values; a row of 24"):
         encode_sglang_fp4_mx_block16(torch.ones(1, 24))
+
+
+# --- fouroversix's nvfp4_4over6 ----------------------------------------------------------------------------
+#: fouroversix 1.0.5's PyTorch reference (``fouroversix/quantize/pytorch/reference.py``, ``quantize_to_fp4`` with
+#: its defaults: nvfp4, ``ScaleRule.mse``, round to nearest; scales unswizzled) and its ``dequantize`` to float32,
+#: on ``_kv()`` as ``[96, 128]`` rows: packed codes, E4M3 scales, values (sha256, first 16 hex digits). Generated
+#: once by running the v1.0.5 tag's Python source on torch 2.13.0 (CPU): its sdist does not build without CUDA, so it
+#: cannot be a test dependency.
+FOUROVERSIX_PINNED = ("9a1c9846258b6405", "e82d1dc86e15c71f", "574cdb8ef3883053")
+
+
+def test_nvfp4_4over6_matches_the_pinned_fouroversix_reference():
+    x = _kv().reshape(-1, 128)
+    rows = encode_nvfp4_4over6(x)
+    assert rows.global_scale.item() == x.abs().max().item() and rows.nbytes == 96 * 72 + 4
+    assert (_digest(rows.codes), _digest(rows.scales), _digest(decode_rows(rows))) == FOUROVERSIX_PINNED
+
+
+def test_nvfp4_4over6_keeps_the_max_over_6_scale_on_a_tie_and_reads_back_through_amax():
+    # amax 4: 1536 / 4 = 384; /6 scale 4 / 6 * 384 = 256 (0x78), /4 scale 384: both code [4, 1, 1, -1] exactly,
+    # so the errors tie and /6 stays: 4 -> 6 (code 7), 1 -> 1.5 (3), -1 -> -1.5 (0xB); (6 * 256) * 4 / 1536 = 4
+    x = torch.zeros(1, 16)
+    x[0, :4] = torch.tensor([4.0, 1.0, 1.0, -1.0])
+    rows = encode_nvfp4_4over6(x)
+    assert rows.codes.tolist() == [[0x37, 0xB3, 0, 0, 0, 0, 0, 0]] and rows.scales.tolist() == [[0x78]]
+    assert decode_rows(rows).tolist() == x.tolist()
+    zeros = encode_nvfp4_4over6(torch.zeros(2, 16))  # amax 0: scales 0, codes 0, values 0
+    assert zeros.scales.unique().tolist() == [0] and zeros.codes.unique().tolist() == [0]
+    assert torch.equal(decode_rows(zeros), torch.zeros(2, 16))
+
+
+def test_nvfp4_4over6_follows_the_reference_where_a_subnormal_scale_overflows_e2m1():
+    # amax 1536: block 2 (0.0175 each) gets the /6 scale 0.0175 / 6 = 0.0029 -> E4M3 subnormal 2**-9 (code 1),
+    # 0.0175 / 2**-9 = 8.96 -> the reference rounds it to 8, which its bfloat16 packer stores as code 8 (-0):
+    # the block reads back as -0 (the /4 candidate, 4 * 2**-8, ties on error and loses)
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1536.0
+    x[0, 16:] = 0.0175
+    rows = encode_nvfp4_4over6(x)
+    assert rows.codes.tolist() == [[7] + [0] * 7 + [0x88] * 8] and rows.scales.tolist() == [[120, 1]]
+    values = decode_rows(rows)
+    assert values[0, 0].item() == 1536.0 and values[0, 1:].abs().max().item() == 0.0
+    assert torch.signbit(values[0, 16:]).all()

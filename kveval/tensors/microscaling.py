@@ -45,6 +45,17 @@ Formats
   (:func:`sglang_e2m1_codes`): magnitudes at a midpoint round *up* (``abs >= bound``), and the sign bit is
   ``value < 0``, so -0.0 codes as 0 where torchao codes 8. Read back as ``value * 2**(e - 127)``.
 
+* ``nvfp4_4over6``: NVFP4's layout with "Four over Six" adaptive block scales, as fouroversix 1.0.5's PyTorch
+  reference codes it (``fouroversix/quantize/pytorch/reference.py``, ``quantize_to_fp4`` with ``DataType.nvfp4``,
+  ``ScaleRule.mse``, round to nearest; :func:`encode_nvfp4_4over6`). The stored FP32 is the tensor's ``amax``; block
+  scales use E4M3 up to 256 (not 448), so that a block can also take the scale of ``amax_block / 4``: each block is
+  coded both ways (``s6 = e4m3(amax_block / 6 * (1536 / amax))`` and ``s4 = e4m3(that * 1.5)``, no floor, so E4M3
+  subnormals and 0 occur), values ``x * (1 / ((1 / (1536 / amax)) * s))`` rounded to E2M1 with ``torch.round``
+  (ties to even) on the grids of step 0.5, 1 and 2, and the candidate with the smaller squared error of
+  ``value * s * amax / 1536`` is kept (ties keep the /6 one). Read back as ``(value * s) * amax / 1536``. Where a
+  subnormal scale rounds down by more than E2M1's headroom the reference's rounding reaches 8, which its bfloat16
+  bit-trick packer stores as code 8 (-0): followed here, bit for bit.
+
 A row whose length is not a multiple of the block is refused: torchao asserts it (``to_mx``: "the last dimension
 ... must be divisible by block_size"; ``nvfp4_quantize``: "K dim must be divisible by block_size"), and vLLM's
 NVFP4 cache sizes a head as ``head_size // 2 + head_size // 16`` bytes (``vllm/utils/torch_utils.py``,
@@ -127,6 +138,10 @@ class MicroscalingFormat:
 NVFP4 = MicroscalingFormat("nvfp4", E2M1, 16, "e4m3", global_scale=True)
 MXFP4 = MicroscalingFormat("mxfp4", E2M1, 32, "ue8m0")
 MXFP8 = MicroscalingFormat("mxfp8", E4M3, 32, "ue8m0")
+#: fouroversix's adaptive NVFP4 (vLLM's ``nvfp4_4over6``): coded only by :func:`encode_nvfp4_4over6`.
+NVFP4_4OVER6 = MicroscalingFormat("nvfp4_4over6", E2M1, 16, "e4m3", global_scale=True)
+#: fouroversix's E4M3 ceiling for block scales, leaving room for the x1.5 of a block scaled to its max / 4.
+FOUROVERSIX_SCALE_MAX = 256.0
 #: SGLang's ``fp4_mx_block16``: coded only by :func:`encode_sglang_fp4_mx_block16` (its own rounding and scale rule).
 FP4_MX_BLOCK16 = MicroscalingFormat("fp4_mx_block16", E2M1, 16, "ue8m0")
 FORMATS = {f.name: f for f in (NVFP4, MXFP4, MXFP8)}
@@ -214,7 +229,8 @@ def _e8m0_rceil(amax: torch.Tensor, element: ElementCoding) -> tuple[torch.Tenso
     factor the values are multiplied by."""
     descale = amax / element.largest
     exponent = (torch.ceil(torch.log2(descale)).clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
-    codes = torch.where(torch.isnan(descale), E8M0_NAN, torch.where(torch.isinf(descale), 254, exponent)).to(torch.uint8)
+    special = torch.where(torch.isinf(descale), 254, exponent)
+    codes = torch.where(torch.isnan(descale), E8M0_NAN, special).to(torch.uint8)
     one = torch.ones_like(descale)
     factor = torch.where(codes == 0, one, torch.exp2(E8M0_BIAS - codes.to(torch.float32)))
     factor = torch.where(codes == 254, one * 2.0**-127, factor)
@@ -297,6 +313,54 @@ def encode_sglang_fp4_mx_block16(x: torch.Tensor) -> MicroscaledRows:
     return MicroscaledRows(FP4_MX_BLOCK16, codes, (exponent + E8M0_BIAS).squeeze(-1).to(torch.uint8), None, dim)
 
 
+def _fouroversix_round(v: torch.Tensor) -> torch.Tensor:
+    """fouroversix's ``fake_quantize_to_e2m1`` (round to nearest): ``torch.round`` on the grid of step 0.5 below 2,
+    1 below 4, 2 above, no clamp (so values past 7 round to 8)."""
+    a = v.abs()
+    grid = torch.where(a < 2, torch.round(2 * a) / 2, torch.where(a < 4, torch.round(a), 2 * torch.round(a / 2)))
+    return v.sign() * grid
+
+
+def _fouroversix_codes(v: torch.Tensor) -> torch.Tensor:
+    """fouroversix's ``quantize_bf16_to_unpacked_fp4``: E2M1 codes read off bfloat16 bits (exact for E2M1 values;
+    8 carries into the sign bit, as there)."""
+    bits = v.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    sign, exponent, mantissa = (bits >> 15) & 1, (bits >> 7) & 0xFF, bits & 0x7F
+    zero = (exponent == 0) & (mantissa == 0)
+    mantissa = torch.where((exponent == 126) & ((mantissa >> 6) & 1 == 0), 1, (mantissa >> 6) & 1)
+    exponent = torch.where(zero, 0, exponent - 126)
+    mantissa = torch.where(zero, 0, mantissa)
+    return ((sign << 3) | (exponent << 1) | mantissa).to(torch.uint8)
+
+
+def encode_nvfp4_4over6(x: torch.Tensor, amax: torch.Tensor | None = None) -> MicroscaledRows:
+    """Rows ``[..., D]`` as fouroversix 1.0.5 codes NVFP4 with Four over Six block scales (see the module docstring);
+    ``amax``: the tensor's largest magnitude (by default this tensor's, as the reference computes it)."""
+    dim = x.shape[-1]
+    NVFP4_4OVER6.check_length(dim)
+    blocks = x.float().reshape(-1, NVFP4_4OVER6.block)
+    amax = (x.abs().max().float() if amax is None else torch.as_tensor(amax, dtype=torch.float32)).reshape(())
+    span = torch.tensor(E2M1_MAX * FOUROVERSIX_SCALE_MAX)
+    block_max = blocks.abs().amax(dim=-1)
+    if amax == 0:
+        scale6 = torch.zeros_like(block_max)
+    else:
+        scale6 = block_max / torch.tensor(E2M1_MAX) * (span / amax)
+    decode = 1 / (span / amax)
+    candidates = []
+    for scale_hp in (scale6, scale6 * 1.5):
+        scale = scale_hp.to(torch.float8_e4m3fn).float().unsqueeze(-1)
+        scaled = torch.where(scale != 0, blocks * (1 / (decode * scale)), 0)
+        values = _fouroversix_round(scaled)
+        error = ((values * scale * amax / span - blocks) ** 2).sum(dim=-1, keepdim=True)
+        candidates.append((values, scale, error))
+    (values6, scale6, error6), (values4, scale4, error4) = candidates
+    four = error4 < error6
+    values = torch.where(four, values4, values6).reshape(*x.shape[:-1], dim)
+    scales = e4m3_codes(torch.where(four, scale4, scale6)).reshape(*x.shape[:-1], dim // NVFP4_4OVER6.block)
+    return MicroscaledRows(NVFP4_4OVER6, pack_e2m1(_fouroversix_codes(values)), scales, amax, dim)
+
+
 def block_scales(rows: MicroscaledRows) -> torch.Tensor:
     """Each block's scale as float32, the global scale folded in (NVFP4: ``g * s``, torchao's ``get_hp_scales``)."""
     if rows.format.scale == "ue8m0":
@@ -311,6 +375,9 @@ def decode_rows(rows: MicroscaledRows) -> torch.Tensor:
     fmt = rows.format
     values = _element_values(rows.codes, fmt.element)
     lead = values.shape[:-1]
+    if fmt is NVFP4_4OVER6:  # fouroversix's dequantize: (value * s) * amax / (6 * 256)
+        blocks = values.reshape(*lead, rows.dim // fmt.block, fmt.block) * e4m3_values(rows.scales).unsqueeze(-1)
+        return (blocks.reshape(*lead, rows.dim) * rows.global_scale / (E2M1_MAX * FOUROVERSIX_SCALE_MAX))
     blocks = values.reshape(*lead, rows.dim // fmt.block, fmt.block) * block_scales(rows).unsqueeze(-1)
     return blocks.reshape(*lead, rows.dim)
 
