@@ -1,4 +1,5 @@
-"""Where kveval keeps files between runs: a module with no kveval imports, so any layer may ask."""
+"""Where kveval keeps files between runs, and the data files it ships: a module with no kveval imports, so any
+layer may ask."""
 
 from __future__ import annotations
 
@@ -11,4 +12,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVEVAL_CACHE", Path.home() / ".cache" / "kveval"))
 
 
-__all__ = ["cache_dir"]
+#: The calibration text kveval ships (public-domain prose), read where a policy's ``calibration=`` names none.
+DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"
+
+
+__all__ = ["DEFAULT_CALIBRATION", "cache_dir"]

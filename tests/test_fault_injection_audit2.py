@@ -238,3 +238,36 @@ def test_more_kv_heads_than_attention_heads_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, _, err = kveval(capsys, "memory", tmp_path, "--context", "8k")
     refused(code, err, "num_key_value_heads 16 exceeds num_attention_heads 8")
+
+
+# ----------------------------------------------------------------------------- 9. a parameter acts or is refused
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("knorm(ratio=0.5,floor=0.5)", "floor=0.5 acts only with adaptive=true"),
+    ("sglang(kv_scale=1e-45)", "kv_scale=1e-45 is below the smallest normal"),
+    ("kvquant(bits=4,calib_tokens=100000000)", "calib_tokens=100000000 is more than the calibration text"),
+    ("vllm(scales=dynamic,calib_tokens=100000000)", "calib_tokens=100000000 is more than the calibration text"),
+])
+def test_a_parameter_that_would_do_nothing_is_refused_when_parsed(spec, needle):
+    from kveval.errors import PolicySpecError
+    from kveval.policies.spec import parse_policy
+
+    with pytest.raises(PolicySpecError, match=re.escape(needle)):
+        parse_policy(spec)
+
+
+def test_adaptive_with_its_floor_and_a_scale_in_range_still_parse():
+    from kveval.policies.spec import parse_policy
+
+    assert parse_policy("knorm(ratio=0.5,adaptive=true,floor=0.5)").spec == "knorm(ratio=0.5,adaptive=true,floor=0.5)"
+    assert parse_policy("sglang(kv_scale=0.5)").quantization.kv_scale == 0.5
+
+
+@pytest.mark.parametrize("argv", [
+    ["memory", "llama-3.1-8b", "--context", "8k", "--policy", "quant(bits=4,indexer=fp8)"],
+    ["generate", "--model", "smollm2-135m", "--policy", "kivi(bits=4,indexer=native)", "--prompt", "hi"],
+])
+def test_an_indexer_term_on_a_model_without_an_indexer_is_refused_before_the_weights_load(capsys, argv):
+    code, _, err = kveval(capsys, *argv)
+    refused(code, err, "codes the DSA indexer's keys", "drop indexer=")

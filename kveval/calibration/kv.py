@@ -26,10 +26,9 @@ from kveval.modeling.architectures import (
     own_query_temperatures,
 )
 from kveval.modeling.layer_types import NATIVE_ENTRY_PARTS
-from kveval.paths import cache_dir
+from kveval.paths import DEFAULT_CALIBRATION, cache_dir
 
 CALIBRATION_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
-DEFAULT_CALIBRATION = Path(__file__).parents[1] / "data" / "calibration.txt"
 DEFAULT_CALIB_TOKENS = 2048
 _ENERGY_SLACK = 1e-9
 _MEMORY: dict[str, "Calibration"] = {}  # in-process cache, keyed by the on-disk file path

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kveval.errors import UsageError
 from kveval.planner.layouts import policy_stack, selection_layers, sequence_layers, stream_layout
@@ -16,6 +16,9 @@ from kveval.planner.native import parse_storage
 from kveval.planner.native_plans import native_sequence, plans_native
 from kveval.planner.units import check_dtype_bytes, check_int, human_bytes, parse_headroom, parse_size
 from kveval.values import is_real
+
+if TYPE_CHECKING:
+    from kveval.policies.base import PolicyStack
 
 _GIANT = 1 << 50  # a context no model reaches: beyond it the search calls the cache unbounded
 

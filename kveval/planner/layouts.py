@@ -11,11 +11,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kveval.errors import UsageError
+from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling.layer_types import selecting_layers
 from kveval.planner.model_specs import ModelSpec
 from kveval.planner.native import PartPlan
 from kveval.policies.base import Need, PlannedCoding, require_stack
+from kveval.policies.compatibility import has_indexer_keys, refuse_indexer_term
 
 
 @dataclass
@@ -257,6 +258,11 @@ def _check_selection(spec: ModelSpec, stack) -> None:
     if stack.selection is not None and Need.INDEXER in stack.selection.needs:  # V4's are sized apart
         raise UsageError(f"{stack.selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed "
                          f"entries, which {spec.name} does not have; plan a selection of its own (knorm, snapkv, ...)")
+    try:
+        if not has_indexer_keys(spec.model_type):
+            refuse_indexer_term(stack, spec.name)
+    except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
+        raise UsageError(str(refused)) from None
     if stack.selection is not None and not any(selection_layers(spec)):
         raise UsageError(f"{stack.selection.spec()}: every attention layer of {spec.name} is chunked, and selection "
                          f"acts on full-attention or sliding-window layers only; plan a quantization or low-rank policy")

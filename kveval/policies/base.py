@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import enum
 import math
+from pathlib import Path
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from kveval.errors import PolicySpecError
+from kveval.paths import DEFAULT_CALIBRATION
 from kveval.tensors.ranking import ADAKV_FLOOR, adaptive_choice, adaptive_choice_batch, top_slots
 from kveval.tensors.scoring_state import ScoringState
 
@@ -86,6 +88,10 @@ class Policy(ABC):
     def needs(self) -> frozenset[Need]:
         """What this policy needs from the model or the cache to run (:class:`Need`); nothing by default."""
         return frozenset()
+
+    def check_given(self) -> None:
+        """Refuse a parameter the spec named that does nothing beside the others (one
+        :class:`~kveval.errors.PolicySpecError` line), once :attr:`given` is known. Default: nothing to refuse."""
 
     def is_given(self, param: str) -> bool:
         """Whether the spec set ``param`` (built from Python: whether it differs from its default)."""
@@ -314,6 +320,11 @@ class RatioSelectionPolicy(SelectionPolicy):
             raise PolicySpecError(f"{self.name}: decode_interval with adaptive=true is not supported (heads holding "
                                   f"different counts would reach the limit at different steps); drop one of them")
 
+    def check_given(self) -> None:
+        if self.is_given("floor") and not self.adaptive:
+            raise PolicySpecError(f"{self.name}: floor={self.floor:g} acts only with adaptive=true (AdaKV's per-head "
+                                  f"safeguard); add adaptive=true or drop floor")
+
     def keep_count(self, n_tokens: int, layer_idx: int = 0, num_layers: int = 1) -> int:
         if self.budget is not None:
             return min(self.budget, n_tokens)
@@ -491,6 +502,25 @@ class QuantizationPolicy(RepresentationPolicy):
         ``length``, ``nbytes``). Quantizers that define no coding of such parts are refused on those models before
         the weights load (:func:`kveval.policies.compatibility.check_policy`), so this default is never reached there."""
         raise PolicySpecError(f"{self.spec()}: codes no part {part!r} of a model's own cache layer")
+
+
+def check_calib_tokens(name: str, tokens: int | None, text: str | None) -> None:
+    """Refuse ``calib_tokens`` beyond what the calibration text (``text``, default the shipped one) can give: no
+    tokenizer makes more tokens of a text than it has UTF-8 bytes plus a few special ones, and a pass over fewer
+    tokens than asked would be recorded as the one asked for. A missing file is refused where the text is read."""
+    if tokens is None:
+        return
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 2:
+        raise PolicySpecError(f"{name}: calib_tokens={tokens!r} must be an integer of at least 2")
+    path = DEFAULT_CALIBRATION if text is None else Path(text).expanduser()
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return
+    if tokens > size + 2:
+        raise PolicySpecError(f"{name}: calib_tokens={tokens} is more than the calibration text {path.name} can give "
+                              f"({size:,} bytes, so fewer tokens than that); give fewer, or a longer text with "
+                              f"calibration=PATH")
 
 
 def require_stack(policy: "PolicyStack | None", where: str) -> "PolicyStack":

@@ -52,6 +52,8 @@ def check_policy(config, stack) -> None:
     selection = stack.selection
     if model_type not in INDEXER_MODEL_TYPES:
         refuse_model_indexer(stack, f"a {model_type or 'this'} model")
+    if model_type not in _MODEL_NAMES:
+        refuse_indexer_term(stack, f"a {model_type or 'this'} model")
     name = _MODEL_NAMES.get(model_type)
     if name is None:
         return
@@ -103,6 +105,22 @@ def refuse_model_indexer(stack, model: str) -> None:
         raise UnsupportedModelError(
             f"{selection.spec()}: scores with DeepSeek V4's lightning indexer over its compressed entries, which "
             f"{model} does not have; use a selection of its own (knorm, snapkv, ...)")
+
+
+def has_indexer_keys(model_type: str) -> bool:
+    """Whether a model's own cache holds a DSA indexer's keys (DeepSeek V3.2, GLM MoE-DSA, V4's CSA layers): what a
+    quantizer's ``indexer=`` term codes."""
+    return model_type in _MODEL_NAMES
+
+
+def refuse_indexer_term(stack, model: str) -> None:
+    """Refuse a quantizer's ``indexer=`` term (``native``, ``fp8``) on ``model``, which has no DSA indexer's keys for
+    it to code: the parameter would do nothing."""
+    quantization = stack.quantization
+    if quantization is not None and quantization.indexer != "same":
+        raise UnsupportedModelError(
+            f"{quantization.spec()}: indexer={quantization.indexer} codes the DSA indexer's keys, which {model} does "
+            f"not have; drop indexer=")
 
 
 def _check_entry_selection(selection, name: str) -> None:

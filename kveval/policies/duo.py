@@ -9,6 +9,7 @@ from typing import ClassVar
 from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError
+from kveval.policies.base import check_calib_tokens
 from kveval.policies.window import SinkWindowPolicy
 from kveval.tensors.ranking import top_slots
 from kveval.tensors.scoring_state import ScoringState
@@ -78,6 +79,7 @@ class DuoPolicy(SinkWindowPolicy):
             raise PolicySpecError(f"duo: scope={self.scope!r} must be one of {', '.join(SCOPES)}")
         if self.calib_tokens < 64:
             raise PolicySpecError(f"duo: calib_tokens={self.calib_tokens} is too short for a passkey probe; use >= 64")
+        check_calib_tokens(self.name, self.calib_tokens, None)
         self._models: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(model) -> (model, retrieval mask)
 
     @property

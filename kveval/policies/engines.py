@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy
-from kveval.values import is_real, is_whole
+from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy, check_calib_tokens
+from kveval.values import is_real
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
 LLAMACPP_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -34,9 +34,17 @@ def _fp8_format(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return "e5m2" if value.endswith("e5m2") else "e4m3"
 
 
+#: The smallest normal float32 and bfloat16 (2**-126): a scale below it is 0 or subnormal in the dtypes the scale is
+#: applied in, and every value it dequantizes is 0 (``sglang(kv_scale=1e-45)`` answered nothing but dashes).
+SMALLEST_SCALE = 2.0 ** -126
+
+
 def _positive_scale(name: str, key: str, value) -> None:
     if value is not None and (not is_real(value) or not value > 0):
         raise PolicySpecError(f"{name}: {key}={value!r} must be a positive number (the per-tensor dequantization scale)")
+    if value is not None and value < SMALLEST_SCALE:
+        raise PolicySpecError(f"{name}: {key}={value!r} is below the smallest normal bfloat16/float32 "
+                              f"({SMALLEST_SCALE:.3g}): it dequantizes every value to 0; give a scale >= that")
 
 
 @dataclass
@@ -268,8 +276,7 @@ class VllmPolicy(EnginePolicy):
             raise PolicySpecError(f"{self.name}: scales=checkpoint needs k_scale= and v_scale= (the checkpoint's scales)")
         if self.scales != "checkpoint" and any(given):
             raise PolicySpecError(f"{self.name}: k_scale/v_scale are the checkpoint's scales; add scales=checkpoint")
-        if self.calib_tokens is not None and (not is_whole(self.calib_tokens) or self.calib_tokens < 2):
-            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
+        check_calib_tokens(self.name, self.calib_tokens, None)
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -371,8 +378,7 @@ class TrtllmPolicy(EnginePolicy):
         super().__post_init__()
         if self.kv_cache_dtype not in ("int8", "fp8"):
             raise PolicySpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype!r} must be int8 or fp8")
-        if self.calib_tokens is not None and (not is_whole(self.calib_tokens) or self.calib_tokens < 2):
-            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
+        check_calib_tokens(self.name, self.calib_tokens, None)
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         import torch

@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy
+from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy, check_calib_tokens
 from kveval.policies.quant import INDEXER_CODINGS
 from kveval.values import is_real, is_whole
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
@@ -92,8 +92,7 @@ class KVQuantPolicy(QuantizationPolicy):
             value = getattr(self, key)
             if not is_whole(value) or value < 0:
                 raise PolicySpecError(f"{self.name}: {key}={value!r} must be a number of tokens >= 0")
-        if self.calib_tokens is not None and (not is_whole(self.calib_tokens) or self.calib_tokens < 2):
-            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens!r} must be an integer of at least 2")
+        check_calib_tokens(self.name, self.calib_tokens, self.calibration)
         if self.calibration is not None:
             from pathlib import Path
 

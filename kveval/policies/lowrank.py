@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass
 
 from kveval.errors import PolicySpecError
-from kveval.policies.base import PlannedWidths, PolicyStack, StructurePolicy
+from kveval.policies.base import PlannedWidths, PolicyStack, StructurePolicy, check_calib_tokens
 from kveval.values import is_real, is_whole
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
@@ -43,8 +43,7 @@ class CalibratedPolicy(StructurePolicy):
 
     def check_calibration_params(self) -> None:
         """Validate ``calib_tokens`` and the calibration file (one PolicySpecError line)."""
-        if self.calib_tokens is not None and self.calib_tokens < 2:
-            raise PolicySpecError(f"{self.name}: calib_tokens={self.calib_tokens} must be at least 2")
+        check_calib_tokens(self.name, self.calib_tokens, self.calibration)
         if self.calibration is not None:
             from pathlib import Path
 

@@ -160,6 +160,7 @@ def make_policy(cls: type["Policy"], params: dict) -> "Policy":
     except (TypeError, ValueError) as exc:
         raise PolicySpecError(f"{cls.name}: {exc}") from exc
     policy.given = frozenset(kwargs)
+    policy.check_given()
     return policy
 
 

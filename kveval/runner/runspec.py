@@ -147,9 +147,10 @@ class RunSpec:
         shape = _model_shape(model)
         if shape is None or self.policy.is_none:
             return self
-        from kveval.cache.native_layers import refuse_model_indexer
+        from kveval.policies.compatibility import refuse_indexer_term, refuse_model_indexer
 
         refuse_model_indexer(self.policy, shape.name)
+        refuse_indexer_term(self.policy, shape.name)
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
             raise self.policy.selection.mla_refusal(shape.name)
         head_dim = shape.head_dim
