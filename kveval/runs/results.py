@@ -180,7 +180,20 @@ def validate_items(items: Sequence[ItemRecord], source: Path | str) -> None:
 
 
 def validate_run_info(info: RunInfo, source: Path | str) -> None:
-    """Refuse a ``run.json`` whose byte counts are not numbers >= 0 (one line naming ``source``)."""
+    """Refuse a ``run.json`` a comparison cannot use (one line naming ``source``): names that are not non-empty
+    strings, a mode other than ``context``/``query``, fields of another type, byte counts that are not numbers >= 0."""
+    for key, value in (("name", info.name), ("model", info.model), ("policy", info.policy), ("family", info.family)):
+        if not isinstance(value, str) or not value:
+            raise ResultFileError(f"{source}: {key} {value!r} is not a non-empty string")
+    if info.mode not in ("context", "query"):
+        raise ResultFileError(f"{source}: mode {info.mode!r} is neither context nor query")
+    if info.kv_dtype is not None and not isinstance(info.kv_dtype, str):
+        raise ResultFileError(f"{source}: kv_dtype {info.kv_dtype!r} is not a dtype name")
+    for key, value in (("model_identity", info.model_identity), ("extra", info.extra)):
+        if not isinstance(value, dict):
+            raise ResultFileError(f"{source}: {key} {value!r} is not a JSON object")
+    if info.ratio is not None and not (is_real(info.ratio) and 0 <= info.ratio < 1):
+        raise ResultFileError(f"{source}: ratio {info.ratio!r} is not a fraction in [0, 1)")
     for key, value in (("bytes_per_token", info.bytes_per_token),
                        ("nominal_bytes_per_token", info.nominal_bytes_per_token)):
         if value is not None and not (is_real(value) and value >= 0):
