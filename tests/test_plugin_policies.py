@@ -144,3 +144,31 @@ def test_the_cli_refuses_it_in_one_line_before_the_weights_load(tmp_path, capsys
                  "plugin_heads_only(ratio=0.5)+plugin_ints"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not one of the selections checked on V4's compressed entries" in err[0], err
+
+
+@pytest.mark.slow
+def test_run_in_a_sweep_to_a_report_and_a_gate(tmp_path):
+    """The plug-ins as a sweep config names them, over a saved tiny Llama folder: every run written, the leaderboard
+    lists them with measured bytes below the baseline's, and the gate judges each."""
+    import json
+
+    from test_architectures import _save_with_tokenizer
+
+    from kveval.commands.main import main
+
+    folder = tmp_path / "tiny-llama"
+    _save_with_tokenizer(tiny_model("llama", attn="eager"), folder)
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"name: plugins\nmodels: ['{folder}']\nbatch_size: 2\nkv_dtype: float32\n"
+                      f"policies: ['plugin_ints(bits=4,group=8)', '{STACK}']\n"
+                      "probes: {families: [passkey], lengths: [96], depths: [0.5], n: 2}\n")
+    out = tmp_path / "out"
+    assert main(["sweep", str(config), "--out", str(out), "--quiet"]) == 0
+    rows = {r["policy"]: r for r in json.loads((out / "report" / "leaderboard.json").read_text())["rows"]}
+    assert set(rows) == {"none", "plugin_ints(bits=4)", STACK}  # group=8 is the default: the canonical spec drops it
+    assert all(rows[p]["bytes_per_token"] < rows["none"]["bytes_per_token"] for p in rows if p != "none")
+    gate = json.loads((out / "gate" / "gate.json").read_text())
+    judged = {c["name"].split("/", 1)[1].split("@")[0]: c["status"] for r in gate.get("results", [gate])
+              for c in r["candidates"]}
+    assert set(judged) == {"plugin_ints(bits=4)", STACK}
+    assert set(judged.values()) <= {"PASS", "FAIL", "INCONCLUSIVE"}
