@@ -56,8 +56,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 #: kveval's packages (and foundation modules), lowest first: a module may import its own package and those below it.
 LAYERS = (
-    ("kveval", "kveval.errors", "kveval.values", "kveval.dtypes", "kveval.paths"),  # foundation: no kveval imports
-    ("kveval.yaml_files",),  # the strict YAML reader: raises kveval.errors' ConfigError
+    ("kveval", "kveval.errors", "kveval.values", "kveval.paths"),  # foundation: no kveval imports
+    ("kveval.yaml_files", "kveval.dtypes"),  # readers of user input that raise kveval.errors' errors
     ("kveval.tensors",),
     ("kveval.modeling",),
     ("kveval.runs",),

@@ -121,7 +121,8 @@ from kveval.lm_eval.arguments import (
 )
 from kveval.modeling.architectures import check_rope_batch, rope_switches
 from kveval.policies.base import PolicyStack
-from kveval.runner.evaluate import deployment_dtype_name, hardware_of, model_identity
+from kveval.dtypes import deployment_dtype_name
+from kveval.runner.evaluate import hardware_of, model_identity
 from kveval.runner.generation import (
     MODES,
     Prompt,

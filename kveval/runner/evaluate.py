@@ -16,6 +16,7 @@ import re
 import statistics
 from pathlib import Path
 
+from kveval.dtypes import deployment_dtype_name
 from kveval.errors import PolicySpecError, RunFolderError, UsageError
 from kveval.runner.runspec import RunSpec
 from kveval.runs.records import (
@@ -383,13 +384,6 @@ def _cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown"
-
-
-def deployment_dtype_name(model) -> str:
-    """The KV dtype ``model`` is deployed with (what an unset ``kv_dtype`` means), e.g. ``"bfloat16"``."""
-    from kveval.stores.base import deployment_kv_dtype, dtype_name
-
-    return dtype_name(deployment_kv_dtype(model))
 
 
 def representation_info(stack, model) -> dict:

@@ -21,7 +21,7 @@ another row's tokens. The answers are those of one prefill per row, bit for bit;
 prefix's bytes (:attr:`GenerationResult.prefix_stats`) so that a shared prefix is counted once.
 
 Cache bytes are measured against ``kv_dtype``, the deployment's cache dtype
-(default: the checkpoint's, see :func:`kveval.stores.base.deployment_kv_dtype`),
+(default: the checkpoint's, see :func:`kveval.dtypes.deployment_kv_dtype`),
 whatever dtype the model computes in.
 """
 
@@ -40,7 +40,7 @@ from kveval.cache.native_layers import rows_alone
 from kveval.errors import UsageError
 from kveval.modeling.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
 from kveval.policies.base import PolicyStack, require_stack
-from kveval.stores.base import cache_kv_dtype
+from kveval.dtypes import cache_kv_dtype
 from kveval.tensors.batch_buffer import uploaded
 from kveval.values import is_whole
 

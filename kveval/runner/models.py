@@ -61,7 +61,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
     from kveval.cache.attention import ATTENTION_NAME, register_attention
     from kveval.modeling.architectures import check_supported
-    from kveval.stores.base import DEFAULT_KV_DTYPE, checkpoint_kv_dtype
+    from kveval.dtypes import checkpoint_kv_dtype, default_kv_dtype
 
     if isinstance(max_memory, str):
         max_memory = parse_max_memory(max_memory)
@@ -74,7 +74,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     if device_map:
         kwargs.update(device_map=device_map, **({"max_memory": max_memory} if max_memory else {}))
     common = dict(dtype=torch_dtype, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code, **kwargs)
-    kv_dtype = DEFAULT_KV_DTYPE  # GGUF files keep no checkpoint dtype; their originals are bfloat16
+    kv_dtype = default_kv_dtype()  # GGUF files keep no checkpoint dtype; their originals are bfloat16
     if "gguf_file" in source_kwargs:
         cached = _dequantized_cache(Path(source) / source_kwargs["gguf_file"]) / "model"
         if not (cached / "config.json").is_file():

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from kveval.errors import PolicySpecError, UsageError
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
-from kveval.stores.base import dtype_name, parse_kv_dtype
+from kveval.dtypes import dtype_name, parse_kv_dtype
 
 if TYPE_CHECKING:
     import torch

@@ -66,7 +66,7 @@ def load_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML; every problem is one :class:`~kveval.errors.ConfigError` line."""
     from kveval.probes import FAMILIES
     from kveval.runner.runspec import RunSpec
-    from kveval.stores.base import dtype_name, parse_kv_dtype
+    from kveval.dtypes import dtype_name, parse_kv_dtype
 
     path = Path(path)
     if not path.is_file():
