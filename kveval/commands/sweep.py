@@ -10,7 +10,7 @@ from kveval.sweep.run import run_sweep, summarize, sweep_lock
 
 
 def configure(parser) -> None:
-    from kveval.gate.deployment import add_deployment_arguments
+    from kveval.deployment import add_deployment_arguments
     from kveval.modeling.sources import add_placement_arguments
 
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
@@ -42,7 +42,7 @@ def run(args) -> int:
         config = replace(config, noise_floor=True)
     for warning in config.warnings:
         print(f"kveval sweep: warning: {warning}", file=sys.stderr)
-    from kveval.gate.deployment import deployment_of
+    from kveval.deployment import deployment_of
 
     deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
     from kveval.modeling.sources import placement_from_args

@@ -240,7 +240,7 @@ class GateResult:
     baseline_path: str
     tasks: list[str]
     candidates: list[CandidateVerdict]
-    deployment: Any = None  # kveval.gate.deployment.Deployment, set by deployment_decision
+    deployment: Any = None  # kveval.deployment.Deployment, set by deployment_decision
     noise_floor: dict[str, NoiseFloor] = field(default_factory=dict)  # per task, where the baseline was rerun
     noise_floor_path: str | None = None
 

@@ -438,7 +438,7 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision;
     ``probes``: the sweep's probe items by prompt hash, where the caller holds them, for the report's item views.
     """
-    from kveval.gate.deployment import deployment_decision
+    from kveval.deployment import deployment_decision
     from kveval.gate.report import write_gate_outputs
     from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
     from kveval.report.leaderboard import build_report
