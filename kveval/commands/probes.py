@@ -7,7 +7,7 @@ Example::
 
 Each line is :meth:`kveval.probes.ProbeItem.to_dict`; the file loads with
 ``datasets.load_dataset("json", data_files=...)`` and
-:func:`read_probe_items`.
+:func:`kveval.probes.item.read_probe_items`.
 """
 
 from __future__ import annotations
@@ -80,17 +80,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"kveval probes: wrote {len(lines)} items ({', '.join(families)}; lengths {', '.join(map(str, lengths))}) "
               f"to {out}", file=sys.stderr)
     return 0
-
-
-def read_probe_items(path: str | Path):
-    """Read a file written by ``kveval probes`` back into :class:`~kveval.probes.ProbeItem` objects."""
-    from kveval.probes.item import ProbeItem
-
-    items = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                items.append(ProbeItem.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise UsageError(f"{path}:{number}: not a probe item ({exc})") from exc
-    return items
