@@ -41,14 +41,10 @@ class ProbeSet:
     seed: int = 0
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def items(self, tokenizer=None) -> list:
-        """Every item of the set, family by family and length by length (``tokenizer``: loaded already, else by name)."""
+    def items(self, tokenizer) -> list:
+        """Every item of the set, family by family and length by length, counted with ``tokenizer`` (that of
+        :attr:`tokenizer`, loaded by the caller: probes never load a model's files themselves)."""
         from kveval.probes.families import generate_items
-
-        if tokenizer is None:
-            from kveval.modeling.sources import load_tokenizer
-
-            tokenizer = load_tokenizer(self.tokenizer)
         out = []
         for family in self.families:
             for length in self.lengths:
