@@ -116,7 +116,7 @@ def deployment_decision(
 
 def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, headroom: float,
             weights: str | None) -> Deployment:
-    from kveval.policies.spec import parse_policy  # the policy registry loads torch: only once a question is asked
+    from kveval.runner.runspec import recorded_policy  # the policy registry loads torch: only once a question is asked
 
     runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
     budget = memory.max_fit(r.baseline.model, gpu_memory, weights, context=context, headroom=headroom).cache_budget_bytes
@@ -124,8 +124,8 @@ def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, he
     unplanned: dict[str, str] = {}
     for name, info, _ in runs:
         try:
-            # run.json records the policy as its spec: read here, at the edge where the decision reads the run
-            stack = parse_policy(info.policy)
+            # run.json records the policy as its spec: read once, where the decision loads the run
+            stack = recorded_policy(info)
             if stack.selection is not None and stack.selection.thresholded:  # sized at the ratio its run reached
                 stack.selection.achieved_ratio = info.achieved_ratio.get("mean")
             plan = memory.plan(info.model, context, batch, policy=stack, dtype_bytes=_element_bytes(info))

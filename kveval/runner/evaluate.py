@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kveval.dtypes import deployment_dtype_name
 from kveval.errors import PolicySpecError, RunFolderError, UsageError
-from kveval.runner.runspec import RunSpec
+from kveval.runner.runspec import RunSpec, recorded_policy
 from kveval.runs.records import (
     ItemRecord,
     ItemWriter,
@@ -103,14 +103,12 @@ def prefix_metrics(result) -> dict:
     return {"prefix_kv_bytes": prefix, "request_kv_bytes": result.stats.kv_bytes - prefix}
 
 
-def _run_stack(policy: str):
-    """The run's policy (its spec, as ``run.json`` records it) as a stack, parsed once for what finalizing asks of
-    it; ``None`` for a policy registered in the process that ran it, not in this one (then none of kveval's rules
-    below apply to it)."""
-    from kveval.policies.spec import parse_policy
-
+def _run_stack(info: RunInfo):
+    """The run's policy (:func:`~kveval.runner.runspec.recorded_policy`), read once for what finalizing asks of it;
+    ``None`` for a policy registered in the process that ran it, not in this one (then none of kveval's rules below
+    apply to it)."""
     try:
-        return parse_policy(policy)
+        return recorded_policy(info)
     except PolicySpecError:
         return None
 
@@ -195,7 +193,7 @@ def finalize_run(run_dir: Path) -> RunInfo:
             "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
         })
         ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
-        stack = _run_stack(info.policy)
+        stack = _run_stack(info)
         if ratios and _reaches_ratio_per_item(stack):
             info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
         shared = shared_prefix_bytes(records, stack)

@@ -5,7 +5,9 @@ Users write a run as a policy spec, optionally with a mode suffix
 ``--kv-dtype`` on the command line, ``mode:`` and ``kv_dtype:`` in a sweep
 config, or ``compress=`` and ``kv_dtype=`` in lm-eval model args. Each of those
 edges calls :meth:`RunSpec.parse` once; everything below them receives the
-typed :class:`RunSpec` and never parses a string again.
+typed :class:`RunSpec` and never parses a string again. A finished run's policy, recorded in ``run.json`` as
+its spec, is read back once by :func:`recorded_policy` where the engine side loads the run (finalizing it, the
+deployment decision).
 
 :meth:`RunSpec.for_model` checks the spec against the model's ``config.json``
 (cheap: no weights) so that an error known from spec and config is reported
@@ -21,10 +23,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
-from kveval.dtypes import dtype_name, parse_kv_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -246,4 +248,11 @@ def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None
     return list(specs.values())
 
 
-__all__ = ["MODES", "RunSpec", "check_lengths", "parse_mode", "parse_run_specs"]
+def recorded_policy(info) -> PolicyStack:
+    """The policy a run recorded (``info.policy``, the spec of a :class:`~kveval.runs.records.RunInfo`) as the typed
+    stack, parsed here once for whoever loads the run; a :class:`~kveval.errors.PolicySpecError` where this process
+    does not know it (a policy registered in the process that ran it)."""
+    return parse_policy(info.policy)
+
+
+__all__ = ["MODES", "RunSpec", "check_lengths", "parse_mode", "parse_run_specs", "recorded_policy"]
