@@ -119,7 +119,7 @@ from kveval.lm_eval.arguments import (
     split_model_args,
     unescape,
 )
-from kveval.modeling.architectures import check_rope_batch, rope_switches
+from kveval.modeling.rope import check_rope_batch, rope_switches
 from kveval.policies.base import PolicyStack
 from kveval.dtypes import deployment_dtype_name
 from kveval.runner.evaluate import hardware_of, model_identity
@@ -483,7 +483,7 @@ class KVEvalLM(HFLM):
 
     def _check_rope_forwards(self, plans: list, groups: dict, order: list, batch_size: int) -> None:
         """Before any forward: the rows of every forward :meth:`_score_plans` will run (each batch's prefills, then
-        its continuations' tails in batches), as :func:`~kveval.modeling.architectures.check_rope_batch` checks each in
+        its continuations' tails in batches), as :func:`~kveval.modeling.rope.check_rope_batch` checks each in
         :func:`~kveval.runner.generation.forward_rows`, so a RoPE refusal comes before hours of scoring, not after."""
         if not rope_switches(self.model):
             return

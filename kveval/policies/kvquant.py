@@ -161,7 +161,7 @@ class KVQuantPolicy(QuantizationPolicy):
         from kveval.calibration.kv import load_or_calibrate
 
         if self.pre_rope:
-            from kveval.modeling.architectures import rope_hook
+            from kveval.modeling.rope import rope_hook
 
             rope_hook(model, 0)  # refuse a model without a RoPE hook before the calibration pass
         calibration = load_or_calibrate(model, self.calibration_text(), self.tokens, self.settings)
@@ -190,7 +190,7 @@ class KVQuantPolicy(QuantizationPolicy):
         if layer_idx not in codecs:
             rope = None
             if self.pre_rope:
-                from kveval.modeling.architectures import rope_hook
+                from kveval.modeling.rope import rope_hook
 
                 rope = rope_hook(model, layer_idx)
             codecs[layer_idx] = calibration.codec(layer_idx, rope)

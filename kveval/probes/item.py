@@ -156,7 +156,7 @@ class ProbeItem:
         """The ``random`` control's seed for this item: ``base`` plus a hash of its id, so that what it drops does
         not depend on the batch it runs in (nor on a resumed sweep's batches). The requests of one shared system
         prompt (``params["system_prompt"]``) hash their group instead: one seed for the prompt, so that its
-        compressed prefix is one, shared by every request (:func:`kveval.runner.generation.plan_prefixes`)."""
+        compressed prefix is one, shared by every request (:func:`kveval.runner.prefixes.plan_prefixes`)."""
         name = self.group if self.params.get("system_prompt") else self.id
         return (base + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % 2**31
 

@@ -347,7 +347,7 @@ def calibrate_kvquant(model, text, tokens: int, settings: KVQuantSettings, model
     """One forward pass over the calibration text; per layer, key channel ranges and K/V codebooks, and those of
     each other part of a model's own cache layers (keys alone, post-RoPE: kveval has no RoPE hook for them)."""
     from kveval.calibration.kv import calibration_kv_parts
-    from kveval.modeling.architectures import rope_hook
+    from kveval.modeling.rope import rope_hook
 
     kv, others, used = calibration_kv_parts(model, text, tokens)
     layers = []
