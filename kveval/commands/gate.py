@@ -12,7 +12,8 @@ from kveval.errors import EXIT_PASS, UsageError
 from kveval.gate.config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
 from kveval.deployment import add_deployment_arguments, deployment_decision, deployment_of
 from kveval.gate.report import write_gate_outputs
-from kveval.gate.rules import ERROR, INCONCLUSIVE, evaluate_gate
+from kveval.gate.rules import evaluate_gate
+from kveval.gate.verdicts import ERROR, INCONCLUSIVE
 from kveval.stats import paired
 
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from kveval.dtypes import CACHE_DTYPE_BYTES
 from kveval.errors import UsageError
-from kveval.gate.rules import PASS, GateResult
+from kveval.gate.verdicts import PASS, GateResult
 from kveval.planner import memory
 
 

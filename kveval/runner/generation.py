@@ -42,7 +42,7 @@ from kveval.errors import UsageError
 from kveval.modeling.architectures import row_query_temperatures
 from kveval.modeling.rope import check_rope_batch, reset_rope_lengths, rope_switches
 from kveval.policies.base import PolicyStack, require_stack
-from kveval.runner.prefixes import PrefixPlan, plan_prefixes, serve_prefixes
+from kveval.runner.prefixes import plan_prefixes, serve_prefixes
 from kveval.tensors.batch_buffer import uploaded
 from kveval.values import is_whole
 

@@ -440,7 +440,8 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     """
     from kveval.deployment import deployment_decision
     from kveval.gate.report import write_gate_outputs
-    from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
+    from kveval.gate.rules import evaluate_sweep
+    from kveval.gate.verdicts import exit_code, overall_status
     from kveval.report.leaderboard import build_report
 
     floors = {str(d): noise_floor_run(out, d) for d in run_dirs if noise_floor_run(out, d).is_dir()}
