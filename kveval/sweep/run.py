@@ -396,7 +396,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
     lm-eval once per policy still missing it, exactly as a separate run would
     (its own :class:`~kveval.lm_eval.model.KVEvalLM`), but the first of those
     runs prefills every request once for all of them and the others' runs are
-    answered from a :class:`~kveval.lm_eval.model.ResponseStore` (identical
+    answered from a :class:`~kveval.lm_eval.responses.ResponseStore` (identical
     samples and measured bytes). A task's samples are written only once lm-eval
     has finished it for that policy, so a sweep killed between two policies
     reruns only the policies not written, and never records half a task.
@@ -404,7 +404,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
     import lm_eval
 
     from kveval.lm_eval import register, tasks_dir
-    from kveval.lm_eval.model import ResponseStore
+    from kveval.lm_eval.responses import ResponseStore
     from kveval.runs.records import ItemWriter, iter_items
     from kveval.runs.results import records_from_samples
 
