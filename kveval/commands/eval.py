@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kveval.errors import UsageError
+from kveval.probes import resolve_families
+from kveval.probes.sets import ProbeSet
 from kveval.runner.evaluate import evaluate_policies
+from kveval.runner.models import load_model
+from kveval.runner.runspec import check_lengths, parse_run_specs
 from kveval.runs.records import iter_items, read_run_info
 
 
@@ -31,13 +37,6 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
-    from kveval.probes import resolve_families
-    from kveval.probes.sets import ProbeSet
-    from kveval.runner.models import load_model
-    from kveval.runner.runspec import check_lengths, parse_run_specs
-
     if args.n < 1 or args.batch_size < 1:
         raise UsageError(f"--n {args.n} --batch-size {args.batch_size}: both count items, at least 1")
     # Parsed and checked against the model's config.json before the weights load.

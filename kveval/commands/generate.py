@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+from kveval.runner.generation import encode_prompt, generate
+from kveval.runner.models import load_model
+from kveval.runner.runspec import RunSpec
+
 
 def configure(parser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id, folder or .gguf path (default: smollm2-135m)")
@@ -23,10 +27,6 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from kveval.runner.generation import encode_prompt, generate
-    from kveval.runner.models import load_model
-    from kveval.runner.runspec import RunSpec
-
     # Parsed once and checked against the model's config.json: a bad spec fails before the weights load.
     spec = RunSpec.parse(args.policy, default_mode=args.mode, kv_dtype=args.kv_dtype).for_model(args.model)
     text = open(args.prompt[1:], encoding="utf-8").read() if args.prompt.startswith("@") else args.prompt

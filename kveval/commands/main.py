@@ -37,7 +37,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "lm-eval":  # hand every remaining argument to lm_eval's own parser
-        from kveval.lm_eval.__main__ import main as lm_eval_main
+        from kveval.lm_eval.__main__ import main as lm_eval_main  # lm-eval is an optional dependency
 
         return run_command("lm-eval", lambda: lm_eval_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="kveval", description=DESCRIPTION, epilog=_epilog(),

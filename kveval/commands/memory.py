@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kveval.errors import UsageError
+from kveval.planner.engines import format_engine_plan, join_verdicts, llamacpp_plan, vllm_plan
 from kveval.planner.memory import (
     FitResult,
     compare,
@@ -20,6 +21,7 @@ from kveval.planner.memory import (
 from kveval.planner.model_specs import load_model_spec, preset_names
 from kveval.planner.native import FORMATS
 from kveval.policies.spec import parse_policy
+from kveval.runs.records import atomic_write_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -97,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     """``--engine``: the engine's KV pool and what fits in it, at each preset."""
-    from kveval.planner.engines import format_engine_plan, join_verdicts, llamacpp_plan, vllm_plan
-
     if not args.model or not args.gpu_memory:
         raise UsageError(f"--engine {args.engine} needs a model and --gpu-memory, e.g. llama-3.1-8b --gpu-memory 80GiB")
     presets = [p.strip() for p in args.presets.split(";") if p.strip()] if args.presets else None
@@ -138,8 +138,6 @@ def _emit(where: str | None, data: dict, table: str) -> None:
         print(json.dumps(data, indent=2))
         return
     if where is not None:
-        from kveval.runs.records import atomic_write_text
-
         atomic_write_text(Path(where), json.dumps(data, indent=2) + "\n")
     print(table)
 

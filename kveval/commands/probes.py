@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 
 from kveval.errors import UsageError
+from kveval.modeling.sources import load_tokenizer
+from kveval.probes.families import FAMILIES, generate_items, resolve_families
+from kveval.runs.records import atomic_write_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +51,6 @@ def _parse_params(pairs: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kveval.modeling.sources import load_tokenizer
-    from kveval.probes.families import FAMILIES, generate_items, resolve_families
-
     families = resolve_families(args.family)
     if args.n < 1:
         raise UsageError(f"--n {args.n}: give the number of contexts per family and length, at least 1")
@@ -72,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out == "-":
         sys.stdout.write(text)
     else:
-        from kveval.runs.records import atomic_write_text
-
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, text)
