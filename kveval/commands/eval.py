@@ -10,7 +10,7 @@ from kveval.errors import UsageError
 from kveval.probes import resolve_families
 from kveval.probes.sets import ProbeSet
 from kveval.runner.evaluate import evaluate_policies
-from kveval.runner.models import load_model
+from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
 from kveval.runner.runspec import check_lengths, parse_run_specs
 from kveval.runs.records import iter_items, read_run_info
 
@@ -45,7 +45,7 @@ def run(args) -> int:
     check_lengths(args.model, args.length or [512], "--length")
     probe_set = ProbeSet(tokenizer=args.model, families=resolve_families(args.family or ["passkey"]),
                          lengths=args.length or [512], n=args.n, depths=args.depth, seed=args.seed)
-    model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)
+    model, tokenizer = models.load_model(args.model, self_check=not args.skip_self_check)
     items = probe_set.items(tokenizer)
     with tqdm(total=len(items) * len(specs), desc="items x policies", unit="item") as bar:
         # Each run records the set its items came from: kveval rescore generates them again from it.

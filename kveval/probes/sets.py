@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kveval.errors import ResultFileError
+from kveval.probes.families import generate_items
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,6 @@ class ProbeSet:
     def items(self, tokenizer) -> list:
         """Every item of the set, family by family and length by length, counted with ``tokenizer`` (that of
         :attr:`tokenizer`, loaded by the caller: probes never load a model's files themselves)."""
-        from kveval.probes.families import generate_items
         out = []
         for family in self.families:
             for length in self.lengths:

@@ -42,6 +42,7 @@ from kveval.errors import UsageError
 from kveval.modeling.architectures import row_query_temperatures
 from kveval.modeling.rope import check_rope_batch, reset_rope_lengths, rope_switches
 from kveval.policies.base import PolicyStack, require_stack
+from kveval.probes.prompts import encode_text
 from kveval.runner.prefixes import plan_prefixes, serve_prefixes
 from kveval.tensors.batch_buffer import uploaded
 from kveval.values import is_whole
@@ -118,8 +119,6 @@ def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None
     ``chat=False``) to the user message ``context + "\n\n" + question``; its
     head belongs to the context, its tail (the assistant turn) to the question.
     """
-    from kveval.probes.prompts import encode_text
-
     return Prompt(*encode_text(tokenizer, context, question, chat))
 
 

@@ -23,10 +23,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kveval.cache.native_layers import check_policy, refuse_model_indexer
 from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
+from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
+from kveval.planner.model_specs import load_model_spec
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
+from kveval.runner.generation import check_mode
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +68,6 @@ class RunSpec:
     kv_dtype: "torch.dtype | None" = None
 
     def __post_init__(self):
-        from kveval.runner.generation import check_mode
-
         check_mode(self.policy, self.mode)  # KVzip reconstructs the context before any question: context mode only
 
     @classmethod
@@ -138,7 +140,6 @@ class RunSpec:
         """
         native = _native_config(model)
         if native is not None:  # DeepSeek V3.2 / V4: their own cache's parts (kveval.cache.native_layers)
-            from kveval.cache.native_layers import check_policy
 
             check_policy(native, self.policy)
             if self.policy.is_none:
@@ -149,7 +150,6 @@ class RunSpec:
         shape = _model_shape(model)
         if shape is None or self.policy.is_none:
             return self
-        from kveval.cache.native_layers import refuse_model_indexer
 
         refuse_model_indexer(self.policy, shape.name)
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
@@ -179,8 +179,6 @@ def _native_config(model) -> "dict | None":
     """``model``'s text config as a dict (a name, folder or ``config.json`` path, dict, config or loaded model) where
     its cache is one kveval mirrors part by part (:data:`~kveval.modeling.layer_types.NATIVE_MODEL_TYPES`), else
     ``None`` (also where it cannot be read here: loading it reports that)."""
-    from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
-
     if hasattr(model, "config") and not isinstance(model, dict):
         model = model.config
     if hasattr(model, "get_text_config"):
@@ -210,8 +208,6 @@ def _native_widths(config: dict) -> tuple[int, ...]:
 
 def _model_shape(model):
     """The cache-relevant shape of ``model`` (name, config or loaded model), or ``None`` if its config is unreadable."""
-    from kveval.planner.model_specs import load_model_spec
-
     if hasattr(model, "config") and not isinstance(model, dict):
         model = model.config
     try:
