@@ -109,6 +109,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 import kveval
+from kveval.cache.attention import ATTENTION_NAME, register_attention
 from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.dtypes import deployment_dtype_name
 from kveval.errors import UsageError
@@ -125,7 +126,9 @@ from kveval.lm_eval.arguments import (
 )
 from kveval.lm_eval.responses import ResponseStore, call_key
 from kveval.modeling.rope import check_rope_batch, rope_switches
+from kveval.modeling.sources import load_tokenizer
 from kveval.policies.base import PolicyStack
+from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
 from kveval.runner.evaluate import hardware_of, model_identity
 from kveval.runner.generation import (
     MODES,
@@ -232,9 +235,7 @@ class KVEvalLM(HFLM):
             device = launch.placement(kwargs)
 
         if isinstance(pretrained, str):
-            from kveval.runner.models import load_model
-
-            model, loaded_tokenizer = load_model(pretrained, device=device or "auto", dtype=dtype or "auto",
+            model, loaded_tokenizer = models.load_model(pretrained, device=device or "auto", dtype=dtype or "auto",
                                                  trust_remote_code=trust_remote_code, **kwargs)
             self.model_name = pretrained
         else:
@@ -246,8 +247,6 @@ class KVEvalLM(HFLM):
                 raise UsageError("pass tokenizer= along with a loaded model")
         self._ensure_kveval_attention(model)
         if isinstance(tokenizer, str):
-            from kveval.modeling.sources import load_tokenizer
-
             tokenizer = load_tokenizer(tokenizer)
         tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         self.runspec = self.runspec.for_model(model)
@@ -320,8 +319,6 @@ class KVEvalLM(HFLM):
 
     @staticmethod
     def _ensure_kveval_attention(model) -> None:
-        from kveval.cache.attention import ATTENTION_NAME, register_attention
-
         register_attention()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
