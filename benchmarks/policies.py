@@ -39,7 +39,7 @@ def main() -> None:
     from kveval.probes import encode_item, generate_items
     from kveval.runner.generation import Prompt, generate, generate_many
     from kveval.runner.models import load_model
-    from kveval.stores.base import deployment_kv_dtype, dtype_name, parse_kv_dtype
+    from kveval.dtypes import deployment_kv_dtype, dtype_name, parse_kv_dtype
 
     model, tokenizer = load_model(args.model)
     items = generate_items("niah_multikey", tokenizer, args.length, args.n)

@@ -33,6 +33,22 @@ EXIT_INCONCLUSIVE = 3
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
+#: Each exit code and its one meaning, worded once: ``kveval --help``, the README, CONTRIBUTING.md and
+#: docs/statistics.md state them as :func:`exit_codes_sentence` writes them (tests/test_errors.py checks).
+EXIT_CODE_MEANINGS = (
+    (EXIT_OK, "success or gate PASS"),
+    (EXIT_FAIL, "gate FAIL, nothing else"),
+    (EXIT_ERROR, "a user error, one line on stderr"),
+    (EXIT_INCONCLUSIVE, "gate INCONCLUSIVE (0 with inconclusive_blocks: false)"),
+    (EXIT_INTERNAL, "an internal error, a bug printed with its traceback"),
+    (EXIT_INTERRUPTED, "interrupted, results written so far kept"),
+)
+
+
+def exit_codes_sentence() -> str:
+    """``"0 success or gate PASS; 1 gate FAIL, nothing else; ..."``: every exit code with its meaning."""
+    return "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODE_MEANINGS) + "."
+
 
 class KvevalError(Exception):
     """Base of every error kveval reports to the user as one line (exit 2)."""
@@ -174,7 +190,8 @@ def _run(command: str, body) -> int:
 
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_FAIL", "EXIT_INCONCLUSIVE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_PASS",
+    "EXIT_CODE_MEANINGS", "EXIT_ERROR", "EXIT_FAIL", "EXIT_INCONCLUSIVE", "EXIT_INTERNAL", "EXIT_INTERRUPTED", "EXIT_OK",
+    "EXIT_PASS", "exit_codes_sentence",
     "ConfigError", "KvevalError", "ModelNotFoundError", "PolicyRegistryError", "PolicySpecError", "ResultFileError", "RunFolderError",
     "StorageError", "UnsupportedModelError", "UsageError", "is_storage_error", "is_user_error", "run_command",
 ]

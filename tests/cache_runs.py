@@ -10,7 +10,7 @@ from kveval.cache.compressed import CompressedCache
 from kveval.policies.spec import parse_policy
 from kveval.runner.generation import Prompt, generate, generate_many
 from kveval.runner.runspec import RunSpec
-from kveval.stores.base import parse_kv_dtype
+from kveval.dtypes import parse_kv_dtype
 
 
 def random_ids(n: int, seed: int) -> torch.Tensor:

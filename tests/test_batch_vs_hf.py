@@ -177,7 +177,7 @@ def test_a_row_crossing_longropes_switch_after_its_first_forward_is_refused(cont
     than transformers' batch 1 (at batch 1 as at 3). Refused before any forward, naming the fix; the forward that
     would cross, met on another path (a cache driven step by step), is refused too."""
     from kveval.errors import UnsupportedModelError
-    from kveval.modeling.architectures import check_rope_batch
+    from kveval.modeling.rope import check_rope_batch
 
     model = _longrope_phi3()
     prompts = [Prompt(p.context[:context], p.question[:question]) for p in _prompts_of([80] * batch_size)]
@@ -198,7 +198,7 @@ def test_dynamic_ntk_starts_every_batch_from_its_own_base_and_batches_past_it_of
     switch give, together, in any order of batches, the tokens each gives alone on a fresh model; rows of
     different lengths past it are refused before any forward, and a forward that would mix them on the way."""
     from kveval.errors import UnsupportedModelError
-    from kveval.modeling.architectures import check_rope_batch, rope_switches
+    from kveval.modeling.rope import check_rope_batch, rope_switches
 
     from tiny_models import tiny_model
 

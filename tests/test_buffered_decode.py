@@ -20,7 +20,7 @@ from kveval.cache.decode_evictions import _ranked_kept, kept_slots
 from kveval.cache.layers import CompressedLayer
 from kveval.policies.spec import parse_policy
 from kveval.runner.generation import Prompt, generate
-from kveval.stores.base import parse_kv_dtype
+from kveval.dtypes import parse_kv_dtype
 from kveval.tensors import batch_buffer
 from kveval.tensors.batch_buffer import BatchBuffer
 from kveval.tensors.ranking import top_slots

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from kveval.gate.config import GateConfig, load_gate_config
-from kveval.gate.rules import FAIL, INCONCLUSIVE, PASS, evaluate_gate, noise_floors
+from kveval.gate.rules import evaluate_gate, noise_floors
+from kveval.gate.verdicts import FAIL, INCONCLUSIVE, PASS
 from kveval.runs.records import ITEMS_FILE, ItemRecord, RunInfo, write_run_info
 from kveval.runs.results import load_run
 from kveval.stats import paired

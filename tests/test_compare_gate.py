@@ -17,7 +17,8 @@ from statsmodels.stats.multitest import multipletests
 from kveval.commands import main as cli
 from kveval.errors import ConfigError
 from kveval.gate.config import GateConfig, load_gate_config
-from kveval.gate.rules import FAIL, PASS, evaluate_gate
+from kveval.gate.rules import evaluate_gate
+from kveval.gate.verdicts import FAIL, PASS
 from kveval.runs.records import ItemRecord, ItemWriter, ResultFileError, RunInfo, write_run_info
 from kveval.runs.results import load_run
 from kveval.stats import paired

@@ -48,3 +48,25 @@ def test_any_other_exception_is_an_internal_error_with_its_traceback(exc, capsys
 def test_typed_user_errors_stay_value_errors_for_library_callers():
     assert issubclass(UsageError, ValueError) and issubclass(PolicySpecError, ValueError)
     assert issubclass(PolicyRegistryError, UsageError)
+
+
+def test_the_exit_codes_are_stated_the_same_way_everywhere(capsys):
+    """``kveval --help``, the README, CONTRIBUTING.md and docs/statistics.md state every exit code in the one wording
+    of :data:`kveval.errors.EXIT_CODE_MEANINGS`."""
+    from pathlib import Path
+
+    from kveval.commands.main import main
+    from kveval.errors import EXIT_CODE_MEANINGS, exit_codes_sentence
+
+    root = Path(__file__).resolve().parent.parent
+    assert [code for code, _ in EXIT_CODE_MEANINGS] == [0, 1, 2, 3, 70, 130]
+    for name in ("README.md", "CONTRIBUTING.md", "docs/statistics.md"):
+        text = " ".join((root / name).read_text(encoding="utf-8").split())
+        assert exit_codes_sentence() in text, name
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: kveval") and "one subcommand per module" not in shown
+    for code, meaning in EXIT_CODE_MEANINGS:
+        assert f"  {code:<4} {meaning}\n" in shown

@@ -6,7 +6,7 @@ import torch
 from kveval.errors import UsageError
 from kveval.policies.spec import parse_policy
 from kveval.runner.generation import Prompt, generate, generate_many
-from kveval.stores.base import parse_kv_dtype
+from kveval.dtypes import parse_kv_dtype
 
 from tiny_models import Tok, tiny_gemma3, tiny_llama
 

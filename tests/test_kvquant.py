@@ -5,7 +5,7 @@ import torch
 
 from kveval.cache.compressed import CompressedCache
 from kveval.errors import PolicySpecError, UnsupportedModelError
-from kveval.modeling.architectures import ROTATE_HALF_ROPE, rope_hook
+from kveval.modeling.rope import ROTATE_HALF_ROPE, rope_hook
 from kveval.policies.spec import parse_policy
 from kveval.stores.kvquant import KVQuantCodec, KVQuantStore
 

@@ -16,7 +16,8 @@ from test_lm_eval import tiny_model  # noqa: E402
 
 from kveval.cache.compressed import CompressedCache  # noqa: E402
 from kveval.lm_eval import tasks_dir  # noqa: E402
-from kveval.lm_eval.model import KVEvalLM, ResponseStore  # noqa: E402
+from kveval.lm_eval.model import KVEvalLM  # noqa: E402
+from kveval.lm_eval.responses import ResponseStore  # noqa: E402
 from kveval.runner.runspec import RunSpec  # noqa: E402
 from kveval.runs.records import iter_items  # noqa: E402
 

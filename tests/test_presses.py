@@ -159,7 +159,7 @@ def test_expected_attention_scores_the_softmax_of_the_expected_logit_times_the_v
 
 
 def test_expected_attention_takes_queries_back_before_rope_and_averages_the_future_rotation():
-    from kveval.modeling.architectures import rope_hook
+    from kveval.modeling.rope import rope_hook
     from kveval.policies.expected_attention import query_statistics
 
     from tiny_models import tiny_llama

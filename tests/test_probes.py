@@ -213,7 +213,7 @@ def test_cli_writes_loadable_jsonl(tok, tmp_path, capsys):
     import datasets
 
     from kveval.commands.main import main
-    from kveval.commands.probes import read_probe_items
+    from kveval.probes.item import read_probe_items
 
     out = tmp_path / "probes.jsonl"
     rc = main(["probes", "--family", "passkey", "--family", "niah_multikey", "--length", "512", "--length", "768",

@@ -138,7 +138,8 @@ def test_report_refuses_corrupt_run(sweep, tmp_path, capsys):
 
 
 def test_sweep_gate_two_models_into_report(sweep, tmp_path):
-    from kveval.gate.rules import evaluate_sweep, exit_code, group_runs_by_baseline
+    from kveval.gate.rules import evaluate_sweep, group_runs_by_baseline
+    from kveval.gate.verdicts import exit_code
 
     write(sweep / "runs" / "g_base", "none", items(), bpt=NOMINAL, model="gemma3-270m")
     write(sweep / "runs" / "g_snap", "snapkv(ratio=0.5)", items(), ratio=0.5, bpt=NOMINAL / 2, model="gemma3-270m")

@@ -23,8 +23,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 @pytest.fixture(scope="module")
-def multikey_items():
-    return generate_items("niah_multikey", "smollm2-135m", 384, 3, depths=[0.5], seed=0)
+def multikey_items(tok):
+    return generate_items("niah_multikey", tok, 384, 3, depths=[0.5], seed=0)
 
 
 def _eval_folder(root: Path, items, answers: list[str], policy: str = "none") -> Path:

@@ -68,7 +68,7 @@ def test_below_the_edge_nothing_parses_a_string():
     from kveval.cache.compressed import CompressedCache
     from kveval.runner.evaluate import evaluate_policies
     from kveval.runner.generation import generate, generate_each
-    from kveval.stores.base import parse_kv_dtype
+    from kveval.dtypes import parse_kv_dtype
 
     from tiny_models import tiny_llama
 

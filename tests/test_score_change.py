@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 from test_compare_gate import write_run
 
-from kveval.gate.rules import FAIL, INCONCLUSIVE, PASS, GateConfig, evaluate_gate
+from kveval.gate.config import GateConfig
+
+from kveval.gate.rules import evaluate_gate
+
+from kveval.gate.verdicts import FAIL, INCONCLUSIVE, PASS
 from kveval.runs.records import ItemRecord
 from kveval.stats import paired
 from kveval.stats.comparison import compare_runs

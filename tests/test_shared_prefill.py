@@ -20,7 +20,7 @@ from kveval.cache.compressed import CompressedCache
 from kveval.policies.spec import parse_policy
 from kveval.runner.evaluate import evaluate_policies
 from kveval.runner.generation import Prompt, can_share_prefill, generate_many
-from kveval.stores.base import parse_kv_dtype
+from kveval.dtypes import parse_kv_dtype
 
 from cache_runs import assert_shared_prefill_equals_own_runs, fingerprint, random_prompts, specs_of
 from tiny_models import ARCHITECTURES, Tok, tiny_gemma3, tiny_llama, tiny_model

@@ -13,13 +13,15 @@ import torch
 from test_run_folders import CharTok
 
 import kveval.runner.generation as generation
+import kveval.runner.prefixes as prefixes
 from kveval.cache.compressed import CompressedCache
 from kveval.policies.spec import parse_policy
 from kveval.probes import encode_item, generate_items, score_answer
 from kveval.probes.prompts import PromptFrame
 from kveval.probes.shared_prompt import INTRO
 from kveval.runner.evaluate import evaluate_policies
-from kveval.runner.generation import Prompt, generate, generate_many, plan_prefixes
+from kveval.runner.generation import Prompt, generate, generate_many
+from kveval.runner.prefixes import plan_prefixes
 from kveval.runner.runspec import RunSpec
 from kveval.runs.records import iter_items, read_run_info
 from kveval.stats.comparison import compare_pairs
@@ -46,7 +48,7 @@ def _shared_prompts() -> list[Prompt]:
 
 def _unshared(monkeypatch):
     """Make every row prefill its own context again (the per-row path)."""
-    monkeypatch.setattr(generation, "plan_prefixes", lambda prompts, mode, seeds, seeded: generation.PrefixPlan(
+    monkeypatch.setattr(generation, "plan_prefixes", lambda prompts, mode, seeds, seeded: prefixes.PrefixPlan(
         tuple(range(len(prompts))), tuple(range(len(prompts)))))
 
 

@@ -13,13 +13,11 @@ from kveval.cache.attention import register_attention
 from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UsageError
 from kveval.policies.spec import parse_policy
+from kveval.dtypes import checkpoint_kv_dtype, deployment_kv_dtype, parse_kv_dtype
 from kveval.stores.base import (
     DenseStore,
     QuantizedStore,
     TokenStore,
-    checkpoint_kv_dtype,
-    deployment_kv_dtype,
-    parse_kv_dtype,
 )
 from kveval.stores.lowrank import LowRankStore
 from kveval.tensors.quantization import (
@@ -496,9 +494,9 @@ def test_the_torch_free_cache_dtype_table_is_torch_s():
     """The analysis commands size a run's cache from kveval.dtypes without torch; its bytes and names are those
     storage stores in (one table: storage builds its torch dtypes from it)."""
     from kveval.dtypes import CACHE_DTYPE_BYTES, CACHE_DTYPE_NAMES
-    from kveval.stores.base import KV_DTYPES, dtype_name
+    from kveval.dtypes import dtype_name, kv_dtypes
 
-    assert set(CACHE_DTYPE_NAMES) == set(KV_DTYPES)
-    for alias, dtype in KV_DTYPES.items():
+    assert set(CACHE_DTYPE_NAMES) == set(kv_dtypes())
+    for alias, dtype in kv_dtypes().items():
         assert dtype_name(dtype) == CACHE_DTYPE_NAMES[alias]
         assert torch.empty(0, dtype=dtype).element_size() == CACHE_DTYPE_BYTES[CACHE_DTYPE_NAMES[alias]]

@@ -68,8 +68,9 @@ from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling import architectures
 from kveval.modeling.layer_types import selecting_layers
 from kveval.policies.base import PolicyStack, require_stack
+from kveval.dtypes import cache_kv_dtype, dtype_name
 from kveval.policies.snapkv import SnapKVPolicy
-from kveval.stores.base import DenseStore, cache_kv_dtype, dtype_name
+from kveval.stores.base import DenseStore
 from kveval.tensors.batch_buffer import real_runs
 
 
@@ -196,7 +197,7 @@ class CompressedCache(Cache):
     kv_dtype : str or torch.dtype, optional
         The deployment's cache dtype: full-precision tokens are stored in it and
         nominal bytes count it, whatever dtype the model computes in. Default:
-        :func:`kveval.stores.base.deployment_kv_dtype` (the checkpoint's 16-bit dtype, else bfloat16).
+        :func:`kveval.dtypes.deployment_kv_dtype` (the checkpoint's 16-bit dtype, else bfloat16).
     quantized_decode : {"auto", "buffer", "codes"}
         How a quantized layer decodes a batch (:mod:`kveval.cache.buffered_decode`). ``"buffer"`` keeps the layer's
         tokens dequantized, in the compute dtype, and dequantizes only the tokens that age out of the residual at
@@ -567,7 +568,7 @@ def nominal_bytes_per_token(model, dtype: "str | torch.dtype | None" = None) -> 
     2 x attention layers x kv_heads x head_dim x bytes per element; for MLA,
     (kv_lora_rank + qk_rope_head_dim) x attention layers x bytes (the latent and
     the RoPE key), plus DeepSeek V3.2's indexer key (``index_head_dim``). Linear-attention / Mamba layers hold no per-token K/V. ``dtype``: the cache dtype, default
-    the model's deployment dtype (:func:`kveval.stores.base.deployment_kv_dtype`).
+    the model's deployment dtype (:func:`kveval.dtypes.deployment_kv_dtype`).
     """
     plans = architectures.cache_layer_plan(model.config)
     attention_layers = sum(p.holds_tokens for p in plans)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kveval.runs.records import atomic_write_text
@@ -25,7 +26,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_settings(args.confidence, args.resamples)  # before any run loads
-    import sys
 
     base, cand = load_run(args.baseline, metric=args.metric), load_run(args.candidate, metric=args.metric)
     if is_same_run(base, cand):

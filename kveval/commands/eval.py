@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kveval.errors import UsageError
+from kveval.probes import resolve_families
+from kveval.probes.sets import ProbeSet
 from kveval.runner.evaluate import evaluate_policies
+from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
+from kveval.runner.runspec import check_lengths, parse_run_specs
 from kveval.runs.records import iter_items, read_run_info
 from kveval.sweep.run import refuse_sweep_folder
 
@@ -32,13 +38,6 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
-    from kveval.probes import resolve_families
-    from kveval.probes.sets import ProbeSet
-    from kveval.runner.models import load_model
-    from kveval.runner.runspec import check_lengths, parse_run_specs
-
     refuse_sweep_folder(Path(args.out), "eval")  # before anything loads: a sweep's folder is the sweep's
     if args.n < 1 or args.batch_size < 1:
         raise UsageError(f"--n {args.n} --batch-size {args.batch_size}: both count items, at least 1")
@@ -48,7 +47,7 @@ def run(args) -> int:
     check_lengths(args.model, args.length or [512], "--length")
     probe_set = ProbeSet(tokenizer=args.model, families=resolve_families(args.family or ["passkey"]),
                          lengths=args.length or [512], n=args.n, depths=args.depth, seed=args.seed)
-    model, tokenizer = load_model(args.model, self_check=not args.skip_self_check)
+    model, tokenizer = models.load_model(args.model, self_check=not args.skip_self_check)
     items = probe_set.items(tokenizer)
     with tqdm(total=len(items) * len(specs), desc="items x policies", unit="item") as bar:
         # Each run records the set its items came from: kveval rescore generates them again from it.

@@ -1,5 +1,5 @@
 """The ``kveval gate`` command: its options, ``--plan``'s table, and the run that prints each candidate's verdict,
-the deployment decision (:mod:`kveval.gate.deployment`) and the written outputs (:mod:`kveval.gate.report`), and
+the deployment decision (:mod:`kveval.deployment`) and the written outputs (:mod:`kveval.gate.report`), and
 returns the gate's exit code. The verdicts themselves come from :mod:`kveval.gate.rules`, which imports neither."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import sys
 
 from kveval.errors import EXIT_PASS, UsageError
 from kveval.gate.config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
-from kveval.gate.deployment import add_deployment_arguments, deployment_decision, deployment_of
+from kveval.deployment import add_deployment_arguments, deployment_decision, deployment_of
 from kveval.gate.report import write_gate_outputs
-from kveval.gate.rules import ERROR, INCONCLUSIVE, evaluate_gate
+from kveval.gate.rules import evaluate_gate
+from kveval.gate.verdicts import ERROR, INCONCLUSIVE
 from kveval.stats import paired
 
 

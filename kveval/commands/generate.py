@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+from kveval.runner.generation import encode_prompt, generate
+from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
+from kveval.runner.runspec import RunSpec
+
 
 def configure(parser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="embedded name, Hub id, folder or .gguf path (default: smollm2-135m)")
@@ -23,14 +27,10 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    from kveval.runner.generation import encode_prompt, generate
-    from kveval.runner.models import load_model
-    from kveval.runner.runspec import RunSpec
-
     # Parsed once and checked against the model's config.json: a bad spec fails before the weights load.
     spec = RunSpec.parse(args.policy, default_mode=args.mode, kv_dtype=args.kv_dtype).for_model(args.model)
     text = open(args.prompt[1:], encoding="utf-8").read() if args.prompt.startswith("@") else args.prompt
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, self_check=not args.skip_self_check)
+    model, tokenizer = models.load_model(args.model, device=args.device, dtype=args.dtype, self_check=not args.skip_self_check)
     prompt = encode_prompt(tokenizer, text, args.question, chat=False if args.raw else None)
     result = generate(model, tokenizer, [prompt], spec.policy, max_new_tokens=args.max_new_tokens, **spec.generation_kwargs())[0]
     stats = result.stats

@@ -1,9 +1,8 @@
-"""The ``kveval`` command line: one subcommand per module, each with ``configure(parser)`` and ``run(args) -> int``.
+"""The ``kveval`` command line: a lazy command registry, :data:`COMMANDS` (name -> module, one-line help).
 
-Exit codes are defined in one place, :mod:`kveval.errors`: 0 success or gate PASS,
-1 gate FAIL only, 2 any error (bad input, missing or corrupt files, unknown model
-or policy, full disk: one line on stderr; an unexpected exception is a bug and
-prints its traceback, still exit 2), 3 gate INCONCLUSIVE.
+Only the module of the command that runs is imported (each has ``configure(parser)`` and ``run(args) -> int``),
+so start-up stays fast and the analysis commands load no torch. Exceptions become exit codes in one place,
+:func:`kveval.errors.run_command`.
 """
 
 from __future__ import annotations
@@ -12,7 +11,12 @@ import argparse
 import importlib
 import sys
 
-from kveval.errors import run_command  # the one place exceptions become exit codes (re-exported)
+from kveval.errors import EXIT_CODE_MEANINGS, run_command  # run_command: the one place exceptions become exit codes
+
+#: What ``kveval --help`` opens with.
+DESCRIPTION = ("kveval measures what a compressed KV cache costs a language model: it runs recall probes\n"
+               "(and lm-eval tasks) under compression policies, measures the cache's real bytes, compares\n"
+               "each run with its baseline item by item and gates deployment with an exit code.")
 
 # name -> (module, one-line help). Modules keep heavy imports (torch, transformers) inside `run`.
 COMMANDS = {
@@ -33,10 +37,11 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "lm-eval":  # hand every remaining argument to lm_eval's own parser
-        from kveval.lm_eval.__main__ import main as lm_eval_main
+        from kveval.lm_eval.__main__ import main as lm_eval_main  # lm-eval is an optional dependency
 
         return run_command("lm-eval", lambda: lm_eval_main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="kveval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kveval", description=DESCRIPTION, epilog=_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     module = None
     for name, (module_name, help_text) in COMMANDS.items():
@@ -46,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             module.configure(command_parser)
     args = parser.parse_args(argv)
     return run_command(args.command, lambda: module.run(args))
+
+
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODE_MEANINGS)
+    return (f"exit codes:\n{codes}\n\n"
+            f"kveval COMMAND --help describes a command; the README and docs/ describe the rest.")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kveval.errors import UsageError
 from kveval.gate.verify import check_gate_file, judged_models, read_gate_file
+from kveval.planner.engines import format_engine_plan, join_verdicts, llamacpp_plan, vllm_plan
 from kveval.planner.memory import (
     FitResult,
     compare,
@@ -21,6 +22,7 @@ from kveval.planner.memory import (
 from kveval.planner.model_specs import load_model_spec, preset_names
 from kveval.planner.native import FORMATS
 from kveval.policies.spec import parse_policy
+from kveval.runs.records import atomic_write_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     """``--engine``: the engine's KV pool and what fits in it, at each preset."""
-    from kveval.planner.engines import format_engine_plan, join_verdicts, llamacpp_plan, vllm_plan
-
     if not args.model or not args.gpu_memory:
         raise UsageError(f"--engine {args.engine} needs a model and --gpu-memory, e.g. llama-3.1-8b --gpu-memory 80GiB")
     presets = [p.strip() for p in args.presets.split(";") if p.strip()] if args.presets else None
@@ -139,8 +139,6 @@ def _emit(where: str | None, data: dict, table: str) -> None:
         print(json.dumps(data, indent=2))
         return
     if where is not None:
-        from kveval.runs.records import atomic_write_text
-
         atomic_write_text(Path(where), json.dumps(data, indent=2) + "\n")
     print(table)
 

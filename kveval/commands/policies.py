@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from kveval.policies.registry import POLICIES
+from kveval.policies.spec import param_defaults, param_types
+
 
 def configure(parser) -> None:
     parser.add_argument("--family", choices=["selection", "structure", "quantization"], help="only this family")
 
 
 def run(args) -> int:
-    from kveval.policies.registry import POLICIES
-    from kveval.policies.spec import param_defaults, param_types
-
     print("Stack one policy per family with '+': selection + structure + quantization, "
           'e.g. "snapkv(ratio=0.5)+kivi(bits=4)". ratio = fraction of context KV pairs removed.\n'
           "Parameters are typed: bool takes true or false, int an integer, float any number; "

@@ -7,7 +7,7 @@ Example::
 
 Each line is :meth:`kveval.probes.ProbeItem.to_dict`; the file loads with
 ``datasets.load_dataset("json", data_files=...)`` and
-:func:`read_probe_items`.
+:func:`kveval.probes.item.read_probe_items`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 
 from kveval.errors import UsageError
+from kveval.modeling.sources import load_tokenizer
+from kveval.probes.families import FAMILIES, generate_items, resolve_families
+from kveval.runs.records import atomic_write_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +51,6 @@ def _parse_params(pairs: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kveval.modeling.sources import load_tokenizer
-    from kveval.probes.families import FAMILIES, generate_items, resolve_families
-
     families = resolve_families(args.family)
     if args.n < 1:
         raise UsageError(f"--n {args.n}: give the number of contexts per family and length, at least 1")
@@ -72,25 +72,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out == "-":
         sys.stdout.write(text)
     else:
-        from kveval.runs.records import atomic_write_text
-
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, text)
         print(f"kveval probes: wrote {len(lines)} items ({', '.join(families)}; lengths {', '.join(map(str, lengths))}) "
               f"to {out}", file=sys.stderr)
     return 0
-
-
-def read_probe_items(path: str | Path):
-    """Read a file written by ``kveval probes`` back into :class:`~kveval.probes.ProbeItem` objects."""
-    from kveval.probes.item import ProbeItem
-
-    items = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                items.append(ProbeItem.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise UsageError(f"{path}:{number}: not a probe item ({exc})") from exc
-    return items

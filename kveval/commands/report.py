@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kveval.report.leaderboard import build_report
 from kveval.runs.results import expand_run_dirs
+from kveval.sweep.recorded import recorded_probe_items
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +25,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     probes = None
     if not args.no_prompts:
-        from kveval.sweep.recorded import recorded_probe_items
-
         recorded = recorded_probe_items(expand_run_dirs(args.runs))
         for note in recorded.notes:
             print(f"kveval report: warning: {note}", file=sys.stderr)

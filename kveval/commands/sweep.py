@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kveval.deployment import add_deployment_arguments, deployment_of
+from kveval.modeling.sources import add_placement_arguments, placement_from_args
 from kveval.sweep.config import load_config
+from kveval.sweep.executors import make_executor
 from kveval.sweep.run import run_sweep, summarize, sweep_lock
 
 
 def configure(parser) -> None:
-    from kveval.gate.deployment import add_deployment_arguments
-    from kveval.modeling.sources import add_placement_arguments
-
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
     parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
@@ -35,19 +36,13 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    import sys
-
     config = load_config(args.config)
     if args.noise_floor:
         config = replace(config, noise_floor=True)
     for warning in config.warnings:
         print(f"kveval sweep: warning: {warning}", file=sys.stderr)
-    from kveval.gate.deployment import deployment_of
 
     deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
-    from kveval.modeling.sources import placement_from_args
-    from kveval.sweep.executors import make_executor
-
     load_options = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
     executor = make_executor(args.executor, args.address, args.workers,
                              progress=None if args.quiet else lambda cell: print(f"kveval sweep: done {cell.label}", file=sys.stderr))

@@ -1,1 +1,2 @@
-"""The regression gate: its rules, its config, its reports and the deployment decision."""
+"""The regression gate: its rules, its verdicts, its config and its reports (the deployment decision that reads
+the verdicts is :mod:`kveval.deployment`)."""

@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Sequence
 
-from kveval.gate.rules import ERROR, FAIL, INCONCLUSIVE, PASS, GateResult, exit_code, overall_status
+from kveval.gate.verdicts import ERROR, FAIL, INCONCLUSIVE, PASS, GateResult, exit_code, overall_status
 from kveval.gate.verify import sealed
 from kveval.runs.records import atomic_write_texts
 from kveval.stats.tables import fmt_p

@@ -21,12 +21,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import kveval
+
 __all__ = ["register", "tasks_dir"]
 
 
 def register():
     """Register the ``kveval`` model type with lm-eval (idempotent); returns the class."""
-    from kveval.lm_eval.model import KVEvalLM, register_model_type
+    from kveval.lm_eval.model import KVEvalLM, register_model_type  # lm-eval is an optional dependency
 
     register_model_type()
     return KVEvalLM
@@ -53,8 +55,6 @@ def tasks_dir() -> Path | None:
     counts only if it holds a YAML that mentions kveval, so an unrelated
     ``site-packages/tasks`` is never picked up.
     """
-    import kveval
-
     package = Path(kveval.__file__).resolve().parent
     candidates = []
     if os.environ.get("KVEVAL_TASKS"):

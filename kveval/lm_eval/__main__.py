@@ -18,12 +18,11 @@ from __future__ import annotations
 import os
 import sys
 
-from kveval.errors import UsageError
+from kveval.errors import UsageError, run_command  # run_command: the one place exceptions become exit codes
+from kveval.lm_eval import register, tasks_dir
 
 
 def _include_paths(user: str | list | None) -> list[str] | str | None:
-    from kveval.lm_eval import tasks_dir
-
     paths = []
     ours = tasks_dir()
     if ours is not None:
@@ -42,8 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-    from kveval.lm_eval import register
 
     register()
     from lm_eval.utils import setup_logging
@@ -73,7 +70,8 @@ def _check_kveval_args(args) -> None:
     """Fail in a second on a bad policy spec or mode, before lm-eval indexes its tasks and loads the model."""
     if getattr(args, "model", None) != "kveval" or not isinstance(getattr(args, "model_args", None), dict):
         return
-    from kveval.lm_eval.model import policy_from_arg
+    # imported after main() set HF_HUB_OFFLINE: huggingface_hub reads it once, when transformers first loads it
+    from kveval.lm_eval.arguments import policy_from_arg
     from kveval.runner.generation import MODES
 
     policy_from_arg(args.model_args.get("policy", "none"))
@@ -85,8 +83,6 @@ def _check_kveval_args(args) -> None:
 def _fallback(argv: list[str]) -> int:
     from lm_eval.__main__ import cli_evaluate
 
-    from kveval.lm_eval import tasks_dir
-
     if "--include_path" not in argv and tasks_dir() is not None:
         sys.argv = [*sys.argv, "--include_path", str(tasks_dir())]
     cli_evaluate()
@@ -94,6 +90,4 @@ def _fallback(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from kveval.errors import run_command  # the one place exceptions become exit codes
-
     sys.exit(run_command("lm-eval", main))

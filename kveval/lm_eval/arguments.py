@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from kveval.dtypes import parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
 from kveval.values import is_whole
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
 from kveval.runner.runspec import RunSpec, parse_mode
-from kveval.stores.base import parse_kv_dtype
 
 # HFLM options that still mean something when HFLM receives a loaded model object.
 HFLM_KEYS = {"max_length", "truncation", "add_bos_token", "prefix_token_id", "logits_cache", "softmax_dtype",

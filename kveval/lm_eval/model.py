@@ -89,6 +89,9 @@ generation) are averaged over the requests the model computed and reported by
 ``results["config"]``. Requests answered from lm-eval's ``--use_cache`` are not
 measured; its cache key does not include the model arguments, so give every
 policy its own ``--use_cache`` path.
+
+The file stays over 600 lines on purpose: it is one class, lm-eval's ``LM`` interface, whose request methods share
+the plans, caches and measurements they build; a third of it is this page, the model type's reference.
 """
 
 from __future__ import annotations
@@ -106,7 +109,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from tqdm import tqdm
 
 import kveval
+from kveval.cache.attention import ATTENTION_NAME, register_attention
 from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
+from kveval.dtypes import deployment_dtype_name
 from kveval.errors import UsageError
 from kveval.lm_eval import data_parallel
 from kveval.lm_eval.arguments import (
@@ -120,9 +125,12 @@ from kveval.lm_eval.arguments import (
     unescape,
     whole_seed,
 )
-from kveval.modeling.architectures import check_rope_batch, rope_switches
+from kveval.lm_eval.responses import ResponseStore, call_key
+from kveval.modeling.rope import check_rope_batch, rope_switches
+from kveval.modeling.sources import load_tokenizer
 from kveval.policies.base import PolicyStack
-from kveval.runner.evaluate import deployment_dtype_name, hardware_of, model_identity
+from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
+from kveval.runner.evaluate import hardware_of, model_identity
 from kveval.runner.generation import (
     MODES,
     Prompt,
@@ -178,39 +186,6 @@ def _fork_rows(cache: CompressedCache, index: list[int], memo: dict) -> Compress
     return cache.fork_rows(index, memo)  # also forks linear-attention/Mamba states (hybrid models)
 
 
-class ResponseStore:
-    """Responses one lm-eval call computed for the *other* policies of a shared prefill, until their runs ask.
-
-    Keyed by ``(run spec key, call key)``, where the call key fingerprints the
-    request kind and every request of one ``_loglikelihood_tokens`` or
-    ``generate_until`` call (lm-eval asks each policy's run the same calls for
-    the same task). A value is the call's answers plus the cache measurements
-    the policy's run records, in the order it records them; it is removed when
-    read, so the store holds only what is still to be served. Share one store
-    only among :class:`KVEvalLM` instances built with the same model arguments
-    but the policy (the answers are computed with the first one's settings).
-    """
-
-    def __init__(self):
-        self._served: dict[tuple[str, str], tuple[list, list]] = {}
-
-    def put(self, spec_key: str, call_key: str, answers: list, records: list) -> None:
-        self._served[(spec_key, call_key)] = (answers, records)
-
-    def take(self, spec_key: str, call_key: str) -> tuple[list, list] | None:
-        return self._served.pop((spec_key, call_key), None)
-
-    def __len__(self) -> int:
-        return len(self._served)
-
-
-def _call_key(kind: str, args: list) -> str:
-    """A fingerprint of one request-level call: its kind and every request's arguments, in order."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps([kind, args], default=str).encode()).hexdigest()
-
-
 # --- the model type ------------------------------------------------------------------------------
 
 class KVEvalLM(HFLM):
@@ -261,9 +236,7 @@ class KVEvalLM(HFLM):
             device = launch.placement(kwargs)
 
         if isinstance(pretrained, str):
-            from kveval.runner.models import load_model
-
-            model, loaded_tokenizer = load_model(pretrained, device=device or "auto", dtype=dtype or "auto",
+            model, loaded_tokenizer = models.load_model(pretrained, device=device or "auto", dtype=dtype or "auto",
                                                  trust_remote_code=trust_remote_code, **kwargs)
             self.model_name = pretrained
         else:
@@ -275,8 +248,6 @@ class KVEvalLM(HFLM):
                 raise UsageError("pass tokenizer= along with a loaded model")
         self._ensure_kveval_attention(model)
         if isinstance(tokenizer, str):
-            from kveval.modeling.sources import load_tokenizer
-
             tokenizer = load_tokenizer(tokenizer)
         tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         self.runspec = self.runspec.for_model(model)
@@ -335,7 +306,7 @@ class KVEvalLM(HFLM):
         ``compute`` returns, per stack, ``(answers, records)``; ``records`` are
         :meth:`_record` arguments, replayed here so measurements equal a separate run's.
         """
-        key = _call_key(kind, args) if self._store is not None else None
+        key = call_key(kind, args) if self._store is not None else None
         served = self._store.take(self.runspec.key, key) if key is not None else None
         if served is None:
             computed = compute([self.policy] + [c.policy for c in self._companions])
@@ -349,8 +320,6 @@ class KVEvalLM(HFLM):
 
     @staticmethod
     def _ensure_kveval_attention(model) -> None:
-        from kveval.cache.attention import ATTENTION_NAME, register_attention
-
         register_attention()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
@@ -483,7 +452,7 @@ class KVEvalLM(HFLM):
 
     def _check_rope_forwards(self, plans: list, groups: dict, order: list, batch_size: int) -> None:
         """Before any forward: the rows of every forward :meth:`_score_plans` will run (each batch's prefills, then
-        its continuations' tails in batches), as :func:`~kveval.modeling.architectures.check_rope_batch` checks each in
+        its continuations' tails in batches), as :func:`~kveval.modeling.rope.check_rope_batch` checks each in
         :func:`~kveval.runner.generation.forward_rows`, so a RoPE refusal comes before hours of scoring, not after."""
         if not rope_switches(self.model):
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -136,21 +137,44 @@ def _source(name: str) -> tuple[str, dict]:
 
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """Tokenizer of an embedded model, a Hub id, a folder or a ``.gguf`` file."""
-    from transformers import AutoTokenizer
-
     source, kwargs = _source(name)
     try:
         if "gguf_file" in kwargs:  # reading the vocabulary out of a GGUF takes 7-20 s: keep a converted copy
             cached = _dequantized_cache(Path(source) / kwargs["gguf_file"]) / "tokenizer"
             if not (cached / "tokenizer_config.json").is_file():
-                _save_atomically(AutoTokenizer.from_pretrained(source, **kwargs), cached)
+                _save_atomically(_auto_tokenizer().from_pretrained(source, **kwargs), cached)
             source, kwargs = str(cached), {}
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        tokenizer = (_declared_tokenizer_class(source, kwargs) or _auto_tokenizer()).from_pretrained(source, **kwargs)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load tokenizer for {name!r}: {str(exc).splitlines()[0]}") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _auto_tokenizer():
+    from transformers import AutoTokenizer  # imports torch: only where a folder names no class (_declared_tokenizer_class)
+
+    return AutoTokenizer
+
+
+def _declared_tokenizer_class(source: str, kwargs: dict):
+    """The tokenizer class a local folder's ``tokenizer_config.json`` names, where transformers exports it, else
+    ``None`` (then :class:`~transformers.AutoTokenizer` resolves it). It is the class AutoTokenizer picks for such a
+    folder, taken without AutoTokenizer's module, which imports torch: rescoring and the report's item views load a
+    tokenizer, and the analysis commands never load torch."""
+    import transformers
+
+    config = Path(source) / "tokenizer_config.json"
+    if kwargs or not config.is_file():
+        return None
+    try:
+        name = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str) or name not in getattr(transformers, "__all__", dir(transformers)):
+        return None
+    return getattr(transformers, name, None)
 
 
 def _dequantized_cache(gguf: Path) -> Path:

@@ -152,7 +152,7 @@ class SelectionPolicy(Policy):
     #: :meth:`keep_count` keeps every candidate, and the ratio reached is measured per item.
     thresholded: ClassVar[bool] = False
     #: :meth:`scores` reads the row's seed (``state.seed``: the ``random`` control). Rows share one compressed
-    #: prefix only when their seeds agree (:func:`kveval.runner.generation.plan_prefixes`).
+    #: prefix only when their seeds agree (:func:`kveval.runner.prefixes.plan_prefixes`).
     reads_row_seed: ClassVar[bool] = False
     #: Scores come from forwards run after the prefill (KVzip's reconstruction: :mod:`kveval.cache.reconstruction`):
     #: the cache defers compression until the generation driver has run them, and :meth:`choose` runs even where

@@ -100,7 +100,7 @@ class EnginePolicy(QuantizationPolicy):
             import torch
 
             from kveval.calibration.kv import DEFAULT_CALIB_TOKENS, KVAmax, load_or_calibrate, read_calibration_text
-            from kveval.stores.base import deployment_kv_dtype
+            from kveval.dtypes import deployment_kv_dtype
 
             text = read_calibration_text(None)
             tokens = self.calib_tokens or DEFAULT_CALIB_TOKENS
@@ -339,7 +339,7 @@ class SglangPolicy(EnginePolicy):
         return self.kv_scale, self.kv_scale
 
     def codec(self, model, layer_idx: int):
-        from kveval.stores.base import deployment_kv_dtype
+        from kveval.dtypes import deployment_kv_dtype
         from kveval.stores.engine import EngineCodec, SideFormat
 
         side = SideFormat("fp8-cast", fp8=self.format, scale=self.kv_scale, model_dtype=deployment_kv_dtype(model))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kveval.lazy import torch
 
 from kveval.errors import PolicySpecError, UnsupportedModelError
-from kveval.modeling.architectures import rope_hook
+from kveval.modeling.rope import rope_hook
 from kveval.policies.base import RatioSelectionPolicy
 from kveval.tensors.scoring_state import ScoringState
 

@@ -37,7 +37,7 @@ class KVQuantPolicy(QuantizationPolicy):
     pre_rope : bool
         Quantize keys before RoPE (un-rotated at their position, rotated back
         when read). Needs the architecture's RoPE hook
-        (:func:`kveval.modeling.architectures.rope_hook`); ``false`` quantizes post-RoPE keys.
+        (:func:`kveval.modeling.rope.rope_hook`); ``false`` quantizes post-RoPE keys.
     nuq : bool
         Non-uniform per-layer codebook learned by k-means on the calibration
         text; ``false``: uniform levels.
@@ -168,7 +168,7 @@ class KVQuantPolicy(QuantizationPolicy):
         from kveval.calibration.kv import load_or_calibrate
 
         if self.pre_rope:
-            from kveval.modeling.architectures import rope_hook
+            from kveval.modeling.rope import rope_hook
 
             rope_hook(model, 0)  # refuse a model without a RoPE hook before the calibration pass
         calibration = load_or_calibrate(model, self.calibration_text(), self.tokens, self.settings)
@@ -197,7 +197,7 @@ class KVQuantPolicy(QuantizationPolicy):
         if layer_idx not in codecs:
             rope = None
             if self.pre_rope:
-                from kveval.modeling.architectures import rope_hook
+                from kveval.modeling.rope import rope_hook
 
                 rope = rope_hook(model, layer_idx)
             codecs[layer_idx] = calibration.codec(layer_idx, rope)

@@ -9,8 +9,10 @@ model's tokenizer; :func:`encode_item` turns one into context and question ids;
 
 Example
 -------
+>>> from kveval.modeling.sources import load_tokenizer
 >>> from kveval.probes import generate_items, encode_item, score_answer
->>> items = generate_items("niah_multikey", "smollm2-135m", length=512, n=5)   # doctest: +SKIP
+>>> tokenizer = load_tokenizer("smollm2-135m")                                 # doctest: +SKIP
+>>> items = generate_items("niah_multikey", tokenizer, length=512, n=5)        # doctest: +SKIP
 >>> context_ids, question_ids = encode_item(tokenizer, items[0])               # doctest: +SKIP
 >>> score_answer(items[0], " 8412337.").category                               # doctest: +SKIP
 'correct'

@@ -450,7 +450,7 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
     family : str
         A key of :data:`FAMILIES`.
     tokenizer : tokenizer or str
-        The model's tokenizer, or a name for :func:`kveval.modeling.sources.load_tokenizer`.
+        The model's tokenizer (:func:`kveval.modeling.sources.load_tokenizer` loads one by name).
         Lengths and spans are counted with it, chat template included when it has one.
     length : int
         Target prompt length in tokens; every prompt has ``length * (1 - 0.02) <= tokens <= length``
@@ -474,12 +474,9 @@ def generate_items(family: str, tokenizer, length: int, n: int, depths: Sequence
         resolve_families([family])
     fam = FAMILIES[family]
     p = fam.resolve(params)
-    if isinstance(tokenizer, str):
-        from kveval.modeling.sources import load_tokenizer
-
-        name = tokenizer
-        tokenizer = load_tokenizer(name)
-        tokenizer.kveval_name = name
+    if isinstance(tokenizer, str):  # probes stand below the engine: they never load a model's files themselves
+        raise TypeError(f"generate_items takes a tokenizer, not the name {tokenizer!r}: load it with "
+                        f"kveval.modeling.sources.load_tokenizer")
     if not is_whole(length) or length <= 0:
         raise UsageError(f"length must be a positive number of tokens, not {length!r}")
     if not is_whole(n) or n < 0:

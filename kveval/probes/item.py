@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from kveval.errors import UsageError
@@ -154,7 +156,7 @@ class ProbeItem:
         """The ``random`` control's seed for this item: ``base`` plus a hash of its id, so that what it drops does
         not depend on the batch it runs in (nor on a resumed sweep's batches). The requests of one shared system
         prompt (``params["system_prompt"]``) hash their group instead: one seed for the prompt, so that its
-        compressed prefix is one, shared by every request (:func:`kveval.runner.generation.plan_prefixes`)."""
+        compressed prefix is one, shared by every request (:func:`kveval.runner.prefixes.plan_prefixes`)."""
         name = self.group if self.params.get("system_prompt") else self.id
         return (base + int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")) % 2**31
 
@@ -225,3 +227,15 @@ def char_spans_to_tokens(tokenizer, prompt_context: str, char_spans: list[tuple[
         end = len(tokenizer(prompt_context[:b], add_special_tokens=special)["input_ids"])
         spans.append((min(start, n), min(max(end, start + 1), n)))
     return spans, n
+
+
+def read_probe_items(path: str | Path) -> list[ProbeItem]:
+    """Read a file written by ``kveval probes`` (one :meth:`ProbeItem.to_dict` per line) back into items."""
+    items = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                items.append(ProbeItem.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise UsageError(f"{path}:{number}: not a probe item ({exc})") from exc
+    return items

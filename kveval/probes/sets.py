@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kveval.errors import ResultFileError
+from kveval.probes.families import generate_items
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,9 @@ class ProbeSet:
     seed: int = 0
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def items(self, tokenizer=None) -> list:
-        """Every item of the set, family by family and length by length (``tokenizer``: loaded already, else by name)."""
-        from kveval.probes.families import generate_items
-
-        if tokenizer is None:
-            from kveval.modeling.sources import load_tokenizer
-
-            tokenizer = load_tokenizer(self.tokenizer)
+    def items(self, tokenizer) -> list:
+        """Every item of the set, family by family and length by length, counted with ``tokenizer`` (that of
+        :attr:`tokenizer`, loaded by the caller: probes never load a model's files themselves)."""
         out = []
         for family in self.families:
             for length in self.lengths:

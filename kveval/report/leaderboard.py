@@ -296,7 +296,7 @@ def build_report(
     out_dir : path
         Output folder (created).
     gate_result : GateResult, list of GateResult, dict, path or None
-        Gate verdicts for the *verdict* column: :class:`kveval.gate.rules.GateResult`
+        Gate verdicts for the *verdict* column: :class:`kveval.gate.verdicts.GateResult`
         (one, or one per model from :func:`kveval.gate.rules.evaluate_sweep`), or the
         ``gate.json`` written by ``kveval gate --out`` / ``write_gate_outputs``
         (or its folder).

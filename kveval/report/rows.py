@@ -4,7 +4,6 @@ of each column marked within each model."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field

@@ -16,8 +16,14 @@ import re
 import statistics
 from pathlib import Path
 
+from kveval.dtypes import deployment_dtype_name
 from kveval.errors import PolicySpecError, RunFolderError, UsageError
-from kveval.runner.runspec import RunSpec
+from kveval.modeling.sources import EMBEDDED
+from kveval.probes import encode_item, score_answer
+from kveval.runner.fidelity import record_fidelity
+from kveval.runner import generation  # generation.generate_each, looked up when called (tests stand a spy in)
+from kveval.runner.generation import Prompt, check_batch_size, check_request, forward_batch_size
+from kveval.runner.runspec import RunSpec, recorded_policy
 from kveval.runs.records import (
     ItemRecord,
     ItemWriter,
@@ -46,8 +52,6 @@ def model_identity(name: str, revision: str | None = None) -> dict:
     and revision: ``org1/M`` and ``org2/M``, or two ``.../final`` folders,
     get different hashes.
     """
-    from kveval.modeling.sources import EMBEDDED
-
     name = str(name)
     path = Path(name).expanduser()
     if name in EMBEDDED:
@@ -102,14 +106,12 @@ def prefix_metrics(result) -> dict:
     return {"prefix_kv_bytes": prefix, "request_kv_bytes": result.stats.kv_bytes - prefix}
 
 
-def _run_stack(policy: str):
-    """The run's policy (its spec, as ``run.json`` records it) as a stack, parsed once for what finalizing asks of
-    it; ``None`` for a policy registered in the process that ran it, not in this one (then none of kveval's rules
-    below apply to it)."""
-    from kveval.policies.spec import parse_policy
-
+def _run_stack(info: RunInfo):
+    """The run's policy (:func:`~kveval.runner.runspec.recorded_policy`), read once for what finalizing asks of it;
+    ``None`` for a policy registered in the process that ran it, not in this one (then none of kveval's rules below
+    apply to it)."""
     try:
-        return parse_policy(policy)
+        return recorded_policy(info)
     except PolicySpecError:
         return None
 
@@ -194,7 +196,7 @@ def finalize_run(run_dir: Path) -> RunInfo:
             "decode_tokens_per_s_mean": statistics.fmean(r.metrics["decode_tokens_per_s"] for r in records),
         })
         ratios = [r.metrics["achieved_ratio"] for r in records if r.metrics.get("achieved_ratio") is not None]
-        stack = _run_stack(info.policy)
+        stack = _run_stack(info)
         if ratios and _reaches_ratio_per_item(stack):
             info.extra["achieved_ratio"] = {"mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
         shared = shared_prefix_bytes(records, stack)
@@ -238,9 +240,6 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
         A run folder to resume holds another model (identity) or other prompts
         under the same item ids.
     """
-    from kveval.probes import encode_item, score_answer
-    from kveval.runner.generation import Prompt, check_batch_size, check_request, forward_batch_size, generate_each
-
     check_batch_size(batch_size)  # before any run folder opens
     batch_size = forward_batch_size(model, batch_size)
     if not all(isinstance(p, RunSpec) for p in policies):
@@ -261,7 +260,7 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
             prompts = [Prompt(*encode_item(tokenizer, item), watched=target_spans(item)) for item in batch]
             limits = [item.max_new_tokens for item in batch]  # each its own: a batch's mix changes no answer
             check_request(model, prompts, limits, specs[0].mode, len(batch))
-            outputs = generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=limits,
+            outputs = generation.generate_each(model, tokenizer, prompts, [stacks[i] for i in needed], max_new_tokens=limits,
                                     seed=[item.random_seed(seed) for item in batch], **specs[0].generation_kwargs())
             for i, (_, results) in zip(needed, outputs):  # written as each policy finishes
                 for item, result in zip(batch, results):
@@ -281,8 +280,6 @@ def evaluate_policies(model, tokenizer, items: list, policies: "list[RunSpec]", 
 def record_run_fidelity(model, tokenizer, items: list, specs: "list[RunSpec]", dirs: list[Path], batch_size: int,
                         seed: int) -> None:
     """The fidelity hook of :func:`evaluate_policies`: every compressed run against the baseline run among ``specs``."""
-    from kveval.runner.fidelity import record_fidelity
-
     baselines = [s for s in specs if s.policy.spec == "none"]
     if not baselines:
         raise UsageError("fidelity needs the baseline: add policy none (--baseline) to the same call")
@@ -383,13 +380,6 @@ def _cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown"
-
-
-def deployment_dtype_name(model) -> str:
-    """The KV dtype ``model`` is deployed with (what an unset ``kv_dtype`` means), e.g. ``"bfloat16"``."""
-    from kveval.stores.base import deployment_kv_dtype, dtype_name
-
-    return dtype_name(deployment_kv_dtype(model))
 
 
 def representation_info(stack, model) -> dict:

@@ -35,6 +35,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
+from kveval.cache.compressed import CompressedCache
+from kveval.probes import encode_item
+from kveval.runner import generation  # generation.prefill_prompts, looked up when called (tests stand a spy in)
+from kveval.runner.generation import (
+    Prompt,
+    check_mode,
+    check_request,
+    eos_ids,
+    forward_rows,
+    reconstruct_and_compress,
+    row_limits,
+)
 from kveval.runs.fidelity import FIDELITY_FILE, FidelityItem, cut_partial_line, read_fidelity
 
 # ----------------------------------------------------------------------------- distributions
@@ -60,16 +72,6 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
     """
     import torch
 
-    from kveval.cache.compressed import CompressedCache
-    from kveval.runner.generation import (
-        check_mode,
-        check_request,
-        eos_ids,
-        forward_rows,
-        prefill_prompts,
-        reconstruct_and_compress,
-        row_limits,
-    )
 
     limits = row_limits(max_new_tokens, len(prompts)) if answers is None else [len(a) for a in answers]
     check_request(model, prompts, [max(1, n) for n in limits], mode, len(prompts))
@@ -78,7 +80,7 @@ def answer_distributions(model, tokenizer, prompts: list, policy, *, answers: "l
     eos = eos_ids(model, tokenizer)
     with torch.no_grad():
         cache = CompressedCache(model, policy, seed=seed, kv_dtype=kv_dtype)
-        last, seen = prefill_prompts(model, cache, prompts, mode, pad_id)
+        last, seen = generation.prefill_prompts(model, cache, prompts, mode, pad_id)
         if cache.awaiting_reconstruction:  # KVzip's reconstruction forwards, as generate runs them
             reconstruct_and_compress(model, tokenizer, cache, [p.context for p in prompts], pad_id)
         if mode == "context" and any(p.question for p in prompts):
@@ -145,9 +147,6 @@ def record_fidelity(model, tokenizer, items: list, baseline, candidates: "Sequen
     candidates : sequence of (RunSpec, Path)
         Each candidate's spec and run folder.
     """
-    from kveval.probes import encode_item
-    from kveval.runner.generation import Prompt
-
     done = {d: read_fidelity(d) for _, d in candidates}
     for d in done:
         cut_partial_line(Path(d) / FIDELITY_FILE)

@@ -16,12 +16,12 @@ batch size 1.
 
 Rows whose contexts are the same token ids (a long system prompt shared by several requests) share one
 prefix in ``context`` mode: the context is prefilled and compressed once, then each row continues from its
-own copy of the compressed cache (:func:`plan_prefixes`, :meth:`CompressedCache.fork_rows`), never seeing
+own copy of the compressed cache (:mod:`kveval.runner.prefixes`, :meth:`CompressedCache.fork_rows`), never seeing
 another row's tokens. The answers are those of one prefill per row, bit for bit; each result reports the
 prefix's bytes (:attr:`GenerationResult.prefix_stats`) so that a shared prefix is counted once.
 
 Cache bytes are measured against ``kv_dtype``, the deployment's cache dtype
-(default: the checkpoint's, see :func:`kveval.stores.base.deployment_kv_dtype`),
+(default: the checkpoint's, see :func:`kveval.dtypes.deployment_kv_dtype`),
 whatever dtype the model computes in.
 """
 
@@ -37,10 +37,13 @@ import torch
 from kveval.cache import reconstruction
 from kveval.cache.compressed import CacheStats, CompressedCache
 from kveval.cache.native_layers import rows_alone
+from kveval.dtypes import cache_kv_dtype
 from kveval.errors import UsageError
-from kveval.modeling.architectures import check_rope_batch, reset_rope_lengths, rope_switches, row_query_temperatures
+from kveval.modeling.architectures import row_query_temperatures
+from kveval.modeling.rope import check_rope_batch, reset_rope_lengths, rope_switches
 from kveval.policies.base import PolicyStack, require_stack
-from kveval.stores.base import cache_kv_dtype
+from kveval.probes.prompts import encode_text
+from kveval.runner.prefixes import plan_prefixes, serve_prefixes
 from kveval.tensors.batch_buffer import uploaded
 from kveval.values import is_whole
 
@@ -116,8 +119,6 @@ def encode_prompt(tokenizer, context: str, question: str = "", chat: bool | None
     ``chat=False``) to the user message ``context + "\n\n" + question``; its
     head belongs to the context, its tail (the assistant turn) to the question.
     """
-    from kveval.probes.prompts import encode_text
-
     return Prompt(*encode_text(tokenizer, context, question, chat))
 
 
@@ -235,7 +236,7 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
 def check_mode(policy: "PolicyStack | None", mode: str) -> None:
     """Refuse a query-agnostic reconstruction (KVzip) in ``query`` mode, where the question would sit between the
     context and the tokens that repeat it (one line)."""
-    selection = getattr(policy, "selection", None)  # None: the baseline
+    selection = policy.selection if policy is not None else None  # policy None: the baseline
     if mode == "query" and selection is not None and selection.reconstructs:
         raise UsageError(f"{policy.spec}: KVzip reconstructs the context before any question is seen; "
                          f"run it in mode 'context' (--mode context)")
@@ -265,7 +266,7 @@ def check_request(model, prompts: list[Prompt], max_new_tokens: "int | Sequence[
 
 
 def _check_rope_batches(model, prompts: list[Prompt], limits: list[int], mode: str, batch_size: int) -> None:
-    """Refuse, before any forward, what :func:`~kveval.modeling.architectures.check_rope_batch` would refuse on the way:
+    """Refuse, before any forward, what :func:`~kveval.modeling.rope.check_rope_batch` would refuse on the way:
     a row crossing a longrope's switch after its first forward, or a batch (``batch_size`` prompts at a time, in
     order, as every entry point makes them) whose rows a length-dependent RoPE turns otherwise together than
     alone. A batch agrees where every forward stays under the switch, where every row's first forward is past a
@@ -354,62 +355,6 @@ def batch_seeds(seed: "int | Sequence[int]", first: int, size: int) -> "int | li
 def row_seeds(seed: "int | Sequence[int]", rows: int) -> list[int]:
     """Each of ``rows`` rows' seed: ``seed + b``, or ``seed[b]`` given one per row (as :meth:`CompressedCache.seed_for`)."""
     return [seed + b for b in range(rows)] if isinstance(seed, int) else list(seed[:rows])
-
-
-@dataclass(frozen=True)
-class PrefixPlan:
-    """Which rows of a batch continue from one shared context prefill.
-
-    Attributes
-    ----------
-    firsts : tuple of int
-        Prefill ``g`` holds the context of row ``firsts[g]`` (the first row with that context, in order).
-    index : tuple of int
-        Row ``b`` continues from prefill ``index[b]``.
-    """
-
-    firsts: tuple[int, ...]
-    index: tuple[int, ...]
-
-    @property
-    def shares(self) -> bool:
-        """Whether some prefill serves more than one row."""
-        return len(self.firsts) < len(self.index)
-
-    def pick(self, rows: list) -> list:
-        """The entries of ``rows`` (one per row of the batch) of the rows the prefills hold."""
-        return [rows[b] for b in self.firsts]
-
-
-def plan_prefixes(prompts: list[Prompt], mode: str, seeds: list[int], seeded: bool) -> PrefixPlan:
-    """Rows sharing a prefix: in ``context`` mode those whose contexts are the same token ids and, where the
-    policy reads each row's seed (``seeded``: the ``random`` control), the same seed, so a row's compressed prefix
-    is exactly the one its own prefill would give. In ``query`` mode the question is in the prefill: no row shares.
-    """
-    if mode != "context":
-        return PrefixPlan(tuple(range(len(prompts))), tuple(range(len(prompts))))
-    prefills: dict[tuple, int] = {}
-    index = [prefills.setdefault((tuple(p.context), seeds[b] if seeded else None), len(prefills))
-             for b, p in enumerate(prompts)]
-    firsts = [index.index(g) for g in range(len(prefills))]
-    return PrefixPlan(tuple(firsts), tuple(index))
-
-
-def serve_prefixes(model, cache: CompressedCache, plan: PrefixPlan, last_logits: torch.Tensor, seen: list[int],
-                   mode: str) -> tuple[CompressedCache, torch.Tensor, list[int], "list[CacheStats] | None"]:
-    """After the prefill of ``plan``'s contexts: the cache, next-token logits and tokens seen with one row per
-    prompt, and each row's prefix stats (``context`` mode; else ``None``).
-
-    Where the plan shares, each row gets its own copy of its prefix's compressed rows
-    (:meth:`CompressedCache.fork_rows`; the model's weights are never copied): rows never see each other's
-    tokens, and each decodes as its own prefill would let it."""
-    prefixes = [cache.stats(row=g) for g in range(len(plan.firsts))] if mode == "context" else None
-    if not plan.shares:
-        return cache, last_logits, seen, prefixes
-    index = list(plan.index)
-    memo = {id(t): t for t in (model, *model.modules(), *model.parameters(), *model.buffers())}
-    forked = cache.fork_rows(index, memo)
-    return forked, last_logits[index], [seen[g] for g in index], [prefixes[g] for g in index]
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kveval.errors import ModelNotFoundError, UsageError  # noqa: E402  (ModelNotFoundError is re-exported)
+from kveval.cache.attention import ATTENTION_NAME, register_attention
+from kveval.cache.exactness import self_check as run_self_check
+from kveval.dtypes import checkpoint_kv_dtype, default_kv_dtype
+from kveval.errors import ModelNotFoundError, UsageError
+from kveval.modeling.architectures import check_mla_modules, check_supported
 from kveval.modeling.sources import (
     DEFAULT_MODEL,
     EMBEDDED,
@@ -59,9 +63,6 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kveval.cache.attention import ATTENTION_NAME, register_attention
-    from kveval.modeling.architectures import check_supported
-    from kveval.stores.base import DEFAULT_KV_DTYPE, checkpoint_kv_dtype
 
     if isinstance(max_memory, str):
         max_memory = parse_max_memory(max_memory)
@@ -74,7 +75,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     if device_map:
         kwargs.update(device_map=device_map, **({"max_memory": max_memory} if max_memory else {}))
     common = dict(dtype=torch_dtype, attn_implementation=ATTENTION_NAME, trust_remote_code=trust_remote_code, **kwargs)
-    kv_dtype = DEFAULT_KV_DTYPE  # GGUF files keep no checkpoint dtype; their originals are bfloat16
+    kv_dtype = default_kv_dtype()  # GGUF files keep no checkpoint dtype; their originals are bfloat16
     if "gguf_file" in source_kwargs:
         cached = _dequantized_cache(Path(source) / source_kwargs["gguf_file"]) / "model"
         if not (cached / "config.json").is_file():
@@ -112,13 +113,9 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
 def _check_architecture(model, name: str, self_check: bool) -> None:
     """Refuse what kveval cannot evaluate exactly (the embedded models are covered by the tests instead of a probe)."""
-    from kveval.modeling.architectures import check_mla_modules, check_supported
-
     check_supported(model.config)
     check_mla_modules(model)
     if self_check and name not in EMBEDDED:
-        from kveval.cache.exactness import self_check as run_self_check
-
         run_self_check(model)
 
 

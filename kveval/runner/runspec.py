@@ -5,7 +5,9 @@ Users write a run as a policy spec, optionally with a mode suffix
 ``--kv-dtype`` on the command line, ``mode:`` and ``kv_dtype:`` in a sweep
 config, or ``compress=`` and ``kv_dtype=`` in lm-eval model args. Each of those
 edges calls :meth:`RunSpec.parse` once; everything below them receives the
-typed :class:`RunSpec` and never parses a string again.
+typed :class:`RunSpec` and never parses a string again. A finished run's policy, recorded in ``run.json`` as
+its spec, is read back once by :func:`recorded_policy` where the engine side loads the run (finalizing it, the
+deployment decision).
 
 :meth:`RunSpec.for_model` checks the spec against the model's ``config.json``
 (cheap: no weights) so that an error known from spec and config is reported
@@ -21,10 +23,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kveval.policies.compatibility import check_policy, refuse_indexer_term, refuse_model_indexer
+from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
+from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
+from kveval.planner.model_specs import load_model_spec
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
-from kveval.stores.base import dtype_name, parse_kv_dtype
+from kveval.runner.generation import check_mode
 
 if TYPE_CHECKING:
     import torch
@@ -62,8 +68,6 @@ class RunSpec:
     kv_dtype: "torch.dtype | None" = None
 
     def __post_init__(self):
-        from kveval.runner.generation import check_mode
-
         check_mode(self.policy, self.mode)  # KVzip reconstructs the context before any question: context mode only
 
     @classmethod
@@ -136,7 +140,6 @@ class RunSpec:
         """
         native = _native_config(model)
         if native is not None:  # DeepSeek V3.2 / V4: their own cache's parts (kveval.cache.native_layers)
-            from kveval.cache.native_layers import check_policy
 
             check_policy(native, self.policy)
             if self.policy.is_none:
@@ -147,7 +150,6 @@ class RunSpec:
         shape = _model_shape(model)
         if shape is None or self.policy.is_none:
             return self
-        from kveval.policies.compatibility import refuse_indexer_term, refuse_model_indexer
 
         refuse_model_indexer(self.policy, shape.name)
         refuse_indexer_term(self.policy, shape.name)
@@ -178,8 +180,6 @@ def _native_config(model) -> "dict | None":
     """``model``'s text config as a dict (a name, folder or ``config.json`` path, dict, config or loaded model) where
     its cache is one kveval mirrors part by part (:data:`~kveval.modeling.layer_types.NATIVE_MODEL_TYPES`), else
     ``None`` (also where it cannot be read here: loading it reports that)."""
-    from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
-
     if hasattr(model, "config") and not isinstance(model, dict):
         model = model.config
     if hasattr(model, "get_text_config"):
@@ -209,8 +209,6 @@ def _native_widths(config: dict) -> tuple[int, ...]:
 
 def _model_shape(model):
     """The cache-relevant shape of ``model`` (name, config or loaded model), or ``None`` if its config is unreadable."""
-    from kveval.planner.model_specs import load_model_spec
-
     if hasattr(model, "config") and not isinstance(model, dict):
         model = model.config
     try:
@@ -247,4 +245,11 @@ def parse_run_specs(policies, model=None, mode: str | None = None, kv_dtype=None
     return list(specs.values())
 
 
-__all__ = ["MODES", "RunSpec", "check_lengths", "parse_mode", "parse_run_specs"]
+def recorded_policy(info) -> PolicyStack:
+    """The policy a run recorded (``info.policy``, the spec of a :class:`~kveval.runs.records.RunInfo`) as the typed
+    stack, parsed here once for whoever loads the run; a :class:`~kveval.errors.PolicySpecError` where this process
+    does not know it (a policy registered in the process that ran it)."""
+    return parse_policy(info.policy)
+
+
+__all__ = ["MODES", "RunSpec", "check_lengths", "parse_mode", "parse_run_specs", "recorded_policy"]

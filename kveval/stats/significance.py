@@ -26,6 +26,7 @@ import numpy as np
 from scipy import stats as _st
 
 from kveval.errors import UsageError
+from kveval.stats import paired
 
 __all__ = [
     "Interval",
@@ -347,8 +348,6 @@ def bootstrap_margin_test(
     [-1, 1] that never varied is no more certain than a right/wrong task with
     no flip), never a zero-width interval.
     """
-    from kveval.stats import paired
-
     a, b = _paired(baseline, candidate)
     diff = b - a
     est = float(diff.mean())

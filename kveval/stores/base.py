@@ -8,7 +8,7 @@ low-rank coefficients.
 Two dtypes
 ----------
 ``kv_dtype`` is the dtype a deployment's cache holds (bfloat16 or float16 in
-practice, see :func:`deployment_kv_dtype`): every full-precision token a store
+practice, see :func:`kveval.dtypes.deployment_kv_dtype`): every full-precision token a store
 keeps (dense tokens, the residual window of a quantized store, low-rank
 coefficients) is stored in it, on every device. ``compute_dtype`` is the dtype
 the model computes in (float32 on a CPU); ``keys_values`` hands K/V to
@@ -26,8 +26,6 @@ from typing import ClassVar
 
 import torch
 
-from kveval.dtypes import CACHE_DTYPE_NAMES
-from kveval.errors import UsageError
 from kveval.tensors.quantization import (
     QuantizedBlock,
     concat_blocks,
@@ -38,64 +36,6 @@ from kveval.tensors.quantization import (
     split_units,
     units_from,
 )
-
-KV_DTYPES = {alias: getattr(torch, name) for alias, name in CACHE_DTYPE_NAMES.items()}
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
-DEFAULT_KV_DTYPE = torch.bfloat16
-
-
-def parse_kv_dtype(value: "str | torch.dtype | None") -> "torch.dtype | None":
-    """The one reader of a cache dtype a user gives: a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``,
-    ``float32``) or a ``torch.dtype``; ``None``, ``auto`` or ``default`` is ``None``, the model's deployment dtype
-    (:func:`deployment_kv_dtype`). Anything else is a :class:`~kveval.errors.UsageError`."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto", "none", "default")):
-        return None
-    if isinstance(value, torch.dtype):
-        if value not in KV_DTYPES.values():
-            raise UsageError(f"kv_dtype={value} is not a cache dtype; use bfloat16, float16 or float32")
-        return value
-    name = str(value).strip().lower().removeprefix("torch.")
-    if name not in KV_DTYPES:
-        raise UsageError(f"kv_dtype={value!r} is not a cache dtype; use one of {', '.join(KV_DTYPES)}")
-    return KV_DTYPES[name]
-
-
-def cache_kv_dtype(model, kv_dtype: "torch.dtype | None") -> torch.dtype:
-    """The dtype ``model``'s cache holds tokens in: ``kv_dtype`` (parsed at the edge by :func:`parse_kv_dtype`), or
-    the deployment dtype when ``None``. A string here is a caller's bug: nothing below the edge parses one."""
-    if kv_dtype is None:
-        return deployment_kv_dtype(model)
-    if not isinstance(kv_dtype, torch.dtype) or kv_dtype not in KV_DTYPES.values():
-        raise TypeError(f"kv_dtype={kv_dtype!r}: pass a cache torch.dtype or None; parse user input with parse_kv_dtype")
-    return kv_dtype
-
-
-def deployment_kv_dtype(model) -> torch.dtype:
-    """The cache dtype ``model`` is deployed with, whatever dtype it computes in here.
-
-    ``model.kveval_kv_dtype`` when :func:`kveval.runner.models.load_model` recorded it
-    (the checkpoint's dtype, read before loading in float32 on a CPU); else the
-    model's own dtype when it is a 16-bit float; else bfloat16.
-    """
-    recorded = getattr(model, "kveval_kv_dtype", None)
-    if recorded is not None:
-        return parse_kv_dtype(recorded)
-    dtype = getattr(model, "dtype", None)
-    return dtype if dtype in _SIXTEEN_BIT else DEFAULT_KV_DTYPE
-
-
-def checkpoint_kv_dtype(config) -> torch.dtype:
-    """Cache dtype for a checkpoint with this config: its ``dtype`` when a 16-bit float, else bfloat16."""
-    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(declared, str):
-        declared = KV_DTYPES.get(declared.removeprefix("torch."))
-    return declared if declared in _SIXTEEN_BIT else DEFAULT_KV_DTYPE
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()

@@ -6,7 +6,7 @@ layer and KV head (``[H, T, D]`` tensors for one sequence):
 
 * **Keys per channel, before RoPE.** Keys reach the cache after RoPE; the store
   un-rotates each key at its original position (the exact inverse of the
-  model's own rotation, :class:`kveval.modeling.architectures.RopeHook`), quantizes that,
+  model's own rotation, :class:`kveval.modeling.rope.RopeHook`), quantizes that,
   and rotates the reconstruction back when attention reads it. Per channel
   ``c`` a range ``[lo_c, hi_c]`` is calibrated offline (the ``outliers / 2`` and
   ``1 - outliers / 2`` quantiles of the calibration keys), as the paper does
@@ -55,7 +55,7 @@ import torch
 
 from kveval.calibration.kv import calibration_kv_parts, load_versioned, save_atomic
 from kveval.errors import PolicySpecError, UsageError
-from kveval.modeling.architectures import rope_hook
+from kveval.modeling.rope import rope_hook
 from kveval.stores.base import BatchFamily, TokenStore, alive_order, alive_slots
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
@@ -124,7 +124,7 @@ class KVQuantCodec:
     ``key_mid``/``key_half``: ``[H, D]`` float32 per-channel centre and half-range
     (of pre-RoPE keys when ``rope`` is set); ``key_levels``/``value_levels``:
     ``[2**bits]`` sorted float32 codebooks in ``[-1, 1]``; ``outliers``: entries
-    per vector kept sparse; ``rope``: the layer's :class:`~kveval.modeling.architectures.RopeHook`,
+    per vector kept sparse; ``rope``: the layer's :class:`~kveval.modeling.rope.RopeHook`,
     ``None`` to quantize keys as they arrive (post-RoPE).
 
     A part that holds keys alone (DeepSeek V4's K=V entries, the indexer's keys: values of width 0) has an empty

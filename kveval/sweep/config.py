@@ -9,14 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import ConfigError
+from kveval.gate.config import GateConfig, load_gate_config
+from kveval.probes import FAMILIES
 from kveval.values import is_real, is_whole
 from kveval.yaml_files import load_yaml
 
 if TYPE_CHECKING:
     import torch
 
-    from kveval.gate.config import GateConfig
     from kveval.runner.runspec import RunSpec
 
 
@@ -66,9 +68,7 @@ class SweepConfig:
 
 def load_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML; every problem is one :class:`~kveval.errors.ConfigError` line."""
-    from kveval.probes import FAMILIES
-    from kveval.runner.runspec import RunSpec
-    from kveval.stores.base import dtype_name, parse_kv_dtype
+    from kveval.runner.runspec import RunSpec  # imports torch: kept off the path of rescore and the report
 
     path = Path(path)
     if not path.is_file():
@@ -137,7 +137,6 @@ def load_config(path: str | Path) -> SweepConfig:
     gate = raw.get("gate")
     if gate is not None:
         gate = _string(path, "gate", gate)
-        from kveval.gate.config import load_gate_config
 
         gate = load_gate_config(path.parent / gate)  # a bad gate file is reported now, before any model loads
         if not lm_eval:  # the runs' tasks are the probe families: a misspelt per-task key is known now too

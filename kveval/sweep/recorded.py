@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kveval.errors import KvevalError
+from kveval.modeling.sources import load_tokenizer as named_tokenizer
 from kveval.probes.sets import ProbeSet
 from kveval.runs.records import RUN_FILE, read_run_info
 from kveval.sweep.run import MANIFEST_FILE
@@ -61,7 +62,7 @@ def recorded_probe_items(run_dirs: Sequence[Path], load_tokenizer: Callable | No
     one that fails leaves a note naming the run and why, not an error: the report is still written.
     """
     if load_tokenizer is None:
-        from kveval.modeling.sources import load_tokenizer
+        load_tokenizer = named_tokenizer
     out, generated = RecordedItems(), {}
     for run_dir in run_dirs:
         try:

@@ -23,12 +23,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kveval.errors import RunFolderError, UsageError
-from kveval.runs.records import atomic_write_text
+from kveval.deployment import deployment_decision
+from kveval.errors import ResultFileError, RunFolderError, UsageError
+from kveval.gate.config import GateConfig
+from kveval.gate.report import write_gate_outputs
+from kveval.gate.rules import evaluate_sweep
+from kveval.gate.verdicts import exit_code, overall_status
+from kveval.lm_eval import register, tasks_dir
+from kveval.lm_eval.responses import ResponseStore
+from kveval.modeling.sources import load_tokenizer, resolve_device_dtype
+from kveval.probes.sets import ProbeSet
+from kveval.report.leaderboard import build_report
+from kveval.runs.fidelity import read_fidelity
+from kveval.runs.records import ItemWriter, atomic_write_text, holds, iter_items
+from kveval.runs.results import records_from_samples
 from kveval.sweep.config import SweepConfig
 
 if TYPE_CHECKING:
-    from kveval.gate.config import GateConfig
     from kveval.runner.runspec import RunSpec
     from kveval.sweep.executors import Cell, CellResult, Executor
 
@@ -133,7 +144,7 @@ def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> lis
     (they share each batch's prefill); ``None``: all of them, one cell per model
     and mode. Smaller cells spread further over workers, each repeating the prefill.
     """
-    from kveval.sweep.executors import Cell
+    from kveval.sweep.executors import Cell  # imports torch: kept off rescore's and report's path
 
     if policies_per_cell is not None and policies_per_cell < 1:
         raise UsageError(f"policies per cell = {policies_per_cell}; give 1 or more")
@@ -146,7 +157,7 @@ def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> lis
 
 
 def _specs_by_mode(config: SweepConfig) -> dict[str, list[RunSpec]]:
-    from kveval.policies.base import PolicyStack
+    from kveval.policies.base import PolicyStack  # imports torch: kept off rescore's and report's path
     from kveval.runner.runspec import RunSpec
 
     by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec(PolicyStack(), config.mode, config.kv_dtype)]}
@@ -172,7 +183,7 @@ class CellRunner:
         return {**self.__dict__, "_loaded": None}
 
     def _model(self, name: str):
-        from kveval.runner.models import load_model
+        from kveval.runner.models import load_model  # imports torch: kept off rescore's and report's path
 
         if self._loaded is None or self._loaded[0] != name:
             self._loaded = None  # free the previous model before the next one loads
@@ -181,7 +192,7 @@ class CellRunner:
 
     def _finished(self, cell: Cell, items: list) -> list[Path] | None:
         """The cell's run folders if every one is finished (:func:`unfinished`; finalized again), else None."""
-        from kveval.runner.evaluate import finalize_run, model_identity, run_dir_for
+        from kveval.runner.evaluate import finalize_run, model_identity, run_dir_for  # imports torch: off rescore's path
 
         identity = model_identity(cell.model)
         dirs = [run_dir_for(self.out, identity, spec.for_model(cell.model)) for spec in cell.specs]
@@ -193,7 +204,7 @@ class CellRunner:
 
     def _fidelity(self, model, tokenizer, cell: Cell, items: list, dirs: list[Path]) -> None:
         """``fidelity.jsonl`` for the cell's compressed policies, against the baseline in the cell's mode (resumable)."""
-        from kveval.policies.base import PolicyStack
+        from kveval.policies.base import PolicyStack  # imports torch: kept off rescore's and report's path
         from kveval.runner.fidelity import record_fidelity
         from kveval.runner.runspec import RunSpec
 
@@ -206,9 +217,7 @@ class CellRunner:
     def _noise_floor(self, cell: Cell, items: list, dirs: list[Path]) -> None:
         """Under ``noise_floor``: the cell's baseline again, items in reverse order at another batch size
         (:func:`noise_floor_batch_size`), into :func:`noise_floor_run` (resumable; no weights load once it is done)."""
-        from kveval.errors import ResultFileError
-        from kveval.runner.evaluate import evaluate_policies
-        from kveval.runs.records import iter_items
+        from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
 
         baseline = [(spec, d) for spec, d in zip(cell.specs, dirs) if spec.policy.is_none]
         if not self.config.noise_floor or not baseline:
@@ -232,8 +241,7 @@ class CellRunner:
         import torch
         from tqdm import tqdm
 
-        from kveval.modeling.sources import load_tokenizer
-        from kveval.runner.evaluate import evaluate_policies
+        from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
         from kveval.sweep.executors import CellResult
 
         config = self.config
@@ -260,7 +268,6 @@ class CellRunner:
 
 def sweep_items(config: SweepConfig, tokenizer) -> list:
     """The sweep's probe items for one model's tokenizer: every family at every length, in the config's order."""
-    from kveval.probes.sets import ProbeSet
 
     return ProbeSet(tokenizer=str(getattr(tokenizer, "kveval_name", "") or ""), families=config.families,
                     lengths=config.lengths, n=config.n, depths=config.depths, seed=config.seed,
@@ -271,9 +278,6 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
     """Why ``run_dir`` (``spec``'s run of the sweep) is not finished, or ``None`` where it holds every item (on its
     prompt), every lm-eval task and, under ``fidelity``, every item's fidelity. Another prompt under an item's id
     is not finished either: :func:`~kveval.runner.evaluate.evaluate_policies` then refuses the folder, naming it."""
-    from kveval.errors import ResultFileError
-    from kveval.runs.fidelity import read_fidelity
-    from kveval.runs.records import holds, iter_items
 
     try:
         records = list(iter_items(run_dir))
@@ -298,7 +302,7 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
 def sweep_runs(config: SweepConfig, out: Path) -> "list[tuple[str, RunSpec, Path]]":
     """The sweep's runs under ``out`` as ``(model, spec, run folder)``, in :func:`run_sweep`'s order (baseline first
     for each model)."""
-    from kveval.runner.evaluate import model_identity, run_dir_for
+    from kveval.runner.evaluate import model_identity, run_dir_for  # imports torch: kept off rescore's and report's path
 
     return [(model_name, spec, run_dir_for(out, model_identity(model_name), spec.for_model(model_name)))
             for model_name in config.models for specs in _specs_by_mode(config).values() for spec in specs]
@@ -349,8 +353,7 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     lock (:func:`sweep_lock`); cells only append items to their own run folders.
     Results do not depend on the executor or on ``policies_per_cell``.
     """
-    from kveval.modeling.sources import resolve_device_dtype
-    from kveval.runner.runspec import check_lengths
+    from kveval.runner.runspec import check_lengths  # imports torch: kept off rescore's and report's path
     from kveval.sweep.executors import InProcessExecutor
 
     for model_name in config.models:  # every spec and length against every model's config.json, before any weights load
@@ -414,17 +417,13 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
     lm-eval once per policy still missing it, exactly as a separate run would
     (its own :class:`~kveval.lm_eval.model.KVEvalLM`), but the first of those
     runs prefills every request once for all of them and the others' runs are
-    answered from a :class:`~kveval.lm_eval.model.ResponseStore` (identical
+    answered from a :class:`~kveval.lm_eval.responses.ResponseStore` (identical
     samples and measured bytes). A task's samples are written only once lm-eval
     has finished it for that policy, so a sweep killed between two policies
     reruns only the policies not written, and never records half a task.
     """
     import lm_eval
 
-    from kveval.lm_eval import register, tasks_dir
-    from kveval.lm_eval.model import ResponseStore
-    from kveval.runs.records import ItemWriter, iter_items
-    from kveval.runs.results import records_from_samples
 
     done = [{r.metrics.get("lm_eval_task") for r in iter_items(d)} for d in run_dirs]
     if all(set(settings["tasks"]) <= finished for finished in done):
@@ -456,10 +455,6 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision;
     ``probes``: the sweep's probe items by prompt hash, where the caller holds them, for the report's item views.
     """
-    from kveval.gate.deployment import deployment_decision
-    from kveval.gate.report import write_gate_outputs
-    from kveval.gate.rules import evaluate_sweep, exit_code, overall_status
-    from kveval.report.leaderboard import build_report
 
     floors = {str(d): noise_floor_run(out, d) for d in run_dirs if noise_floor_run(out, d).is_dir()}
     results = evaluate_sweep(gate_config, run_dirs, noise_floors=floors)

@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 from kveval.dtypes import CACHE_DTYPE_BYTES
 from kveval.errors import UsageError
-from kveval.gate.rules import PASS, GateResult
+from kveval.gate.verdicts import PASS, GateResult
+from kveval.planner import memory
 
 
 @dataclass
@@ -64,8 +65,6 @@ def add_deployment_arguments(parser) -> None:
 def deployment_of(args) -> dict | None:
     """The deployment question :func:`add_deployment_arguments`' options ask, checked before anything runs
     (``None``: none asked); the keyword arguments of :func:`deployment_decision`."""
-    from kveval.errors import UsageError
-
     if args.gpu_memory and not args.context:
         raise UsageError("--gpu-memory needs --context (target tokens per sequence) and optionally --batch")
     if not args.gpu_memory:
@@ -80,8 +79,6 @@ def check_deployment_inputs(gpu_memory: str, context: int, batch: int = 1, headr
                             weights: str | None = None) -> float:
     """Refuse a deployment question that cannot be asked (``ValueError``, one line), before a sweep or gate runs;
     the headroom as a fraction."""
-    from kveval.planner import memory
-
     memory.parse_size(gpu_memory, "gpu_memory")
     if weights is not None:
         memory.parse_size(weights, "weights")
@@ -104,8 +101,6 @@ def deployment_decision(
     (no parameter count for its weights, a baseline policy it does not model)
     gets a "not decided" line, and the gate's verdicts stand.
     """
-    from kveval.planner import memory
-
     fraction = check_deployment_inputs(gpu_memory, context, batch, headroom, weights)
     out = []
     for r in [results] if isinstance(results, GateResult) else list(results):
@@ -121,7 +116,7 @@ def deployment_decision(
 
 def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, headroom: float,
             weights: str | None) -> Deployment:
-    from kveval.policies.spec import parse_policy
+    from kveval.runner.runspec import recorded_policy  # the policy registry loads torch: only once a question is asked
 
     runs = [(r.baseline.name, r.baseline, PASS)] + [(c.name, c.info, c.status) for c in r.candidates if c.info]
     budget = memory.max_fit(r.baseline.model, gpu_memory, weights, context=context, headroom=headroom).cache_budget_bytes
@@ -129,8 +124,8 @@ def _decide(r: GateResult, memory, gpu_memory: str, context: int, batch: int, he
     unplanned: dict[str, str] = {}
     for name, info, _ in runs:
         try:
-            # run.json records the policy as its spec: read here, at the edge where the decision reads the run
-            stack = parse_policy(info.policy)
+            # run.json records the policy as its spec: read once, where the decision loads the run
+            stack = recorded_policy(info)
             plan = memory.plan(info.model, context, batch, policy=stack, dtype_bytes=_element_bytes(info),
                                achieved_ratio=info.achieved_ratio.get("mean"))  # a threshold is sized at it
         except ValueError as exc:  # a policy the planner does not model, or one that does not fit the model
