@@ -69,7 +69,16 @@ def test_eval_refuses_to_write_into_a_finished_sweep_and_changes_nothing(sweep, 
     before = tree_digest(sweep)
     code, _, err = kveval(capsys, "eval", "--policy", "knorm(ratio=0.5)", "--n", "5", "--out", sweep)
     refused(code, err, str(sweep), "kveval sweep", "quickstart", "--out a new folder")
+    runs = sweep / "runs" / "smollm2-135m"
+    for argv in (["report", runs, "--out", sweep / "report"],
+                 ["gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate", runs / RANDOM, "--out",
+                  sweep / "gate"]):
+        code, _, err = kveval(capsys, *argv)
+        refused(code, err, "holds the sweep 'quickstart'", f"kveval {argv[0]} does not write into it",
+                "kveval rescore")
     assert tree_digest(sweep) == before
+    code, _, err = kveval(capsys, "report", runs, "--out", sweep / "my-own-report")  # a folder of one's own: fine
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -103,29 +112,29 @@ def test_report_refuses_a_gate_whose_verdict_was_edited(sweep, capsys, status):
     candidate = next(c for c in data["results"][0]["candidates"] if c["status"] == "FAIL")
     candidate["status"] = status
     path.write_text(json.dumps(data, indent=2))
-    code, _, err = kveval(capsys, "report", sweep, "--gate", sweep / "gate", "--out", sweep / "report2")
+    code, _, err = kveval(capsys, "report", sweep, "--gate", sweep / "gate", "--out", sweep.parent / "report2")
     refused(code, err, "gate.json", candidate["name"], f"status '{status}' recorded, the runs give 'FAIL'")
-    assert not (sweep / "report2" / "leaderboard.md").exists()
+    assert not (sweep.parent / "report2" / "leaderboard.md").exists()
 
 
 def test_report_shows_a_gate_whose_verdicts_its_runs_give(sweep, capsys):
-    code, out, err = kveval(capsys, "report", sweep, "--gate", sweep / "gate", "--out", sweep / "report2")
+    code, out, err = kveval(capsys, "report", sweep, "--gate", sweep / "gate", "--out", sweep.parent / "report2")
     assert code == 0, err
-    board = (sweep / "report2" / "leaderboard.md").read_text()
+    board = (sweep.parent / "report2" / "leaderboard.md").read_text()
     assert "| PASS |" in board and "| FAIL |" in board
 
 
 def test_a_gate_written_now_carries_a_digest_of_its_verdicts_and_an_edit_is_named(sweep, capsys):
     runs = sweep / "runs" / "smollm2-135m"
     code, _, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate",
-                          runs / RANDOM, "--out", sweep / "gate2")
+                          runs / RANDOM, "--out", sweep.parent / "gate2")
     assert code == 1, err
-    path = sweep / "gate2" / "gate.json"
+    path = sweep.parent / "gate2" / "gate.json"
     data = json.loads(path.read_text())
     assert re.fullmatch(r"[0-9a-f]{64}", data["verdicts_sha256"])
     data["candidates"][0]["reasons"] = ["looked fine to me"]
     path.write_text(json.dumps(data, indent=2))
-    code, _, err = kveval(capsys, "report", runs / BASE, runs / RANDOM, "--gate", path, "--out", sweep / "r")
+    code, _, err = kveval(capsys, "report", runs / BASE, runs / RANDOM, "--gate", path, "--out", sweep.parent / "r")
     refused(code, err, "edited after kveval wrote it", "verdicts_sha256")
 
 
@@ -157,7 +166,7 @@ def test_items_that_contradict_themselves_are_refused_naming_the_item(sweep, cap
     runs = sweep / "runs" / "smollm2-135m"
     edit_items(runs / RANDOM, edit)
     for argv in (["gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate", runs / RANDOM],
-                 ["report", runs / BASE, runs / RANDOM, "--out", sweep / "r"],
+                 ["report", runs / BASE, runs / RANDOM, "--out", sweep.parent / "r"],
                  ["compare", runs / BASE, runs / RANDOM]):
         code, _, err = kveval(capsys, *argv)
         refused(code, err, needle, str(runs / RANDOM))

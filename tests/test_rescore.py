@@ -147,10 +147,12 @@ def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_p
     assert cli.main(["rescore", str(config), "--out", str(out)]) == 0
     assert {d: (d / ITEMS_FILE).read_text() for d in original} == original
     gate_after = json.loads((out / "gate" / "gate.json").read_text().replace(str(out), "results/quickstart"))
+    assert gate_after.pop("verdicts_sha256")  # of the rebuilt file's own content, its paths included
     judged = [c.pop("judged") for r in gate_after["results"] for c in r["candidates"]]
     assert {j["candidate"]["items_sha256"] for j in judged} == {  # what the rebuilt gate judged: these runs' items
         hashlib.sha256(text.encode()).hexdigest() for d, text in original.items() if d.name != "none"}
     before = json.loads(gate_before)  # a committed gate from before gates recorded what they judged, or after
+    before.pop("verdicts_sha256", None)
     for r in before["results"]:
         for c in r["candidates"]:
             c.pop("judged", None)

@@ -13,7 +13,7 @@ from kveval.runner.evaluate import evaluate_policies
 from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
 from kveval.runner.runspec import check_lengths, parse_run_specs
 from kveval.runs.records import iter_items, read_run_info
-from kveval.sweep.run import refuse_sweep_folder
+from kveval.runs.ownership import refuse_sweep_folder
 
 
 def configure(parser) -> None:
@@ -38,7 +38,8 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
-    refuse_sweep_folder(Path(args.out), "eval")  # before anything loads: a sweep's folder is the sweep's
+    refuse_sweep_folder(Path(args.out), "eval", "give --out a new folder, or add the policy to that config and "
+                                                "run kveval sweep again")  # before anything loads
     if args.n < 1 or args.batch_size < 1:
         raise UsageError(f"--n {args.n} --batch-size {args.batch_size}: both count items, at least 1")
     # Parsed and checked against the model's config.json before the weights load.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from kveval.errors import EXIT_PASS, UsageError
 from kveval.gate.config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
@@ -14,6 +15,7 @@ from kveval.deployment import add_deployment_arguments, deployment_decision, dep
 from kveval.gate.report import write_gate_outputs
 from kveval.gate.rules import evaluate_gate
 from kveval.gate.verdicts import ERROR, INCONCLUSIVE
+from kveval.runs.ownership import refuse_sweep_folder
 from kveval.stats import paired
 
 
@@ -75,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.baseline or not args.candidate:
         raise UsageError("give --baseline RUN and at least one --candidate RUN (or --plan)")
     deploy = deployment_of(args)  # asked before any run loads
+    if args.out:
+        refuse_sweep_folder(Path(args.out), "gate", "give --out a new folder; kveval rescore CONFIG rebuilds a "
+                                                    "sweep's own gate")
     result = evaluate_gate(cfg, args.baseline, args.candidate, metric=args.metric, noise_floor=args.noise_floor)
     # Sized before anything is printed or written: what cannot be sized is one line (exit 2), never a FAIL hidden
     # behind an error after the verdicts.

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kveval.report.leaderboard import build_report
+from kveval.runs.ownership import refuse_sweep_folder
 from kveval.runs.results import expand_run_dirs
 from kveval.sweep.recorded import recorded_probe_items
 
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
         for note in recorded.notes:
             print(f"kveval report: warning: {note}", file=sys.stderr)
         probes = recorded.items
+    refuse_sweep_folder(Path(args.out), "report", "give --out a new folder; kveval rescore CONFIG rebuilds a "
+                                                  "sweep's own report")
     paths = build_report(args.runs, args.out, gate_result=args.gate, n_resamples=args.resamples, seed=args.seed,
                          probes=probes)
     print(Path(paths["markdown"]).read_text(encoding="utf-8"))

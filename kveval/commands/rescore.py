@@ -27,7 +27,8 @@ from kveval.errors import UsageError
 from kveval.runs.records import atomic_write_text
 from kveval.sweep.config import load_config
 from kveval.sweep.rescore import RescoredRun, describe, rescore_eval_folders, rescore_sweep
-from kveval.sweep.run import MANIFEST_FILE, read_manifest, running_code, summarize, sweep_lock
+from kveval.runs.ownership import MANIFEST_FILE
+from kveval.sweep.run import read_manifest, running_code, summarize, sweep_lock
 
 
 def configure(parser) -> None:

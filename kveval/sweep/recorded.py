@@ -19,7 +19,7 @@ from kveval.errors import KvevalError
 from kveval.modeling.sources import load_tokenizer as named_tokenizer
 from kveval.probes.sets import ProbeSet
 from kveval.runs.records import RUN_FILE, read_run_info
-from kveval.sweep.run import MANIFEST_FILE
+from kveval.runs.ownership import MANIFEST_FILE
 
 
 @dataclass

@@ -27,7 +27,8 @@ from kveval.probes import score_answer
 from kveval.probes.item import read_probe_items
 from kveval.probes.sets import ProbeSet
 from kveval.runs.records import ITEMS_FILE, RUN_FILE, ItemRecord, read_items, read_run_info, replace_items
-from kveval.sweep.run import MANIFEST_FILE, sweep_items, sweep_runs, unfinished
+from kveval.runs.ownership import MANIFEST_FILE
+from kveval.sweep.run import sweep_items, sweep_runs, unfinished
 
 
 @dataclass(frozen=True)

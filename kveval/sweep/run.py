@@ -35,6 +35,7 @@ from kveval.modeling.sources import load_tokenizer, resolve_device_dtype
 from kveval.probes.sets import ProbeSet
 from kveval.report.leaderboard import build_report
 from kveval.runs.fidelity import read_fidelity
+from kveval.runs.ownership import MANIFEST_FILE
 from kveval.runs.records import ItemWriter, atomic_write_text, holds, iter_items
 from kveval.runs.results import records_from_samples
 from kveval.sweep.config import SweepConfig
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
 
 #: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
 LOCK_FILE = ".kveval-sweep.lock"
-#: What a sweep folder's config and code were (:func:`read_manifest`).
-MANIFEST_FILE = "manifest.json"
 #: Where each model's baseline, run a second time in another batch arrangement, goes: ``<out>/noise_floor/runs/...``,
 #: beside ``<out>/runs/`` and never among the runs that are reported and gated as candidates.
 NOISE_FLOOR_DIR = "noise_floor"
@@ -324,24 +323,6 @@ def read_manifest(out: Path, config: SweepConfig, remedy: str | None = None) -> 
     if manifest.get("config_hash") != config.hash:
         raise RunFolderError(f"{out} holds a sweep with another config (hash {manifest.get('config_hash')}); {remedy}")
     return manifest
-
-
-def refuse_sweep_folder(out: Path, command: str) -> None:
-    """Refuse (:class:`RunFolderError`, one line) to let ``kveval <command>`` write into ``out`` where a sweep made it:
-    its manifest, runs, gate and report belong to that sweep and its config, and a run added from elsewhere would
-    leave them unpaired (the sweep could not even resume)."""
-    path = out / MANIFEST_FILE
-    if not path.is_file():
-        return
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        manifest = {}
-    manifest = manifest if isinstance(manifest, dict) else {}
-    made_by = f"kveval sweep {manifest['config_path']}" if manifest.get("config_path") else "kveval sweep"
-    raise RunFolderError(f"{out} holds the sweep {manifest.get('name', '?')!r} made by {made_by} (config hash "
-                         f"{manifest.get('config_hash')}); kveval {command} does not write into it: give --out a new "
-                         f"folder, or add the policy to that config and run kveval sweep again")
 
 
 def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Executor | None = None,
