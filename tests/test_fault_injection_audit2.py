@@ -132,7 +132,7 @@ def test_a_gate_written_now_carries_a_digest_of_its_verdicts_and_an_edit_is_name
     path = sweep.parent / "gate2" / "gate.json"
     data = json.loads(path.read_text())
     assert re.fullmatch(r"[0-9a-f]{64}", data["verdicts_sha256"])
-    data["candidates"][0]["reasons"] = ["looked fine to me"]
+    data["candidates"][0]["tasks"][0]["lower_bound"] = 0.5  # no verdict changes: only the digest shows the edit
     path.write_text(json.dumps(data, indent=2))
     code, _, err = kveval(capsys, "report", runs / BASE, runs / RANDOM, "--gate", path, "--out", sweep.parent / "r")
     refused(code, err, "edited after kveval wrote it", "verdicts_sha256")

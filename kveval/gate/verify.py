@@ -86,12 +86,8 @@ def check_gate_file(data: Mapping[str, Any], source: Path, runs: Mapping[str, Ru
     Each result is judged again: its recorded config over its baseline and candidates (``runs``: loaded runs or
     folders by run name, as a report holds them; else the folders the file records, :func:`locate_run`) and its
     noise floor where one was measured. The overall status, each candidate's status and reasons and each task's
-    status must equal the recorded ones. A file whose digest does not match its content is refused first.
+    status must equal the recorded ones; then the file's digest must match its content (an edit no verdict shows).
     """
-    recorded_digest = data.get(VERDICTS_DIGEST)
-    if recorded_digest is not None and recorded_digest != verdicts_digest(data):
-        raise ResultFileError(f"{source}: edited after kveval wrote it (its {VERDICTS_DIGEST} does not match its "
-                              f"content); run kveval gate again to rebuild it")
     runs = dict(runs or {})
     results = gate_results(data)
     known_tasks = sorted({t for r in results for t in r.get("tasks") or []})
@@ -105,6 +101,12 @@ def check_gate_file(data: Mapping[str, Any], source: Path, runs: Mapping[str, Ru
     if "results" in data and data.get("status") not in statuses:
         raise ResultFileError(f"{source}: overall status {data.get('status')!r} is none of its results' "
                               f"({', '.join(map(str, statuses))}); run kveval gate again to rebuild it")
+    # Last: what the runs decide is named above as a difference; an edit that changes no verdict (a note, a bound)
+    # is caught here.
+    recorded_digest = data.get(VERDICTS_DIGEST)
+    if recorded_digest is not None and recorded_digest != verdicts_digest(data):
+        raise ResultFileError(f"{source}: edited after kveval wrote it (its {VERDICTS_DIGEST} does not match its "
+                              f"content); run kveval gate again to rebuild it")
 
 
 def _judge_again(recorded: Mapping[str, Any], source: Path, runs: dict[str, Run | Path], known_tasks: list[str]):
