@@ -180,13 +180,11 @@ _TORCH_FREE_COMMANDS = [
                  1, id="gate"),
     pytest.param(["report", "results/quickstart", "--out", "{tmp}/report"], 0, id="report"),
     pytest.param(["rescore", "configs/quickstart.yaml", "--out", "results/quickstart", "--dry-run"], 0,
-                 id="rescore-dry-run",
-                 marks=pytest.mark.xfail(strict=False, reason="a sweep config's policy specs are parsed through the "
-                                         "policy registry, which imports every policy module (torch) until it "
-                                         "imports them on first use")),
-    pytest.param(["memory", "llama-3.1-8b", "--context", "32768", "--batch", "8"], 0, id="memory",
-                 marks=pytest.mark.xfail(strict=False, reason="the planner reaches the policy registry and the "
-                                         "cache's checks, which import torch, until they move below both")),
+                 id="rescore-dry-run"),
+    pytest.param(["memory", "llama-3.1-8b", "--context", "32768", "--batch", "8", "--policy",
+                  "snapkv(ratio=0.5)+kivi(bits=4)"], 0, id="memory"),
+    pytest.param(["memory", "deepseek-v4-flash", "--context", "128k", "--policy", "knorm(ratio=0.5)+fp8"], 0,
+                 id="memory-deepseek"),
 ]
 _PROBE = """import json, sys
 from kveval.commands.main import main

@@ -6,7 +6,8 @@ import pytest
 
 from kveval.errors import RunFolderError
 from kveval.probes.item import ProbeItem, prompt_hash
-from kveval.runner.evaluate import evaluate_policies, model_folder, model_identity
+from kveval.runner.evaluate import evaluate_policies
+from kveval.runner.runspec import model_folder, model_identity
 from kveval.runs.records import read_items, read_run_info
 
 from cache_runs import specs_of

@@ -72,7 +72,7 @@ def _check_kveval_args(args) -> None:
         return
     # imported after main() set HF_HUB_OFFLINE: huggingface_hub reads it once, when transformers first loads it
     from kveval.lm_eval.arguments import policy_from_arg
-    from kveval.runner.generation import MODES
+    from kveval.runner.runspec import MODES
 
     policy_from_arg(args.model_args.get("policy", "none"))
     compress = args.model_args.get("compress", "context")

@@ -130,7 +130,8 @@ from kveval.modeling.rope import check_rope_batch, rope_switches
 from kveval.modeling.sources import load_tokenizer
 from kveval.policies.base import PolicyStack
 from kveval.runner import models  # models.load_model, looked up when called (tests stand a fake in)
-from kveval.runner.evaluate import hardware_of, model_identity
+from kveval.runner.evaluate import hardware_of
+from kveval.runner.runspec import model_identity
 from kveval.runner.generation import (
     MODES,
     Prompt,

@@ -582,6 +582,16 @@ class PolicyStack:
     def is_none(self) -> bool:
         return self.selection is None and self.structure is None and self.quantization is None
 
+    def with_policy(self, policy: "Policy") -> "PolicyStack":
+        """This stack with ``policy`` in its family's place, refused (:class:`PolicySpecError`) where one is there."""
+        taken = {"selection": self.selection, "structure": self.structure, "quantization": self.quantization}
+        if policy.family not in taken:
+            raise PolicySpecError(f"{policy.name}: family {policy.family!r} is none of {', '.join(FAMILY_ORDER)}")
+        if taken[policy.family] is not None:
+            raise PolicySpecError(f"two {policy.family} policies ({taken[policy.family].spec()}, {policy.spec()}); "
+                                  f"stack at most one each of {', '.join(FAMILY_ORDER)}")
+        return PolicyStack(**{**taken, policy.family: policy})
+
     def __str__(self) -> str:
         return self.spec
 

@@ -82,15 +82,17 @@ def check_policy(config, stack) -> None:
             f"{selection.spec()}: some of this {name} model's layers reuse an earlier layer's top-k slots, which "
             f"name the same tokens only where every layer keeps the same ones; use "
             f"{' or '.join(_names(Placement.SAME_TOKENS_EVERY_LAYER, 'selection'))}")
-    quantizers = ", ".join(_names(Placement.PARTS, "quantization"))
+    def quantizers() -> str:  # named only in a refusal: listing them imports every policy module
+        return ", ".join(_names(Placement.PARTS, "quantization"))
+
     if stack.structure is not None and not stack.structure.supports(Placement.PARTS):
         raise UnsupportedModelError(
             f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
-            f"kveval has no low-rank basis for its parts: evaluate a quantization ({quantizers})")
+            f"kveval has no low-rank basis for its parts: evaluate a quantization ({quantizers()})")
     quantization = stack.quantization
     if quantization is not None and not quantization.supports(Placement.PARTS):
         raise UnsupportedModelError(
-            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {quantizers} only; use one of those")
+            f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {quantizers()} only; use one of those")
     if quantization is not None and Need.ROPE_HOOK in quantization.needs:
         raise UnsupportedModelError(
             f"{quantization.spec()}: keys before RoPE need kveval's RoPE hook, which {name} has none of (its "

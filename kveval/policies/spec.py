@@ -184,9 +184,11 @@ def parse_policy(spec: "str | PolicyStack | None") -> PolicyStack:
         policy = parse_term(term)
         if policy.family == "none":
             continue
-        if getattr(stack, policy.family) is not None:
-            raise PolicySpecError(f"policy spec {spec!r} has two {policy.family} policies; stack at most one each of {', '.join(FAMILY_ORDER)}")
-        setattr(stack, policy.family, policy)
+        try:
+            stack = stack.with_policy(policy)
+        except PolicySpecError:
+            raise PolicySpecError(f"policy spec {spec!r} has two {policy.family} policies; stack at most one each of "
+                                  f"{', '.join(FAMILY_ORDER)}") from None
     if stack.selection is not None and stack.selection.per_head_budgets and stack.structure is not None:
         raise PolicySpecError(f"policy spec {spec!r}: {stack.selection.name} keeps a different number of tokens per head, "
                               f"which {stack.structure.name} cannot store; stack it with quantization only")

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kveval.errors import UsageError
+from kveval.gate.verdicts import GateResult
 from kveval.gate.verify import check_gate_file, read_gate_file
 from kveval.runs.records import ResultFileError
 from kveval.runs.results import Run, expand_run_dirs, load_run, run_digest
@@ -157,7 +158,7 @@ def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
         return None
     if isinstance(gate_result, dict):
         return _flatten_gate(gate_result)
-    if hasattr(gate_result, "to_dict"):
+    if isinstance(gate_result, GateResult):
         return gate_result.to_dict()
     if isinstance(gate_result, (list, tuple)):
         return {"candidates": [c for r in gate_result for c in load_gate_result(r)["candidates"]]}

@@ -11,19 +11,16 @@ written.
 
 from __future__ import annotations
 
-import hashlib
-import re
 import statistics
 from pathlib import Path
 
 from kveval.dtypes import deployment_dtype_name
 from kveval.errors import PolicySpecError, RunFolderError, UsageError
-from kveval.modeling.sources import EMBEDDED
 from kveval.probes import encode_item, score_answer
 from kveval.runner.fidelity import record_fidelity
 from kveval.runner import generation  # generation.generate_each, looked up when called (tests stand a spy in)
 from kveval.runner.generation import Prompt, check_batch_size, check_request, forward_batch_size
-from kveval.runner.runspec import RunSpec, recorded_policy
+from kveval.runner.runspec import RunSpec, model_folder, model_identity, recorded_policy, run_dir_for
 from kveval.runs.records import (
     ItemRecord,
     ItemWriter,
@@ -34,47 +31,6 @@ from kveval.runs.records import (
     read_run_info,
     write_run_info,
 )
-
-
-def run_slug(text: str) -> str:
-    """A folder name for a model or policy spec: ``snapkv(ratio=0.5)+kivi(bits=4)`` -> ``snapkv_ratio-0.5+kivi_bits-4``."""
-    text = text.replace("=", "-").replace(",", "_").replace("(", "_").replace(")", "")
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text).strip("_") or "none"
-
-
-def model_identity(name: str, revision: str | None = None) -> dict:
-    """Which model ``name`` is, exactly: ``{"name", "source", "revision", "hash"}``.
-
-    ``source`` is ``embedded:<name>`` for an embedded model, the resolved
-    absolute path of a local folder or ``.gguf`` file, else the Hub id;
-    ``revision`` is the Hub revision (``main`` unless given; ``None`` for
-    local files). ``hash`` is the first 8 hex digits of SHA-256 over source
-    and revision: ``org1/M`` and ``org2/M``, or two ``.../final`` folders,
-    get different hashes.
-    """
-    name = str(name)
-    path = Path(name).expanduser()
-    if name in EMBEDDED:
-        source, revision = f"embedded:{name}", None
-    elif path.exists() or path.suffix == ".gguf":
-        source, revision = str(path.resolve()), None
-    else:
-        source, revision = name, revision or "main"
-    digest = hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
-    return {"name": name, "source": source, "revision": revision, "hash": digest}
-
-
-def model_folder(identity: dict) -> str:
-    """Folder name of a model's runs: an embedded model's name, else ``<last path part>-<hash>``."""
-    if identity["source"].startswith("embedded:"):
-        return run_slug(identity["name"])
-    return f"{run_slug(Path(identity['name']).name)}-{identity['hash']}"
-
-
-def run_dir_for(root: Path, identity: dict, spec: RunSpec) -> Path:
-    """``<root>/runs/<model folder>/<policy slug>[@query][@kv-<dtype>]``."""
-    suffix = ("@query" if spec.effective_mode == "query" else "") + (f"@kv-{spec.kv_dtype_name}" if spec.kv_dtype is not None else "")
-    return Path(root) / "runs" / model_folder(identity) / (run_slug(spec.spec) + suffix)
 
 
 def _record(item, result, score) -> ItemRecord:

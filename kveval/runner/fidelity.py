@@ -40,13 +40,13 @@ from kveval.probes import encode_item
 from kveval.runner import generation  # generation.prefill_prompts, looked up when called (tests stand a spy in)
 from kveval.runner.generation import (
     Prompt,
-    check_mode,
     check_request,
     eos_ids,
     forward_rows,
     reconstruct_and_compress,
     row_limits,
 )
+from kveval.runner.runspec import check_mode
 from kveval.runs.fidelity import FIDELITY_FILE, FidelityItem, cut_partial_line, read_fidelity
 
 # ----------------------------------------------------------------------------- distributions

@@ -44,10 +44,10 @@ from kveval.modeling.rope import check_rope_batch, reset_rope_lengths, rope_swit
 from kveval.policies.base import PolicyStack, require_stack
 from kveval.probes.prompts import encode_text
 from kveval.runner.prefixes import plan_prefixes, serve_prefixes
+from kveval.runner.runspec import MODES, check_mode
 from kveval.tensors.batch_buffer import uploaded
 from kveval.values import is_whole
 
-MODES = ("context", "query")
 
 
 @dataclass
@@ -231,15 +231,6 @@ def row_limits(max_new_tokens: "int | Sequence[int]", rows: int) -> list[int]:
         return list(max_new_tokens)
     raise UsageError(f"max_new_tokens={max_new_tokens!r} must be an integer of at least 1, or a list of one such "
                      f"integer per prompt ({rows})")
-
-
-def check_mode(policy: "PolicyStack | None", mode: str) -> None:
-    """Refuse a query-agnostic reconstruction (KVzip) in ``query`` mode, where the question would sit between the
-    context and the tokens that repeat it (one line)."""
-    selection = policy.selection if policy is not None else None  # policy None: the baseline
-    if mode == "query" and selection is not None and selection.reconstructs:
-        raise UsageError(f"{policy.spec}: KVzip reconstructs the context before any question is seen; "
-                         f"run it in mode 'context' (--mode context)")
 
 
 def check_batch_size(batch_size) -> None:

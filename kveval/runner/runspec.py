@@ -17,8 +17,10 @@ head width.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,15 +29,24 @@ from kveval.policies.compatibility import check_policy, refuse_indexer_term, ref
 from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
 from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
+from kveval.modeling.sources import EMBEDDED
 from kveval.planner.model_specs import load_model_spec
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
-from kveval.runner.generation import check_mode
 
 if TYPE_CHECKING:
     import torch
 
 MODES = ("context", "query")
+
+
+def check_mode(policy: "PolicyStack | None", mode: str) -> None:
+    """Refuse a query-agnostic reconstruction (KVzip) in ``query`` mode, where the question would sit between the
+    context and the tokens that repeat it (one line)."""
+    selection = policy.selection if policy is not None else None  # policy None: the baseline
+    if mode == "query" and selection is not None and selection.reconstructs:
+        raise UsageError(f"{policy.spec}: KVzip reconstructs the context before any question is seen; "
+                         f"run it in mode 'context' (--mode context)")
 
 
 def parse_mode(mode: str | None, default: str = "context") -> str:
@@ -252,4 +263,49 @@ def recorded_policy(info) -> PolicyStack:
     return parse_policy(info.policy)
 
 
-__all__ = ["MODES", "RunSpec", "check_lengths", "parse_mode", "parse_run_specs", "recorded_policy"]
+
+# --- where a run of a spec lives -------------------------------------------------------------------------------
+
+def run_slug(text: str) -> str:
+    """A folder name for a model or policy spec: ``snapkv(ratio=0.5)+kivi(bits=4)`` -> ``snapkv_ratio-0.5+kivi_bits-4``."""
+    text = text.replace("=", "-").replace(",", "_").replace("(", "_").replace(")", "")
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text).strip("_") or "none"
+
+
+def model_identity(name: str, revision: str | None = None) -> dict:
+    """Which model ``name`` is, exactly: ``{"name", "source", "revision", "hash"}``.
+
+    ``source`` is ``embedded:<name>`` for an embedded model, the resolved
+    absolute path of a local folder or ``.gguf`` file, else the Hub id;
+    ``revision`` is the Hub revision (``main`` unless given; ``None`` for
+    local files). ``hash`` is the first 8 hex digits of SHA-256 over source
+    and revision: ``org1/M`` and ``org2/M``, or two ``.../final`` folders,
+    get different hashes.
+    """
+    name = str(name)
+    path = Path(name).expanduser()
+    if name in EMBEDDED:
+        source, revision = f"embedded:{name}", None
+    elif path.exists() or path.suffix == ".gguf":
+        source, revision = str(path.resolve()), None
+    else:
+        source, revision = name, revision or "main"
+    digest = hashlib.sha256(f"{source}@{revision}".encode()).hexdigest()[:8]
+    return {"name": name, "source": source, "revision": revision, "hash": digest}
+
+
+def model_folder(identity: dict) -> str:
+    """Folder name of a model's runs: an embedded model's name, else ``<last path part>-<hash>``."""
+    if identity["source"].startswith("embedded:"):
+        return run_slug(identity["name"])
+    return f"{run_slug(Path(identity['name']).name)}-{identity['hash']}"
+
+
+def run_dir_for(root: Path, identity: dict, spec: RunSpec) -> Path:
+    """``<root>/runs/<model folder>/<policy slug>[@query][@kv-<dtype>]``."""
+    suffix = ("@query" if spec.effective_mode == "query" else "") + (f"@kv-{spec.kv_dtype_name}" if spec.kv_dtype is not None else "")
+    return Path(root) / "runs" / model_folder(identity) / (run_slug(spec.spec) + suffix)
+
+
+__all__ = ["MODES", "RunSpec", "check_lengths", "check_mode", "model_folder", "model_identity", "parse_mode",
+           "parse_run_specs", "recorded_policy", "run_dir_for", "run_slug"]

@@ -65,7 +65,7 @@ class RunInfo:
         Dtype of the full-precision tokens the cache held (``None``: the model's deployment dtype).
     model_identity : dict
         Which model exactly: ``name``, ``source`` (resolved path or Hub id),
-        ``revision`` and ``hash`` (see :func:`kveval.runner.evaluate.model_identity`);
+        ``revision`` and ``hash`` (see :func:`kveval.runner.runspec.model_identity`);
         a run folder is never resumed for another identity.
     extra : dict
         Anything else worth recording (versions, calibration, timings).

@@ -13,13 +13,12 @@ from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import ConfigError
 from kveval.gate.config import GateConfig, load_gate_config
 from kveval.probes import FAMILIES
+from kveval.runner.runspec import RunSpec
 from kveval.values import is_real, is_whole
 from kveval.yaml_files import load_yaml
 
 if TYPE_CHECKING:
     import torch
-
-    from kveval.runner.runspec import RunSpec
 
 
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval",
@@ -68,7 +67,6 @@ class SweepConfig:
 
 def load_config(path: str | Path) -> SweepConfig:
     """Read and validate a sweep YAML; every problem is one :class:`~kveval.errors.ConfigError` line."""
-    from kveval.runner.runspec import RunSpec  # imports torch: kept off the path of rescore and the report
 
     path = Path(path)
     if not path.is_file():

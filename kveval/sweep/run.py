@@ -37,11 +37,12 @@ from kveval.report.leaderboard import build_report
 from kveval.runs.fidelity import read_fidelity
 from kveval.runs.ownership import MANIFEST_FILE
 from kveval.runs.records import ItemWriter, atomic_write_text, holds, iter_items
+from kveval.policies.base import PolicyStack
+from kveval.runner.runspec import RunSpec, check_lengths, model_identity, run_dir_for
 from kveval.runs.results import records_from_samples
 from kveval.sweep.config import SweepConfig
 
 if TYPE_CHECKING:
-    from kveval.runner.runspec import RunSpec
     from kveval.sweep.executors import Cell, CellResult, Executor
 
 #: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
@@ -156,9 +157,6 @@ def plan_cells(config: SweepConfig, policies_per_cell: int | None = None) -> lis
 
 
 def _specs_by_mode(config: SweepConfig) -> dict[str, list[RunSpec]]:
-    from kveval.policies.base import PolicyStack  # imports torch: kept off rescore's and report's path
-    from kveval.runner.runspec import RunSpec
-
     by_mode: dict[str, list[RunSpec]] = {config.mode: [RunSpec(PolicyStack(), config.mode, config.kv_dtype)]}
     for spec in config.policies:
         by_mode.setdefault(spec.mode, []).append(spec)
@@ -191,7 +189,7 @@ class CellRunner:
 
     def _finished(self, cell: Cell, items: list) -> list[Path] | None:
         """The cell's run folders if every one is finished (:func:`unfinished`; finalized again), else None."""
-        from kveval.runner.evaluate import finalize_run, model_identity, run_dir_for  # imports torch: off rescore's path
+        from kveval.runner.evaluate import finalize_run  # imports torch: off rescore's path
 
         identity = model_identity(cell.model)
         dirs = [run_dir_for(self.out, identity, spec.for_model(cell.model)) for spec in cell.specs]
@@ -301,7 +299,6 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
 def sweep_runs(config: SweepConfig, out: Path) -> "list[tuple[str, RunSpec, Path]]":
     """The sweep's runs under ``out`` as ``(model, spec, run folder)``, in :func:`run_sweep`'s order (baseline first
     for each model)."""
-    from kveval.runner.evaluate import model_identity, run_dir_for  # imports torch: kept off rescore's and report's path
 
     return [(model_name, spec, run_dir_for(out, model_identity(model_name), spec.for_model(model_name)))
             for model_name in config.models for specs in _specs_by_mode(config).values() for spec in specs]
@@ -334,7 +331,6 @@ def run_sweep(config: SweepConfig, out: Path, quiet: bool = False, executor: Exe
     lock (:func:`sweep_lock`); cells only append items to their own run folders.
     Results do not depend on the executor or on ``policies_per_cell``.
     """
-    from kveval.runner.runspec import check_lengths  # imports torch: kept off rescore's and report's path
     from kveval.sweep.executors import InProcessExecutor
 
     for model_name in config.models:  # every spec and length against every model's config.json, before any weights load
