@@ -572,9 +572,6 @@ def pair_runs(baseline: Run, candidate: Run) -> list[tuple[ItemRecord, ItemRecor
         raise ResultFileError(
             f"cannot pair a {baseline.source} result ({baseline.path}) with a {candidate.source} result ({candidate.path})"
         )
-    if Path(baseline.path).resolve() == Path(candidate.path).resolve():
-        raise ResultFileError(f"{baseline.path} is given as both baseline and candidate; a run compared with itself "
-                              f"shows nothing: give the compressed run as the candidate")
     identities = [run.info.model_identity for run in (baseline, candidate)]
     if any(identities) and not all(identities):
         lacking, other = (baseline, candidate) if not identities[0] else (candidate, baseline)
