@@ -280,3 +280,15 @@ def test_adaptive_with_its_floor_and_a_scale_in_range_still_parse():
 def test_an_indexer_term_on_a_model_without_an_indexer_is_refused_before_the_weights_load(capsys, argv):
     code, _, err = kveval(capsys, *argv)
     refused(code, err, "codes the DSA indexer's keys", "drop indexer=")
+
+
+def test_one_size_grammar_for_the_deployment_context(capsys):
+    """Issue 65: `gate --context 8k` was refused while `memory --context 8k` was read as 8,192 tokens."""
+    runs = QUICKSTART / "runs" / "smollm2-135m"
+    code, out, err = kveval(capsys, "gate", "--config", GATE_CPU, "--baseline", runs / BASE, "--candidate",
+                            runs / QUANT, "--gpu-memory", "24GiB", "--context", "8k")
+    assert code == 0 and "for 1 x 8192 tokens" in out, err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["gate", "--config", str(GATE_CPU), "--baseline", str(runs / BASE), "--candidate", str(runs / QUANT),
+                  "--gpu-memory", "24GiB", "--context", "8q"])
+    assert exit_.value.code == 2 and "'8q' is not a token count" in capsys.readouterr().err

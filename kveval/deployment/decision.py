@@ -16,6 +16,7 @@ from kveval.dtypes import CACHE_DTYPE_BYTES
 from kveval.errors import UsageError
 from kveval.gate.verdicts import PASS, GateResult
 from kveval.planner import memory
+from kveval.planner.units import token_count_arg
 
 
 @dataclass
@@ -55,7 +56,8 @@ def add_deployment_arguments(parser) -> None:
     """The deployment question's options, as ``kveval gate``, ``sweep`` and ``rescore`` take them (:func:`deployment_of`)."""
     deploy = parser.add_argument_group("deployment decision")
     deploy.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: name the policies whose cache fits and the one to deploy")
-    deploy.add_argument("--context", type=int, help="target context tokens (with --gpu-memory)")
+    deploy.add_argument("--context", type=token_count_arg("--context"),
+                        help="target context tokens, e.g. 32768 or 32k (with --gpu-memory)")
     deploy.add_argument("--batch", type=int, default=1, help="concurrent sequences (with --gpu-memory; default 1)")
     deploy.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free (default 0.1)")
     deploy.add_argument("--weights", help="model weight bytes, e.g. 16GB (default: parameters x 2 bytes, where the "

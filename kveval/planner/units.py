@@ -3,6 +3,7 @@ element widths checked, and bytes for people (``1.5 GiB``)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 
@@ -55,6 +56,19 @@ def parse_tokens(text, what: str = "context") -> int:
     if value != int(value):
         raise UsageError(f"{what}={text!r} is not a whole number of tokens")
     return int(value)
+
+
+def token_count_arg(what: str):
+    """An ``argparse`` type reading a token count the way :func:`parse_tokens` does (``8192``, ``8k``, ``1m``), so
+    that every command reads sizes by one grammar; a bad one is argparse's one-line error (exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            return parse_tokens(text, what)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = "token count"  # argparse names the type in its message
+    return parse
 
 
 def parse_headroom(value) -> float:
