@@ -27,6 +27,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kveval.errors import UsageError
+from kveval.planner.fit import stored_weights
 from kveval.planner.memory import human_bytes, parse_size, plan
 from kveval.planner.model_specs import load_model_spec
 from kveval.policies.spec import parse_policy
@@ -88,13 +89,21 @@ def _check_positive(value, what: str) -> int:
     return value
 
 
-def _weights(spec, weights, dtype_bytes: int, notes: list[str]) -> int:
+def _weights(spec, weights, dtype_bytes: int, notes: list[str], per_param=None) -> int:
+    """Given weights; else the checkpoint's as stored, where known; else parameters x ``per_param`` (default
+    ``dtype_bytes``)."""
     if weights is not None:
         return parse_size(weights, "weights")
+    if per_param is None and (stored := stored_weights(spec, notes)) is not None:
+        return stored[0]
+    if per_param is not None:
+        if not isinstance(per_param, (int, float)) or isinstance(per_param, bool) or not per_param > 0:
+            raise UsageError(f"weight_bytes_per_param={per_param!r} must be a positive number (2 = bf16, 1 = fp8)")
+        dtype_bytes = per_param
     if not spec.num_parameters:
         raise UsageError(f"cannot estimate the weights of {spec.name} from its config; give them, e.g. --weights 16GB")
     size = int(math.ceil(spec.num_parameters * dtype_bytes))
-    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {dtype_bytes} bytes = {human_bytes(size)}")
+    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {dtype_bytes:g} bytes = {human_bytes(size)}")
     return size
 
 
@@ -150,16 +159,17 @@ def _sliding_note(spec, engine: str, notes: list[str]) -> None:
 
 
 def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_model_len: int,
-              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None) -> EnginePlan:
+              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None,
+              weight_bytes_per_param: float | None = None) -> EnginePlan:
     """What ``vllm serve --gpu-memory-utilization U --max-model-len N --max-num-seqs S`` allocates on a GPU of
     ``gpu_memory``, and how many sequences of ``N`` tokens fit at each preset (see the module doc)."""
     spec = load_model_spec(model)
     gpu = parse_size(gpu_memory, "gpu_memory")
     utilization = _check_fraction(gpu_memory_utilization, "gpu_memory_utilization")
+    notes: list[str] = [spec.origin] if spec.origin else []
     max_model_len = _check_positive(max_model_len, "max_model_len")
     max_num_seqs = _check_positive(max_num_seqs, "max_num_seqs")
-    notes: list[str] = []
-    weight_bytes = _weights(spec, weights, dtype_bytes, notes)
+    weight_bytes = _weights(spec, weights, dtype_bytes, notes, weight_bytes_per_param)
     extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
     if not extra:
         notes.append("overhead 0: vLLM also subtracts the profile run's peak activations, CUDA graphs and non-torch "
@@ -189,7 +199,7 @@ def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_mod
 
 
 def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weights=None, overhead=0,
-                  dtype_bytes: int = 2, presets=None) -> EnginePlan:
+                  dtype_bytes: int = 2, presets=None, weight_bytes_per_param: float | None = None) -> EnginePlan:
     """What ``llama-server --ctx-size C --parallel P`` allocates for its KV cache at each preset, whether weights
     and cache fit on a GPU of ``gpu_memory``, and the largest ``--parallel`` at ``C / P`` tokens a slot that would."""
     spec = load_model_spec(model)
@@ -198,8 +208,8 @@ def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weight
     parallel = _check_positive(parallel, "parallel")
     if ctx_size < parallel:
         raise UsageError(f"ctx_size={ctx_size} is shared by the {parallel} slots: give at least one cell a slot")
-    notes: list[str] = []
-    weight_bytes = _weights(spec, weights, dtype_bytes, notes)
+    notes: list[str] = [spec.origin] if spec.origin else []
+    weight_bytes = _weights(spec, weights, dtype_bytes, notes, weight_bytes_per_param)
     extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
     budget = max(0, gpu - weight_bytes - extra)
     slot = ctx_size // parallel
