@@ -1,5 +1,5 @@
-"""What users paste into the planner: a llama.cpp ``.gguf``, a Hub id with no network, and weights at the precision
-the checkpoint stores them (no model is loaded)."""
+"""What users paste into the planner: a llama.cpp ``.gguf``, a Hub id with no network, vLLM's own ``--max-model-len``
+grammar and log line, and weights at the precision the checkpoint stores them (no model is loaded)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kveval.planner import model_specs
 from kveval.planner.engines import llamacpp_plan, vllm_plan
 from kveval.planner.memory import max_fit, plan
 from kveval.planner.model_specs import load_model_spec
+from kveval.planner.units import parse_tokens, parse_vllm_int
 from kveval.policies.spec import parse_policy
 
 GiB = 2**30
@@ -256,6 +257,64 @@ def test_the_command_refuses_an_unknown_hub_id_fast_with_no_network_flag(tmp_pat
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "the Hub is out of reach (127.0.0.1:9 unreachable: ConnectionRefusedError" in done.stderr
+
+
+# --- vLLM's k and K ----------------------------------------------------------------------------------------------
+
+def test_vllm_reads_k_as_1000_and_K_as_1024():
+    """vllm/utils/argparse_utils.py, human_readable_int (vLLM 0.33)."""
+    cases = {"32k": 32_000, "32K": 32_768, "25.6k": 25_600, "1m": 1_000_000, "1M": 1_048_576, "2g": 2 * 10**9,
+             "1G": 2**30, "32768": 32_768, " 8k ": 8_000, 4096: 4096}
+    assert {text: parse_vllm_int(text) for text in cases} == cases
+    for bad, message in (("1.5K", "no decimals with binary suffixes like K; did you mean 1.5k"),
+                         ("auto", "auto"), ("-1", "auto"), ("32kb", "not a length vLLM reads"),
+                         ("32 k", "not a length vLLM reads")):
+        with pytest.raises(ValueError, match=message):
+            parse_vllm_int(bad)
+    assert parse_tokens("32k") == parse_tokens("32K") == 32_768  # kveval's own grammar stays
+
+
+def test_engine_vllm_says_how_it_read_max_model_len(capsys):
+    args = ["memory", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "80GiB", "--weights", "16GB"]
+    assert cli.main(args + ["--max-model-len", "32k"]) == 0
+    out = capsys.readouterr().out
+    assert "--max-model-len 32k read as 32,000 tokens, as vLLM reads it" in out
+    assert "--max-model-len 32,000 " in out
+    assert cli.main(args + ["--max-model-len", "32K", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["settings"]["max_model_len"] == 32_768
+    assert "--max-model-len 32K read as 32,768 tokens, as vLLM reads it (k = 1,000, K = 1,024)" in data["notes"]
+    assert cli.main(args + ["--max-model-len", "32768", "--json"]) == 0
+    assert not any("read as" in n for n in json.loads(capsys.readouterr().out)["notes"])
+    # without --engine vllm, kveval's grammar: 32k is 32,768
+    assert cli.main(["memory", "llama-3.1-8b", "--context", "32k"]) == 0
+    assert "context    32,768 tokens" in capsys.readouterr().out
+
+
+# --- vLLM's "GPU KV cache size" line ----------------------------------------------------------------------------
+
+def test_the_vllm_log_line_is_reproduced():
+    """vllm/v1/core/kv_cache_utils.py (0.33): update_kv_cache_capacity logs "GPU KV cache size: T tokens, Maximum
+    concurrency for N tokens per request: C.CCx", C = blocks / ceil(N / 16), T = int(C x N). llama-3.1-8b in fp8 on
+    80 GiB x 0.9 less 16 GB: 58,469 blocks of 1 MiB."""
+    p = vllm_plan("llama-3.1-8b", "80GiB", max_model_len=32768, weights="16GB", presets=["vllm(kv_cache_dtype=fp8)"])
+    (fp8,) = p.presets
+    assert fp8.blocks == 58_469 and fp8.kv_cache_tokens == 58_469 * 16 == 935_504
+    from kveval.planner.engines import format_engine_plan
+
+    text = format_engine_plan(p)
+    assert ("vLLM log   vllm(kv_cache_dtype=fp8): GPU KV cache size: 935,504 tokens, Maximum concurrency for 32,768 "
+            "tokens per request: 28.55x") in text
+    # 1,000 tokens take 63 blocks: 58,469 / 63 = 928.08 requests of 1,000 tokens = 928,079 tokens (not blocks x 16)
+    odd = vllm_plan("llama-3.1-8b", "80GiB", max_model_len=1000, weights="16GB", presets=["vllm(kv_cache_dtype=fp8)"])
+    assert odd.presets[0].kv_cache_tokens == 928_079
+    assert "GPU KV cache size: 928,079 tokens, Maximum concurrency for 1,000 tokens per request: 928.08x" in \
+        format_engine_plan(odd)
+    # sliding-window layers: vLLM's hybrid allocator, not reproduced, and a note says so
+    gemma = vllm_plan("gemma3-270m", "24GiB", max_model_len="32K")
+    assert all(f.kv_cache_tokens is None for f in gemma.presets)
+    assert "vLLM log   " not in format_engine_plan(gemma)
+    assert any("not reproduced for sliding-window layers" in n for n in gemma.notes)
 
 
 # --- weights at their real precision -----------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm", "llamacpp"), help="answer in a serving engine's terms: the KV pool "
                         "it allocates on --gpu-memory and what fits at each of its presets (docs/engines.md)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM: fraction of the GPU it may use (default 0.9)")
-    parser.add_argument("--max-model-len", help="vLLM: tokens a sequence may reach, e.g. 32k")
+    parser.add_argument("--max-model-len", help="vLLM: tokens a sequence may reach, read as vLLM reads it: 32k = "
+                        "32,000, 32K = 32,768")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="vLLM: sequences running at once (default 256)")
     parser.add_argument("--ctx-size", help="llama.cpp: KV cells shared by the slots, e.g. 32k")
     parser.add_argument("--parallel", type=int, default=1, help="llama.cpp: slots sharing --ctx-size (default 1)")
@@ -113,8 +114,7 @@ def _engine(args: argparse.Namespace) -> int:
         if not args.max_model_len:
             raise UsageError("--engine vllm needs --max-model-len, e.g. 32k")
         p = vllm_plan(args.model, args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_model_len=parse_tokens(args.max_model_len, "max_model_len"), max_num_seqs=args.max_num_seqs,
-                      **common)
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **common)  # vLLM's grammar
     else:
         if not args.ctx_size:
             raise UsageError("--engine llamacpp needs --ctx-size, e.g. 32k")
