@@ -341,7 +341,7 @@ def test_llamacpp_buffer_arithmetic():
 
 def test_memory_command_answers_in_engine_terms(capsys):
     assert cli.main(["memory", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "80GiB", "--gpu-memory-utilization",
-                     "0.9", "--max-model-len", "32k", "--max-num-seqs", "64", "--weights", "16GB"]) == 0
+                     "0.9", "--max-model-len", "32K", "--max-num-seqs", "64", "--weights", "16GB"]) == 0
     out = capsys.readouterr().out
     assert "KV pool    57.1 GiB" in out and "vllm(kv_cache_dtype=fp8)" in out and "28.55x" in out
     assert cli.main(["memory", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory", "80GiB", "--max-model-len", "32k",

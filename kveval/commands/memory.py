@@ -26,15 +26,18 @@ from kveval.runs.records import atomic_write_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help=f"preset ({', '.join(preset_names())}), config.json path or folder, or Hub id")
+    parser.add_argument("model", nargs="?", help=f"preset ({', '.join(preset_names())}), config.json path or folder, "
+                        f".gguf file, or Hub id (a preset's id plans that preset, with no download)")
     parser.add_argument("--context", help="context tokens, e.g. 8192 or 8k (k = 1024)")
     parser.add_argument("--batch", type=int, default=None, help="sequences (default 1)")
     parser.add_argument("--policy", default="none", help="policy spec, e.g. 'snapkv(ratio=0.5)+kivi(bits=2)' (default none)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per cached value: 2 = fp16/bf16 (default), 4 = fp32")
     parser.add_argument("--new-tokens", default="0", help="tokens generated after the context (default 0)")
     parser.add_argument("--gpu-memory", help="GPU memory, e.g. 80GiB: also report the largest context and batch that fit")
-    parser.add_argument("--weights", help="model weights, e.g. 16GB or bytes (default: parameters x --weight-bytes-per-param)")
-    parser.add_argument("--weight-bytes-per-param", type=float, help="bytes per parameter for the estimate (default --dtype-bytes)")
+    parser.add_argument("--weights", help="model weights, e.g. 16GB or bytes (default: as a .gguf's tensors or an FP8 "
+                        "checkpoint store them, else parameters x --weight-bytes-per-param)")
+    parser.add_argument("--weight-bytes-per-param", type=float, help="bytes per parameter for the estimate (default: "
+                        "the checkpoint's where known, else --dtype-bytes)")
     parser.add_argument("--headroom", default="0.1", help="fraction of the GPU kept free for activations etc. (default 0.1; or 10%%)")
     parser.add_argument("--storage", help=f"per-part storage of the native cache (policy none), e.g. "
                         f"'indexer=fp8-128,latent=bf16' or 'all=bf16'; formats: {', '.join(FORMATS)}")
@@ -43,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm", "llamacpp"), help="answer in a serving engine's terms: the KV pool "
                         "it allocates on --gpu-memory and what fits at each of its presets (docs/engines.md)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM: fraction of the GPU it may use (default 0.9)")
-    parser.add_argument("--max-model-len", help="vLLM: tokens a sequence may reach, e.g. 32k")
+    parser.add_argument("--max-model-len", help="vLLM: tokens a sequence may reach, read as vLLM reads it: 32k = "
+                        "32,000, 32K = 32,768")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="vLLM: sequences running at once (default 256)")
     parser.add_argument("--ctx-size", help="llama.cpp: KV cells shared by the slots, e.g. 32k")
     parser.add_argument("--parallel", type=int, default=1, help="llama.cpp: slots sharing --ctx-size (default 1)")
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if args.engine:
         return _engine(args)
     if not args.model:
-        raise UsageError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path or a Hub id")
+        raise UsageError(f"give a model: a preset ({', '.join(preset_names())}), a config.json path, a .gguf or a "
+                         f"Hub id")
     headroom = parse_headroom(args.headroom)
     policy = parse_policy(args.policy)
     new_tokens = parse_tokens(args.new_tokens, "new_tokens")
@@ -103,13 +108,13 @@ def _engine(args: argparse.Namespace) -> int:
     if not args.model or not args.gpu_memory:
         raise UsageError(f"--engine {args.engine} needs a model and --gpu-memory, e.g. llama-3.1-8b --gpu-memory 80GiB")
     presets = [p.strip() for p in args.presets.split(";") if p.strip()] if args.presets else None
-    common = dict(weights=args.weights, overhead=args.overhead, dtype_bytes=args.dtype_bytes, presets=presets)
+    common = dict(weights=args.weights, overhead=args.overhead, dtype_bytes=args.dtype_bytes, presets=presets,
+                  weight_bytes_per_param=args.weight_bytes_per_param)
     if args.engine == "vllm":
         if not args.max_model_len:
             raise UsageError("--engine vllm needs --max-model-len, e.g. 32k")
         p = vllm_plan(args.model, args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_model_len=parse_tokens(args.max_model_len, "max_model_len"), max_num_seqs=args.max_num_seqs,
-                      **common)
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **common)  # vLLM's grammar
     else:
         if not args.ctx_size:
             raise UsageError("--engine llamacpp needs --ctx-size, e.g. 32k")

@@ -6,8 +6,12 @@ everything else (activations of the profile run, CUDA graphs, non-torch allocati
 kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16) tokens
 of every layer; a sequence of ``max_model_len`` tokens takes ``ceil(max_model_len / 16)`` blocks. Sequences of
 that length that fit = blocks // blocks per sequence, at most ``max_num_seqs`` at once; vLLM refuses to start when
-not even one fits. vLLM's own log line, "Maximum concurrency for N tokens per request", is blocks / ceil(N / 16)
-(blocks x 16 / N in older versions: the same when N is a multiple of 16).
+not even one fits. vLLM 0.33 logs the pool in one line (``vllm/v1/core/kv_cache_utils.py``,
+``update_kv_cache_capacity``): "GPU KV cache size: T tokens, Maximum concurrency for N tokens per request: C.CCx",
+where C = blocks / ceil(N / 16) (``get_max_concurrency_for_kv_cache_config``) and T = int(C x N)
+(``get_kv_cache_capacity``), which this module reproduces for models without sliding layers (blocks x 16 / N in
+older versions: the same when N is a multiple of 16). ``--max-model-len`` is read as vLLM reads it
+(:func:`~kveval.planner.units.parse_vllm_int`: ``32k`` is 32,000, ``32K`` 32,768).
 
 llama.cpp (``llama-server --ctx-size C --parallel P``): one KV buffer of ``C`` cells (padded up to a multiple of
 256, as ``llama_kv_cache`` pads with flash attention) for all layers, shared by the ``P`` slots (each slot a
@@ -27,8 +31,10 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kveval.errors import UsageError
+from kveval.planner.fit import stored_weights
 from kveval.planner.memory import human_bytes, parse_size, plan
 from kveval.planner.model_specs import load_model_spec
+from kveval.planner.units import parse_vllm_int
 from kveval.policies.spec import parse_policy
 
 VLLM_BLOCK_SIZE = 16
@@ -58,6 +64,8 @@ class PresetFit:
     max_concurrency: float | None  # vLLM's log line: blocks / ceil(max_model_len / block_size)
     fits: bool
     verdict: str | None = None  # the gate's, where a gate.json judged this preset on this model (join_verdicts)
+    #: vLLM's "GPU KV cache size: N tokens": int(max_concurrency x max_model_len) (None: llama.cpp, sliding layers)
+    kv_cache_tokens: int | None = None
 
 
 @dataclass
@@ -88,13 +96,21 @@ def _check_positive(value, what: str) -> int:
     return value
 
 
-def _weights(spec, weights, dtype_bytes: int, notes: list[str]) -> int:
+def _weights(spec, weights, dtype_bytes: int, notes: list[str], per_param=None) -> int:
+    """Given weights; else the checkpoint's as stored, where known; else parameters x ``per_param`` (default
+    ``dtype_bytes``)."""
     if weights is not None:
         return parse_size(weights, "weights")
+    if per_param is None and (stored := stored_weights(spec, notes)) is not None:
+        return stored[0]
+    if per_param is not None:
+        if not isinstance(per_param, (int, float)) or isinstance(per_param, bool) or not per_param > 0:
+            raise UsageError(f"weight_bytes_per_param={per_param!r} must be a positive number (2 = bf16, 1 = fp8)")
+        dtype_bytes = per_param
     if not spec.num_parameters:
         raise UsageError(f"cannot estimate the weights of {spec.name} from its config; give them, e.g. --weights 16GB")
     size = int(math.ceil(spec.num_parameters * dtype_bytes))
-    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {dtype_bytes} bytes = {human_bytes(size)}")
+    notes.append(f"weights estimated: {spec.num_parameters / 1e9:.2f}e9 parameters x {dtype_bytes:g} bytes = {human_bytes(size)}")
     return size
 
 
@@ -149,17 +165,25 @@ def _sliding_note(spec, engine: str, notes: list[str]) -> None:
                      f"a sequence); {engine}'s own allocator rounds them differently")
 
 
-def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_model_len: int,
-              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None) -> EnginePlan:
+def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_model_len: "int | str",
+              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None,
+              weight_bytes_per_param: float | None = None) -> EnginePlan:
     """What ``vllm serve --gpu-memory-utilization U --max-model-len N --max-num-seqs S`` allocates on a GPU of
-    ``gpu_memory``, and how many sequences of ``N`` tokens fit at each preset (see the module doc)."""
+    ``gpu_memory``, and how many sequences of ``N`` tokens fit at each preset (see the module doc). ``N`` as text
+    (``"32k"``) is read as vLLM reads it (32,000; ``"32K"``: 32,768), and the plan says what it read."""
     spec = load_model_spec(model)
     gpu = parse_size(gpu_memory, "gpu_memory")
     utilization = _check_fraction(gpu_memory_utilization, "gpu_memory_utilization")
+    notes: list[str] = [spec.origin] if spec.origin else []
+    if isinstance(max_model_len, str):
+        text = max_model_len.strip()
+        max_model_len = parse_vllm_int(text, "max_model_len")
+        if text != str(max_model_len):
+            notes.append(f"--max-model-len {text} read as {max_model_len:,} tokens, as vLLM reads it (k = 1,000, "
+                         f"K = 1,024)")
     max_model_len = _check_positive(max_model_len, "max_model_len")
     max_num_seqs = _check_positive(max_num_seqs, "max_num_seqs")
-    notes: list[str] = []
-    weight_bytes = _weights(spec, weights, dtype_bytes, notes)
+    weight_bytes = _weights(spec, weights, dtype_bytes, notes, weight_bytes_per_param)
     extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
     if not extra:
         notes.append("overhead 0: vLLM also subtracts the profile run's peak activations, CUDA graphs and non-torch "
@@ -179,17 +203,22 @@ def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_mod
         sequences = pool // seq
         # vLLM V1's get_max_concurrency_for_kv_cache_config: blocks / blocks a request of max_model_len takes
         concurrency = blocks / blocks_per_seq if blocks is not None else sequences
+        # and get_kv_cache_capacity's tokens, the "GPU KV cache size" it logs: int(concurrency x max_model_len)
+        tokens = int(concurrency * max_model_len) if blocks is not None else None
         fits.append(PresetFit(text, block_plan.bytes_per_token, seq, blocks, sequences, min(sequences, max_num_seqs),
-                              concurrency, sequences >= 1))
+                              concurrency, sequences >= 1, kv_cache_tokens=tokens))
     if kv_layers and any(not f.fits for f in fits):
         notes.append("a preset where not one sequence of max_model_len fits: vLLM refuses to start with it")
+    if any(f.kv_cache_tokens is None for f in fits):
+        notes.append("vLLM's \"GPU KV cache size\" line is not reproduced for sliding-window layers: its hybrid "
+                     "allocator groups them with their own block counts")
     return EnginePlan("vllm", spec.name, gpu, weight_bytes, extra, pool,
                       {"gpu_memory_utilization": utilization, "max_model_len": max_model_len,
                        "max_num_seqs": max_num_seqs, "block_size": VLLM_BLOCK_SIZE}, fits, notes)
 
 
 def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weights=None, overhead=0,
-                  dtype_bytes: int = 2, presets=None) -> EnginePlan:
+                  dtype_bytes: int = 2, presets=None, weight_bytes_per_param: float | None = None) -> EnginePlan:
     """What ``llama-server --ctx-size C --parallel P`` allocates for its KV cache at each preset, whether weights
     and cache fit on a GPU of ``gpu_memory``, and the largest ``--parallel`` at ``C / P`` tokens a slot that would."""
     spec = load_model_spec(model)
@@ -198,8 +227,8 @@ def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weight
     parallel = _check_positive(parallel, "parallel")
     if ctx_size < parallel:
         raise UsageError(f"ctx_size={ctx_size} is shared by the {parallel} slots: give at least one cell a slot")
-    notes: list[str] = []
-    weight_bytes = _weights(spec, weights, dtype_bytes, notes)
+    notes: list[str] = [spec.origin] if spec.origin else []
+    weight_bytes = _weights(spec, weights, dtype_bytes, notes, weight_bytes_per_param)
     extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
     budget = max(0, gpu - weight_bytes - extra)
     slot = ctx_size // parallel
@@ -245,6 +274,12 @@ def join_verdicts(p: EnginePlan, gate: dict) -> int:
     return joined
 
 
+def vllm_log_line(f: PresetFit, max_model_len: int) -> str:
+    """vLLM 0.33's own log line for this pool (``update_kv_cache_capacity``), to set beside the one a run prints."""
+    return (f"GPU KV cache size: {f.kv_cache_tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens per "
+            f"request: {f.max_concurrency:.2f}x")
+
+
 def format_engine_plan(p: EnginePlan) -> str:
     s = p.settings
     lines = [f"model      {p.model}"]
@@ -266,6 +301,8 @@ def format_engine_plan(p: EnginePlan) -> str:
             lines.append(f"{f.preset:<44} {f.bytes_per_token:>10,.0f} {human_bytes(f.sequence_bytes):>10} {blocks:>9} "
                          f"{f.sequences:>6,} {f.concurrent:>8,} {f.max_concurrency:>9.2f}x{verdict(f)}")
         lines.append("fit: sequences of max-model-len the pool holds; running: at most --max-num-seqs of them")
+        lines += [f"vLLM log   {f.preset}: {vllm_log_line(f, s['max_model_len'])}" for f in p.presets
+                  if f.kv_cache_tokens is not None]
     else:
         lines.append(f"engine     llama.cpp: --ctx-size {s['ctx_size']:,} --parallel {s['parallel']} "
                      f"({s['slot_tokens']:,} tokens a slot; {s['cells']:,} cells after padding to {LLAMACPP_CTX_PAD})")

@@ -50,9 +50,24 @@ class FitResult:
         return asdict(self)
 
 
+def stored_weights(spec: ModelSpec, notes: list[str]) -> tuple[int, bool] | None:
+    """``(bytes, estimated)`` of the weights as the checkpoint stores them, where the planner knows it (a GGUF's
+    tensors; an FP8 checkpoint's byte per parameter), with a note saying so; ``None`` otherwise."""
+    size = spec.weights.bytes_for(spec.num_parameters) if spec.weights is not None else None
+    if size is None:
+        return None
+    per = spec.weights.per_param
+    how = "" if spec.weights.exact else f"{spec.num_parameters / 1e9:.2f}e9 parameters x {per:g} byte{'s' * (per != 1)} "
+    notes.append(f"weights {human_bytes(size)}{' estimated' if not spec.weights.exact else ''}: {how}"
+                 f"{spec.weights.source}; --weights or --weight-bytes-per-param overrides")
+    return size, not spec.weights.exact
+
+
 def _weights(spec: ModelSpec, weights, weight_bytes_per_param, dtype_bytes: int, notes: list[str]) -> tuple[int, bool]:
     if weights is not None:
         return parse_size(weights, "weights"), False
+    if weight_bytes_per_param is None and (stored := stored_weights(spec, notes)) is not None:
+        return stored
     if not spec.num_parameters:
         raise UsageError(f"cannot estimate the weights of {spec.name} from its config (mixture of experts, MLA or "
                          f"missing sizes); give them, e.g. --weights 16GB")
@@ -71,8 +86,9 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
 
     Usable cache memory = ``gpu_memory`` x (1 - ``headroom``) - ``weights``.
     ``gpu_memory``/``weights``: bytes or strings such as ``"80GiB"``/``"16GB"``;
-    without ``weights``, parameters x ``weight_bytes_per_param`` (default
-    ``dtype_bytes``) when the config allows the count. The context answer is the
+    without ``weights``, the checkpoint's own where it is known (:func:`stored_weights`), else parameters x
+    ``weight_bytes_per_param`` (default ``dtype_bytes``) when the config allows the count; a given
+    ``weight_bytes_per_param`` overrides the checkpoint's. The context answer is the
     largest length whose cache fits at every length up to it (quantization's
     full-precision remainder makes the size dip when a group is sealed). ``achieved_ratio``: as :func:`plan`'s.
     """
@@ -161,4 +177,4 @@ def max_fit(model, gpu_memory, weights=None, *, context: int | None = None, batc
     return FitResult("context", lo, lo, batch, cache_bytes=seq_bytes(lo) * batch, **common)
 
 
-__all__ = ["FitResult", "max_fit"]
+__all__ = ["FitResult", "max_fit", "stored_weights"]

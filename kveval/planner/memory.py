@@ -2,8 +2,9 @@
 
 Everything is arithmetic on a model's config; no weights are loaded. A model is
 (:mod:`kveval.planner.model_specs`) a named preset (:data:`~kveval.planner.model_specs.PRESETS`), a local ``config.json`` (or a folder holding
-one), a Hugging Face Hub id (read with ``transformers.AutoConfig``; offline it
-works only when the config is cached), a ``dict`` or a ``PretrainedConfig``.
+one), a ``.gguf`` file (its metadata), a Hugging Face Hub id (a preset's: that
+preset; another: read with ``transformers.AutoConfig``, refused at once offline
+unless the config is cached), a ``dict`` or a ``PretrainedConfig``.
 
 What the arithmetic follows
 ---------------------------
@@ -47,8 +48,10 @@ What the arithmetic follows
     the ``residual`` most recent tokens stay in the model dtype.
 
 Weights, activations and allocator slack are not part of the cache: ``max_fit``
-subtracts the weights (given, or parameters x bytes per parameter) and keeps a
-``headroom`` fraction of the GPU free for the rest.
+subtracts the weights (given; else as the checkpoint stores them where the planner
+knows it: a GGUF's tensors, an FP8 checkpoint's byte per parameter; else
+parameters x bytes per parameter) and keeps a ``headroom`` fraction of the GPU
+free for the rest.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     new_tokens = check_int(new_tokens, "new_tokens", 0)
     dtype_bytes = check_dtype_bytes(dtype_bytes)
     stack = policy_stack(policy)
-    notes = list(spec.notes)
+    notes = ([spec.origin] if spec.origin else []) + list(spec.notes)
     overrides = parse_storage(storage)
     if plans_native(spec, stack, overrides) or (stack.is_none and spec.storage):
         return native_plan(spec, stack, context, batch, dtype_bytes, new_tokens, overrides, notes, achieved_ratio)

@@ -1,19 +1,26 @@
 """Models as the memory planner sees them: their cache-relevant shape (:class:`ModelSpec`), read from a named
 preset (:data:`PRESETS`: ``config.json`` excerpts of well-known models), a local ``config.json`` or a folder holding
-one, a Hugging Face Hub id (``transformers.AutoConfig``; offline only when cached), a ``dict`` or a
-``PretrainedConfig``. No weights are loaded. :mod:`kveval.planner.memory` plans bytes from a :class:`ModelSpec`.
+one, a ``.gguf`` file (its metadata and tensor types: :mod:`kveval.planner.gguf_specs`), a Hugging Face Hub id (a
+preset's own id or a variant of it: that preset, with no download; another: ``transformers.AutoConfig``, refused at
+once where it is not cached and the Hub cannot be reached), a ``dict`` or a ``PretrainedConfig``. No weights are
+loaded. :mod:`kveval.planner.memory` plans bytes from a :class:`ModelSpec`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kveval.errors import UsageError
 from kveval.modeling.layer_types import KNOWN_LAYER_TYPES, KV_LAYER_TYPES
+from kveval.planner.gguf_specs import is_gguf, read_gguf
 from kveval.values import is_whole
 
 # ----------------------------------------------------------------------------------------------
@@ -75,7 +82,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280,
         "max_position_embeddings": 163840, "n_routed_experts": 256,
-        "num_parameters": 671_026_419_200,  # weights ship in FP8 (1 byte per parameter)
+        "num_parameters": 671_026_419_200,
+        # its config.json's: the checkpoint's weights are FP8 (1 byte per parameter; :func:`weights_of`)
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
     },
     # --- the DeepSeek chronicle (``kveval memory --compare``); ``kv_storage`` is how each model's own serving stack
     # stores its cache's parts (kveval.planner.native.FORMATS), where that differs from the planned dtype.
@@ -103,6 +113,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "vocab_size": 129280,
         "max_position_embeddings": 163840, "n_routed_experts": 256, "num_parameters": 671_026_419_200,
         "kv_storage": {"latent": "fp8-128", "rope": "bf16", "indexer": "fp8-128"},
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
     },
     # DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash config.json): 43 layers, one KV head of 512 (64 RoPE),
     # sliding_window 128 on every layer, compress_ratios 0 = sliding only, 4 = CSA, 128 = HCA (the last entry is the
@@ -142,6 +154,27 @@ def _key(name: str) -> str:
 
 _PRESET_KEYS = {_key(n): n for n in PRESETS} | {_key(a): n for a, n in _ALIASES.items()}
 
+#: Hub ids of checkpoints whose config.json has the cache shape of a preset (the preset's own id, its instruction-
+#: tuned and re-released variants): planned with that preset, with no download. Compared without case.
+HUB_PRESETS: dict[str, str] = {
+    **{str(config["_name_or_path"]).lower(): name for name, config in PRESETS.items()},
+    **{hub.lower(): name for name, hubs in {
+        "llama-2-7b": ("meta-llama/Llama-2-7b", "meta-llama/Llama-2-7b-chat-hf", "meta-llama/Llama-2-7b-chat"),
+        "llama-3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B",
+                         "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+        "mistral-7b": ("mistralai/Mistral-7B-Instruct-v0.1",),
+        "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct",),
+        "gemma-3-27b": ("google/gemma-3-27b-it",),
+        "gemma3-270m": ("google/gemma-3-270m-it",),
+        "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct",),
+        "deepseek-67b": ("deepseek-ai/deepseek-llm-67b-chat",),
+        "deepseek-v2": ("deepseek-ai/DeepSeek-V2-Chat",),
+        "deepseek-v3": ("deepseek-ai/DeepSeek-V3-Base", "deepseek-ai/DeepSeek-V3-0324", "deepseek-ai/DeepSeek-R1",
+                        "deepseek-ai/DeepSeek-R1-0528"),
+        "deepseek-v3.2": ("deepseek-ai/DeepSeek-V3.2-Exp",),
+    }.items() for hub in hubs},
+}
+
 
 # ----------------------------------------------------------------------------------------------
 # the model as the planner sees it
@@ -155,6 +188,25 @@ class V4Shape:
     window: int
     rope: int
     index_dim: int
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A checkpoint's weights as stored: ``total`` bytes (a GGUF's tensors, exact) or ``per_param`` bytes per
+    parameter (an FP8 checkpoint); ``source`` says where that was read."""
+
+    source: str
+    total: int | None = None
+    per_param: float | None = None
+
+    def bytes_for(self, parameters: int | None) -> int | None:
+        if self.total is not None:
+            return self.total
+        return None if not parameters or self.per_param is None else int(-(-parameters * self.per_param // 1))
+
+    @property
+    def exact(self) -> bool:
+        return self.total is not None
 
 
 @dataclass
@@ -192,6 +244,10 @@ class ModelSpec:
     max_position: int | None = None
     notes: list[str] = field(default_factory=list)
     model_type: str = ""
+    #: The weights as the checkpoint stores them, where known (``None``: parameters x the planned bytes each).
+    weights: Weights | None = None
+    #: One line saying how the model was read where the name does not (a Hub id planned as a preset; a GGUF).
+    origin: str = ""
 
     @property
     def native_only(self) -> bool:
@@ -270,6 +326,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         outer = config
         config = dict(config["text_config"])
         config.setdefault("num_parameters", outer.get("num_parameters"))
+        config.setdefault("quantization_config", outer.get("quantization_config"))
     for key, minimum in (("hidden_size", 1), ("num_attention_heads", 1), ("head_dim", 1), ("sliding_window", 0),
                          ("sliding_window_pattern", 0), ("max_window_layers", 0), ("attention_chunk_size", 0),
                          ("max_position_embeddings", 1), ("qk_rope_head_dim", 0)):
@@ -375,7 +432,26 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      mla_rope=mla_rope, indexer_dim=indexer_dim, indexer_layers=indexer_layers,
                      model_type=model_type, storage=_storage_of(config, name),
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
-                     max_position=None if _grows_positions(config) else get("max_position_embeddings"), notes=notes)
+                     max_position=None if _grows_positions(config) else get("max_position_embeddings"), notes=notes,
+                     weights=weights_of(config))
+
+
+#: ``quantization_config.quant_method`` values whose weights are one byte each (FP8 checkpoints).
+_FP8_METHODS = ("fp8", "fbgemm_fp8")
+
+
+def weights_of(config: dict[str, Any]) -> Weights | None:
+    """The weights' precision a ``config.json`` records where the planner knows it: an FP8 checkpoint
+    (``quantization_config.quant_method`` fp8: 1 byte per parameter; its block scales and the layers it leaves in
+    BF16, embeddings and norms, are not counted: about 0.3% more on DeepSeek-V3); ``None`` otherwise."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() not in _FP8_METHODS:
+        return None
+    fmt = quant.get("fmt") or "e4m3"
+    block = quant.get("weight_block_size")
+    scales = f", {'x'.join(map(str, block))} block scales" if isinstance(block, list) and block else ""
+    return Weights(source=f"as an FP8 checkpoint stores them (quantization_config {quant['quant_method']} {fmt}{scales}; "
+                          f"its scales and BF16 layers, embeddings and norms, not counted)", per_param=1.0)
 
 
 def _grows_positions(config: dict[str, Any]) -> bool:
@@ -444,7 +520,7 @@ def _v4_spec(config: dict[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers,
                      kv_heads=_positive_int(get("num_key_value_heads", 1), "num_key_value_heads", name),
                      head_dim=head_dim, windows=[window] * layers, v4=shape, storage=_storage_of(config, name),
-                     model_type="deepseek_v4",
+                     model_type="deepseek_v4", weights=weights_of(config),
                      num_parameters=get("num_parameters"), max_position=get("max_position_embeddings"), notes=notes)
 
 
@@ -507,6 +583,70 @@ def _estimate_parameters(config: dict[str, Any]) -> int | None:
     return layers * per_layer + embeddings + hidden
 
 
+def gguf_spec(path: Path) -> ModelSpec:
+    """A ``.gguf`` file's :class:`ModelSpec`, its weights at the size its tensors are stored in."""
+    config, stored, arch = read_gguf(path)
+    spec = spec_from_config(config, str(path))
+    spec.weights = Weights(source=f"as {path.name} stores them ({stored.describe})", total=stored.bytes)
+    spec.origin = (f"{path.name}: GGUF metadata of a {arch} model ({stored.parameters:,} parameters, "
+                   f"{stored.file_type or 'mixed types'})")
+    return spec
+
+
+def _hub_cached(name: str) -> bool:
+    """Whether the Hub cache holds ``name``'s config.json (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache  # the Hub client: loaded for a Hub id only
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # noqa: BLE001  (an id the client refuses, no huggingface_hub: then let transformers say why)
+        return False
+
+
+#: Seconds the planner waits for the Hub's host to accept a connection before it calls the Hub out of reach.
+HUB_PROBE_SECONDS = 2.0
+
+
+def hub_offline(timeout: float | None = None) -> str | None:
+    """Why the Hugging Face Hub cannot be reached now, in a few words (``None``: its host, or the HTTPS proxy,
+    accepts a connection within ``timeout`` seconds). ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` say so at once;
+    else one TCP connection is tried, so that a Hub id that would fail is refused in seconds, not after the Hub
+    client's retries (about 25 s). ``timeout``: :data:`HUB_PROBE_SECONDS` unless given."""
+    timeout = HUB_PROBE_SECONDS if timeout is None else timeout
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]}"
+    target = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    if proxy and target.scheme == "https":
+        target = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    host = target.hostname or "huggingface.co"
+    try:
+        port = target.port or (443 if target.scheme == "https" else 80)
+    except ValueError:
+        port = 443
+    outcome: list = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=probe, daemon=True)  # name resolution has no timeout of its own
+    worker.start()
+    worker.join(timeout + 0.5)
+    if outcome and outcome[0] is None:
+        return None
+    if outcome:
+        error = outcome[0]
+        why = f": {type(error).__name__}" + (f" ({error.strerror})" if getattr(error, "strerror", None) else "")
+    else:
+        why = f": no answer in {timeout:g} s"
+    return f"{host}:{port} unreachable{why}"
+
+
 def preset_names() -> list[str]:
     return sorted(PRESETS)
 
@@ -534,6 +674,10 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
         spec.name = preset
         return spec
     path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_file():
+        raise UsageError(f"{path}: no such GGUF file")
+    if is_gguf(path):
+        return gguf_spec(path)
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
@@ -548,7 +692,20 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
         return spec_from_config(config, str(path))
     if "/" not in name or name.startswith((".", "/", "~")) or name.endswith(".json"):
         raise UsageError(f"unknown model {name!r}: not a preset ({', '.join(preset_names())}), an existing "
-                         f"config.json or folder, or a Hub id (owner/name)")
+                         f"config.json, folder or .gguf file, or a Hub id (owner/name)")
+    if name.lower() in HUB_PRESETS:
+        preset = HUB_PRESETS[name.lower()]
+        spec = load_model_spec(preset)
+        spec.origin = (f"{name} planned as preset {preset} (kveval's excerpt of its config.json: no download; give "
+                       f"a config.json path for another revision)")
+        return spec
+    if not _hub_cached(name):
+        offline = hub_offline()
+        if offline:
+            raise UsageError(f"cannot read the config of {name!r}: the Hub is out of reach ({offline}) and it is not "
+                             f"in the local Hub cache; fix: download it once with `hf download {name} config.json` "
+                             f"while online, or give a local config.json, a .gguf or a preset "
+                             f"({', '.join(preset_names())})")
     try:
         from transformers import AutoConfig
 
@@ -564,4 +721,5 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
     return load_model_spec(config)
 
 
-__all__ = ["ModelSpec", "PRESETS", "V4Shape", "load_model_spec", "preset_names", "spec_from_config"]
+__all__ = ["HUB_PRESETS", "ModelSpec", "PRESETS", "V4Shape", "Weights", "gguf_spec", "hub_offline", "load_model_spec",
+           "preset_names", "spec_from_config", "weights_of"]

@@ -46,7 +46,8 @@ def parse_size(text, what: str = "size") -> int:
 
 
 def parse_tokens(text, what: str = "context") -> int:
-    """Tokens from ``8192``, ``8k`` (8192) or ``1m`` (1048576)."""
+    """Tokens from ``8192``, ``8k`` (8192) or ``1m`` (1048576): kveval's own grammar (k and K alike are 1,024;
+    vLLM's is :func:`parse_vllm_int`)."""
     if is_whole(text):
         return text
     match = re.match(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([kKmM]?)\s*$", str(text))
@@ -69,6 +70,40 @@ def token_count_arg(what: str):
 
     parse.__name__ = "token count"  # argparse names the type in its message
     return parse
+
+
+#: vLLM's human-readable integers (``vllm/utils/argparse_utils.py``, ``human_readable_int``, vLLM 0.33): a
+#: lower-case suffix is decimal, an upper-case one binary.
+_VLLM_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_VLLM_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_VLLM_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_vllm_int(text, what: str = "max_model_len") -> int:
+    """Tokens as vLLM 0.33 reads ``--max-model-len`` (``vllm/utils/argparse_utils.py``: ``human_readable_int_or_auto``
+    and ``human_readable_int``): ``32k`` is 32,000 and ``25.6k`` 25,600 (k, m, g, t: powers of 1,000, decimals
+    allowed), ``32K`` is 32,768 (K, M, G, T: powers of 1,024, whole numbers only), else a plain integer. vLLM's
+    ``auto`` (-1: the longest that fits) is refused: the planner answers for a given length."""
+    if is_whole(text):
+        return text
+    value = str(text).strip()
+    if value == "-1" or value.lower() == "auto":
+        raise UsageError(f"{what}={text!r}: vLLM's auto picks the longest length that fits at start-up; give the "
+                         f"length to plan, e.g. 32k (32,000) or 32K (32,768)")
+    match = _VLLM_INT.fullmatch(value)
+    if match:
+        number, suffix = match.groups()
+        if suffix in _VLLM_DECIMAL:
+            return int(float(number) * _VLLM_DECIMAL[suffix])
+        if "." in number:
+            raise UsageError(f"{what}={text!r}: vLLM allows no decimals with binary suffixes like {suffix}; did you "
+                             f"mean {number}{suffix.lower()}?")
+        return int(number) * _VLLM_BINARY[suffix]
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{what}={text!r} is not a length vLLM reads; write e.g. 32000, 32k (32,000) or 32K "
+                         f"(32,768)") from None
 
 
 def parse_headroom(value) -> float:
@@ -94,4 +129,5 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-__all__ = ["check_dtype_bytes", "check_int", "human_bytes", "parse_headroom", "parse_size", "parse_tokens"]
+__all__ = ["check_dtype_bytes", "check_int", "human_bytes", "parse_headroom", "parse_size", "parse_tokens",
+           "parse_vllm_int"]
