@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kveval.deployment import add_deployment_arguments, deployment_of
 from kveval.modeling.sources import add_placement_arguments, placement_from_args
-from kveval.sweep.config import load_config
+from kveval.gate.config import shipped_gate_configs
+from kveval.sweep.config import load_config, with_gate
 from kveval.sweep.executors import make_executor
 from kveval.sweep.run import run_sweep, summarize, sweep_lock
 
@@ -17,6 +18,9 @@ def configure(parser) -> None:
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
     parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
+    parser.add_argument("--gate", metavar="NAME|PATH",
+                        help=f"judge by this gate config instead of the config's `gate:`: a name kveval ships "
+                             f"({', '.join(shipped_gate_configs())}) or the path of a gate YAML")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--noise-floor", action="store_true",
                         help="also run each baseline again in another batch arrangement: the gate then shows the "
@@ -37,6 +41,8 @@ def configure(parser) -> None:
 
 def run(args) -> int:
     config = load_config(args.config)
+    if args.gate:
+        config = with_gate(config, args.gate)
     if args.noise_floor:
         config = replace(config, noise_floor=True)
     for warning in config.warnings:
