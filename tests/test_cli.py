@@ -1,14 +1,46 @@
-"""The command line itself: gate configs by name."""
+"""The command line itself: ``--version``, help for every option, the sweep's progress labels, gate configs by name."""
 
+import argparse
+import importlib
 from pathlib import Path
 
 import pytest
 
 import kveval
-from kveval.commands.main import main
+from kveval.commands.main import COMMANDS, main
 from kveval.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"kveval {kveval.__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--version" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "lm-eval"])  # lm-eval's options are lm-eval's
+def test_every_option_says_what_it_does(command):
+    """``kveval eval --help`` showed --model, --seed, --mode and --batch-size with no word of what they do."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module(COMMANDS[command][0]).configure(parser)
+    silent = [a.option_strings[0] if a.option_strings else a.dest for a in parser._actions if not (a.help or "").strip()]
+    assert silent == []
+
+
+def test_a_cells_progress_label_names_what_it_counts():
+    """The bar said ``smollm2-135m: none +3``."""
+    from kveval.runner.runspec import RunSpec
+    from kveval.sweep.executors import Cell
+    from kveval.sweep.run import progress_label
+
+    specs = [RunSpec.parse(s) for s in ("none", "quant(bits=8)", "window(16)", "random(ratio=0.5)")]
+    assert progress_label(Cell("smollm2-135m", "context", tuple(specs))) == "smollm2-135m: none and 3 other policies"
+    assert progress_label(Cell("models/tiny", "context", tuple(specs[:2]))) == "tiny: none and 1 other policy"
+    assert progress_label(Cell("smollm2-135m", "context", tuple(specs[:1]))) == "smollm2-135m: none"
 
 
 # --- gate configs shipped, by name ---------------------------------------------------------------------------
