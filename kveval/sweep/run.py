@@ -426,7 +426,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
             lms[i].share_prefill([specs[j] for j in pending[n + 1:]], store)  # later policies read what this one leaves
             output = lm_eval.simple_evaluate(model=lms[i], tasks=[task], limit=settings.get("limit"), log_samples=True,
                                              task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                             torch_random_seed=seed)
+                                             torch_random_seed=seed, device=str(lms[i].device))  # recorded only
             with ItemWriter(run_dirs[i]) as writer:
                 for subtask, rows in sorted(output["samples"].items()):
                     for record in records_from_samples(rows, subtask, None, f"lm-eval samples of {subtask}"):
