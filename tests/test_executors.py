@@ -48,8 +48,9 @@ def test_cells_cover_every_policy_once_with_the_baseline_first(tmp_path):
 def test_in_process_executor_runs_cells_in_order():
     seen = []
     cells = [Cell("m", "context", ()), Cell("n", "query", ())]
-    assert InProcessExecutor(progress=seen.append).run(cells, lambda cell: cell.model) == ["m", "n"]
-    assert seen == cells
+    progress = lambda cell, result: seen.append((cell, result))  # noqa: E731
+    assert InProcessExecutor(progress=progress).run(cells, lambda cell: cell.model) == ["m", "n"]
+    assert seen == [(cells[0], "m"), (cells[1], "n")]  # each cell as it finishes, with its result
     with pytest.raises(ValueError, match="--address needs --executor ray"):
         make_executor("inprocess", address="auto")
 

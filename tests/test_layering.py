@@ -91,8 +91,9 @@ TIERS = (
     # the analysis half (with kveval.runs below): paired statistics, the gate's verdicts, the report
     ("analysis", ("kveval.stats", "kveval.gate", "kveval.report")),
     # what joins the halves: the deployment decision (the gate's verdicts and the planner's bytes), lm-eval's model
-    # type, sweeps (run, then analyse) and the command line
-    ("above both", ("kveval.deployment", "kveval.lm_eval", "kveval.sweep", "kveval.commands", "kveval.__main__")),
+    # type, sweeps (run, then analyse), the Python API and the command line
+    ("above both", ("kveval.deployment", "kveval.lm_eval", "kveval.sweep", "kveval.api", "kveval.commands",
+                    "kveval.__main__")),
 )
 #: Every unit, lowest first: a module may import its own unit and those below it.
 LAYERS = tuple((unit,) for _, units in TIERS for unit in units)

@@ -470,3 +470,69 @@ def test_none_on_state_layer_models_matches_stock_hflm(tokenizer, name):
         for (a, greedy_a), (b, greedy_b) in zip(lm.loglikelihood(ll_requests(PAIRS)), reference):
             assert a == pytest.approx(b, abs=1e-4), compress
             assert greedy_a == greedy_b
+
+
+# --- from Python, and the device recorded --------------------------------------------------------
+
+def test_simple_evaluate_takes_a_kvevallm_object(tokenizer, tmp_path):
+    """docs/lm-eval.md's route from Python: ``lm_eval.simple_evaluate(model=KVEvalLM(...))`` runs the task through
+    kveval's cache and records the policy and its measured bytes."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = write_tasks(tmp_path / "tasks")
+    lm = KVEvalLM(pretrained=tiny_model(tokenizer), tokenizer=tokenizer, policy="window(4)", question_marker="\\n\\n")
+    results = lm_eval.simple_evaluate(model=lm, tasks=["kvtest_mc"], limit=3, log_samples=True,
+                                      task_manager=TaskManager(include_path=[str(tasks)], include_defaults=False))
+    config = results["config"]
+    assert config["kveval_policy"] == "window(size=4)" and config["kveval_compress"] == "context"
+    assert config["kveval_measured_requests"] == 3 * 3  # 3 documents x 3 choices, every one through kveval's cache
+    assert 0 < config["kveval_measured_bytes_per_token"] < config["kveval_nominal_bytes_per_token"]
+    assert set(results["results"]) == {"kvtest_mc"} and len(results["samples"]["kvtest_mc"]) == 3
+
+
+def _settled(monkeypatch, available: str, device=None, model_args=None, config=None) -> str:
+    """``args.device`` after :func:`kveval.lm_eval.__main__._settle_device`, on a machine whose ``auto`` device is
+    ``available`` (``cpu``: no CUDA)."""
+    import argparse
+
+    import kveval.modeling.sources
+    from kveval.lm_eval.__main__ import _settle_device
+
+    monkeypatch.setattr(kveval.modeling.sources, "resolve_device_dtype", lambda: (available, None))
+    args = argparse.Namespace(model="kveval", device=device, model_args=model_args or {}, config=config)
+    _settle_device(args)
+    return args.device
+
+
+def test_the_wrapper_hands_lm_eval_the_device_that_runs(monkeypatch, tmp_path):
+    """lm-eval records the device it is handed, and hands cuda:0 when given none: a CPU run recorded cuda:0."""
+    assert _settled(monkeypatch, "cpu") == "cpu"  # no device given, no CUDA: the CPU, not lm-eval's cuda:0
+    assert _settled(monkeypatch, "cuda") == "cuda"
+    assert _settled(monkeypatch, "cuda", device="cpu") == "cpu"  # the user's choice is kept
+    assert _settled(monkeypatch, "cuda", model_args={"pretrained": "x", "device": "cpu"}) == "cpu"  # what the model takes
+    assert _settled(monkeypatch, "cpu", model_args={"device": "auto"}) == "cpu"
+    yaml_config = tmp_path / "run.yaml"
+    yaml_config.write_text("device: cpu\n")
+    assert _settled(monkeypatch, "cuda", config=str(yaml_config)) == "cpu"
+    with pytest.raises(UsageError, match="device cuda:0 was asked for, but CUDA is not available"):
+        _settled(monkeypatch, "cpu", device="cuda:0")  # asked for explicitly: refused, not quietly run elsewhere
+    with pytest.raises(UsageError, match="give the device once"):
+        _settled(monkeypatch, "cuda", device="cuda:1", model_args={"device": "cpu"})
+
+
+@pytest.mark.slow
+def test_a_cpu_run_with_no_device_records_the_device_that_ran(tokenizer, monkeypatch, tmp_path, caplog):
+    """``kveval lm-eval`` with no ``--device`` printed "device=cuda:0 requested but CUDA is not available" on a CPU
+    and recorded ``"device": "cuda:0"``; it records the device that ran, and says nothing of CUDA."""
+    import kveval.runner.models
+    from kveval.commands.main import main
+    from kveval.modeling.sources import resolve_device_dtype
+
+    monkeypatch.setattr(kveval.runner.models, "load_model", lambda *args, **kwargs: (tiny_model(tokenizer), tokenizer))
+    tasks = write_tasks(tmp_path / "tasks")
+    code = main(["lm-eval", "--model", "kveval", "--model_args", "pretrained=tiny,policy=window(4)",
+                 "--tasks", "kvtest_mc", "--include_path", str(tasks), "--limit", "2", "--output_path", str(tmp_path / "out")])
+    assert code == 0
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    assert json.loads(results.read_text())["config"]["device"] == resolve_device_dtype()[0]  # "cpu" without CUDA
+    assert "CUDA is not available" not in caplog.text

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kveval.modeling.sources import resolve_device_dtype
+
 REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
@@ -54,3 +56,4 @@ def test_kveval_lm_eval_runs_under_the_newest_lm_eval(newest_lm_eval, tmp_path):
     assert config["kveval_measured_requests"] == 8  # 2 documents x 4 choices, every one through kveval's cache
     assert 0.45 < config["kveval_measured_ratio"] < 0.55  # half the context removed, as the policy asks
     assert "kveval_niah_multikey_mc" in recorded["results"]
+    assert config["device"] == resolve_device_dtype()[0]  # the device that ran, not lm-eval's default cuda:0

@@ -159,15 +159,24 @@ def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_p
     assert gate_after == before
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["rescored_under"]["kveval"] and "git_commit" in manifest["rescored_under"]
-    assert cli.main(["sweep", str(config), "--out", str(out), "--quiet"]) == 0  # finished: resumed, no model runs
+    capsys.readouterr()
+    assert cli.main(["sweep", str(config), "--out", str(out)]) == 0  # finished: resumed, no model runs
     assert json.loads((out / "manifest.json").read_text())["rescored_under"] == manifest["rescored_under"]
+    output = capsys.readouterr()
+    # A finished sweep says so (it said "done"), and the verdict is printed once (it was three times: the
+    # leaderboard's, gate.md's and the last line's): the leaderboard, then one line naming gate.md.
+    assert "kveval sweep: already complete smollm2-135m: none, " in output.err and "kveval sweep: done" not in output.err
+    assert f"kveval sweep: {out} is already complete (4 runs): nothing was run" in output.err
+    assert output.out.count("gate verdict:") == 1 and "# kveval gate" not in output.out
+    assert output.out.count("- FAIL smollm2-135m/random(ratio=0.5)") <= 1  # gate.md listed it again
+    assert output.out.strip().splitlines()[-1].startswith(f"gate verdict: FAIL  |  gate: {out / 'gate' / 'gate.md'}")
 
 
 def test_a_sweep_of_another_config_or_unfinished_is_refused(tmp_path, capsys):
     out = tmp_path / "quickstart"
     shutil.copytree(RESULTS / "quickstart", out, ignore=shutil.ignore_patterns("*.png", "*.html"))
     configs = Path(__file__).resolve().parent.parent / "configs"
-    text = (configs / "quickstart.yaml").read_text().replace("gate: gate-cpu.yaml", f"gate: {configs / 'gate-cpu.yaml'}")
+    text = (configs / "quickstart.yaml").read_text()  # gate: cpu, a shipped gate: the copy finds it
     config = tmp_path / "other.yaml"
     config.write_text(text.replace("n: 60", "n: 59"))
     assert cli.main(["rescore", str(config), "--out", str(out)]) == 2

@@ -17,17 +17,21 @@ from kveval.runs.ownership import refuse_sweep_folder
 
 
 def configure(parser) -> None:
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="embedded name, Hub id, folder or .gguf path (default: smollm2-135m)")
     parser.add_argument("--policy", action="append", required=True, help="policy spec; repeat for several")
     parser.add_argument("--family", action="append", default=None, help="probe family or 'all'; repeat; default passkey")
     parser.add_argument("--length", action="append", type=int, default=None, help="prompt length in tokens; repeat")
     parser.add_argument("--depth", action="append", type=float, default=None, help="needle depth in [0, 1]; repeat")
     parser.add_argument("--n", type=int, default=10, help="items per family and length")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mode", default="context", choices=["context", "query"])
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the probe items and of the random control policy (default 0)")
+    parser.add_argument("--mode", default="context", choices=["context", "query"],
+                        help="compress the context before the question is seen (default) or with it in view")
     parser.add_argument("--kv-dtype", default=None, help="cache dtype of full-precision tokens and of the bytes baseline "
                                                          "(bfloat16, float16, float32; default: the model's deployment dtype)")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="items per forward pass (default 1); answers and bytes do not depend on it")
     parser.add_argument("--baseline", action="store_true", help="also run policy none")
     parser.add_argument("--fidelity", action="store_true",
                         help="teacher-force the baseline's answers through each policy: per-item KL, top-1 agreement, "

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kveval.errors import EXIT_PASS, UsageError
-from kveval.gate.config import DEFAULT_CONFIG_PATH, GateConfig, load_gate_config
+from kveval.gate.config import DEFAULT_GATE, GateConfig, load_gate_config, shipped_gate_configs
 from kveval.deployment import add_deployment_arguments, deployment_decision, deployment_of
 from kveval.gate.report import write_gate_outputs
 from kveval.gate.rules import evaluate_gate
@@ -21,8 +21,9 @@ from kveval.stats import paired
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config",
-        help=f"gate YAML (default: {DEFAULT_CONFIG_PATH.relative_to(DEFAULT_CONFIG_PATH.parent.parent)} if present, else built-in defaults)",
+        "--gate", "--config", dest="config", metavar="NAME|PATH",
+        help=f"gate config: a name kveval ships ({', '.join(shipped_gate_configs())}) or the path of a gate YAML "
+             f"(default: {DEFAULT_GATE})",
     )
     parser.add_argument("--baseline", metavar="RUN", help="baseline run folder (or lm-eval --log_samples output)")
     parser.add_argument("--candidate", action="append", metavar="RUN", help="candidate run folder (repeatable)")
@@ -69,8 +70,7 @@ def format_plan(cfg: GateConfig, args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = args.config or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None)
-    cfg = load_gate_config(config)
+    cfg = load_gate_config(args.config or DEFAULT_GATE)
     if args.plan:
         print(format_plan(cfg, args))
         return EXIT_PASS

@@ -17,10 +17,11 @@ def configure(parser) -> None:
     parser.add_argument("--mode", default="context", choices=["context", "query"], help="compress before the question is seen (default) or with it")
     parser.add_argument("--kv-dtype", default=None, help="cache dtype of full-precision tokens and of the bytes baseline "
                                                          "(bfloat16, float16, float32; default: the model's deployment dtype)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="most tokens to generate (default 48)")
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: CUDA when present, else CPU)")
+    parser.add_argument("--dtype", default="auto",
+                        help="compute dtype: float32, bfloat16, float16 or auto (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--skip-self-check", action="store_true",
                         help="do not probe that kveval reproduces the model's own attention at load (Hub id/folder/file models)")

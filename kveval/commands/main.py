@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from kveval import __version__
 from kveval.errors import EXIT_CODE_MEANINGS, run_command  # run_command: the one place exceptions become exit codes
 
 #: What ``kveval --help`` opens with.
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_command("lm-eval", lambda: lm_eval_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="kveval", description=DESCRIPTION, epilog=_epilog(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kveval {__version__}",
+                        help="print kveval's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     module = None
     for name, (module_name, help_text) in COMMANDS.items():

@@ -31,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=20, help="contexts per family and length (default 20)")
     parser.add_argument("--depth", nargs="+", type=float, metavar="D",
                         help="needle depths in [0, 1], cycled over items (default 0 0.25 0.5 0.75 1)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the items' needles and haystacks (default 0)")
     parser.add_argument("--model", default="smollm2-135m",
                         help="model whose tokenizer counts tokens (embedded name, Hub id, folder or .gguf)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",

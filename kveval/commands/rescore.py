@@ -25,7 +25,8 @@ from pathlib import Path
 from kveval.deployment import add_deployment_arguments, deployment_of
 from kveval.errors import UsageError
 from kveval.runs.records import atomic_write_text
-from kveval.sweep.config import load_config
+from kveval.gate.config import shipped_gate_configs
+from kveval.sweep.config import load_config, with_gate
 from kveval.sweep.rescore import RescoredRun, describe, rescore_eval_folders, rescore_sweep
 from kveval.runs.ownership import MANIFEST_FILE
 from kveval.sweep.run import read_manifest, running_code, summarize, sweep_lock
@@ -40,6 +41,9 @@ def configure(parser) -> None:
                                         "arguments); default: the probe sets each run recorded")
     parser.add_argument("--dry-run", action="store_true", help="say what would change; write nothing")
     parser.add_argument("--strict", action="store_true", help="a sweep: exit with the gate's code (1 FAIL, 3 INCONCLUSIVE)")
+    parser.add_argument("--gate", metavar="NAME|PATH",
+                        help=f"a sweep: rebuild its gate with this gate config instead of the config's `gate:` (a name "
+                             f"kveval ships: {', '.join(shipped_gate_configs())}; or a path)")
     add_deployment_arguments(parser)  # the gate is rebuilt: ask its deployment question again, as the sweep did
 
 
@@ -58,8 +62,8 @@ def run(args) -> int:
         if (target / MANIFEST_FILE).is_file():
             raise UsageError(f"{target} is a sweep folder: give its config (kveval rescore CONFIG.yaml --out {target}), "
                              f"so the items come from it and its report and gate are rebuilt")
-    if args.gpu_memory or args.strict:
-        raise UsageError("--gpu-memory and --strict are for a sweep (its gate is rebuilt); run folders have none")
+    if args.gpu_memory or args.strict or args.gate:
+        raise UsageError("--gpu-memory, --strict and --gate are for a sweep (its gate is rebuilt); run folders have none")
     rescored = rescore_eval_folders(targets, Path(args.items) if args.items else None)
     _report(rescored, args.dry_run)
     return 0
@@ -67,6 +71,8 @@ def run(args) -> int:
 
 def _run_sweep(config_path: Path, args) -> int:
     config = load_config(config_path)
+    if args.gate:
+        config = with_gate(config, args.gate)
     deploy = deployment_of(args)
     out = Path(args.out or config.out or Path("runs") / config.name)
     remedy = f"give the folder {config.name}'s sweep ran into with --out"

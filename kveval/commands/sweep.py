@@ -8,15 +8,38 @@ from pathlib import Path
 
 from kveval.deployment import add_deployment_arguments, deployment_of
 from kveval.modeling.sources import add_placement_arguments, placement_from_args
-from kveval.sweep.config import load_config
-from kveval.sweep.executors import make_executor
+from kveval.gate.config import shipped_gate_configs
+from kveval.sweep.config import load_config, with_gate
+from kveval.sweep.executors import Cell, CellResult, make_executor
 from kveval.sweep.run import run_sweep, summarize, sweep_lock
+
+
+class CellReport:
+    """The executor's progress: one line per finished cell on stderr (unless quiet), saying whether it ran or was
+    complete already; it also counts the cells, so that a sweep that ran nothing says so."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.cells, self.complete = quiet, 0, 0
+
+    def __call__(self, cell: Cell, result: CellResult | None) -> None:
+        self.cells += 1
+        already = result is not None and result.already_complete
+        self.complete += already
+        if not self.quiet:
+            print(f"kveval sweep: {'already complete' if already else 'done'} {cell.label}", file=sys.stderr)
+
+    @property
+    def ran_nothing(self) -> bool:
+        return self.cells > 0 and self.complete == self.cells
 
 
 def configure(parser) -> None:
     parser.add_argument("config", help="sweep YAML, e.g. configs/quickstart.yaml")
     parser.add_argument("--out", help="run folder (default: the config's `out`, else runs/<name>)")
     parser.add_argument("--strict", action="store_true", help="exit with the gate's code: 1 FAIL, 3 INCONCLUSIVE (for CI)")
+    parser.add_argument("--gate", metavar="NAME|PATH",
+                        help=f"judge by this gate config instead of the config's `gate:`: a name kveval ships "
+                             f"({', '.join(shipped_gate_configs())}) or the path of a gate YAML")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--noise-floor", action="store_true",
                         help="also run each baseline again in another batch arrangement: the gate then shows the "
@@ -37,6 +60,8 @@ def configure(parser) -> None:
 
 def run(args) -> int:
     config = load_config(args.config)
+    if args.gate:
+        config = with_gate(config, args.gate)
     if args.noise_floor:
         config = replace(config, noise_floor=True)
     for warning in config.warnings:
@@ -44,12 +69,15 @@ def run(args) -> int:
 
     deploy = deployment_of(args)  # asked before the sweep runs, not refused after it
     load_options = placement_from_args(args) | ({"self_check": False} if args.skip_self_check else {})
-    executor = make_executor(args.executor, args.address, args.workers,
-                             progress=None if args.quiet else lambda cell: print(f"kveval sweep: done {cell.label}", file=sys.stderr))
+    cells = CellReport(args.quiet)
+    executor = make_executor(args.executor, args.address, args.workers, progress=cells)
     out = Path(args.out or config.out or Path("runs") / config.name)
     with sweep_lock(out):
         run_dirs = run_sweep(config, out, quiet=args.quiet or args.executor != "inprocess", executor=executor,
                              load_options=load_options,
                              policies_per_cell=args.policies_per_cell or (1 if args.executor == "ray" else None))
+        if cells.ran_nothing:
+            print(f"kveval sweep: {out} is already complete ({len(run_dirs)} runs): nothing was run; its report and "
+                  f"gate are rebuilt from them", file=sys.stderr)
         code = summarize(out, run_dirs, config.gate, deploy)
     return code if args.strict else (2 if code == 2 else 0)

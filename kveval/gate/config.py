@@ -1,4 +1,10 @@
-"""The gate's rules (``configs/gate.yaml``), parsed once at the edge into a :class:`GateConfig`.
+"""The gate's rules, parsed once at the edge into a :class:`GateConfig`, and the gate configs kveval ships.
+
+A gate config is a YAML file, given by path or by the name of one that ships as package data
+(``kveval/gate/configs/<name>.yaml``, so a pip install has them; ``configs/gate.yaml`` and ``configs/gate-cpu.yaml``
+in a checkout link to them): ``default`` (the default rules, margin 0.05, every rule commented) and ``cpu`` (the same
+rules at a 10-point margin, what the CPU-sized sweeps can resolve). ``--gate cpu`` and a sweep's ``gate: cpu`` name
+one; a value with a path separator or a ``.yaml``/``.yml`` suffix is a path.
 
 Every problem is a :class:`~kveval.errors.ConfigError` naming the file and the
 key, raised before anything is loaded or evaluated (``kveval sweep`` checks
@@ -17,7 +23,11 @@ from kveval.stats.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
 from kveval.values import is_real, is_whole
 from kveval.yaml_files import load_yaml
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "gate.yaml"
+#: Where the gate configs kveval ships live (package data): ``<name>.yaml``.
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
+#: The shipped gate ``kveval gate`` applies when given none.
+DEFAULT_GATE = "default"
+DEFAULT_CONFIG_PATH = SHIPPED_DIR / f"{DEFAULT_GATE}.yaml"
 _KEYS = {
     "tasks",
     "alpha",
@@ -223,17 +233,46 @@ def _prob(v: Any, name: str, source: str, open_interval: bool = False) -> float:
     return x
 
 
-def load_gate_config(config: str | os.PathLike | dict | GateConfig | None = None) -> GateConfig:
-    """A :class:`GateConfig` from a YAML path, a dict, a config, or ``None`` (built-in defaults)."""
+def shipped_gate_configs() -> dict[str, Path]:
+    """The gate configs kveval ships, by name (``default``, ``cpu``): their files in the package."""
+    return {path.stem: path for path in sorted(SHIPPED_DIR.glob("*.yaml"))}
+
+
+def is_gate_name(value: str) -> bool:
+    """Whether ``value`` names a shipped gate config rather than a file: no path separator, no YAML suffix."""
+    return "/" not in value and os.sep not in value and Path(value).suffix.lower() not in (".yaml", ".yml")
+
+
+def gate_config_path(value: str | os.PathLike, relative_to: str | os.PathLike | None = None) -> Path:
+    """The file of the gate config ``value`` names: a shipped one by name (:func:`is_gate_name`), else a path,
+    relative to ``relative_to`` (a sweep config's folder) where given, else to the working directory.
+
+    An unknown name is one :class:`~kveval.errors.ConfigError` line listing the shipped names."""
+    if isinstance(value, str) and is_gate_name(value):
+        shipped = shipped_gate_configs()
+        if value not in shipped:
+            hint = f" (for the file {value!r} write ./{value})" if Path(value).is_file() else ""
+            raise ConfigError(f"no gate config named {value!r}: kveval ships {', '.join(shipped)}; or give the path "
+                              f"of a gate YAML{hint}")
+        return shipped[value]
+    path = Path(value)
+    return path if relative_to is None or path.is_absolute() else Path(relative_to) / path
+
+
+def load_gate_config(config: str | os.PathLike | dict | GateConfig | None = None,
+                     relative_to: str | os.PathLike | None = None) -> GateConfig:
+    """A :class:`GateConfig` from a shipped gate's name (``"default"``, ``"cpu"``), a YAML path (relative to
+    ``relative_to`` where given), a dict, a config, or ``None`` (built-in defaults, the rules of ``default``)."""
     if config is None:
         return GateConfig()
     if isinstance(config, GateConfig):
         return config
     if isinstance(config, dict):
         return GateConfig.from_dict(config)
-    path = Path(config)
+    path = gate_config_path(config, relative_to)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such gate config; see configs/gate.yaml")
+        raise ConfigError(f"{path}: no such gate config; give the path of a gate YAML, or the name of one kveval "
+                          f"ships ({', '.join(shipped_gate_configs())})")
     data = load_yaml(path, "gate config")
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: a gate config is a mapping of settings")

@@ -2,16 +2,18 @@
 
 ``--model kveval`` evaluates any causal LM that :func:`kveval.runner.models.load_model`
 accepts with its KV cache compressed by a kveval policy
-(:class:`kveval.lm_eval.model.KVEvalLM`). lm-eval 0.4.13 has no plugin
-mechanism for model types, so use kveval's wrapper of the lm-eval CLI, which
-registers the model type and adds kveval's ``tasks/`` folder::
+(:class:`kveval.lm_eval.model.KVEvalLM`). kveval declares it as an ``lm_eval.models`` entry point, but no
+lm-eval release on the index loads model plugins yet (0.4.13, 0.5.0.dev1: ``docs/lm-eval.md``), so use kveval's
+wrapper of the lm-eval CLI, which registers the model type, adds kveval's ``tasks/`` folder and hands lm-eval the
+device that runs::
 
     kveval lm-eval --model kveval \\
         --model_args 'pretrained=smollm2-135m,policy=snapkv(ratio=0.5)+kivi(bits=4),compress=context' \\
         --tasks kveval_passkey --limit 5 --log_samples --output_path runs/lm_eval
 
 (``python -m kveval.lm_eval ...`` is the same command). From Python, call
-:func:`register` once before ``lm_eval.simple_evaluate(model="kveval", ...)``.
+:func:`register` once before ``lm_eval.simple_evaluate(model="kveval", ...)``, or hand ``simple_evaluate`` a
+``KVEvalLM(...)`` (``model=register()(pretrained=..., policy=...)``).
 
 This package module imports nothing heavy; lm-eval and torch load on first use.
 """

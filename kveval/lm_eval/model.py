@@ -229,8 +229,10 @@ class KVEvalLM(HFLM):
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
         if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
-            # lm-eval's CLI passes device="cuda:0" unless told otherwise; HFLM then quietly stays on the CPU too.
-            log.warning("kveval: device=%s requested but CUDA is not available; using the CPU", device)
+            # lm-eval's own CLI passes its default device="cuda:0" when given none, and the model type cannot tell it
+            # from a user's choice (kveval lm-eval passes the device that runs instead: kveval.lm_eval.__main__).
+            log.warning("kveval: device=%s (lm-eval's default when no --device is given) but CUDA is not available; "
+                        "using the CPU", device)
             device = "cpu"
         launch = data_parallel.launch()  # one of several `accelerate launch` processes: this one answers a shard
         if launch is not None and isinstance(pretrained, str):

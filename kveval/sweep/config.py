@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,8 +31,9 @@ RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor"}
 
 @dataclass
 class SweepConfig:
-    """A sweep, as read from YAML. ``gate:`` is relative to the YAML file's folder (the file ships beside it);
-    ``out:`` and ``--out`` to the working directory, where a run's outputs go."""
+    """A sweep, as read from YAML. ``gate:`` names a gate config kveval ships (``cpu``, ``default``: a copied config
+    finds it wherever it lies) or is a path relative to the YAML file's folder; ``out:`` and ``--out`` are relative to
+    the working directory, where a run's outputs go."""
 
     name: str
     models: list[str]
@@ -136,7 +137,7 @@ def load_config(path: str | Path) -> SweepConfig:
     if gate is not None:
         gate = _string(path, "gate", gate)
 
-        gate = load_gate_config(path.parent / gate)  # a bad gate file is reported now, before any model loads
+        gate = load_gate_config(gate, relative_to=path.parent)  # a bad gate file is reported now, before any model loads
         if not lm_eval:  # the runs' tasks are the probe families: a misspelt per-task key is known now too
             gate.check_tasks(families)
     depths = probes.get("depths")
@@ -160,6 +161,16 @@ def load_config(path: str | Path) -> SweepConfig:
         out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity, noise_floor=noise_floor,
         raw=raw, warnings=warnings, path=path,
     )
+
+
+def with_gate(config: SweepConfig, gate: str) -> SweepConfig:
+    """``config`` judged by the gate config ``gate`` instead of its own (``--gate``: a shipped name or a path relative
+    to the working directory), checked as ``gate:`` is. The gate is outside the config hash: a finished sweep
+    resumes and is judged again."""
+    rules = load_gate_config(gate)
+    if not config.lm_eval:
+        rules.check_tasks(config.families)
+    return replace(config, gate=rules)
 
 
 #: A sweep's name: it names its folder under ``runs/``, so one path component of plain characters.

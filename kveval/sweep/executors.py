@@ -41,21 +41,26 @@ class Cell:
 
 @dataclass
 class CellResult:
-    """What a finished cell reports: its run folders (in the order of its specs) and, on CUDA, its peak memory."""
+    """What a finished cell reports: its run folders (in the order of its specs), on CUDA its peak memory, and
+    whether it was complete already (a resumed sweep's cell: nothing was run, no weights loaded)."""
 
     run_dirs: list[str]
     cuda_peak_allocated_bytes: int | None = None
     info: dict = field(default_factory=dict)
+    already_complete: bool = False
 
 
 CellWork = Callable[[Cell], CellResult]
+#: Told of each finished cell, with its result (``None`` where the cell failed).
+Progress = Callable[[Cell, "CellResult | None"], None]
 
 
 class Executor(Protocol):
     """Runs every cell once through ``work``; returns their results in the order of ``cells``.
 
     A cell that fails does not stop the others: they finish (their items are
-    written), then the first failure is raised.
+    written), then the first failure is raised. A ``progress`` callback (:data:`Progress`) is told of each cell as it
+    finishes.
     """
 
     def run(self, cells: list[Cell], work: CellWork) -> list[CellResult]: ...
@@ -64,7 +69,7 @@ class Executor(Protocol):
 class InProcessExecutor:
     """Cells one after another in this process (``work`` may keep a loaded model between cells of one model)."""
 
-    def __init__(self, progress=None):
+    def __init__(self, progress: Progress | None = None):
         self.progress = progress
 
     def run(self, cells: list[Cell], work: CellWork) -> list[CellResult]:
@@ -72,7 +77,7 @@ class InProcessExecutor:
         for cell in cells:
             results.append(work(cell))
             if self.progress is not None:
-                self.progress(cell)
+                self.progress(cell, results[-1])
         return results
 
 
@@ -86,7 +91,7 @@ class RayExecutor:
     retried by Ray; the retry resumes from the items already written.
     """
 
-    def __init__(self, address: str | None = None, workers: int | None = None, progress=None):
+    def __init__(self, address: str | None = None, workers: int | None = None, progress: Progress | None = None):
         self.ray = import_ray()
         self.address, self.workers, self.progress = address, workers, progress
 
@@ -106,7 +111,11 @@ class RayExecutor:
             while pending:  # wait for every cell, so a failure elsewhere never abandons written work
                 done, pending = ray.wait(pending, num_returns=1)
                 if self.progress is not None:
-                    self.progress(by_ref[done[0]])
+                    try:
+                        finished = ray.get(done[0])
+                    except Exception:  # noqa: BLE001 - the failure is raised below, once every cell is collected
+                        finished = None
+                    self.progress(by_ref[done[0]], finished)
             results, first_error = [], None
             for ref in refs:
                 try:
@@ -140,7 +149,8 @@ def import_ray():
     return ray
 
 
-def make_executor(name: str, address: str | None = None, workers: int | None = None, progress=None) -> Executor:
+def make_executor(name: str, address: str | None = None, workers: int | None = None,
+                  progress: Progress | None = None) -> Executor:
     """The executor called ``name`` (one of :data:`EXECUTORS`)."""
     if name == "inprocess":
         if address:

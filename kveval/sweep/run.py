@@ -211,14 +211,15 @@ class CellRunner:
             record_fidelity(model, tokenizer, items, baseline, candidates, batch_size=self.config.batch_size,
                             seed=self.config.seed)
 
-    def _noise_floor(self, cell: Cell, items: list, dirs: list[Path]) -> None:
+    def _noise_floor(self, cell: Cell, items: list, dirs: list[Path]) -> bool:
         """Under ``noise_floor``: the cell's baseline again, items in reverse order at another batch size
-        (:func:`noise_floor_batch_size`), into :func:`noise_floor_run` (resumable; no weights load once it is done)."""
+        (:func:`noise_floor_batch_size`), into :func:`noise_floor_run` (resumable; no weights load once it is done).
+        Whether anything was run."""
         from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
 
         baseline = [(spec, d) for spec, d in zip(cell.specs, dirs) if spec.policy.is_none]
         if not self.config.noise_floor or not baseline:
-            return
+            return False
         (spec, base_dir), = baseline
         floor = noise_floor_run(self.out, base_dir)
         try:
@@ -226,13 +227,14 @@ class CellRunner:
         except (ResultFileError, OSError):  # not run yet, or a killed writer's half line: evaluate_policies resumes it
             written = {}
         if all(written.get(item.id) == item.hash for item in items):
-            return
+            return False
         model, tokenizer = self._model(cell.model)
         size = noise_floor_batch_size(self.config.batch_size)
         evaluate_policies(model, tokenizer, list(reversed(items)), [spec], self.out / NOISE_FLOOR_DIR, cell.model,
                           size, self.config.seed,
                           extra={"sweep": self.config.name, "config_hash": self.config.hash,
                                  "noise_floor": {"of": str(base_dir), "batch_size": size, "order": "reversed"}})
+        return True
 
     def __call__(self, cell: Cell) -> CellResult:
         import torch
@@ -245,14 +247,13 @@ class CellRunner:
         items = sweep_items(config, load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
         finished = self._finished(cell, items)
         if finished is not None:  # a resumed sweep loads no weights for the cells that are done
-            self._noise_floor(cell, items, finished)
-            return CellResult([str(d) for d in finished])
+            ran = self._noise_floor(cell, items, finished)
+            return CellResult([str(d) for d in finished], already_complete=not ran)
         model, tokenizer = self._model(cell.model)
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        with tqdm(total=len(items) * len(cell.specs), desc=f"{Path(cell.model).name}: {cell.specs[0].spec}"
-                  + (f" +{len(cell.specs) - 1}" if len(cell.specs) > 1 else ""), unit="item", disable=self.quiet) as bar:
+        with tqdm(total=len(items) * len(cell.specs), desc=progress_label(cell), unit="item", disable=self.quiet) as bar:
             dirs = evaluate_policies(model, tokenizer, items, list(cell.specs), self.out, cell.model,
                                      config.batch_size, config.seed, bar, extra={"sweep": config.name, "config_hash": config.hash})
         if config.fidelity:
@@ -261,6 +262,14 @@ class CellRunner:
             run_lm_eval_tasks(model, tokenizer, list(cell.specs), dirs, config.lm_eval, config.batch_size, config.seed)
         self._noise_floor(cell, items, dirs)
         return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def progress_label(cell: Cell) -> str:
+    """A cell's progress bar label: its model and policies, the first by name and the others counted
+    (``smollm2-135m: none and 3 other policies``), which the bar's items x policies count."""
+    others = len(cell.specs) - 1
+    counted = f" and {others} other {'policy' if others == 1 else 'policies'}" if others else ""
+    return f"{Path(cell.model).name}: {cell.specs[0].spec}{counted}"
 
 
 def sweep_items(config: SweepConfig, tokenizer) -> list:
@@ -417,7 +426,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
             lms[i].share_prefill([specs[j] for j in pending[n + 1:]], store)  # later policies read what this one leaves
             output = lm_eval.simple_evaluate(model=lms[i], tasks=[task], limit=settings.get("limit"), log_samples=True,
                                              task_manager=manager, random_seed=seed, numpy_random_seed=seed,
-                                             torch_random_seed=seed)
+                                             torch_random_seed=seed, device=str(lms[i].device))  # recorded only
             with ItemWriter(run_dirs[i]) as writer:
                 for subtask, rows in sorted(output["samples"].items()):
                     for record in records_from_samples(rows, subtask, None, f"lm-eval samples of {subtask}"):
@@ -440,10 +449,12 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     write_gate_outputs(results, out / "gate")
     build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json", probes=probes)
     print()
+    # The leaderboard carries each candidate's verdict and its reasons; gate.md says the same at length, so it is
+    # named, not printed, and the sweep's verdict is said once, last.
     print((out / "report" / "leaderboard.md").read_text())
-    print((out / "gate" / "gate.md").read_text())
     code = exit_code(results)
-    print(f"gate verdict: {overall_status(results)}  |  leaderboard: {out / 'report' / 'leaderboard.html'}")
+    print(f"gate verdict: {overall_status(results)}  |  gate: {out / 'gate' / 'gate.md'}  |  "
+          f"leaderboard: {out / 'report' / 'leaderboard.html'}")
     return code
 
 
