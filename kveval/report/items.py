@@ -36,6 +36,7 @@ WINDOW = 320
 #: What a confusion category means, in words, for "N right answers became ...".
 CATEGORY_WORDS = {
     "empty": "empty",
+    "no_value": "text with no value",
     "fabricated": "fabricated values",
     "distractor": "another key's value",
     "stale": "an overwritten value",
