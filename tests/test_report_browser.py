@@ -151,12 +151,79 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5"
 
 
-def test_a_scatter_point_names_its_full_policy_spec(browser, quickstart):
+def test_the_page_has_one_score_against_compression_plot(browser, quickstart):
+    """The inline SVG scatter of score against bytes per token drew what score_vs_compression.png draws; one stays,
+    the PNG (the markdown's too)."""
     _open(browser, quickstart[1])
-    titles = [t.get_attribute("textContent") for t in browser.find_elements("css selector", "svg.scatter a.point circle title")]
-    assert len(titles) == 4
-    assert any(t.startswith("smollm2-135m \u00b7 random(ratio=0.5) \u00b7 12,803 bytes/token \u00b7 score 0.075 \u00b7 FAIL")
-               for t in titles), titles
+    assert browser.find_elements("css selector", "svg") == []
+    assert [i.get_attribute("alt") for i in browser.find_elements("css selector", "figure img")] == [
+        "score_vs_compression", "heatmap_smollm2-135m", "confusion_smollm2-135m"]
+
+
+def test_the_family_filter_offers_families_and_the_policy_filter_specs(browser, quickstart):
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, quickstart[1])
+    family, policy = (Select(browser.find_element("id", f"f-{f}")) for f in ("family", "policy"))
+    assert [o.get_attribute("value") for o in family.options] == ["", "selection", "quantization"]
+    assert [o.get_attribute("value") for o in policy.options] == [
+        "", "baseline", "quant(bits=8,group=16)", "random(ratio=0.5)", "streaming(sink=4,window=60)"]
+    family.select_by_value("selection")
+    assert _policies_shown(browser) == ["baseline", "random(ratio=0.5)", "streaming(sink=4,window=60)"]
+    assert len(_shown(browser, "div.verdict")) == 2
+    family.select_by_value("quantization")
+    assert _policies_shown(browser) == ["baseline", "quant(bits=8,group=16)"]
+    family.select_by_value("")
+    policy.select_by_value("random(ratio=0.5)")
+    assert _policies_shown(browser) == ["random(ratio=0.5)"]
+    policy.select_by_value("")
+    assert len(_shown(browser, "#leaderboard tbody tr")) == 4
+
+
+def test_the_pooled_columns_follow_the_task_filter(browser, quickstart):
+    """All items, change [CI], -flips and confusion stayed pooled over every task when the page was filtered to one;
+    now they are that task's, as the gate judges it, and sorting reads the values shown."""
+    from selenium.webdriver.support.ui import Select
+
+    from kveval.report.rows import collect_rows
+
+    root, page = quickstart
+    rows, tasks = collect_rows([root], n_resamples=999)
+    _open(browser, page)
+    header = [th.text for th in _shown(browser, "#leaderboard th")]
+    col = {name: header.index(name) for name in ("all items", "change [CI]", "-flips", "confusion")}
+
+    def shown_cells():
+        return {tr.find_elements("tag name", "td")[2].text: [tr.find_elements("tag name", "td")[k].text.rstrip(" \u2605")
+                                                              for k in col.values()]
+                for tr in _shown(browser, "#leaderboard tbody tr")}
+
+    def expected(task):
+        out = {}
+        for r in rows:
+            c = None if r.comparison is None else (r.comparison.task(task) if task else r.comparison.overall)
+            score = r.task_scores[task] if task else r.score
+            conf = r.task_confusion[task] if task else r.confusion_rate
+            out[r.label] = [f"{score:.3f}",
+                            "baseline" if c is None else f"{c.delta:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}]",
+                            "-" if c is None else f"{c.negative_flip_rate * 100:.1f}%", f"{conf:.1%}"]
+        return out
+
+    assert shown_cells() == expected(None)
+    for task in tasks:
+        Select(browser.find_element("id", "f-task")).select_by_value(task)
+        assert browser.find_elements("css selector", "#leaderboard th")[col["all items"]].text == f"{task} items"
+        assert shown_cells() == expected(task)
+        assert shown_cells() != expected(None)
+    # sorting by the change column orders by the shown task's change
+    task = tasks[0]
+    Select(browser.find_element("id", "f-task")).select_by_value(task)
+    changes = {r.label: (0.0 if r.comparison is None else r.comparison.task(task).delta) for r in rows}
+    th = [t for t in _shown(browser, "#leaderboard th") if t.text == "change [CI]"][0]
+    th.click()
+    assert _policies_shown(browser) == sorted(changes, key=changes.get)
+    Select(browser.find_element("id", "f-task")).select_by_value("")
+    assert shown_cells() == expected(None)
 
 
 def test_an_lm_eval_item_shows_its_document_and_both_answers(browser, tmp_path):
