@@ -137,7 +137,7 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     assert all(visible for *_, visible in shown)
     assert {i: (b, c) for i, b, c, _ in shown} == {i: (base[i].answer, cand[i].answer) for i in expected}
     first = sections[0].find_element("css selector", "article.item")
-    assert "regressed" in first.get_attribute("class") and "empty" in first.text
+    assert "regressed" in first.get_attribute("class") and "no_value" in first.text
     assert first.find_element("tag name", "h4").text.startswith(f"{first.get_attribute('data-id')} ")
     # a task score links to that task's items
     _open(browser, page)
