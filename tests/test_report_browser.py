@@ -69,6 +69,17 @@ def _open(driver, page: Path, fragment: str = "") -> None:
     driver.get(page.as_uri() + fragment)
 
 
+def _follow(driver, link) -> None:
+    """Click a link into an item view and wait until the page has routed to it: the hash changes at once, the
+    section shows on the ``hashchange`` event after it (reading the page in between saw half of it)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    fragment = "#" + link.get_attribute("href").split("#", 1)[1]
+    link.click()
+    WebDriverWait(driver, 10).until(lambda d: d.execute_script("return location.hash") == fragment
+                                    and _shown(d, "section.items"))
+
+
 def _policies_shown(driver) -> list[str]:
     return [row.find_elements("tag name", "td")[2].text for row in _shown(driver, "#leaderboard tbody tr")]
 
@@ -121,8 +132,7 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     root, page = quickstart
     _open(browser, page)
     row = next(r for r in _shown(browser, "#leaderboard tbody tr") if "streaming" in r.text)
-    link = row.find_element("css selector", "td.FAIL a")
-    link.click()
+    _follow(browser, row.find_element("css selector", "td.FAIL a"))
     sections = _shown(browser, "section.items")
     assert [s.get_attribute("id") for s in sections] == ["items-smollm2-135m_streaming_sink_4_window_60"]
     base = {r.id: r for r in read_items(root / "runs" / "smollm2-135m" / "none")}
@@ -142,12 +152,12 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     # a task score links to that task's items
     _open(browser, page)
     cell = next(r for r in _shown(browser, "#leaderboard tbody tr") if "random" in r.text)
-    cell.find_element("css selector", 'td[data-task="niah_single"] a').click()
+    _follow(browser, cell.find_element("css selector", 'td[data-task="niah_single"] a'))
     assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5--niah_single"
     assert [s.get_attribute("id") for s in _shown(browser, "section.items")] == ["items-smollm2-135m_random_ratio_0.5"]
     _shown(browser, "a[href='#top']")[0].click()  # back, then any other cell of the row
     cell = next(r for r in _shown(browser, "#leaderboard tbody tr") if "random" in r.text)
-    cell.find_elements("tag name", "td")[-1].find_element("tag name", "a").click()
+    _follow(browser, cell.find_elements("tag name", "td")[-1].find_element("tag name", "a"))
     assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5"
 
 
@@ -236,7 +246,7 @@ def test_an_lm_eval_item_shows_its_document_and_both_answers(browser, tmp_path):
                          "pretrained=smollm2-135m,policy=snapkv(ratio=0.5)")
     page = Path(build_report([base, cand], tmp_path / "rep", n_resamples=999)["html"])
     _open(browser, page)
-    browser.find_element("css selector", "#leaderboard td.l a").click()
+    _follow(browser, browser.find_element("css selector", "#leaderboard td.l a"))
     articles = _shown(browser, "section.items article.item")
     assert [a.get_attribute("data-id") for a in articles] == ["arc_easy/1", "arc_easy/3"]
     first = articles[0]

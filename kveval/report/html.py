@@ -177,7 +177,8 @@ def _scoped(scopes: Sequence[tuple[str, str, object, bool]], *, href: str | None
     if href:
         inner = f'<a href="#{e(href)}">{inner}</a>'
     pooled = scopes[0][2]
-    attrs = "" if pooled is None or (isinstance(pooled, float) and math.isnan(pooled)) else f' data-v="{e(str(pooled))}"'
+    missing = pooled is None or (isinstance(pooled, float) and math.isnan(pooled))
+    attrs = "" if missing else f' data-v="{e(str(pooled))}"'
     return f"<td{attrs}>{inner}</td>"
 
 
@@ -198,7 +199,8 @@ def _pooled_cells(r: Row, tasks: Sequence[str], link: str | None) -> list[str]:
     overall = r.comparison.overall if r.comparison is not None else None
     score = [("", fmt(r.score), r.score, "score" in r.best)]
     score += [(t, fmt(r.task_scores.get(t)), r.task_scores.get(t), f"score:{t}" in r.best) for t in tasks]
-    delta = [("", *change(overall), "delta" in r.best)] + [(t, *change(of_task(t)), f"delta:{t}" in r.best) for t in tasks]
+    delta = [("", *change(overall), "delta" in r.best)]
+    delta += [(t, *change(of_task(t)), f"delta:{t}" in r.best) for t in tasks]
     flip = [("", *flips(overall), "flips" in r.best)] + [(t, *flips(of_task(t)), f"flips:{t}" in r.best) for t in tasks]
     conf = [("", fmt(r.confusion_rate, "{:.1%}"), r.confusion_rate, "confusion" in r.best)]
     conf += [(t, fmt(r.task_confusion.get(t), "{:.1%}"), r.task_confusion.get(t), f"confusion:{t}" in r.best)
@@ -262,7 +264,8 @@ def _row_attrs(r: Row, v: Verdict) -> str:
     """What the filters read of a run's elements: its model, families (space-separated, :func:`spec_families`),
     full policy spec (its label) and verdict; ``data-baseline`` on the baseline, which every family filter shows."""
     return (f'data-row="" data-model="{e(r.info.model)}" data-families="{e(" ".join(spec_families(r.info.policy)))}" '
-            f'data-policy="{e(r.label)}" data-verdict="{e(v.status)}"' + (' data-baseline=""' if r.info.is_baseline else ""))
+            f'data-policy="{e(r.label)}" data-verdict="{e(v.status)}"'
+            + (' data-baseline=""' if r.info.is_baseline else ""))
 
 
 def _filters(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Verdict]) -> str:

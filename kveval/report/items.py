@@ -244,7 +244,8 @@ def _answer(record: ItemRecord, probe: ProbeItem | None) -> Answer:
 
 
 def category_phrase(categories: Sequence[str]) -> str:
-    """``"empty"``, or ``"went wrong (27 empty, 13 fabricated)"`` for mixed categories: what regressed answers became."""
+    """``"became text with no value"``, or ``"went wrong (27 no_value, 13 fabricated)"`` for mixed categories: what
+    regressed answers became."""
     counts: dict[str, int] = {}
     for c in categories:
         counts[c or ""] = counts.get(c or "", 0) + 1
