@@ -46,7 +46,8 @@ def test_edit_distance_counts_insertions_deletions_substitutions():
     (" acorn, banjo, cello, daisy, banjo", 0.8, "over_inclusion", 0, 1, 0),
     # Repeats while losing its place: 2 right, then 4 invented repeats; distance 2 + 2 = 4 of 6.
     (" acorn, banjo, banjo, banjo, banjo, banjo", 1 - 4 / 6, "partial", 2, 4, 0),
-    (" I cannot remember the list.", 0.0, "empty", 4, 0, 0),
+    (" I cannot remember the list.", 0.0, "no_value", 4, 0, 0),
+    ("\n\n", 0.0, "empty", 4, 0, 0),
 ])
 def test_sequence_scores_hand_computed(answer, score, category, omitted, invented, reordered):
     result = score_answer(_item(GOLD), answer)

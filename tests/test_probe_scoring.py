@@ -88,9 +88,18 @@ def test_fabricated(multikey):
     assert r.recalled == "fabricated:5550123" and r.detail["in_context"] is False and r.score == 0.0
 
 
-def test_empty(multikey):
-    for answer in ("", "   ", " I don't know.", " 42", " The number for that key is not given."):
+def test_empty_is_an_answer_that_says_nothing(multikey):
+    for answer in ("", "   ", "\n\n", " ...", " \u2014"):
         r = check(multikey, answer, "empty")
+        assert r.score == 0.0 and r.recalled is None
+
+
+def test_no_value_is_an_answer_that_says_something_else(multikey):
+    """An answer with text but no value of the item's shape was ``empty``, which the README defines as answering
+    nothing (SmolLM2 under streaming writes "a very important part of the grass...")."""
+    for answer in (" I don't know.", " 42", " The number for that key is not given.",
+                   " a very important part of the grass and the sky", " _x_"):
+        r = check(multikey, answer, "no_value")
         assert r.score == 0.0 and r.recalled is None
 
 
@@ -129,7 +138,7 @@ def test_kv_retrieval_uuid(tok):
     check(item, f' "{_values(item, "distractor")[0]}"', "distractor")
     r = check(item, f" {gold[:23]}", "partial")
     assert r.detail["near"]["prefix"] == 23
-    check(item, f' "{target_key}"', "empty")  # echoing the asked key is no answer
+    check(item, f' "{target_key}"', "no_value")  # echoing the asked key is no answer
     check(item, " 00000000-1111-4222-8333-444444444444", "fabricated")
 
 
@@ -154,7 +163,7 @@ def test_word_values(tok):
     check(item, f" {gold}s", "correct")  # its plural is the word
     r = check(item, " zeppelin", "fabricated")
     assert r.recalled == "fabricated:zeppelin"
-    check(item, " Sorry, I cannot answer that.", "empty")
+    check(item, " Sorry, I cannot answer that.", "no_value")
 
 
 def test_word_items_are_scored_like_the_other_kinds(tok):
@@ -168,12 +177,12 @@ def test_word_items_are_scored_like_the_other_kinds(tok):
         assert r.score == 0.5 and r.recalled == f"fabricated:{other}"
     for refusal in (" I don't know.", " I could not find it.", " The passage doesn't mention it.",
                     " I do not have enough information.", " Unfortunately it isn't stated."):
-        check(item, refusal, "empty")  # "don", "find", "doesn", "enough": fabricated
+        check(item, refusal, "no_value")  # "don", "find", "doesn", "enough": fabricated
     typo = gold[:-1] + ("x" if gold[-1] != "x" else "y")
     assert check(item, f" {typo}", "partial").detail["near"]["value"] == typo
     cello = ProbeItem.from_dict({**item.to_dict(), "gold": ["cello"], "needles": [
         {**n, "value": "cello"} if n["role"] == "target" else n for n in item.to_dict()["needles"]]})
-    check(cello, " Hello! I do not remember.", "empty")  # "partial:hello"
+    check(cello, " Hello! I do not remember.", "no_value")  # "partial:hello"
     check(cello, " guitar", "fabricated")  # another value of the vocabulary, not a near miss of "cello"
 
 
@@ -202,7 +211,7 @@ def test_multi_turn_previous_answer_is_distractor(tok):
     r = check(turn1, f" {items[0].gold[0]}", "distractor")
     assert r.recalled == f"distractor:{items[0].gold[0]}"
     check(turn1, f" {turn1.gold[0]}", "correct")
-    # A value the question holds only inside a longer one is no echo of it (it was dropped: "empty"); cut short,
+    # A value the question holds only inside a longer one is no echo of it (it was dropped: "no_value"); cut short,
     # the previous turn's value is still the wrong needle.
     check(turn1, f" {items[0].gold[0][:4]}", "distractor")
 
@@ -216,7 +225,8 @@ def test_every_category_has_an_answer(multikey, update):
         "partial": (multikey, gold[:4]),
         "over_inclusion": (multikey, f"{gold} {_values(multikey, 'distractor')[1]}"),
         "fabricated": (multikey, "9090909"),
-        "empty": (multikey, "no idea"),
+        "no_value": (multikey, "no idea"),
+        "empty": (multikey, " "),
     }
     assert set(crafted) == set(CATEGORIES)
     for category, (item, answer) in crafted.items():

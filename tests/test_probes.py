@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kveval.probes import FAMILIES, Cell, ProbeItem, encode_item, generate_grid, generate_items, grid, score_answer
+from kveval.probes import CATEGORIES, FAMILIES, Cell, ProbeItem, encode_item, generate_grid, generate_items, grid, score_answer
 from kveval.probes.text import prose_sentences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -276,6 +276,9 @@ def test_lm_eval_tasks_load_from_other_cwd(tmp_path, monkeypatch):
             metrics = task.process_results(doc, [" " + ", ".join(doc["gold"]) + "."])
             assert metrics["score"] == 1.0 and metrics["cat_correct"] == 1.0
             assert task.process_results(doc, [""])["cat_empty"] == 1.0
+            assert task.process_results(doc, [" I don't know."])["cat_no_value"] == 1.0
+            # every category the scorer gives is a metric the task aggregates (lm-eval refuses one it does not)
+            assert {f"cat_{c}" for c in CATEGORIES} <= set(task.aggregation()), name
 
 
 # --- one prompt encoder (generate and eval build the same ids) ------------------------------------

@@ -69,6 +69,17 @@ def _open(driver, page: Path, fragment: str = "") -> None:
     driver.get(page.as_uri() + fragment)
 
 
+def _follow(driver, link) -> None:
+    """Click a link into an item view and wait until the page has routed to it: the hash changes at once, the
+    section shows on the ``hashchange`` event after it (reading the page in between saw half of it)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    fragment = "#" + link.get_attribute("href").split("#", 1)[1]
+    link.click()
+    WebDriverWait(driver, 10).until(lambda d: d.execute_script("return location.hash") == fragment
+                                    and _shown(d, "section.items"))
+
+
 def _policies_shown(driver) -> list[str]:
     return [row.find_elements("tag name", "td")[2].text for row in _shown(driver, "#leaderboard tbody tr")]
 
@@ -121,8 +132,7 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     root, page = quickstart
     _open(browser, page)
     row = next(r for r in _shown(browser, "#leaderboard tbody tr") if "streaming" in r.text)
-    link = row.find_element("css selector", "td.FAIL a")
-    link.click()
+    _follow(browser, row.find_element("css selector", "td.FAIL a"))
     sections = _shown(browser, "section.items")
     assert [s.get_attribute("id") for s in sections] == ["items-smollm2-135m_streaming_sink_4_window_60"]
     base = {r.id: r for r in read_items(root / "runs" / "smollm2-135m" / "none")}
@@ -137,26 +147,93 @@ def test_a_fail_leads_to_its_items_with_the_recorded_answers(browser, quickstart
     assert all(visible for *_, visible in shown)
     assert {i: (b, c) for i, b, c, _ in shown} == {i: (base[i].answer, cand[i].answer) for i in expected}
     first = sections[0].find_element("css selector", "article.item")
-    assert "regressed" in first.get_attribute("class") and "empty" in first.text
+    assert "regressed" in first.get_attribute("class") and "no_value" in first.text
     assert first.find_element("tag name", "h4").text.startswith(f"{first.get_attribute('data-id')} ")
     # a task score links to that task's items
     _open(browser, page)
     cell = next(r for r in _shown(browser, "#leaderboard tbody tr") if "random" in r.text)
-    cell.find_element("css selector", 'td[data-task="niah_single"] a').click()
+    _follow(browser, cell.find_element("css selector", 'td[data-task="niah_single"] a'))
     assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5--niah_single"
     assert [s.get_attribute("id") for s in _shown(browser, "section.items")] == ["items-smollm2-135m_random_ratio_0.5"]
     _shown(browser, "a[href='#top']")[0].click()  # back, then any other cell of the row
     cell = next(r for r in _shown(browser, "#leaderboard tbody tr") if "random" in r.text)
-    cell.find_elements("tag name", "td")[-1].find_element("tag name", "a").click()
+    _follow(browser, cell.find_elements("tag name", "td")[-1].find_element("tag name", "a"))
     assert browser.execute_script("return location.hash") == "#items-smollm2-135m_random_ratio_0.5"
 
 
-def test_a_scatter_point_names_its_full_policy_spec(browser, quickstart):
+def test_the_page_has_one_score_against_compression_plot(browser, quickstart):
+    """The inline SVG scatter of score against bytes per token drew what score_vs_compression.png draws; one stays,
+    the PNG (the markdown's too)."""
     _open(browser, quickstart[1])
-    titles = [t.get_attribute("textContent") for t in browser.find_elements("css selector", "svg.scatter a.point circle title")]
-    assert len(titles) == 4
-    assert any(t.startswith("smollm2-135m \u00b7 random(ratio=0.5) \u00b7 12,803 bytes/token \u00b7 score 0.075 \u00b7 FAIL")
-               for t in titles), titles
+    assert browser.find_elements("css selector", "svg") == []
+    assert [i.get_attribute("alt") for i in browser.find_elements("css selector", "figure img")] == [
+        "score_vs_compression", "heatmap_smollm2-135m", "confusion_smollm2-135m"]
+
+
+def test_the_family_filter_offers_families_and_the_policy_filter_specs(browser, quickstart):
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, quickstart[1])
+    family, policy = (Select(browser.find_element("id", f"f-{f}")) for f in ("family", "policy"))
+    assert [o.get_attribute("value") for o in family.options] == ["", "selection", "quantization"]
+    assert [o.get_attribute("value") for o in policy.options] == [
+        "", "baseline", "quant(bits=8,group=16)", "random(ratio=0.5)", "streaming(sink=4,window=60)"]
+    family.select_by_value("selection")
+    assert _policies_shown(browser) == ["baseline", "random(ratio=0.5)", "streaming(sink=4,window=60)"]
+    assert len(_shown(browser, "div.verdict")) == 2
+    family.select_by_value("quantization")
+    assert _policies_shown(browser) == ["baseline", "quant(bits=8,group=16)"]
+    family.select_by_value("")
+    policy.select_by_value("random(ratio=0.5)")
+    assert _policies_shown(browser) == ["random(ratio=0.5)"]
+    policy.select_by_value("")
+    assert len(_shown(browser, "#leaderboard tbody tr")) == 4
+
+
+def test_the_pooled_columns_follow_the_task_filter(browser, quickstart):
+    """All items, change [CI], -flips and confusion stayed pooled over every task when the page was filtered to one;
+    now they are that task's, as the gate judges it, and sorting reads the values shown."""
+    from selenium.webdriver.support.ui import Select
+
+    from kveval.report.rows import collect_rows
+
+    root, page = quickstart
+    rows, tasks = collect_rows([root], n_resamples=999)
+    _open(browser, page)
+    header = [th.text for th in _shown(browser, "#leaderboard th")]
+    col = {name: header.index(name) for name in ("all items", "change [CI]", "-flips", "confusion")}
+
+    def shown_cells():
+        return {tr.find_elements("tag name", "td")[2].text: [tr.find_elements("tag name", "td")[k].text.rstrip(" \u2605")
+                                                              for k in col.values()]
+                for tr in _shown(browser, "#leaderboard tbody tr")}
+
+    def expected(task):
+        out = {}
+        for r in rows:
+            c = None if r.comparison is None else (r.comparison.task(task) if task else r.comparison.overall)
+            score = r.task_scores[task] if task else r.score
+            conf = r.task_confusion[task] if task else r.confusion_rate
+            out[r.label] = [f"{score:.3f}",
+                            "baseline" if c is None else f"{c.delta:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}]",
+                            "-" if c is None else f"{c.negative_flip_rate * 100:.1f}%", f"{conf:.1%}"]
+        return out
+
+    assert shown_cells() == expected(None)
+    for task in tasks:
+        Select(browser.find_element("id", "f-task")).select_by_value(task)
+        assert browser.find_elements("css selector", "#leaderboard th")[col["all items"]].text == f"{task} items"
+        assert shown_cells() == expected(task)
+        assert shown_cells() != expected(None)
+    # sorting by the change column orders by the shown task's change
+    task = tasks[0]
+    Select(browser.find_element("id", "f-task")).select_by_value(task)
+    changes = {r.label: (0.0 if r.comparison is None else r.comparison.task(task).delta) for r in rows}
+    th = [t for t in _shown(browser, "#leaderboard th") if t.text == "change [CI]"][0]
+    th.click()
+    assert _policies_shown(browser) == sorted(changes, key=changes.get)
+    Select(browser.find_element("id", "f-task")).select_by_value("")
+    assert shown_cells() == expected(None)
 
 
 def test_an_lm_eval_item_shows_its_document_and_both_answers(browser, tmp_path):
@@ -169,7 +246,7 @@ def test_an_lm_eval_item_shows_its_document_and_both_answers(browser, tmp_path):
                          "pretrained=smollm2-135m,policy=snapkv(ratio=0.5)")
     page = Path(build_report([base, cand], tmp_path / "rep", n_resamples=999)["html"])
     _open(browser, page)
-    browser.find_element("css selector", "#leaderboard td.l a").click()
+    _follow(browser, browser.find_element("css selector", "#leaderboard td.l a"))
     articles = _shown(browser, "section.items article.item")
     assert [a.get_attribute("data-id") for a in articles] == ["arc_easy/1", "arc_easy/3"]
     first = articles[0]

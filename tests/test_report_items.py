@@ -37,9 +37,9 @@ def probe(i: int) -> ProbeItem:
 
 
 def record(i: int, outcome: str, *, selection: bool = False) -> ItemRecord:
-    """``outcome``: ``right``, ``empty``, ``distractor`` or ``fabricated``."""
+    """``outcome``: ``right``, ``no_value``, ``distractor`` or ``fabricated``."""
     p = probe(i)
-    answer = {"right": f" {1000 + i}.", "empty": " a magic word", "distractor": f" {9000 + i}",
+    answer = {"right": f" {1000 + i}.", "no_value": " a magic word", "distractor": f" {9000 + i}",
               "fabricated": " 5555"}[outcome]
     recalled = {"distractor": f"distractor:{9000 + i}", "fabricated": "fabricated:5555"}.get(outcome)
     metrics = {"kept_tokens_mean": 150.0, "tokens_seen": 310} if selection else {}
@@ -59,7 +59,7 @@ def write(folder: Path, policy: str, records: list[ItemRecord], bpt: float) -> P
     return folder
 
 
-#: Baseline: items 0-47 right, 48-49 wrong (fabricated). Candidate: 0-29 empty, 30-34 a distractor, 35-47 right;
+#: Baseline: items 0-47 right, 48-49 wrong (fabricated). Candidate: 0-29 no value, 30-34 a distractor, 35-47 right;
 #: 48 right (improved), 49 a distractor (wrong in both, another category).
 N = 50
 
@@ -70,7 +70,7 @@ def baseline_outcome(i: int) -> str:
 
 def candidate_outcome(i: int) -> str:
     if i < 30:
-        return "empty"
+        return "no_value"
     if i < 35 or i == 49:
         return "distractor"
     return "right"
@@ -116,10 +116,10 @@ def test_without_prompts_the_view_says_so_and_keeps_what_the_records_hold(sweep)
 
 
 def test_kind_of_a_pair():
-    assert kind_of(record(0, "right"), record(0, "empty")) == "regressed"
-    assert kind_of(record(0, "empty"), record(0, "right")) == "improved"
-    assert kind_of(record(0, "empty"), record(0, "distractor")) == "changed"
-    assert kind_of(record(0, "empty"), record(0, "empty")) is None
+    assert kind_of(record(0, "right"), record(0, "no_value")) == "regressed"
+    assert kind_of(record(0, "no_value"), record(0, "right")) == "improved"
+    assert kind_of(record(0, "no_value"), record(0, "distractor")) == "changed"
+    assert kind_of(record(0, "no_value"), record(0, "no_value")) is None
     assert kind_of(record(0, "right"), record(0, "right")) is None
 
 
@@ -138,7 +138,7 @@ def test_verdict_sentences_say_the_gate_status_first_in_words(sweep):
     assert by_policy["none"].status == "baseline"
     snap = by_policy["snapkv(ratio=0.5)"]
     assert snap.status == "FAIL"
-    assert snap.sentence == ("FAIL: loses 68 points on passkey, where 35 of 48 right answers went wrong (30 empty, "
+    assert snap.sentence == ("FAIL: loses 68 points on passkey, where 35 of 48 right answers went wrong (30 no_value, "
                              "5 distractor) and 1 wrong answer became right.")
     assert snap.reasons and all(r.startswith("passkey: ") for r in snap.reasons)
     quant = by_policy["quant(bits=8)"]
@@ -164,7 +164,7 @@ def test_the_page_holds_every_changed_item_and_links_to_it(sweep, tmp_path):
     assert 'href="#items-tiny_snapkv_ratio_0.5--passkey"' in page and 'href="#items-tiny_snapkv_ratio_0.5"' in page
     assert "<mark>The pass key is 1031.</mark>" in page
     assert "<details><summary>statistical detail</summary>" in page
-    assert "<svg" in page and "<title>tiny \u00b7 snapkv(ratio=0.5) \u00b7 500 bytes/token \u00b7 score 0.280 \u00b7 FAIL</title>" in page
+    assert "<svg" not in page and page.count('alt="score_vs_compression"') == 1  # one score-vs-compression plot
     assert "http" not in page.split("</style>")[1] and "<link" not in page and "src=\"http" not in page
 
 
@@ -180,8 +180,8 @@ def test_score_plot_legend_names_full_policy_specs(sweep, tmp_path, monkeypatch)
 def test_gate_markdown_quotes_both_answers_of_regressed_items(sweep):
     md = to_markdown(evaluate_gate(None, sweep["base"], [sweep["snap"]]))
     assert "- `tiny/snapkv(ratio=0.5)` passkey: 35 item(s)" in md
-    assert "  - `passkey-0` (empty): `1000.` \u2192 `a magic word`" in md
-    assert "  - `passkey-19` (empty): `1019.` \u2192 `a magic word`" in md and "`passkey-20`" not in md
+    assert "  - `passkey-0` (no_value): `1000.` \u2192 `a magic word`" in md
+    assert "  - `passkey-19` (no_value): `1019.` \u2192 `a magic word`" in md and "`passkey-20`" not in md
     assert "  - and 15 more" in md
 
 

@@ -103,7 +103,7 @@ def test_lm_eval_records_are_kept_as_they_are(tmp_path, multikey_items):
     items = _items_file(tmp_path / "items.jsonl", multikey_items)
     assert cli.main(["rescore", str(run_dir), "--items", str(items)]) == 0
     records = read_items(run_dir)
-    assert records[1].category == "empty" and records[1].score == 0.0  # " 2": no value of a 7-digit shape
+    assert records[1].category == "no_value" and records[1].score == 0.0  # " 2": no value of a 7-digit shape
     assert records[-1].task == "arc_easy" and records[-1].score == 1.0
 
 

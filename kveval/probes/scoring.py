@@ -32,7 +32,10 @@ echoed) are ignored. Duplicates count once.
 Categories, in order of precedence (the first that applies)
 ----------------------------------------------------------
 ``empty``
-    no value at all.
+    the answer says nothing: no letter or digit at all (blank, whitespace, punctuation).
+``no_value``
+    the answer says something, but holds no value of the item's shape: prose ("a very important part of the
+    grass"), a refusal ("I don't know"), an echo of the asked key. Wrong, and no confusion, as ``empty``.
 ``correct``
     every gold value present, and no other value.
 ``over_inclusion``
@@ -70,7 +73,14 @@ from typing import Any
 from kveval.probes.item import ProbeItem
 from kveval.probes.text import VALUE_WORDS
 
-CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
+#: The memory-confusion taxonomy, in display order: the one definition every kveval unit reads (the run-folder format
+#: re-exports it, :mod:`kveval.runs.records`). An item of a task without the taxonomy records ``""``.
+CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "no_value", "empty")
+#: Wrong answers that still give a value (a confused memory); their summed rate is ``"overall"``. ``no_value`` and
+#: ``empty`` answers give none: wrong, but no confusion.
+CONFUSION_CATEGORIES = ("distractor", "stale", "partial", "over_inclusion", "fabricated")
+#: The categories of a wrong answer that gives no value.
+VALUELESS_CATEGORIES = ("no_value", "empty")
 NEAR_SIMILARITY = 0.7
 
 _STOPWORDS = frozenset("""
@@ -105,7 +115,7 @@ class Score:
     recalled : str or None
         What the model gave instead of (or besides) the gold, as ``"role:value"``
         pairs joined by commas (``"distractor:8412337"``, ``"stale:1234567"``,
-        ``"partial:84123"``, ``"fabricated:5550000"``); None when correct or empty.
+        ``"partial:84123"``, ``"fabricated:5550000"``); None when correct, ``no_value`` or ``empty``.
     detail : dict
         ``values`` (parsed from the answer), ``found``/``required`` gold counts, and
         for near misses ``near`` = {gold, value, prefix (shared leading characters),
@@ -271,7 +281,7 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
 
     near_miss = _word_near if kind == "word" else _near
     if not values:
-        return Score(0.0, False, "empty", None, detail)
+        return Score(0.0, False, valueless_category(answer), None, detail)
     if set(found) == gold_set:
         extras = needle_extras + other
         if not extras:
@@ -307,6 +317,12 @@ def score_answer(item: ProbeItem, answer: str) -> Score:
     first = other[0]
     detail["in_context"] = _in_context(first, item.context, kind)
     return Score(score, False, "fabricated", ",".join(f"fabricated:{v}" for v in other), detail)
+
+
+def valueless_category(answer: str | None) -> str:
+    """The category of an answer that holds no value: ``empty`` when it says nothing (no letter or digit),
+    ``no_value`` when it says something else."""
+    return "no_value" if re.search(r"[^\W_]", answer or "") else "empty"
 
 
 def _nearest(value: str, missing: list[str], roles: dict[str, str], near_miss) -> dict[str, Any] | None:
@@ -370,7 +386,8 @@ def score_sequence(item: ProbeItem, answer: str) -> Score:
     elements (the answer's less gold's) and ``reordered`` ones (present in both, out of the longest common
     subsequence), with ``distance`` and ``length`` (values written).
 
-    Categories: ``correct`` (the exact list), ``empty`` (no value), ``distractor`` (a value of another key's
+    Categories: ``correct`` (the exact list), ``empty`` (no letter or digit) or ``no_value`` (text, no value; see
+    :func:`valueless_category`), ``distractor`` (a value of another key's
     needle, the tracked state of another variable), ``over_inclusion`` (every gold element in order, plus invented
     ones), ``partial`` (some gold element), else ``fabricated``.
     """
@@ -384,7 +401,7 @@ def score_sequence(item: ProbeItem, answer: str) -> Score:
                               "length": len(values), "omitted": len(gold) - shared, "invented": len(values) - shared,
                               "reordered": shared - in_order}
     if not values:
-        return Score(0.0, False, "empty", None, detail)
+        return Score(0.0, False, valueless_category(answer), None, detail)
     score = 1.0 - distance / max(len(values), len(gold))
     if values == gold:
         return Score(1.0, True, "correct", None, detail)

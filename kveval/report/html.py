@@ -5,17 +5,18 @@ The page, top to bottom:
 
 - the verdicts, one sentence per compressed run (:mod:`kveval.report.verdicts`), the gate's statistical reasons
   folded under each (``<details>``), each linking to the run's items;
-- filters (model, task, family, verdict) and the leaderboard table, verdict first; a click on a column header
-  sorts by it (again: the other way); every cell of a compared run links to its items (a task's cell to that
-  task's);
-- score against bytes per token as an inline SVG scatter per model, one point per run, hovering a point names its
-  full policy spec, bytes and score (``<title>``), clicking it opens its items; then the PNG plots;
+- filters (model; task; family: selection, structure or quantization, the baseline shown under each; policy: one
+  full spec; verdict) and the leaderboard table, verdict first; a click on a column header sorts by it (again: the
+  other way); every cell of a compared run links to its items (a task's cell to that task's);
+- the PNG plots (:mod:`kveval.report.plots`): one score-vs-compression plot, the heatmaps, the confusion bars;
 - the per-item before/after views (:mod:`kveval.report.items`), one section per compressed run, shown when a link
   points into it (``#items-<run>`` or ``#items-<run>--<task>``): regressed and improved items, then items wrong in
   both runs that changed category.
 
-Filtering to a task hides the other tasks' columns and items; the page works without JavaScript except for
-sorting, filtering and showing one run's items at a time (without it every item section shows).
+Filtering to a task hides the other tasks' columns and items, and turns the pooled columns (all items, change [CI],
+-flips, confusion) into that task's: each such cell holds one ``<span data-scope>`` per task beside the pooled one
+(``data-scope=""``), and the filter shows the one it names. The page works without JavaScript except for sorting,
+filtering and showing one run's items at a time (without it every item section shows, and the pooled values).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from kveval.report.families import FAMILIES, OTHER, spec_families
 from kveval.report.items import KINDS, Answer, ItemChange, RunChanges
 from kveval.report.rows import (
     DECODE_HEADER,
@@ -63,8 +65,6 @@ div.verdict li{font-family:monospace;font-size:.95em}
 ul.gate li{font-family:monospace;font-size:0.85em}
 form.filters{margin:1em 0;font-size:.9em}form.filters label{margin-right:1.2em}
 .hidden{display:none!important}div.wide{overflow-x:auto}
-svg.scatter{border:1px solid #eee;margin:.5em 1em .5em 0;background:#fff}svg.scatter text{font-size:10px;fill:#444}
-svg.scatter circle{stroke:#fff;stroke-width:1.5}svg.scatter a:hover circle{stroke:#000}
 section.items{border-top:2px solid #ccc;margin-top:2em}
 article.item{border:1px solid #ddd;border-left:4px solid #999;padding:.6em .9em;margin:.8em 0;max-width:1200px}
 article.regressed{border-left-color:#c62828}article.improved{border-left-color:#1a7f37}article.changed{border-left-color:#b26a00}
@@ -81,8 +81,9 @@ p.kept,p.q{font-size:.85em;margin:.3em 0}p.kept{color:#555}
 _JS = r"""
 (function(){
   var table = document.getElementById('leaderboard');
-  function val(td){ var v = td.getAttribute('data-v'); var n = parseFloat(v);
-    return (v !== null && v !== '' && !isNaN(n) && isFinite(v)) ? n : (v === null ? td.textContent : v); }
+  function val(td){ var src = td.querySelector('[data-scope]:not(.hidden)') || td;
+    var v = src.getAttribute('data-v'); var n = parseFloat(v);
+    return (v !== null && v !== '' && !isNaN(n) && isFinite(v)) ? n : (v === null ? src.textContent : v); }
   table.querySelectorAll('th').forEach(function(th, col){
     th.addEventListener('click', function(){
       var asc = th.getAttribute('aria-sort') !== 'ascending';
@@ -98,16 +99,21 @@ _JS = r"""
       rows.forEach(function(r){ body.appendChild(r); });
     });
   });
-  var filters = ['model', 'task', 'family', 'verdict'];
+  var filters = ['model', 'task', 'family', 'policy', 'verdict'];
   function apply(){
     var want = {};
     filters.forEach(function(f){ want[f] = document.getElementById('f-' + f).value; });
     document.querySelectorAll('[data-row]').forEach(function(el){
-      var show = ['model', 'family', 'verdict'].every(function(f){ return !want[f] || el.getAttribute('data-' + f) === want[f]; });
+      var show = ['model', 'policy', 'verdict'].every(function(f){ return !want[f] || el.getAttribute('data-' + f) === want[f]; });
+      var families = el.getAttribute('data-families').split(' ');
+      show = show && (!want.family || el.hasAttribute('data-baseline') || families.indexOf(want.family) >= 0);
       el.classList.toggle('hidden', !show);
     });
     document.querySelectorAll('[data-task]').forEach(function(el){
       el.classList.toggle('hidden', !!want.task && el.getAttribute('data-task') !== want.task);
+    });
+    document.querySelectorAll('[data-scope]').forEach(function(el){
+      el.classList.toggle('hidden', el.getAttribute('data-scope') !== want.task);
     });
   }
   filters.forEach(function(f){ document.getElementById('f-' + f).addEventListener('change', apply); });
@@ -157,6 +163,53 @@ def _cell(text: str, *, value=None, classes: Sequence[str] = (), href: str | Non
     return f"<td{attrs}>{inner}</td>"
 
 
+def _scoped(scopes: Sequence[tuple[str, str, object, bool]], *, href: str | None = None) -> str:
+    """A cell that holds one value per scope, ``(scope, text, value, best)``: ``""`` (every task pooled, shown) first,
+    then one per task (hidden until the task filter names it, :data:`_JS`). Its ``data-v`` is the pooled value, for
+    sorting without JavaScript; with it, sorting reads the shown span's."""
+    spans = []
+    for scope, text, value, best in scopes:
+        attrs = f' data-scope="{e(scope)}"' + ("" if scope == "" else ' class="hidden"')
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            attrs += f' data-v="{e(str(value))}"'
+        spans.append(f"<span{attrs}>{e(text)}{f' {STAR}' if best else ''}</span>")
+    inner = "".join(spans)
+    if href:
+        inner = f'<a href="#{e(href)}">{inner}</a>'
+    pooled = scopes[0][2]
+    missing = pooled is None or (isinstance(pooled, float) and math.isnan(pooled))
+    attrs = "" if missing else f' data-v="{e(str(pooled))}"'
+    return f"<td{attrs}>{inner}</td>"
+
+
+def _pooled_cells(r: Row, tasks: Sequence[str], link: str | None) -> list[str]:
+    """The all-items, change [CI], -flips and confusion cells of ``r``: pooled over every task, and each task's own
+    (:func:`_scoped`)."""
+    def change(c) -> tuple[str, object]:
+        if c is None:
+            return ("baseline", 0.0) if r.info.is_baseline else ("no baseline" if r.comparison is None else "-", None)
+        return f"{c.delta:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}]", c.delta
+
+    def flips(c) -> tuple[str, object]:
+        return ("-", None) if c is None else (f"{c.negative_flip_rate * 100:.1f}%", c.negative_flip_rate)
+
+    def of_task(t: str):
+        return r.comparison.task(t) if r.comparison is not None and t in r.comparison.task_names else None
+
+    overall = r.comparison.overall if r.comparison is not None else None
+    score = [("", fmt(r.score), r.score, "score" in r.best)]
+    score += [(t, fmt(r.task_scores.get(t)), r.task_scores.get(t), f"score:{t}" in r.best) for t in tasks]
+    delta = [("", *change(overall), "delta" in r.best)]
+    delta += [(t, *change(of_task(t)), f"delta:{t}" in r.best) for t in tasks]
+    flip = [("", *flips(overall), "flips" in r.best)] + [(t, *flips(of_task(t)), f"flips:{t}" in r.best) for t in tasks]
+    conf = [("", fmt(r.confusion_rate, "{:.1%}"), r.confusion_rate, "confusion" in r.best)]
+    conf += [(t, fmt(r.task_confusion.get(t), "{:.1%}"), r.task_confusion.get(t), f"confusion:{t}" in r.best)
+             for t in tasks]
+    compared = link if r.comparison is not None else None
+    return [_scoped(score, href=link), _scoped(delta, href=compared), _scoped(flip, href=compared),
+            _scoped(conf, href=link)]
+
+
 def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Verdict], ids: Mapping[str, str],
            with_kl: bool) -> list[str]:
     head = [("verdict", None), ("model", None), ("policy", None), ("ratio", None), ("bytes/token", None),
@@ -168,10 +221,12 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
     if with_decode:
         head += [(h, None) for h in DECODE_HEADER]
     head += [(t, t) for t in tasks]
-    head += [("all items", None), ("change [CI]", None), ("-flips", None), ("confusion", None)]
+    every = "<span data-scope=\"\">all items</span>" + "".join(
+        f'<span data-scope="{e(t)}" class="hidden">{e(t)} items</span>' for t in tasks)
+    head += [(every, ""), ("change [CI]", None), ("-flips", None), ("confusion", None)]
     if with_kl:
         head.append(("KL", None))
-    ths = "".join((f'<th data-task="{e(t)}">' if t else "<th>") + f"{e(h)}</th>" for h, t in head)
+    ths = "".join((f'<th data-task="{e(t)}">' if t else "<th>") + (h if t == "" else e(h)) + "</th>" for h, t in head)
     out = [f'<div class="wide"><table id="leaderboard"><thead><tr>{ths}</tr></thead><tbody>']
     for r in rows:
         i, v, run = r.info, verdicts[r.info.name], ids[r.info.name]
@@ -196,17 +251,7 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
                 text += f" ({r.comparison.task(t).delta:+.2f})"
             cells.append(_cell(text, value=s, task=t, best=f"score:{t}" in r.best,
                                href=task_anchor(run, t) if link and s is not None else None))
-        cells.append(_cell(fmt(r.score), value=r.score, best="score" in r.best, href=link))
-        if r.comparison is not None:
-            o = r.comparison.overall
-            cells.append(_cell(f"{o.delta:+.3f} [{o.ci_low:+.3f}, {o.ci_high:+.3f}]", value=o.delta, best="delta" in r.best,
-                               href=link))
-            cells.append(_cell(f"{o.negative_flip_rate * 100:.1f}%", value=o.negative_flip_rate, best="flips" in r.best,
-                               href=link))
-        else:
-            cells.append(_cell("baseline" if i.is_baseline else "no baseline", value=0.0 if i.is_baseline else None))
-            cells.append(_cell("-"))
-        cells.append(_cell(fmt(r.confusion_rate, "{:.1%}"), value=r.confusion_rate, best="confusion" in r.best, href=link))
+        cells += _pooled_cells(r, tasks, link)
         if with_kl:
             kl = r.fidelity["kl_mean"] if r.fidelity else (0.0 if i.is_baseline else None)
             cells.append(_cell("-" if kl is None else f"{kl:.3g}", value=kl, best="kl" in r.best, href=link))
@@ -216,14 +261,20 @@ def _table(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Ver
 
 
 def _row_attrs(r: Row, v: Verdict) -> str:
-    return f'data-row="" data-model="{e(r.info.model)}" data-family="{e(r.info.family)}" data-verdict="{e(v.status)}"'
+    """What the filters read of a run's elements: its model, families (space-separated, :func:`spec_families`),
+    full policy spec (its label) and verdict; ``data-baseline`` on the baseline, which every family filter shows."""
+    return (f'data-row="" data-model="{e(r.info.model)}" data-families="{e(" ".join(spec_families(r.info.policy)))}" '
+            f'data-policy="{e(r.label)}" data-verdict="{e(v.status)}"'
+            + (' data-baseline=""' if r.info.is_baseline else ""))
 
 
 def _filters(rows: Sequence[Row], tasks: Sequence[str], verdicts: Mapping[str, Verdict]) -> str:
+    families = {f for r in rows for f in spec_families(r.info.policy)}
     choices = {
         "model": sorted({r.info.model for r in rows}),
         "task": list(tasks),
-        "family": sorted({r.info.family for r in rows}),
+        "family": [f for f in (*FAMILIES, OTHER) if f in families],
+        "policy": list(dict.fromkeys(r.label for r in rows)),
         "verdict": sorted({v.status for v in verdicts.values()}),
     }
     out = ['<form class="filters" onsubmit="return false">']
@@ -252,58 +303,6 @@ def _verdicts(rows: Sequence[Row], verdicts: Mapping[str, Verdict], ids: Mapping
         out.append(f'<div class="verdict" {_row_attrs(r, v)}><b>{e(r.info.model)} \u00b7 {e(r.label)}</b>: '
                    f"{sentence}{detail}</div>")
     return out
-
-
-_COLORS = {"PASS": "#1a7f37", "FAIL": "#c62828", "INCONCLUSIVE": "#e08a00", "ERROR": "#7b1fa2", "baseline": "#555",
-           "-": "#1f77b4"}
-
-
-def _scatter(model: str, rows: Sequence[Row], verdicts: Mapping[str, Verdict], ids: Mapping[str, str]) -> str:
-    """Score against bytes per token (log axis) for one model's runs, as SVG; ``""`` without two measured runs."""
-    pts = [(r, r.info.bytes_per_token, r.score) for r in rows if r.info.bytes_per_token]
-    if len(pts) < 2:
-        return ""
-    w, h, left, right, top, bottom = 640, max(340, 40 + 16 * len(pts)), 52, 200, 24, 40
-    xs = [math.log10(b) for _, b, _ in pts]
-    lo, hi = min(xs), max(xs)
-    pad = (hi - lo) * 0.08 or 0.1
-    lo, hi = lo - pad, hi + pad
-
-    def px(b: float) -> float:
-        return left + (math.log10(b) - lo) / (hi - lo) * (w - left - right)
-
-    def py(s: float) -> float:
-        return top + (1 - s) * (h - top - bottom)
-
-    out = [f'<svg class="scatter" data-model="{e(model)}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           f'role="img"><title>{e(model)}: score against bytes per token</title>']
-    out.append(f'<text x="{left}" y="14" style="font-size:12px;font-weight:bold">{e(model)}</text>')
-    for s in (0, 0.25, 0.5, 0.75, 1):
-        out.append(f'<line x1="{left}" x2="{w - right}" y1="{py(s):.1f}" y2="{py(s):.1f}" stroke="#eee"/>'
-                   f'<text x="{left - 6}" y="{py(s) + 3:.1f}" text-anchor="end">{s:g}</text>')
-    for k in range(math.floor(lo), math.ceil(hi) + 1):
-        for m in (1, 2, 5):
-            b = m * 10 ** k
-            if lo <= math.log10(b) <= hi:
-                out.append(f'<text x="{px(b):.1f}" y="{h - bottom + 14}" text-anchor="middle">{b:,.0f}</text>')
-    out.append(f'<text x="{(w - right + left) / 2:.0f}" y="{h - 6}" text-anchor="middle">bytes per token (log)</text>')
-    out.append(f'<text x="12" y="{(h - bottom + top) / 2:.0f}" transform="rotate(-90 12 {(h - bottom + top) / 2:.0f})" '
-               f'text-anchor="middle">score (all items)</text>')
-    legend_x = w - right + 16
-    for k, (r, b, s) in enumerate(sorted(pts, key=lambda p: (-p[2], p[1])), start=1):
-        v = verdicts[r.info.name]
-        tip = f"{r.info.model} \u00b7 {r.label} \u00b7 {b:,.0f} bytes/token \u00b7 score {s:.3f} \u00b7 {v.status}"
-        color = _COLORS.get(v.status, "#1f77b4")
-        href = f"#items-{ids[r.info.name]}" if r.comparison is not None else f"#row-{ids[r.info.name]}"
-        ly = top + 6 + (k - 1) * 16
-        out.append(f'<a href="{e(href)}" class="point" {_row_attrs(r, v)}>'
-                   f'<circle cx="{px(b):.1f}" cy="{py(s):.1f}" r="7" fill="{color}"><title>{e(tip)}</title></circle>'
-                   f'<text x="{px(b):.1f}" y="{py(s) + 3.5:.1f}" text-anchor="middle" style="fill:#fff;font-size:9px;'
-                   f'pointer-events:none">{k}</text>'
-                   f'<text x="{legend_x}" y="{ly}"><tspan style="fill:{color};font-weight:bold">{k}</tspan> '
-                   f"{e(r.label)}<title>{e(tip)}</title></text></a>")
-    out.append("</svg>")
-    return "".join(out)
 
 
 # ----------------------------------------------------------------------------- item views
@@ -416,7 +415,9 @@ def to_html(rows: Sequence[Row], tasks: Sequence[str], plots: Sequence[Path], de
         "score: that task's). Per-task cells: mean score (change vs the model's baseline). <i>change [CI]</i>: all items pooled, "
         "95% Tango score interval (each item's score change as a discordance; mostly graded tasks: paired bootstrap). "
         "<i>-flips</i>: share of items right at baseline and wrong under the policy. "
-        f"<i>confusion</i>: share of items answered with a wrong value. {STAR} marks the best value per model.</p>",
+        f"<i>confusion</i>: share of items answered with a wrong value. {STAR} marks the best value per model. "
+        "Filtering to a task gives these columns over that task's items; filtering to a family (selection, structure, "
+        "quantization) keeps the runs whose policy holds one of it, and the baseline.</p>",
         _filters(rows, tasks, verdicts),
     ]
     out += _table(rows, tasks, verdicts, ids, with_kl)
@@ -427,13 +428,8 @@ def to_html(rows: Sequence[Row], tasks: Sequence[str], plots: Sequence[Path], de
                 "with the question in view (aware).</p>",
                 '<table class="modes"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in MODES_HEADER) + "</tr></thead><tbody>"
                 + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in line) + "</tr>" for line in modes) + "</tbody></table>"]
-    models = list(dict.fromkeys(r.info.model for r in rows))
-    svgs = [s for s in (_scatter(m, [r for r in rows if r.info.model == m], verdicts, ids) for m in models) if s]
-    if svgs or plots:
+    if plots:
         out.append("<h2>Plots</h2>")
-    if svgs:
-        out.append('<p class="note">Score against measured cache bytes per token; hover a point for its policy, click '
-                   "it for its items.</p>" + "".join(svgs))
     for p in plots:
         data = base64.b64encode(Path(p).read_bytes()).decode("ascii")
         out.append(f'<figure><img alt="{e(p.stem)}" src="data:image/png;base64,{data}"><figcaption>{e(p.stem)}</figcaption></figure>')

@@ -36,6 +36,7 @@ WINDOW = 320
 #: What a confusion category means, in words, for "N right answers became ...".
 CATEGORY_WORDS = {
     "empty": "empty",
+    "no_value": "text with no value",
     "fabricated": "fabricated values",
     "distractor": "another key's value",
     "stale": "an overwritten value",
@@ -243,7 +244,8 @@ def _answer(record: ItemRecord, probe: ProbeItem | None) -> Answer:
 
 
 def category_phrase(categories: Sequence[str]) -> str:
-    """``"empty"``, or ``"went wrong (27 empty, 13 fabricated)"`` for mixed categories: what regressed answers became."""
+    """``"became text with no value"``, or ``"went wrong (27 no_value, 13 fabricated)"`` for mixed categories: what
+    regressed answers became."""
     counts: dict[str, int] = {}
     for c in categories:
         counts[c or ""] = counts.get(c or "", 0) + 1

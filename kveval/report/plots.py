@@ -50,8 +50,43 @@ def _family(r: Row) -> str:
     return r.info.family + ("" if r.info.mode == "context" else f" [{r.info.mode}]")
 
 
-def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
-    """Score (all items) vs compression factor: a line per policy family, the baseline dashed."""
+#: Where :func:`place_legend` tries a legend inside the axes, in order, before it puts it outside them.
+LEGEND_PLACES = ("lower left", "upper right", "lower right", "upper left", "center left", "center right",
+                 "lower center", "upper center", "center")
+
+
+def _marker_points(ax) -> list[tuple[float, float, float]]:
+    """Every marker ``ax`` draws, as ``(x, y, radius)`` in display pixels (lines without markers draw no point)."""
+    ax.get_xlim(), ax.get_ylim()  # the view limits autoscaling gives (computed lazily): transData maps through them
+    points = []
+    for line in ax.lines:
+        if line.get_marker() in (None, "", "None", " ") or not line.get_visible():
+            continue
+        radius = line.get_markersize() / 2 * ax.figure.dpi / 72 + line.get_markeredgewidth() * ax.figure.dpi / 72
+        for x, y in ax.transData.transform(line.get_xydata()):
+            points.append((float(x), float(y), radius))
+    return points
+
+
+def covered_points(ax, legend) -> list[tuple[float, float]]:
+    """The markers of ``ax`` (:func:`_marker_points`) that ``legend``'s box overlaps, in display pixels."""
+    box = legend.get_window_extent(ax.figure.canvas.get_renderer())
+    return [(x, y) for x, y, r in _marker_points(ax)
+            if box.x0 - r < x < box.x1 + r and box.y0 - r < y < box.y1 + r]
+
+
+def place_legend(ax, **kwargs):
+    """A legend on ``ax`` that covers no marker: the first of :data:`LEGEND_PLACES` whose box overlaps none (by the
+    renderer's boxes, after the figure's layout is final), else outside the axes, to their right."""
+    for loc in LEGEND_PLACES:
+        legend = ax.legend(loc=loc, **kwargs)
+        if not covered_points(ax, legend):
+            return legend
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, **kwargs)
+
+
+def score_vs_compression_figure(rows: list[Row]):
+    """The figure of :func:`plot_score_vs_compression`, laid out, its legends placed (for tests to measure)."""
     models = by_model(rows)
     n = len(models)
     cols = min(n, 3)
@@ -82,9 +117,16 @@ def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(model)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    return _save(fig, path)
+    fig.tight_layout()  # the axes' final boxes first: a legend is placed by where the points land
+    for ax in fig.axes:
+        place_legend(ax, fontsize=7)
+    return fig
+
+
+def plot_score_vs_compression(rows: list[Row], path: Path) -> Path | None:
+    """Score (all items) vs compression factor: a line per policy family, the baseline dashed; each model's legend
+    where it covers no point (:func:`place_legend`)."""
+    return _save(score_vs_compression_figure(rows), path)
 
 
 def plot_kl_vs_compression(rows: list[Row], path: Path) -> Path | None:
@@ -150,20 +192,21 @@ def plot_heatmaps(model: str, group: list[Row], path: Path) -> Path | None:
 
 
 def plot_confusion(model: str, group: list[Row], path: Path) -> Path | None:
-    """Stacked bars: share of items per wrong-answer category, per policy of one model."""
+    """Stacked bars: share of items per wrong-answer category, per policy of one model; ``None`` (no file, no
+    chart) when no run of the model answered an item wrong."""
     data = [(r, confusion_rates(r.run.items)) for r in group]
     data = [(r, c) for r, c in data if c]
-    if not data:
-        return None
     cats = [c for c in CATEGORIES if c != "correct"]
     extra = sorted({k for _, c in data for k in c if k not in CATEGORIES and k != OVERALL})
     cats += extra
+    if not any(c.get(cat) for _, c in data for cat in cats):
+        return None  # no wrong answer in any run: nothing to stack (an empty chart, and matplotlib's warning)
     fig = _figure(max(5.0, 0.9 * len(data) + 2.5), 4.0)
     ax = fig.add_subplot(1, 1, 1)
     x = np.arange(len(data))
     bottom = np.zeros(len(data))
     colors = {"distractor": "#d62728", "stale": "#ff7f0e", "partial": "#bcbd22", "over_inclusion": "#9467bd",
-              "fabricated": "#8c564b", "empty": "#7f7f7f"}
+              "fabricated": "#8c564b", "no_value": "#b0b0b0", "empty": "#7f7f7f"}
     for cat in cats:
         vals = np.array([c.get(cat, 0.0) for _, c in data])
         if not vals.any():
@@ -201,4 +244,4 @@ def plot_achieved_ratios(model: str, group: list[Row], path: Path) -> Path | Non
     return _save(fig, path)
 
 
-__all__ = ["by_model", "family_label", "plot_achieved_ratios", "plot_confusion", "plot_heatmaps", "plot_kl_vs_compression", "plot_score_vs_compression", "slug"]
+__all__ = ["LEGEND_PLACES", "by_model", "covered_points", "family_label", "place_legend", "plot_achieved_ratios", "plot_confusion", "plot_heatmaps", "plot_kl_vs_compression", "plot_score_vs_compression", "score_vs_compression_figure", "slug"]

@@ -30,6 +30,7 @@ class Row:
     score: float
     confusion_rate: float | None
     verdict: str | None = None
+    task_confusion: dict[str, float | None] = field(default_factory=dict)  # the confusion rate of each task's items
     best: set[str] = field(default_factory=set)
     gate: dict[str, Any] | None = None  # the gate's candidate entry (gate.json), when it judged this run
     baseline: Run | None = None  # the model's baseline run the comparison is against
@@ -268,9 +269,12 @@ def collect_rows(
                 baselines[r.info.model], r, n_resamples=n_resamples, seed=seed, confidence_level=confidence_level, cells=False
             )
         by_task: dict[str, list[float]] = {}
+        items_of: dict[str, list] = {}
         for it in r.items:
             by_task.setdefault(it.task, []).append(it.score)
+            items_of.setdefault(it.task, []).append(it)
         conf = confusion_rates(r.items)
+        task_conf = {t: confusion_rates(items).get(OVERALL) for t, items in items_of.items()}
         judged = None if r.info.is_baseline else (verdicts.get(f"path:{r.path.resolve()}")
                                                   or verdicts.get(f"name:{r.info.name}"))
         if judged is not None:
@@ -282,6 +286,7 @@ def collect_rows(
                 task_scores={t: float(np.mean(v)) for t, v in by_task.items()},
                 score=float(np.mean([it.score for it in r.items])),
                 confusion_rate=conf.get(OVERALL) if conf else None,
+                task_confusion=task_conf,
                 verdict=judged["status"] if judged else None,
                 gate=judged,
                 baseline=baselines.get(r.info.model) if comp is not None else None,
@@ -319,9 +324,15 @@ def _mark_best(rows: list[Row], tasks: list[str]) -> None:
             if abs(v - best) <= 1e-12:
                 r.best.add(key)
 
+    def task_comparison(r: Row, t: str):
+        return r.comparison.task(t) if r.comparison is not None and t in r.comparison.task_names else None
+
     for group in groups.values():
-        for t in tasks:
+        for t in tasks:  # each task's own: a leaderboard filtered to one task marks the best of its items
             mark(group, f"score:{t}", lambda r, t=t: r.task_scores.get(t), True)
+            mark(group, f"delta:{t}", lambda r, t=t: c.delta if (c := task_comparison(r, t)) else None, True)
+            mark(group, f"flips:{t}", lambda r, t=t: c.negative_flip_rate if (c := task_comparison(r, t)) else None, False)
+            mark(group, f"confusion:{t}", lambda r, t=t: r.task_confusion.get(t), False)
         mark(group, "score", lambda r: r.score, True)
         mark(group, "delta", lambda r: r.comparison.overall.delta if r.comparison else None, True)
         mark(group, "compression", lambda r: r.info.compression, True)

@@ -1,7 +1,7 @@
 """Verdicts in plain words: one sentence per leaderboard row, the gate's status first.
 
-``FAIL: loses 96 points on passkey, where 57 of 58 right answers became empty.`` The sentence reads the row's
-comparison with its baseline (:class:`kveval.stats.comparison.RunComparison`: the change per task, the regressed
+``FAIL: loses 96 points on passkey, where 57 of 57 right answers became text with no value.`` The sentence reads
+the row's comparison with its baseline (:class:`kveval.stats.comparison.RunComparison`: the change per task, the regressed
 items and their categories) and the gate's entry for the run (``gate.json``: each task's status, margin and the
 items an INCONCLUSIVE task needs). The statistics behind it (bounds, p-values, rules) stay in the gate's reasons,
 which the page folds under the sentence.
@@ -35,7 +35,7 @@ def _points(delta: float) -> str:
 
 
 def task_phrase(row: Row, task: str) -> str:
-    """``"loses 96 points on passkey, where 57 of 58 right answers became empty"``."""
+    """``"loses 96 points on passkey, where 57 of 57 right answers became text with no value"``."""
     c = row.comparison.task(task)
     text = f"{_points(c.delta)} on {task}"
     if c.n_regressed:

@@ -24,10 +24,10 @@ from typing import Any, Iterator
 RUN_FILE = "run.json"
 ITEMS_FILE = "items.jsonl"
 
-#: Memory-confusion categories of probe items, in display order (an item of a task without the taxonomy records "").
-CATEGORIES = ("correct", "distractor", "stale", "partial", "over_inclusion", "fabricated", "empty")
-#: Wrong answers that still give a value (a confused memory); their summed rate is ``"overall"``.
-CONFUSION_CATEGORIES = ("distractor", "stale", "partial", "over_inclusion", "fabricated")
+#: Memory-confusion categories of probe items (:data:`CATEGORIES`, display order; an item of a task without the
+#: taxonomy records ""), and those of wrong answers that still give a value (:data:`CONFUSION_CATEGORIES`, summed as
+#: ``"overall"``): defined once, by the scorer that gives them (:mod:`kveval.probes.scoring`).
+from kveval.probes.scoring import CATEGORIES, CONFUSION_CATEGORIES, VALUELESS_CATEGORIES  # noqa: E402,F401
 #: Item metrics that count bytes held, never below 0 (``request_kv_bytes`` is not one: it is a difference, negative
 #: where a decode budget evicted prefix tokens).
 BYTE_COUNTS = ("kv_bytes", "index_bytes", "nominal_bytes", "bytes_per_token", "nominal_bytes_per_token",
@@ -129,7 +129,7 @@ class ItemRecord:
     category : str
         Memory-confusion category from :mod:`kveval.probes.scoring`
         (``correct``, ``distractor``, ``stale``, ``partial``,
-        ``over_inclusion``, ``fabricated``, ``empty``), or ``""`` when the task
+        ``over_inclusion``, ``fabricated``, ``no_value``, ``empty``), or ``""`` when the task
         has no taxonomy.
     answer : str
         The model's output text.
