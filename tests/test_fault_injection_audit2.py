@@ -292,3 +292,25 @@ def test_one_size_grammar_for_the_deployment_context(capsys):
         cli.main(["gate", "--config", str(GATE_CPU), "--baseline", str(runs / BASE), "--candidate", str(runs / QUANT),
                   "--gpu-memory", "24GiB", "--context", "8q"])
     assert exit_.value.code == 2 and "'8q' is not a token count" in capsys.readouterr().err
+
+
+def test_a_report_that_fails_part_way_leaves_the_previous_report_whole(tmp_path, capsys, monkeypatch):
+    """Issue 65: the plots and four text formats are staged, then written together; a failure while rendering the
+    last format leaves every file of the previous report byte for byte, and no staging folder behind."""
+    from kveval.report import leaderboard
+
+    runs = QUICKSTART / "runs" / "smollm2-135m"
+    out = tmp_path / "report"
+    code, _, err = kveval(capsys, "report", runs, "--out", out)
+    assert code == 0, err
+    before = tree_digest(out)
+    assert {"leaderboard.md", "leaderboard.html", "score_vs_compression.png"} <= set(before)
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(leaderboard, "to_html", broken)
+    code, _, err = kveval(capsys, "report", runs / BASE, runs / RANDOM, "--out", out)
+    assert code == 2 and "No space left on device" in err, err
+    assert tree_digest(out) == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)

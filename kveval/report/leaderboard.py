@@ -26,6 +26,8 @@ import csv
 import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -317,32 +319,40 @@ def build_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gate_lines = _gate_lines(gate)
-    plots: list[Path] = []
-    for fn, name in ((plot_score_vs_compression, "score_vs_compression.png"), (plot_kl_vs_compression, "kl_vs_compression.png")):
-        p = fn(rows, out / name)
-        if p:
-            plots.append(p)
-    for model, group in by_model(rows).items():
-        for fn, stem in ((plot_heatmaps, "heatmap"), (plot_confusion, "confusion"), (plot_achieved_ratios, "achieved_ratio")):
-            p = fn(model, group, out / f"{stem}_{slug(model)}.png")
+    # Plots are drawn into a folder of their own first, then written with the text formats in one go: a report
+    # that fails part way (a full disk, a bad row) leaves every file of the previous report as it was.
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    try:
+        staged: list[Path] = []
+        for fn, name in ((plot_score_vs_compression, "score_vs_compression.png"),
+                         (plot_kl_vs_compression, "kl_vs_compression.png")):
+            p = fn(rows, staging / name)
             if p:
-                plots.append(p)
-    paths: dict[str, Any] = {
-        "markdown": out / "leaderboard.md",
-        "csv": out / "leaderboard.csv",
-        "json": out / "leaderboard.json",
-        "html": out / "leaderboard.html",
-    }
-    recs = csv_records(rows, tasks)
-    # Every format rendered first, then all written together: one that fails leaves none of them half-updated.
-    atomic_write_texts({
-        paths["markdown"]: to_markdown(rows, tasks, gate_lines),
-        paths["csv"]: _csv_text(recs),
-        paths["json"]: json.dumps({"tasks": tasks, "rows": recs}, indent=2),
-        paths["html"]: to_html(rows, tasks, plots, [f"deployment: {d['line']}" for d in _deployments(gate)],
-                               item_changes(rows, probes)),
-    })
-    paths["plots"] = plots
+                staged.append(p)
+        for model, group in by_model(rows).items():
+            for fn, stem in ((plot_heatmaps, "heatmap"), (plot_confusion, "confusion"),
+                             (plot_achieved_ratios, "achieved_ratio")):
+                p = fn(model, group, staging / f"{stem}_{slug(model)}.png")
+                if p:
+                    staged.append(p)
+        paths: dict[str, Any] = {
+            "markdown": out / "leaderboard.md",
+            "csv": out / "leaderboard.csv",
+            "json": out / "leaderboard.json",
+            "html": out / "leaderboard.html",
+        }
+        recs = csv_records(rows, tasks)
+        atomic_write_texts({
+            paths["markdown"]: to_markdown(rows, tasks, gate_lines),
+            paths["csv"]: _csv_text(recs),
+            paths["json"]: json.dumps({"tasks": tasks, "rows": recs}, indent=2),
+            paths["html"]: to_html(rows, tasks, staged, [f"deployment: {d['line']}" for d in _deployments(gate)],
+                                   item_changes(rows, probes)),
+            **{out / p.name: p.read_bytes() for p in staged},
+        })
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    paths["plots"] = [out / p.name for p in staged]
     return paths
 
 

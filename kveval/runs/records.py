@@ -278,9 +278,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_texts({path: text})
 
 
-def atomic_write_texts(texts: "dict[str | os.PathLike, str]") -> None:
-    """Write several whole files so that readers see either all the old contents or all the new ones, as far as a
-    file system allows: every new file is written and synced beside its old one first, and only when all are
+def atomic_write_texts(texts: "dict[str | os.PathLike, str | bytes]") -> None:
+    """Write several whole files (text, or ``bytes`` as they are) so that readers see either all the old contents or
+    all the new ones, as far as a file system allows: every new file is written and synced beside its old one first, and only when all are
     written do they replace the old ones (a full disk while writing the last leaves every old file whole). Paths that
     are neither files nor folders are written in place, as :func:`atomic_write_text` does."""
     staged: list[tuple[Path, Path]] = []
@@ -294,7 +294,10 @@ def atomic_write_texts(texts: "dict[str | os.PathLike, str]") -> None:
                 continue
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
             staged.append((tmp, path))
-            tmp.write_text(text, encoding="utf-8")
+            if isinstance(text, bytes):
+                tmp.write_bytes(text)
+            else:
+                tmp.write_text(text, encoding="utf-8")
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         for tmp, path in staged:
