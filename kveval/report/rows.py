@@ -161,8 +161,8 @@ def load_gate_result(gate_result: Any) -> dict[str, Any] | None:
         return _flatten_gate(gate_result)
     if isinstance(gate_result, GateResult):
         return gate_result.to_dict()
-    if isinstance(gate_result, (list, tuple)):
-        return {"candidates": [c for r in gate_result for c in load_gate_result(r)["candidates"]]}
+    if isinstance(gate_result, (list, tuple)):  # one result per model, as a sweep's gate.json holds them
+        return _flatten_gate({"results": [load_gate_result(r) for r in gate_result]})
     data, path = read_gate_file(gate_result)
     return {**_flatten_gate(data), _FILE: str(path), _RAW: data}
 

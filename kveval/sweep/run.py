@@ -447,7 +447,9 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     if deploy:
         deployment_decision(results, **deploy)
     write_gate_outputs(results, out / "gate")
-    build_report(run_dirs, out / "report", gate_result=out / "gate" / "gate.json", probes=probes)
+    # The verdicts just computed, not gate.json read back: a file is judged again from its runs, which here would
+    # only repeat the gate.
+    build_report(run_dirs, out / "report", gate_result=results, probes=probes)
     print()
     # The leaderboard carries each candidate's verdict and its reasons; gate.md says the same at length, so it is
     # named, not printed, and the sweep's verdict is said once, last.
