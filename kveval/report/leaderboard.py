@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kveval.report.html import to_html
+from kveval.report.ranking import rank_rows, ranking_markdown
 from kveval.report.items import RunChanges, run_changes
 from kveval.report.plots import (
     by_model,
@@ -288,6 +289,7 @@ def build_report(
     n_resamples: int = 9999,
     seed: int = 0,
     probes: Mapping[str, Any] | None = None,
+    rank: bool = False,
 ) -> dict[str, Any]:
     """Write the leaderboard (markdown, CSV, JSON, HTML) and plots.
 
@@ -308,11 +310,15 @@ def build_report(
         Probe items (:class:`~kveval.probes.item.ProbeItem`) by prompt hash, for the item views' questions,
         needles and contexts (:func:`kveval.sweep.recorded.recorded_probe_items`); without them the views show
         what ``items.jsonl`` records.
+    rank : bool
+        Also rank each model's candidates against each other (:mod:`kveval.report.ranking`) into ``ranking.md``
+        and ``ranking.json``.
 
     Returns
     -------
     dict
-        ``{"markdown", "csv", "json", "html"}`` -> Path, and ``"plots"`` -> list of Path.
+        ``{"markdown", "csv", "json", "html"}`` -> Path (and ``"ranking"``, ``"ranking_json"`` under ``rank``),
+        and ``"plots"`` -> list of Path.
     """
     gate = load_gate_result(gate_result)
     rows, tasks = collect_rows(run_dirs, gate_result=gate, n_resamples=n_resamples, seed=seed)
@@ -342,7 +348,14 @@ def build_report(
             "html": out / "leaderboard.html",
         }
         recs = csv_records(rows, tasks)
+        ranked: dict[Path, str] = {}
+        if rank:
+            rankings = rank_rows(rows, n_resamples=n_resamples, seed=seed)
+            paths["ranking"], paths["ranking_json"] = out / "ranking.md", out / "ranking.json"
+            ranked = {paths["ranking"]: ranking_markdown(rankings),
+                      paths["ranking_json"]: json.dumps([m.to_dict() for m in rankings], indent=2)}
         atomic_write_texts({
+            **ranked,
             paths["markdown"]: to_markdown(rows, tasks, gate_lines),
             paths["csv"]: _csv_text(recs),
             paths["json"]: json.dumps({"tasks": tasks, "rows": recs}, indent=2),
