@@ -51,6 +51,23 @@ ENGINE_PRESETS = {
 }
 
 
+#: The flag each engine's KV cache dtype is given by, as its preset's argument (``--kv-cache-dtype X`` is the preset
+#: ``engine(kv_cache_dtype=X)``); llama.cpp's K and V types are two flags, given as presets.
+KV_CACHE_DTYPE_ARGUMENT = {"vllm": "kv_cache_dtype"}
+
+
+def kv_cache_dtype_presets(engine: str, dtype: str, presets: list[str] | None) -> list[str]:
+    """``--kv-cache-dtype``: the engine's preset at ``dtype`` beside the model dtype (and any ``--presets``); the
+    preset parses the name, refusing one kveval does not reproduce in one line."""
+    argument = KV_CACHE_DTYPE_ARGUMENT.get(engine)
+    if argument is None:
+        raise UsageError(f"--kv-cache-dtype is vLLM's flag; {ENGINE_NAMES[engine]}'s cache types are presets, e.g. "
+                         f"--presets '{ENGINE_PRESETS[engine][-1]}'")
+    spec = f"{engine}({argument}={dtype})"
+    parse_policy(spec)
+    return list(dict.fromkeys(["none", *(presets or []), spec]))
+
+
 @dataclass
 class PresetFit:
     """One preset under one engine deployment."""

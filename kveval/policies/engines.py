@@ -222,29 +222,68 @@ class LlamaCppPolicy(EnginePolicy):
         return ggml_row_bytes(self.k, key_dim), ggml_row_bytes(self.v, value_dim)
 
     def codec(self, model, layer_idx: int):
-        from kveval.stores.engine import EngineCodec, SideFormat
+        from kveval.stores.engine import EngineCodec, GgmlSide
 
-        return EngineCodec(SideFormat("ggml", ggml_type=self.k, x86=self.cpu), SideFormat("ggml", ggml_type=self.v, x86=self.cpu))
+        return EngineCodec(GgmlSide(self.k, self.cpu), GgmlSide(self.v, self.cpu))
+
+
+#: vLLM 0.33's ``--kv-cache-dtype`` values kveval codes (``vllm/config/cache.py``, ``CacheDType``), by how the cache
+#: holds them: per-tensor FP8, one scale per token and head, NVFP4 blocks.
+VLLM_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+VLLM_PER_TOKEN_HEAD = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8", "int4_per_token_head": "int4"}
+VLLM_NVFP4 = ("nvfp4",)
+VLLM_DTYPES = VLLM_FP8 + tuple(VLLM_PER_TOKEN_HEAD) + VLLM_NVFP4
+_TURBOQUANT = ("vLLM 0.33 writes it with a Triton kernel (vllm/v1/attention/ops/triton_turboquant_store.py: Hadamard "
+               "rotation, Lloyd-Max keys, uniform values, no QJL) that cannot run here, and turboquant 0.2.0 codes "
+               "another algorithm (QR rotation, Beta-quantile centroids, a QJL residual)")
+#: vLLM 0.33 cache dtypes kveval does not reproduce, and what could not be pinned (one line each).
+VLLM_UNPINNED = {
+    "nvfp4_4over6": ("vLLM 0.33 writes it only with its compiled SM100 kernel (torch.ops._C_cache_ops."
+                     "reshape_and_cache_flash; FlashInfer's slot-mapping writer has no scale search), whose global "
+                     "scale and rounding no source here shows; fouroversix's reference scales by a whole tensor's amax"),
+    **{name: _TURBOQUANT for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                      "turboquant_3bit_nc")},
+}
+#: Bytes of the float32 scale vLLM stores with each token's head row in the per-token-head caches.
+PER_TOKEN_HEAD_SCALE_BYTES = 4
+#: NVFP4's block: 16 E2M1 values share an E4M3 scale.
+NVFP4_BLOCK = 16
 
 
 @dataclass
 class VllmPolicy(EnginePolicy):
-    """vLLM's ``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``: per-tensor K and V scales, a saturating cast.
+    """vLLM 0.33's ``--kv-cache-dtype``: per-tensor FP8, per-token-head INT8/FP8/INT4, or NVFP4.
 
-    Follows ``vllm/model_executor/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod.process_weights_after_loading``:
+    ``fp8|fp8_e4m3|fp8_e5m2``: per-tensor K and V scales, a saturating cast. Follows
+    ``vllm/model_executor/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod.process_weights_after_loading``:
     the checkpoint's ``k_scale``/``v_scale``, else 1.0 with a warning), ``vllm/attention/layer.py``
     (``Attention.calc_kv_scales``: ``abs(key).max() / K_SCALE_CONSTANT`` (200), ``abs(value).max() /
     V_SCALE_CONSTANT`` (100), once, on the first batch) and ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
     (``scaled_vec_conversion<uint8_t, float>``: ``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, ...)``).
 
+    ``int8_per_token_head|fp8_per_token_head|int4_per_token_head``: one float32 scale per token and KV head,
+    computed when the token is written; the checkpoint's scales are ignored (``process_weights_after_loading``
+    sets them to 1.0 for these). Follows ``vllm/v1/attention/ops/triton_reshape_and_cache_flash.py``
+    (``_reshape_cache_per_token_head``) and ``vllm/v1/attention/ops/int4_per_token_head.py``
+    (``_reshape_cache_int4_kernel``, ``single_rht``); rules in :mod:`kveval.tensors.per_token_head`. Bytes per
+    token and head: ``D + 4`` (INT8, FP8), ``D / 2 + 4`` (INT4).
+
+    ``nvfp4``: E2M1 in blocks of 16 with an E4M3 scale each, computed when the token is written, under a per-layer
+    FP32 global scale: ``k_scale``/``v_scale`` from the checkpoint, else 1.0 (vLLM 0.33 computes none). Follows
+    ``vllm/v1/attention/backends/flashinfer.py`` (``FlashInferImpl.do_kv_cache_update``) and FlashInfer
+    0.7.2.post1's ``include/flashinfer/page.cuh`` (``nvfp4_append_quantize_block``), the writer on SM 8x/9x/12x
+    (:func:`kveval.tensors.engine_formats.flashinfer_nvfp4_encode`); SM100's compiled ``reshape_and_cache_flash``
+    is not read. Bytes per token and head: ``D / 2 + D / 16`` (``vllm/utils/torch_utils.py``,
+    ``nvfp4_kv_cache_full_dim``), plus the per-layer scales.
+
     Attributes
     ----------
     kv_cache_dtype : str
-        ``fp8`` (= ``fp8_e4m3`` on CUDA), ``fp8_e4m3`` or ``fp8_e5m2``.
+        One of :data:`VLLM_DTYPES` (``fp8`` = ``fp8_e4m3`` on CUDA); those in :data:`VLLM_UNPINNED` are refused.
     scales : str
-        ``unit`` (1.0: vLLM's default for a checkpoint without scales), ``dynamic`` (``calculate_kv_scales``:
-        computed from the first batch; here the calibration pass is that batch, so no prompt order matters) or
-        ``checkpoint`` (``k_scale``/``v_scale`` given, for every layer).
+        Per-tensor scales (FP8, NVFP4): ``unit`` (1.0: vLLM's default for a checkpoint without scales), ``dynamic``
+        (FP8 only: ``calculate_kv_scales`` from the first batch; here the calibration pass is that batch) or
+        ``checkpoint`` (``k_scale``/``v_scale`` given, for every layer). Per-token-head caches take ``unit`` only.
     k_scale, v_scale : float, optional
         The checkpoint's scales, with ``scales=checkpoint``.
     calib_tokens : int, optional
@@ -253,11 +292,9 @@ class VllmPolicy(EnginePolicy):
 
     name = "vllm"
     serving_engine: ClassVar[str] = "vllm"
-    description = "vLLM fp8 KV cache: per-tensor K/V scales (unit, dynamic first batch, checkpoint), saturating cast"
+    description = ("vLLM KV cache: fp8 (per-tensor scales), int8/fp8/int4_per_token_head (a scale per token and "
+                   "head), nvfp4 (E2M1, E4M3 block scales, per-layer global scale)")
     engine: ClassVar[str] = "vLLM"
-    follows: ClassVar[str] = ("vllm/attention/layer.py Attention.calc_kv_scales; "
-                              "vllm/model_executor/layers/quantization/kv_cache.py; "
-                              "csrc/quantization/fp8/nvidia/quant_utils.cuh scaled_vec_conversion")
     kv_cache_dtype: str = "fp8"
     scales: str = "unit"
     k_scale: float | None = None
@@ -266,9 +303,21 @@ class VllmPolicy(EnginePolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        self.format = _fp8_format(self.name, self.kv_cache_dtype, ("fp8", "fp8_e4m3", "fp8_e5m2"))
+        dtype = self.kv_cache_dtype
+        if dtype in VLLM_UNPINNED:
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} is not reproduced ({VLLM_UNPINNED[dtype]}); "
+                                  f"use one of {', '.join(VLLM_DTYPES)}")
+        if dtype not in VLLM_DTYPES:
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype!r} must be one of {', '.join(VLLM_DTYPES)}")
+        self.format = _fp8_format(self.name, dtype, VLLM_FP8) if dtype in VLLM_FP8 else dtype
         if self.scales not in ("unit", "dynamic", "checkpoint"):
             raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
+        if dtype in VLLM_PER_TOKEN_HEAD and self.scales != "unit":
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} computes a scale per token and head as it "
+                                  f"writes (vLLM ignores per-tensor scales for it); drop scales=")
+        if dtype in VLLM_NVFP4 and self.scales == "dynamic":
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} takes its global scales from the checkpoint "
+                                  f"or 1.0 (vLLM 0.33 computes none); use scales=unit or scales=checkpoint")
         for key in ("k_scale", "v_scale"):
             _positive_scale(self.name, key, getattr(self, key))
         given = (self.k_scale is not None, self.v_scale is not None)
@@ -279,12 +328,50 @@ class VllmPolicy(EnginePolicy):
         check_calib_tokens(self.name, self.calib_tokens, None)
 
     @property
+    def follows(self) -> str:  # type: ignore[override]
+        if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD:
+            return ("vllm/v1/attention/ops/triton_reshape_and_cache_flash.py _reshape_cache_per_token_head; "
+                    "vllm/v1/attention/ops/int4_per_token_head.py _reshape_cache_int4_kernel, single_rht")
+        if self.kv_cache_dtype in VLLM_NVFP4:
+            return ("vllm/v1/attention/backends/flashinfer.py FlashInferImpl.do_kv_cache_update; flashinfer 0.7.2.post1 "
+                    "include/flashinfer/page.cuh nvfp4_append_quantize_block; "
+                    "vllm/model_executor/layers/quantization/kv_cache.py")
+        return ("vllm/attention/layer.py Attention.calc_kv_scales; vllm/model_executor/layers/quantization/kv_cache.py; "
+                "csrc/quantization/fp8/nvidia/quant_utils.cuh scaled_vec_conversion")
+
+    @property
+    def has_scales(self) -> bool:  # type: ignore[override]
+        return self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD
+
+    @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return self.scales == "dynamic"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        dtype = self.kv_cache_dtype
+        if dtype in VLLM_NVFP4 and head_dim % NVFP4_BLOCK:
+            raise PolicySpecError(f"{self.spec()}: NVFP4 codes blocks of {NVFP4_BLOCK} values and head_dim={head_dim} "
+                                  f"is not a multiple of {NVFP4_BLOCK} (vLLM sizes heads in whole blocks); use fp8")
+        if VLLM_PER_TOKEN_HEAD.get(dtype) == "int4" and head_dim % 2:
+            raise PolicySpecError(f"{self.spec()}: int4_per_token_head packs two values a byte and head_dim="
+                                  f"{head_dim} is odd; use int8_per_token_head")
+
+    def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
+        """Bytes vLLM stores per token and KV head, ``(K, V)``: codes and, per token-head, the float32 scale or the
+        NVFP4 block scales (per-layer scales are per model: :meth:`run_info`)."""
+        dtype = self.kv_cache_dtype
+        if dtype in VLLM_NVFP4:
+            return tuple(d // 2 + d // NVFP4_BLOCK for d in (key_dim, value_dim))
+        if dtype in VLLM_PER_TOKEN_HEAD:
+            half = VLLM_PER_TOKEN_HEAD[dtype] == "int4"
+            return tuple((d // 2 if half else d) + PER_TOKEN_HEAD_SCALE_BYTES for d in (key_dim, value_dim))
+        return key_dim, value_dim
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         import torch
 
+        if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD:
+            return None, None
         if self.scales == "unit":
             return 1.0, 1.0
         if self.scales == "checkpoint":
@@ -298,52 +385,115 @@ class VllmPolicy(EnginePolicy):
                 float(torch.tensor(v, dtype=torch.float32) / VLLM_V_SCALE_CONSTANT))
 
     def codec(self, model, layer_idx: int):
-        from kveval.stores.engine import EngineCodec, SideFormat
+        from kveval.dtypes import deployment_kv_dtype
+        from kveval.stores.engine import EngineCodec, FlashinferNvfp4Side, Fp8Side, PerTokenHeadSide
 
+        dtype = self.kv_cache_dtype
+        if dtype in VLLM_PER_TOKEN_HEAD:
+            side = PerTokenHeadSide(VLLM_PER_TOKEN_HEAD[dtype], deployment_kv_dtype(model))
+            return EngineCodec(side, side)
         k, v = self.layer_scales(model, layer_idx)
-        return EngineCodec(SideFormat("fp8-sat", fp8=self.format, scale=k), SideFormat("fp8-sat", fp8=self.format, scale=v))
+        if dtype in VLLM_NVFP4:
+            return EngineCodec(FlashinferNvfp4Side(k), FlashinferNvfp4Side(v))
+        return EngineCodec(Fp8Side(self.format, k), Fp8Side(self.format, v))
+
+
+#: SGLang 0.5.23's cache dtypes kveval does not reproduce, and why (one line each).
+SGLANG_UNPINNED = {
+    "fp4_e2m1": "SGLang 0.5.23 has no fp4_e2m1 (python/sglang/srt/mem_cache/kv_cache_dtype.py); its MX-style FP4 "
+                "cache is --kv-cache-dtype fp4_mx_block16",
+    "nvfp4": "SGLang 0.5.23 writes it with FlashInfer's compiled nvfp4_kv_quantize / fp4_quantize "
+             "(NVFP4KVQuantizeUtil.quantize), whose rounding and use of the x6 global scale could not be pinned",
+}
+SGLANG_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_mx_block16")
 
 
 @dataclass
 class SglangPolicy(EnginePolicy):
-    """SGLang's ``--kv-cache-dtype fp8_e4m3|fp8_e5m2``: one per-tensor scale for K and V, torch's own cast.
+    """SGLang 0.5.23's ``--kv-cache-dtype fp8_e4m3|fp8_e5m2|fp4_mx_block16``.
 
-    Follows ``python/sglang/srt/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod``: one checkpoint
-    ``kv_scale`` copied to K and V; none: no scale) and ``python/sglang/srt/mem_cache/memory_pool.py``
+    FP8: one per-tensor scale for K and V, torch's own cast. Follows
+    ``python/sglang/srt/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod``: one checkpoint ``kv_scale`` copied
+    to K and V; none: no scale) and ``python/sglang/srt/mem_cache/memory_pool.py``
     (``MHATokenToKVPool.set_kv_buffer``: ``cache_k.div_(k_scale)`` in the model dtype, then ``cache_k.to(fp8)``,
     torch's own cast: two roundings, and past the range whatever the running torch's cast gives).
+
+    ``fp4_mx_block16``: E2M1 in blocks of 16 with a UE8M0 scale each, computed as each token is written, no
+    per-tensor scale. Follows ``python/sglang/srt/layers/quantization/kvfp4_tensor.py``
+    (``FP4MXBlock16KVQuantizeUtil.batched_quantize``), used by ``FP4MXBlock16KVCacheMethod``
+    (``fp4_kv_cache_quant_method.py``); rules in :func:`kveval.tensors.microscaling.encode_sglang_fp4_mx_block16`.
+    Bytes per token and head: ``D / 2 + D / 16``. ``fp4_e2m1`` and ``nvfp4`` are refused (:data:`SGLANG_UNPINNED`).
 
     Attributes
     ----------
     kv_cache_dtype : str
-        ``fp8_e4m3`` or ``fp8_e5m2``.
+        ``fp8_e4m3``, ``fp8_e5m2`` or ``fp4_mx_block16``.
     kv_scale : float, optional
-        The checkpoint's scale, used for K and V; none: the values are cast as they are (a scale of 1.0).
+        FP8: the checkpoint's scale, used for K and V; none: the values are cast as they are (a scale of 1.0).
     """
 
     name = "sglang"
     serving_engine: ClassVar[str] = "sglang"
-    description = "SGLang fp8 KV cache: one per-tensor scale copied to K and V (or none), divided in the model dtype, torch's cast"
+    description = ("SGLang KV cache: fp8 (one per-tensor scale for K and V, divided in the model dtype, torch's cast) "
+                   "or fp4_mx_block16 (E2M1, a UE8M0 scale per 16)")
     engine: ClassVar[str] = "SGLang"
-    follows: ClassVar[str] = ("python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer; "
-                              "python/sglang/srt/layers/quantization/kv_cache.py")
     kv_cache_dtype: str = "fp8_e4m3"
     kv_scale: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        self.format = _fp8_format(self.name, self.kv_cache_dtype, ("fp8_e4m3", "fp8_e5m2"))
+        dtype = self.kv_cache_dtype
+        if dtype in SGLANG_UNPINNED:
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} is not reproduced ({SGLANG_UNPINNED[dtype]}); "
+                                  f"use one of {', '.join(SGLANG_DTYPES)}")
+        if dtype == "fp4_mx_block16":
+            self.format = dtype
+            if self.kv_scale is not None:
+                raise PolicySpecError(f"{self.name}: kv_cache_dtype=fp4_mx_block16 has no per-tensor scale "
+                                      f"(a UE8M0 scale per 16 values); drop kv_scale=")
+        else:
+            self.format = _fp8_format(self.name, dtype, SGLANG_DTYPES[:2])
         _positive_scale(self.name, "kv_scale", self.kv_scale)
+
+    @property
+    def follows(self) -> str:  # type: ignore[override]
+        if self.kv_cache_dtype == "fp4_mx_block16":
+            return ("python/sglang/srt/layers/quantization/kvfp4_tensor.py FP4MXBlock16KVQuantizeUtil.batched_quantize; "
+                    "python/sglang/srt/layers/quantization/fp4_kv_cache_quant_method.py FP4MXBlock16KVCacheMethod")
+        return ("python/sglang/srt/mem_cache/memory_pool.py MHATokenToKVPool.set_kv_buffer; "
+                "python/sglang/srt/layers/quantization/kv_cache.py")
+
+    @property
+    def has_scales(self) -> bool:  # type: ignore[override]
+        return self.kv_cache_dtype != "fp4_mx_block16"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.kv_cache_dtype == "fp4_mx_block16" and head_dim % NVFP4_BLOCK:
+            raise PolicySpecError(f"{self.spec()}: fp4_mx_block16 codes blocks of {NVFP4_BLOCK} values and head_dim="
+                                  f"{head_dim} is not a multiple of {NVFP4_BLOCK}; use fp8_e4m3")
+
+    def coded_bytes(self, key_dim: int, value_dim: int, kv_itemsize: int) -> tuple[int, int]:
+        if self.kv_cache_dtype == "fp4_mx_block16":
+            return tuple(d // 2 + d // NVFP4_BLOCK for d in (key_dim, value_dim))
+        return key_dim, value_dim
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         return self.kv_scale, self.kv_scale
 
     def codec(self, model, layer_idx: int):
         from kveval.dtypes import deployment_kv_dtype
-        from kveval.stores.engine import EngineCodec, SideFormat
+        from kveval.stores.engine import EngineCodec, Fp8Side, SglangFp4Side
 
-        side = SideFormat("fp8-cast", fp8=self.format, scale=self.kv_scale, model_dtype=deployment_kv_dtype(model))
+        if self.kv_cache_dtype == "fp4_mx_block16":
+            return EngineCodec(SglangFp4Side(), SglangFp4Side())
+        side = Fp8Side(self.format, self.kv_scale, "torch-cast", deployment_kv_dtype(model))
         return EngineCodec(side, side)
+
+
+#: Why TensorRT-LLM's NVFP4 KV cache is refused (one line).
+TRTLLM_NVFP4_UNPINNED = ("TensorRT-LLM writes it with a compiled kernel no package here ships the source of, and "
+                         "nvidia-modelopt 0.47 only exports its global scale (amax / (6 * 448), which TensorRT-LLM's "
+                         "kernels take x6 per SGLang) and fake-quantizes with block scales clamped to [2**-9, 448]")
 
 
 @dataclass
@@ -376,6 +526,9 @@ class TrtllmPolicy(EnginePolicy):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.kv_cache_dtype == "nvfp4":
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype=nvfp4 is not reproduced ({TRTLLM_NVFP4_UNPINNED}); "
+                                  f"use int8 or fp8")
         if self.kv_cache_dtype not in ("int8", "fp8"):
             raise PolicySpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype!r} must be int8 or fp8")
         check_calib_tokens(self.name, self.calib_tokens, None)
@@ -395,8 +548,8 @@ class TrtllmPolicy(EnginePolicy):
         return shared, shared
 
     def codec(self, model, layer_idx: int):
-        from kveval.stores.engine import EngineCodec, SideFormat
+        from kveval.stores.engine import EngineCodec, Fp8Side, Int8Side
 
         scale, _ = self.layer_scales(model, layer_idx)
-        side = SideFormat("int8", scale=scale) if self.kv_cache_dtype == "int8" else SideFormat("fp8-sat-mul", scale=scale)
+        side = Int8Side(scale) if self.kv_cache_dtype == "int8" else Fp8Side("e4m3", scale, "reciprocal")
         return EngineCodec(side, side)

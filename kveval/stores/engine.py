@@ -15,12 +15,15 @@ are per layer, not per token: :class:`EngineCodec` holds them, and ``nbytes`` co
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from kveval.stores.base import TokenStore, gather_tokens
+from kveval.tensors import microscaling, per_token_head
 from kveval.tensors.engine_formats import (
+    flashinfer_nvfp4_encode,
     fp8_decode,
     fp8_saturating,
     fp8_torch_cast,
@@ -31,42 +34,145 @@ from kveval.tensors.engine_formats import (
 )
 
 
+class SideFormat(ABC):
+    """How one of K or V is coded: token rows ``[..., D]`` (float32) in, the engine's bytes per row out, and back.
+
+    Each engine format is one subclass; per-tensor scales (per layer) are the subclass's fields, per-token scales
+    are inside the row bytes."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``[..., D]`` float32 -> ``[..., row bytes]`` uint8, as the engine stores them."""
+
+    @abstractmethod
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
+        """``[..., row bytes]`` -> ``[..., dim]`` float32, as attention reads them."""
+
+
 @dataclass(frozen=True)
-class SideFormat:
-    """How one of K or V is coded.
+class GgmlSide(SideFormat):
+    """llama.cpp's ggml blocks of ``ggml_type`` (``x86``: q8_0 rounded as an x86 CPU build's SIMD ``from_float``)."""
 
-    ``kind``: ``ggml`` (``ggml_type`` blocks), ``fp8-sat`` (vLLM: divide, saturate), ``fp8-sat-mul`` (TensorRT-LLM:
-    multiply by the float32 reciprocal, saturate), ``fp8-cast`` (SGLang: divide in ``model_dtype``, torch's cast),
-    ``int8`` (TensorRT-LLM). ``scale``: the per-tensor float32 scale (``None`` for SGLang without one: no division).
-    """
-
-    kind: str
-    ggml_type: str = ""
-    fp8: str = "e4m3"
-    scale: float | None = 1.0
-    model_dtype: torch.dtype | None = None
-    x86: bool = False  # ggml on an x86 CPU build: q8_0 rounded as its SIMD from_float does
+    ggml_type: str
+    x86: bool = False
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "ggml":
-            return ggml_quantize(x, self.ggml_type, self.x86)
-        if self.kind == "fp8-sat":
-            return fp8_saturating(x, self.scale, self.fp8)
-        if self.kind == "fp8-sat-mul":
-            inverse = float(1 / torch.tensor(self.scale, dtype=torch.float32))
-            return fp8_saturating(x * torch.tensor(inverse, dtype=torch.float32), 1.0, self.fp8)
-        if self.kind == "fp8-cast":
-            return fp8_torch_cast(x, self.scale, self.fp8, self.model_dtype or x.dtype)
-        if self.kind == "int8":
-            return int8_saturating(x, self.scale)
-        raise ValueError(f"unknown engine format {self.kind!r}")
+        return ggml_quantize(x, self.ggml_type, self.x86)
 
     def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.kind == "ggml":
-            return ggml_dequantize(codes, self.ggml_type, dim)
-        if self.kind == "int8":
-            return int8_decode(codes, self.scale)
+        return ggml_dequantize(codes, self.ggml_type, dim)
+
+
+@dataclass(frozen=True)
+class Fp8Side(SideFormat):
+    """Per-tensor FP8 (``scale`` float32), read back as ``code * scale``. ``write``: ``divide`` (vLLM: ``x / scale``,
+    saturate), ``reciprocal`` (TensorRT-LLM: ``x * (1 / scale)``, saturate), ``torch-cast`` (SGLang: divided in
+    ``model_dtype``, torch's cast; ``scale`` ``None``: no division)."""
+
+    fp8: str = "e4m3"
+    scale: float | None = 1.0
+    write: str = "divide"
+    model_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.write not in ("divide", "reciprocal", "torch-cast"):
+            raise ValueError(f"unknown FP8 cache write {self.write!r}")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.write == "divide":
+            return fp8_saturating(x, self.scale, self.fp8)
+        if self.write == "reciprocal":
+            inverse = float(1 / torch.tensor(self.scale, dtype=torch.float32))
+            return fp8_saturating(x * torch.tensor(inverse, dtype=torch.float32), 1.0, self.fp8)
+        return fp8_torch_cast(x, self.scale, self.fp8, self.model_dtype or x.dtype)
+
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
         return fp8_decode(codes, 1.0 if self.scale is None else self.scale, self.fp8)
+
+
+@dataclass(frozen=True)
+class Int8Side(SideFormat):
+    """TensorRT-LLM's per-tensor INT8."""
+
+    scale: float
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_saturating(x, self.scale)
+
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
+        return int8_decode(codes, self.scale)
+
+
+@dataclass(frozen=True)
+class PerTokenHeadSide(SideFormat):
+    """vLLM's ``{int8,fp8,int4}_per_token_head``: the codes then the row's float32 scale
+    (:mod:`kveval.tensors.per_token_head`). ``model_dtype``: INT4's rotated row is cast back to it before coding."""
+
+    kind: str
+    model_dtype: torch.dtype | None = None
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "int4":
+            codes, scale = per_token_head.quantize_int4(x.to(self.model_dtype or x.dtype))
+        else:
+            codes, scale = per_token_head.quantize_int8_fp8(x, self.kind)
+        return torch.cat([codes, scale.contiguous().unsqueeze(-1).view(torch.uint8)], dim=-1)
+
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
+        data = codes[..., :-per_token_head.SCALE_BYTES]
+        scale = codes[..., -per_token_head.SCALE_BYTES:].contiguous().view(torch.float32).squeeze(-1)
+        if self.kind == "int4":
+            return per_token_head.dequantize_int4(data, scale)
+        return per_token_head.dequantize_int8_fp8(data, scale, self.kind)
+
+
+class MicroscaledSide(SideFormat):
+    """A block-scaled FP4 row, ``[E2M1 codes | one-byte block scales]``, as vLLM lays out a head
+    (``vllm/utils/torch_utils.py``, ``nvfp4_split_data_scale``); subclasses say how the engine codes it."""
+
+    format: microscaling.MicroscalingFormat
+
+    @abstractmethod
+    def encode_rows(self, x: torch.Tensor) -> microscaling.MicroscaledRows:
+        """Rows as the engine codes them."""
+
+    def global_scale(self) -> torch.Tensor | None:
+        return None
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.encode_rows(x)
+        return torch.cat([rows.codes, rows.scales], dim=-1)
+
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
+        packed = dim * self.format.element.bits // 8
+        rows = microscaling.MicroscaledRows(self.format, codes[..., :packed], codes[..., packed:],
+                                            self.global_scale(), dim)
+        return microscaling.decode_rows(rows)
+
+
+@dataclass(frozen=True)
+class FlashinferNvfp4Side(MicroscaledSide):
+    """vLLM's ``nvfp4`` as FlashInfer writes it (:func:`~kveval.tensors.engine_formats.flashinfer_nvfp4_encode`),
+    with the layer's per-tensor ``global_scale`` (vLLM's ``k_scale``/``v_scale``)."""
+
+    scale: float = 1.0
+    format = microscaling.NVFP4
+
+    def global_scale(self) -> torch.Tensor:
+        return torch.tensor(self.scale, dtype=torch.float32)
+
+    def encode_rows(self, x: torch.Tensor) -> microscaling.MicroscaledRows:
+        return flashinfer_nvfp4_encode(x, self.scale)
+
+
+@dataclass(frozen=True)
+class SglangFp4Side(MicroscaledSide):
+    """SGLang's ``fp4_mx_block16`` (:func:`~kveval.tensors.microscaling.encode_sglang_fp4_mx_block16`)."""
+
+    format = microscaling.FP4_MX_BLOCK16
+
+    def encode_rows(self, x: torch.Tensor) -> microscaling.MicroscaledRows:
+        return microscaling.encode_sglang_fp4_mx_block16(x)
 
 
 @dataclass(frozen=True)

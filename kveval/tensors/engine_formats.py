@@ -209,3 +209,36 @@ def int8_saturating(x: torch.Tensor, scale: float) -> torch.Tensor:
 def int8_decode(codes: torch.Tensor, scale: float) -> torch.Tensor:
     """``float(code) * scale`` in float32."""
     return codes.view(torch.int8).float() * torch.tensor(scale, dtype=torch.float32)
+
+
+# --- NVFP4 as FlashInfer writes vLLM's cache ----------------------------------------------------------------
+def flashinfer_nvfp4_encode(x: torch.Tensor, global_scale: float):
+    """Rows ``[..., D]`` as vLLM 0.33's ``--kv-cache-dtype nvfp4`` cache holds them, following FlashInfer
+    0.7.2.post1 (the version vLLM 0.33 pins), ``include/flashinfer/page.cuh``, ``nvfp4_append_quantize_block``
+    (called by ``nvfp4_quantize_append_paged_kv_cache_with_slot_mapping``, vLLM's writer on SM 8x/9x/12x):
+
+    * per block of 16: ``amax = max |x|`` (float32), ``sf = amax / (6 * g)`` (0 where ``amax`` or ``g`` is 0),
+      stored as E4M3 by ``__nv_fp8_e4m3(sf)`` (round to nearest even, saturating at 448; no floor, so subnormal
+      E4M3 scales occur, unlike torchao, which clamps them at ``2**-6``);
+    * values ``x * (1 / (e4m3(sf) * g))`` (0 where the scale is 0), coded E2M1 by ``nvfp4_append_quantize_e2m1``:
+      round to nearest with ties to the even code, past 5 to 6, the sign bit from ``signbit`` (torchao's rule,
+      :func:`~kveval.tensors.microscaling.e2m1_codes`).
+
+    ``g`` is the layer's ``k_scale``/``v_scale`` (the checkpoint's, else 1.0). Read back as ``code * (g * s)``
+    (:func:`~kveval.tensors.microscaling.decode_rows`), the order of torchao's ``get_hp_scales``: the attention
+    kernels that read the cache are compiled and their order of the two multiplications is not pinned."""
+    from kveval.tensors import microscaling as ms
+
+    dim = x.shape[-1]
+    ms.NVFP4.check_length(dim)
+    g = torch.tensor(global_scale, dtype=torch.float32)
+    blocks = x.float().reshape(*x.shape[:-1], dim // ms.NVFP4.block, ms.NVFP4.block)
+    amax = blocks.abs().amax(dim=-1)
+    live = (amax > 0) & (g > 0)
+    sf = torch.where(live, amax / (torch.tensor(ms.E2M1_MAX) * g), torch.zeros_like(amax))
+    scale_codes = ms.e4m3_codes(sf)
+    rounded = ms.e4m3_values(scale_codes)
+    live = live & (rounded > 0)
+    output = torch.where(live, 1.0 / torch.where(live, rounded * g, torch.ones_like(rounded)), torch.zeros_like(rounded))
+    codes = ms.pack_e2m1(ms.e2m1_codes((blocks * output.unsqueeze(-1)).reshape(x.shape)))
+    return ms.MicroscaledRows(ms.NVFP4, codes, scale_codes, g, dim)

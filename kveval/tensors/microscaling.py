@@ -71,7 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import UsageError
 

@@ -27,7 +27,7 @@ from the float32 CPU arithmetic here; what is pinned is vLLM's CPU fallback (its
 
 from __future__ import annotations
 
-import torch
+from kveval.lazy import torch
 
 from kveval.errors import UsageError
 
