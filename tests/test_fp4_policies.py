@@ -10,6 +10,7 @@ import torch
 from cache_runs import (
     assert_one_batch_equals_batch_size_one,
     assert_one_line_error,
+    assert_shared_prefill_equals_own_runs,
     context_then_steps,
     logit_errors,
     prefill,
@@ -76,6 +77,13 @@ def test_a_batch_gives_batch_size_ones_answers(spec):
 def test_a_batch_gives_batch_size_ones_answers_on_mla():
     assert_one_batch_equals_batch_size_one(tiny_model("deepseek_v3"), Tok(), random_prompts([(30, 3), (17, 2), (41, 4)], seed=7),
                                            "fp4(format=nvfp4,k_axis=channel)", max_new_tokens=3)
+
+
+def test_a_sweeps_shared_prefill_gives_each_format_its_own_runs():
+    """Derived from one uncompressed prefill, each format (NVFP4's global scale included) answers as alone."""
+    assert_shared_prefill_equals_own_runs(tiny_model("llama"), Tok(), random_prompts([(30, 3), (17, 2)], seed=9),
+                                          ["none", "fp4(format=nvfp4)", "fp4(format=mxfp4,k_axis=channel,residual=4)",
+                                           "mxfp8"], max_new_tokens=3)
 
 
 def _held(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +183,20 @@ def test_a_width_that_is_not_whole_blocks_is_refused_before_the_weights_load(fam
     model_config = tiny_model(family, **config).config
     assert_one_line_error(lambda: RunSpec(parse_policy(spec)).for_model(model_config), UsageError, message)
     assert_one_line_error(lambda: plan(model_config, 100, policy=parse_policy(spec)), UsageError, "whole number|divide")
+
+
+def test_the_cli_refuses_it_in_one_line_before_the_weights_load(tmp_path, capsys, monkeypatch):
+    from test_architectures import _save_with_tokenizer
+
+    from kveval.commands.main import main
+    from kveval.runner import models
+
+    _save_with_tokenizer(tiny_model("llama", head_dim=24), tmp_path)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6 w7", "--policy", "fp4(format=nvfp4)"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "head_dim 24 is not a whole number of blocks" in err[0], err
 
 
 def test_blocks_along_tokens_take_any_head_width():
