@@ -319,7 +319,7 @@ REFUSALS = {
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
     "kvquant(bits=4)": "keys before RoPE need kveval's RoPE hook, which DeepSeek V4 has none of (its entries carry "
                        "RoPE on their last dims); use kvquant(bits=4,pre_rope=false)",
-    "llamacpp(k=q8_0,v=q8_0)": "with quant, kivi, fp8, kvquant only",
+    "llamacpp(k=q8_0,v=q8_0)": "with quant, kivi, fp8, fp4, mxfp8, kvquant only",
 }
 V32_REFUSALS = {
     "snapkv(ratio=0.5)": "scores with attention probabilities, which on this model hold the indexer's top-k",
@@ -331,7 +331,7 @@ V32_REFUSALS = {
     "lagkv(ratio=0.5)": "is not one of the selections checked on it",
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
     "kvquant(bits=2,sink=4)": "latent carries no RoPE, its RoPE key is apart); use kvquant(bits=2,sink=4,pre_rope=false)",
-    "vllm(kv_cache_dtype=fp8)": "with quant, kivi, fp8, kvquant only",
+    "vllm(kv_cache_dtype=fp8)": "with quant, kivi, fp8, fp4, mxfp8, kvquant only",
 }
 
 

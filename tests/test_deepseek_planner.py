@@ -96,7 +96,7 @@ def test_what_the_planner_cannot_size_on_the_new_layouts_is_refused_in_one_line(
         ("deepseek-v4-flash", "snapkv(ratio=0.5)"): "scores with attention",
         ("deepseek-v4-flash", "kvquant(bits=4)"): "use kvquant(bits=4,pre_rope=false)",
         ("deepseek-v3.2", "indexer(ratio=0.5)"): "which a deepseek_v32 model does not have",
-        ("deepseek-v3.2", "llamacpp(k=q8_0,v=q8_0)"): "with quant, kivi, fp8, kvquant only",
+        ("deepseek-v3.2", "llamacpp(k=q8_0,v=q8_0)"): "with quant, kivi, fp8, fp4, mxfp8, kvquant only",
         ("llama-3.1-8b", "indexer(ratio=0.5)"): "which llama-3.1-8b does not have",
     }
     for (model, policy), message in refusals.items():

@@ -20,7 +20,7 @@ from kveval.policies.spec import parse_policy
 def test_every_builtin_is_registered_once_under_its_own_name():
     assert all(name == cls.name for name, cls in POLICIES.items())
     assert {"none", "window", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "duo",
-            "lowrank", "latent", "quant", "kivi", "fp8", "kvquant", "llamacpp", "vllm", "sglang", "trtllm",
+            "lowrank", "latent", "quant", "kivi", "fp8", "fp4", "mxfp8", "kvquant", "llamacpp", "vllm", "sglang", "trtllm",
             "keydiff", "lagkv", "cur", "criticalkv", "chunkkv", "expected_attention", "threshold", "indexer", "rkv", "kvzip"} == set(POLICIES)
 
 

@@ -104,7 +104,8 @@ class QuantizedResidual(ResidualWindow):
         rows, heads, count, dim = tokens.shape
         q = self.quant
         flat = tokens.reshape(rows * heads, count, dim).to(kv_dtype)
-        return quantized_values(flat, q.bits, q.axis, q.group, q.symmetric, q.fp8, tokens.dtype).reshape(rows, heads, count, dim)
+        return quantized_values(flat, q.bits, q.axis, q.group, q.symmetric, q.fp8, tokens.dtype,
+                                q.mx).reshape(rows, heads, count, dim)
 
 
 def encode_aged_sides(keys: QuantizedResidual | None, values: QuantizedResidual | None, held_keys: torch.Tensor,

@@ -179,11 +179,6 @@ def stream_layout(spec: ModelSpec, stack, notes: list[str]) -> StreamLayout:
     return StreamLayout(streams, residual)
 
 
-def _scale_bytes(q) -> int:
-    """Bytes of scale (+ zero point) per quantization group."""
-    return 2 if (q.fp8 is not None or q.symmetric) else 4
-
-
 def stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int,
                   sliding: tuple[int, int, int] | None = None) -> int:
     """Exact bytes of one of K/V (or the MLA latent) holding ``tokens`` tokens in one layer.
@@ -201,7 +196,8 @@ def stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_byte
         tail = tokens - aged
     groups = heads * (aged // q.group) * dim if q.axis == "channel" else heads * aged * (dim // q.group)
     data = math.ceil(heads * aged * dim * q.bits / 8)
-    return data + groups * _scale_bytes(q) + heads * tail * dim * dtype_bytes
+    # + per-tensor scales (NVFP4's FP32), one per stream a sequence holds in the layer: fixed at its first seal
+    return data + groups * q.scale_bytes + heads * tail * dim * dtype_bytes + q.global_scale_bytes
 
 
 @functools.lru_cache(maxsize=4096)
@@ -232,13 +228,14 @@ def _sliding_slots(context: int, new_tokens: int, window: int, residual: int, un
 
 
 def stream_per_token(heads: int, dim: int, q, dtype_bytes: int) -> float:
-    """Amortized bytes of one stored token of one stream (scales of per-channel groups spread over ``group`` tokens)."""
+    """Amortized bytes of one stored token of one stream (scales of per-channel groups spread over ``group`` tokens;
+    per-tensor scales, a few bytes per layer whatever the length, left out)."""
     if q is None:
         return heads * dim * dtype_bytes
     data = heads * dim * q.bits / 8
     if q.axis == "channel":
-        return data + heads * dim * _scale_bytes(q) / q.group
-    return data + heads * (dim // q.group) * _scale_bytes(q)
+        return data + heads * dim * q.scale_bytes / q.group
+    return data + heads * (dim // q.group) * q.scale_bytes
 
 
 def selection_layers(spec: ModelSpec) -> list[bool]:

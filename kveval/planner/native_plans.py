@@ -37,7 +37,10 @@ def plans_native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
     if not stack.is_none:
         indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
         try:
-            check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)
+            widths = ({"head_dim": spec.head_dim, "index_head_dim": spec.v4.index_dim} if spec.v4 is not None else
+                      {"kv_lora_rank": spec.mla_dim - spec.mla_rope, "qk_rope_head_dim": spec.mla_rope,
+                       "index_head_dim": spec.indexer_dim})
+            check_policy({"model_type": spec.model_type, "indexer_types": indexer_types, **widths}, stack)
         except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
             raise UsageError(str(refused)) from None
         if stack.quantization is not None and spec.v4 is not None:

@@ -493,6 +493,12 @@ class QuantizationPolicy(RepresentationPolicy):
         """Adapt unset groups to the widths of K and V it will code (each a ``label``: ``rank``, ``head_dim``), or
         refuse an explicit group that does not divide them."""
 
+    def check_part_widths(self, keys: dict[str, int], values: dict[str, int]) -> None:
+        """Refuse (:class:`~kveval.errors.PolicySpecError`), before the weights load, widths of a model's cache parts
+        this quantizer cannot code: ``keys`` the parts coded with K's coding (part name -> values per entry: an MLA
+        latent, V3.2's indexer keys, V4's window and entries), ``values`` those coded with V's (an MLA layer's RoPE
+        key). Default: nothing to refuse (grouped quantizers fit their groups to each part's width)."""
+
     @abstractmethod
     def planned_coding(self) -> PlannedCoding:
         """K's and V's codes as the memory planner sizes them (:class:`PlannedCoding`), with the tokens kept in the

@@ -93,11 +93,29 @@ def check_policy(config, stack) -> None:
     if quantization is not None and not quantization.supports(Placement.PARTS):
         raise UnsupportedModelError(
             f"{quantization.spec()}: kveval codes {name}'s parts ({parts}) with {quantizers()} only; use one of those")
+    if quantization is not None:
+        quantization.check_part_widths(*_part_widths(config, v4, quantization.indexer == "same"))
     if quantization is not None and Need.ROPE_HOOK in quantization.needs:
         raise UnsupportedModelError(
             f"{quantization.spec()}: keys before RoPE need kveval's RoPE hook, which {name} has none of (its "
             f"{'entries carry RoPE on their last dims' if v4 else 'latent carries no RoPE, its RoPE key is apart'}); "
             f"use {quantization.spec()[:-1]},pre_rope=false)")
+
+
+def _part_widths(config: dict, v4: bool, indexer: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """The widths of a V3.2 / GLM MoE-DSA / V4 cache's parts a quantizer codes, ``(as keys, as values)`` (see
+    :meth:`~kveval.policies.base.QuantizationPolicy.check_part_widths`); ``indexer``: its keys coded by the quantizer."""
+    keys: dict[str, int] = {}
+    if v4:
+        head = int(config.get("head_dim") or 512)
+        keys.update({"window": head, "entries": head})
+        values = {"window": head}
+    else:
+        keys["latent"] = int(config.get("kv_lora_rank") or 512)
+        values = {"RoPE key": int(config.get("qk_rope_head_dim") or 64)}
+    if indexer:
+        keys["indexer"] = int(config.get("index_head_dim") or 128)
+    return keys, values
 
 
 def refuse_model_indexer(stack, model: str) -> None:

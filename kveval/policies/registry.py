@@ -44,6 +44,8 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "quant": ("kveval.policies.quant", "QuantPolicy"),
     "kivi": ("kveval.policies.quant", "KiviPolicy"),
     "fp8": ("kveval.policies.quant", "Fp8Policy"),
+    "fp4": ("kveval.policies.fp4", "Fp4Policy"),
+    "mxfp8": ("kveval.policies.mxfp8", "Mxfp8Policy"),
     "kvquant": ("kveval.policies.kvquant", "KVQuantPolicy"),
     "llamacpp": ("kveval.policies.engines", "LlamaCppPolicy"),
     "vllm": ("kveval.policies.engines", "VllmPolicy"),

@@ -177,6 +177,9 @@ class RunSpec:
                                           f"{shape.name}; use at most {head_dim}")
         if shape.mla_dim is None:
             stack.fit_groups(head_dim)
+        elif stack.quantization is not None and structure is None:  # the latent coded as K, the RoPE key as V
+            stack.quantization.check_part_widths({"latent": shape.mla_dim - shape.mla_rope},
+                                                 {"RoPE key": shape.mla_rope} if shape.mla_rope else {})
         return replace(self, policy=stack)
 
 

@@ -31,8 +31,10 @@ from kveval.tensors.quantization import (
     concat_blocks,
     dequantize,
     gather_units,
+    mx_global_scale,
     quantize,
     quantize_fp8,
+    quantize_mx,
     split_units,
     units_from,
 )
@@ -298,8 +300,12 @@ class DenseStore(TokenStore):
         return _nbytes(self.keys) + _nbytes(self.values)
 
 
-def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None) -> QuantizedBlock:
-    """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.tensors.quantization.TensorQuant`) says."""
+def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None,
+           global_scale: torch.Tensor | None = None) -> QuantizedBlock:
+    """``x`` (``[H, T, D]`` in ``kv_dtype``) encoded as ``quant`` (a :class:`~kveval.tensors.quantization.TensorQuant`) says
+    (``global_scale``: the per-tensor scale of a block-scaled format that has one, NVFP4's)."""
+    if quant.mx is not None:
+        return quantize_mx(x, quant.mx, quant.axis, quant.group, valid, global_scale)
     if quant.fp8 is not None:
         return quantize_fp8(x, quant.fp8, quant.axis, quant.group, valid)
     return quantize(x, quant.bits, quant.axis, quant.group, quant.symmetric, valid)
@@ -321,10 +327,16 @@ class QuantizedSequence:
     units than another keeps dead ones as padding; a per-channel group with a
     single live slot keeps all its bytes. ``nbytes`` counts all of that: it is
     what such a layout really holds.
+
+    A block-scaled format with a per-tensor scale (NVFP4's FP32 second level) fixes it at the first seal that finds
+    tokens held, from their largest magnitude (the prefill's K or V of the layer, the residual window included:
+    :func:`~kveval.tensors.quantization.mx_global_scale`), and codes every later token against it (a larger value
+    saturates its block's E4M3 scale at 448, then E2M1's 6). Its 4 bytes count in :attr:`nbytes` from then on.
     """
 
     def __init__(self, quant, residual: int, kv_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
         self.quant, self.residual = quant, residual
+        self.global_scale: torch.Tensor | None = None  # a block-scaled format's per-tensor scale, fixed at the first seal
         self.kv_dtype, self.compute_dtype = kv_dtype, compute_dtype
         self.block: QuantizedBlock | None = None
         self.alive: torch.Tensor | None = None  # [H, block slots]
@@ -374,10 +386,22 @@ class QuantizedSequence:
         if self.tail_alive is not None:
             self.tail_alive = torch.cat([self.tail_alive, self.tail_alive.new_ones(x.shape[0], x.shape[1])], dim=1)
 
+    @property
+    def scaled_per_tensor(self) -> bool:
+        """Whether the coding has a per-tensor scale fixed from this sequence's first tokens (NVFP4's): its codes then
+        depend on the sequence's own tokens beyond each block, and it is sealed apart from other rows."""
+        return self.quant.global_scale_bytes > 0
+
+    def _fix_global_scale(self) -> None:
+        """At the first seal that finds tokens held: the per-tensor scale from their largest magnitude."""
+        if self.scaled_per_tensor and self.global_scale is None and self.tail is not None and self.tail.numel():
+            self.global_scale = mx_global_scale(self.quant.mx, self.tail, self.tail_alive)
+
     def seal(self) -> None:
+        self._fix_global_scale()
         due = self._take_aged()
         if due is not None:
-            self._hold_encoded(encode(self.quant, *due), due[1])
+            self._hold_encoded(encode(self.quant, *due, self.global_scale), due[1])
 
     @staticmethod
     def seal_many(sequences: "list[QuantizedSequence]") -> None:
@@ -387,6 +411,9 @@ class QuantizedSequence:
         so each gets the bits of its own encoding."""
         together: dict[tuple, list] = {}
         for sequence in sequences:
+            if sequence.scaled_per_tensor:  # its own per-tensor scale: sealed alone
+                sequence.seal()
+                continue
             due = sequence._take_aged()
             if due is None:
                 continue
@@ -512,7 +539,8 @@ class QuantizedSequence:
 
     @property
     def nbytes(self) -> int:
-        return (0 if self.block is None else self.block.nbytes) + _nbytes(self.tail)
+        scales = 0 if self.global_scale is None else self.quant.global_scale_bytes
+        return (0 if self.block is None else self.block.nbytes) + _nbytes(self.tail) + scales
 
 
 class QuantizedStore(TokenStore):
@@ -525,6 +553,10 @@ class QuantizedStore(TokenStore):
         self.kv_dtype = kv_dtype
         self.k = QuantizedSequence(key_quant, residual, kv_dtype, compute_dtype)
         self.v = QuantizedSequence(value_quant, residual, kv_dtype, compute_dtype)
+        if self.k.scaled_per_tensor or self.v.scaled_per_tensor:
+            # A per-tensor scale of each row's own (NVFP4's): the batched decode, which codes a layer's rows as one
+            # tensor, has none per row; such rows decode one by one, with the bits each gets alone.
+            self.batch_family = BatchFamily.NONE
 
     @property
     def compute_dtype(self) -> torch.dtype | None:

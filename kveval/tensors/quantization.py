@@ -21,6 +21,11 @@ byte and 2-bit values four per byte, within each unit (a unit whose code count
 is not a multiple of ``8 // bits`` is padded to a whole byte). Scales and zero
 points are float16. Symmetric quantization has no zero point; its codes are
 offset by ``2**(bits-1)`` so they are unsigned too.
+
+Block-scaled float formats (``mx``: NVFP4, MXFP4, MXFP8; :mod:`kveval.tensors.microscaling`, torchao's numerics) are
+held in the same units: ``data`` the element codes of each unit (E2M1 two a byte, E4M3 one a byte, in each block's
+order along its axis), ``scale`` the one-byte E4M3/E8M0 block scales, and NVFP4's FP32 per-tensor scale in
+``global_scale`` (shared by every unit; the sequence that fixed it counts its 4 bytes).
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from typing import NamedTuple
 
 import torch
 
+from kveval.tensors.microscaling import (
+    FORMATS as MX_FORMATS,
+    MicroscaledRows,
+    decode_rows,
+    encode_rows,
+    nvfp4_global_scale,
+)
 from kveval.tensors.quant_format import TensorQuant  # re-exported: codes are made from it here
 
 SCALE_DTYPE = torch.float16
@@ -57,6 +69,11 @@ class QuantizedBlock:
     axis: str
     group: int
     fp8: str | None = None
+    #: A block-scaled format's name (``nvfp4``, ``mxfp4``, ``mxfp8``), ``None`` for integers and FP8.
+    mx: str | None = None
+    #: NVFP4's FP32 per-tensor scale (a 0-dim float32 tensor) the blocks were coded against; not counted in
+    #: :attr:`nbytes`: one per sequence and stream, counted there (:class:`kveval.stores.base.QuantizedSequence`).
+    global_scale: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -203,7 +220,7 @@ def quantize(x: torch.Tensor, bits: int, axis: str, group: int, symmetric: bool 
 
 
 def quantized_values(x: torch.Tensor, bits: int, axis: str, group: int, symmetric: bool, fp8: str | None,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, mx: str | None = None) -> torch.Tensor:
     """``x`` (``[H, T, D]``) as its quantization reads back in ``dtype``: the bits of
     ``dequantize(quantize(x, ...), dtype)`` (or of :func:`quantize_fp8`'s block), without packing codes or converting
     them back, which a decode step reading its new tokens back does not need (4-10 operations fewer per tensor).
@@ -211,6 +228,8 @@ def quantized_values(x: torch.Tensor, bits: int, axis: str, group: int, symmetri
     The float32 products and sums are those :func:`dequantize_into` computes, in the same order, from the same
     values (small integers are exact in float32 whether or not they went through ``uint8``, and zeros are +0.0).
     """
+    if mx is not None:  # block-scaled formats without a per-tensor scale: their codes, read back
+        return dequantize(quantize_mx(x, mx, axis, group), dtype)
     g = _grouped(x.float(), axis, group)
     if fp8 is not None:
         scale = _fp8_scale(g, fp8, None)
@@ -231,6 +250,47 @@ def quantize_fp8(x: torch.Tensor, fmt: str, axis: str, group: int, valid: torch.
     g = _grouped(x.float(), axis, group)
     scale = _fp8_scale(g, fmt, _valid_grouped(valid, axis, group))
     return QuantizedBlock(_fp8_codes(g, scale, fmt), scale, None, tuple(x.shape), 8, axis, group, fp8=fmt)
+
+
+def quantize_mx(x: torch.Tensor, fmt: str, axis: str, group: int, valid: torch.Tensor | None = None,
+                global_scale: torch.Tensor | None = None) -> QuantizedBlock:
+    """``x`` (``[H, T, D]``) in block-scaled format ``fmt`` (``nvfp4``, ``mxfp4``, ``mxfp8``), blocks of ``group`` (the
+    format's block) along ``axis``, coded by :func:`kveval.tensors.microscaling.encode_rows` (torchao 0.18's
+    numerics, the OCP ``floor`` rule for E8M0 scales). ``valid`` as in :func:`quantize`: evicted slots count as 0,
+    so they do not widen a block's scale. ``global_scale``: NVFP4's FP32 per-tensor scale (``None``: one level)."""
+    found = MX_FORMATS[fmt]
+    if group != found.block:
+        raise ValueError(f"{fmt} codes blocks of {found.block}, not {group}")
+    g = _grouped(x.float(), axis, group)
+    mask = _valid_grouped(valid, axis, group)
+    if mask is not None:
+        g = g.masked_fill(~mask, 0.0)
+    rows = encode_rows(g, found, global_scale)
+    heads, units = g.shape[:2]
+    return QuantizedBlock(rows.codes.reshape(heads, units, -1), rows.scales.reshape(heads, units, -1), None,
+                          tuple(x.shape), found.element.bits, axis, group, mx=fmt, global_scale=rows.global_scale)
+
+
+def mx_global_scale(fmt: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The per-tensor scale block-scaled format ``fmt`` codes ``x`` (``[H, T, D]``, its ``valid`` slots) against:
+    NVFP4's ``amax / (448 * 6)`` in float32 (torchao's ``per_tensor_amax_to_scale``), ``None`` for a format without
+    one. An all-zero tensor takes 1.0 (torchao's 0 would code 0 / 0; any positive scale codes its zeros)."""
+    if not MX_FORMATS[fmt].global_scale:
+        return None
+    a = x.float().abs()
+    amax = (a if valid is None else a.masked_fill(~valid[..., None], 0.0)).amax()
+    return nvfp4_global_scale(amax) if amax > 0 else torch.tensor(1.0, dtype=torch.float32, device=x.device)
+
+
+def _mx_values(block: QuantizedBlock) -> torch.Tensor:
+    """A block-scaled block's values as float32, in the grouped layout ``[H, units, ..., group]``
+    (:func:`kveval.tensors.microscaling.decode_rows`: element value x block scale, the global scale folded in)."""
+    shape = _grouped_shape(block.shape, block.axis, block.group)
+    found = MX_FORMATS[block.mx]
+    code_bytes = block.group * found.element.bits // 8  # per block (an empty row, V4's V, has none)
+    rows = MicroscaledRows(found, block.data.reshape(*shape[:-1], code_bytes), block.scale.reshape(*shape[:-1], 1),
+                           block.global_scale, block.group)
+    return decode_rows(rows)
 
 
 def _fp8_scale(g: torch.Tensor, fmt: str, mask: torch.Tensor | None) -> torch.Tensor:
@@ -265,7 +325,9 @@ def dequantize_into(block: QuantizedBlock, out: torch.Tensor) -> torch.Tensor:
         target = out.unflatten(1, (tokens // block.group, block.group)).transpose(-1, -2)
     # Scales and zero points enter as stored: a float32 operand promotes them, exactly, inside the product and the
     # sum (the bits of converting them first, without a conversion kernel per tensor and step).
-    if block.fp8 is not None:
+    if block.mx is not None:
+        target.copy_(_mx_values(block))
+    elif block.fp8 is not None:
         torch.mul(block.data.float(), block.scale, out=target)
     elif block.zero is None:
         torch.mul(_code_values(block, 2 ** (block.bits - 1)), block.scale, out=target)
