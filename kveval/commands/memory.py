@@ -54,6 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", default="0", help="engine: memory besides weights and KV (activations, CUDA graphs, "
                         "compute buffers), e.g. 2GiB (default 0)")
     parser.add_argument("--presets", help="engine: ';'-separated policy specs to answer at (default: the engine's presets)")
+    parser.add_argument("--kv-cache-dtype", help="vLLM: answer at this --kv-cache-dtype beside the model dtype, e.g. "
+                        "fp8_ds_mla (DeepSeek V3.2/V4); the presets none and vllm(kv_cache_dtype=...)")
     parser.add_argument("--gate", metavar="GATE_JSON", help="engine: a gate.json (or the folder holding it) whose "
                         "verdicts on this model are shown beside each preset")
     parser.add_argument("--layers", action="store_true", help="print every layer")
@@ -108,6 +110,10 @@ def _engine(args: argparse.Namespace) -> int:
     if not args.model or not args.gpu_memory:
         raise UsageError(f"--engine {args.engine} needs a model and --gpu-memory, e.g. llama-3.1-8b --gpu-memory 80GiB")
     presets = [p.strip() for p in args.presets.split(";") if p.strip()] if args.presets else None
+    if args.kv_cache_dtype:
+        if args.engine != "vllm" or presets:
+            raise UsageError("--kv-cache-dtype is vLLM's flag: give it with --engine vllm and without --presets")
+        presets = ["none", f"vllm(kv_cache_dtype={args.kv_cache_dtype})"]
     common = dict(weights=args.weights, overhead=args.overhead, dtype_bytes=args.dtype_bytes, presets=presets,
                   weight_bytes_per_param=args.weight_bytes_per_param)
     if args.engine == "vllm":

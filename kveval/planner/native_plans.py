@@ -12,6 +12,7 @@ from kveval.errors import UnsupportedModelError, UsageError
 from kveval.planner.layouts import (
     LayerPlan,
     MemoryPlan,
+    check_planned_cache,
     sequence_layers,
     stream_bytes,
     stream_layout,
@@ -35,6 +36,7 @@ def plans_native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
         raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
                          f"own coding stores each part: drop --storage")
     if not stack.is_none:
+        check_planned_cache(spec, stack)
         indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
         try:
             check_policy({"model_type": spec.model_type, "indexer_types": indexer_types}, stack)

@@ -15,8 +15,10 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kveval.errors import PolicySpecError
-from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy, check_calib_tokens
+from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy, check_calib_tokens
+from kveval.policies.compatibility import cache_shape
+from kveval.policies.ds_records import DS_MLA_DTYPES, RECORDS
 from kveval.values import is_real
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
@@ -229,7 +231,8 @@ class LlamaCppPolicy(EnginePolicy):
 
 @dataclass
 class VllmPolicy(EnginePolicy):
-    """vLLM's ``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``: per-tensor K and V scales, a saturating cast.
+    """vLLM's ``--kv-cache-dtype fp8|fp8_e4m3|fp8_e5m2``: per-tensor K and V scales, a saturating cast; and
+    ``fp8_ds_mla|nvfp4_ds_mla``: DeepSeek's packed per-token records (:mod:`kveval.policies.ds_records`).
 
     Follows ``vllm/model_executor/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod.process_weights_after_loading``:
     the checkpoint's ``k_scale``/``v_scale``, else 1.0 with a warning), ``vllm/attention/layer.py``
@@ -240,7 +243,15 @@ class VllmPolicy(EnginePolicy):
     Attributes
     ----------
     kv_cache_dtype : str
-        ``fp8`` (= ``fp8_e4m3`` on CUDA), ``fp8_e4m3`` or ``fp8_e5m2``.
+        ``fp8`` (= ``fp8_e4m3`` on CUDA), ``fp8_e4m3`` or ``fp8_e5m2``; or, on DeepSeek V3.2 and V4 alone,
+        ``fp8_ds_mla`` (V3.2: a 656-byte record a token, the 512-value latent in e4m3 with a power-of-two float32
+        scale per 128 and the 64 RoPE dims in bfloat16; V4: 584 bytes an entry, 448 e4m3 NoPE dims with a UE8M0
+        scale per 64 and 64 bfloat16 RoPE dims, for the window and the CSA/HCA entries alike) or ``nvfp4_ds_mla``
+        (V3.2 only: 352 bytes, the latent in E2M1 with an e4m3 scale per 16 and the RoPE dims in unscaled e4m3).
+        Their scales are computed per token and tile as the token is written (no calibration, no checkpoint
+        scales); the DSA indexer's keys go to vLLM's FP8 indexer cache (132 bytes). Read from vLLM 0.33.0
+        (:mod:`kveval.tensors.ds_records` names the kernels); refused on per-head models, on V2/V3 (vLLM serves
+        these dtypes on its sparse MLA backends only) and, for ``nvfp4_ds_mla``, on V4.
     scales : str
         ``unit`` (1.0: vLLM's default for a checkpoint without scales), ``dynamic`` (``calculate_kv_scales``:
         computed from the first batch; here the calibration pass is that batch, so no prompt order matters) or
@@ -253,7 +264,8 @@ class VllmPolicy(EnginePolicy):
 
     name = "vllm"
     serving_engine: ClassVar[str] = "vllm"
-    description = "vLLM fp8 KV cache: per-tensor K/V scales (unit, dynamic first batch, checkpoint), saturating cast"
+    description = ("vLLM fp8 KV cache: per-tensor K/V scales (unit, dynamic first batch, checkpoint), saturating cast; "
+                   "DeepSeek's fp8_ds_mla/nvfp4_ds_mla records")
     engine: ClassVar[str] = "vLLM"
     follows: ClassVar[str] = ("vllm/attention/layer.py Attention.calc_kv_scales; "
                               "vllm/model_executor/layers/quantization/kv_cache.py; "
@@ -266,7 +278,14 @@ class VllmPolicy(EnginePolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        self.format = _fp8_format(self.name, self.kv_cache_dtype, ("fp8", "fp8_e4m3", "fp8_e5m2"))
+        self.records = RECORDS.get(self.kv_cache_dtype)
+        if self.records is not None:
+            if self.scales != "unit" or self.k_scale is not None or self.v_scale is not None:
+                raise PolicySpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype} computes its scales per "
+                                      f"token and tile as it writes them; drop scales=, k_scale= and v_scale=")
+            check_calib_tokens(self.name, self.calib_tokens, None)
+            return
+        self.format = _fp8_format(self.name, self.kv_cache_dtype, ("fp8", "fp8_e4m3", "fp8_e5m2") + DS_MLA_DTYPES)
         if self.scales not in ("unit", "dynamic", "checkpoint"):
             raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
         for key in ("k_scale", "v_scale"):
@@ -281,6 +300,46 @@ class VllmPolicy(EnginePolicy):
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
         return self.scales == "dynamic"
+
+    # --- DeepSeek's records (fp8_ds_mla, nvfp4_ds_mla) ------------------------------------------------------------
+    @property
+    def has_scales(self) -> bool:  # type: ignore[override]
+        """Per-layer scales: none for the records, whose scales are per token and tile, inside the record."""
+        return self.records is None
+
+    def supports(self, placement: Placement) -> bool:
+        """The records code the parts of DeepSeek's own cache (:attr:`Placement.PARTS`); per-tensor FP8 does not."""
+        return (self.records is not None and placement is Placement.PARTS) or super().supports(placement)
+
+    def check_cache(self, shape) -> None:
+        """The records' checks (:meth:`~kveval.policies.ds_records.DeepSeekRecords.check_cache`); per-tensor FP8 is
+        refused on DeepSeek V3.2 and V4, whose sparse backends vLLM serves ``fp8`` on as ``fp8_ds_mla``
+        (``mla_attention.py`` ``_canonicalize_sparse_mla_kv_cache_dtype``; ``deepseek_v4/attention.py``)."""
+        if self.records is not None:
+            self.records.check_cache(self.spec(), shape)
+        elif shape.kind in ("indexed_mla", "v4"):
+            raise UnsupportedModelError(
+                f"{self.spec()}: vLLM 0.33 serves --kv-cache-dtype {self.kv_cache_dtype} on {shape.model}'s sparse "
+                f"attention as its fp8_ds_mla record (FLASHMLA_SPARSE's _canonicalize_sparse_mla_kv_cache_dtype; "
+                f"DeepSeek V4's _resolve_dsv4_kv_cache_dtype); use vllm(kv_cache_dtype=fp8_ds_mla)")
+
+    def planned_coding(self) -> PlannedCoding:
+        return self.records.planned_coding() if self.records is not None else super().planned_coding()
+
+    def planned_part_coding(self, part: str, width: int) -> PlannedCoding | None:
+        return self.records.planned_part_coding(part, width) if self.records is not None else None
+
+    def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype, stride: int):
+        if self.records is None:
+            return super().part_codes(model, layer_idx, part, width, kv_dtype, stride)
+        return self.records.sequence(part, width, v4=cache_shape(model.config).kind == "v4")
+
+    def make_store(self, inner, model, layer_idx: int):
+        if self.records is None:
+            return super().make_store(inner, model, layer_idx)
+        from kveval.stores.records import RecordStore
+
+        return RecordStore(self.records.engine_codec, inner.compute_dtype)
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         import torch
