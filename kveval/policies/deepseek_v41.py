@@ -39,9 +39,13 @@ class DeepseekV41StoragePolicy(QuantizationPolicy):
     name = "deepseek_v41_storage"
     description = ("DeepSeek V4.1's storage on V4's parts: window MXFP8, CSA/HCA entries NVFP4 after RoPE, indexer "
                    "MXFP4 (vLLM 0.33's V4.1 records)")
-    placements = frozenset({Placement.PARTS})
     codes_on_arrival: ClassVar[bool] = True
     records = V41_STORAGE
+
+    def supports(self, placement: Placement) -> bool:
+        """V4's parts (:attr:`Placement.PARTS`), declared per object rather than in :attr:`placements`, so that the
+        refusals naming the quantizers for V3.2's parts do not name it (:meth:`check_cache` refuses it there)."""
+        return placement is Placement.PARTS
 
     def check_head_dim(self, head_dim: int) -> None:
         """The widths are checked against the cache's shape (:meth:`check_cache`)."""
