@@ -146,7 +146,8 @@ def test_the_records_have_the_engines_sizes():
     assert dsr.V32_NVFP4_LATENT.row_bytes(512) + dsr.E4m3Values().row_bytes(64) == 352
     assert dsr.V4_ENTRY.row_bytes(512) == 584
     assert dsr.V32_INDEXER.row_bytes(128) == dsr.V4_INDEXER.row_bytes(128) == 132
-    assert (dsr.V41_WINDOW.row_bytes(512), dsr.V41_ENTRY.row_bytes(512), dsr.V41_INDEXER.row_bytes(128)) == (528, 288, 68)
+    v41 = (dsr.V41_WINDOW.row_bytes(512), dsr.V41_ENTRY.row_bytes(512), dsr.V41_INDEXER.row_bytes(128))
+    assert v41 == (528, 288, 68)
 
 
 def test_v32_fp8_ds_mla_is_the_kernels_record():
@@ -180,7 +181,7 @@ def test_v4_fp8_ds_mla_is_the_kernels_record():
     x[6, 448:] = 1e5  # RoPE dims are bf16: never saturated
     ours = dsr.V4_ENTRY.encode(x)
     values, scales = ref_v4_entry(x)
-    # kveval: 448 codes, 7 scales and the pad, then the 128 RoPE bytes; vLLM: values (448 + 128), scales in a region apart
+    # kveval: 448 codes, 7 scales and the pad, then the 128 RoPE bytes; vLLM: values (448 + 128), scales apart
     assert torch.equal(torch.cat([ours[:, :448], ours[:, 456:]], -1), values)
     assert torch.equal(ours[:, 448:456], scales)
     decoded = dsr.V4_ENTRY.decode(ours, 512)
@@ -215,7 +216,7 @@ def test_the_v4_indexer_rounds_its_input_to_bfloat16_and_v32s_does_not():
 
 
 def test_a_scale_at_a_power_of_two_is_that_power():
-    """``ceil(log2(t))`` exactly: an amax of exactly 448 x 2**k gives scale 2**k (the tile's largest value codes 448)."""
+    """``ceil(log2(t))`` exactly: an amax of exactly 448 x 2**k gives scale 2**k (the largest value codes 448)."""
     x = torch.zeros(1, 128)
     x[0, 0] = 448.0 * 4
     coded = dsr.V32_INDEXER.encode(x)
@@ -234,7 +235,7 @@ def test_a_width_that_is_not_whole_blocks_is_refused():
 
 # --- on tiny models: planned == measured, batch 3 == batch 1, the stored records ------------------------------------
 CASES = [("deepseek_v32", V32_WIDTHS, FP8), ("deepseek_v32", V32_WIDTHS, NVFP4), ("deepseek_v4", V4_WIDTHS, FP8),
-         ("deepseek_v4", V4_WIDTHS, V41)]
+         ("deepseek_v4", V4_WIDTHS, V41), ("glm_moe_dsa", V32_WIDTHS, FP8)]
 
 
 @pytest.mark.parametrize("name, widths, spec", CASES)
@@ -249,7 +250,9 @@ def test_planned_is_measured_on_tiny_models_with_the_real_widths(name, widths, s
         assert planned.sequence_bytes == stats.kv_bytes + sum(p.bytes for p in planned.parts if p.name == "state")
     tokens = 63
     expected = {FP8: {"latent": 656, "indexer": 132}, NVFP4: {"latent": 352, "indexer": 132}}
-    if name == "deepseek_v32":  # both layers hold every token: the record per token and layer
+    if name == "glm_moe_dsa":  # its second layer reuses the first's top-k and keeps no indexer keys
+        assert stats.parts == {"latent": 3 * tokens * 656, "indexer": 2 * tokens * 132}
+    elif name == "deepseek_v32":  # both layers hold every token: the record per token and layer
         assert stats.parts == {k: 2 * tokens * v for k, v in expected[spec].items()}
     else:  # V4: 584 (or 528 / 288 / 68) bytes an entry
         entry, window, indexer = (584, 584, 132) if spec == FP8 else (288, 528, 68)
@@ -298,8 +301,8 @@ def test_nvfp4_loses_more_than_fp8_and_both_lose_something():
         return context_then_steps(model, spec, context, steps, kv_dtype=F32)[1].layers[0].rows[0].store.keys_values()
 
     base = first_layer("none")
-    error = {spec: [float((held - exact).abs().max() / exact.abs().max()) for held, exact in zip(first_layer(spec), base)]
-             for spec in (FP8, NVFP4)}
+    error = {spec: [float((held - exact).abs().max() / exact.abs().max())
+                    for held, exact in zip(first_layer(spec), base)] for spec in (FP8, NVFP4)}
     for latent_or_rope in (0, 1):
         assert 0 < error[FP8][latent_or_rope] < error[NVFP4][latent_or_rope]
     assert error[FP8][0] <= 2**-4 and error[FP8][1] <= 2**-8  # e4m3 tiles; bfloat16
@@ -348,12 +351,13 @@ def test_scales_are_the_records_own():
         parse_policy("vllm(kv_cache_dtype=fp4_ds_mla)")
 
 
-# --- the planner's figures ---------------------------------------------------------------------------------------------
+# --- the planner's figures -------------------------------------------------------------------------------------
 def test_bytes_per_token_at_128k():
     """V3.2: 61 layers x (656 or 352 + 132); V4-Flash: 21 CSA layers at 1/4 (a 584-byte entry and a 132-byte FP8
     indexer key), 20 HCA at 1/128; V4.1's recipe: 288-byte entries and 68-byte MXFP4 indexer keys."""
     context = 128 * 1024
-    per_token = {spec: plan("deepseek-v3.2", context, policy=parse_policy(spec)).bytes_per_token for spec in (FP8, NVFP4)}
+    per_token = {spec: plan("deepseek-v3.2", context, policy=parse_policy(spec)).bytes_per_token
+                 for spec in (FP8, NVFP4)}
     assert per_token == {FP8: 61 * (656 + 132), NVFP4: 61 * (352 + 132)}
     v4 = {spec: plan("deepseek-v4-flash", context, policy=parse_policy(spec)).bytes_per_token for spec in (FP8, V41)}
     assert v4[FP8] == pytest.approx(21 * (584 + 132) / 4 + 20 * 584 / 128)

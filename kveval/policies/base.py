@@ -506,7 +506,8 @@ class QuantizationPolicy(RepresentationPolicy):
 
     def planned_part_coding(self, part: str, width: int) -> "PlannedCoding | None":
         """How the planner sizes part ``part`` (``width`` values an entry) of a model's own cache layer where this
-        quantizer codes it its own way; ``None`` (the default): as K's coding (:func:`~kveval.policies.compatibility.part_coding`)."""
+        quantizer codes it its own way; ``None`` (the default): as K's coding
+        (:func:`~kveval.policies.compatibility.part_coding`)."""
         return None
 
     def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype: "torch.dtype", stride: int):

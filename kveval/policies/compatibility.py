@@ -220,5 +220,5 @@ def part_coding(quantization, part: str, width: int) -> PlannedCoding:
     return PlannedCoding(coding.key.fitted(width), residual=coding.residual)
 
 
-__all__ = ["CacheShape", "INDEXER_FP8_GROUP", "INDEXER_MODEL_TYPES", "cache_shape", "check_cache", "check_policy", "indexer_coding", "part_coding",
-           "refuse_model_indexer"]
+__all__ = ["CacheShape", "INDEXER_FP8_GROUP", "INDEXER_MODEL_TYPES", "cache_shape", "check_cache", "check_policy",
+           "indexer_coding", "part_coding", "refuse_model_indexer"]

@@ -6,25 +6,24 @@ and rules here are read from vLLM 0.33.0's source (``pip download vllm==0.33.0 -
 file and function it follows. Its kernels are Triton (and CUDA) code that does not run on a CPU, so the tests pin
 these codecs to a line-by-line transcription of those kernels and to the layouts, not to vLLM running.
 
-===================  ======================================================  ======  ===================================
-record               per token                                               bytes   vLLM 0.33
-===================  ======================================================  ======  ===================================
-V3.2 ``fp8_ds_mla``  512 e4m3 latent in 4 tiles of 128, a float32 power of   656     ``models/deepseek_v32/common/
-                     two per tile (16 B); 64 bf16 RoPE dims (128 B)                  kernels.py`` ``_fused_norm_rope_
-                                                                                     kernel`` (``MLA_CACHE_DS_MLA``)
-V3.2 ``nvfp4_ds_mla`` 512 e2m1 latent (256 B), an e4m3 scale per 16 (32 B,   352     the same kernel
-                     byte-permuted); 64 e4m3 RoPE dims, unscaled (64 B)              (``MLA_CACHE_NVFP4``)
-V4 ``fp8_ds_mla``    448 e4m3 NoPE dims in 7 tiles of 64, a UE8M0 scale per   584     ``models/deepseek_v4/common/ops/
-                     tile + 1 pad byte; 64 bf16 RoPE dims (128 B)                    fused_compress_quant_cache.py``
-indexer key (FP8)    128 e4m3, one float32 power-of-two scale                 132     ``_fp8_ue8m0_quantize`` (V3.2);
-                                                                                     ``..._indexer_attn`` (V4)
-V4.1 window (MXFP8)  512 e4m3 (RoPE dims too), a UE8M0 scale per 32           528     ``models/deepseek_v41/common/ops/
-                                                                                     fused_compress_quant_cache.py``
-                                                                                     ``_rope_quant_insert_mxfp8_kernel``
-V4.1 entry (NVFP4)   512 e2m1 (RoPE dims too), an e4m3 scale per 16           288     ``_rope_quant_insert_nvfp4_kernel``
-V4.1 indexer (MXFP4) 128 e2m1, a UE8M0 scale per 32                           68      ``deepseek_v41/common/ops/
-                                                                                     indexer_k_store.py`` (``USE_FP4``)
-===================  ======================================================  ======  ===================================
+Records (bytes per token, or per entry on V4), and the vLLM 0.33.0 code that writes them:
+
+* V3.2 ``fp8_ds_mla``, 656: the 512-value latent in e4m3, 4 tiles of 128 with a float32 power of two each (16 B),
+  then the 64 RoPE dims in bfloat16 (128 B). ``models/deepseek_v32/common/kernels.py`` ``_fused_norm_rope_kernel``
+  (``MLA_CACHE_DS_MLA``); the layout note in ``v1/attention/backends/mla/flashmla_sparse.py``.
+* V3.2 ``nvfp4_ds_mla``, 352: the latent in E2M1 (256 B) with an e4m3 scale per 16 (32 B, byte-permuted), the RoPE
+  dims in unscaled e4m3 (64 B). The same kernel (``MLA_CACHE_NVFP4``).
+* V4 ``fp8_ds_mla``, 584: the 448 NoPE dims of an entry in e4m3, 7 tiles of 64 with a UE8M0 scale each and a pad
+  byte, the 64 RoPE dims in bfloat16. ``models/deepseek_v4/common/ops/fused_compress_quant_cache.py``
+  (``_fused_kv_compress_norm_rope_insert_sparse_attn``), the window's and the compressed entries' alike.
+* The indexer's keys, FP8, 132: 128 e4m3 and one float32 power of two. ``kernels.py`` ``_fp8_ue8m0_quantize``
+  (V3.2); ``_fused_kv_compress_norm_rope_insert_indexer_attn`` (V4).
+* V4.1's window, MXFP8, 528: all 512 dims (RoPE too) in e4m3 with a UE8M0 scale per 32.
+  ``models/deepseek_v41/common/ops/fused_compress_quant_cache.py`` ``_rope_quant_insert_mxfp8_kernel``.
+* V4.1's compressed entry, NVFP4, 288: all 512 dims in E2M1 with an e4m3 scale per 16 (``_rope_quant_insert_nvfp4_
+  kernel``).
+* V4.1's indexer keys, MXFP4, 68: 128 E2M1 with a UE8M0 scale per 32 (``models/deepseek_v41/common/ops/
+  indexer_k_store.py``, ``USE_FP4``).
 
 Rules, as the kernels compute them (float32 throughout):
 
