@@ -27,6 +27,7 @@ from tiny_models import Tok, tiny_model
 FP8 = "vllm(kv_cache_dtype=fp8_ds_mla)"
 NVFP4 = "vllm(kv_cache_dtype=nvfp4_ds_mla)"
 V41 = "deepseek_v41_storage"
+FP8_MXFP4 = "vllm(kv_cache_dtype=fp8_ds_mla,indexer_kv_dtype=mxfp4)"
 #: The real widths on tiny models: V3.2's latent 512 + RoPE key 64, V4's 512-wide entries with 64 RoPE dims, and the
 #: indexer's 128-wide keys (vLLM's records are written for these alone).
 V32_WIDTHS = dict(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
@@ -118,8 +119,9 @@ def ref_v41_entry(x):
 
 
 def ref_v41_indexer(x):
-    """``models/deepseek_v41/common/ops/indexer_k_store.py``, ``USE_FP4``: 64 packed bytes, 4 UE8M0."""
-    blocks = x.float().reshape(-1, 4, 32)
+    """``models/deepseek_v41/common/ops/indexer_k_store.py``, ``USE_FP4`` (and V4's
+    ``_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn``): a bfloat16 round trip, 64 packed bytes, 4 UE8M0."""
+    blocks = x.to(torch.bfloat16).float().reshape(-1, 4, 32)
     amax = torch.maximum(blocks.abs().amax(-1), torch.tensor(6.0 * 2.0**-126))
     log2_ratio = torch.ceil(torch.log2(amax * torch.tensor(1.0 / 6.0))).clamp(-127, 127)
     packed = _pack(_e2m1((blocks * torch.exp2(-log2_ratio).unsqueeze(-1)).reshape(-1, 128)))
@@ -235,7 +237,7 @@ def test_a_width_that_is_not_whole_blocks_is_refused():
 
 # --- on tiny models: planned == measured, batch 3 == batch 1, the stored records ------------------------------------
 CASES = [("deepseek_v32", V32_WIDTHS, FP8), ("deepseek_v32", V32_WIDTHS, NVFP4), ("deepseek_v4", V4_WIDTHS, FP8),
-         ("deepseek_v4", V4_WIDTHS, V41), ("glm_moe_dsa", V32_WIDTHS, FP8)]
+         ("deepseek_v4", V4_WIDTHS, V41), ("deepseek_v4", V4_WIDTHS, FP8_MXFP4), ("glm_moe_dsa", V32_WIDTHS, FP8)]
 
 
 @pytest.mark.parametrize("name, widths, spec", CASES)
@@ -255,7 +257,7 @@ def test_planned_is_measured_on_tiny_models_with_the_real_widths(name, widths, s
     elif name == "deepseek_v32":  # both layers hold every token: the record per token and layer
         assert stats.parts == {k: 2 * tokens * v for k, v in expected[spec].items()}
     else:  # V4: 584 (or 528 / 288 / 68) bytes an entry
-        entry, window, indexer = (584, 584, 132) if spec == FP8 else (288, 528, 68)
+        entry, window, indexer = {FP8: (584, 584, 132), FP8_MXFP4: (584, 584, 68), V41: (288, 528, 68)}[spec]
         assert stats.parts == {"window": 3 * 7 * window, "csa": tokens // 4 * entry, "indexer": tokens // 4 * indexer,
                                "hca": tokens // 16 * entry}
 
@@ -320,6 +322,7 @@ def test_nvfp4_loses_more_than_fp8_and_both_lose_something():
     (("deepseek_v32", V32_WIDTHS), V41, "codes DeepSeek V4's parts"),
     (("deepseek_v4", {}), V41, "codes blocks of 32 values; DeepSeek V4's indexer key of 16"),
     (("deepseek_v4", V4_WIDTHS), "vllm(kv_cache_dtype=fp8)", "use vllm\\(kv_cache_dtype=fp8_ds_mla\\)"),
+    (("deepseek_v32", V32_WIDTHS), FP8_MXFP4, "on DeepSeek V3.2 use indexer_kv_dtype=fp8"),
 ])
 def test_refused_in_one_line_before_the_weights_load(model, spec, message):
     import transformers
@@ -349,6 +352,10 @@ def test_scales_are_the_records_own():
         parse_policy("vllm(kv_cache_dtype=fp8_ds_mla,scales=dynamic)")
     with pytest.raises(PolicySpecError, match="fp8_ds_mla, nvfp4_ds_mla"):
         parse_policy("vllm(kv_cache_dtype=fp4_ds_mla)")
+    with pytest.raises(PolicySpecError, match="beside kv_cache_dtype=fp8_ds_mla"):
+        parse_policy("vllm(kv_cache_dtype=nvfp4_ds_mla,indexer_kv_dtype=mxfp4)")
+    with pytest.raises(PolicySpecError, match="must be one of fp8, mxfp4"):
+        parse_policy("vllm(kv_cache_dtype=fp8_ds_mla,indexer_kv_dtype=int4)")
 
 
 # --- the planner's figures -------------------------------------------------------------------------------------
@@ -359,6 +366,8 @@ def test_bytes_per_token_at_128k():
     per_token = {spec: plan("deepseek-v3.2", context, policy=parse_policy(spec)).bytes_per_token
                  for spec in (FP8, NVFP4)}
     assert per_token == {FP8: 61 * (656 + 132), NVFP4: 61 * (352 + 132)}
-    v4 = {spec: plan("deepseek-v4-flash", context, policy=parse_policy(spec)).bytes_per_token for spec in (FP8, V41)}
+    v4 = {spec: plan("deepseek-v4-flash", context, policy=parse_policy(spec)).bytes_per_token
+          for spec in (FP8, FP8_MXFP4, V41)}
     assert v4[FP8] == pytest.approx(21 * (584 + 132) / 4 + 20 * 584 / 128)
+    assert v4[FP8_MXFP4] == pytest.approx(21 * (584 + 68) / 4 + 20 * 584 / 128)
     assert v4[V41] == pytest.approx(21 * (288 + 68) / 4 + 20 * 288 / 128)

@@ -152,6 +152,19 @@ V41_STORAGE = DeepSeekRecords(
     refusals=tuple((kind, "codes DeepSeek V4's parts (window, CSA/HCA entries, indexer keys) as V4.1 stores them; "
                           "{model} has none of them") for kind in ("heads", "mla", "indexed_mla")))
 
-RECORDS = {"fp8_ds_mla": FP8_DS_MLA, "nvfp4_ds_mla": NVFP4_DS_MLA}
+#: ``fp8_ds_mla`` with ``--attention-config '{"indexer_kv_dtype": "mxfp4"}'`` (``v1/attention/backends/mla/indexer.py``
+#: ``dsa_indexer_uses_fp4``): V4's indexer keys in MXFP4, 68 bytes, as DeepSeek serves V4. kveval pins that cache to
+#: V4's writer alone, so it is refused on V3.2.
+FP8_DS_MLA_MXFP4_INDEXER = DeepSeekRecords(
+    "fp8_ds_mla", window=codecs.V4_ENTRY, compressed=codecs.V4_ENTRY, v4_indexer=codecs.V4_MXFP4_INDEXER,
+    refusals=(_PER_HEAD, _DENSE_MLA,
+              ("indexed_mla", "indexer_kv_dtype=mxfp4 is pinned here to DeepSeek V4's MXFP4 indexer writer "
+                              "(_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn); on {model} use "
+                              "indexer_kv_dtype=fp8")))
+#: vLLM's ``indexer_kv_dtype`` values (``DSA_INDEXER_KV_DTYPES``).
+INDEXER_KV_DTYPES = ("fp8", "mxfp4")
+RECORDS = {("fp8_ds_mla", "fp8"): FP8_DS_MLA, ("nvfp4_ds_mla", "fp8"): NVFP4_DS_MLA,
+           ("fp8_ds_mla", "mxfp4"): FP8_DS_MLA_MXFP4_INDEXER}
 
-__all__ = ["DS_MLA_DTYPES", "DeepSeekRecords", "FP8_DS_MLA", "NVFP4_DS_MLA", "RECORDS", "V41_STORAGE"]
+__all__ = ["DS_MLA_DTYPES", "DeepSeekRecords", "FP8_DS_MLA", "FP8_DS_MLA_MXFP4_INDEXER", "INDEXER_KV_DTYPES",
+           "NVFP4_DS_MLA", "RECORDS", "V41_STORAGE"]

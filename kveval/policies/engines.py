@@ -18,7 +18,7 @@ from typing import ClassVar
 from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy, check_calib_tokens
 from kveval.policies.compatibility import cache_shape
-from kveval.policies.ds_records import DS_MLA_DTYPES, RECORDS
+from kveval.policies.ds_records import DS_MLA_DTYPES, INDEXER_KV_DTYPES, RECORDS
 from kveval.values import is_real
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
@@ -260,6 +260,9 @@ class VllmPolicy(EnginePolicy):
         The checkpoint's scales, with ``scales=checkpoint``.
     calib_tokens : int, optional
         Tokens of the calibration text for ``scales=dynamic`` (default 2048).
+    indexer_kv_dtype : str
+        With ``fp8_ds_mla`` on DeepSeek V4: vLLM's ``attention_config.indexer_kv_dtype``, ``fp8`` (its default, 132
+        bytes a key) or ``mxfp4`` (68 bytes, as DeepSeek serves V4).
     """
 
     name = "vllm"
@@ -275,10 +278,17 @@ class VllmPolicy(EnginePolicy):
     k_scale: float | None = None
     v_scale: float | None = None
     calib_tokens: int | None = None
+    indexer_kv_dtype: str = "fp8"
 
     def __post_init__(self):
         super().__post_init__()
-        self.records = RECORDS.get(self.kv_cache_dtype)
+        if self.indexer_kv_dtype not in INDEXER_KV_DTYPES:
+            raise PolicySpecError(f"{self.name}: indexer_kv_dtype={self.indexer_kv_dtype!r} must be one of "
+                                  f"{', '.join(INDEXER_KV_DTYPES)}")
+        self.records = RECORDS.get((self.kv_cache_dtype, self.indexer_kv_dtype))
+        if self.indexer_kv_dtype != "fp8" and self.records is None:
+            raise PolicySpecError(f"{self.name}: indexer_kv_dtype={self.indexer_kv_dtype} codes DeepSeek V4's indexer "
+                                  f"keys beside kv_cache_dtype=fp8_ds_mla; give that, or drop indexer_kv_dtype")
         if self.records is not None:
             if self.scales != "unit" or self.k_scale is not None or self.v_scale is not None:
                 raise PolicySpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype} computes its scales per "

@@ -37,7 +37,7 @@ Rules, as the kernels compute them (float32 throughout):
   the even element in the low nibble. No per-tensor scale. V3.2 stores scale ``i`` at byte ``8 * (i & 3) + (i >> 2)``
   (FlashMLA's ``nvfp4_sf_byte``); V4.1 in order.
 * **MXFP4 tiles** (:class:`Mxfp4Tiles`): ``e = ceil(log2(max(amax, 6 * 2**-126) / 6))`` clamped to [-127, 127],
-  values ``x * 2**-e`` coded E2M1 as above, the scale a UE8M0 byte ``e + 127``.
+  values ``x * 2**-e`` (of the input rounded to bfloat16) coded E2M1 as above, the scale a UE8M0 byte ``e + 127``.
 
 Where kveval can differ from the GPU: ``ceil(log2(t))`` is computed exactly here (from ``t``'s bits); the GPU's
 ``log2`` is approximate, and can put a ``t`` within a few ulps above a power of two one exponent lower (the clamp
@@ -193,9 +193,11 @@ class Nvfp4Tiles:
 
 @dataclass(frozen=True)
 class Mxfp4Tiles:
-    """E2M1 blocks of 32 with a UE8M0 scale each, as V4.1's indexer cache (see the module doc)."""
+    """E2M1 blocks of 32 with a UE8M0 scale each, as V4's and V4.1's MXFP4 indexer caches (see the module doc); both
+    kernels round their input to bfloat16 first (``new_even.to(tl.bfloat16)``)."""
 
     block: int = 32
+    bfloat16_input: bool = True
 
     def row_bytes(self, dim: int) -> int:
         return dim // 2 + dim // self.block
@@ -203,7 +205,7 @@ class Mxfp4Tiles:
     def encode(self, x):
         from kveval.tensors.microscaling import e2m1_codes, pack_e2m1
 
-        blocks = _blocks(x, self.block, "mxfp4")
+        blocks = _blocks(_bfloat16_rounded(x, self.bfloat16_input), self.block, "mxfp4")
         amax = torch.clamp(blocks.abs().amax(dim=-1), min=MXFP4_AMAX_FLOOR)
         e = torch.clamp(ceil_log2(amax * _f32(1 / E2M1_MAX)), -127, 127)
         codes = pack_e2m1(e2m1_codes(torch.ldexp(blocks, -e.unsqueeze(-1)).flatten(-2)))
@@ -302,9 +304,12 @@ V4_ENTRY = Split(448, Fp8Tiles(64, floor="amax", scale="ue8m0", pad=1, bfloat16_
 V41_WINDOW = Fp8Tiles(32, floor="amax", scale="ue8m0", bfloat16_input=True)
 #: V4.1's compressed entry (NVFP4, 288 B): all 512 dims, e4m3 per 16, ``div_rn``, from the bfloat16 latent.
 V41_ENTRY = Nvfp4Tiles(divide=True, permuted=False, bfloat16_input=True)
-#: V4.1's indexer keys (MXFP4, 68 B).
+#: V4.1's indexer keys (MXFP4, 68 B), and V4's under ``indexer_kv_dtype=mxfp4``
+#: (``models/deepseek_v4/common/ops/fused_compress_quant_cache.py``
+#: ``_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn``: the same rule).
 V41_INDEXER = Mxfp4Tiles()
+V4_MXFP4_INDEXER = V41_INDEXER
 
 __all__ = ["Bfloat16Values", "E4m3Values", "Empty", "Fp8Tiles", "Mxfp4Tiles", "Nvfp4Tiles", "Split", "V32_FP8_LATENT",
            "V32_INDEXER", "V32_NVFP4_LATENT", "V41_ENTRY", "V41_INDEXER", "V41_WINDOW", "V4_ENTRY", "V4_INDEXER",
-           "ceil_log2"]
+           "V4_MXFP4_INDEXER", "ceil_log2"]
