@@ -331,7 +331,8 @@ V32_REFUSALS = {
     "lagkv(ratio=0.5)": "is not one of the selections checked on it",
     "lowrank(rank=8)": "kveval has no low-rank basis for its parts",
     "kvquant(bits=2,sink=4)": "latent carries no RoPE, its RoPE key is apart); use kvquant(bits=2,sink=4,pre_rope=false)",
-    "vllm(kv_cache_dtype=fp8)": "with quant, kivi, fp8, fp4, mxfp8, kvquant only",
+    # vLLM serves fp8 on V3.2's sparse MLA as its fp8_ds_mla record (tests/test_deepseek_records.py)
+    "vllm(kv_cache_dtype=fp8)": "use vllm(kv_cache_dtype=fp8_ds_mla)",
 }
 
 

@@ -68,6 +68,7 @@ from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling import architectures
 from kveval.modeling.layer_types import selecting_layers
 from kveval.policies.base import PolicyStack, require_stack
+from kveval.policies.compatibility import cache_shape, check_cache
 from kveval.dtypes import cache_kv_dtype, dtype_name
 from kveval.policies.snapkv import SnapKVPolicy
 from kveval.stores.base import DenseStore
@@ -240,6 +241,7 @@ class CompressedCache(Cache):
         self.selecting_layers = dict(zip((i for i, _ in held), selecting_layers(
             [plan.sliding_window for _, plan in held], [plan.chunked for _, plan in held])))
         for served_policy in served:  # refused before the prefill, not after it
+            check_cache(cache_shape(model.config), served_policy)
             native_layers.check_policy(model.config, served_policy)
             self._check_representation(served_policy, value_dim)
             self._check_selection(served_policy, model.config)

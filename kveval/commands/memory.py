@@ -54,8 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", default="0", help="engine: memory besides weights and KV (activations, CUDA graphs, "
                         "compute buffers), e.g. 2GiB (default 0)")
     parser.add_argument("--presets", help="engine: ';'-separated policy specs to answer at (default: the engine's presets)")
-    parser.add_argument("--kv-cache-dtype", help="vLLM: answer at this --kv-cache-dtype beside the model dtype, e.g. nvfp4 "
-                        "or int4_per_token_head (the preset vllm(kv_cache_dtype=...))")
+    parser.add_argument("--kv-cache-dtype", help="vLLM: answer at this --kv-cache-dtype beside the model dtype, e.g. nvfp4, "
+                        "int4_per_token_head or fp8_ds_mla (DeepSeek V3.2/V4): the preset vllm(kv_cache_dtype=...)")
     parser.add_argument("--gate", metavar="GATE_JSON", help="engine: a gate.json (or the folder holding it) whose "
                         "verdicts on this model are shown beside each preset")
     parser.add_argument("--layers", action="store_true", help="print every layer")

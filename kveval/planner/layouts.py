@@ -16,7 +16,7 @@ from kveval.modeling.layer_types import selecting_layers
 from kveval.planner.model_specs import ModelSpec
 from kveval.planner.native import PartPlan
 from kveval.policies.base import Need, PlannedCoding, require_stack
-from kveval.policies.compatibility import has_indexer_keys, refuse_indexer_term
+from kveval.policies.compatibility import check_cache, has_indexer_keys, refuse_indexer_term
 
 
 @dataclass
@@ -145,6 +145,7 @@ def _token_coded_bytes(tokens: int, oldest: int, layout: StreamLayout, dtype_byt
 
 def stream_layout(spec: ModelSpec, stack, notes: list[str]) -> StreamLayout:
     _check_selection(spec, stack)
+    check_planned_cache(spec, stack)
     quant = stack.quantization
     coding = quant.planned_coding() if quant is not None else PlannedCoding()
     if not coding.grouped:  # codes sized per token (KVQuant's, an engine's)
@@ -177,6 +178,14 @@ def stream_layout(spec: ModelSpec, stack, notes: list[str]) -> StreamLayout:
             raise UsageError(f"{quant.spec()}: {which} group={q.group} does not divide {what}={dim}; "
                              f"pick a divisor of {dim}")
     return StreamLayout(streams, residual)
+
+
+def check_planned_cache(spec: ModelSpec, stack) -> None:
+    """Refuse, in one line, a quantizer that cannot code this model's cache (its ``check_cache``, as the cache asks)."""
+    try:
+        check_cache(spec.cache_shape, stack)
+    except UnsupportedModelError as refused:  # the planner answers bad input with one UsageError line
+        raise UsageError(str(refused)) from None
 
 
 def stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_bytes: int,

@@ -21,6 +21,7 @@ from kveval.errors import UsageError
 from kveval.modeling.layer_types import KNOWN_LAYER_TYPES, KV_LAYER_TYPES
 from kveval.planner.gguf_specs import is_gguf, read_gguf
 from kveval.planner.presets import HUB_PRESETS, PRESET_KEYS, PRESETS, preset_key
+from kveval.policies.compatibility import CacheShape
 from kveval.values import is_whole
 
 # ----------------------------------------------------------------------------------------------
@@ -101,6 +102,17 @@ class ModelSpec:
         """Whether the cache is the model's own cache layers part by part (DSA's indexer keys, V4's compressed
         entries: :mod:`kveval.planner.native`), not per-head or MLA K/V alone."""
         return bool(self.indexer_dim) or self.v4 is not None
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        """What one token (V4: one entry) of the cache holds, as a quantizer's :meth:`check_cache` reads it."""
+        name = self.name or self.model_type or "this model"
+        if self.v4 is not None:
+            return CacheShape(name, "v4", self.head_dim, self.v4.rope, self.v4.index_dim)
+        if self.mla_dim is not None:
+            return CacheShape(name, "indexed_mla" if self.indexer_dim else "mla", self.mla_dim - self.mla_rope,
+                              self.mla_rope, self.indexer_dim)
+        return CacheShape(name, "heads", self.head_dim)
 
     def keeps_indexer(self, layer: int) -> bool:
         """Whether layer ``layer`` keeps indexer keys."""

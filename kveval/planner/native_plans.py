@@ -12,6 +12,7 @@ from kveval.errors import UnsupportedModelError, UsageError
 from kveval.planner.layouts import (
     LayerPlan,
     MemoryPlan,
+    check_planned_cache,
     sequence_layers,
     stream_bytes,
     stream_layout,
@@ -35,6 +36,7 @@ def plans_native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
         raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
                          f"own coding stores each part: drop --storage")
     if not stack.is_none:
+        check_planned_cache(spec, stack)
         indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]
         try:
             widths = ({"head_dim": spec.head_dim, "index_head_dim": spec.v4.index_dim} if spec.v4 is not None else

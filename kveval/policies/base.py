@@ -504,6 +504,18 @@ class QuantizationPolicy(RepresentationPolicy):
         """K's and V's codes as the memory planner sizes them (:class:`PlannedCoding`), with the tokens kept in the
         cache dtype; on a model's own cache layer each part of keys alone is sized as K's coding."""
 
+    def check_cache(self, shape) -> None:
+        """Refuse, in one line (:class:`~kveval.errors.UnsupportedModelError`), a model's cache this quantizer cannot
+        code, before the weights load; ``shape``: what one token of it holds
+        (:class:`~kveval.policies.compatibility.CacheShape`). Default: any cache (a serving engine's DeepSeek records
+        apply to DeepSeek's caches alone)."""
+
+    def planned_part_coding(self, part: str, width: int) -> "PlannedCoding | None":
+        """How the planner sizes part ``part`` (``width`` values an entry) of a model's own cache layer where this
+        quantizer codes it its own way; ``None`` (the default): as K's coding
+        (:func:`~kveval.policies.compatibility.part_coding`)."""
+        return None
+
     def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype: "torch.dtype", stride: int):
         """How one row of part ``part`` of a model's own cache layer is coded (:mod:`kveval.cache.native_layers`:
         DeepSeek V3.2's indexer keys, V4's compressed entries and their indexer keys): keys alone, ``width`` numbers

@@ -12,6 +12,8 @@ selection must declare the placement it acts on (:attr:`~kveval.policies.base.Pl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kveval.errors import UnsupportedModelError
 from kveval.policies.base import Need, Placement, PlannedCoding
 from kveval.policies.registry import supporting
@@ -163,6 +165,49 @@ def _check_entry_selection(selection, name: str) -> None:
             f"budget, decode_budget) do not map onto entries of several tokens: give ratio= alone")
 
 
+@dataclass(frozen=True)
+class CacheShape:
+    """What one token (on V4, one entry) of a model's cache holds, read before the weights load: what a quantizer
+    packing a serving engine's per-token record is checked against (:meth:`QuantizationPolicy.check_cache`).
+
+    ``kind``: ``heads`` (per-head K/V), ``mla`` (DeepSeek V2/V3's latent and RoPE key, dense attention),
+    ``indexed_mla`` (V3.2's and GLM MoE-DSA's latent and RoPE key with the DSA indexer's keys) or ``v4`` (K=V
+    entries, their RoPE dims last). ``width``: the head width, the latent's, or V4's entry's; ``rope``: the RoPE
+    key's width (V4: the RoPE dims of an entry); ``indexer``: the indexer key's width (0: none)."""
+
+    model: str
+    kind: str
+    width: int
+    rope: int = 0
+    indexer: int = 0
+
+
+def cache_shape(config) -> CacheShape:
+    """The :class:`CacheShape` of a config (a transformers config or its dict)."""
+    if not isinstance(config, dict):
+        config = config.get_text_config(decoder=True).to_dict()
+    model_type = config.get("model_type", "")
+    model = _MODEL_NAMES.get(model_type) or config.get("_name_or_path") or model_type or "this model"
+    if model_type == "deepseek_v4":
+        return CacheShape(model, "v4", int(config["head_dim"]), int(config.get("qk_rope_head_dim") or 0),
+                          int(config.get("index_head_dim") or 0))
+    if config.get("kv_lora_rank"):
+        indexed = model_type in _MODEL_NAMES
+        return CacheShape(model, "indexed_mla" if indexed else "mla", int(config["kv_lora_rank"]),
+                          int(config.get("qk_rope_head_dim") or 0),
+                          int(config.get("index_head_dim") or 0) if indexed else 0)
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
+    return CacheShape(model, "heads", int(head_dim))
+
+
+def check_cache(shape: CacheShape, stack) -> None:
+    """Refuse, in one line, a quantizer that cannot code a cache of ``shape`` (its
+    :meth:`~kveval.policies.base.QuantizationPolicy.check_cache`)."""
+    if stack.quantization is not None:
+        stack.quantization.check_cache(shape)
+
+
 def indexer_coding(quantization, part: str, width: int) -> "tuple[bool, TensorQuant | None]":
     """Whether the quantizer's ``indexer`` term (``native``, ``fp8``) decides how ``part`` (``width`` values per
     entry) is coded rather than the quantizer itself, and that coding (``None``: the cache dtype). The cache and the
@@ -180,6 +225,9 @@ def part_coding(quantization, part: str, width: int) -> PlannedCoding:
     alone: ``value`` unset); ``PlannedCoding()`` (the cache dtype) without a quantizer."""
     if quantization is None:
         return PlannedCoding()
+    planned = quantization.planned_part_coding(part, width)
+    if planned is not None:
+        return planned
     own, coded = indexer_coding(quantization, part, width)
     if own:
         return PlannedCoding(coded)
@@ -190,5 +238,5 @@ def part_coding(quantization, part: str, width: int) -> PlannedCoding:
     return PlannedCoding(coding.key.fitted(width), residual=coding.residual)
 
 
-__all__ = ["INDEXER_FP8_GROUP", "INDEXER_MODEL_TYPES", "check_policy", "indexer_coding", "part_coding",
-           "refuse_model_indexer"]
+__all__ = ["CacheShape", "INDEXER_FP8_GROUP", "INDEXER_MODEL_TYPES", "cache_shape", "check_cache", "check_policy",
+           "indexer_coding", "part_coding", "refuse_model_indexer"]

@@ -15,8 +15,10 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kveval.errors import PolicySpecError
-from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy, check_calib_tokens
+from kveval.errors import PolicySpecError, UnsupportedModelError
+from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy, check_calib_tokens
+from kveval.policies.compatibility import cache_shape
+from kveval.policies.ds_records import DS_MLA_DTYPES, INDEXER_KV_DTYPES, RECORDS
 from kveval.values import is_real
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
@@ -252,7 +254,8 @@ NVFP4_BLOCK = 16
 
 @dataclass
 class VllmPolicy(EnginePolicy):
-    """vLLM 0.33's ``--kv-cache-dtype``: per-tensor FP8, per-token-head INT8/FP8/INT4, or NVFP4.
+    """vLLM 0.33's ``--kv-cache-dtype``: per-tensor FP8, per-token-head INT8/FP8/INT4, NVFP4, and DeepSeek's packed
+    per-token records ``fp8_ds_mla|nvfp4_ds_mla`` (:mod:`kveval.policies.ds_records`).
 
     ``fp8|fp8_e4m3|fp8_e5m2``: per-tensor K and V scales, a saturating cast. Follows
     ``vllm/model_executor/layers/quantization/kv_cache.py`` (``BaseKVCacheMethod.process_weights_after_loading``:
@@ -280,6 +283,15 @@ class VllmPolicy(EnginePolicy):
     ----------
     kv_cache_dtype : str
         One of :data:`VLLM_DTYPES` (``fp8`` = ``fp8_e4m3`` on CUDA); those in :data:`VLLM_UNPINNED` are refused.
+        On DeepSeek V3.2 and V4 alone, also ``fp8_ds_mla`` (V3.2: a 656-byte record a token, the 512-value latent
+        in e4m3 with a power-of-two float32 scale per 128 and the 64 RoPE dims in bfloat16; V4: 584 bytes an entry,
+        448 e4m3 NoPE dims with a UE8M0 scale per 64 and 64 bfloat16 RoPE dims, for the window and the CSA/HCA
+        entries alike) or ``nvfp4_ds_mla`` (V3.2 only: 352 bytes, the latent in E2M1 with an e4m3 scale per 16 and
+        the RoPE dims in unscaled e4m3). Their scales are computed per token and tile as the token is written (no
+        calibration, no checkpoint scales); the DSA indexer's keys go to vLLM's FP8 indexer cache (132 bytes), or
+        MXFP4 with ``indexer_kv_dtype=mxfp4`` on V4. Read from vLLM 0.33.0 (:mod:`kveval.tensors.ds_records` names
+        the kernels); refused on per-head models, on V2/V3 (vLLM serves these dtypes on its sparse MLA backends
+        only) and, for ``nvfp4_ds_mla``, on V4.
     scales : str
         Per-tensor scales (FP8, NVFP4): ``unit`` (1.0: vLLM's default for a checkpoint without scales), ``dynamic``
         (FP8 only: ``calculate_kv_scales`` from the first batch; here the calibration pass is that batch) or
@@ -288,27 +300,46 @@ class VllmPolicy(EnginePolicy):
         The checkpoint's scales, with ``scales=checkpoint``.
     calib_tokens : int, optional
         Tokens of the calibration text for ``scales=dynamic`` (default 2048).
+    indexer_kv_dtype : str
+        With ``fp8_ds_mla`` on DeepSeek V4: vLLM's ``attention_config.indexer_kv_dtype``, ``fp8`` (its default, 132
+        bytes a key) or ``mxfp4`` (68 bytes, as DeepSeek serves V4).
     """
 
     name = "vllm"
     serving_engine: ClassVar[str] = "vllm"
     description = ("vLLM KV cache: fp8 (per-tensor scales), int8/fp8/int4_per_token_head (a scale per token and "
-                   "head), nvfp4 (E2M1, E4M3 block scales, per-layer global scale)")
+                   "head), nvfp4 (E2M1, E4M3 block scales, per-layer global scale); DeepSeek's fp8_ds_mla/nvfp4_ds_mla "
+                   "records")
     engine: ClassVar[str] = "vLLM"
     kv_cache_dtype: str = "fp8"
     scales: str = "unit"
     k_scale: float | None = None
     v_scale: float | None = None
     calib_tokens: int | None = None
+    indexer_kv_dtype: str = "fp8"
 
     def __post_init__(self):
         super().__post_init__()
         dtype = self.kv_cache_dtype
+        if self.indexer_kv_dtype not in INDEXER_KV_DTYPES:
+            raise PolicySpecError(f"{self.name}: indexer_kv_dtype={self.indexer_kv_dtype!r} must be one of "
+                                  f"{', '.join(INDEXER_KV_DTYPES)}")
+        self.records = RECORDS.get((dtype, self.indexer_kv_dtype))
+        if self.indexer_kv_dtype != "fp8" and self.records is None:
+            raise PolicySpecError(f"{self.name}: indexer_kv_dtype={self.indexer_kv_dtype} codes DeepSeek V4's indexer "
+                                  f"keys beside kv_cache_dtype=fp8_ds_mla; give that, or drop indexer_kv_dtype")
+        if self.records is not None:
+            if self.scales != "unit" or self.k_scale is not None or self.v_scale is not None:
+                raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} computes its scales per "
+                                      f"token and tile as it writes them; drop scales=, k_scale= and v_scale=")
+            check_calib_tokens(self.name, self.calib_tokens, None)
+            return
         if dtype in VLLM_UNPINNED:
             raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} is not reproduced ({VLLM_UNPINNED[dtype]}); "
-                                  f"use one of {', '.join(VLLM_DTYPES)}")
+                                  f"use one of {', '.join(VLLM_DTYPES + DS_MLA_DTYPES)}")
         if dtype not in VLLM_DTYPES:
-            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype!r} must be one of {', '.join(VLLM_DTYPES)}")
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype!r} must be one of "
+                                  f"{', '.join(VLLM_DTYPES + DS_MLA_DTYPES)}")
         self.format = _fp8_format(self.name, dtype, VLLM_FP8) if dtype in VLLM_FP8 else dtype
         if self.scales not in ("unit", "dynamic", "checkpoint"):
             raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
@@ -329,6 +360,10 @@ class VllmPolicy(EnginePolicy):
 
     @property
     def follows(self) -> str:  # type: ignore[override]
+        if self.records is not None:
+            return ("vllm/model_executor/models/deepseek_v32/common/kernels.py; "
+                    "vllm/model_executor/models/deepseek_v4/common/ops/fused_compress_quant_cache.py "
+                    "(kveval/tensors/ds_records.py names each kernel)")
         if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD:
             return ("vllm/v1/attention/ops/triton_reshape_and_cache_flash.py _reshape_cache_per_token_head; "
                     "vllm/v1/attention/ops/int4_per_token_head.py _reshape_cache_int4_kernel, single_rht")
@@ -341,7 +376,8 @@ class VllmPolicy(EnginePolicy):
 
     @property
     def has_scales(self) -> bool:  # type: ignore[override]
-        return self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD
+        """Per-layer scales: none for the per-token-head caches and DeepSeek's records (their scales are per token)."""
+        return self.records is None and self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -366,6 +402,41 @@ class VllmPolicy(EnginePolicy):
             half = VLLM_PER_TOKEN_HEAD[dtype] == "int4"
             return tuple((d // 2 if half else d) + PER_TOKEN_HEAD_SCALE_BYTES for d in (key_dim, value_dim))
         return key_dim, value_dim
+
+    # --- DeepSeek's records (fp8_ds_mla, nvfp4_ds_mla) ------------------------------------------------------------
+    def supports(self, placement: Placement) -> bool:
+        """The records code the parts of DeepSeek's own cache (:attr:`Placement.PARTS`); per-tensor FP8 does not."""
+        return (self.records is not None and placement is Placement.PARTS) or super().supports(placement)
+
+    def check_cache(self, shape) -> None:
+        """The records' checks (:meth:`~kveval.policies.ds_records.DeepSeekRecords.check_cache`); per-tensor FP8 is
+        refused on DeepSeek V3.2 and V4, whose sparse backends vLLM serves ``fp8`` on as ``fp8_ds_mla``
+        (``mla_attention.py`` ``_canonicalize_sparse_mla_kv_cache_dtype``; ``deepseek_v4/attention.py``)."""
+        if self.records is not None:
+            self.records.check_cache(self.spec(), shape)
+        elif shape.kind in ("indexed_mla", "v4"):
+            raise UnsupportedModelError(
+                f"{self.spec()}: vLLM 0.33 serves --kv-cache-dtype {self.kv_cache_dtype} on {shape.model}'s sparse "
+                f"attention as its fp8_ds_mla record (FLASHMLA_SPARSE's _canonicalize_sparse_mla_kv_cache_dtype; "
+                f"DeepSeek V4's _resolve_dsv4_kv_cache_dtype); use vllm(kv_cache_dtype=fp8_ds_mla)")
+
+    def planned_coding(self) -> PlannedCoding:
+        return self.records.planned_coding() if self.records is not None else super().planned_coding()
+
+    def planned_part_coding(self, part: str, width: int) -> PlannedCoding | None:
+        return self.records.planned_part_coding(part, width) if self.records is not None else None
+
+    def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype, stride: int):
+        if self.records is None:
+            return super().part_codes(model, layer_idx, part, width, kv_dtype, stride)
+        return self.records.sequence(part, width, v4=cache_shape(model.config).kind == "v4")
+
+    def make_store(self, inner, model, layer_idx: int):
+        if self.records is None:
+            return super().make_store(inner, model, layer_idx)
+        from kveval.stores.records import RecordStore
+
+        return RecordStore(self.records.engine_codec, inner.compute_dtype)
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         import torch

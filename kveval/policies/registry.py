@@ -51,6 +51,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "vllm": ("kveval.policies.engines", "VllmPolicy"),
     "sglang": ("kveval.policies.engines", "SglangPolicy"),
     "trtllm": ("kveval.policies.engines", "TrtllmPolicy"),
+    "deepseek_v41_storage": ("kveval.policies.deepseek_v41", "DeepseekV41StoragePolicy"),
     "none": ("kveval.policies.none", "NoCompression"),
 }
 

@@ -25,7 +25,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kveval.policies.compatibility import check_policy, refuse_indexer_term, refuse_model_indexer
+from kveval.policies.compatibility import (
+    cache_shape,
+    check_cache,
+    check_policy,
+    refuse_indexer_term,
+    refuse_model_indexer,
+)
 from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
 from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
@@ -152,6 +158,7 @@ class RunSpec:
         native = _native_config(model)
         if native is not None:  # DeepSeek V3.2 / V4: their own cache's parts (kveval.cache.native_layers)
 
+            check_cache(cache_shape(native), self.policy)
             check_policy(native, self.policy)
             if self.policy.is_none:
                 return self
@@ -164,6 +171,7 @@ class RunSpec:
 
         refuse_model_indexer(self.policy, shape.name)
         refuse_indexer_term(self.policy, shape.name)
+        check_cache(shape.cache_shape, self.policy)
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
             raise self.policy.selection.mla_refusal(shape.name)
         head_dim = shape.head_dim
