@@ -80,7 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         for name in preset_names():
-            print(f"{name:18s} {load_model_spec(name).describe}")
+            print(f"{name:20s} {load_model_spec(name).describe}")
         return 0
     if args.compare:
         return _compare(args)

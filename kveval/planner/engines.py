@@ -1,9 +1,15 @@
-"""The deployment question in an engine's own terms: the KV pool vLLM or llama.cpp allocates, and what fits in it.
+"""The deployment question in an engine's own terms: the KV pool vLLM, SGLang or llama.cpp allocates, and what fits.
+
+vLLM and SGLang are planned on each GPU of a deployment (``--tensor-parallel-size``, ``--data-parallel-size``,
+SGLang's ``--enable-dp-attention``: :mod:`kveval.planner.parallel` says which caches split and which replicate, and
+each GPU's share of the weights), in each engine's blocks or pages for the model (:data:`BLOCK_SIZES`); SGLang's pool
+is ``total x --mem-fraction-static`` less the weights, as vLLM's is with ``--gpu-memory-utilization``.
 
 vLLM (V1; ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``, ``vllm/v1/core/kv_cache_utils.py``
 ``get_num_blocks``): the KV pool is ``gpu_memory x gpu_memory_utilization`` less the weights and the peak of
 everything else (activations of the profile run, CUDA graphs, non-torch allocations: ``overhead`` here, which
-kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16) tokens
+kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16; 64 and
+256 on DeepSeek's caches) tokens
 of every layer; a sequence of ``max_model_len`` tokens takes ``ceil(max_model_len / 16)`` blocks. Sequences of
 that length that fit = blocks // blocks per sequence, at most ``max_num_seqs`` at once; vLLM refuses to start when
 not even one fits. vLLM 0.33 logs the pool in one line (``vllm/v1/core/kv_cache_utils.py``,

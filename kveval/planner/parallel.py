@@ -81,10 +81,6 @@ def _positive(value, what: str) -> int:
     return value
 
 
-def _attention_heads(spec: ModelSpec) -> int | None:
-    return spec.num_attention_heads or None
-
-
 def layout(engine: str, spec: ModelSpec, deployment: Deployment, weights: "tuple[int, int] | int | None") -> Layout:
     """``deployment`` of ``spec`` on ``engine`` (see the module doc); ``weights``: ``(rest, routed experts)`` bytes,
     or their total where the split is not known, or ``None``. Refused in one line: a width below 1, SGLang's DP
@@ -107,7 +103,7 @@ def layout(engine: str, spec: ModelSpec, deployment: Deployment, weights: "tuple
         gpus, attention_tp, expert_width = tp, tp // dp, tp
     else:
         gpus, attention_tp, expert_width = tp * dp, tp, tp
-    heads = _attention_heads(spec)
+    heads = spec.num_attention_heads
     if heads and heads % attention_tp:
         flag = "--tensor-parallel-size" if engine == "vllm" else "--tp / --dp (the attention-TP width)"
         raise UsageError(f"{spec.name}: {heads} attention heads do not split across {attention_tp} attention-TP ranks; "
