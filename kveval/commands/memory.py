@@ -8,11 +8,20 @@ from pathlib import Path
 
 from kveval.errors import UsageError
 from kveval.gate.verify import check_gate_file, judged_models, read_gate_file
-from kveval.planner.engines import format_engine_plan, join_verdicts, kv_cache_dtype_presets, llamacpp_plan, vllm_plan
+from kveval.planner.engines import (
+    format_engine_plan,
+    join_verdicts,
+    kv_cache_dtype_presets,
+    llamacpp_plan,
+    sglang_plan,
+    vllm_plan,
+)
 from kveval.planner.memory import (
     FitResult,
     compare,
+    concurrency,
     format_compare,
+    format_concurrency,
     format_plan,
     max_fit,
     parse_headroom,
@@ -21,6 +30,7 @@ from kveval.planner.memory import (
 )
 from kveval.planner.model_specs import load_model_spec, preset_names
 from kveval.planner.native import FORMATS
+from kveval.planner.parallel import Deployment
 from kveval.policies.spec import parse_policy
 from kveval.runs.records import atomic_write_text
 
@@ -43,18 +53,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"'indexer=fp8-128,latent=bf16' or 'all=bf16'; formats: {', '.join(FORMATS)}")
     parser.add_argument("--compare", metavar="MODELS", help="compare the native caches of MODELS (comma-separated, "
                         "in order) at --context (comma-separated, e.g. 128k,1m), each against the one before")
-    parser.add_argument("--engine", choices=("vllm", "llamacpp"), help="answer in a serving engine's terms: the KV pool "
-                        "it allocates on --gpu-memory and what fits at each of its presets (docs/engines.md)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM: fraction of the GPU it may use (default 0.9)")
-    parser.add_argument("--max-model-len", help="vLLM: tokens a sequence may reach, read as vLLM reads it: 32k = "
-                        "32,000, 32K = 32,768")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="vLLM: sequences running at once (default 256)")
+    parser.add_argument("--concurrency", metavar="BATCHES", help="with --compare: the total cache of each model at "
+                        "each of BATCHES (comma-separated, e.g. 1,2,4,8) and what one more request adds")
+    parser.add_argument("--engine", choices=("vllm", "sglang", "llamacpp"), help="answer in a serving engine's terms: "
+                        "the KV pool it allocates on each GPU of --gpu-memory and what fits at each of its presets "
+                        "(docs/engines.md, docs/planner.md)")
+    parser.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.9,
+                        help="vLLM: fraction of the GPU it may use; SGLang: --mem-fraction-static (default 0.9)")
+    parser.add_argument("--max-model-len", "--context-length", help="vLLM/SGLang: tokens a sequence may reach, read "
+                        "as vLLM reads it: 32k = 32,000, 32K = 32,768")
+    parser.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=256,
+                        help="vLLM/SGLang: sequences running at once in each DP rank (default 256)")
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="vLLM/SGLang: tensor-parallel "
+                        "ranks (default 1): per-head K/V split by KV heads, MLA and V4 caches replicated on each")
+    parser.add_argument("--data-parallel-size", "--dp", type=int, default=1, help="vLLM/SGLang: data-parallel ranks, "
+                        "each with its own requests and KV pool (default 1)")
+    parser.add_argument("--enable-dp-attention", action="store_true", help="SGLang: --dp attention groups inside "
+                        "the --tp GPUs (vLLM's --data-parallel-size is data-parallel attention already)")
+    parser.add_argument("--block-size", "--page-size", type=int, help="vLLM block / SGLang page, in tokens (default: "
+                        "the engine's for the model: docs/planner.md)")
     parser.add_argument("--ctx-size", help="llama.cpp: KV cells shared by the slots, e.g. 32k")
     parser.add_argument("--parallel", type=int, default=1, help="llama.cpp: slots sharing --ctx-size (default 1)")
     parser.add_argument("--overhead", default="0", help="engine: memory besides weights and KV (activations, CUDA graphs, "
                         "compute buffers), e.g. 2GiB (default 0)")
     parser.add_argument("--presets", help="engine: ';'-separated policy specs to answer at (default: the engine's presets)")
-    parser.add_argument("--kv-cache-dtype", help="vLLM: answer at this --kv-cache-dtype beside the model dtype, e.g. nvfp4, "
+    parser.add_argument("--kv-cache-dtype", help="vLLM, SGLang: answer at this --kv-cache-dtype beside the model dtype, e.g. nvfp4, "
                         "int4_per_token_head or fp8_ds_mla (DeepSeek V3.2/V4): the preset vllm(kv_cache_dtype=...)")
     parser.add_argument("--gate", metavar="GATE_JSON", help="engine: a gate.json (or the folder holding it) whose "
                         "verdicts on this model are shown beside each preset")
@@ -66,10 +89,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         for name in preset_names():
-            print(f"{name:18s} {load_model_spec(name).describe}")
+            print(f"{name:20s} {load_model_spec(name).describe}")
         return 0
     if args.compare:
         return _compare(args)
+    if args.concurrency:
+        raise UsageError("--concurrency goes with --compare MODELS --context N, e.g. --compare "
+                         "deepseek-v3,deepseek-v4.1-flash --context 32k,128k --concurrency 1,2,4,8")
     if args.engine:
         return _engine(args)
     if not args.model:
@@ -114,12 +140,23 @@ def _engine(args: argparse.Namespace) -> int:
         presets = kv_cache_dtype_presets(args.engine, args.kv_cache_dtype, presets)
     common = dict(weights=args.weights, overhead=args.overhead, dtype_bytes=args.dtype_bytes, presets=presets,
                   weight_bytes_per_param=args.weight_bytes_per_param)
+    parallel = Deployment(args.tensor_parallel_size, args.data_parallel_size, args.enable_dp_attention)
     if args.engine == "vllm":
         if not args.max_model_len:
             raise UsageError("--engine vllm needs --max-model-len, e.g. 32k")
         p = vllm_plan(args.model, args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **common)  # vLLM's grammar
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, deployment=parallel,
+                      block_size=args.block_size, **common)  # vLLM's grammar
+    elif args.engine == "sglang":
+        if not args.max_model_len:
+            raise UsageError("--engine sglang needs --context-length (or --max-model-len), e.g. 128k")
+        p = sglang_plan(args.model, args.gpu_memory, mem_fraction_static=args.gpu_memory_utilization,
+                        context_length=args.max_model_len, max_running_requests=args.max_num_seqs, deployment=parallel,
+                        page_size=args.block_size, **common)
     else:
+        if parallel != Deployment() or args.block_size is not None:
+            raise UsageError("--engine llamacpp runs on one GPU here: drop --tensor-parallel-size, "
+                             "--data-parallel-size, --enable-dp-attention and --block-size")
         if not args.ctx_size:
             raise UsageError("--engine llamacpp needs --ctx-size, e.g. 32k")
         p = llamacpp_plan(args.model, args.gpu_memory, ctx_size=parse_tokens(args.ctx_size, "ctx_size"),
@@ -162,6 +199,18 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError("give --context with --compare, e.g. --context 128k,1m")
     models = [m.strip() for m in args.compare.split(",") if m.strip()]
     contexts = [parse_tokens(c.strip()) for c in args.context.split(",") if c.strip()]
+    if args.concurrency:
+        if args.batch is not None:
+            raise UsageError("--concurrency gives the batches; drop --batch")
+        batches = []
+        for text in args.concurrency.split(","):
+            try:
+                batches.append(int(text.strip()))
+            except ValueError:
+                raise UsageError(f"--concurrency {args.concurrency!r}: give whole numbers, e.g. 1,2,4,8") from None
+        table = concurrency(models, contexts, batches, args.dtype_bytes, args.storage)
+        _emit(args.json, table.to_dict(), format_concurrency(table))
+        return 0
     result = compare(models, contexts, 1 if args.batch is None else args.batch, args.dtype_bytes, args.storage)
     _emit(args.json, result.to_dict(), format_compare(result))
     return 0

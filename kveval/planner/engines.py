@@ -1,9 +1,15 @@
-"""The deployment question in an engine's own terms: the KV pool vLLM or llama.cpp allocates, and what fits in it.
+"""The deployment question in an engine's own terms: the KV pool vLLM, SGLang or llama.cpp allocates, and what fits.
+
+vLLM and SGLang are planned on each GPU of a deployment (``--tensor-parallel-size``, ``--data-parallel-size``,
+SGLang's ``--enable-dp-attention``: :mod:`kveval.planner.parallel` says which caches split and which replicate, and
+each GPU's share of the weights), in each engine's blocks or pages for the model (:data:`BLOCK_SIZES`); SGLang's pool
+is ``total x --mem-fraction-static`` less the weights, as vLLM's is with ``--gpu-memory-utilization``.
 
 vLLM (V1; ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``, ``vllm/v1/core/kv_cache_utils.py``
 ``get_num_blocks``): the KV pool is ``gpu_memory x gpu_memory_utilization`` less the weights and the peak of
 everything else (activations of the profile run, CUDA graphs, non-torch allocations: ``overhead`` here, which
-kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16) tokens
+kveval cannot profile and takes as given, default 0). The pool is cut into blocks of ``block_size`` (16; 64 and
+256 on DeepSeek's caches) tokens
 of every layer; a sequence of ``max_model_len`` tokens takes ``ceil(max_model_len / 16)`` blocks. Sequences of
 that length that fit = blocks // blocks per sequence, at most ``max_num_seqs`` at once; vLLM refuses to start when
 not even one fits. vLLM 0.33 logs the pool in one line (``vllm/v1/core/kv_cache_utils.py``,
@@ -34,17 +40,19 @@ from kveval.errors import UsageError
 from kveval.planner.fit import stored_weights
 from kveval.planner.memory import human_bytes, parse_size, plan
 from kveval.planner.model_specs import load_model_spec
+from kveval.planner.parallel import Deployment, layout
 from kveval.planner.units import parse_vllm_int
 from kveval.policies.spec import parse_policy
 
 VLLM_BLOCK_SIZE = 16
 LLAMACPP_CTX_PAD = 256
-ENGINES = ("vllm", "llamacpp")
+ENGINES = ("vllm", "sglang", "llamacpp")
 
 #: The presets each engine's question is answered at, as policy specs (``none``: the model dtype, vLLM's ``auto``
 #: and llama.cpp's ``f16``).
 ENGINE_PRESETS = {
     "vllm": ("none", "vllm(kv_cache_dtype=fp8)"),
+    "sglang": ("none", "sglang(kv_cache_dtype=fp8_e4m3)"),
     "llamacpp": ("llamacpp(k=f16,v=f16)", "llamacpp(k=q8_0,v=q8_0)", "llamacpp(k=q8_0,v=q4_0)",
                  "llamacpp(k=q5_1,v=q5_1)", "llamacpp(k=q5_0,v=q5_0)", "llamacpp(k=q4_1,v=q4_1)",
                  "llamacpp(k=q4_0,v=q4_0)"),
@@ -53,7 +61,7 @@ ENGINE_PRESETS = {
 
 #: The flag each engine's KV cache dtype is given by, as its preset's argument (``--kv-cache-dtype X`` is the preset
 #: ``engine(kv_cache_dtype=X)``); llama.cpp's K and V types are two flags, given as presets.
-KV_CACHE_DTYPE_ARGUMENT = {"vllm": "kv_cache_dtype"}
+KV_CACHE_DTYPE_ARGUMENT = {"vllm": "kv_cache_dtype", "sglang": "kv_cache_dtype"}
 
 
 def kv_cache_dtype_presets(engine: str, dtype: str, presets: list[str] | None) -> list[str]:
@@ -61,7 +69,7 @@ def kv_cache_dtype_presets(engine: str, dtype: str, presets: list[str] | None) -
     preset parses the name, refusing one kveval does not reproduce in one line."""
     argument = KV_CACHE_DTYPE_ARGUMENT.get(engine)
     if argument is None:
-        raise UsageError(f"--kv-cache-dtype is vLLM's flag; {ENGINE_NAMES[engine]}'s cache types are presets, e.g. "
+        raise UsageError(f"--kv-cache-dtype is vLLM's and SGLang's flag; {ENGINE_NAMES[engine]}'s cache types are presets, e.g. "
                          f"--presets '{ENGINE_PRESETS[engine][-1]}'")
     spec = f"{engine}({argument}={dtype})"
     parse_policy(spec)
@@ -138,7 +146,7 @@ def _preset_stacks(engine: str) -> tuple:
 
 
 #: How each engine's name reads in a sentence.
-ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp"}
 
 
 def _presets(engine: str, presets, spec, dtype_bytes: int, notes: list[str]) -> list:
@@ -182,56 +190,137 @@ def _sliding_note(spec, engine: str, notes: list[str]) -> None:
                      f"a sequence); {engine}'s own allocator rounds them differently")
 
 
-def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_model_len: "int | str",
-              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None,
-              weight_bytes_per_param: float | None = None) -> EnginePlan:
-    """What ``vllm serve --gpu-memory-utilization U --max-model-len N --max-num-seqs S`` allocates on a GPU of
-    ``gpu_memory``, and how many sequences of ``N`` tokens fit at each preset (see the module doc). ``N`` as text
-    (``"32k"``) is read as vLLM reads it (32,000; ``"32K"``: 32,768), and the plan says what it read."""
+#: Tokens a KV block (vLLM) or page (SGLang) holds for each kind of cache, as each engine picks it on Hopper GPUs
+#: (H100/H200) unless ``--block-size`` / ``--page-size`` says otherwise:
+#:
+#: * vLLM: 16 by default; MLA and DSA (DeepSeek V2/V3/V3.2) run FlashMLA, whose kernels take blocks of 64 only
+#:   (``get_supported_kernel_block_sizes`` in ``vllm/v1/attention/backends/mla/flashmla.py`` and
+#:   ``flashmla_sparse.py``); DeepSeek-V4 "uses 256-token KV pages" (``vllm/models/deepseek_v4/sparse_mla.py``,
+#:   ``get_warmup_keys``; its recipes pass ``--block-size 256``);
+#: * SGLang: pages of 1 token by default (FA3 on Hopper); 64 for DSA (``page_size = 64 * index_kpool`` in
+#:   ``sglang/srt/arg_groups/model_overrides/deepseek_v2.py``), 256 for DeepSeek-V4 (``model_overrides/deepseek_v4.py``).
+#:
+#: DeepSeek-V4.1, which neither engine runs in these releases, is planned with V4's pages (an assumption).
+BLOCK_SIZES = {"vllm": {"v4": 256, "dsa": 64, "mla": 64, "heads": 16},
+               "sglang": {"v4": 256, "dsa": 64, "mla": 1, "heads": 1}}
+
+
+def cache_family(spec) -> str:
+    """The kind of cache that decides an engine's block size: ``v4`` (V4/V4.1's compressed layout), ``dsa`` (an
+    MLA latent with indexer keys), ``mla`` or ``heads`` (per-head K/V)."""
+    return "v4" if spec.v4 is not None else "dsa" if spec.indexer_dim else "mla" if spec.mla_dim is not None else "heads"
+
+
+def _deployment_weights(spec, weights, dtype_bytes: int, notes: list[str], per_param, deployment):
+    """The weights for :func:`~kveval.planner.parallel.layout`: the whole model's bytes (given, else as stored, else
+    estimated; :func:`_weights`), split into the rest and the routed experts where the checkpoint's split is known
+    and the weights were not given; on one GPU, the total."""
+    total = _weights(spec, weights, dtype_bytes, notes, per_param)
+    if deployment == Deployment() or weights is not None or per_param is not None or spec.weights is None:
+        return total
+    return spec.weights.split(spec.num_parameters) or total
+
+
+def _pool_plan(engine: str, model, gpu_memory, *, fraction: float, max_model_len: int, max_num_seqs: int, weights,
+               overhead, dtype_bytes: int, presets, weight_bytes_per_param, deployment: "Deployment | None",
+               block_size: "int | None", notes: list[str]) -> EnginePlan:
+    """A paged engine's KV pool on each GPU of a deployment and the requests of ``max_model_len`` tokens it holds
+    (vLLM and SGLang alike: ``gpu_memory x fraction`` less that GPU's weights and ``overhead``, cut into blocks)."""
     spec = load_model_spec(model)
+    notes[:0] = [spec.origin] if spec.origin else []
     gpu = parse_size(gpu_memory, "gpu_memory")
-    utilization = _check_fraction(gpu_memory_utilization, "gpu_memory_utilization")
-    notes: list[str] = [spec.origin] if spec.origin else []
-    if isinstance(max_model_len, str):
-        text = max_model_len.strip()
-        max_model_len = parse_vllm_int(text, "max_model_len")
-        if text != str(max_model_len):
-            notes.append(f"--max-model-len {text} read as {max_model_len:,} tokens, as vLLM reads it (k = 1,000, "
-                         f"K = 1,024)")
-    max_model_len = _check_positive(max_model_len, "max_model_len")
-    max_num_seqs = _check_positive(max_num_seqs, "max_num_seqs")
-    weight_bytes = _weights(spec, weights, dtype_bytes, notes, weight_bytes_per_param)
+    deployment = deployment or Deployment()
+    block = BLOCK_SIZES[engine][cache_family(spec)] if block_size is None else _check_positive(block_size, "block_size")
+    weight_total = _deployment_weights(spec, weights, dtype_bytes, notes, weight_bytes_per_param, deployment)
+    shape = layout(engine, spec, deployment, weight_total)
+    weight_bytes = shape.weights_bytes
     extra = parse_size(overhead, "overhead") if overhead not in (None, 0, "0", "") else 0
+    name = ENGINE_NAMES[engine]
     if not extra:
-        notes.append("overhead 0: vLLM also subtracts the profile run's peak activations, CUDA graphs and non-torch "
-                     "memory, which only a run measures (vLLM logs them); give --overhead to include them")
-    pool = max(0, math.ceil(gpu * utilization) - weight_bytes - extra)  # requested memory: ceil(total x utilization)
-    _sliding_note(spec, "vLLM", notes)
-    _positions_note(spec, max_model_len, "--max-model-len", notes)
-    blocks_per_seq = -(-max_model_len // VLLM_BLOCK_SIZE)
-    kv_layers = sum(spec.holds_kv)
+        notes.append(f"overhead 0: {name} also subtracts the profile run's peak activations, CUDA graphs and non-torch "
+                     f"memory, which only a run measures ({name} logs them); give --overhead to include them")
+    pool = max(0, math.ceil(gpu * fraction) - weight_bytes - extra)  # requested memory: ceil(total x fraction)
+    if deployment != Deployment():
+        notes.append(f"{deployment.flags(engine)}: {shape.gpus} GPUs; KV: {shape.kv_rule}; weights a GPU: "
+                     f"{shape.weights_rule}")
+    _sliding_note(spec, name, notes)
+    _positions_note(spec, max_model_len, "--max-model-len" if engine == "vllm" else "--context-length", notes)
+    blocks_per_seq = -(-max_model_len // block)
     fits = []
-    for text, stack in _presets("vllm", presets, spec, dtype_bytes, notes):
-        block_plan = plan(spec, VLLM_BLOCK_SIZE, 1, stack, dtype_bytes)
-        block_bytes = block_plan.sequence_bytes  # one block of every layer
-        seq = plan(spec, blocks_per_seq * VLLM_BLOCK_SIZE, 1, stack, dtype_bytes).sequence_bytes
+    for text, stack in _presets(engine, presets, spec, dtype_bytes, notes):
+        block_plan = plan(spec, block, 1, stack, dtype_bytes)
+        block_bytes = math.ceil(block_plan.sequence_bytes * shape.kv_share)  # one block of every layer, this GPU's
+        seq = math.ceil(plan(spec, blocks_per_seq * block, 1, stack, dtype_bytes).sequence_bytes * shape.kv_share)
         full = all(w is None for w in spec.windows)
         blocks = pool // block_bytes if full else None
-        sequences = pool // seq
+        per_pool = pool // seq
         # vLLM V1's get_max_concurrency_for_kv_cache_config: blocks / blocks a request of max_model_len takes
-        concurrency = blocks / blocks_per_seq if blocks is not None else sequences
+        concurrency = blocks / blocks_per_seq if blocks is not None else per_pool
         # and get_kv_cache_capacity's tokens, the "GPU KV cache size" it logs: int(concurrency x max_model_len)
-        tokens = int(concurrency * max_model_len) if blocks is not None else None
-        fits.append(PresetFit(text, block_plan.bytes_per_token, seq, blocks, sequences, min(sequences, max_num_seqs),
-                              concurrency, sequences >= 1, kv_cache_tokens=tokens))
-    if kv_layers and any(not f.fits for f in fits):
-        notes.append("a preset where not one sequence of max_model_len fits: vLLM refuses to start with it")
-    if any(f.kv_cache_tokens is None for f in fits):
+        tokens = int(concurrency * max_model_len) if blocks is not None and engine == "vllm" else None
+        fits.append(PresetFit(text, block_plan.bytes_per_token * shape.kv_share, seq, blocks, per_pool * shape.pools,
+                              min(per_pool, max_num_seqs) * shape.pools, concurrency, per_pool >= 1,
+                              kv_cache_tokens=tokens))
+    if sum(spec.holds_kv) and any(not f.fits for f in fits):
+        notes.append(f"a preset where not one sequence of {'max_model_len' if engine == 'vllm' else 'context_length'} "
+                     f"fits: {name} refuses to start with it")
+    if engine == "vllm" and any(f.kv_cache_tokens is None for f in fits):
         notes.append("vLLM's \"GPU KV cache size\" line is not reproduced for sliding-window layers: its hybrid "
                      "allocator groups them with their own block counts")
-    return EnginePlan("vllm", spec.name, gpu, weight_bytes, extra, pool,
-                      {"gpu_memory_utilization": utilization, "max_model_len": max_model_len,
-                       "max_num_seqs": max_num_seqs, "block_size": VLLM_BLOCK_SIZE}, fits, notes)
+    settings = {"max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "block_size": block,
+                "tensor_parallel_size": deployment.tensor_parallel, "data_parallel_size": deployment.data_parallel,
+                "enable_dp_attention": deployment.dp_attention, "gpus": shape.gpus,
+                "attention_tp": shape.attention_tp, "kv_pools": shape.pools}
+    settings["gpu_memory_utilization" if engine == "vllm" else "mem_fraction_static"] = fraction
+    return EnginePlan(engine, spec.name, gpu, weight_bytes, extra, pool, settings, fits, notes)
+
+
+def _max_len(max_model_len, flag: str, notes: list[str]) -> int:
+    """``--max-model-len``/``--context-length``, text read as vLLM reads it (``32k`` = 32,000, ``32K`` = 32,768)."""
+    if isinstance(max_model_len, str):
+        text = max_model_len.strip()
+        max_model_len = parse_vllm_int(text, flag.lstrip("-").replace("-", "_"))
+        if text != str(max_model_len):
+            how = "as vLLM reads it" if flag == "--max-model-len" else "kveval reading it as vLLM does"
+            notes.append(f"{flag} {text} read as {max_model_len:,} tokens, {how} (k = 1,000, K = 1,024)")
+    return _check_positive(max_model_len, flag.lstrip("-").replace("-", "_"))
+
+
+def vllm_plan(model, gpu_memory, *, gpu_memory_utilization: float = 0.9, max_model_len: "int | str",
+              max_num_seqs: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None,
+              weight_bytes_per_param: float | None = None, deployment: "Deployment | None" = None,
+              block_size: int | None = None) -> EnginePlan:
+    """What ``vllm serve --gpu-memory-utilization U --max-model-len N --max-num-seqs S`` (with
+    ``--tensor-parallel-size`` / ``--data-parallel-size`` as ``deployment`` says) allocates on each GPU of
+    ``gpu_memory``, and how many sequences of ``N`` tokens fit at each preset (see the module doc;
+    :mod:`kveval.planner.parallel` for the split). ``N`` as text (``"32k"``) is read as vLLM reads it (32,000;
+    ``"32K"``: 32,768), and the plan says what it read. ``weights``: the whole model's (each GPU holds its share)."""
+    notes: list[str] = []
+    max_model_len = _max_len(max_model_len, "--max-model-len", notes)
+    return _pool_plan("vllm", model, gpu_memory, fraction=_check_fraction(gpu_memory_utilization, "gpu_memory_utilization"),
+                      max_model_len=max_model_len, max_num_seqs=_check_positive(max_num_seqs, "max_num_seqs"),
+                      weights=weights, overhead=overhead, dtype_bytes=dtype_bytes, presets=presets,
+                      weight_bytes_per_param=weight_bytes_per_param, deployment=deployment, block_size=block_size,
+                      notes=notes)
+
+
+def sglang_plan(model, gpu_memory, *, mem_fraction_static: float = 0.9, context_length: "int | str",
+                max_running_requests: int = 256, weights=None, overhead=0, dtype_bytes: int = 2, presets=None,
+                weight_bytes_per_param: float | None = None, deployment: "Deployment | None" = None,
+                page_size: int | None = None) -> EnginePlan:
+    """What ``sglang.launch_server --mem-fraction-static F --context-length N`` (with ``--tp``, ``--dp`` and
+    ``--enable-dp-attention`` as ``deployment`` says) allocates on each GPU: its KV pool is the memory free after
+    the weights less ``total x (1 - F)`` (``_profile_available_bytes``, ``sglang/srt/mem_cache/kv_cache_configurator.py``),
+    that is ``total x F`` less the weights and ``overhead``, in pages of ``page_size`` tokens; and how many
+    requests of ``N`` tokens it holds at each preset (at most ``max_running_requests`` per DP rank)."""
+    notes: list[str] = []
+    context_length = _max_len(context_length, "--context-length", notes)
+    return _pool_plan("sglang", model, gpu_memory, fraction=_check_fraction(mem_fraction_static, "mem_fraction_static"),
+                      max_model_len=context_length,
+                      max_num_seqs=_check_positive(max_running_requests, "max_running_requests"), weights=weights,
+                      overhead=overhead, dtype_bytes=dtype_bytes, presets=presets,
+                      weight_bytes_per_param=weight_bytes_per_param, deployment=deployment, block_size=page_size,
+                      notes=notes)
 
 
 def llamacpp_plan(model, gpu_memory, *, ctx_size: int, parallel: int = 1, weights=None, overhead=0,
@@ -306,18 +395,30 @@ def format_engine_plan(p: EnginePlan) -> str:
     def verdict(f: PresetFit) -> str:
         return f"  {f.verdict or 'not judged'}" if judged else ""
 
-    if p.engine == "vllm":
-        lines.append(f"engine     vLLM: --gpu-memory-utilization {s['gpu_memory_utilization']:g} --max-model-len "
-                     f"{s['max_model_len']:,} --max-num-seqs {s['max_num_seqs']} (block size {s['block_size']})")
-        lines.append(f"KV pool    {human_bytes(p.pool_bytes)} = {human_bytes(p.gpu_bytes)} x {s['gpu_memory_utilization']:g}"
+    if p.engine in ("vllm", "sglang"):
+        vllm = p.engine == "vllm"
+        fraction = s["gpu_memory_utilization" if vllm else "mem_fraction_static"]
+        parallel = Deployment(s["tensor_parallel_size"], s["data_parallel_size"], s["enable_dp_attention"])
+        if vllm:
+            lines.append(f"engine     vLLM: --gpu-memory-utilization {fraction:g} --max-model-len {s['max_model_len']:,} "
+                         f"--max-num-seqs {s['max_num_seqs']} {parallel.flags('vllm')} (block size {s['block_size']})")
+        else:
+            lines.append(f"engine     SGLang: --mem-fraction-static {fraction:g} --context-length {s['max_model_len']:,} "
+                         f"--max-running-requests {s['max_num_seqs']} {parallel.flags('sglang')} (page size "
+                         f"{s['block_size']})")
+        lines.append(f"GPUs       {s['gpus']}: {s['kv_pools']} KV pool(s), each over {s['attention_tp']} attention-TP "
+                     f"rank(s); per GPU:")
+        lines.append(f"KV pool    {human_bytes(p.pool_bytes)} = {human_bytes(p.gpu_bytes)} x {fraction:g}"
                      f" - weights {human_bytes(p.weights_bytes)} - overhead {human_bytes(p.overhead_bytes)}")
         lines.append(f"{'preset':<44} {'B/token':>10} {'per seq':>10} {'blocks':>9} {'fit':>6} {'running':>8} "
-                     f"{'vLLM conc.':>10}{gate_head}")
+                     f"{'per pool':>10}{gate_head}")
         for f in p.presets:
             blocks = f"{f.blocks:,}" if f.blocks is not None else "-"
             lines.append(f"{f.preset:<44} {f.bytes_per_token:>10,.0f} {human_bytes(f.sequence_bytes):>10} {blocks:>9} "
                          f"{f.sequences:>6,} {f.concurrent:>8,} {f.max_concurrency:>9.2f}x{verdict(f)}")
-        lines.append("fit: sequences of max-model-len the pool holds; running: at most --max-num-seqs of them")
+        lines.append("B/token and per seq: on one GPU; fit: sequences of the maximum length all pools hold; running: "
+                     "at most " + ("--max-num-seqs" if vllm else "--max-running-requests") + " a pool; per pool: "
+                     + ("vLLM's maximum concurrency" if vllm else "sequences one pool holds"))
         lines += [f"vLLM log   {f.preset}: {vllm_log_line(f, s['max_model_len'])}" for f in p.presets
                   if f.kv_cache_tokens is not None]
     else:

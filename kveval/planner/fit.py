@@ -56,8 +56,7 @@ def stored_weights(spec: ModelSpec, notes: list[str]) -> tuple[int, bool] | None
     size = spec.weights.bytes_for(spec.num_parameters) if spec.weights is not None else None
     if size is None:
         return None
-    per = spec.weights.per_param
-    how = "" if spec.weights.exact else f"{spec.num_parameters / 1e9:.2f}e9 parameters x {per:g} byte{'s' * (per != 1)} "
+    how = "" if spec.weights.exact else f"{spec.weights.describe(spec.num_parameters)} "
     notes.append(f"weights {human_bytes(size)}{' estimated' if not spec.weights.exact else ''}: {how}"
                  f"{spec.weights.source}; --weights or --weight-bytes-per-param overrides")
     return size, not spec.weights.exact

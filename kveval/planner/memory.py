@@ -273,13 +273,13 @@ def _tokens_label(n: int) -> str:
 def format_compare(c: Comparison) -> str:
     """The comparison as a table: per model, bytes per token of context and the cache at each context, and the
     ratio to the model above; then how each model stores its parts."""
-    head = f"{'model':18s}"
+    head = f"{'model':20s}"
     for n in c.contexts:
         label = _tokens_label(n)
         head += f" {'B/token @' + label:>14s} {'cache @' + label:>13s} {'x prev':>7s}"
     lines = [f"native KV cache (policy none), batch {c.batch}, per sequence x batch", head]
     for row in c.rows:
-        line = f"{row.model.split('/')[-1]:18s}"
+        line = f"{row.model.split('/')[-1]:20s}"
         for p, ratio in zip(row.plans, row.ratios):
             line += (f" {human_bytes(p.bytes_per_context_token):>14s} {human_bytes(p.total_bytes):>13s} "
                      f"{'-' if ratio is None else f'{ratio:.3f}':>7s}")
@@ -289,13 +289,71 @@ def format_compare(c: Comparison) -> str:
         grouped: dict[str, list[str]] = {}
         for part, name in row.storage.items():
             grouped.setdefault(_storage_label(name, c.dtype_bytes), []).append(part)
-        lines.append(f"  {row.model.split('/')[-1]:16s} " + "; ".join(f"{', '.join(parts)} {name}"
+        lines.append(f"  {row.model.split('/')[-1]:20s} " + "; ".join(f"{', '.join(parts)} {name}"
                                                                     for name, parts in grouped.items()))
     lines += [("notes  " if i == 0 else "       ") + n for i, n in enumerate(c.notes)]
     return "\n".join(lines)
 
 
+@dataclass
+class ConcurrencyRow:
+    """One model at one context: its native cache in total at each batch, and the bytes one more request adds
+    (``slope``: the per-sequence cache; doubling a batch of ``b`` adds ``b x slope``)."""
+
+    model: str
+    context: int
+    totals: list[int]
+    slope: int
+    slope_ratio: float  # slope over the first model's at the same context
+
+
+@dataclass
+class ConcurrencyTable:
+    """Native caches (policy none) of several models at several contexts and batches: how memory grows with
+    concurrency. Each cache is ``batch x`` one sequence's (no sharing across requests), so the increment when
+    concurrency doubles is a ratio of slopes, the same at every batch."""
+
+    batches: list[int]
+    dtype_bytes: int
+    rows: list[ConcurrencyRow]
+    storage: dict[str, dict[str, str]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def concurrency(models, contexts, batches, dtype_bytes: int = 2, storage=None) -> ConcurrencyTable:
+    """The total native cache of each of ``models`` at each of ``contexts`` and ``batches`` (:class:`ConcurrencyTable`)."""
+    batches = [check_int(b, "batch", 1) for b in batches]
+    if not batches:
+        raise UsageError("give one or more batches, e.g. --concurrency 1,2,4,8")
+    result = compare(models, contexts, 1, dtype_bytes, storage)
+    rows = []
+    for j, context in enumerate(result.contexts):
+        first = result.rows[0].plans[j].sequence_bytes
+        for row in result.rows:
+            seq = row.plans[j].sequence_bytes
+            rows.append(ConcurrencyRow(row.model, context, [seq * b for b in batches], seq, seq / first))
+    return ConcurrencyTable(batches, dtype_bytes, rows, {row.model: row.storage for row in result.rows})
+
+
+def format_concurrency(t: ConcurrencyTable) -> str:
+    """The table: per context and model, the total cache at each batch, the increment per request and its ratio to
+    the first model's."""
+    first = t.rows[0].model.split("/")[-1]
+    head = f"{'context':>8s}  {'model':20s}" + "".join(f" {'batch ' + str(b):>11s}" for b in t.batches)
+    head += f" {'+1 request':>11s} {'x ' + first:>{max(8, len(first) + 2)}s}"
+    lines = ["native KV cache in total (policy none) at each concurrency, each model stored as served", head]
+    for row in t.rows:
+        lines.append(f"{_tokens_label(row.context):>8s}  {row.model.split('/')[-1]:20s}"
+                     + "".join(f" {human_bytes(v):>11s}" for v in row.totals)
+                     + f" {human_bytes(row.slope):>11s} {row.slope_ratio:>{max(8, len(first) + 2)}.4f}")
+    lines.append(f"+1 request: what each further request adds (doubling a batch of b adds b of them); "
+                 f"x {first}: that increment over {first}'s")
+    return "\n".join(lines)
+
+
 # The planner's public names, wherever they live (the commands, the gate and the tests import them from here).
-__all__ = ["Comparison", "ComparisonRow", "FitResult", "LayerPlan", "MemoryPlan", "check_int", "compare",
+__all__ = ["Comparison", "ComparisonRow", "ConcurrencyRow", "ConcurrencyTable", "concurrency", "format_concurrency", "FitResult", "LayerPlan", "MemoryPlan", "check_int", "compare",
            "format_compare", "format_plan", "human_bytes", "max_fit", "parse_headroom", "parse_size", "parse_tokens",
            "plan"]

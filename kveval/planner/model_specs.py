@@ -30,12 +30,27 @@ from kveval.values import is_whole
 @dataclass
 class V4Shape:
     """DeepSeek-V4's cache shape: each layer's ``(kind, rate)`` (``"sliding"``, 0; ``"csa"``, 4; ``"hca"``, 128), the
-    sliding ``window`` every layer keeps, the RoPE values of an entry and the indexer's ``index_dim``."""
+    sliding ``window`` every layer keeps, the RoPE values of an entry and the indexer's ``index_dim``.
+
+    DeepSeek-V4.1 shares compressed KV across layers: ``kv_sources`` are the layers that compute and store compressed
+    entries and the indexer keys (``index_k``) beside them; every other compressing layer reads the nearest source's
+    (``None``: every compressing layer stores its own, as V4). ``index_sources`` are the layers that run the lightning
+    indexer (a query of their own over a source's stored keys: no bytes of their own). ``reference_layout``: the layers
+    as the model's reference inference code holds them (a ring of ``window`` entries in every layer, stored once; the
+    compressors' pending tokens, a few entries a layer, not planned), for a model transformers cannot run; else as
+    transformers' cache holds them (``window - 1`` tokens, a sliding-only layer's twice, and the pending state)."""
 
     layers: list[tuple[str, int]]
     window: int
     rope: int
     index_dim: int
+    kv_sources: tuple[int, ...] | None = None
+    index_sources: tuple[int, ...] | None = None
+    reference_layout: bool = False
+
+    def stores_entries(self, layer: int) -> bool:
+        """Whether compressing layer ``layer`` stores its own compressed entries (and, CSA, indexer keys)."""
+        return self.kv_sources is None or layer in self.kv_sources
 
 
 @dataclass(frozen=True)
@@ -46,11 +61,35 @@ class Weights:
     source: str
     total: int | None = None
     per_param: float | None = None
+    #: The routed experts' parameters (``None``: not known) and their bytes each where they are stored otherwise
+    #: (DeepSeek-V4's MXFP4 experts: 4.25 bits, a UE8M0 scale per 32 included); ``per_param`` is then the rest's.
+    expert_parameters: int | None = None
+    expert_per_param: float | None = None
+
+    def split(self, parameters: int | None) -> tuple[int, int] | None:
+        """``(bytes of everything but the routed experts, bytes of the routed experts)``; ``None`` where the planner
+        cannot tell (no parameter count, or an exact total with no split)."""
+        if self.total is not None or not parameters or self.per_param is None:
+            return None
+        experts = self.expert_parameters or 0
+        if experts > parameters:
+            raise UsageError(f"{experts:,} routed-expert parameters exceed the model's {parameters:,}")
+        per_expert = self.per_param if self.expert_per_param is None else self.expert_per_param
+        return (int(-(-(parameters - experts) * self.per_param // 1)), int(-(-experts * per_expert // 1)))
 
     def bytes_for(self, parameters: int | None) -> int | None:
         if self.total is not None:
             return self.total
-        return None if not parameters or self.per_param is None else int(-(-parameters * self.per_param // 1))
+        parts = self.split(parameters)
+        return None if parts is None else sum(parts)
+
+    def describe(self, parameters: int) -> str:
+        """How the bytes were counted: ``6.71e11 parameters x 1 byte``, or with the experts apart."""
+        if self.expert_per_param is None or not self.expert_parameters:
+            per = self.per_param
+            return f"{parameters / 1e9:.2f}e9 parameters x {per:g} byte{'s' * (per != 1)}"
+        return (f"{self.expert_parameters / 1e9:.2f}e9 routed-expert parameters x {self.expert_per_param:g} bytes + "
+                f"{(parameters - self.expert_parameters) / 1e9:.2f}e9 others x {self.per_param:g}")
 
     @property
     def exact(self) -> bool:
@@ -74,6 +113,8 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     windows: list[int | None]
+    #: Query heads (``num_attention_heads``; ``None``: not given): the width tensor parallelism must divide.
+    num_attention_heads: int | None = None
     holds_kv: list[bool] = field(default_factory=list)
     #: ``chunked[i]``: layer ``i``'s window is an attention chunk (Llama 4), where no selection acts.
     chunked: list[bool] = field(default_factory=list)
@@ -121,12 +162,17 @@ class ModelSpec:
     @property
     def describe(self) -> str:
         if self.v4 is not None:
-            kinds = [kind for kind, _ in self.v4.layers]
-            rates = {kind: rate for kind, rate in self.v4.layers}
-            counts = ", ".join(f"{kinds.count(k)} {k}" + (f" (1 entry per {rates[k]})" if rates[k] else "")
-                               for k in ("sliding", "csa", "hca") if k in kinds)
-            return (f"{self.num_layers} layers ({counts}), window {self.v4.window}, K=V entries of {self.head_dim}, "
-                    f"indexer {self.v4.index_dim}")
+            v4 = self.v4
+            groups = sorted(set(v4.layers), key=lambda kr: (("sliding", "csa", "hca").index(kr[0]), -kr[1]))
+            counts = ", ".join(f"{v4.layers.count((k, r))} {k}" + (f" (1 entry per {r})" if r > 1 else
+                                                                    " (1 entry per token)" if r else "")
+                               for k, r in groups)
+            text = (f"{self.num_layers} layers ({counts}), window {v4.window}, K=V entries of {self.head_dim}, "
+                    f"indexer {v4.index_dim}")
+            if v4.kv_sources is not None:
+                text += (f"; only layers {', '.join(map(str, v4.kv_sources))} store compressed KV and indexer keys, "
+                         f"the rest reuse them")
+            return text
         if self.mla_dim is not None:
             text = f"{self.num_layers} layers, MLA latent {self.mla_dim} values per token and layer"
         else:
@@ -287,7 +333,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      f"policies act on the {sum(holds_kv) - len(sliding)} full-attention layers only (as kveval's "
                      f"cache does)")
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
-                     head_dim=head_dim, windows=windows, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
+                     head_dim=head_dim, windows=windows, num_attention_heads=heads, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
                      mla_rope=mla_rope, indexer_dim=indexer_dim, indexer_layers=indexer_layers,
                      model_type=model_type, storage=_storage_of(config, name),
                      num_parameters=get("num_parameters") or _estimate_parameters(config),
@@ -299,18 +345,39 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
 _FP8_METHODS = ("fp8", "fbgemm_fp8")
 
 
+#: Bytes per parameter of an MXFP4 weight: 4 bits and a 1-byte UE8M0 scale per 32 values.
+MXFP4_BYTES = 0.5 + 1 / 32
+
+
+def expert_parameters(config: dict[str, Any]) -> int | None:
+    """The routed experts' parameters of a DeepSeek-style MoE config: ``(num_hidden_layers - first_k_dense_replace)
+    x n_routed_experts x 3 x hidden_size x moe_intermediate_size`` (gate, up and down projections); ``None`` where a
+    field is missing."""
+    get = config.get
+    sizes = [get(k) for k in ("num_hidden_layers", "n_routed_experts", "hidden_size", "moe_intermediate_size")]
+    if not all(is_whole(v) and v > 0 for v in sizes):
+        return None
+    layers, experts, hidden, inter = sizes
+    return (layers - int(get("first_k_dense_replace") or 0)) * experts * 3 * hidden * inter
+
+
 def weights_of(config: dict[str, Any]) -> Weights | None:
     """The weights' precision a ``config.json`` records where the planner knows it: an FP8 checkpoint
     (``quantization_config.quant_method`` fp8: 1 byte per parameter; its block scales and the layers it leaves in
-    BF16, embeddings and norms, are not counted: about 0.3% more on DeepSeek-V3); ``None`` otherwise."""
+    BF16, embeddings and norms, are not counted: about 0.3% more on DeepSeek-V3), its routed experts in MXFP4 where
+    ``expert_dtype`` is ``fp4`` (DeepSeek-V4's checkpoints, as vLLM's ``DeepseekV4FP8Config`` reads that key in
+    ``vllm/models/deepseek_v4/quant_config.py``: :data:`MXFP4_BYTES` each); ``None`` otherwise."""
     quant = config.get("quantization_config")
     if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() not in _FP8_METHODS:
         return None
     fmt = quant.get("fmt") or "e4m3"
     block = quant.get("weight_block_size")
     scales = f", {'x'.join(map(str, block))} block scales" if isinstance(block, list) and block else ""
-    return Weights(source=f"as an FP8 checkpoint stores them (quantization_config {quant['quant_method']} {fmt}{scales}; "
-                          f"its scales and BF16 layers, embeddings and norms, not counted)", per_param=1.0)
+    fp4 = str(config.get("expert_dtype", "")).lower() == "fp4"
+    return Weights(source=f"as an FP8 checkpoint stores them (quantization_config {quant['quant_method']} {fmt}{scales}"
+                          + ("; routed experts MXFP4, 4.25 bits with their scales" if fp4 else "")
+                          + "; its scales and BF16 layers, embeddings and norms, not counted)", per_param=1.0,
+                   expert_parameters=expert_parameters(config), expert_per_param=MXFP4_BYTES if fp4 else None)
 
 
 def _grows_positions(config: dict[str, Any]) -> bool:
@@ -341,6 +408,8 @@ def _v4_spec(config: dict[str, Any], name: str) -> ModelSpec:
     layer's), else transformers' default pattern (2 HCA, then HCA/CSA alternating)."""
     get = config.get
     layers = _positive_int(get("num_hidden_layers", 43), "num_hidden_layers", name)
+    if get("kv_source_layer_ids") is not None:
+        return _v41_spec(config, name, layers)
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128} | dict(get("compress_rates") or {})
     types = get("layer_types")
     if types is None and get("compress_ratios") is not None:
@@ -379,7 +448,62 @@ def _v4_spec(config: dict[str, Any], name: str) -> ModelSpec:
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers,
                      kv_heads=_positive_int(get("num_key_value_heads", 1), "num_key_value_heads", name),
                      head_dim=head_dim, windows=[window] * layers, v4=shape, storage=_storage_of(config, name),
+                     num_attention_heads=_optional_int(config, "num_attention_heads", name),
                      model_type="deepseek_v4", weights=weights_of(config),
+                     num_parameters=get("num_parameters"), max_position=get("max_position_embeddings"), notes=notes)
+
+
+def _layer_ids(config: dict[str, Any], key: str, layers: int, name: str) -> tuple[int, ...]:
+    """``config[key]``: distinct layer indices below ``layers``, in order; refused in one line otherwise."""
+    ids = config.get(key)
+    if not isinstance(ids, list) or not all(is_whole(i) and 0 <= i < layers for i in ids) or len(set(ids)) != len(ids):
+        raise UsageError(f"{name}: {key}={ids!r} must list distinct layer indices in 0..{layers - 1}")
+    return tuple(sorted(ids))
+
+
+def _v41_spec(config: dict[str, Any], name: str, layers: int) -> ModelSpec:
+    """DeepSeek-V4.1 (``kv_source_layer_ids``): ``compress_ratios`` per layer (0: sliding window only; r >= 1: one
+    compressed entry per r tokens, read through the lightning indexer's top-k: CSA; entries past the layers are the
+    draft model's). Only ``kv_source_layer_ids`` store compressed KV and the indexer keys beside it; every other
+    compressing layer reads the nearest source at or before it, and ``index_source_layer_ids`` run the indexer over
+    that source's keys. Planned as the reference inference code holds the cache (:class:`V4Shape`), since transformers
+    has no ``deepseek_v41``."""
+    get = config.get
+    ratios = get("compress_ratios")
+    if not isinstance(ratios, list) or len(ratios) < layers or not all(is_whole(r) and r >= 0 for r in ratios):
+        raise UsageError(f"{name}: compress_ratios must give a whole number >= 0 for each of the {layers} layers")
+    ratios = ratios[:layers]
+    sources = _layer_ids(config, "kv_source_layer_ids", layers, name)
+    index_sources = _layer_ids(config, "index_source_layer_ids", layers, name) if get("index_source_layer_ids") is not None else sources
+    compressing = [i for i, r in enumerate(ratios) if r]
+    if any(ratios[i] == 0 for i in sources) or (compressing and compressing[0] not in sources):
+        raise UsageError(f"{name}: kv_source_layer_ids {list(sources)} must be compressing layers, the first of them "
+                         f"layer {compressing[0] if compressing else '-'}: every compressing layer reads a source at "
+                         f"or before it")
+    for i in compressing:  # a reuser reads the nearest source before it, which must compress at its rate
+        source = max(s for s in sources if s <= i)
+        if ratios[source] != ratios[i]:
+            raise UsageError(f"{name}: layer {i} (compress ratio {ratios[i]}) would reuse layer {source}'s entries "
+                             f"(ratio {ratios[source]}); a layer reuses a source of its own ratio")
+    head_dim = _positive_int(get("head_dim", 512), "head_dim", name)
+    rope = get("qk_rope_head_dim")
+    window = _positive_int(get("sliding_window", 128), "sliding_window", name)
+    shape = V4Shape(layers=[("csa", r) if r else ("sliding", 0) for r in ratios], window=window,
+                    rope=int(rope if rope is not None else 64), index_dim=_positive_int(get("index_head_dim", 128),
+                                                                                  "index_head_dim", name),
+                    kv_sources=sources, index_sources=index_sources, reference_layout=True)
+    notes = [f"DeepSeek-V4.1: every layer keeps a ring of its newest {window} tokens' K=V entries; only layers "
+             f"{', '.join(map(str, sources))} store compressed entries (one per "
+             f"{' or '.join(str(r) for r in sorted({ratios[i] for i in sources}, reverse=True))} tokens) and indexer "
+             f"keys, the {len(compressing) - len(sources)} other compressing layers reuse the nearest source's; "
+             f"{len(index_sources)} layers ({', '.join(map(str, index_sources))}) run the indexer over those keys",
+             "planned as the reference inference code holds the cache (transformers has no deepseek_v41): the "
+             "compressors' pending tokens, a few entries a layer, are not planned"]
+    return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers,
+                     kv_heads=_positive_int(get("num_key_value_heads", 1), "num_key_value_heads", name),
+                     head_dim=head_dim, windows=[window] * layers, v4=shape, storage=_storage_of(config, name),
+                     num_attention_heads=_optional_int(config, "num_attention_heads", name),
+                     model_type=str(get("model_type") or "deepseek_v41"), weights=weights_of(config),
                      num_parameters=get("num_parameters"), max_position=get("max_position_embeddings"), notes=notes)
 
 
@@ -580,5 +704,5 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
     return load_model_spec(config)
 
 
-__all__ = ["HUB_PRESETS", "ModelSpec", "PRESETS", "V4Shape", "Weights", "gguf_spec", "hub_offline", "load_model_spec",
+__all__ = ["HUB_PRESETS", "MXFP4_BYTES", "ModelSpec", "PRESETS", "V4Shape", "Weights", "expert_parameters", "gguf_spec", "hub_offline", "load_model_spec",
            "preset_names", "spec_from_config", "weights_of"]

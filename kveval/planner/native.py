@@ -8,7 +8,10 @@ This module owns the part layout of every cache the planner knows and the storag
 * DeepSeek-V4: every layer's sliding window of K=V entries (``window``), CSA layers' compressed entries
   (``csa-entries``, one per ``compress_rate`` tokens) and indexer entries (``csa-indexer``), HCA layers'
   compressed entries (``hca-entries``), and the constant-size state that waits for a window to close (``state``:
-  ``buffer_kv``/``buffer_gate``, CSA's ``overlap_kv``/``overlap_gate``).
+  ``buffer_kv``/``buffer_gate``, CSA's ``overlap_kv``/``overlap_gate``);
+* DeepSeek-V4.1: V4's ``window``, ``csa-entries`` and ``csa-indexer`` (every compressing layer is sparse, one entry
+  per 2 or per 1 token), the entries and keys stored in the ``kv_source_layer_ids`` only, as its reference inference
+  code holds them (:class:`~kveval.planner.model_specs.V4Shape`).
 
 The layout is what transformers' own cache classes hold (``DynamicIndexedLayer``, ``DeepseekV4CSACache``,
 ``DeepseekV4HCACache``, ``DynamicSlidingWindowLayer``): tests run tiny models of both and require the planned bytes to
@@ -31,7 +34,8 @@ from kveval.planner.model_specs import ModelSpec
 @dataclass(frozen=True)
 class Storage:
     """How a part stores one entry: ``bits`` per value (``None``: the planned dtype), the RoPE values of the entry
-    at ``rope_bits`` (``None``: as the others), and one ``scale_bytes`` scale per ``group`` non-RoPE values."""
+    at ``rope_bits`` (``None``: as the others), and one ``scale_bytes`` scale per ``group`` non-RoPE values (every
+    value, RoPE ones included, where ``whole_entry``: a format quantized after RoPE)."""
 
     name: str
     bits: float | None
@@ -39,13 +43,15 @@ class Storage:
     scale_bytes: int = 0
     group: int = 0
     about: str = ""
+    whole_entry: bool = False
 
     def entry_bytes(self, width: int, rope: int, dtype_bytes: int) -> int:
         """Bytes of one entry of ``width`` values, ``rope`` of them RoPE values."""
         bits = dtype_bytes * 8 if self.bits is None else self.bits
         rope_bits = bits if self.rope_bits is None else self.rope_bits
         plain = width - rope
-        scales = math.ceil(plain / self.group) * self.scale_bytes if self.group else 0
+        scaled = width if self.whole_entry else plain
+        scales = math.ceil(scaled / self.group) * self.scale_bytes if self.group else 0
         return math.ceil(plain * bits / 8 + rope * rope_bits / 8) + scales
 
 
@@ -64,6 +70,12 @@ FORMATS: dict[str, Storage] = {s.name: s for s in (
                   "(DeepSeek-V4's KV entries; vLLM pads the 7 scale bytes to 8, not counted)"),
     Storage("fp4-32", 4, scale_bytes=1, group=32,
             about="FP4 with a 1-byte scale per 32 values (MXFP4-style; assumed for V4's indexer keys)"),
+    Storage("fp8-32", 8, scale_bytes=1, group=32, whole_entry=True,
+            about="FP8 E4M3 for every value, RoPE ones included, with a 1-byte UE8M0 scale per 32 (MXFP8: "
+                  "DeepSeek-V4.1's window, 528 bytes an entry of 512)"),
+    Storage("fp4-16", 4, scale_bytes=1, group=16, whole_entry=True,
+            about="FP4 E2M1 for every value, after RoPE, with a 1-byte E4M3 scale per 16 (NVFP4's blocks, no "
+                  "per-tensor scale: DeepSeek-V4.1's compressed KV, 288 bytes an entry of 512)"),
     Storage("6bit", 6, about="6 bits per value on average, scales included (DeepSeek-V2's deployment)"),
 )}
 
@@ -129,7 +141,8 @@ def part_widths(spec: ModelSpec) -> dict[str, tuple[int, int]]:
                "csa-entries": (spec.head_dim, v4.rope), "csa-indexer": (v4.index_dim, 0), "state": (1, 0)}
         kinds = {kind for kind, _ in v4.layers}
         return {k: w for k, w in out.items()
-                if not (k.startswith("csa") and "csa" not in kinds or k.startswith("hca") and "hca" not in kinds)}
+                if not (k.startswith("csa") and "csa" not in kinds or k.startswith("hca") and "hca" not in kinds
+                        or k == "state" and v4.reference_layout)}
     if spec.mla_dim is not None:
         out = {"latent": (spec.mla_dim - spec.mla_rope, 0), "rope": (spec.mla_rope, spec.mla_rope)}
         if spec.indexer_dim:
@@ -203,6 +216,16 @@ def _v4_layers(spec: ModelSpec, tokens: int, entry, growth, add) -> None:
     """
     v4 = spec.v4
     window = v4.window
+    if v4.reference_layout:  # V4.1: one ring of `window` entries a layer; entries and keys in the sources only
+        held = min(tokens, window) * spec.kv_heads
+        for i, (kind, rate) in enumerate(v4.layers):
+            parts = {"window": held}
+            if kind != "sliding" and v4.stores_entries(i):
+                parts |= {f"{kind}-entries": tokens // rate} | ({"csa-indexer": tokens // rate} if kind == "csa" else {})
+                for part in parts.keys() - {"window"}:
+                    growth[part] += entry[part] / rate
+            add(parts, i, kind if kind == "sliding" or v4.stores_entries(i) else f"{kind}-reuse", window, tokens)
+        return
     held = min(tokens, window - 1)
     for i, (kind, rate) in enumerate(v4.layers):
         if kind == "sliding":

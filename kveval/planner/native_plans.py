@@ -35,6 +35,9 @@ def plans_native(spec: ModelSpec, stack, overrides: dict[str, str]) -> bool:
     if not stack.is_none and overrides:
         raise UsageError(f"{stack.spec}: storage overrides size the native cache (policy none); under a policy its "
                          f"own coding stores each part: drop --storage")
+    if not stack.is_none and spec.v4 is not None and spec.v4.reference_layout:
+        raise UsageError(f"{stack.spec}: kveval has no cache of {spec.name} to compress (transformers has no "
+                         f"{spec.model_type}); plan its native cache with policy none, its storage with --storage")
     if not stack.is_none:
         check_planned_cache(spec, stack)
         indexer_types = ["full" if spec.keeps_indexer(i) else "shared" for i in range(spec.num_layers)]

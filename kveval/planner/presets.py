@@ -64,8 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "_name_or_path": "deepseek-ai/DeepSeek-V3", "model_type": "deepseek_v3", "num_hidden_layers": 61,
         "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280,
-        "max_position_embeddings": 163840, "n_routed_experts": 256,
-        "num_parameters": 671_026_419_200,
+        "max_position_embeddings": 163840, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3, "num_parameters": 671_026_419_200,
         # its config.json's: the checkpoint's weights are FP8 (1 byte per parameter; :func:`weights_of`)
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "weight_block_size": [128, 128]},
@@ -94,7 +94,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
         "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
         "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "vocab_size": 129280,
-        "max_position_embeddings": 163840, "n_routed_experts": 256, "num_parameters": 671_026_419_200,
+        "max_position_embeddings": 163840, "n_routed_experts": 256, "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3, "num_parameters": 671_026_419_200,
         "kv_storage": {"latent": "fp8-128", "rope": "bf16", "indexer": "fp8-128"},
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "weight_block_size": [128, 128]},
@@ -110,6 +111,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sliding_window": 128, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0], "vocab_size": 129280,
         "max_position_embeddings": 1048576, "n_routed_experts": 256,
         "kv_storage": _V4_STORAGE,
+        # Weights as the checkpoint ships them: FP8 blocks of 128 x 128, the routed experts MXFP4 (vLLM's
+        # DeepseekV4FP8Config: "DeepSeek V4 checkpoints always use FP8 block quantization for linear/attention
+        # layers", expert_dtype "fp4" for V4-Flash). Assumed, as its config.json was not at hand: 284e9 parameters
+        # (the model card's rounded count) and moe_intermediate_size 2048 (276.97e9 routed-expert parameters).
+        "moe_intermediate_size": 2048, "num_parameters": 284_000_000_000, "expert_dtype": "fp4",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
+    },
+    # DeepSeek-V4.1-Flash: 40 layers; compress_ratios 0 (layers 0-1: window only), 2 (2-19), 1 (20-39), plus three
+    # entries for the draft model (not planned); one K=V latent of 512 (64 RoPE) and a 128-token window in every
+    # layer. Cross-layer reuse: only kv_source_layer_ids store compressed KV and the indexer keys (index_k) beside it;
+    # the 8 index_source_layer_ids run the indexer over the nearest source's keys, and candidate_source_layer_id 20
+    # splits them into a prefix and a candidate path. The layer lists and hidden_size are as public reimplementations
+    # of the checkpoint read its config.json (transformers 5.25 has none). Stored as the V4.1 report describes:
+    # compressed KV in FP4 after RoPE (E2M1, an E4M3 scale per 16: 288 B an entry), the window in FP8 (UE8M0 per 32:
+    # 528 B), indexer keys in FP4 (UE8M0 per 32: 68 B). Its 890 B/token: 3 sources at ratio 2 and 1 at ratio 1.
+    "deepseek-v4.1-flash": {
+        "_name_or_path": "deepseek-ai/DeepSeek-V4.1-Flash", "model_type": "deepseek_v41", "num_hidden_layers": 40,
+        "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+        "hidden_size": 5120, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+        "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "candidate_source_layer_id": 20, "vocab_size": 129280, "max_position_embeddings": 1048576,
+        "kv_storage": {"window": "fp8-32", "csa-entries": "fp4-16", "csa-indexer": "fp4-32"},
+        # weights stored as V4-Flash's (assumed: FP8 blocks, MXFP4 routed experts); its parameter count was not at
+        # hand, so an engine plan needs --weights
+        "expert_dtype": "fp4",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]},
     },
 }
 
@@ -118,7 +148,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # BF16 at 1M tokens, which this layout reproduces); the pattern follows V4-Flash's. Fields the planner does not read
 # and that were not found for V4-Pro (attention heads, q_lora_rank, index_topk) are left out.
 PRESETS["deepseek-v4-pro"] = {k: v for k, v in PRESETS["deepseek-v4-flash"].items()
-                              if k not in ("num_attention_heads", "q_lora_rank", "index_topk")} | {
+                              if k not in ("num_attention_heads", "q_lora_rank", "index_topk", "num_parameters",
+                                           "moe_intermediate_size")} | {
     "_name_or_path": "deepseek-ai/DeepSeek-V4-Pro", "num_hidden_layers": 61, "hidden_size": 7168,
     "n_routed_experts": 384, "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
 }
@@ -127,7 +158,8 @@ PRESETS["deepseek-v4-pro"] = {k: v for k, v in PRESETS["deepseek-v4-flash"].item
 _ALIASES = {"gemma3-27b": "gemma-3-27b", "gemma-3-270m": "gemma3-270m", "llama2-7b": "llama-2-7b",
             "llama3.1-8b": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b", "smollm2": "smollm2-135m",
             "deepseek-v3-671b": "deepseek-v3", "deepseek-llm-67b": "deepseek-67b", "deepseek-v32": "deepseek-v3.2",
-            "deepseek-v4": "deepseek-v4-flash"}
+            "deepseek-v4": "deepseek-v4-flash",
+            "deepseek-v4.1": "deepseek-v4.1-flash"}
 
 
 
