@@ -63,6 +63,7 @@ from kveval.cache.coded_rows import SharedScratch
 from kveval.cache.decode_evictions import DeferredEvictions
 from kveval.cache.layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.cache.rows import RowState
+from kveval.cache.shared_layers import ReadingLayer
 from kveval.calibration import retrieval_heads
 from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling import architectures
@@ -254,13 +255,15 @@ class CompressedCache(Cache):
         self._protect_last: list[int] | None = None
         #: Decode budgets of the current forward's layers, kept together after its last attention layer.
         self.evictions = DeferredEvictions()
+        #: Reading layer -> the layer whose K/V it reads and stores nothing of its own (a structure across layers).
+        self.reused = self._reused_layers(plans)
         super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
         #: The index of the last layer that runs attention in a forward (it keeps the deferred evictions).
         self.last_attention_layer = max((layer.layer_idx for layer in self.attention_layers), default=-1)
 
     def _check_representation(self, policy: PolicyStack, value_dim: int) -> None:
         """Refuse a quantizer whose groups do not divide the head dims (at construction, before any forward)."""
-        if policy.quantization is not None and policy.structure is None:
+        if policy.quantization is not None and (policy.structure is None or policy.structure.keeps_head_widths):
             # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
             for dim in sorted({self.head_dim, value_dim}):
                 policy.quantization.check_head_dim(dim)
@@ -278,8 +281,32 @@ class CompressedCache(Cache):
                 f"{policy.selection.spec()} selects on full-attention or sliding-window layers only; evaluate a "
                 f"quantization or low-rank policy")
 
+    def _reused_layers(self, plans: "list[architectures.LayerPlan]") -> dict[int, int]:
+        """The stack's structure's reading layers (:meth:`~kveval.policies.base.StructurePolicy.reused_layers`) on this
+        model, whose attention layers are of one kind per window and chunking (a hybrid layer's state is its own:
+        never read by another). Refused with a prefill shared by several policies, and with a selection scoring by
+        reconstruction forwards (KVzip's), which score each layer's own queries."""
+        structure = self.policy.structure
+        if structure is None or not self.policy.cross_layer:
+            return {}
+        kinds = [(plan.sliding_window, plan.chunked) if plan.kind == architectures.ATTENTION else None for plan in plans]
+        reused = structure.reused_layers(kinds)
+        if reused and self.awaiting_reconstruction:
+            raise UsageError(f"{self.policy.spec}: {self.policy.selection.spec()} scores each layer by its own queries "
+                             f"in reconstruction forwards, which reading layers do not keep; use a selection scored "
+                             f"at the prefill")
+        if reused and self.defer_compression:
+            raise UsageError(f"{self.policy.spec}: layers reading other layers' K/V change what the prefill computes; "
+                             f"it cannot be one prefill shared by several policies: prefill it alone")
+        return reused
+
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
-        """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
+        """Attention layers are compressed, or read another's (:attr:`reused`); state layers are transformers' own;
+        others hold nothing."""
+        if layer_idx in self.reused:
+            source = self.reused[layer_idx]
+            last = max(i for i, s in self.reused.items() if s == source)
+            return ReadingLayer(self, layer_idx, source, last_reader=layer_idx == last)
         if plan.kind == architectures.ATTENTION:
             return CompressedLayer(self, layer_idx, plan.sliding_window, chunked=plan.chunked)
         if plan.kind == architectures.NATIVE:
@@ -293,6 +320,11 @@ class CompressedCache(Cache):
     @property
     def attention_layers(self) -> list["CompressedLayer"]:
         return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    @property
+    def reading_layers(self) -> list[ReadingLayer]:
+        """The layers that read another layer's K/V and store nothing (:attr:`reused`)."""
+        return [layer for layer in self.layers if isinstance(layer, ReadingLayer)]
 
     @property
     def state_layers(self) -> list[LinearAttentionLayer]:
@@ -497,6 +529,11 @@ class CompressedCache(Cache):
                     kv += r.store.nbytes
                     nominal += layer.nominal_tokens(r) * per_token
             kept.append([layer.rows[b].kept_tokens() for b in numbers])
+        for layer in self.reading_layers:  # they hold nothing; the model's own cache would hold their source's count
+            source = layer.source
+            numbers = range(len(source.rows)) if row is None else [row]
+            nominal += sum(source.nominal_tokens(source.rows[b]) for b in numbers) * source.token_elements * self.kv_dtype.itemsize
+            kept.append([0 for _ in numbers])
         first = self.attention_layers[0].rows if self.attention_layers else []
         seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
         return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row) + state, dtype_name(self.kv_dtype),

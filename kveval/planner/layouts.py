@@ -24,7 +24,7 @@ class LayerPlan:
     """One layer for one sequence: its kind, window, tokens held and bytes."""
 
     index: int
-    kind: str  # "full", "sliding" or "mla"
+    kind: str  # "full", "sliding", "mla", "state", or "reads N" (layer N's K/V, holding nothing)
     window: int | None
     tokens: int
     bytes: int
@@ -116,7 +116,7 @@ class StreamLayout:
 
 def _token_coded_layout(spec: ModelSpec, stack, coding: PlannedCoding) -> StreamLayout:
     quant = stack.quantization
-    if stack.structure is not None:
+    if stack.structure is not None and not stack.structure.keeps_head_widths:
         raise UsageError(f"{quant.spec()}: codes K/V heads, not low-rank coefficients")
     if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
         if Need.ROPE_HOOK in quant.needs:
@@ -297,11 +297,26 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
     return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
 
 
+def reading_layers(spec: ModelSpec, stack) -> dict[int, int]:
+    """Layers that store nothing and read another layer's K/V under ``stack``'s structure (reading layer -> source),
+    as the cache makes them (:meth:`~kveval.policies.base.StructurePolicy.reused_layers`): attention layers of one
+    kind per window and chunking."""
+    if stack.structure is None:
+        return {}
+    chunked = spec.chunked or [False] * spec.num_layers
+    return stack.structure.reused_layers([(spec.windows[i], chunked[i]) if holds else None
+                                          for i, holds in enumerate(spec.holds_kv)])
+
+
 def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, new_tokens: int,
                      dtype_bytes: int, achieved_ratio: float | None = None) -> list[LayerPlan]:
     out = []
     selecting = selection_layers(spec) if stack.selection is not None else [False] * spec.num_layers
+    reading = reading_layers(spec, stack)
     for i, selects in enumerate(selecting):
+        if i in reading:  # reads layer reading[i]'s K/V: holds nothing
+            out.append(LayerPlan(i, f"reads {reading[i]}", spec.windows[i], 0, 0))
+            continue
         tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects, achieved_ratio)
         if layout.coded is not None:
             window = spec.windows[i]  # the oldest position its window still holds, selected or not
@@ -319,5 +334,5 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
     return out
 
 
-__all__ = ["LayerPlan", "MemoryPlan", "StreamLayout", "policy_stack", "selection_layers", "sequence_layers",
+__all__ = ["LayerPlan", "MemoryPlan", "StreamLayout", "policy_stack", "reading_layers", "selection_layers", "sequence_layers",
            "stream_bytes", "stream_layout", "stream_per_token"]

@@ -65,6 +65,7 @@ from kveval.planner.layouts import (
     LayerPlan,
     MemoryPlan,
     policy_stack,
+    reading_layers,
     sequence_layers,
     stream_layout,
     stream_per_token,
@@ -104,7 +105,7 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     base_layout = stream_layout(spec, policy_stack(None), [])
     layers = sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes, achieved_ratio)
     base_layers = sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
-    kv_layers = sum(spec.holds_kv)
+    kv_layers = sum(spec.holds_kv) - len(reading_layers(spec, stack))  # layers reading another's store nothing
     if layout.coded is not None:  # coded K and V of their widths
         per_stream = [b * kv_layers for b in layout.coded_per_token(dtype_bytes)]
     else:
