@@ -256,7 +256,7 @@ class CompressedCache(Cache):
         #: Decode budgets of the current forward's layers, kept together after its last attention layer.
         self.evictions = DeferredEvictions()
         #: Reading layer -> the layer whose K/V it reads and stores nothing of its own (a structure across layers).
-        self.reused = self._reused_layers(plans)
+        self.reused, self.merged = self._cross_layers(plans)
         super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
         #: The index of the last layer that runs attention in a forward (it keeps the deferred evictions).
         self.last_attention_layer = max((layer.layer_idx for layer in self.attention_layers), default=-1)
@@ -281,24 +281,39 @@ class CompressedCache(Cache):
                 f"{policy.selection.spec()} selects on full-attention or sliding-window layers only; evaluate a "
                 f"quantization or low-rank policy")
 
-    def _reused_layers(self, plans: "list[architectures.LayerPlan]") -> dict[int, int]:
-        """The stack's structure's reading layers (:meth:`~kveval.policies.base.StructurePolicy.reused_layers`) on this
-        model, whose attention layers are of one kind per window and chunking (a hybrid layer's state is its own:
-        never read by another). Refused with a prefill shared by several policies, and with a selection scoring by
-        reconstruction forwards (KVzip's), which score each layer's own queries."""
+    def _cross_layers(self, plans: "list[architectures.LayerPlan]") -> tuple[dict[int, int], dict[int, int]]:
+        """The stack's structure's reading layers and merged pairs on this model
+        (:meth:`~kveval.policies.base.StructurePolicy.reused_layers`, ``merged_layers``), whose attention layers are of
+        one kind per window and chunking (a hybrid layer's state is its own: never read by another). Refused with a
+        prefill shared by several policies, and with a selection scoring by reconstruction forwards (KVzip's),
+        which score each layer's own queries."""
         structure = self.policy.structure
         if structure is None or not self.policy.cross_layer:
-            return {}
+            return {}, {}
         kinds = [(plan.sliding_window, plan.chunked) if plan.kind == architectures.ATTENTION else None for plan in plans]
         reused = structure.reused_layers(kinds)
+        merged = structure.merged_layers(kinds)
         if reused and self.awaiting_reconstruction:
             raise UsageError(f"{self.policy.spec}: {self.policy.selection.spec()} scores each layer by its own queries "
                              f"in reconstruction forwards, which reading layers do not keep; use a selection scored "
                              f"at the prefill")
-        if reused and self.defer_compression:
+        if self.defer_compression:
             raise UsageError(f"{self.policy.spec}: layers reading other layers' K/V change what the prefill computes; "
                              f"it cannot be one prefill shared by several policies: prefill it alone")
-        return reused
+        return reused, merged
+
+    def merge_rows(self, layer: CompressedLayer, rows: list[int]) -> None:
+        """Rows ``rows`` of ``layer``, the later layer of a merged pair (:attr:`merged`), just compressed at the end
+        of their prefill: merged with the earlier layer's (compressed in the same forward) by the structure. Both
+        layers' buffers are rebuilt from the merged stores at the next forward."""
+        earlier = self.layers[self.merged[layer.layer_idx]]
+        for b in rows:
+            first, second = earlier.rows[b], layer.rows[b]
+            if not torch.equal(first.positions, second.positions):
+                raise RuntimeError(f"layers {earlier.layer_idx} and {layer.layer_idx} hold different tokens of row {b}; "
+                                   f"they cannot be merged")
+            first.store, second.store = self.policy.structure.merge_stores(first.store, second.store)
+        earlier.rows, layer.rows = earlier.rows, layer.rows
 
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
         """Attention layers are compressed, or read another's (:attr:`reused`); state layers are transformers' own;

@@ -118,6 +118,8 @@ class LayerCompression:
         if fresh:
             self.compress_rows([rows[b] for b in fresh], [self.cache.protected(b) for b in fresh])
             self._settle_compressed_rows()
+            if self.layer_idx in self.cache.merged:  # the later layer of a merged pair (MiniCache)
+                self.cache.merge_rows(self, fresh)
 
     def _observe(self, query, keys, probabilities: AttentionProbabilities, key: tuple) -> None:
         """Accumulate, per row, the attention mass each kept token received from the queries ``key`` names.

@@ -425,6 +425,8 @@ class StructurePolicy(RepresentationPolicy):
     #: Stored tokens keep the model's head widths (a structure across layers: ``share``), so a stacked quantizer
     #: codes K/V heads as it would with no structure, and is checked against the head dims.
     keeps_head_widths: ClassVar[bool] = False
+    #: The families this structure stacks with (:func:`kveval.policies.spec.parse_policy` refuses the others).
+    stacks_with: ClassVar[frozenset[str]] = frozenset({"selection", "quantization"})
 
     @abstractmethod
     def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
@@ -440,6 +442,24 @@ class StructurePolicy(RepresentationPolicy):
         layer ``i`` is of kind ``layer_kinds[i]`` (equal kinds: same window, chunking and head layout; ``None``: no
         K/V). The cache gives such a layer no store, the planner sizes it at 0 bytes. Default: none."""
         return {}
+
+    def merged_layers(self, layer_kinds: "Sequence[Hashable | None]") -> dict[int, int]:
+        """Pairs of layers whose prefill tokens are merged into one store each (MiniCache): later layer -> earlier
+        layer, on a model of ``layer_kinds`` as in :meth:`reused_layers`. The cache merges a pair's rows with
+        :meth:`merge_stores` once the later layer has compressed its prefill; the planner sizes the pair with
+        :meth:`merged_bytes`. Default: none."""
+        return {}
+
+    def merge_stores(self, first, second):
+        """The stores of one sequence in a pair's earlier and later layer (:meth:`merged_layers`), as the two stores
+        that replace them. Reached only for a structure that names pairs."""
+        raise NotImplementedError(f"{self.spec()} merges no layers")
+
+    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, k_width: int, v_width: int,
+                     dtype_bytes: int) -> tuple[int, int]:
+        """Bytes of a merged pair's earlier and later layer after ``tokens`` prefill tokens and ``new_tokens`` more.
+        Reached only for a structure that names pairs."""
+        raise NotImplementedError(f"{self.spec()} merges no layers")
 
     def model_widths(self, kv_heads: int, head_dim: int) -> dict[str, int] | None:
         """Numbers per token and KV head of K and V on a model of ``kv_heads`` heads of ``head_dim``, checked against

@@ -42,6 +42,7 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "lowrank": ("kveval.policies.lowrank", "LowRankPolicy"),
     "latent": ("kveval.policies.latent", "LatentPolicy"),
     "share": ("kveval.policies.share", "SharePolicy"),
+    "minicache": ("kveval.policies.minicache", "MiniCachePolicy"),
     "quant": ("kveval.policies.quant", "QuantPolicy"),
     "kivi": ("kveval.policies.quant", "KiviPolicy"),
     "fp8": ("kveval.policies.quant", "Fp8Policy"),
