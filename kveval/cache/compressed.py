@@ -528,7 +528,16 @@ class CompressedCache(Cache):
         """Measured and nominal bytes, and kept tokens per layer, for the batch or one of its rows."""
         kv = index = nominal = state = 0
         kept, parts, nominal_parts = [], {}, {}
-        for layer in self.attention_layers:
+        for layer in self.layers:
+            if isinstance(layer, ReadingLayer):  # holds nothing; the model's own cache holds what its source would
+                source = layer.source
+                numbers = range(len(source.rows)) if row is None else [row]
+                per_token = source.token_elements * self.kv_dtype.itemsize
+                nominal += sum(source.nominal_tokens(source.rows[b]) for b in numbers) * per_token
+                kept.append([0 for _ in numbers])
+                continue
+            if not isinstance(layer, CompressedLayer):
+                continue
             numbers = range(len(layer.rows)) if row is None else [row]
             per_token = layer.token_elements * self.kv_dtype.itemsize
             for b in numbers:
@@ -544,11 +553,6 @@ class CompressedCache(Cache):
                     kv += r.store.nbytes
                     nominal += layer.nominal_tokens(r) * per_token
             kept.append([layer.rows[b].kept_tokens() for b in numbers])
-        for layer in self.reading_layers:  # they hold nothing; the model's own cache would hold their source's count
-            source = layer.source
-            numbers = range(len(source.rows)) if row is None else [row]
-            nominal += sum(source.nominal_tokens(source.rows[b]) for b in numbers) * source.token_elements * self.kv_dtype.itemsize
-            kept.append([0 for _ in numbers])
         first = self.attention_layers[0].rows if self.attention_layers else []
         seen = [r.tokens_seen for r in (first if row is None else first[row:row + 1])]
         return CacheStats(kv, nominal, index, seen, kept, self._state_bytes(row) + state, dtype_name(self.kv_dtype),
