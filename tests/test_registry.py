@@ -21,7 +21,8 @@ def test_every_builtin_is_registered_once_under_its_own_name():
     assert all(name == cls.name for name, cls in POLICIES.items())
     assert {"none", "window", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "duo",
             "lowrank", "latent", "quant", "kivi", "fp8", "kvquant", "llamacpp", "vllm", "sglang", "trtllm",
-            "keydiff", "lagkv", "cur", "criticalkv", "chunkkv", "expected_attention", "threshold", "indexer", "rkv", "kvzip"} == set(POLICIES)
+            "keydiff", "lagkv", "cur", "criticalkv", "chunkkv", "expected_attention", "threshold", "indexer", "rkv", "kvzip",
+            "share", "minicache"} == set(POLICIES)
 
 
 def test_a_taken_name_is_refused_and_the_first_class_stays():
