@@ -117,6 +117,17 @@ def test_planned_equals_measured(spec, dtype, size):
     assert len(readers) == len(cache.reused) and all(layer.bytes == 0 for layer in readers)
 
 
+def test_bytes_per_token_count_what_each_layer_stores():
+    """SmolLM2-135M (30 layers, 3 KV heads x 64, bf16: 768 B per layer and token): share(groups=2) stores 15
+    layers; minicache(retain=0) pairs layers 15-29 into 7 pairs of one direction (64) and two magnitudes per head, K
+    and V, beside 16 whole layers."""
+    shared = plan("smollm2-135m", 4096, policy=parse_policy("share(groups=2)"))
+    merged = plan("smollm2-135m", 4096, policy=parse_policy("minicache(retain=0)"))
+    assert shared.bytes_per_token == 15 * 768 and shared.sequence_bytes == 15 * 768 * 4096
+    assert merged.bytes_per_token == 16 * 768 + 7 * 2 * 3 * (64 + 2) * 2
+    assert merged.sequence_bytes == merged.bytes_per_token * 4096
+
+
 def test_sliding_and_full_layers_never_share():
     """Gemma 3's sliding and full layers: groups= groups each kind apart; map= across kinds is refused in one line
     before a forward, and the planner refuses it too."""

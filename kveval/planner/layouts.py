@@ -329,9 +329,8 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
             continue
         if i in pairs:  # a merged pair's earlier (0) or later (1) layer
             which, kind = pairs[i]
-            (_, heads, k_dim, _), *rest = layout.streams
-            v_dim = rest[0][2] if rest else 0
-            size = stack.structure.merged_bytes(context, new_tokens, heads, k_dim, v_dim, dtype_bytes)[which]
+            size = sum(stack.structure.merged_bytes(context, new_tokens, heads, dim, dtype_bytes)[which]
+                       for _, heads, dim, _ in layout.streams)
             out.append(LayerPlan(i, kind, spec.windows[i], context + new_tokens, size))
             continue
         tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects, achieved_ratio)

@@ -455,10 +455,9 @@ class StructurePolicy(RepresentationPolicy):
         that replace them. Reached only for a structure that names pairs."""
         raise NotImplementedError(f"{self.spec()} merges no layers")
 
-    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, k_width: int, v_width: int,
-                     dtype_bytes: int) -> tuple[int, int]:
-        """Bytes of a merged pair's earlier and later layer after ``tokens`` prefill tokens and ``new_tokens`` more.
-        Reached only for a structure that names pairs."""
+    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, width: int, dtype_bytes: int) -> tuple[int, int]:
+        """Bytes of one stream (K or V, ``heads`` heads of rows ``width`` wide) in a merged pair's earlier and later
+        layer after ``tokens`` prefill tokens and ``new_tokens`` more. Reached only for a structure that names pairs."""
         raise NotImplementedError(f"{self.spec()} merges no layers")
 
     def model_widths(self, kv_heads: int, head_dim: int) -> dict[str, int] | None:

@@ -87,18 +87,13 @@ class MiniCachePolicy(StructurePolicy):
                                   f"are never merged)")
         return pairs
 
-    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, k_width: int, v_width: int,
-                     dtype_bytes: int) -> tuple[int, int]:
-        """Bytes of the earlier and the later layer of a pair after ``tokens`` prefill tokens were merged and
-        ``new_tokens`` appended (held whole), for ``heads`` KV heads of K rows ``k_width`` and V rows ``v_width``."""
+    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, width: int, dtype_bytes: int) -> tuple[int, int]:
+        """Bytes of one stream (K or V: ``heads`` KV heads of rows ``width`` wide) in the earlier and the later layer
+        of a pair, after ``tokens`` prefill tokens were merged and ``new_tokens`` appended (held whole)."""
         r = self.retained(tokens)
         merged = tokens - r
-        earlier = later = 0
-        for width in (k_width, v_width):
-            own = merged * dtype_bytes + (r + new_tokens) * width * dtype_bytes
-            earlier += heads * (own + merged * width * dtype_bytes + r * SLOT_BYTES)
-            later += heads * own
-        return earlier, later
+        own = merged * dtype_bytes + (r + new_tokens) * width * dtype_bytes
+        return heads * (own + merged * width * dtype_bytes + r * SLOT_BYTES), heads * own
 
     def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
         """Layers outside the pairs store the model's own streams (the pairs: :meth:`merged_bytes`)."""
