@@ -298,9 +298,11 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
 
 
 def _layer_kinds(spec: ModelSpec) -> list:
-    """Each layer's kind as a structure across layers reads it: ``(window, chunked)``, ``None`` without K/V."""
+    """Each layer's kind as a structure across layers reads it, as the cache does: ``(window, chunked)``, ``None``
+    without K/V or beside a state of its own (a hybrid layer: never shared)."""
     chunked = spec.chunked or [False] * spec.num_layers
-    return [(spec.windows[i], chunked[i]) if holds else None for i, holds in enumerate(spec.holds_kv)]
+    hybrid = spec.hybrid or [False] * spec.num_layers
+    return [(spec.windows[i], chunked[i]) if holds and not hybrid[i] else None for i, holds in enumerate(spec.holds_kv)]
 
 
 def reading_layers(spec: ModelSpec, stack) -> dict[int, int]:

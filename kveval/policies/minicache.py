@@ -83,7 +83,7 @@ class MiniCachePolicy(StructurePolicy):
         pairs = {paired[j + 1]: paired[j] for j in range(0, len(paired) - 1, 2)}
         if not pairs:
             raise PolicySpecError(f"{self.spec()}: this model has {len(paired)} full-attention layer(s) from layer "
-                                  f"{start} on, no pair to merge; give an earlier start= (sliding and chunked layers "
+                                  f"{start} on, no pair to merge; give an earlier start= (sliding, chunked and hybrid layers "
                                   f"are never merged)")
         return pairs
 
