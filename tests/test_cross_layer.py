@@ -142,6 +142,9 @@ def test_sliding_and_full_layers_never_share():
     message = "layers 2 and 1 are of different kinds"
     assert_one_line_error(lambda: CompressedCache(model, parse_policy("share(map=2:1)")), PolicySpecError, message)
     assert_one_line_error(lambda: plan(model.config, 40, policy=parse_policy("share(map=2:1)")), PolicySpecError, message)
+    assert_one_line_error(lambda: RunSpec.parse("share(map=2:1)").for_model(model.config), PolicySpecError, message)
+    assert_one_line_error(lambda: RunSpec.parse("share(map=9:1)").for_model(model.config), PolicySpecError,
+                          "layer 9 holds no K/V of its own on this model")
     # every layer slides: no pair of full layers for MiniCache
     sliding = tiny_gemma3(layer_types=["sliding_attention"] * 4)
     assert_one_line_error(lambda: CompressedCache(sliding, parse_policy("minicache")), PolicySpecError, "no pair to merge")
