@@ -78,6 +78,23 @@ def test_a_reading_layer_attends_to_exactly_its_sources_kv(attended, spec):
         assert by_layer[reader][-1][0][0, :, :stored_keys.shape[1]].shape == stored_keys.shape
 
 
+def test_a_reading_layer_reads_its_source_where_quantized_layers_decode_from_codes(attended):
+    """Decoding from codes (a GPU's default), a quantized layer's K/V are dequantized into a scratch every layer
+    shares: the reading layer still receives its source's, not the scratch's next tenant."""
+    model = _llama4()
+    cache = CompressedCache(model, parse_policy("share(groups=2)+kivi(bits=2,group=32,residual=4)"),
+                            quantized_decode="codes")
+    ids, steps = random_ids(40, 1), random_ids(6, 2)
+    with torch.no_grad():
+        model(ids, cache=cache, position_ids=torch.arange(40)[None])
+        for i in range(6):
+            model(steps[:, i:i + 1], cache=cache, position_ids=torch.tensor([[40 + i]]))
+    by_layer = _by_layer(attended)
+    for reader, source in cache.reused.items():
+        assert all(torch.equal(k, sk) and torch.equal(v, sv)
+                   for (k, v), (sk, sv) in zip(by_layer[reader], by_layer[source], strict=True))
+
+
 def test_share_with_every_layer_its_own_source_is_none_bit_for_bit():
     model = _llama4()
     base, base_cache = context_then_steps(model, "none", random_ids(40, 1), random_ids(3, 2))
