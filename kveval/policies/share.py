@@ -54,6 +54,14 @@ def parse_layer_map(name: str, text: str) -> dict[int, int]:
     return pairs
 
 
+def describe_kind(kind: Hashable) -> str:
+    """A layer kind as the cache and the planner give it, ``(window, chunked)``, in words."""
+    if isinstance(kind, tuple) and len(kind) == 2:
+        window, chunked = kind
+        return "full attention" if window is None else f"{window}-token {'chunks' if chunked else 'window'}"
+    return str(kind)
+
+
 @dataclass
 class SharePolicy(StructurePolicy):
     """Layers that read an earlier layer's K/V and store nothing (cross-layer attention, without training).
@@ -117,8 +125,8 @@ class SharePolicy(StructurePolicy):
                                           f"({len(layer_kinds)} layers); name attention layers")
             if layer_kinds[reader] != layer_kinds[source]:
                 raise PolicySpecError(f"{self.spec()}: layers {reader} and {source} are of different kinds "
-                                      f"({layer_kinds[reader]} and {layer_kinds[source]}: window, chunking or head "
-                                      f"layout), which hold different tokens; share within one kind")
+                                      f"({describe_kind(layer_kinds[reader])}, {describe_kind(layer_kinds[source])}), "
+                                      f"which hold different tokens; share within one kind")
         return dict(self._pairs)
 
     def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
@@ -130,4 +138,4 @@ class SharePolicy(StructurePolicy):
         return inner
 
 
-__all__ = ["SharePolicy", "parse_layer_map"]
+__all__ = ["SharePolicy", "describe_kind", "parse_layer_map"]
