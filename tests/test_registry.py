@@ -22,7 +22,7 @@ def test_every_builtin_is_registered_once_under_its_own_name():
     assert {"none", "window", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "duo",
             "lowrank", "latent", "quant", "kivi", "fp8", "fp4", "mxfp8", "kvquant", "llamacpp", "vllm", "sglang",
             "trtllm", "keydiff", "lagkv", "cur", "criticalkv", "chunkkv", "expected_attention", "threshold", "indexer",
-            "rkv", "kvzip", "deepseek_v41_storage"} == set(POLICIES)
+            "rkv", "kvzip", "deepseek_v41_storage", "share", "minicache"} == set(POLICIES)
 
 
 def test_a_taken_name_is_refused_and_the_first_class_stays():

@@ -63,6 +63,7 @@ from kveval.cache.coded_rows import SharedScratch
 from kveval.cache.decode_evictions import DeferredEvictions
 from kveval.cache.layers import CompressedHybridLayer, CompressedLayer, score_key
 from kveval.cache.rows import RowState
+from kveval.cache.shared_layers import ReadingLayer
 from kveval.calibration import retrieval_heads
 from kveval.errors import UnsupportedModelError, UsageError
 from kveval.modeling import architectures
@@ -256,13 +257,15 @@ class CompressedCache(Cache):
         self._protect_last: list[int] | None = None
         #: Decode budgets of the current forward's layers, kept together after its last attention layer.
         self.evictions = DeferredEvictions()
+        #: Reading layer -> the layer whose K/V it reads and stores nothing of its own (a structure across layers).
+        self.reused, self.merged = self._cross_layers(plans)
         super().__init__(layers=[self._new_layer(i, plan) for i, plan in enumerate(plans)])
         #: The index of the last layer that runs attention in a forward (it keeps the deferred evictions).
         self.last_attention_layer = max((layer.layer_idx for layer in self.attention_layers), default=-1)
 
     def _check_representation(self, policy: PolicyStack, value_dim: int) -> None:
         """Refuse a quantizer whose groups do not divide the head dims (at construction, before any forward)."""
-        if policy.quantization is not None and policy.structure is None:
+        if policy.quantization is not None and (policy.structure is None or policy.structure.keeps_head_widths):
             # With a structure policy the quantizer sees coefficients, checked against their rank by that policy.
             for dim in sorted({self.head_dim, value_dim}):
                 policy.quantization.check_head_dim(dim)
@@ -280,8 +283,47 @@ class CompressedCache(Cache):
                 f"{policy.selection.spec()} selects on full-attention or sliding-window layers only; evaluate a "
                 f"quantization or low-rank policy")
 
+    def _cross_layers(self, plans: "list[architectures.LayerPlan]") -> tuple[dict[int, int], dict[int, int]]:
+        """The stack's structure's reading layers and merged pairs on this model
+        (:meth:`~kveval.policies.base.StructurePolicy.reused_layers`, ``merged_layers``), whose attention layers are of
+        one kind per window and chunking (a hybrid layer's state is its own: never read by another). Refused with a
+        prefill shared by several policies, and with a selection scoring by reconstruction forwards (KVzip's),
+        which score each layer's own queries."""
+        structure = self.policy.structure
+        if structure is None or not self.policy.cross_layer:
+            return {}, {}
+        kinds = [(plan.sliding_window, plan.chunked) if plan.kind == architectures.ATTENTION else None for plan in plans]
+        reused = structure.reused_layers(kinds)
+        merged = structure.merged_layers(kinds)
+        if reused and self.awaiting_reconstruction:
+            raise UsageError(f"{self.policy.spec}: {self.policy.selection.spec()} scores each layer by its own queries "
+                             f"in reconstruction forwards, which reading layers do not keep; use a selection scored "
+                             f"at the prefill")
+        if self.defer_compression:
+            raise UsageError(f"{self.policy.spec}: layers reading other layers' K/V change what the prefill computes; "
+                             f"it cannot be one prefill shared by several policies: prefill it alone")
+        return reused, merged
+
+    def merge_rows(self, layer: CompressedLayer, rows: list[int]) -> None:
+        """Rows ``rows`` of ``layer``, the later layer of a merged pair (:attr:`merged`), just compressed at the end
+        of their prefill: merged with the earlier layer's (compressed in the same forward) by the structure. Both
+        layers' buffers are rebuilt from the merged stores at the next forward."""
+        earlier = self.layers[self.merged[layer.layer_idx]]
+        for b in rows:
+            first, second = earlier.rows[b], layer.rows[b]
+            if not torch.equal(first.positions, second.positions):
+                raise RuntimeError(f"layers {earlier.layer_idx} and {layer.layer_idx} hold different tokens of row {b}; "
+                                   f"they cannot be merged")
+            first.store, second.store = self.policy.structure.merge_stores(first.store, second.store)
+        earlier.rows, layer.rows = earlier.rows, layer.rows
+
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
-        """Attention layers are compressed; state layers are transformers' own; others hold nothing."""
+        """Attention layers are compressed, or read another's (:attr:`reused`); state layers are transformers' own;
+        others hold nothing."""
+        if layer_idx in self.reused:
+            source = self.reused[layer_idx]
+            last = max(i for i, s in self.reused.items() if s == source)
+            return ReadingLayer(self, layer_idx, source, last_reader=layer_idx == last)
         if plan.kind == architectures.ATTENTION:
             return CompressedLayer(self, layer_idx, plan.sliding_window, chunked=plan.chunked)
         if plan.kind == architectures.NATIVE:
@@ -295,6 +337,11 @@ class CompressedCache(Cache):
     @property
     def attention_layers(self) -> list["CompressedLayer"]:
         return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    @property
+    def reading_layers(self) -> list[ReadingLayer]:
+        """The layers that read another layer's K/V and store nothing (:attr:`reused`)."""
+        return [layer for layer in self.layers if isinstance(layer, ReadingLayer)]
 
     @property
     def state_layers(self) -> list[LinearAttentionLayer]:
@@ -483,7 +530,16 @@ class CompressedCache(Cache):
         """Measured and nominal bytes, and kept tokens per layer, for the batch or one of its rows."""
         kv = index = nominal = state = 0
         kept, parts, nominal_parts = [], {}, {}
-        for layer in self.attention_layers:
+        for layer in self.layers:
+            if isinstance(layer, ReadingLayer):  # holds nothing; the model's own cache holds what its source would
+                source = layer.source
+                numbers = range(len(source.rows)) if row is None else [row]
+                per_token = source.token_elements * self.kv_dtype.itemsize
+                nominal += sum(source.nominal_tokens(source.rows[b]) for b in numbers) * per_token
+                kept.append([0 for _ in numbers])
+                continue
+            if not isinstance(layer, CompressedLayer):
+                continue
             numbers = range(len(layer.rows)) if row is None else [row]
             per_token = layer.token_elements * self.kv_dtype.itemsize
             for b in numbers:

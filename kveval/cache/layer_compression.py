@@ -58,6 +58,7 @@ class LayerCompression:
     _slot_positions: "torch.Tensor | None"
     _mask: "torch.Tensor | None"
     contiguous: bool
+    shared_read: "SharedRead | None"
 
     def hide_evicted(self, attention_mask, query: torch.Tensor, key: torch.Tensor):
         """The mask attention runs under, given the one it was handed (the model's, or the layer's own): a layer that
@@ -72,8 +73,11 @@ class LayerCompression:
         probabilities ``[B, query_heads, q, slots]`` (softcapped, sink-diluted, ...)
         under a boolean mask; selection policies score with them. Decode budgets that
         may wait (:class:`~kveval.cache.decode_evictions.DeferredEvictions`) are kept once the
-        forward's last attention layer has run.
+        forward's last attention layer has run. What later layers read of this one's (:attr:`shared_read`) is copied
+        first: compression may change the tensors its attention read in place.
         """
+        if self.shared_read is not None:
+            self.shared_read = self.shared_read.detached()
         self._score_and_compress(query, keys, probabilities)
         if self.layer_idx == self.cache.last_attention_layer and self.cache.evictions.pending:
             self.cache.evictions.flush()
@@ -114,6 +118,8 @@ class LayerCompression:
         if fresh:
             self.compress_rows([rows[b] for b in fresh], [self.cache.protected(b) for b in fresh])
             self._settle_compressed_rows()
+            if self.layer_idx in self.cache.merged:  # the later layer of a merged pair (MiniCache)
+                self.cache.merge_rows(self, fresh)
 
     def _observe(self, query, keys, probabilities: AttentionProbabilities, key: tuple) -> None:
         """Accumulate, per row, the attention mass each kept token received from the queries ``key`` names.

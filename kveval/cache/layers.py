@@ -27,6 +27,7 @@ from kveval.cache.layer_decode import LayerDecode
 from kveval.cache.layer_masks import held_slots, positions_mask, visible_prefix
 from kveval.cache.layer_rows import LayerRows
 from kveval.cache.rows import RowState
+from kveval.cache.shared_layers import SharedRead
 from kveval.errors import UsageError
 from kveval.tensors.batch_buffer import BatchBuffer
 
@@ -59,6 +60,10 @@ class CompressedLayer(LayerCompression, LayerDecode, LayerRows, CacheLayerMixin)
         self._buffer_only_step = False  # the current forward wrote the buffer alone (nothing to score)
         self._oldest_held = 0  # where a selection acts in a sliding window: the oldest position held (_window_clear)
         self._window_moving = False  # that window has reached what the selection kept: decode row by row
+        #: Whether later layers read this one's K/V (:class:`~kveval.cache.shared_layers.ReadingLayer`), and what its
+        #: attention read in the current forward, kept for them until the last has attended.
+        self.read_by_others = layer_idx in cache.reused.values()
+        self.shared_read: SharedRead | None = None
 
     @property
     def takes_selection(self) -> bool:
@@ -121,6 +126,8 @@ class CompressedLayer(LayerCompression, LayerDecode, LayerRows, CacheLayerMixin)
         if kwargs is not None:
             kwargs["kveval_layer"] = self
             kwargs["kveval_mask"] = self._mask
+        if self.read_by_others:
+            self.shared_read = SharedRead(keys, values, self._mask)
         return keys, values
 
     def _new_positions(self, kwargs, real: torch.Tensor) -> torch.Tensor:

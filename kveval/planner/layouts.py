@@ -24,7 +24,7 @@ class LayerPlan:
     """One layer for one sequence: its kind, window, tokens held and bytes."""
 
     index: int
-    kind: str  # "full", "sliding" or "mla"
+    kind: str  # "full", "sliding", "mla", "state", "reads N" (layer N's K/V, holding nothing) or "merged with N"
     window: int | None
     tokens: int
     bytes: int
@@ -116,7 +116,7 @@ class StreamLayout:
 
 def _token_coded_layout(spec: ModelSpec, stack, coding: PlannedCoding) -> StreamLayout:
     quant = stack.quantization
-    if stack.structure is not None:
+    if stack.structure is not None and not stack.structure.keeps_head_widths:
         raise UsageError(f"{quant.spec()}: codes K/V heads, not low-rank coefficients")
     if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
         if Need.ROPE_HOOK in quant.needs:
@@ -303,11 +303,44 @@ def _layer_tokens(spec: ModelSpec, stack, i: int, context: int, new_tokens: int,
     return tokens if window is None else min(tokens, window - 1)  # what transformers' sliding layers keep
 
 
+def _layer_kinds(spec: ModelSpec) -> list:
+    """Each layer's kind as a structure across layers reads it, as the cache does: ``(window, chunked)``, ``None``
+    without K/V or beside a state of its own (a hybrid layer: never shared)."""
+    chunked = spec.chunked or [False] * spec.num_layers
+    hybrid = spec.hybrid or [False] * spec.num_layers
+    return [(spec.windows[i], chunked[i]) if holds and not hybrid[i] else None for i, holds in enumerate(spec.holds_kv)]
+
+
+def reading_layers(spec: ModelSpec, stack) -> dict[int, int]:
+    """Layers that store nothing and read another layer's K/V under ``stack``'s structure (reading layer -> source),
+    as the cache makes them (:meth:`~kveval.policies.base.StructurePolicy.reused_layers`): attention layers of one
+    kind per window and chunking."""
+    return {} if stack.structure is None else stack.structure.reused_layers(_layer_kinds(spec))
+
+
+def merged_layers(spec: ModelSpec, stack) -> dict[int, int]:
+    """Pairs of layers merged under ``stack``'s structure, later -> earlier
+    (:meth:`~kveval.policies.base.StructurePolicy.merged_layers`: MiniCache)."""
+    return {} if stack.structure is None else stack.structure.merged_layers(_layer_kinds(spec))
+
+
 def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, new_tokens: int,
                      dtype_bytes: int, achieved_ratio: float | None = None) -> list[LayerPlan]:
     out = []
     selecting = selection_layers(spec) if stack.selection is not None else [False] * spec.num_layers
+    reading = reading_layers(spec, stack)
+    later = merged_layers(spec, stack)
+    pairs = {**{e: (0, f"merged with {l}") for l, e in later.items()}, **{l: (1, f"merged with {e}") for l, e in later.items()}}
     for i, selects in enumerate(selecting):
+        if i in reading:  # reads layer reading[i]'s K/V: holds nothing
+            out.append(LayerPlan(i, f"reads {reading[i]}", spec.windows[i], 0, 0))
+            continue
+        if i in pairs:  # a merged pair's earlier (0) or later (1) layer
+            which, kind = pairs[i]
+            size = sum(stack.structure.merged_bytes(context, new_tokens, heads, dim, dtype_bytes)[which]
+                       for _, heads, dim, _ in layout.streams)
+            out.append(LayerPlan(i, kind, spec.windows[i], context + new_tokens, size))
+            continue
         tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects, achieved_ratio)
         if layout.coded is not None:
             window = spec.windows[i]  # the oldest position its window still holds, selected or not
@@ -325,5 +358,5 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
     return out
 
 
-__all__ = ["LayerPlan", "MemoryPlan", "StreamLayout", "policy_stack", "selection_layers", "sequence_layers",
+__all__ = ["LayerPlan", "MemoryPlan", "StreamLayout", "merged_layers", "policy_stack", "reading_layers", "selection_layers", "sequence_layers",
            "stream_bytes", "stream_layout", "stream_per_token"]

@@ -64,7 +64,9 @@ from kveval.planner.fit import FitResult, max_fit
 from kveval.planner.layouts import (
     LayerPlan,
     MemoryPlan,
+    merged_layers,
     policy_stack,
+    reading_layers,
     sequence_layers,
     stream_layout,
     stream_per_token,
@@ -104,11 +106,15 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     base_layout = stream_layout(spec, policy_stack(None), [])
     layers = sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes, achieved_ratio)
     base_layers = sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
-    kv_layers = sum(spec.holds_kv)
+    pairs = len(merged_layers(spec, stack))  # MiniCache's merged pairs, amortized over this context below
+    kv_layers = sum(spec.holds_kv) - len(reading_layers(spec, stack)) - 2 * pairs  # readers store nothing
     if layout.coded is not None:  # coded K and V of their widths
         per_stream = [b * kv_layers for b in layout.coded_per_token(dtype_bytes)]
     else:
         per_stream = [stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
+    if pairs:  # a pair's two layers at this context, per token
+        per_stream = [b + pairs * sum(stack.structure.merged_bytes(context, 0, heads, dim, dtype_bytes)) / context
+                      for b, (_, heads, dim, _) in zip(per_stream, layout.streams)]
     key_pt = per_stream[0]
     value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
     base_pt = int(sum(stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)

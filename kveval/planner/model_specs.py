@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kveval.errors import UsageError
-from kveval.modeling.layer_types import KNOWN_LAYER_TYPES, KV_LAYER_TYPES
+from kveval.modeling.layer_types import HYBRID_LAYER_TYPES, KNOWN_LAYER_TYPES, KV_LAYER_TYPES
 from kveval.planner.gguf_specs import is_gguf, read_gguf
 from kveval.planner.presets import HUB_PRESETS, PRESET_KEYS, PRESETS, preset_key
 from kveval.policies.compatibility import CacheShape
@@ -118,6 +118,8 @@ class ModelSpec:
     holds_kv: list[bool] = field(default_factory=list)
     #: ``chunked[i]``: layer ``i``'s window is an attention chunk (Llama 4), where no selection acts.
     chunked: list[bool] = field(default_factory=list)
+    #: ``hybrid[i]``: layer ``i`` keeps a linear-attention/Mamba state beside its K/V (Falcon-H1), its own alone.
+    hybrid: list[bool] = field(default_factory=list)
     mla_dim: int | None = None
     mla_rope: int = 0
     #: DeepSeek-V3.2 (DSA): the lightning indexer's key width per token and layer (0: none).
@@ -274,7 +276,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     head_dim = _positive_int(head_dim, "head_dim", name)
 
     windows: list[int | None] = [None] * layers
-    holds_kv, chunked = [True] * layers, [False] * layers
+    holds_kv, chunked, hybrid = [True] * layers, [False] * layers, [False] * layers
     window = get("sliding_window")
     layer_types = get("layer_types") or _hybrid_layer_types(config, layers, name)
     indexer_dim = 0
@@ -295,7 +297,7 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
             if kind not in KNOWN_LAYER_TYPES:
                 raise UsageError(f"{name}: layer type {kind!r} is not one the planner knows "
                                  f"({', '.join(sorted(KNOWN_LAYER_TYPES))})")
-            holds_kv[i] = kind in KV_LAYER_TYPES
+            holds_kv[i], hybrid[i] = kind in KV_LAYER_TYPES, kind in HYBRID_LAYER_TYPES
             if kind in ("sliding_attention", "hybrid_sliding"):
                 if not window:
                     raise UsageError(f"{name}: layer_types has sliding layers but sliding_window is not set")
@@ -333,7 +335,8 @@ def spec_from_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
                      f"policies act on the {sum(holds_kv) - len(sliding)} full-attention layers only (as kveval's "
                      f"cache does)")
     return ModelSpec(name=str(get("_name_or_path") or name), num_layers=layers, kv_heads=kv_heads,
-                     head_dim=head_dim, windows=windows, num_attention_heads=heads, holds_kv=holds_kv, chunked=chunked, mla_dim=mla_dim,
+                     head_dim=head_dim, windows=windows, num_attention_heads=heads, holds_kv=holds_kv, chunked=chunked,
+                     hybrid=hybrid, mla_dim=mla_dim,
                      mla_rope=mla_rope, indexer_dim=indexer_dim, indexer_layers=indexer_layers,
                      model_type=model_type, storage=_storage_of(config, name),
                      num_parameters=get("num_parameters") or _estimate_parameters(config),

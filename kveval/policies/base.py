@@ -4,7 +4,7 @@ A *policy* is a small validated config object. Three families stack, applied in
 this order to the tokens of a sequence:
 
 1. selection (which tokens stay): ``window``, ``streaming``, ``h2o``, ``snapkv``, ...
-2. structure (how each kept token is represented): ``lowrank``
+2. structure (how each kept token is represented): ``lowrank``, ``latent``; across layers ``share``, ``minicache``
 3. quantization (how the stored numbers are encoded): ``quant``, ``kivi``, ``fp8``
 
 Spec strings are what users type, e.g. ``snapkv(ratio=0.5)+kivi(bits=4)``:
@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from kveval.errors import PolicySpecError
@@ -69,6 +70,12 @@ class Need(enum.Enum):
     INDEXER = "DeepSeek V4's indexer scores"
     ROPE_HOOK = "keys before RoPE (a RoPE hook)"
     CALIBRATION = "a calibration pass over the model"
+    #: Layers read other layers' K/V (``share``, ``minicache``): what the prefill computes differs from the
+    #: uncompressed prefill's, so such a stack prefills alone (:attr:`PolicyStack.prefills_alone`), never derived
+    #: from a prefill shared with other policies.
+    CROSS_LAYER = "other layers' K/V (layers that read another layer's cache)"
+
+
 @dataclass
 class Policy(ABC):
     """Base of every policy. Subclasses are dataclasses whose fields are the spec parameters.
@@ -415,6 +422,11 @@ class StructurePolicy(RepresentationPolicy):
     """Stores each kept token in another shape (low rank, a latent shared by heads): the structure family."""
 
     family: ClassVar[str] = "structure"
+    #: Stored tokens keep the model's head widths (a structure across layers: ``share``), so a stacked quantizer
+    #: codes K/V heads as it would with no structure, and is checked against the head dims.
+    keeps_head_widths: ClassVar[bool] = False
+    #: The families this structure stacks with (:func:`kveval.policies.spec.parse_policy` refuses the others).
+    stacks_with: ClassVar[frozenset[str]] = frozenset({"selection", "quantization"})
 
     @abstractmethod
     def planned_widths(self, kv_heads: int, k_width: int, v_width: int, mla: bool = False) -> PlannedWidths:
@@ -424,6 +436,29 @@ class StructurePolicy(RepresentationPolicy):
         ``mla``: the layer is an MLA cache as kveval holds it, one "head" of the latent in K's place and the shared
         RoPE key (``v_width``, 0 when the model has none) in V's.
         """
+
+    def reused_layers(self, layer_kinds: "Sequence[Hashable | None]") -> dict[int, int]:
+        """Layers that store nothing and read another layer's K/V: reading layer -> source layer, on a model whose
+        layer ``i`` is of kind ``layer_kinds[i]`` (equal kinds: same window, chunking and head layout; ``None``: no
+        K/V). The cache gives such a layer no store, the planner sizes it at 0 bytes. Default: none."""
+        return {}
+
+    def merged_layers(self, layer_kinds: "Sequence[Hashable | None]") -> dict[int, int]:
+        """Pairs of layers whose prefill tokens are merged into one store each (MiniCache): later layer -> earlier
+        layer, on a model of ``layer_kinds`` as in :meth:`reused_layers`. The cache merges a pair's rows with
+        :meth:`merge_stores` once the later layer has compressed its prefill; the planner sizes the pair with
+        :meth:`merged_bytes`. Default: none."""
+        return {}
+
+    def merge_stores(self, first, second):
+        """The stores of one sequence in a pair's earlier and later layer (:meth:`merged_layers`), as the two stores
+        that replace them. Reached only for a structure that names pairs."""
+        raise NotImplementedError(f"{self.spec()} merges no layers")
+
+    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, width: int, dtype_bytes: int) -> tuple[int, int]:
+        """Bytes of one stream (K or V, ``heads`` heads of rows ``width`` wide) in a merged pair's earlier and later
+        layer after ``tokens`` prefill tokens and ``new_tokens`` more. Reached only for a structure that names pairs."""
+        raise NotImplementedError(f"{self.spec()} merges no layers")
 
     def model_widths(self, kv_heads: int, head_dim: int) -> dict[str, int] | None:
         """Numbers per token and KV head of K and V on a model of ``kv_heads`` heads of ``head_dim``, checked against
@@ -591,9 +626,15 @@ class PolicyStack:
     def prefills_alone(self) -> bool:
         """Whether this stack needs a prefill of its own: its quantization codes tokens on arrival, or its selection
         reads the prefill's queries (which a shared prefill does not keep), or its selection scores with forwards
-        of its own after the prefill (KVzip's reconstruction)."""
+        of its own after the prefill (KVzip's reconstruction), or some layer reads another's K/V (:attr:`cross_layer`)."""
         return ((self.quantization is not None and self.quantization.codes_on_arrival)
-                or (self.selection is not None and (self.selection.attention == "queries" or self.selection.reconstructs)))
+                or (self.selection is not None and (self.selection.attention == "queries" or self.selection.reconstructs))
+                or self.cross_layer)
+
+    @property
+    def cross_layer(self) -> bool:
+        """Whether some layer reads another layer's K/V under this stack (:attr:`Need.CROSS_LAYER`)."""
+        return any(p is not None and Need.CROSS_LAYER in p.needs for p in (self.selection, self.structure, self.quantization))
 
     @property
     def reads_row_seed(self) -> bool:
@@ -628,7 +669,7 @@ class PolicyStack:
         """
         if self.quantization is None:
             return
-        if self.structure is not None:
+        if self.structure is not None and not self.structure.keeps_head_widths:
             widths, label = self.structure.stored_widths(head_dim or 0), "rank"
         elif head_dim is not None:
             widths, label = {"k": head_dim, "v": head_dim}, "head_dim"

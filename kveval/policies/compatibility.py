@@ -88,9 +88,11 @@ def check_policy(config, stack) -> None:
         return ", ".join(_names(Placement.PARTS, "quantization"))
 
     if stack.structure is not None and not stack.structure.supports(Placement.PARTS):
+        what = ("layers reading one another's K/V are not mirrored there" if Need.CROSS_LAYER in stack.structure.needs
+                else "kveval has no low-rank basis for its parts")
         raise UnsupportedModelError(
             f"{stack.structure.spec()}: {name}'s cache ({parts}) is already the model's own compressed form; "
-            f"kveval has no low-rank basis for its parts: evaluate a quantization ({quantizers()})")
+            f"{what}: evaluate a quantization ({quantizers()})")
     quantization = stack.quantization
     if quantization is not None and not quantization.supports(Placement.PARTS):
         raise UnsupportedModelError(

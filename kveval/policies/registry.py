@@ -41,6 +41,8 @@ BUILTINS: dict[str, tuple[str, str]] = {
     "kvzip": ("kveval.policies.kvzip", "KVzipPolicy"),
     "lowrank": ("kveval.policies.lowrank", "LowRankPolicy"),
     "latent": ("kveval.policies.latent", "LatentPolicy"),
+    "share": ("kveval.policies.share", "SharePolicy"),
+    "minicache": ("kveval.policies.minicache", "MiniCachePolicy"),
     "quant": ("kveval.policies.quant", "QuantPolicy"),
     "kivi": ("kveval.policies.quant", "KiviPolicy"),
     "fp8": ("kveval.policies.quant", "Fp8Policy"),

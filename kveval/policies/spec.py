@@ -189,7 +189,13 @@ def parse_policy(spec: "str | PolicyStack | None") -> PolicyStack:
         except PolicySpecError:
             raise PolicySpecError(f"policy spec {spec!r} has two {policy.family} policies; stack at most one each of "
                                   f"{', '.join(FAMILY_ORDER)}") from None
-    if stack.selection is not None and stack.selection.per_head_budgets and stack.structure is not None:
+    structure = stack.structure
+    for other in (stack.selection, stack.quantization):
+        if structure is not None and other is not None and other.family not in structure.stacks_with:
+            raise PolicySpecError(f"policy spec {spec!r}: {structure.name} does not stack with a {other.family} "
+                                  f"policy ({other.spec()}); evaluate {structure.spec()} alone")
+    if (stack.selection is not None and stack.selection.per_head_budgets and stack.structure is not None
+            and not stack.structure.keeps_head_widths):
         raise PolicySpecError(f"policy spec {spec!r}: {stack.selection.name} keeps a different number of tokens per head, "
                               f"which {stack.structure.name} cannot store; stack it with quantization only")
     stack.fit_groups()

@@ -36,6 +36,7 @@ from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import PolicySpecError, UsageError
 from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
 from kveval.modeling.sources import EMBEDDED
+from kveval.planner.layouts import merged_layers, reading_layers
 from kveval.planner.model_specs import load_model_spec
 from kveval.policies.base import PolicyStack
 from kveval.policies.spec import parse_policy
@@ -174,6 +175,9 @@ class RunSpec:
         check_cache(shape.cache_shape, self.policy)
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
             raise self.policy.selection.mla_refusal(shape.name)
+        if self.policy.cross_layer:  # refuse, before the weights load, a map naming no layer of it or two kinds
+            reading_layers(shape, self.policy)
+            merged_layers(shape, self.policy)
         head_dim = shape.head_dim
         stack = _copy_stack(self.policy)
         structure = stack.structure
