@@ -105,8 +105,14 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     layers = sequence_layers(spec, stack, layout, context, new_tokens, dtype_bytes, achieved_ratio)
     base_layers = sequence_layers(spec, PolicyStack(), base_layout, context, new_tokens, dtype_bytes)
     kv_layers = sum(spec.holds_kv)
-    if layout.coded is not None:  # coded K and V of their widths
-        per_stream = [b * kv_layers for b in layout.coded_per_token(dtype_bytes)]
+    if layout.coded is not None:  # coded K and V of their widths; the coding's own native layers in the cache dtype
+        native = sum(spec.holds_kv[i] for i in layout.native_layers(spec))
+        heads, key_dim, value_dim = layout.coded_widths
+        per_stream = [b * (kv_layers - native) + heads * dim * dtype_bytes * native
+                      for b, dim in zip(layout.coded_per_token(dtype_bytes), (key_dim, value_dim))]
+        if native:
+            notes.append(f"{stack.quantization.spec()}: {native} layer(s) stay in the model dtype "
+                         f"({', '.join(map(str, sorted(layout.native_layers(spec))))})")
     else:
         per_stream = [stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
     key_pt = per_stream[0]

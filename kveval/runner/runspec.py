@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from kveval.policies.compatibility import check_policy, refuse_indexer_term, refuse_model_indexer
 from kveval.dtypes import dtype_name, parse_kv_dtype
-from kveval.errors import PolicySpecError, UsageError
+from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
 from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
 from kveval.modeling.sources import EMBEDDED
 from kveval.planner.model_specs import load_model_spec
@@ -164,6 +164,9 @@ class RunSpec:
 
         refuse_model_indexer(self.policy, shape.name)
         refuse_indexer_term(self.policy, shape.name)
+        quantization = self.policy.quantization
+        if shape.mla_dim is not None and quantization is not None and quantization.mla_refusal(shape.name):
+            raise UnsupportedModelError(quantization.mla_refusal(shape.name))
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
             raise self.policy.selection.mla_refusal(shape.name)
         head_dim = shape.head_dim
