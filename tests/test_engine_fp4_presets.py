@@ -233,8 +233,6 @@ def test_compression_hurts_in_the_expected_order():
 
 @pytest.mark.parametrize("spec,message", [
     ("vllm(kv_cache_dtype=nvfp4_4over6)", "compiled SM100 kernel"),
-    ("vllm(kv_cache_dtype=turboquant_k8v4)", "turboquant 0.2.0 codes another algorithm"),
-    ("vllm(kv_cache_dtype=turboquant_3bit_nc)", "cannot run here"),
     ("sglang(kv_cache_dtype=fp4_e2m1)", "SGLang 0.5.23 has no fp4_e2m1.*fp4_mx_block16"),
     ("sglang(kv_cache_dtype=nvfp4)", "could not be pinned"),
     ("trtllm(kv_cache_dtype=nvfp4)", "not reproduced"),

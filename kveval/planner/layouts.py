@@ -101,6 +101,12 @@ class StreamLayout:
     residual: int
     coded: PlannedCoding | None = None
 
+    def native_layers(self, spec: ModelSpec) -> frozenset[int]:
+        """Under codes sized per token: the layers the coding keeps in the cache dtype (:attr:`PlannedCoding.native_layers`)."""
+        if self.coded is None or self.coded.native_layers is None:
+            return frozenset()
+        return self.coded.native_layers(spec.num_layers, not all(spec.holds_kv))
+
     @property
     def coded_widths(self) -> tuple[int, int, int]:
         """Under codes sized per token: ``(heads, key width, value width)`` of its two streams (an MLA latent and its
@@ -119,6 +125,9 @@ def _token_coded_layout(spec: ModelSpec, stack, coding: PlannedCoding) -> Stream
     if stack.structure is not None and not stack.structure.keeps_head_widths:
         raise UsageError(f"{quant.spec()}: codes K/V heads, not low-rank coefficients")
     if spec.mla_dim is not None:  # as the cache holds MLA: the latent in K's place, the shared RoPE key in V's
+        refusal = quant.mla_refusal(spec.name)
+        if refusal is not None:
+            raise UsageError(refusal)
         if Need.ROPE_HOOK in quant.needs:
             raise UsageError(f"{quant.spec()}: an MLA latent is cached without RoPE, and kveval's cache has no RoPE "
                              f"hook for MLA's shared key to code it before RoPE; plan pre_rope=false")
@@ -331,6 +340,7 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
     reading = reading_layers(spec, stack)
     later = merged_layers(spec, stack)
     pairs = {**{e: (0, f"merged with {l}") for l, e in later.items()}, **{l: (1, f"merged with {e}") for l, e in later.items()}}
+    native = layout.native_layers(spec)
     for i, selects in enumerate(selecting):
         if i in reading:  # reads layer reading[i]'s K/V: holds nothing
             out.append(LayerPlan(i, f"reads {reading[i]}", spec.windows[i], 0, 0))
@@ -342,7 +352,10 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
             out.append(LayerPlan(i, kind, spec.windows[i], context + new_tokens, size))
             continue
         tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects, achieved_ratio)
-        if layout.coded is not None:
+        if i in native:  # kept in the cache dtype by the coding itself
+            heads, key_dim, value_dim = layout.coded_widths
+            size = tokens * heads * (key_dim + value_dim) * dtype_bytes
+        elif layout.coded is not None:
             window = spec.windows[i]  # the oldest position its window still holds, selected or not
             oldest = max(0, context + new_tokens - (window - 1)) if window is not None else 0
             size = _token_coded_bytes(tokens, oldest, layout, dtype_bytes)

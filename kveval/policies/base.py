@@ -485,6 +485,9 @@ class PlannedCoding:
     residual: int = 0
     sink: int = 0
     label: str = ""
+    #: The layers kept in the cache dtype whatever the coding, from the model's ``num_hidden_layers`` and whether it
+    #: is a hybrid (attention beside state layers); ``None``: none (vLLM's TurboQuant keeps its boundary layers).
+    native_layers: "Callable[[int, bool], frozenset[int]] | None" = None
 
     @property
     def grouped(self) -> bool:
@@ -504,6 +507,10 @@ class QuantizationPolicy(RepresentationPolicy):
     #: Tokens are coded as they arrive and the prefill's attention reads the codes (a serving engine's cache): no
     #: uncompressed prefill can be shared with other policies and derived into this one.
     codes_on_arrival: ClassVar[bool] = False
+    def mla_refusal(self, model_name: str) -> str | None:
+        """Why this quantizer cannot code ``model_name``'s MLA cache (one line), or ``None``: it can (the default)."""
+        return None
+
     #: The serving engine whose own KV cache format this reproduces, as ``kveval memory --engine`` names it
     #: (``vllm``, ``llamacpp``, ...); ``None``: a format no engine serves as it stands. The engine planner sizes only
     #: what the chosen engine can run.

@@ -15,10 +15,16 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
+<<<<<<< HEAD
 from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy, check_calib_tokens
 from kveval.policies.compatibility import cache_shape
 from kveval.policies.ds_records import DS_MLA_DTYPES, INDEXER_KV_DTYPES, RECORDS
+=======
+from kveval.errors import PolicySpecError
+from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy, check_calib_tokens
+from kveval.tensors import turboquant_vllm  # torch-free until a tensor is coded
+>>>>>>> wp-turbo
 from kveval.values import is_real
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
@@ -151,11 +157,14 @@ class EnginePolicy(QuantizationPolicy):
         """A :class:`kveval.stores.engine.EngineStore` in place of ``inner`` (computing in its dtype)."""
         from kveval.stores.engine import EngineStore
 
-        state = self._state(model)
-        codecs = state.setdefault("codecs", {})
+        return EngineStore(self.layer_codec(model, layer_idx), inner.compute_dtype)
+
+    def layer_codec(self, model, layer_idx: int):
+        """:meth:`codec`, built once per model and layer."""
+        codecs = self._state(model).setdefault("codecs", {})
         if layer_idx not in codecs:
             codecs[layer_idx] = self.codec(model, layer_idx)
-        return EngineStore(codecs[layer_idx], inner.compute_dtype)
+        return codecs[layer_idx]
 
 
 @dataclass
@@ -234,17 +243,13 @@ class LlamaCppPolicy(EnginePolicy):
 VLLM_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 VLLM_PER_TOKEN_HEAD = {"int8_per_token_head": "int8", "fp8_per_token_head": "fp8", "int4_per_token_head": "int4"}
 VLLM_NVFP4 = ("nvfp4",)
-VLLM_DTYPES = VLLM_FP8 + tuple(VLLM_PER_TOKEN_HEAD) + VLLM_NVFP4
-_TURBOQUANT = ("vLLM 0.33 writes it with a Triton kernel (vllm/v1/attention/ops/triton_turboquant_store.py: Hadamard "
-               "rotation, Lloyd-Max keys, uniform values, no QJL) that cannot run here, and turboquant 0.2.0 codes "
-               "another algorithm (QR rotation, Beta-quantile centroids, a QJL residual)")
+VLLM_TURBOQUANT = tuple(turboquant_vllm.PRESETS)
+VLLM_DTYPES = VLLM_FP8 + tuple(VLLM_PER_TOKEN_HEAD) + VLLM_NVFP4 + VLLM_TURBOQUANT
 #: vLLM 0.33 cache dtypes kveval does not reproduce, and what could not be pinned (one line each).
 VLLM_UNPINNED = {
     "nvfp4_4over6": ("vLLM 0.33 writes it only with its compiled SM100 kernel (torch.ops._C_cache_ops."
                      "reshape_and_cache_flash; FlashInfer's slot-mapping writer has no scale search), whose global "
                      "scale and rounding no source here shows; fouroversix's reference scales by a whole tensor's amax"),
-    **{name: _TURBOQUANT for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-                                      "turboquant_3bit_nc")},
 }
 #: Bytes of the float32 scale vLLM stores with each token's head row in the per-token-head caches.
 PER_TOKEN_HEAD_SCALE_BYTES = 4
@@ -278,6 +283,19 @@ class VllmPolicy(EnginePolicy):
     (:func:`kveval.tensors.engine_formats.flashinfer_nvfp4_encode`); SM100's compiled ``reshape_and_cache_flash``
     is not read. Bytes per token and head: ``D / 2 + D / 16`` (``vllm/utils/torch_utils.py``,
     ``nvfp4_kv_cache_full_dim``), plus the per-layer scales.
+
+    ``turboquant_k8v4|turboquant_4bit_nc|turboquant_k3v4_nc|turboquant_3bit_nc``: keys rotated by a Hadamard
+    matrix and coded per coordinate on Lloyd-Max centroids with a float16 norm (3 or 4 bits; ``nc``: the centroid
+    vector re-normalized when read), or FP8 keys (``k8v4``); values in 4 or 3 uniform bits with a float16 scale and
+    min; all computed per token and head as it is written, no per-tensor scale. The first prefill chunk attends over
+    its raw K/V; later tokens read the codes. The first and last two layers stay in the model dtype (vLLM's boundary
+    protection). Follows ``vllm/model_executor/layers/quantization/turboquant/config.py`` (``TQ_PRESETS``,
+    ``get_boundary_skip_layers``), ``.../turboquant/centroids.py`` (``solve_lloyd_max``),
+    ``vllm/v1/attention/ops/triton_turboquant_store.py`` (``triton_turboquant_store``), ``triton_turboquant_decode.py``
+    (``_tq_decode_stage1``) and ``vllm/v1/attention/backends/turboquant_attn.py`` (``_build_hadamard_cached``,
+    ``_prefill_attention``); rules in :mod:`kveval.tensors.turboquant_vllm`. Bytes per token and head: vLLM's slot,
+    ``TurboQuantConfig.slot_size_aligned`` (K: ``D b_k / 8 + 2``, or ``D`` for FP8; V: ``D b_v / 8 + 4``; rounded up
+    to even). Head widths must be powers of two; MLA models have no TurboQuant backend in vLLM and are refused.
 
     Attributes
     ----------
@@ -343,6 +361,9 @@ class VllmPolicy(EnginePolicy):
         self.format = _fp8_format(self.name, dtype, VLLM_FP8) if dtype in VLLM_FP8 else dtype
         if self.scales not in ("unit", "dynamic", "checkpoint"):
             raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
+        if dtype in VLLM_TURBOQUANT and self.scales != "unit":
+            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} codes every token and head with scales of its "
+                                  f"own (no per-tensor scale); drop scales=")
         if dtype in VLLM_PER_TOKEN_HEAD and self.scales != "unit":
             raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} computes a scale per token and head as it "
                                   f"writes (vLLM ignores per-tensor scales for it); drop scales=")
@@ -360,10 +381,18 @@ class VllmPolicy(EnginePolicy):
 
     @property
     def follows(self) -> str:  # type: ignore[override]
+<<<<<<< HEAD
         if self.records is not None:
             return ("vllm/model_executor/models/deepseek_v32/common/kernels.py; "
                     "vllm/model_executor/models/deepseek_v4/common/ops/fused_compress_quant_cache.py "
                     "(kveval/tensors/ds_records.py names each kernel)")
+=======
+        if self.kv_cache_dtype in VLLM_TURBOQUANT:
+            return ("vllm/model_executor/layers/quantization/turboquant/config.py TQ_PRESETS, get_boundary_skip_layers; "
+                    "turboquant/centroids.py solve_lloyd_max; vllm/v1/attention/ops/triton_turboquant_store.py "
+                    "triton_turboquant_store; triton_turboquant_decode.py _tq_decode_stage1; "
+                    "vllm/v1/attention/backends/turboquant_attn.py _build_hadamard_cached, _prefill_attention")
+>>>>>>> wp-turbo
         if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD:
             return ("vllm/v1/attention/ops/triton_reshape_and_cache_flash.py _reshape_cache_per_token_head; "
                     "vllm/v1/attention/ops/int4_per_token_head.py _reshape_cache_int4_kernel, single_rht")
@@ -376,8 +405,28 @@ class VllmPolicy(EnginePolicy):
 
     @property
     def has_scales(self) -> bool:  # type: ignore[override]
+<<<<<<< HEAD
         """Per-layer scales: none for the per-token-head caches and DeepSeek's records (their scales are per token)."""
         return self.records is None and self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD
+=======
+        return self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD and self.kv_cache_dtype not in VLLM_TURBOQUANT
+
+    @property
+    def codes_on_arrival(self) -> bool:  # type: ignore[override]
+        """TurboQuant's first prefill chunk attends over its raw K/V (the store codes them after it)."""
+        return self.kv_cache_dtype not in VLLM_TURBOQUANT
+
+    def mla_refusal(self, model_name: str) -> str | None:
+        if self.kv_cache_dtype in VLLM_TURBOQUANT:
+            return (f"{self.spec()}: vLLM 0.33 has no TurboQuant backend for {model_name}'s MLA cache (TurboQuant is "
+                    f"one of its per-head attention backends only); use kv_cache_dtype=fp8")
+        return None
+
+    def planned_coding(self) -> PlannedCoding:
+        """Codes sized per token; under TurboQuant the boundary layers in the model dtype."""
+        native = turboquant_vllm.boundary_layers if self.kv_cache_dtype in VLLM_TURBOQUANT else None
+        return PlannedCoding(token_bytes=self.coded_bytes, label=self.name, native_layers=native)
+>>>>>>> wp-turbo
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -388,6 +437,8 @@ class VllmPolicy(EnginePolicy):
         if dtype in VLLM_NVFP4 and head_dim % NVFP4_BLOCK:
             raise PolicySpecError(f"{self.spec()}: NVFP4 codes blocks of {NVFP4_BLOCK} values and head_dim={head_dim} "
                                   f"is not a multiple of {NVFP4_BLOCK} (vLLM sizes heads in whole blocks); use fp8")
+        if dtype in VLLM_TURBOQUANT and turboquant_vllm.unsupported_dim(head_dim):
+            raise PolicySpecError(f"{self.spec()}: {turboquant_vllm.unsupported_dim(head_dim)}; use fp8")
         if VLLM_PER_TOKEN_HEAD.get(dtype) == "int4" and head_dim % 2:
             raise PolicySpecError(f"{self.spec()}: int4_per_token_head packs two values a byte and head_dim="
                                   f"{head_dim} is odd; use int8_per_token_head")
@@ -396,6 +447,9 @@ class VllmPolicy(EnginePolicy):
         """Bytes vLLM stores per token and KV head, ``(K, V)``: codes and, per token-head, the float32 scale or the
         NVFP4 block scales (per-layer scales are per model: :meth:`run_info`)."""
         dtype = self.kv_cache_dtype
+        if dtype in VLLM_TURBOQUANT:  # one slot a token and head: [key | value | pad to even]
+            layout = turboquant_vllm.TurboQuantLayout.of(dtype, key_dim)
+            return layout.key_bytes, layout.value_bytes + layout.pad_bytes
         if dtype in VLLM_NVFP4:
             return tuple(d // 2 + d // NVFP4_BLOCK for d in (key_dim, value_dim))
         if dtype in VLLM_PER_TOKEN_HEAD:
@@ -441,7 +495,7 @@ class VllmPolicy(EnginePolicy):
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         import torch
 
-        if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD:
+        if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD or self.kv_cache_dtype in VLLM_TURBOQUANT:
             return None, None
         if self.scales == "unit":
             return 1.0, 1.0
@@ -460,6 +514,12 @@ class VllmPolicy(EnginePolicy):
         from kveval.stores.engine import EngineCodec, FlashinferNvfp4Side, Fp8Side, PerTokenHeadSide
 
         dtype = self.kv_cache_dtype
+        if dtype in VLLM_TURBOQUANT:
+            from kveval.modeling.architectures import cache_head_dims
+            from kveval.stores.engine import TurboQuantSide
+
+            layout = turboquant_vllm.TurboQuantLayout.of(dtype, cache_head_dims(model.config)[0])
+            return EngineCodec(TurboQuantSide(layout, "key"), TurboQuantSide(layout, "value"))
         if dtype in VLLM_PER_TOKEN_HEAD:
             side = PerTokenHeadSide(VLLM_PER_TOKEN_HEAD[dtype], deployment_kv_dtype(model))
             return EngineCodec(side, side)
@@ -467,6 +527,32 @@ class VllmPolicy(EnginePolicy):
         if dtype in VLLM_NVFP4:
             return EngineCodec(FlashinferNvfp4Side(k), FlashinferNvfp4Side(v))
         return EngineCodec(Fp8Side(self.format, k), Fp8Side(self.format, v))
+
+    def boundary_layers(self, model) -> frozenset[int]:
+        """TurboQuant: the layers vLLM keeps in the model dtype (none for the other dtypes)."""
+        if self.kv_cache_dtype not in VLLM_TURBOQUANT:
+            return frozenset()
+        from kveval.modeling.architectures import ATTENTION, cache_layer_plan
+
+        config = model.config.get_text_config()
+        hybrid = any(layer.kind != ATTENTION for layer in cache_layer_plan(config))
+        return turboquant_vllm.boundary_layers(config.num_hidden_layers, hybrid)
+
+    def make_store(self, inner, model, layer_idx: int):
+        """TurboQuant: ``inner`` (the model dtype) in a boundary layer, else a store whose first chunk attends raw."""
+        if self.kv_cache_dtype not in VLLM_TURBOQUANT:
+            return super().make_store(inner, model, layer_idx)
+        if layer_idx in self.boundary_layers(model):
+            return inner
+        from kveval.stores.engine import FirstChunkRawStore
+
+        return FirstChunkRawStore(self.layer_codec(model, layer_idx), inner.compute_dtype, inner.kv_dtype)
+
+    def run_info(self, model) -> dict:
+        info = super().run_info(model)
+        if self.kv_cache_dtype in VLLM_TURBOQUANT:
+            info["model_dtype_layers"] = sorted(self.boundary_layers(model))
+        return info
 
 
 #: SGLang 0.5.23's cache dtypes kveval does not reproduce, and why (one line each).

@@ -33,7 +33,7 @@ from kveval.policies.compatibility import (
     refuse_model_indexer,
 )
 from kveval.dtypes import dtype_name, parse_kv_dtype
-from kveval.errors import PolicySpecError, UsageError
+from kveval.errors import PolicySpecError, UnsupportedModelError, UsageError
 from kveval.modeling.layer_types import NATIVE_MODEL_TYPES
 from kveval.modeling.sources import EMBEDDED
 from kveval.planner.layouts import merged_layers, reading_layers
@@ -173,6 +173,9 @@ class RunSpec:
         refuse_model_indexer(self.policy, shape.name)
         refuse_indexer_term(self.policy, shape.name)
         check_cache(shape.cache_shape, self.policy)
+        quantization = self.policy.quantization
+        if shape.mla_dim is not None and quantization is not None and quantization.mla_refusal(shape.name):
+            raise UnsupportedModelError(quantization.mla_refusal(shape.name))
         if shape.mla_dim is not None and self.policy.selection is not None and self.policy.selection.reconstructs:
             raise self.policy.selection.mla_refusal(shape.name)
         if self.policy.cross_layer:  # refuse, before the weights load, a map naming no layer of it or two kinds

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kveval.stores.base import TokenStore, gather_tokens
-from kveval.tensors import microscaling, per_token_head
+from kveval.tensors import microscaling, per_token_head, turboquant_vllm
 from kveval.tensors.engine_formats import (
     flashinfer_nvfp4_encode,
     fp8_decode,
@@ -176,6 +176,31 @@ class SglangFp4Side(MicroscaledSide):
 
 
 @dataclass(frozen=True)
+class TurboQuantSide(SideFormat):
+    """vLLM's ``turboquant_*`` key (``part="key"``: Lloyd-Max indices and a float16 norm, or FP8) or value (uniform
+    codes, float16 scale and min, then the slot's pad byte when K + V is odd) of one token and head
+    (:mod:`kveval.tensors.turboquant_vllm`)."""
+
+    layout: turboquant_vllm.TurboQuantLayout
+    part: str
+
+    def __post_init__(self):
+        if self.part not in ("key", "value"):
+            raise ValueError(f"a TurboQuant slot holds a key and a value, not {self.part!r}")
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self.part == "key":
+            return turboquant_vllm.encode_keys(x, self.layout)
+        codes = turboquant_vllm.encode_values(x, self.layout)
+        return torch.nn.functional.pad(codes, (0, self.layout.pad_bytes))
+
+    def decode(self, codes: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.part == "key":
+            return turboquant_vllm.decode_keys(codes, self.layout)
+        return turboquant_vllm.decode_values(codes[..., :self.layout.value_bytes], self.layout)
+
+
+@dataclass(frozen=True)
 class EngineCodec:
     """One layer's coding of K and V."""
 
@@ -233,3 +258,80 @@ class EngineStore(TokenStore):
         if self.k is None:
             return 0
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class FirstChunkRawStore(EngineStore):
+    """An engine cache whose first prefill chunk attends over the raw K/V it has just written (vLLM's TurboQuant:
+    ``TurboQuantAttentionImpl._prefill_attention`` runs flash attention on the chunk's own K/V, and only later
+    queries read the codes). Tokens wait, in ``kv_dtype``, until :meth:`seal` codes them (the cache seals after the
+    prefill's attention and after every later append, before its attention, as vLLM stores before it attends)."""
+
+    def __init__(self, codec: EngineCodec, compute_dtype: torch.dtype | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        super().__init__(codec, compute_dtype)
+        self.kv_dtype = kv_dtype
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # [H, t, D] each, in kv_dtype
+
+    @property
+    def coded_length(self) -> int:
+        return super().length
+
+    @property
+    def length(self) -> int:
+        return self.coded_length + (0 if self.pending is None else self.pending[0].shape[1])
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = keys.dtype
+        self.dims = (keys.shape[-1], values.shape[-1])
+        dtype = self.kv_dtype or keys.dtype
+        keys, values = keys.to(dtype), values.to(dtype)
+        if self.pending is not None:
+            keys, values = torch.cat([self.pending[0], keys], dim=1), torch.cat([self.pending[1], values], dim=1)
+        self.pending = (keys.contiguous(), values.contiguous())
+
+    def seal(self) -> None:
+        """Code the waiting tokens (what attention reads of them changes from here: :meth:`changed_from`)."""
+        if self.pending is None:
+            return
+        keys, values = self.pending
+        self.pending = None
+        self._read = min(self._read, self.coded_length)
+        super().append(keys, values)
+
+    def select(self, index: torch.Tensor) -> None:
+        coded = self.coded_length
+        if self.pending is None or not coded:
+            if self.pending is None:
+                super().select(index)
+            else:
+                self.pending = (gather_tokens(self.pending[0], index), gather_tokens(self.pending[1], index))
+            self._read = 0
+            return
+        counts = (index < coded).sum(dim=1)
+        if not bool((counts == counts[0]).all()):
+            raise TypeError("a selection across coded and waiting tokens must keep as many of each in every head")
+        n = int(counts[0])
+        waiting = index[:, n:] - coded
+        pending = (gather_tokens(self.pending[0], waiting), gather_tokens(self.pending[1], waiting))
+        super().select(index[:, :n])
+        self.pending = pending
+
+    def keys_values_from(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        coded = self.coded_length
+        parts = []
+        if self.k is not None and start < coded:
+            parts.append(super().keys_values_from(start))
+        if self.pending is not None:
+            skip = max(0, start - coded)
+            parts.append(tuple(t[:, skip:].to(self.compute_dtype) for t in self.pending))
+        if not parts:
+            return super().keys_values_from(start)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([parts[0][0], parts[1][0]], dim=1), torch.cat([parts[0][1], parts[1][1]], dim=1)
+
+    @property
+    def nbytes(self) -> int:
+        waiting = 0 if self.pending is None else sum(t.numel() * t.element_size() for t in self.pending)
+        return super().nbytes + waiting
