@@ -15,16 +15,11 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-<<<<<<< HEAD
 from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.policies.base import Need, Placement, PlannedCoding, QuantizationPolicy, check_calib_tokens
 from kveval.policies.compatibility import cache_shape
 from kveval.policies.ds_records import DS_MLA_DTYPES, INDEXER_KV_DTYPES, RECORDS
-=======
-from kveval.errors import PolicySpecError
-from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy, check_calib_tokens
 from kveval.tensors import turboquant_vllm  # torch-free until a tensor is coded
->>>>>>> wp-turbo
 from kveval.values import is_real
 # Stores, calibration and the model's hooks import torch: imported inside the methods that run a policy on a model.
 
@@ -381,18 +376,15 @@ class VllmPolicy(EnginePolicy):
 
     @property
     def follows(self) -> str:  # type: ignore[override]
-<<<<<<< HEAD
         if self.records is not None:
             return ("vllm/model_executor/models/deepseek_v32/common/kernels.py; "
                     "vllm/model_executor/models/deepseek_v4/common/ops/fused_compress_quant_cache.py "
                     "(kveval/tensors/ds_records.py names each kernel)")
-=======
         if self.kv_cache_dtype in VLLM_TURBOQUANT:
             return ("vllm/model_executor/layers/quantization/turboquant/config.py TQ_PRESETS, get_boundary_skip_layers; "
                     "turboquant/centroids.py solve_lloyd_max; vllm/v1/attention/ops/triton_turboquant_store.py "
                     "triton_turboquant_store; triton_turboquant_decode.py _tq_decode_stage1; "
                     "vllm/v1/attention/backends/turboquant_attn.py _build_hadamard_cached, _prefill_attention")
->>>>>>> wp-turbo
         if self.kv_cache_dtype in VLLM_PER_TOKEN_HEAD:
             return ("vllm/v1/attention/ops/triton_reshape_and_cache_flash.py _reshape_cache_per_token_head; "
                     "vllm/v1/attention/ops/int4_per_token_head.py _reshape_cache_int4_kernel, single_rht")
@@ -405,11 +397,10 @@ class VllmPolicy(EnginePolicy):
 
     @property
     def has_scales(self) -> bool:  # type: ignore[override]
-<<<<<<< HEAD
-        """Per-layer scales: none for the per-token-head caches and DeepSeek's records (their scales are per token)."""
-        return self.records is None and self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD
-=======
-        return self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD and self.kv_cache_dtype not in VLLM_TURBOQUANT
+        """Per-layer scales: none for the per-token-head and TurboQuant caches and DeepSeek's records (theirs are per
+        token)."""
+        return (self.records is None and self.kv_cache_dtype not in VLLM_PER_TOKEN_HEAD
+                and self.kv_cache_dtype not in VLLM_TURBOQUANT)
 
     @property
     def codes_on_arrival(self) -> bool:  # type: ignore[override]
@@ -423,10 +414,11 @@ class VllmPolicy(EnginePolicy):
         return None
 
     def planned_coding(self) -> PlannedCoding:
-        """Codes sized per token; under TurboQuant the boundary layers in the model dtype."""
+        """Codes sized per token (DeepSeek's records: theirs); under TurboQuant the boundary layers in the model dtype."""
+        if self.records is not None:
+            return self.records.planned_coding()
         native = turboquant_vllm.boundary_layers if self.kv_cache_dtype in VLLM_TURBOQUANT else None
         return PlannedCoding(token_bytes=self.coded_bytes, label=self.name, native_layers=native)
->>>>>>> wp-turbo
 
     @property
     def needs_calibration(self) -> bool:  # type: ignore[override]
@@ -473,9 +465,6 @@ class VllmPolicy(EnginePolicy):
                 f"{self.spec()}: vLLM 0.33 serves --kv-cache-dtype {self.kv_cache_dtype} on {shape.model}'s sparse "
                 f"attention as its fp8_ds_mla record (FLASHMLA_SPARSE's _canonicalize_sparse_mla_kv_cache_dtype; "
                 f"DeepSeek V4's _resolve_dsv4_kv_cache_dtype); use vllm(kv_cache_dtype=fp8_ds_mla)")
-
-    def planned_coding(self) -> PlannedCoding:
-        return self.records.planned_coding() if self.records is not None else super().planned_coding()
 
     def planned_part_coding(self, part: str, width: int) -> PlannedCoding | None:
         return self.records.planned_part_coding(part, width) if self.records is not None else None
