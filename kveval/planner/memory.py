@@ -110,14 +110,14 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
     not_own = set(reading_layers(spec, stack)) | {i for pair in merged_layers(spec, stack).items() for i in pair}
     kv_layers = sum(spec.holds_kv) - len(reading_layers(spec, stack)) - 2 * pairs  # readers store nothing
     if layout.coded is not None:  # coded K and V of their widths; the coding's own native layers in the cache dtype
-        native_layers = sorted(i for i in layout.native_layers(spec) if spec.holds_kv[i] and i not in not_own)
-        native = len(native_layers)
+        kept_native = sorted(i for i in layout.native_layers(spec) if spec.holds_kv[i] and i not in not_own)
+        native = len(kept_native)
         heads, key_dim, value_dim = layout.coded_widths
         per_stream = [b * (kv_layers - native) + heads * dim * dtype_bytes * native
                       for b, dim in zip(layout.coded_per_token(dtype_bytes), (key_dim, value_dim))]
         if native:
             notes.append(f"{stack.quantization.spec()}: {native} layer(s) stay in the model dtype "
-                         f"({', '.join(map(str, native_layers))})")
+                         f"({', '.join(map(str, kept_native))})")
     else:
         per_stream = [stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
     if pairs:  # a pair's two layers at this context, per token

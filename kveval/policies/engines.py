@@ -474,13 +474,6 @@ class VllmPolicy(EnginePolicy):
             return super().part_codes(model, layer_idx, part, width, kv_dtype, stride)
         return self.records.sequence(part, width, v4=cache_shape(model.config).kind == "v4")
 
-    def make_store(self, inner, model, layer_idx: int):
-        if self.records is None:
-            return super().make_store(inner, model, layer_idx)
-        from kveval.stores.records import RecordStore
-
-        return RecordStore(self.records.engine_codec, inner.compute_dtype)
-
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:
         import torch
 
@@ -528,7 +521,12 @@ class VllmPolicy(EnginePolicy):
         return turboquant_vllm.boundary_layers(config.num_hidden_layers, hybrid)
 
     def make_store(self, inner, model, layer_idx: int):
-        """TurboQuant: ``inner`` (the model dtype) in a boundary layer, else a store whose first chunk attends raw."""
+        """DeepSeek's records: a :class:`~kveval.stores.records.RecordStore`. TurboQuant: ``inner`` (the model dtype)
+        in a boundary layer, else a store whose first chunk attends raw. Else the engine store of :meth:`codec`."""
+        if self.records is not None:
+            from kveval.stores.records import RecordStore
+
+            return RecordStore(self.records.engine_codec, inner.compute_dtype)
         if self.kv_cache_dtype not in VLLM_TURBOQUANT:
             return super().make_store(inner, model, layer_idx)
         if layer_idx in self.boundary_layers(model):
