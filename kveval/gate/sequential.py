@@ -35,14 +35,14 @@ from typing import Any
 
 from kveval.errors import ResultFileError
 from kveval.gate.config import GateConfig, SequentialSettings
-from kveval.runs.results import Run
+from kveval.runs.results import SEQUENTIAL_DECISION, Run
 from kveval.stats.comparison import cluster_of
 from kveval.stats.sequential import CONTINUE, SequentialDesign
 
 #: ``run.json`` ``extra`` key under which a sequential sweep records its look order (``{"order": {task: [ids]}}``).
 ORDER_KEY = "sequential"
-#: ``run.json`` ``extra`` key under which a sequential sweep records a run's decision (:func:`decision_record`).
-DECISION_KEY = "sequential_decision"
+#: ``run.json`` ``extra`` key under which a sequential sweep records a run's decision (look, items spent).
+DECISION_KEY = SEQUENTIAL_DECISION
 
 __all__ = ["CONTINUE", "DECISION_KEY", "ORDER_KEY", "LookPlan", "family_size", "probe_order", "run_order",
            "stratified_order"]
