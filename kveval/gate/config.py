@@ -118,13 +118,10 @@ class SequentialSettings:
         return cls(tuple(float(x) for x in looks) if fractions else design.looks, fractions, design.pass_spending,
                    design.fail_spending)
 
-    def design(self, max_items: int, alpha_pass: float, alpha_fail: float) -> SequentialDesign:
-        """The design of one task of ``max_items`` items (its looks in items), at these error rates."""
-        kwargs = {"alpha_pass": alpha_pass, "alpha_fail": alpha_fail, "pass_spending": self.pass_spending,
-                  "fail_spending": self.fail_spending}
-        if self.fractions:
-            return SequentialDesign.from_fractions(self.looks, max_items, **kwargs)
-        return SequentialDesign(self.looks, **kwargs)
+    def design_of(self, looks: tuple[int, ...], alpha_pass: float, alpha_fail: float) -> SequentialDesign:
+        """The design testing one task at ``looks`` (item counts, strictly increasing), at these error rates."""
+        return SequentialDesign(looks, alpha_pass=alpha_pass, alpha_fail=alpha_fail, pass_spending=self.pass_spending,
+                                fail_spending=self.fail_spending)
 
     def to_dict(self) -> dict[str, Any]:
         """The section as written (what :meth:`from_mapping` reads back)."""

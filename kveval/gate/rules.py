@@ -74,7 +74,7 @@ from kveval.stats.sequential import PASS as SEQ_PASS
 
 __all__ = [
     "evaluate_gate", "evaluate_sweep", "group_runs_by_baseline", "items_needed", "judge_sequential", "judge_task",
-    "margin_test", "noise_floors",
+    "margin_test", "noise_floors", "repeated_confidence_level",
 ]
 
 
@@ -303,6 +303,18 @@ def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
 # ----------------------------------------------------------------------------- judging look by look
 
 
+def repeated_confidence_level(cfg: GateConfig, plan: seq.LookPlan, look: int) -> float:
+    """The two-sided level of the interval a sequential verdict reports at ``look``: a repeated confidence interval
+    (Jennison and Turnbull 2000, chapter 9), the critical value of the design's boundary at that look for half of
+    ``1 - confidence_level`` each side, so that the intervals of every look cover the true change together with
+    ``confidence_level`` and the one at the look that stopped keeps it (a plain interval there would not: stopping
+    where the statistic is extreme biases it). The widest over the tasks, whose looks may differ by an item."""
+    tail = (1 - cfg.confidence_level) / 2
+    z = max(cfg.sequential.design_of(d.looks, tail, tail).boundaries.upper[plan.design_look(t, look)]
+            for t, d in plan.designs.items())
+    return float(2 * _st.norm.cdf(z) - 1)
+
+
 def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: int, floor=None
                      ) -> tuple[str, list[TaskVerdict], RunComparison, dict[str, Any]]:
     """Judge one candidate look by look under ``cfg.sequential`` (:mod:`kveval.gate.sequential`).
@@ -338,8 +350,9 @@ def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: 
     for k in range(reached + 1):
         ids = set(plan.ids_through(k))
         sub_base, sub_cand = seq.subset(base, ids), seq.subset(cand, ids)
-        rc = compare_runs(sub_base, sub_cand, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples,
-                          seed=cfg.seed, cells=False)
+        level = repeated_confidence_level(cfg, plan, k)
+        rc = compare_runs(sub_base, sub_cand, confidence_level=level, n_resamples=cfg.n_resamples, seed=cfg.seed,
+                          cells=False)
         floors = noise_floors(sub_base, seq.subset(floor, ids)) if floor is not None else {}
         by_task: dict[str, list] = {}
         for pair in rc.pairs:
@@ -349,7 +362,7 @@ def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: 
             c = rc.task(t)
             margin = cfg.margin_for(t)
             test = margin_test(c, margin, cfg)
-            look = decide(plan.designs[t], k, c.score_lost, c.score_gained, c.n, margin, c.design_effect)
+            look = decide(plan.designs[t], plan.design_look(t, k), c.score_lost, c.score_gained, c.n, margin, c.design_effect)
             verdicts.append(judge_task(c, cfg, min(1.0, test.p_inferior * family), test, by_task.get(t, []),
                                        floors.get(t), look=look))
         statuses = {v.status for v in verdicts}
@@ -359,9 +372,9 @@ def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: 
     items = plan.counts(k)
     record = {
         "decision": status, "look": k + 1, "looks": plan.looks, "items": items, "items_total": sum(items.values()),
-        "max_items": {t: d.max_items for t, d in plan.designs.items()},
+        "max_items": {t: len(ids) for t, ids in plan.order.items()},
         "boundary": {v.task: v.look.boundary for v in verdicts},
-        "alpha_pass": cfg.alpha, "alpha_fail": alpha_fail,
+        "alpha_pass": cfg.alpha, "alpha_fail": alpha_fail, "interval_level": level,
         "design": {"looks": cfg.sequential.to_dict()["looks"], "pass_spending": cfg.sequential.pass_spending.name,
                    "fail_spending": cfg.sequential.fail_spending.name,
                    "tasks": {t: d.to_dict() for t, d in plan.designs.items()}},

@@ -29,6 +29,7 @@ gives the verdict again, so ``gate.json`` is re-verified as a fixed gate's is (:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -93,45 +94,55 @@ def family_size(cfg: GateConfig, tasks: int, candidates: int) -> int:
 
 @dataclass(frozen=True)
 class LookPlan:
-    """Every gated task's look order and design: which items each look tests.
+    """Every gated task's look order, items per look and design: which items each look tests.
 
-    ``order``: per task, its item ids in look order (the task's maximum items is their number); ``designs``: per
-    task, the :class:`~kveval.stats.sequential.SequentialDesign` of that maximum, all with the same number of looks.
+    ``order``: per task, its item ids in look order (the task's maximum items is their number); ``counts``: per task,
+    the items each look tests (non-decreasing: a task of fewer items than looks repeats a count, and its statistic
+    does not change at that look); ``designs``: per task, the :class:`~kveval.stats.sequential.SequentialDesign` of
+    its distinct counts.
     """
 
     order: Mapping[str, tuple[str, ...]]
+    counts_by_task: Mapping[str, tuple[int, ...]]
     designs: Mapping[str, SequentialDesign]
 
     @classmethod
     def build(cls, settings: SequentialSettings, order: Mapping[str, Sequence[str]], alpha_pass: float,
               alpha_fail: float, where: str = "the runs") -> "LookPlan":
-        designs = {}
+        counts, designs = {}, {}
         for task, ids in order.items():
             if not ids:
                 raise ResultFileError(f"{where}: task {task} has no items in the look order")
-            design = settings.design(len(ids), alpha_pass, alpha_fail)
-            if design.max_items != len(ids):
-                raise ResultFileError(f"{where}: task {task} has {len(ids)} items, the sequential design's last look "
-                                      f"{design.max_items}: give looks as fractions, or counts ending at {len(ids)}")
-            designs[task] = design
-        return cls({t: tuple(ids) for t, ids in order.items()}, designs)
+            if settings.fractions:
+                looks = tuple(max(1, math.ceil(f * len(ids) - 1e-9)) for f in settings.looks)
+            else:
+                looks = tuple(int(x) for x in settings.looks)
+                if looks[-1] != len(ids):
+                    raise ResultFileError(f"{where}: task {task} has {len(ids)} items, the sequential design's last "
+                                          f"look {looks[-1]}: give looks as fractions, or counts ending at {len(ids)}")
+            counts[task] = looks
+            designs[task] = settings.design_of(tuple(sorted(set(looks))), alpha_pass, alpha_fail)
+        return cls({t: tuple(ids) for t, ids in order.items()}, counts, designs)
 
     @property
     def looks(self) -> int:
-        return len(next(iter(self.designs.values())).looks)
+        return len(next(iter(self.counts_by_task.values())))
 
     def counts(self, look: int) -> dict[str, int]:
         """Items of each task that look ``look`` (0-based) tests."""
-        return {task: d.looks[look] for task, d in self.designs.items()}
+        return {task: c[look] for task, c in self.counts_by_task.items()}
+
+    def design_look(self, task: str, look: int) -> int:
+        """The index, in ``task``'s design, of the plan's look ``look``."""
+        return self.designs[task].looks.index(self.counts_by_task[task][look])
 
     def ids_through(self, look: int) -> list[str]:
         """The ids looks ``0..look`` test, block by block (block ``k``: every task's items from look ``k - 1`` to
         ``k``, task by task): the order a sequential sweep runs them in."""
         out: list[str] = []
         for k in range(look + 1):
-            for task, design in self.designs.items():
-                start = design.looks[k - 1] if k else 0
-                out += self.order[task][start:design.looks[k]]
+            for task, c in self.counts_by_task.items():
+                out += self.order[task][c[k - 1] if k else 0:c[k]]
         return out
 
     def reached(self, held: set[str]) -> tuple[int, dict[str, int]]:
@@ -147,7 +158,7 @@ class LookPlan:
                                       f"sequential kveval sweep does, or give every item)")
             prefix[task] = n
         look = -1
-        while look + 1 < self.looks and all(prefix[t] >= d.looks[look + 1] for t, d in self.designs.items()):
+        while look + 1 < self.looks and all(prefix[t] >= c[look + 1] for t, c in self.counts_by_task.items()):
             look += 1
         return look, prefix
 
