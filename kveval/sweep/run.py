@@ -306,6 +306,15 @@ class CellRunner:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        # A killed sweep left runs part-way through a block they were asked for: finish it first, as the
+        # uninterrupted sweep did, so that every look below is judged on whole blocks.
+        for spec, run_dir in [(base_spec, base_dir)] + open_:
+            started = _started_look(run_dir, plan)
+            if started is not None:
+                ran |= self._run_block(cell, [by_id[i] for i in plan.ids_through(started)], [(spec, run_dir)], extra)
+        if config.noise_floor and _started_look(noise_floor_run(self.out, base_dir), plan) is not None:
+            started = _started_look(noise_floor_run(self.out, base_dir), plan)
+            ran |= self._noise_floor_of(cell.model, base_spec, base_dir, [by_id[i] for i in plan.ids_through(started)])
         while open_ and look + 1 < plan.looks:
             look += 1
             block = [by_id[i] for i in plan.ids_through(look)]
@@ -319,7 +328,10 @@ class CellRunner:
             for (spec, run_dir), verdict in zip(open_, result.candidates):
                 if verdict.status == ERROR:
                     raise ResultFileError(f"sequential sweep {config.name}: {verdict.error}")
-                if verdict.sequential["decision"] == CONTINUE_DECISION and look + 1 < plan.looks:
+                # a run holding later blocks (a killed sweep's, finished above) is judged on them too: decided at a
+                # later look, it is still open at this one
+                later = verdict.sequential["look"] > look + 1
+                if (verdict.sequential["decision"] == CONTINUE_DECISION or later) and look + 1 < plan.looks:
                     still.append((spec, run_dir))
                 else:
                     decisions[run_dir] = verdict.sequential
@@ -364,6 +376,18 @@ class CellRunner:
             evaluate_policies(model, tokenizer, block, [s for s in missing if s.mode == mode], self.out, cell.model,
                               self.config.batch_size, self.config.seed, extra=extra)
         return True
+
+
+def _started_look(run_dir: Path, plan: "LookPlan") -> int | None:
+    """The look whose blocks ``run_dir`` was last asked for (its ``run.json``'s ``expected_items``), or ``None``
+    where it was never opened or asks for no whole number of blocks."""
+    from kveval.runs.records import read_run_info
+
+    try:
+        expected = read_run_info(run_dir).extra.get("expected_items")
+    except (ResultFileError, OSError):
+        return None
+    return next((k for k in range(plan.looks) if len(plan.ids_through(k)) == expected), None)
 
 
 #: A sequential decision that leaves the candidate in the run (:data:`kveval.stats.sequential.CONTINUE`).
