@@ -422,9 +422,8 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
     written = {r.id: r.hash for r in records}
     if config.sequential is not None:  # a sequential sweep's run is finished once decided on the items it needed
         needed = sequential_items(config, run_dir, items)
-        if needed is None:
-            return "not decided yet (a sequential sweep's run holds the items up to its decision)"
-        items = needed
+        if needed is not None:  # else undecided: finished only holding every item (a fixed-n run of the sweep)
+            items = needed
     short = holds(sum(written.get(item.id) == item.hash for item in items), len(items))
     if short:
         return short
