@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -159,8 +160,10 @@ def gate_cli(config: Path, baseline: Path, candidates: list[Path], out: Path) ->
     argv = ["gate", "--baseline", str(baseline), "--config", str(config), "--out", str(out)]
     for c in candidates:
         argv += ["--candidate", str(c)]
-    with contextlib.redirect_stdout(io.StringIO()):
-        kveval(argv)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        code = kveval(argv)
+    if code not in (0, 1, 3):
+        raise RuntimeError(f"kveval gate exited {code}: {err.getvalue().strip()}")
     return json.loads((out / "gate.json").read_text())["candidates"]
 
 
@@ -217,8 +220,8 @@ def print_gate_simulation(draws: int, seed: int, margin: float) -> None:
                     "10-point loss": ((0.1, 0.0), n), "3 items, unchanged": ((0.0, 0.0), 3),
                     "clustered contexts (3-5 items)": ("clustered", n)}
             for label, (scenario, items) in rows.items():
-                r = gate_rates(Path(tmp) / f"{name}-{label}".replace(" ", "_"), gate_yaml(section, margin), draws, rng,
-                               items, scenario)
+                slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{name}-{label}")
+                r = gate_rates(Path(tmp) / slug, gate_yaml(section, margin), draws, rng, items, scenario)
                 print(f"| {name} | {label} | {items} | {r['PASS']:.3f} | {r['FAIL']:.3f} | {r['INCONCLUSIVE']:.3f} | "
                       f"{r['items']:.1f} | {r['coverage']:.3f} |")
                 name = ""

@@ -300,3 +300,17 @@ def test_sweep_sequential_keys_are_checked_at_the_edge(tmp_path, extra, message)
     path.write_text(f"name: s\npolicies: ['kivi(bits=4)']\n{extra}\n")
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+def test_the_time_to_verdict_benchmark_runs_both_sweeps_side_by_side(tmp_path, capsys):
+    from benchmarks.sequential_quickstart import main as benchmark
+
+    config = _sweep_config(tmp_path, "")
+    runs = benchmark(["--config", str(config), "--keep", str(tmp_path / "bench")])
+    fixed, seq = runs["fixed-n"]["candidates"], runs["sequential"]["candidates"]
+    assert fixed.keys() == seq.keys() and len(fixed) == 2
+    assert all(items == 32 for _, items in fixed.values()) and all(items == 16 for _, items in seq.values())
+    assert {s for s, _ in fixed.values()} == {s for s, _ in seq.values()} == {PASS}
+    out = capsys.readouterr().out
+    assert "| candidate | fixed-n verdict | items | sequential verdict | items | same verdict |" in out
+    assert f"ratio {runs['ratio']:.2f}" in out
