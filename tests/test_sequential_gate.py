@@ -226,8 +226,14 @@ def test_a_sequential_sweep_stops_decided_candidates_in_stratified_blocks(tmp_pa
     from kveval.commands.main import main
 
     out = tmp_path / "out"
-    assert main(["sweep", str(_sweep_config(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    assert main(["sweep", str(_sweep_config(tmp_path, "sequential: true\nnoise_floor: true")), "--out", str(out),
+                 "--quiet"]) == 0
     runs = _written(out)
+    # the noise floor reran only the baseline items that were run
+    from kveval.runs.records import read_items
+
+    [floor] = out.glob("noise_floor/runs/*/none")
+    assert sorted(r.id for r in read_items(floor)) == sorted(i for i, _, _ in runs["none"])
     decisions = _decisions(out)
     # margin 0.5, nothing flips on a random model: every candidate PASSes at look 2, on half of each task's items
     for name, record in decisions.items():
