@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kveval.runs.records import atomic_write_text
-from kveval.runs.results import is_same_run, load_run, pairing_warnings
+from kveval.runs.results import baseline_for, is_same_run, load_run, pairing_warnings
 from kveval.stats.comparison import DEFAULT_RESAMPLES, check_settings, compare_runs
 from kveval.stats.tables import fmt_delta_ci, fmt_p, format_table
 
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in pairing_warnings(base, cand):
         print(f"kveval compare: warning: {warning}", file=sys.stderr)
     rc = compare_runs(
-        base,
+        baseline_for(base, cand),  # a candidate a sequential sweep stopped early: on the items it holds
         cand,
         confidence_level=args.confidence,
         n_resamples=args.resamples,

@@ -14,12 +14,15 @@ the gate file before it loads a model).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from kveval.errors import ConfigError
+from kveval.errors import ConfigError, UsageError
+from kveval.stats.boundaries import SpendingFunction, parse_spending
 from kveval.stats.comparison import CATEGORIES, MIN_RESAMPLES, OVERALL
+from kveval.stats.sequential import SequentialDesign
 from kveval.values import is_real, is_whole
 from kveval.yaml_files import load_yaml
 
@@ -41,8 +44,89 @@ _KEYS = {
     "confidence_level",
     "n_resamples",
     "seed",
+    "sequential",
 }
 _RENAMED = {"require_non_inferiority": "inconclusive_blocks (a task that cannot show non-inferiority is INCONCLUSIVE, not FAIL)"}
+
+#: The default looks: four equal blocks of each task's items (docs/statistics.md, "Group-sequential verdicts": the
+#: last boundary 1.720 against the fixed-n 1.645 keeps a full run's verdicts and costs about 3% more items for the
+#: same power, while a candidate that loses most of its answers stops after a quarter of them).
+DEFAULT_LOOKS = (0.25, 0.5, 0.75, 1.0)
+#: The default spending, both decisions: O'Brien-Fleming-type spends almost nothing early (a stop at the first look
+#: needs |z| near 4), so an early verdict is only ever an obvious one and the last look is nearly the fixed-n test.
+DEFAULT_SPENDING = "obrien-fleming"
+_SEQUENTIAL_KEYS = {"looks", "max_items", "spending", "pass_spending", "fail_spending"}
+
+
+@dataclass(frozen=True)
+class SequentialSettings:
+    """A gate config's ``sequential:`` section, parsed once: the looks and spending of a group-sequential gate.
+
+    Attributes
+    ----------
+    looks : tuple of float, or tuple of int
+        ``fractions`` true: information fractions of each task's maximum items (increasing, in (0, 1], the last
+        1); else item counts per task, the last the maximum (every task must hold exactly that many).
+    fractions : bool
+        Whether ``looks`` are fractions (the default, four equal ones) or item counts.
+    pass_spending, fail_spending : SpendingFunction
+        How the PASS error rate (``alpha``) and the FAIL error rate (``alpha`` split over the Holm family,
+        Bonferroni: one test per task at each look) are spent over the looks; default O'Brien-Fleming-type.
+    """
+
+    looks: tuple = DEFAULT_LOOKS
+    fractions: bool = True
+    pass_spending: SpendingFunction = field(default_factory=lambda: parse_spending(DEFAULT_SPENDING))
+    fail_spending: SpendingFunction = field(default_factory=lambda: parse_spending(DEFAULT_SPENDING))
+
+    @classmethod
+    def from_mapping(cls, data: Any, source: str = "gate config") -> "SequentialSettings":
+        """Parse ``sequential:`` (``true``: the defaults; a mapping of ``looks``, ``max_items``, ``spending`` or
+        ``pass_spending``/``fail_spending``); every problem is one :class:`ConfigError` line naming ``source``."""
+        where = f"{source}: sequential"
+        if data is True:
+            return cls()
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: give true (four equal looks, O'Brien-Fleming spending) or a mapping of "
+                              f"{', '.join(sorted(_SEQUENTIAL_KEYS))}, got {data!r}")
+        unknown = sorted(str(k) for k in set(data) - _SEQUENTIAL_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(_SEQUENTIAL_KEYS))})")
+        looks = data.get("looks", DEFAULT_LOOKS)
+        max_items = data.get("max_items")
+        if isinstance(looks, (list, tuple)) and looks and all(is_real(x) and not isinstance(x, bool) for x in looks):
+            if any(not 0 < x <= 1 for x in looks) and not all(is_whole(x) for x in looks):
+                raise ConfigError(f"{where}.looks: fractions must lie in (0, 1] (or give whole item counts), got "
+                                  f"{list(looks)!r}")
+        # as fractions, unless every look is a whole count and a count (above 1, or max_items) says so
+        fractions = not (isinstance(looks, (list, tuple)) and looks and all(is_whole(x) for x in looks)
+                         and (max_items is not None or any(x > 1 for x in looks)))
+        if max_items is not None and fractions:
+            raise ConfigError(f"{where}: max_items goes with looks given as item counts; with fractions the maximum "
+                              f"is each task's items")
+        if max_items is not None and (not is_whole(max_items) or max_items < 1):
+            raise ConfigError(f"{where}.max_items must be a whole number of items >= 1, got {max_items!r}")
+        try:
+            probe = {"looks": list(looks) if isinstance(looks, (list, tuple)) else looks,
+                     **{k: data[k] for k in ("spending", "pass_spending", "fail_spending") if k in data}}
+            probe["max_items"] = 10_000 if fractions else max_items
+            if probe["max_items"] is None:
+                probe.pop("max_items")
+            design = SequentialDesign.from_mapping(probe, where)
+        except UsageError as exc:  # a ConfigError too: already names where
+            raise ConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+        return cls(tuple(float(x) for x in looks) if fractions else design.looks, fractions, design.pass_spending,
+                   design.fail_spending)
+
+    def design_of(self, looks: tuple[int, ...], alpha_pass: float, alpha_fail: float) -> SequentialDesign:
+        """The design testing one task at ``looks`` (item counts, strictly increasing), at these error rates."""
+        return SequentialDesign(looks, alpha_pass=alpha_pass, alpha_fail=alpha_fail, pass_spending=self.pass_spending,
+                                fail_spending=self.fail_spending)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as written (what :meth:`from_mapping` reads back)."""
+        return {"looks": list(self.looks), "pass_spending": self.pass_spending.name,
+                "fail_spending": self.fail_spending.name}
 
 
 @dataclass
@@ -80,6 +164,9 @@ class GateConfig:
         Power an INCONCLUSIVE task's "items needed" is computed for.
     confidence_level, n_resamples, seed
         Reported two-sided intervals; bootstrap settings (mostly graded tasks, log-prob changes, the KL rule).
+    sequential : SequentialSettings or None
+        A group-sequential gate (:mod:`kveval.gate.sequential`): each candidate judged at planned looks on the
+        first blocks of every task's items, stopped at its first PASS or FAIL. ``None`` (the default): fixed-n.
     """
 
     tasks: str | list[str] = "all"
@@ -94,6 +181,7 @@ class GateConfig:
     confidence_level: float = 0.95
     n_resamples: int = 9999
     seed: int = 0
+    sequential: SequentialSettings | None = None
     #: Where the rules came from (the YAML file), for messages; not a rule.
     source: str = field(default="gate config", compare=False, repr=False)
 
@@ -200,10 +288,18 @@ class GateConfig:
             if not is_whole(data["seed"]):
                 raise ConfigError(f"{source}: seed must be an integer")
             cfg.seed = data["seed"]
+        if data.get("sequential") not in (None, False):
+            cfg.sequential = SequentialSettings.from_mapping(data["sequential"], source)
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "source"}
+        """The rules as a mapping :meth:`from_dict` reads back (``sequential`` only where set: a fixed-n gate's
+        record is unchanged)."""
+        out = {k: getattr(self, k) for k in (f.name for f in fields(self)) if k not in ("source", "sequential")}
+        out = copy.deepcopy(out)
+        if self.sequential is not None:
+            out["sequential"] = self.sequential.to_dict()
+        return out
 
 
 def _num(v: Any, name: str, source: str) -> float:

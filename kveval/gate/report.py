@@ -49,6 +49,20 @@ def _floor(t) -> str:
     return f"{t.noise_floor.flips}/{t.noise_floor.n}" + (" (within)" if t.within_noise_floor else "")
 
 
+def _sequential_note(result: GateResult) -> str:
+    """What a sequential gate changes in the rules above, and where each candidate stopped ("" at fixed n)."""
+    seq = result.config.sequential
+    if seq is None:
+        return ""
+    looks = ", ".join(f"{x:g}" for x in seq.looks) + (" of each task's items" if seq.fractions else " items per task")
+    stops = "; ".join(f"`{_md(c.name)}` {c.sequential['decision']} at look {c.sequential['look']} "
+                      f"({c.sequential['items_total']} items)" for c in result.candidates if c.sequential)
+    return (f" Sequential: looks at {looks}, {seq.pass_spending.name} (PASS) / {seq.fail_spending.name} (FAIL)"
+            f" spending; the margin is tested by the group-sequential boundaries in place of the bounds above (FAIL"
+            f" alpha split over the tests, Bonferroni), each candidate judged on the first blocks it holds and stopped"
+            f" at its first PASS or FAIL" + (f": {stops}." if stops else "."))
+
+
 def to_markdown(result: GateResult) -> str:
     cfg = result.config
     level = int(round((1 - cfg.alpha) * 100))
@@ -69,7 +83,8 @@ def to_markdown(result: GateResult) -> str:
         + f" Min. detectable loss: the true loss that would FAIL with {cfg.power:.0%} power at the task's n, churn and"
         " clustering; a PASS could have missed a smaller one."
         + (f" Noise floor: the baseline run again in another batch arrangement ({result.noise_floor_path}); a FAIL"
-           " whose flips stay within it is reported INCONCLUSIVE." if result.noise_floor_path else ""),
+           " whose flips stay within it is reported INCONCLUSIVE." if result.noise_floor_path else "")
+        + _sequential_note(result),
         "",
         "| verdict | candidate | task | n | baseline | candidate | change [one-sided bounds] | p any change (Holm) | -flips | +flips | noise floor | margin | min. detectable loss | reasons |",
         "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",

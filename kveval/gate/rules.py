@@ -43,6 +43,7 @@ from typing import Any, Sequence
 from scipy import stats as _st
 
 from kveval.errors import ResultFileError, UsageError
+from kveval.gate import sequential as seq
 from kveval.gate.config import GateConfig
 from kveval.gate.verdicts import (
     _ORDER,
@@ -63,13 +64,17 @@ from kveval.stats.comparison import (
     CONFUSION_CATEGORIES,
     OVERALL,
     Comparison,
+    RunComparison,
     adjust_pvalues,
     compare_runs,
 )
+from kveval.stats.sequential import CONTINUE, LookDecision, decide
+from kveval.stats.sequential import FAIL as SEQ_FAIL
+from kveval.stats.sequential import PASS as SEQ_PASS
 
 __all__ = [
-    "evaluate_gate", "evaluate_sweep", "group_runs_by_baseline", "items_needed", "judge_task", "margin_test",
-    "noise_floors",
+    "evaluate_gate", "evaluate_sweep", "group_runs_by_baseline", "items_needed", "judge_sequential", "judge_task",
+    "margin_test", "noise_floors", "repeated_confidence_level",
 ]
 
 
@@ -189,17 +194,24 @@ def _kl_rule(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str
 
 
 def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: paired.MarginTest, pairs=(),
-               noise_floor: NoiseFloor | None = None) -> TaskVerdict:
+               noise_floor: NoiseFloor | None = None, look: LookDecision | None = None) -> TaskVerdict:
     """Apply the rules of ``cfg`` to one task (``p_inferior_holm``: the task's FAIL test, adjusted over the family;
-    ``noise_floor``: the baseline's own flips on the task under another batch arrangement, if measured)."""
+    ``noise_floor``: the baseline's own flips on the task under another batch arrangement, if measured).
+
+    ``look``: a sequential gate's decision on the margin at this look (:func:`kveval.stats.sequential.decide`): it
+    replaces the fixed-n margin tests (FAIL below the lower boundary, non-inferiority shown above the upper one);
+    every other rule applies as it does at fixed n."""
     margin = test.margin
     reasons: list[str] = []
     pending: list[str] = []
     level = int(round((1 - cfg.alpha) * 100))
-    if p_inferior_holm < cfg.alpha:
+    if look is None and p_inferior_holm < cfg.alpha:
         reasons.append(
             f"loss beyond the margin: {level}% upper bound {test.upper:+.3f} < -margin {-margin:+.3f} (Holm p={p_inferior_holm:.3g})"
         )
+    elif look is not None and look.status == SEQ_FAIL:
+        reasons.append(f"loss beyond the margin: z {look.z:+.2f} <= {look.lower:+.2f}, the lower boundary at look "
+                       f"{look.look + 1} ({look.n:g} items)")
     open_cap = None  # the flip cap, while the net flip rate is not shown under it
     cap = cfg.max_negative_flip_rate
     if cap is not None and cap > 0:
@@ -218,8 +230,12 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     kl_reasons, kl_pending = _kl_rule(c, cfg, pairs)
     reasons += kl_reasons
     pending += kl_pending
-    if not test.lower > -margin:
+    score_open = not test.lower > -margin if look is None else look.status != SEQ_PASS
+    if score_open and look is None:
         pending.insert(0, f"non-inferiority not shown: {level}% lower bound {test.lower:+.3f} <= -margin {-margin:+.3f}")
+    elif score_open:
+        pending.insert(0, f"non-inferiority not shown: z {look.z:+.2f} < {look.upper:+.2f}, the upper boundary at "
+                          f"look {look.look + 1} ({look.n:g} items)")
     needed = None
     within_floor = within_noise_floor(c, noise_floor)
     if reasons and within_floor:  # what fired rests on flips the baseline makes against itself
@@ -230,7 +246,6 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
         status = FAIL
     elif pending:
         status = INCONCLUSIVE
-        score_open = not test.lower > -margin
         if score_open or open_cap is not None:  # the KL rule's own reasons say what it needs
             needed = items_needed(c, test, score_open, open_cap, cfg)
             pending.append(
@@ -248,7 +263,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
                      f"{c.n_regressed + c.n_improved}" + (" (within the floor)" if within_floor else ""))
     mdl = _min_detectable_loss(c, margin, cfg)
     return TaskVerdict(c.task, status, _summary(c, test), reasons, notes, margin, test, p_inferior_holm, needed, c,
-                       mdl, noise_floor)
+                       mdl, noise_floor, look)
 
 
 def _min_detectable_loss(c: Comparison, margin: float, cfg: GateConfig) -> float | None:
@@ -285,6 +300,88 @@ def _judge_all(results: Sequence[GateResult], cfg: GateConfig) -> None:
         v.status = max((t.status for t in v.tasks), key=_ORDER.__getitem__, default=PASS)
 
 
+# ----------------------------------------------------------------------------- judging look by look
+
+
+def repeated_confidence_level(cfg: GateConfig, plan: seq.LookPlan, look: int) -> float:
+    """The two-sided level of the interval a sequential verdict reports at ``look``: a repeated confidence interval
+    (Jennison and Turnbull 2000, chapter 9), the critical value of the design's boundary at that look for half of
+    ``1 - confidence_level`` each side, so that the intervals of every look cover the true change together with
+    ``confidence_level`` and the one at the look that stopped keeps it (a plain interval there would not: stopping
+    where the statistic is extreme biases it). The widest over the tasks, whose looks may differ by an item."""
+    tail = (1 - cfg.confidence_level) / 2
+    z = max(cfg.sequential.design_of(d.looks, tail, tail).boundaries.upper[plan.design_look(t, look)]
+            for t, d in plan.designs.items())
+    return float(2 * _st.norm.cdf(z) - 1)
+
+
+def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: int, floor=None
+                     ) -> tuple[str, list[TaskVerdict], RunComparison, dict[str, Any]]:
+    """Judge one candidate look by look under ``cfg.sequential`` (:mod:`kveval.gate.sequential`).
+
+    ``base``, ``cand``: loaded runs (the candidate may hold only the first blocks of the look order); ``tasks``: the
+    gated tasks; ``family``: FAIL tests sharing ``alpha`` (:func:`kveval.gate.sequential.family_size`); ``floor``:
+    the baseline's noise-floor run, if measured. Replays looks ``0, 1, ...`` up to the last the candidate and the
+    baseline both hold, stopping at the first PASS or FAIL. Returns the candidate's status (PASS, FAIL,
+    INCONCLUSIVE, or CONTINUE where it holds too few items to decide), its task verdicts and comparison at that
+    look, and the record :attr:`~kveval.gate.verdicts.CandidateVerdict.sequential` carries.
+    """
+    alpha_fail = cfg.alpha / family
+    order = seq.run_order(base)
+    missing = [t for t in tasks if t not in order]
+    if missing:
+        raise ResultFileError(f"{base.path}: the look order has no task {missing[0]}")
+    plan = seq.LookPlan.build(cfg.sequential, {t: order[t] for t in tasks}, cfg.alpha, alpha_fail, str(base.path))
+    known = {i for ids in plan.order.values() for i in ids}
+    held = {r.id for r in cand.items}
+    stray = [r.id for r in cand.items if r.task in plan.order and r.id not in known]
+    if stray:
+        raise ResultFileError(f"{cand.path}: item {stray[0]} is not in the baseline's look order; pair runs of one "
+                              f"sweep")
+    try:
+        reached, _ = plan.reached(held & {r.id for r in base.items})
+    except ResultFileError as exc:
+        raise ResultFileError(f"{cand.path}: {exc}") from None
+    if reached < 0:
+        first = plan.counts(0)
+        raise ResultFileError(f"{cand.path}: holds fewer items than the first look needs ("
+                              f"{', '.join(f'{n} of {t}' for t, n in first.items())}); run at least the first block")
+    last = plan.looks - 1
+    for k in range(reached + 1):
+        ids = set(plan.ids_through(k))
+        sub_base, sub_cand = seq.subset(base, ids), seq.subset(cand, ids)
+        level = repeated_confidence_level(cfg, plan, k)
+        rc = compare_runs(sub_base, sub_cand, confidence_level=level, n_resamples=cfg.n_resamples, seed=cfg.seed,
+                          cells=False)
+        floors = noise_floors(sub_base, seq.subset(floor, ids)) if floor is not None else {}
+        by_task: dict[str, list] = {}
+        for pair in rc.pairs:
+            by_task.setdefault(pair[0].task, []).append(pair)
+        verdicts = []
+        for t in tasks:
+            c = rc.task(t)
+            margin = cfg.margin_for(t)
+            test = margin_test(c, margin, cfg)
+            look = decide(plan.designs[t], plan.design_look(t, k), c.score_lost, c.score_gained, c.n, margin, c.design_effect)
+            verdicts.append(judge_task(c, cfg, min(1.0, test.p_inferior * family), test, by_task.get(t, []),
+                                       floors.get(t), look=look))
+        statuses = {v.status for v in verdicts}
+        status = FAIL if FAIL in statuses else PASS if statuses == {PASS} else INCONCLUSIVE if k == last else CONTINUE
+        if status in (PASS, FAIL):
+            break
+    items = plan.counts(k)
+    record = {
+        "decision": status, "look": k + 1, "looks": plan.looks, "items": items, "items_total": sum(items.values()),
+        "max_items": {t: len(ids) for t, ids in plan.order.items()},
+        "boundary": {v.task: v.look.boundary for v in verdicts},
+        "alpha_pass": cfg.alpha, "alpha_fail": alpha_fail, "interval_level": level,
+        "design": {"looks": cfg.sequential.to_dict()["looks"], "pass_spending": cfg.sequential.pass_spending.name,
+                   "fail_spending": cfg.sequential.fail_spending.name,
+                   "tasks": {t: d.to_dict() for t, d in plan.designs.items()}},
+    }
+    return status, verdicts, rc, record
+
+
 # ----------------------------------------------------------------------------- evaluating
 
 
@@ -306,6 +403,7 @@ def evaluate_gate(
     metric: str | dict[str, str] | None = None,
     known_tasks: Sequence[str] | None = None,
     noise_floor: str | os.PathLike | None = None,
+    family: int | None = None,
 ) -> GateResult:
     """Evaluate candidates against a baseline (a run folder, or a loaded :class:`~kveval.runs.results.Run`) under
     the gate rules.
@@ -316,6 +414,11 @@ def evaluate_gate(
     candidates, :class:`~kveval.errors.ConfigError` for a bad config, or one whose per-task settings name a task
     not among ``known_tasks`` (default: the baseline's tasks; a sweep's: every model's).
     ``noise_floor``: a second run of the baseline in another batch arrangement (:func:`noise_floors`).
+
+    Under a sequential config (``cfg.sequential``) each candidate is judged look by look (:func:`judge_sequential`)
+    and may hold only the first blocks of the baseline's items; ``family``: how many FAIL tests share ``alpha``
+    (default :func:`kveval.gate.sequential.family_size` of these candidates; a sweep judging a model's candidates
+    one by one gives the family of all of them).
     """
     cfg = _config_object(config)
     if not candidate_dirs:
@@ -332,6 +435,8 @@ def evaluate_gate(
                 f"gated task(s) {', '.join(missing)} not in the baseline results {base.path} (it has {', '.join(base_tasks)})"
             )
         gated = list(cfg.tasks)
+    if cfg.sequential is not None:
+        return _evaluate_sequential(cfg, base, gated, candidate_dirs, metric, noise_floor, family)
     verdicts: list[CandidateVerdict] = []
     base_digest = run_digest(base)
     for cand in candidate_dirs:
@@ -359,6 +464,37 @@ def evaluate_gate(
                         noise_floor_path=str(noise_floor) if noise_floor is not None else None)
     _judge_all([result], cfg)
     return result
+
+
+def _evaluate_sequential(cfg: GateConfig, base, gated: list[str], candidate_dirs, metric, noise_floor,
+                         family: int | None) -> GateResult:
+    """:func:`evaluate_gate` under a sequential config: every candidate judged by :func:`judge_sequential`."""
+    family = family or seq.family_size(cfg, len(gated), len(candidate_dirs))
+    floor = load_run(noise_floor, metric=metric) if noise_floor is not None else None
+    if floor is not None and not floor.info.is_baseline:
+        raise ResultFileError(f"noise floor {floor.path}: runs policy {floor.info.policy}, not the baseline none")
+    verdicts: list[CandidateVerdict] = []
+    base_digest = run_digest(base)
+    for cand in candidate_dirs:
+        judged = {"baseline": base_digest, "candidate": None}
+        try:
+            cand_run = load_run(cand, metric=metric)
+            judged["candidate"] = run_digest(cand_run)
+            if is_same_run(base, cand_run):
+                raise ResultFileError(f"{cand_run.path} is the baseline {base.path} again (the same policy, answers "
+                                      f"and scores): a baseline gated against itself shows nothing; give a "
+                                      f"compressed run as the candidate")
+            status, tasks, rc, record = judge_sequential(cfg, base, cand_run, gated, family, floor)
+        except (ResultFileError, ValueError, OSError) as exc:
+            verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc), judged=judged))
+            continue
+        verdict = CandidateVerdict(str(cand), rc.candidate.name, INCONCLUSIVE if status == CONTINUE else status,
+                                   tasks, info=rc.candidate, comparison=rc,
+                                   warnings=pairing_warnings(base, cand_run), judged=judged, sequential=record)
+        verdicts.append(verdict)
+    floors = noise_floors(seq.subset(base, {r.id for r in floor.items}), floor) if floor is not None else {}
+    return GateResult(cfg, base.info, str(base.path), gated, verdicts, noise_floor=floors,
+                      noise_floor_path=str(noise_floor) if noise_floor is not None else None)
 
 
 def noise_floors(base, rerun) -> dict[str, NoiseFloor]:
@@ -421,6 +557,6 @@ def evaluate_sweep(
     known = list(dict.fromkeys(it.task for _, run, _ in groups for it in run.items))
     results = [evaluate_gate(cfg, run, cands, metric=metric, known_tasks=known, noise_floor=floors.get(str(Path(base))))
                for base, run, cands in groups]
-    if cfg.family == "sweep" and len(results) > 1:
+    if cfg.family == "sweep" and len(results) > 1 and cfg.sequential is None:  # sequential: per model's family
         _judge_all(results, cfg)
     return results

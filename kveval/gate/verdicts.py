@@ -15,6 +15,7 @@ from kveval.gate.config import GateConfig
 from kveval.runs.records import RunInfo
 from kveval.stats import paired
 from kveval.stats.comparison import Comparison, RunComparison, _clean
+from kveval.stats.sequential import LookDecision
 
 PASS, FAIL, INCONCLUSIVE, ERROR = "PASS", "FAIL", "INCONCLUSIVE", "ERROR"
 _ORDER = {PASS: 0, INCONCLUSIVE: 1, FAIL: 2, ERROR: 3}
@@ -88,6 +89,8 @@ class TaskVerdict:
     comparison: Comparison
     min_detectable_loss: float | None = None
     noise_floor: "NoiseFloor | None" = None
+    #: A sequential gate's decision on the margin at the look that decided (or the last one reached).
+    look: "LookDecision | None" = None
 
     @property
     def could_miss(self) -> str:
@@ -108,6 +111,7 @@ class TaskVerdict:
         return self.test.lower
 
     def to_dict(self) -> dict[str, Any]:
+        sequential = {"sequential": self.look.to_dict()} if self.look is not None else {}
         return _clean(
             {
                 "task": self.task,
@@ -126,6 +130,7 @@ class TaskVerdict:
                 "noise_floor": asdict(self.noise_floor) if self.noise_floor else None,
                 "within_noise_floor": self.within_noise_floor if self.noise_floor else None,
                 "comparison": self.comparison.to_dict(),
+                **sequential,
             }
         )
 
@@ -146,6 +151,10 @@ class CandidateVerdict:
     #: (the candidate's ``None`` where it could not be read). ``kveval report --gate`` attaches the verdict only to
     #: the runs it names.
     judged: dict[str, Any] | None = None
+    #: A sequential gate's record (:func:`kveval.gate.rules.judge_sequential`): ``decision`` (PASS, FAIL, CONTINUE,
+    #: INCONCLUSIVE), ``look`` (1-based) of ``looks``, ``items`` per task and ``items_total`` spent, the ``boundary``
+    #: each task crossed (``None``: none), the ``design``. ``None``: a fixed-n verdict.
+    sequential: dict[str, Any] | None = None
 
     @property
     def reasons(self) -> list[str]:
@@ -155,10 +164,14 @@ class CandidateVerdict:
         """``PASS name: ...``, ``FAIL name: reasons``, ``INCONCLUSIVE name: ...`` or ``ERROR name: message``."""
         if self.status == ERROR:
             return f"ERROR {self.name}: {self.error}"
+        where = ""
+        if self.sequential is not None:
+            s = self.sequential
+            where = f" [look {s['look']} of {s['looks']}, {s['items_total']} items]"
         if self.status == PASS:
-            return f"PASS {self.name}: " + "; ".join(t.summary + t.could_miss for t in self.tasks)
+            return f"PASS {self.name}{where}: " + "; ".join(t.summary + t.could_miss for t in self.tasks)
         shown = [t for t in self.tasks if t.status == self.status]
-        return f"{self.status} {self.name}: " + " | ".join(f"{t.summary}{t.could_miss}: {'; '.join(t.reasons)}" for t in shown)
+        return f"{self.status} {self.name}{where}: " + " | ".join(f"{t.summary}{t.could_miss}: {'; '.join(t.reasons)}" for t in shown)
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(
@@ -172,6 +185,7 @@ class CandidateVerdict:
                 "reasons": self.reasons,
                 "tasks": [t.to_dict() for t in self.tasks],
                 "judged": self.judged,
+                **({"sequential": self.sequential} if self.sequential is not None else {}),
             }
         )
 

@@ -83,7 +83,8 @@ def locate_run(recorded: str, gate_file: Path) -> Path | None:
 def check_gate_file(data: Mapping[str, Any], source: Path, runs: Mapping[str, Run | Path] | None = None) -> None:
     """Refuse (:class:`ResultFileError`, one line) a gate file whose verdicts are not what its runs give now.
 
-    Each result is judged again: its recorded config over its baseline and candidates (``runs``: loaded runs or
+    Each result is judged again: its recorded config (a sequential one replays its looks from the runs) over its
+    baseline and candidates (``runs``: loaded runs or
     folders by run name, as a report holds them; else the folders the file records, :func:`locate_run`) and its
     noise floor where one was measured. The overall status, each candidate's status and reasons and each task's
     status must equal the recorded ones; then the file's digest must match its content (an edit no verdict shows).
@@ -144,7 +145,7 @@ def _first_difference(recorded: Mapping[str, Any], fresh: Mapping[str, Any]) -> 
         return f"{model}: {len(old)} candidates recorded, {len(new)} judged again"
     for a, b in zip(old, new):
         name = a.get("name")
-        for key in ("name", "status", "reasons", "error"):
+        for key in ("name", "status", "reasons", "error", "sequential"):  # a sequential gate's looks replayed too
             if a.get(key) != b.get(key):
                 return f"candidate {name}: {key} {a.get(key)!r} recorded, the runs give {b.get(key)!r}"
         tasks_a, tasks_b = a.get("tasks") or [], b.get("tasks") or []

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 from kveval.probes.item import ProbeItem
 from kveval.runs.records import ItemRecord
-from kveval.runs.results import Run, SampleDocument, pair_runs
+from kveval.runs.results import Run, SampleDocument, baseline_for, pair_runs
 
 KINDS = ("regressed", "improved", "changed")
 #: Characters of context shown on each side of the needle.
@@ -208,7 +208,7 @@ def run_changes(
     probes, documents = probes or {}, documents or {}
     out = []
     shown = 0
-    for base, cand in pair_runs(baseline, candidate):
+    for base, cand in pair_runs(baseline_for(baseline, candidate), candidate):
         kind = kind_of(base, cand)
         if kind is None:
             continue

@@ -16,7 +16,7 @@ from kveval.errors import UsageError
 from kveval.gate.verdicts import GateResult
 from kveval.gate.verify import check_gate_file, read_gate_file
 from kveval.runs.records import ResultFileError
-from kveval.runs.results import Run, expand_run_dirs, load_run, run_digest
+from kveval.runs.results import Run, baseline_for, expand_run_dirs, load_run, run_digest
 from kveval.stats.comparison import OVERALL, RunComparison, adjust_sweep, check_settings, compare_runs, confusion_rates
 
 
@@ -266,7 +266,7 @@ def collect_rows(
         comp = None
         if not r.info.is_baseline and r.info.model in baselines:
             comp = compare_runs(
-                baselines[r.info.model], r, n_resamples=n_resamples, seed=seed, confidence_level=confidence_level, cells=False
+                baseline_for(baselines[r.info.model], r), r, n_resamples=n_resamples, seed=seed, confidence_level=confidence_level, cells=False
             )
         by_task: dict[str, list[float]] = {}
         items_of: dict[str, list] = {}

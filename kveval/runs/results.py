@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -76,6 +76,20 @@ class Run:
     info: RunInfo
     items: list[ItemRecord]
     source: str
+
+
+#: ``run.json`` ``extra`` key of a sequential sweep's decision on a run (:mod:`kveval.gate.sequential`): the run
+#: holds only the first blocks of the sweep's items, those up to the look that decided it.
+SEQUENTIAL_DECISION = "sequential_decision"
+
+
+def baseline_for(baseline: Run, candidate: Run) -> Run:
+    """The baseline as ``candidate`` pairs with it: whole, or, where the candidate was decided early by a sequential
+    sweep (its ``run.json`` records :data:`SEQUENTIAL_DECISION`), on the candidate's items only."""
+    if not candidate.info.extra.get(SEQUENTIAL_DECISION):
+        return baseline
+    ids = {r.id for r in candidate.items}
+    return replace(baseline, items=[r for r in baseline.items if r.id in ids])
 
 
 def run_digest(run: Run) -> dict[str, Any]:

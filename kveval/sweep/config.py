@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from kveval.dtypes import dtype_name, parse_kv_dtype
 from kveval.errors import ConfigError
-from kveval.gate.config import GateConfig, load_gate_config
+from kveval.gate.config import GateConfig, SequentialSettings, load_gate_config
 from kveval.probes import FAMILIES
 from kveval.runner.runspec import RunSpec
 from kveval.values import is_real, is_whole
@@ -22,12 +22,14 @@ if TYPE_CHECKING:
 
 
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval",
-               "fidelity", "noise_floor"}
+               "fidelity", "noise_floor", "sequential"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 #: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
 #: ``noise_floor`` adds a run beside the others and changes none of them: asking for it resumes a finished sweep.
-RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor"}
+#: ``sequential`` changes how many items a run holds, never an item's result: a fixed-n sweep resumed sequentially
+#: replays its looks on the items it holds, a sequential one resumed fixed-n runs the rest of the items.
+RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor", "sequential"}
 
 @dataclass
 class SweepConfig:
@@ -58,6 +60,12 @@ class SweepConfig:
     raw: dict = field(default_factory=dict)
     path: Path | None = None  # the file it was read from (the sweep's manifest records it)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def sequential(self) -> SequentialSettings | None:
+        """The group-sequential design the sweep runs its items by (its gate's, after the sweep's ``sequential:``
+        key), or ``None``: every candidate runs every item."""
+        return self.gate.sequential if self.gate is not None else None
 
     @property
     def hash(self) -> str:
@@ -140,6 +148,11 @@ def load_config(path: str | Path) -> SweepConfig:
         gate = load_gate_config(gate, relative_to=path.parent)  # a bad gate file is reported now, before any model loads
         if not lm_eval:  # the runs' tasks are the probe families: a misspelt per-task key is known now too
             gate.check_tasks(families)
+    gate = _sequential(path, raw, gate)
+    if gate is not None and gate.sequential is not None and (lm_eval or fidelity):
+        raise ConfigError(f"{path}: a sequential sweep runs its probe items in blocks and stops candidates early; "
+                          f"{'lm_eval tasks run whole' if lm_eval else 'fidelity is measured on every item'}: set "
+                          f"sequential: false for this sweep")
     depths = probes.get("depths")
     if depths is not None:
         depths = [_fraction(path, f"probes.depths[{i}]", d) for i, d in enumerate(_list(path, "probes.depths", depths))]
@@ -167,10 +180,25 @@ def with_gate(config: SweepConfig, gate: str) -> SweepConfig:
     """``config`` judged by the gate config ``gate`` instead of its own (``--gate``: a shipped name or a path relative
     to the working directory), checked as ``gate:`` is. The gate is outside the config hash: a finished sweep
     resumes and is judged again."""
-    rules = load_gate_config(gate)
+    rules = _sequential(config.path or Path("sweep config"), config.raw, load_gate_config(gate))
     if not config.lm_eval:
         rules.check_tasks(config.families)
     return replace(config, gate=rules)
+
+
+def _sequential(path: Path, raw: dict, gate: GateConfig | None) -> GateConfig | None:
+    """The gate with the sweep's ``sequential:`` key applied: absent, the gate config's own design (or none);
+    ``false``, fixed-n; ``true``, the gate config's design, or the default one (four equal looks, O'Brien-Fleming);
+    a mapping, that design (:meth:`SequentialSettings.from_mapping`)."""
+    if "sequential" not in raw or raw["sequential"] is None:
+        return gate
+    value = raw["sequential"]
+    gate = gate if gate is not None else GateConfig()
+    if value is False:
+        return replace(gate, sequential=None)
+    if value is True:
+        return replace(gate, sequential=gate.sequential or SequentialSettings())
+    return replace(gate, sequential=SequentialSettings.from_mapping(value, str(path)))
 
 
 #: A sweep's name: it names its folder under ``runs/``, so one path component of plain characters.

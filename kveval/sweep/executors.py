@@ -63,11 +63,16 @@ class Executor(Protocol):
     finishes.
     """
 
+    #: Whether cells may run at the same time (a sequential sweep's cells of one model share its baseline's run).
+    concurrent: bool
+
     def run(self, cells: list[Cell], work: CellWork) -> list[CellResult]: ...
 
 
 class InProcessExecutor:
     """Cells one after another in this process (``work`` may keep a loaded model between cells of one model)."""
+
+    concurrent = False
 
     def __init__(self, progress: Progress | None = None):
         self.progress = progress
@@ -90,6 +95,8 @@ class RayExecutor:
     CPUs (default: all) and shut down at the end. A task lost with its node is
     retried by Ray; the retry resumes from the items already written.
     """
+
+    concurrent = True
 
     def __init__(self, address: str | None = None, workers: int | None = None, progress: Progress | None = None):
         self.ray = import_ray()
