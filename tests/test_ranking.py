@@ -11,7 +11,8 @@ import pytest
 from kveval.commands import main as cli
 from kveval.report.ranking import RANKING_ALPHA, rank_rows, ranking_markdown
 from kveval.report.rows import collect_rows
-from kveval.runs.records import ItemRecord, ResultFileError
+from kveval.runs.records import ItemRecord, ResultFileError, read_run_info, write_run_info
+from kveval.runs.results import SEQUENTIAL_DECISION
 from tests.test_report import NOMINAL, write
 
 
@@ -51,6 +52,20 @@ def test_a_large_loss_is_told_apart_and_a_one_item_difference_is_not(runs):
     assert "Pairs told apart: 2 of 3." in text and "| 3 | quant(bits=2) |" in text
 
 
+def test_runs_that_stopped_early_are_paired_on_the_items_both_ran(tmp_path):
+    base = write(tmp_path / "base", "none", records(set()), bpt=NOMINAL)
+    full = write(tmp_path / "full", "quant(bits=8)", records(set()), bpt=NOMINAL / 2)
+    short = write(tmp_path / "short", "streaming(window=8)", records(set(range(40)), n=50), bpt=NOMINAL / 8)
+    info = read_run_info(short)  # as a sequential sweep records a candidate it stopped at its first look
+    info.extra[SEQUENTIAL_DECISION] = {"decision": "FAIL", "look": 0, "looks": [50, 100, 150, 200],
+                                       "items": {"passkey": 50}, "items_total": 50}
+    write_run_info(short, info)
+    rows, _ = collect_rows([base, full, short], n_resamples=1000)
+    (m,) = rank_rows(rows, n_resamples=1000)
+    (pair,) = m.pairs
+    assert pair.n == 50 and pair.delta == pytest.approx(-40 / 50) and pair.separated
+
+
 def test_a_prompt_that_differs_between_candidates_is_refused(tmp_path):
     base = write(tmp_path / "base", "none", records(set()), bpt=NOMINAL)
     a = write(tmp_path / "a", "quant(bits=8)", records(set()), bpt=NOMINAL / 2)
@@ -71,3 +86,19 @@ def test_report_rank_writes_the_ranking(runs, tmp_path, capsys):
     assert cli.main(["report", *map(str, runs), "--out", str(tmp_path / "plain"), "--no-prompts",
                      "--resamples", "1000"]) == 0
     assert not (tmp_path / "plain" / "ranking.md").exists()
+
+
+def test_a_sweep_config_asks_for_the_ranking_with_a_boolean(tmp_path):
+    from kveval.errors import ConfigError
+    from kveval.sweep.config import load_config
+
+    good = tmp_path / "good.yaml"
+    good.write_text("name: r\npolicies: [quant(bits=8)]\nrank: true\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("name: r\npolicies: [quant(bits=8)]\n")
+    assert load_config(good).rank and not load_config(plain).rank
+    assert load_config(good).hash == load_config(plain).hash  # it changes the report, never a result
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: r\npolicies: [quant(bits=8)]\nrank: yes please\n")
+    with pytest.raises(ConfigError, match="rank='yes please'; use true"):
+        load_config(bad)

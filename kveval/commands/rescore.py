@@ -86,7 +86,7 @@ def _run_sweep(config_path: Path, args) -> int:
             return 0
         manifest["rescored_under"] = running_code()
         atomic_write_text(out / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True))
-        code = summarize(out, run_dirs, config.gate, deploy, probes=probes)
+        code = summarize(out, run_dirs, config.gate, deploy, probes=probes, rank=config.rank)
     print(f"kveval rescore: {out} rescored; its report and gate are rebuilt", file=sys.stderr)
     return code if args.strict else (2 if code == 2 else 0)
 

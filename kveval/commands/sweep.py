@@ -79,5 +79,5 @@ def run(args) -> int:
         if cells.ran_nothing:
             print(f"kveval sweep: {out} is already complete ({len(run_dirs)} runs): nothing was run; its report and "
                   f"gate are rebuilt from them", file=sys.stderr)
-        code = summarize(out, run_dirs, config.gate, deploy)
+        code = summarize(out, run_dirs, config.gate, deploy, rank=config.rank)
     return code if args.strict else (2 if code == 2 else 0)

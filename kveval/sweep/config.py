@@ -22,14 +22,15 @@ if TYPE_CHECKING:
 
 
 CONFIG_KEYS = {"name", "models", "policies", "mode", "kv_dtype", "probes", "batch_size", "gate", "out", "seed", "lm_eval",
-               "fidelity", "noise_floor", "sequential"}
+               "fidelity", "noise_floor", "sequential", "rank"}
 PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 #: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
 #: ``noise_floor`` adds a run beside the others and changes none of them: asking for it resumes a finished sweep.
 #: ``sequential`` changes how many items a run holds, never an item's result: a fixed-n sweep resumed sequentially
 #: replays its looks on the items it holds, a sequential one resumed fixed-n runs the rest of the items.
-RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor", "sequential"}
+#: ``rank`` only adds the report's ranking of candidates against each other (:mod:`kveval.report.ranking`).
+RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor", "sequential", "rank"}
 
 @dataclass
 class SweepConfig:
@@ -57,6 +58,8 @@ class SweepConfig:
     #: Run each model's baseline a second time in another batch arrangement (:mod:`kveval.sweep.run`), for the gate's
     #: noise floor: the flips no compression causes.
     noise_floor: bool = False
+    #: Rank each model's candidates against each other in the report (``report/ranking.md``).
+    rank: bool = False
     raw: dict = field(default_factory=dict)
     path: Path | None = None  # the file it was read from (the sweep's manifest records it)
     warnings: list[str] = field(default_factory=list)
@@ -138,6 +141,10 @@ def load_config(path: str | Path) -> SweepConfig:
     if not isinstance(noise_floor, bool):
         raise ConfigError(f"{path}: noise_floor={noise_floor!r}; use true (run each baseline again in another batch "
                           f"arrangement, for the gate's noise floor) or false")
+    rank = raw.get("rank", False)
+    if not isinstance(rank, bool):
+        raise ConfigError(f"{path}: rank={rank!r}; use true (rank the candidates against each other in the report) "
+                          f"or false")
     fidelity = raw.get("fidelity", False)
     if not isinstance(fidelity, bool):
         raise ConfigError(f"{path}: fidelity={fidelity!r}; use true (teacher-forced KL against the baseline) or false")
@@ -172,7 +179,7 @@ def load_config(path: str | Path) -> SweepConfig:
         family_params=_mapping(path, "probes.params", probes.get("params")),
         batch_size=_count(path, "batch_size", raw.get("batch_size", 1)), gate=gate,
         out=None if raw.get("out") is None else _string(path, "out", raw["out"]), lm_eval=lm_eval, fidelity=fidelity, noise_floor=noise_floor,
-        raw=raw, warnings=warnings, path=path,
+        rank=rank, raw=raw, warnings=warnings, path=path,
     )
 
 

@@ -612,7 +612,7 @@ def run_lm_eval_tasks(model, tokenizer, specs: "list[RunSpec]", run_dirs: list[P
 
 
 def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None", deploy: dict | None = None,
-              probes: dict | None = None) -> int:
+              probes: dict | None = None, rank: bool = False) -> int:
     """Compare, gate and report a finished sweep; print leaderboard and verdict; return the gate's exit code.
 
     ``deploy``: ``gpu_memory``, ``context``, ``batch`` (and ``headroom``, ``weights``) for the deployment decision;
@@ -626,7 +626,7 @@ def summarize(out: Path, run_dirs: list[Path], gate_config: "GateConfig | None",
     write_gate_outputs(results, out / "gate")
     # The verdicts just computed, not gate.json read back: a file is judged again from its runs, which here would
     # only repeat the gate.
-    build_report(run_dirs, out / "report", gate_result=results, probes=probes)
+    build_report(run_dirs, out / "report", gate_result=results, probes=probes, rank=rank)
     print()
     # The leaderboard carries each candidate's verdict and its reasons; gate.md says the same at length, so it is
     # named, not printed, and the sweep's verdict is said once, last.
