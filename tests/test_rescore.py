@@ -136,16 +136,13 @@ def test_a_sweep_folder_is_rescored_from_its_config_and_its_report_rebuilt(tmp_p
     assert cli.main(["rescore", str(out), "--items", "x.jsonl"]) == 2
     assert "a sweep folder: give its config" in capsys.readouterr().err
 
-    # the committed results predate the sequential quickstart: judged fixed-n, as they were run (sequential is
-    # outside the config hash, so this is the same sweep)
-    config = tmp_path / "quickstart.yaml"
-    config.write_text((Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml").read_text()
-                      .replace("sequential: true", "sequential: false"))
+    config = tmp_path / "quickstart.yaml"  # sequential, as the committed results were run
+    config.write_text((Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml").read_text())
     assert cli.main(["rescore", str(out / "runs" / "smollm2-135m" / "none"), "--items", "x.jsonl"]) == 2
     assert "is a run of the sweep quickstart: rescore the sweep from its config" in capsys.readouterr().err
     assert cli.main(["rescore", str(config), "--out", str(out), "--gpu-memory", "1GiB", "--context", "4096"]) == 0
     output = capsys.readouterr().out
-    assert "1 of 480 items change" in output and "gate verdict" in output
+    assert "1 of 300 items change" in output and "gate verdict" in output
     assert "## Deployment" in (out / "gate" / "gate.md").read_text()  # the sweep's question, asked again
     assert "<mark>The pass key is " in (out / "report" / "leaderboard.html").read_text()  # items shown with prompts
     assert cli.main(["rescore", str(config), "--out", str(out)]) == 0

@@ -320,3 +320,19 @@ def test_the_time_to_verdict_benchmark_runs_both_sweeps_side_by_side(tmp_path, c
     out = capsys.readouterr().out
     assert "| candidate | fixed-n verdict | items | sequential verdict | items | same verdict |" in out
     assert f"ratio {runs['ratio']:.2f}" in out
+
+
+def test_the_caps_spend_the_fail_error_rate_over_the_looks():
+    """A cap (flips, confusion, KL) is tested at each look at the FAIL spending function's increment: the increments
+    sum to alpha (its error rate by the union bound), O'Brien-Fleming spends almost nothing at the first look, and a
+    candidate sitting just over a cap is not FAILed early where the fixed-n test would FAIL it at the end."""
+    from kveval.gate.config import GateConfig
+    from kveval.gate.rules import _lower_binomial, cap_alpha
+
+    cfg = GateConfig.from_dict({"margin": 0.1, "sequential": {"looks": [0.25, 0.5, 0.75, 1.0]}})
+    design = cfg.sequential.design_of((15, 30, 45, 60), cfg.alpha, cfg.alpha)
+    spent = [cap_alpha(cfg, design, k) for k in range(4)]
+    assert sum(spent) == pytest.approx(cfg.alpha, abs=1e-12)
+    assert spent[0] < 1e-3 < spent[3] and all(a > 0 for a in spent)
+    # 5 of 15 right answers turned wrong: over a 10% cap at the fixed alpha, not at the first look's increment
+    assert _lower_binomial(5, 15, cfg.alpha) > 0.1 > _lower_binomial(5, 15, spent[0])

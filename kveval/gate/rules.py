@@ -37,9 +37,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 from scipy import stats as _st
 
 from kveval.errors import ResultFileError, UsageError
@@ -76,6 +78,13 @@ __all__ = [
     "evaluate_gate", "evaluate_sweep", "group_runs_by_baseline", "items_needed", "judge_sequential", "judge_task",
     "margin_test", "noise_floors", "repeated_confidence_level",
 ]
+
+
+def confidence_label(alpha: float) -> str:
+    """``1 - alpha`` as a percentage for a bound's label: ``95%`` at 0.05, ``99.99%`` at a sequential look's 8.9e-5
+    (never rounded to 100%, which no bound has)."""
+    level = (1 - alpha) * 100
+    return f"{round(level)}%" if abs(level - round(level)) < 1e-9 else f"{min(level, 99.9999):.6g}%"
 
 
 def _pct(x: float) -> str:
@@ -163,7 +172,7 @@ def _confusion(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[s
         if low > limit:
             label = "confusion (all categories)" if cat == OVERALL else cat
             reasons.append(
-                f"{label}: {k} of {c.n} items were right at baseline ({_pct(k / c.n)} of the task, {int(round((1 - cfg.alpha) * 100))}% lower bound "
+                f"{label}: {k} of {c.n} items were right at baseline ({_pct(k / c.n)} of the task, {confidence_label(cfg.alpha)} lower bound "
                 f"{_pct(low)}) > {_pct(limit)}"
             )
     shifted = sum(1 for b, x in pairs if not b.correct and not x.correct and b.category != x.category)
@@ -185,7 +194,7 @@ def _kl_rule(c: Comparison, cfg: GateConfig, pairs) -> tuple[list[str], list[str
     if len(values) < c.n:
         return [], [f"mean KL not measured on {c.n - len(values)} of {c.n} items: rerun with kveval eval --fidelity"]
     low, high = fidelity.kl_bounds(values, cfg.alpha, cfg.n_resamples, cfg.seed)
-    level = int(round((1 - cfg.alpha) * 100))
+    level = confidence_label(cfg.alpha)[:-1]
     if low > cap:
         return [f"mean KL from the baseline {sum(values) / len(values):.4g} nats: {level}% lower bound {low:.4g} > cap {cap:g}"], []
     if not high < cap:
@@ -204,7 +213,7 @@ def judge_task(c: Comparison, cfg: GateConfig, p_inferior_holm: float, test: pai
     margin = test.margin
     reasons: list[str] = []
     pending: list[str] = []
-    level = int(round((1 - cfg.alpha) * 100))
+    level = confidence_label(cfg.alpha)[:-1]
     if look is None and p_inferior_holm < cfg.alpha:
         reasons.append(
             f"loss beyond the margin: {level}% upper bound {test.upper:+.3f} < -margin {-margin:+.3f} (Holm p={p_inferior_holm:.3g})"
@@ -315,6 +324,16 @@ def repeated_confidence_level(cfg: GateConfig, plan: seq.LookPlan, look: int) ->
     return float(2 * _st.norm.cdf(z) - 1)
 
 
+def cap_alpha(cfg: GateConfig, design, look: int) -> float:
+    """The error rate the caps (flips, confusion, KL) are tested at in look ``look`` of a task's ``design``: the FAIL
+    spending function's increment there, ``alpha(t_k) - alpha(t_(k-1))`` of the gate's ``alpha``. A cap tested at
+    every look at the full ``alpha`` would FAIL a candidate sitting on it up to once per look; the increments sum to
+    ``alpha`` over the looks, so a cap's FAIL keeps its fixed-n error rate by the union bound, and the last look of
+    an O'Brien-Fleming design tests it almost as the fixed-n gate does."""
+    spent = design.fail_spending.spent(np.asarray(design.fractions[:look + 1]), cfg.alpha)
+    return float(spent[-1] - (spent[-2] if look else 0.0))
+
+
 def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: int, floor=None
                      ) -> tuple[str, list[TaskVerdict], RunComparison, dict[str, Any]]:
     """Judge one candidate look by look under ``cfg.sequential`` (:mod:`kveval.gate.sequential`).
@@ -363,8 +382,9 @@ def judge_sequential(cfg: GateConfig, base, cand, tasks: Sequence[str], family: 
             margin = cfg.margin_for(t)
             test = margin_test(c, margin, cfg)
             look = decide(plan.designs[t], plan.design_look(t, k), c.score_lost, c.score_gained, c.n, margin, c.design_effect)
-            verdicts.append(judge_task(c, cfg, min(1.0, test.p_inferior * family), test, by_task.get(t, []),
-                                       floors.get(t), look=look))
+            verdicts.append(judge_task(c, replace(cfg, alpha=cap_alpha(cfg, plan.designs[t], plan.design_look(t, k))),
+                                       min(1.0, test.p_inferior * family), test, by_task.get(t, []), floors.get(t),
+                                       look=look))
         statuses = {v.status for v in verdicts}
         status = FAIL if FAIL in statuses else PASS if statuses == {PASS} else INCONCLUSIVE if k == last else CONTINUE
         if status in (PASS, FAIL):
