@@ -371,3 +371,16 @@ def test_bytes_per_token_at_128k():
     assert v4[FP8] == pytest.approx(21 * (584 + 132) / 4 + 20 * 584 / 128)
     assert v4[FP8_MXFP4] == pytest.approx(21 * (584 + 68) / 4 + 20 * 584 / 128)
     assert v4[V41] == pytest.approx(21 * (288 + 68) / 4 + 20 * 288 / 128)
+
+
+@pytest.mark.parametrize("dtype", ["nvfp4", "int4_per_token_head", "turboquant_4bit_nc"])
+def test_vllm_dtypes_v4_refuses_are_refused_as_vllm_refuses_them(dtype):
+    """V4's packed layout takes fp8 only (vllm/models/deepseek_v4/attention.py _resolve_dsv4_kv_cache_dtype raises);
+    V3.2's sparse MLA serves every other quantized dtype as fp8_ds_mla: two different refusals, each as vLLM does."""
+    from kveval.errors import UsageError
+    from kveval.planner.memory import plan
+
+    with pytest.raises(UsageError, match="refuses --kv-cache-dtype .*fp8_ds_mla layout only supports fp8"):
+        plan("deepseek-v4-flash", 4096, policy=parse_policy(f"vllm(kv_cache_dtype={dtype})"))
+    with pytest.raises(UsageError, match="serves --kv-cache-dtype .* as its fp8_ds_mla record"):
+        plan("deepseek-v3.2", 4096, policy=parse_policy(f"vllm(kv_cache_dtype={dtype})"))

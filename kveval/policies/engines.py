@@ -460,11 +460,18 @@ class VllmPolicy(EnginePolicy):
         (``mla_attention.py`` ``_canonicalize_sparse_mla_kv_cache_dtype``; ``deepseek_v4/attention.py``)."""
         if self.records is not None:
             self.records.check_cache(self.spec(), shape)
+        elif shape.kind == "v4" and self.kv_cache_dtype not in VLLM_FP8:
+            raise UnsupportedModelError(
+                f"{self.spec()}: vLLM 0.33 refuses --kv-cache-dtype {self.kv_cache_dtype} on {shape.model}'s packed "
+                f"cache (vllm/models/deepseek_v4/attention.py _resolve_dsv4_kv_cache_dtype: \"fp8_ds_mla layout only "
+                f"supports fp8\"); use vllm(kv_cache_dtype=fp8_ds_mla)")
         elif shape.kind in ("indexed_mla", "v4"):
             raise UnsupportedModelError(
                 f"{self.spec()}: vLLM 0.33 serves --kv-cache-dtype {self.kv_cache_dtype} on {shape.model}'s sparse "
-                f"attention as its fp8_ds_mla record (FLASHMLA_SPARSE's _canonicalize_sparse_mla_kv_cache_dtype; "
-                f"DeepSeek V4's _resolve_dsv4_kv_cache_dtype); use vllm(kv_cache_dtype=fp8_ds_mla)")
+                f"attention as its fp8_ds_mla record ("
+                + ("DeepSeek V4's _resolve_dsv4_kv_cache_dtype" if shape.kind == "v4" else
+                   "mla_attention.py _canonicalize_sparse_mla_kv_cache_dtype: every quantized dtype but nvfp4_ds_mla")
+                + "); use vllm(kv_cache_dtype=fp8_ds_mla)")
 
     def planned_part_coding(self, part: str, width: int) -> PlannedCoding | None:
         return self.records.planned_part_coding(part, width) if self.records is not None else None
