@@ -278,3 +278,15 @@ def test_the_planner_stays_torch_free():
             "m = plan('llama-3.1-8b', 4096, policy=parse_policy('minicache')); "
             "assert p.sequence_bytes > 0 and m.sequence_bytes > 0; assert 'torch' not in sys.modules, 'torch loaded'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
+
+
+@pytest.mark.parametrize("spec", ["share(groups=2)", "minicache(start=0)", "share(groups=2)+quant(bits=8)"])
+def test_the_planners_uncompressed_bytes_count_every_layer(spec):
+    """The uncompressed bytes a token are the model's whatever the policy stores: a reading layer would hold its own
+    K/V without compression (the planner once counted only the layers that store, halving the baseline)."""
+    from kveval.planner.memory import plan
+
+    none = plan("smollm2-135m", 512)
+    shared = plan("smollm2-135m", 512, policy=parse_policy(spec))
+    assert shared.baseline_bytes_per_token == none.baseline_bytes_per_token == 23040
+    assert shared.bytes_per_token < none.bytes_per_token

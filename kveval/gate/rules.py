@@ -462,12 +462,7 @@ def evaluate_gate(
     for cand in candidate_dirs:
         judged = {"baseline": base_digest, "candidate": None}
         try:
-            cand_run = load_run(cand, metric=metric)
-            judged["candidate"] = run_digest(cand_run)
-            if is_same_run(base, cand_run):
-                raise ResultFileError(f"{cand_run.path} is the baseline {base.path} again (the same policy, answers "
-                                      f"and scores): a baseline gated against itself shows nothing; give a "
-                                      f"compressed run as the candidate")
+            cand_run = _candidate_run(base, cand, metric, judged)
             rc = compare_runs(
                 base, cand_run, confidence_level=cfg.confidence_level, n_resamples=cfg.n_resamples, seed=cfg.seed,
                 cells=False, metric=metric,
@@ -486,6 +481,17 @@ def evaluate_gate(
     return result
 
 
+def _candidate_run(base, cand, metric, judged: dict[str, Any]):
+    """Load the candidate ``cand`` (its digest into ``judged``), refusing the baseline itself as a candidate."""
+    cand_run = load_run(cand, metric=metric)
+    judged["candidate"] = run_digest(cand_run)
+    if is_same_run(base, cand_run):
+        raise ResultFileError(f"{cand_run.path} is the baseline {base.path} again (the same policy, answers and "
+                              f"scores): a baseline gated against itself shows nothing; give a compressed run as "
+                              f"the candidate")
+    return cand_run
+
+
 def _evaluate_sequential(cfg: GateConfig, base, gated: list[str], candidate_dirs, metric, noise_floor,
                          family: int | None) -> GateResult:
     """:func:`evaluate_gate` under a sequential config: every candidate judged by :func:`judge_sequential`."""
@@ -498,12 +504,7 @@ def _evaluate_sequential(cfg: GateConfig, base, gated: list[str], candidate_dirs
     for cand in candidate_dirs:
         judged = {"baseline": base_digest, "candidate": None}
         try:
-            cand_run = load_run(cand, metric=metric)
-            judged["candidate"] = run_digest(cand_run)
-            if is_same_run(base, cand_run):
-                raise ResultFileError(f"{cand_run.path} is the baseline {base.path} again (the same policy, answers "
-                                      f"and scores): a baseline gated against itself shows nothing; give a "
-                                      f"compressed run as the candidate")
+            cand_run = _candidate_run(base, cand, metric, judged)
             status, tasks, rc, record = judge_sequential(cfg, base, cand_run, gated, family, floor)
         except (ResultFileError, ValueError, OSError) as exc:
             verdicts.append(CandidateVerdict(str(cand), str(cand), ERROR, error=str(exc), judged=judged))

@@ -125,7 +125,8 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
                       for b, (_, heads, dim, _) in zip(per_stream, layout.streams)]
     key_pt = per_stream[0]
     value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
-    base_pt = int(sum(stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * kv_layers)
+    # uncompressed, every layer holds its own K/V (readers and merged pairs included)
+    base_pt = int(sum(stream_per_token(h, d, None, dtype_bytes) for _, h, d, _ in base_layout.streams) * sum(spec.holds_kv))
     if spec.max_position and context + new_tokens > spec.max_position:
         notes.append(f"{context + new_tokens:,} tokens exceed the model's max_position_embeddings ({spec.max_position:,})")
     if stack.selection is not None and stack.selection.per_head_budgets and stack.quantization is not None:

@@ -311,6 +311,36 @@ def encode(quant, x: torch.Tensor, valid: torch.Tensor | None = None,
     return quantize(x, quant.bits, quant.axis, quant.group, quant.symmetric, valid)
 
 
+class KeysOnlySequence:
+    """One row of a part of keys alone (``[1, n, width]`` each call: DeepSeek V3.2's indexer keys, V4's compressed
+    entries) held in a :class:`TokenStore` as keys with values of width 0, with the sequence interface of
+    :class:`QuantizedSequence` (what :class:`~kveval.cache.native_layers.PartSequence` holds). Subclasses build the
+    store; :meth:`seal` is the store's."""
+
+    def __init__(self, store: "TokenStore"):
+        self.store = store
+
+    @property
+    def length(self) -> int:
+        return self.store.length
+
+    def append(self, x: torch.Tensor) -> None:
+        self.store.append(x, x[..., :0])
+
+    def seal(self) -> None:
+        self.store.seal()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.store.select(index)
+
+    def materialize(self) -> torch.Tensor:
+        return self.store.keys_values()[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+
 class QuantizedSequence:
     """One of K or V: quantized units of older tokens plus a full-precision tail in ``kv_dtype``.
 

@@ -56,7 +56,7 @@ import torch
 from kveval.calibration.kv import calibration_kv_parts, load_versioned, save_atomic
 from kveval.errors import PolicySpecError, UsageError
 from kveval.modeling.rope import rope_hook
-from kveval.stores.base import BatchFamily, TokenStore, alive_order, alive_slots
+from kveval.stores.base import BatchFamily, KeysOnlySequence, TokenStore, alive_order, alive_slots
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
 KVQUANT_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
@@ -604,7 +604,7 @@ class KVQuantStore(TokenStore):
         return sum(s.nbytes for s in self.segments)
 
 
-class KVQuantPart:
+class KVQuantPart(KeysOnlySequence):
     """One row's entries of a part of keys alone (``[1, n, width]``: DeepSeek V3.2's indexer keys, V4's compressed
     entries and their indexer keys) held as KVQuant holds keys: a :class:`KVQuantStore` of one "head", per-channel
     ranges and codebook calibrated on the part, sparse outliers, the sink's entries and the ``residual`` newest in
@@ -612,27 +612,7 @@ class KVQuantPart:
     :class:`~kveval.cache.native_layers.PartSequence` holds)."""
 
     def __init__(self, codec: KVQuantCodec, sink: int, residual: int, kv_dtype: torch.dtype, stride: int = 1):
-        self.store = KVQuantStore(codec, sink, residual, kv_dtype, stride=stride)
-
-    @property
-    def length(self) -> int:
-        return self.store.length
-
-    def append(self, x: torch.Tensor) -> None:
-        self.store.append(x, x[..., :0])
-
-    def seal(self) -> None:
-        self.store.seal()
-
-    def select(self, index: torch.Tensor) -> None:
-        self.store.select(index)
-
-    def materialize(self) -> torch.Tensor:
-        return self.store.keys_values()[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
+        super().__init__(KVQuantStore(codec, sink, residual, kv_dtype, stride=stride))
 
 
 __all__ = ["KVQuantCalibration", "KVQuantCodec", "KVQuantPart", "KVQuantSettings", "KVQuantStore", "calibrate_kvquant",

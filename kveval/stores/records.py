@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from kveval.stores.base import KeysOnlySequence
 from kveval.stores.engine import EngineCodec, EngineStore
 from kveval.tensors.ds_records import Empty
 
@@ -30,31 +31,12 @@ class RecordStore(EngineStore):
         super().append(keys, values)
 
 
-class RecordSequence:
-    """One row of a part of keys alone (``[1, n, width]`` each time), each entry one record of ``codec``."""
+class RecordSequence(KeysOnlySequence):
+    """One row of a part of keys alone (``[1, n, width]`` each time), each entry one record of ``codec``, coded as it
+    arrives (nothing waits for :meth:`seal`)."""
 
     def __init__(self, codec):
-        self.store = EngineStore(EngineCodec(codec, Empty()), None)
-
-    @property
-    def length(self) -> int:
-        return self.store.length
-
-    def append(self, x: torch.Tensor) -> None:
-        self.store.append(x, x[..., :0])
-
-    def seal(self) -> None:
-        """Nothing waits: every entry was coded as it arrived."""
-
-    def select(self, index: torch.Tensor) -> None:
-        self.store.select(index)
-
-    def materialize(self) -> torch.Tensor:
-        return self.store.keys_values()[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
+        super().__init__(EngineStore(EngineCodec(codec, Empty()), None))
 
 
 __all__ = ["RecordSequence", "RecordStore"]
