@@ -120,7 +120,11 @@ def test_sharing_changes_the_answers_and_halves_the_bytes():
 @pytest.mark.parametrize("spec", ["share(groups=2)", "share(map=3:1;2:0)", "share(groups=3,start=1)+kivi(bits=2,group=32)",
                                   "snapkv(ratio=0.5)+share(groups=2)+quant(bits=8,group=32)",
                                   "knorm(ratio=0.3,adaptive=true)+share(groups=2)",
-                                  "minicache", "minicache(start=0,retain=0.2)", "minicache(t=0.3,retain=0)"])
+                                  "minicache", "minicache(start=0,retain=0.2)", "minicache(t=0.3,retain=0)",
+                                  "minicache(start=0)+kivi(bits=4,group=32,residual=8)",
+                                  "minicache(retain=0.2)+quant(bits=8,group=32)", "minicache(start=0)+mxfp8",
+                                  "window(ratio=0.5)+minicache(start=0)+kivi(bits=2,group=16)",
+                                  "streaming(sink=2,ratio=0.3)+minicache(retain=0.1)"])
 @pytest.mark.parametrize("dtype, size", [("bfloat16", 2), ("float32", 4)])
 def test_planned_equals_measured(spec, dtype, size):
     model = _llama4()
@@ -170,7 +174,9 @@ def test_sliding_and_full_layers_never_share():
 def test_batch_of_three_gives_the_answers_and_bytes_of_batch_one():
     model = _llama4()
     prompts = [Prompt(random_ids(n, 10 + n)[0].tolist(), list(range(5, 5 + q))) for n, q in ((40, 3), (27, 1), (33, 4))]
-    for spec in ("snapkv(ratio=0.5)+share(groups=2)+kivi(bits=4,group=32,residual=8)", "minicache(start=0,retain=0.1)"):
+    for spec in ("snapkv(ratio=0.5)+share(groups=2)+kivi(bits=4,group=32,residual=8)", "minicache(start=0,retain=0.1)",
+                 "minicache(start=0,retain=0.1)+kivi(bits=4,group=32,residual=4)",
+                 "window(ratio=0.4)+minicache(start=0)+quant(bits=8,group=32)"):
         assert_one_batch_equals_batch_size_one(model, Tok(), prompts, spec, max_new_tokens=5)
 
 
@@ -218,13 +224,92 @@ def test_minicache_keeping_every_token_apart_answers_as_none():
     assert cache.merged == {1: 0, 3: 2}
 
 
+# --- MiniCache stacked with quantization ---------------------------------------------------------------------------
+def test_minicache_merges_the_full_precision_prefill_then_codes_it():
+    """MiniCache + KIVI as the paper stacks them: the pair's prefill is merged in full precision (the uncompressed
+    prefill's K/V, equal to the bit to a run without any policy), then the directions and retained tokens are coded
+    by the quantizer; merging the quantizer's dequantized tokens instead gives other K/V."""
+    from kveval.stores.base import DenseStore, QuantizedStore
+    from kveval.stores.merged import merge_stores
+
+    model, spec = _llama4(), "minicache(start=2,retain=0.1)+kivi(bits=4,group=16,residual=4)"
+    ids = random_ids(40, 1)
+    _, cache = context_then_steps(model, spec, ids, random_ids(0, 2), kv_dtype="bfloat16")
+    _, dense = context_then_steps(model, "none", ids, random_ids(0, 2), kv_dtype="bfloat16")
+    _, coded = context_then_steps(model, "kivi(bits=4,group=16,residual=4)", ids, random_ids(0, 2), kv_dtype="bfloat16")
+    assert cache.merged == {3: 2}
+    quant = cache.policy.quantization
+
+    def quantized(dtype):
+        return QuantizedStore(quant.key_quant, quant.value_quant, quant.residual_tokens, torch.bfloat16, dtype)
+
+    def merged_from(layers):
+        stores = []
+        for layer in (2, 3):
+            store = DenseStore(torch.bfloat16, torch.float32)
+            store.append(*layers[layer].rows[0].store.keys_values())
+            stores.append(store)
+        return merge_stores(*stores, 0.5, 4, quantized)
+
+    expected, from_codes = merged_from(dense.layers), merged_from(coded.layers)
+    for layer, want, other in zip((2, 3), expected, from_codes):
+        got = cache.layers[layer].rows[0].store
+        assert isinstance(got.directions, QuantizedStore) and got.directions is cache.layers[2].rows[0].store.directions
+        assert all(torch.equal(a, b) for a, b in zip(got.keys_values(), want.keys_values())), layer
+        assert not torch.equal(got.keys_values()[0], other.keys_values()[0]), layer
+
+
+def test_minicache_with_a_quantizer_leaves_the_other_layers_as_the_quantizer_alone():
+    """Layers 0 and 1 (before the merged pair 2-3) hold exactly what the quantizer alone stores, after the prefill
+    and every decode step; the pair holds fewer bytes than under either policy alone."""
+    model, quantizer = _llama4(), "kivi(bits=4,group=16,residual=4)"
+    ids, steps = random_ids(40, 1), random_ids(6, 2)
+    _, alone = context_then_steps(model, quantizer, ids, steps, kv_dtype="bfloat16")
+    _, merged = context_then_steps(model, "minicache(start=2)", ids, steps, kv_dtype="bfloat16")
+    _, both = context_then_steps(model, f"minicache(start=2)+{quantizer}", ids, steps, kv_dtype="bfloat16")
+    assert both.merged == {3: 2}
+    for layer in (0, 1):
+        a, b = alone.layers[layer].rows[0].store, both.layers[layer].rows[0].store
+        assert type(a) is type(b) and a.nbytes == b.nbytes
+        assert all(torch.equal(x, y) for x, y in zip(a.keys_values(), b.keys_values())), layer
+    pair = [sum(cache.layers[i].rows[0].store.nbytes for i in (2, 3)) for cache in (alone, merged, both)]
+    assert pair[2] < pair[0] and pair[2] < pair[1], pair
+    # the decode tokens are coded as KIVI codes them: of 6 appended, V (per token) holds the 4 newest whole and codes
+    # 2; K (per channel, groups of 16 tokens) waits for a whole group past the residual
+    tail = both.layers[3].rows[0].store.tail
+    assert tail.length == 6 and (tail.v.tail.shape[1], tail.v.block.tokens) == (4, 2)
+    assert tail.k.tail.shape[1] == 6 and tail.k.block is None
+
+
+def test_minicache_with_a_quantizer_planned_equals_measured_over_a_long_decode():
+    """Per-channel keys (groups of 8 tokens) and a residual of 4 through 21 decode steps: the merged directions,
+    retained tokens and each layer's decode tokens coded as three stores of the quantizer, as the planner sizes them."""
+    model = _llama4()
+    for spec in ("minicache(start=0,retain=0.15)+kivi(bits=2,group=8,residual=4)",
+                 "window(ratio=0.3)+minicache(start=0)+quant(bits=4,k_axis=channel,group=8,residual=3)"):
+        _, cache = context_then_steps(model, spec, random_ids(37, 1), random_ids(21, 2), kv_dtype="bfloat16")
+        planned = plan(model.config, 37, policy=parse_policy(spec), new_tokens=21, dtype_bytes=2)
+        assert planned.sequence_bytes == cache.stats().kv_bytes, spec
+        assert [layer.bytes for layer in planned.layers] == [
+            sum(row.store.nbytes for row in layer.rows) for layer in cache.attention_layers], spec
+
+
 # --- stacks and refusals -------------------------------------------------------------------------------------------
 def test_the_stacks_the_family_contract_allows():
     for spec in ("snapkv(ratio=0.5)+share(groups=2)", "quant(bits=8)+share(groups=2)", "knorm(ratio=0.5)+share(map=3:2)+kivi(bits=2)"):
         stack = parse_policy(spec)
         assert stack.structure.name == "share" and stack.prefills_alone and parse_policy(stack.spec).spec == stack.spec
-    for spec in ("snapkv(ratio=0.5)+minicache", "minicache+quant(bits=8)"):
-        assert_one_line_error(lambda: parse_policy(spec), PolicySpecError, "minicache does not stack with a")
+    for spec in ("minicache+quant(bits=8)", "minicache+kivi(bits=4)", "window(ratio=0.5)+minicache+fp8",
+                 "streaming(ratio=0.5)+minicache(start=2)+mxfp8"):
+        stack = parse_policy(spec)
+        assert stack.structure.name == "minicache" and stack.prefills_alone and parse_policy(stack.spec).spec == stack.spec
+    for spec, why in (("snapkv(ratio=0.5)+minicache", "keeps each layer's own tokens"),
+                      ("h2o(ratio=0.5)+minicache+kivi(bits=4)", "keeps each layer's own tokens"),
+                      ("window(size=64)+minicache", "evicts while decoding"),
+                      ("streaming(sink=4,window=60)+minicache", "evicts while decoding"),
+                      ("minicache+kvquant(bits=4)", "codes sized per token"), ("minicache+vllm", "as they arrive"),
+                      ("minicache+fp4(format=nvfp4)", "per tensor")):
+        assert_one_line_error(lambda: parse_policy(spec), PolicySpecError, f"minicache does not stack with .*{why}")
     for spec, message in (("share", "give groups="), ("share(groups=2,map=1:0)", "give groups="),
                           ("share(map=1:2)", "runs after it"), ("share(map=2:1;1:0)", "stores nothing"),
                           ("share(map=2)", "is not READER:SOURCE"), ("share(map=1:0,start=3)", "start= acts only"),
@@ -253,11 +338,11 @@ def test_native_caches_refuse_them_in_one_line_before_the_weights_load(name, spe
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_the_architecture_matrix(name):
-    """Every architecture: share(groups=2) and minicache(start=0) run with finite logits, below the uncompressed
+    """Every architecture: share(groups=2) and minicache(start=0) (alone and with KIVI) run with finite logits, below the uncompressed
     cache wherever they pair layers, planned == measured; minicache is refused in
     one line where no two full-attention layers hold the same tokens."""
     model = tiny_model(name)
-    for spec in ("share(groups=2)", "minicache(start=0)"):
+    for spec in ("share(groups=2)", "minicache(start=0)", "minicache(start=0)+kivi(bits=4,group=16,residual=4)"):
         try:
             cache = CompressedCache(model, parse_policy(spec), kv_dtype=torch.float32)
         except PolicySpecError as refused:
@@ -275,7 +360,7 @@ def test_the_architecture_matrix(name):
 def test_the_planner_stays_torch_free():
     code = ("import sys; from kveval.planner.memory import plan; from kveval.policies.spec import parse_policy; "
             "p = plan('llama-3.1-8b', 4096, policy=parse_policy('snapkv(ratio=0.5)+share(groups=2)+quant(bits=8)')); "
-            "m = plan('llama-3.1-8b', 4096, policy=parse_policy('minicache')); "
+            "m = plan('llama-3.1-8b', 4096, policy=parse_policy('window(ratio=0.5)+minicache+kivi(bits=4)')); "
             "assert p.sequence_bytes > 0 and m.sequence_bytes > 0; assert 'torch' not in sys.modules, 'torch loaded'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).parents[1]))
 

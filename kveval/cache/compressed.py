@@ -52,6 +52,7 @@ entries, pending tokens and overlap): :mod:`kveval.cache.native_layers` mirrors 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -306,15 +307,17 @@ class CompressedCache(Cache):
 
     def merge_rows(self, layer: CompressedLayer, rows: list[int]) -> None:
         """Rows ``rows`` of ``layer``, the later layer of a merged pair (:attr:`merged`), just compressed at the end
-        of their prefill: merged with the earlier layer's (compressed in the same forward) by the structure. Both
-        layers' buffers are rebuilt from the merged stores at the next forward."""
+        of their prefill: merged with the earlier layer's (compressed in the same forward) by the structure, both
+        holding their prefill uncoded (:meth:`new_store`), what the merge keeps then coded in stores of
+        :meth:`coded_store`. Both layers' buffers are rebuilt from the merged stores at the next forward."""
         earlier = self.layers[self.merged[layer.layer_idx]]
         for b in rows:
             first, second = earlier.rows[b], layer.rows[b]
             if not torch.equal(first.positions, second.positions):
                 raise RuntimeError(f"layers {earlier.layer_idx} and {layer.layer_idx} hold different tokens of row {b}; "
                                    f"they cannot be merged")
-            first.store, second.store = self.policy.structure.merge_stores(first.store, second.store)
+            first.store, second.store = self.policy.structure.merge_stores(
+                first.store, second.store, functools.partial(self.coded_store, layer.layer_idx))
         earlier.rows, layer.rows = earlier.rows, layer.rows
 
     def _new_layer(self, layer_idx: int, plan: "architectures.LayerPlan"):
@@ -421,13 +424,21 @@ class CompressedCache(Cache):
         return self.quantized_decode == "codes"
 
     # --- store construction ---------------------------------------------------------------------
-    def new_store(self, layer_idx: int, dtype: torch.dtype):
-        """An empty store for one sequence of layer ``layer_idx``, holding ``kv_dtype`` and computing in ``dtype``."""
+    def coded_store(self, layer_idx: int, dtype: torch.dtype):
+        """An empty store for one sequence of layer ``layer_idx`` as the stack's quantizer codes it (a
+        :class:`DenseStore` without one), holding ``kv_dtype`` and computing in ``dtype``."""
         store = DenseStore(self.kv_dtype, dtype)
-        for representation in (self.policy.quantization, self.policy.structure):  # innermost first
-            if representation is not None:
-                store = representation.make_store(store, self.model, layer_idx)
-        return store
+        quantization = self.policy.quantization
+        return store if quantization is None else quantization.make_store(store, self.model, layer_idx)
+
+    def new_store(self, layer_idx: int, dtype: torch.dtype):
+        """An empty store for one sequence of layer ``layer_idx``, holding ``kv_dtype`` and computing in ``dtype``:
+        the quantizer's, then the structure's (innermost first). A merged pair's layers (:attr:`merged`) hold their
+        prefill uncoded: the structure's merge codes what it keeps (:meth:`merge_rows`)."""
+        paired = layer_idx in self.merged or layer_idx in self.merged.values()
+        store = DenseStore(self.kv_dtype, dtype) if paired else self.coded_store(layer_idx, dtype)
+        structure = self.policy.structure
+        return store if structure is None else structure.make_store(store, self.model, layer_idx)
 
     # --- forking rows ----------------------------------------------------------------------------
     def fork_rows(self, index: list[int], memo: dict | None = None) -> "CompressedCache":

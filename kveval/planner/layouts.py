@@ -333,6 +333,19 @@ def merged_layers(spec: ModelSpec, stack) -> dict[int, int]:
     return {} if stack.structure is None else stack.structure.merged_layers(_layer_kinds(spec))
 
 
+def merged_stream_bytes(stack, layout: StreamLayout, tokens: int, new_tokens: int,
+                        dtype_bytes: int) -> list[tuple[int, int]]:
+    """Per stream of the layout (K, V): bytes of a merged pair's earlier and later layer
+    (:meth:`~kveval.policies.base.StructurePolicy.merged_bytes`), each of its stores coded as the stack's quantizer
+    codes the stream (:func:`stream_bytes`: its groups and residual window; grouped codes, the only ones MiniCache
+    stacks with)."""
+    def coded(heads: int, dim: int, q):
+        return lambda n: stream_bytes(n, heads, dim, q, layout.residual, dtype_bytes)
+
+    return [stack.structure.merged_bytes(tokens, new_tokens, heads, dim, dtype_bytes, coded(heads, dim, q))
+            for _, heads, dim, q in layout.streams]
+
+
 def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, new_tokens: int,
                      dtype_bytes: int, achieved_ratio: float | None = None) -> list[LayerPlan]:
     out = []
@@ -345,11 +358,11 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
         if i in reading:  # reads layer reading[i]'s K/V: holds nothing
             out.append(LayerPlan(i, f"reads {reading[i]}", spec.windows[i], 0, 0))
             continue
-        if i in pairs:  # a merged pair's earlier (0) or later (1) layer
+        if i in pairs:  # a merged pair's earlier (0) or later (1) layer: the prefill tokens a selection kept, merged
             which, kind = pairs[i]
-            size = sum(stack.structure.merged_bytes(context, new_tokens, heads, dim, dtype_bytes)[which]
-                       for _, heads, dim, _ in layout.streams)
-            out.append(LayerPlan(i, kind, spec.windows[i], context + new_tokens, size))
+            kept = _layer_tokens(spec, stack, i, context, 0, selects, achieved_ratio)
+            size = sum(pair[which] for pair in merged_stream_bytes(stack, layout, kept, new_tokens, dtype_bytes))
+            out.append(LayerPlan(i, kind, spec.windows[i], kept + new_tokens, size))
             continue
         tokens = _layer_tokens(spec, stack, i, context, new_tokens, selects, achieved_ratio)
         if i in native:  # kept in the cache dtype by the coding itself
@@ -371,5 +384,5 @@ def sequence_layers(spec: ModelSpec, stack, layout: StreamLayout, context: int, 
     return out
 
 
-__all__ = ["LayerPlan", "MemoryPlan", "StreamLayout", "merged_layers", "policy_stack", "reading_layers", "selection_layers", "sequence_layers",
+__all__ = ["LayerPlan", "MemoryPlan", "StreamLayout", "merged_layers", "merged_stream_bytes", "policy_stack", "reading_layers", "selection_layers", "sequence_layers",
            "stream_bytes", "stream_layout", "stream_per_token"]

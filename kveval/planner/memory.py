@@ -65,6 +65,7 @@ from kveval.planner.layouts import (
     LayerPlan,
     MemoryPlan,
     merged_layers,
+    merged_stream_bytes,
     policy_stack,
     reading_layers,
     sequence_layers,
@@ -120,9 +121,10 @@ def plan(model, context: int, batch: int = 1, policy: "PolicyStack | None" = Non
                          f"({', '.join(map(str, kept_native))})")
     else:
         per_stream = [stream_per_token(heads, dim, q, dtype_bytes) * kv_layers for _, heads, dim, q in layout.streams]
-    if pairs:  # a pair's two layers at this context, per token
-        per_stream = [b + pairs * sum(stack.structure.merged_bytes(context, 0, heads, dim, dtype_bytes)) / context
-                      for b, (_, heads, dim, _) in zip(per_stream, layout.streams)]
+    if pairs:  # a pair's two layers, per prefill token they hold (what a selection kept of this context)
+        kept = next(layer.tokens for layer in layers if layer.index in merged_layers(spec, stack)) - new_tokens
+        per_stream = [b + pairs * sum(pair) / max(kept, 1)
+                      for b, pair in zip(per_stream, merged_stream_bytes(stack, layout, kept, 0, dtype_bytes))]
     key_pt = per_stream[0]
     value_pt = per_stream[1] if len(per_stream) > 1 else 0.0
     # uncompressed, every layer holds its own K/V (readers and merged pairs included)

@@ -450,15 +450,25 @@ class StructurePolicy(RepresentationPolicy):
         :meth:`merged_bytes`. Default: none."""
         return {}
 
-    def merge_stores(self, first, second):
-        """The stores of one sequence in a pair's earlier and later layer (:meth:`merged_layers`), as the two stores
-        that replace them. Reached only for a structure that names pairs."""
+    def merge_stores(self, first, second, coded=None):
+        """The stores of one sequence in a pair's earlier and later layer (:meth:`merged_layers`), holding their
+        prefill uncoded, as the two stores that replace them; ``coded(compute_dtype)`` makes an empty store coded as
+        the stack's quantizer codes the later layer (``None``: no quantizer). Reached only for a structure that names
+        pairs."""
         raise NotImplementedError(f"{self.spec()} merges no layers")
 
-    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, width: int, dtype_bytes: int) -> tuple[int, int]:
+    def merged_bytes(self, tokens: int, new_tokens: int, heads: int, width: int, dtype_bytes: int,
+                     coded: "Callable[[int], int] | None" = None) -> tuple[int, int]:
         """Bytes of one stream (K or V, ``heads`` heads of rows ``width`` wide) in a merged pair's earlier and later
-        layer after ``tokens`` prefill tokens and ``new_tokens`` more. Reached only for a structure that names pairs."""
+        layer after ``tokens`` prefill tokens and ``new_tokens`` more; ``coded(n)``: the bytes of ``n`` tokens of
+        the stream in one store of the stack's quantizer (``None``: in the cache dtype). Reached only for a
+        structure that names pairs."""
         raise NotImplementedError(f"{self.spec()} merges no layers")
+
+    def stack_refusal(self, other: "Policy") -> str | None:
+        """Why this structure cannot stack with ``other`` (a selection or quantization of a family it
+        :attr:`stacks_with`), in words, or ``None``: it can (the default)."""
+        return None
 
     def model_widths(self, kv_heads: int, head_dim: int) -> dict[str, int] | None:
         """Numbers per token and KV head of K and V on a model of ``kv_heads`` heads of ``head_dim``, checked against

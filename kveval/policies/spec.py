@@ -194,6 +194,9 @@ def parse_policy(spec: "str | PolicyStack | None") -> PolicyStack:
         if structure is not None and other is not None and other.family not in structure.stacks_with:
             raise PolicySpecError(f"policy spec {spec!r}: {structure.name} does not stack with a {other.family} "
                                   f"policy ({other.spec()}); evaluate {structure.spec()} alone")
+        why = structure.stack_refusal(other) if structure is not None and other is not None else None
+        if why is not None:
+            raise PolicySpecError(f"policy spec {spec!r}: {structure.name} does not stack with {other.spec()}: {why}")
     if (stack.selection is not None and stack.selection.per_head_budgets and stack.structure is not None
             and not stack.structure.keeps_head_widths):
         raise PolicySpecError(f"policy spec {spec!r}: {stack.selection.name} keeps a different number of tokens per head, "

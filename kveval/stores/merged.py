@@ -12,12 +12,19 @@ For one KV head and one of K/V, layer ``l-1``'s token ``x`` and layer ``l``'s to
   its own, with their slots (int32) held once for the pair.
 
 :func:`slerp_merge` is the arithmetic; :class:`MergedStore` holds one layer's part. The pair's shared tensors (the
-directions, the retained slots) are counted in the earlier layer's bytes alone. Tokens appended after the merge
-(decoding) are held in full in each layer, as a :class:`~kveval.stores.base.DenseStore` tail.
+directions, the retained slots) are counted in the earlier layer's bytes alone.
+
+Coding: the directions (K's and V's, shared) and each layer's retained tokens are held in stores the stack's
+quantizer makes (``coded(compute_dtype)``: a :class:`~kveval.stores.base.DenseStore` in the cache dtype without one, else e.g. a
+:class:`~kveval.stores.base.QuantizedStore`, with its groups and residual window), each coded once, whole, right
+after the merge, from the full-precision prefill; the magnitudes stay in the cache dtype and the slots in int32.
+Tokens appended after the merge (decoding) are held per layer in one more such store, coded as the quantizer codes
+any layer's decode tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kveval.lazy import torch
@@ -94,14 +101,38 @@ def merge_streams(x: "torch.Tensor", y: "torch.Tensor", t: float, r: int,
     return first, second
 
 
-class MergedStore(TokenStore):
-    """One layer's tokens after MiniCache's merge: its prefill as :class:`MergedStream` K and V, then a dense tail of
-    the tokens appended since. Row by row (no batched decode); selection cannot act on it (refused at the spec)."""
+def coded_tokens(coded: "Callable[[torch.dtype], TokenStore]", keys: "torch.Tensor", values: "torch.Tensor",
+                 compute_dtype) -> TokenStore:
+    """``keys`` and ``values`` (``[H, n, D]`` each) in a new store of ``coded(compute_dtype)``, sealed: coded as that
+    store codes a prefill's tokens."""
+    store = coded(compute_dtype)
+    store.append(keys, values)
+    store.seal()
+    return store
 
-    def __init__(self, keys: MergedStream, values: MergedStream, kv_dtype, compute_dtype):
+
+def _restored(directions: "torch.Tensor", stream: MergedStream, retained: "torch.Tensor", dtype) -> "torch.Tensor":
+    """``[H, n, D]``: :meth:`MergedStream.restored` with its directions and retained tokens as read back from their
+    (coded) stores."""
+    return MergedStream(directions, stream.magnitudes, stream.slots, retained, stream.owns_shared).restored(dtype)
+
+
+class MergedStore(TokenStore):
+    """One layer's tokens after MiniCache's merge: its prefill as K and V :class:`MergedStream` (magnitudes and slots;
+    the directions, shared by the pair, and this layer's retained tokens each in a store of ``coded``), then a tail
+    of ``coded`` holding the tokens appended since. Row by row (no batched decode); no selection acts on it (those
+    that would are refused at the spec)."""
+
+    def __init__(self, keys: MergedStream, values: MergedStream, directions: TokenStore,
+                 coded: "Callable[[torch.dtype], TokenStore]", kv_dtype, compute_dtype):
         self.k, self.v, self.kv_dtype, self.compute_dtype = keys, values, kv_dtype, compute_dtype
+        self.directions = directions  # the pair's, counted in the earlier layer (keys.owns_shared)
+        self.retained = coded_tokens(coded, keys.retained, values.retained, compute_dtype)
         self.merged_length = keys.directions.shape[1] + keys.slots.shape[1]
-        self.tail = DenseStore(kv_dtype, compute_dtype)
+        self.tail = coded(compute_dtype)
+        # held in their stores alone: the raw tensors are dropped
+        for stream in (keys, values):
+            stream.directions = stream.retained = None
 
     @property
     def length(self) -> int:
@@ -114,10 +145,13 @@ class MergedStore(TokenStore):
         raise TypeError("MiniCache's merged tokens are held for two layers at once; no selection acts on them")
 
     def seal(self) -> None:
-        """The tail stays dense."""
+        """The tail's tokens that are due are coded (as the quantizer's store codes them)."""
+        self.tail.seal()
 
     def keys_values(self) -> "tuple[torch.Tensor, torch.Tensor]":
-        keys, values = self.k.restored(self.compute_dtype), self.v.restored(self.compute_dtype)
+        directions, retained = self.directions.keys_values(), self.retained.keys_values()
+        keys, values = (_restored(d, stream, r, self.compute_dtype)
+                        for d, stream, r in zip(directions, (self.k, self.v), retained))
         if self.tail.length:
             tail_keys, tail_values = self.tail.keys_values()
             keys, values = torch.cat([keys, tail_keys], dim=1), torch.cat([values, tail_values], dim=1)
@@ -125,18 +159,26 @@ class MergedStore(TokenStore):
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.tail.nbytes
+        own = sum(_nbytes(stream.magnitudes) for stream in (self.k, self.v)) + self.retained.nbytes + self.tail.nbytes
+        shared = sum(_nbytes(stream.slots) for stream in (self.k, self.v)) + self.directions.nbytes
+        return own + (shared if self.k.owns_shared else 0)
 
 
-def merge_stores(first: TokenStore, second: TokenStore, t: float, retained: int) -> "tuple[MergedStore, MergedStore]":
-    """Two adjacent layers' stores of one sequence (layer ``l-1``'s, layer ``l``'s), holding the same tokens, as
-    the two :class:`MergedStore` that replace them, ``retained`` tokens per head and per K/V kept apart."""
+def merge_stores(first: TokenStore, second: TokenStore, t: float, retained: int,
+                 coded: "Callable[[torch.dtype], TokenStore] | None" = None) -> "tuple[MergedStore, MergedStore]":
+    """Two adjacent layers' stores of one sequence (layer ``l-1``'s, layer ``l``'s), holding the same tokens in full
+    precision (not yet coded), as the two :class:`MergedStore` that replace them, ``retained`` tokens per head and per
+    K/V kept apart; ``coded(compute_dtype)`` makes an empty store coded as the stack's quantizer codes K/V (``None``:
+    a :class:`~kveval.stores.base.DenseStore` in the cache dtype)."""
     kx, vx = first.keys_values()
     ky, vy = second.keys_values()
     kv_dtype, compute = first.kv_dtype or kx.dtype, kx.dtype
+    coded = coded or (lambda dtype: DenseStore(kv_dtype, dtype))
     k1, k2 = merge_streams(kx, ky, t, retained, kv_dtype)
     v1, v2 = merge_streams(vx, vy, t, retained, kv_dtype)
-    return MergedStore(k1, v1, kv_dtype, compute), MergedStore(k2, v2, kv_dtype, compute)
+    directions = coded_tokens(coded, k1.directions, v1.directions, compute)
+    return (MergedStore(k1, v1, directions, coded, kv_dtype, compute),
+            MergedStore(k2, v2, directions, coded, kv_dtype, compute))
 
 
-__all__ = ["MergedStore", "MergedStream", "merge_stores", "merge_streams", "slerp_merge"]
+__all__ = ["MergedStore", "MergedStream", "coded_tokens", "merge_stores", "merge_streams", "slerp_merge"]
