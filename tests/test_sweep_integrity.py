@@ -118,3 +118,33 @@ def test_summarize_names_the_policy_to_deploy(tmp_path, capsys):
     # kivi(bits=4) is the most compressed PASSing policy whose cache fits (the baseline's 2.8 GiB does not)
     assert "deploy smollm2-135m/kivi(bits=4)" in out
     assert "deployment: deploy smollm2-135m/kivi(bits=4)" in (sweep / "report" / "leaderboard.md").read_text()
+
+
+def test_a_sweeps_second_model_builds_its_items_with_its_own_tokenizer(tmp_path, monkeypatch):
+    """The cell of a sweep's second model built its probe items with the tokenizer of the model loaded before it
+    (the first model's): prompts sized in the wrong tokens, ids and hashes no rescore could reproduce. Found when
+    Gemma's half of every two-model sweep failed to rescore."""
+    import kveval.sweep.run as run
+    from kveval.sweep.executors import Cell
+
+    path = tmp_path / "two.yaml"
+    path.write_text("name: two\nmodels: [smollm2-135m, gemma3-270m]\npolicies: [quant(bits=8)]\n")
+    config = load_config(path)
+    runner = run.CellRunner(config, tmp_path / "out", quiet=True)
+    runner._loaded = ("smollm2-135m", object(), "smollm2's tokenizer")  # the previous cell's model, still loaded
+    monkeypatch.setattr(run, "load_tokenizer", lambda name: f"{name}'s own tokenizer")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def items(cfg, tokenizer):
+        seen.append(tokenizer)
+        raise Stop
+
+    monkeypatch.setattr(run, "sweep_items", items)
+    with pytest.raises(Stop):
+        runner(Cell("gemma3-270m", "context", tuple(config.policies)))
+    with pytest.raises(Stop):
+        runner(Cell("smollm2-135m", "context", tuple(config.policies)))
+    assert seen == ["gemma3-270m's own tokenizer", "smollm2's tokenizer"]

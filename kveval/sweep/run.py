@@ -252,7 +252,10 @@ class CellRunner:
         from kveval.sweep.executors import CellResult
 
         config = self.config
-        items = sweep_items(config, load_tokenizer(cell.model) if self._loaded is None else self._loaded[2])
+        # the loaded model's tokenizer only where it is this cell's model: a sweep's next model builds its items with
+        # its own (the previous model's would size its prompts in other tokens)
+        loaded = self._loaded is not None and self._loaded[0] == cell.model
+        items = sweep_items(config, self._loaded[2] if loaded else load_tokenizer(cell.model))
         if config.sequential is not None:
             return self._sequential(cell, items)
         finished = self._finished(cell, items)
