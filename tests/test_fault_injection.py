@@ -146,11 +146,24 @@ def test_a_line_cut_mid_write_is_refused(tmp_path, capsys):
 
 
 def test_report_refuses_a_committed_gate_that_records_no_digest(tmp_path, capsys):
-    """The issue's case: random's items copied over the quant run; the committed gate (written before gates recorded
-    what they judged) must not lend that run its PASS."""
+    """The issue's case: random's items copied over the quant run; the committed gate must not lend that run its PASS.
+    The gate without a digest (written before gates recorded what they judged) is refused as such; the committed
+    quickstart's gate records one, and its sequential runs hold 30 random items against quant's 120, so the copy is
+    refused as a run cut short of its recorded decision."""
     runs = copy_runs(tmp_path, BASE, QUANT, RANDOM)
     shutil.copy(runs[RANDOM] / "items.jsonl", runs[QUANT] / "items.jsonl")
     code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", QUICKSTART / "gate", "--out", tmp_path / "o")
+    assert code == 2 and "PASS" not in out
+    one_line_error(err, str(runs[QUANT]))
+    gate = json.loads((QUICKSTART / "gate" / "gate.json").read_text())
+    for result in gate.get("results", [gate]):
+        for candidate in result["candidates"]:
+            candidate.pop("judged", None)
+    (tmp_path / "old-gate").mkdir()
+    (tmp_path / "old-gate" / "gate.json").write_text(json.dumps(gate))
+    runs = copy_runs(tmp_path / "fresh", BASE, QUANT, RANDOM)
+    code, out, err = kveval(capsys, "report", tmp_path / "fresh" / "runs", "--gate", tmp_path / "old-gate", "--out",
+                            tmp_path / "o2")
     assert code == 2 and "PASS" not in out
     one_line_error(err, "gate.json", "kveval gate", "--out")
 
