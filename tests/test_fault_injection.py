@@ -177,7 +177,7 @@ def test_report_refuses_a_gate_judged_on_other_items(tmp_path, capsys):
     assert judged["candidate"]["items"] == 120 and len(judged["candidate"]["items_sha256"]) == 64
     code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", tmp_path / "gate", "--out", tmp_path / "o")
     assert code == 0 and "| PASS |" in out, err  # the gate's own runs: verdicts attached
-    shutil.copy(runs[RANDOM] / "items.jsonl", runs[QUANT] / "items.jsonl")
+    shutil.copy(runs[BASE] / "items.jsonl", runs[QUANT] / "items.jsonl")  # 120 items, other answers
     code, out, err = kveval(capsys, "report", tmp_path / "runs", "--gate", tmp_path / "gate", "--out", tmp_path / "o2")
     assert code == 2 and not (tmp_path / "o2" / "leaderboard.md").exists()
     one_line_error(err, str(runs[QUANT]), "other data", "kveval gate")
@@ -219,7 +219,8 @@ def test_a_misspelt_task_in_a_per_task_map_is_refused(tmp_path, capsys, text, ke
 
 def test_a_per_task_map_naming_the_runs_tasks_is_taken(tmp_path, capsys):
     """Already passing: a correct per-task margin applies to its task."""
-    code, out, err = gate_with(tmp_path, capsys, "margin: {default: 0.9, passkey: 0.001}\n", RANDOM)
+    # random stopped at the first look of the sequential quickstart: a sequential gate judges its first block
+    code, out, err = gate_with(tmp_path, capsys, "margin: {default: 0.9, passkey: 0.001}\nsequential: true\n", RANDOM)
     assert code == 1 and "FAIL" in out, err
 
 

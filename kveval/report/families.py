@@ -15,8 +15,9 @@ POLICY_FAMILIES: dict[str, str] = {
     **dict.fromkeys(("window", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "random", "keydiff",
                      "lagkv", "cur", "criticalkv", "chunkkv", "expected_attention", "threshold", "rkv", "duo",
                      "kvzip", "indexer"), "selection"),
-    **dict.fromkeys(("lowrank", "latent"), "structure"),
-    **dict.fromkeys(("quant", "kivi", "fp8", "kvquant", "llamacpp", "vllm", "sglang", "trtllm"), "quantization"),
+    **dict.fromkeys(("lowrank", "latent", "share", "minicache"), "structure"),
+    **dict.fromkeys(("quant", "kivi", "fp8", "fp4", "mxfp8", "kvquant", "llamacpp", "vllm", "sglang", "trtllm",
+                     "deepseek_v41_storage"), "quantization"),
 }
 #: The family of a policy the table does not know.
 OTHER = "other"
