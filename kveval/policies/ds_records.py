@@ -2,7 +2,7 @@
 costs, and where it cannot apply. Torch-free (the planner reads it); the codecs are
 :mod:`kveval.tensors.ds_records`, the stores :mod:`kveval.stores.records`.
 
-Two users: vLLM's ``--kv-cache-dtype fp8_ds_mla|nvfp4_ds_mla`` (:class:`~kveval.policies.engines.VllmPolicy`) and
+Two users: vLLM's ``--kv-cache-dtype fp8_ds_mla|nvfp4_ds_mla`` (:class:`~kveval.policies.vllm.VllmPolicy`) and
 V4.1's storage recipe on V4's parts (:class:`~kveval.policies.deepseek_v41.DeepseekV41StoragePolicy`). Each is a
 :class:`DeepSeekRecords`: a codec for the latent and its RoPE key (V3.2's store part: K the latent, V the RoPE key),
 for V4's K=V window (its store part, values of width 0), for V4's compressed CSA/HCA entries and for the DSA
