@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kveval.commands import main as cli
-from kveval.planner import model_specs
+from kveval.planner import hub, model_specs
 from kveval.planner.engines import llamacpp_plan, vllm_plan
 from kveval.planner.memory import max_fit, plan
 from kveval.planner.model_specs import load_model_spec
@@ -184,7 +184,7 @@ def no_hub(monkeypatch):
         raise AssertionError("the planner reached for the Hub")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", forbidden)
-    monkeypatch.setattr(model_specs.socket, "create_connection", forbidden)
+    monkeypatch.setattr(hub.socket, "create_connection", forbidden)
 
 
 @pytest.mark.parametrize("hub_id, preset", [
@@ -224,7 +224,7 @@ def test_an_unreachable_hub_is_found_by_one_connection_not_the_hub_clients_retri
     def refused(*args, **kwargs):
         raise ConnectionRefusedError(111, "Connection refused")
 
-    monkeypatch.setattr(model_specs.socket, "create_connection", refused)
+    monkeypatch.setattr(hub.socket, "create_connection", refused)
     with pytest.raises(ValueError, match="out of reach .*ConnectionRefusedError"):
         load_model_spec("someone/unknown-model")
 
@@ -240,8 +240,8 @@ def test_an_unreachable_hub_is_found_by_one_connection_not_the_hub_clients_retri
         release.wait(30)
         return Late()
 
-    monkeypatch.setattr(model_specs.socket, "create_connection", late)
-    monkeypatch.setattr(model_specs, "HUB_PROBE_SECONDS", 0.2)
+    monkeypatch.setattr(hub.socket, "create_connection", late)
+    monkeypatch.setattr(hub, "HUB_PROBE_SECONDS", 0.2)
     try:
         with pytest.raises(ValueError, match="no answer in 0.2 s"):
             load_model_spec("someone/unknown-model")

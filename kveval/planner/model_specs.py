@@ -9,17 +9,14 @@ loaded. :mod:`kveval.planner.memory` plans bytes from a :class:`ModelSpec`.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kveval.errors import UsageError
 from kveval.modeling.layer_types import HYBRID_LAYER_TYPES, KNOWN_LAYER_TYPES, KV_LAYER_TYPES
 from kveval.planner.gguf_specs import is_gguf, read_gguf
+from kveval.planner.hub import hub_cached, hub_offline
 from kveval.planner.presets import HUB_PRESETS, PRESET_KEYS, PRESETS, preset_key
 from kveval.policies.compatibility import CacheShape
 from kveval.values import is_whole
@@ -579,60 +576,6 @@ def gguf_spec(path: Path) -> ModelSpec:
     return spec
 
 
-def _hub_cached(name: str) -> bool:
-    """Whether the Hub cache holds ``name``'s config.json (no network)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache  # the Hub client: loaded for a Hub id only
-
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # noqa: BLE001  (an id the client refuses, no huggingface_hub: then let transformers say why)
-        return False
-
-
-#: Seconds the planner waits for the Hub's host to accept a connection before it calls the Hub out of reach.
-HUB_PROBE_SECONDS = 2.0
-
-
-def hub_offline(timeout: float | None = None) -> str | None:
-    """Why the Hugging Face Hub cannot be reached now, in a few words (``None``: its host, or the HTTPS proxy,
-    accepts a connection within ``timeout`` seconds). ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` say so at once;
-    else one TCP connection is tried, so that a Hub id that would fail is refused in seconds, not after the Hub
-    client's retries (about 25 s). ``timeout``: :data:`HUB_PROBE_SECONDS` unless given."""
-    timeout = HUB_PROBE_SECONDS if timeout is None else timeout
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            return f"{var}={os.environ[var]}"
-    target = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    if proxy and target.scheme == "https":
-        target = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    host = target.hostname or "huggingface.co"
-    try:
-        port = target.port or (443 if target.scheme == "https" else 80)
-    except ValueError:
-        port = 443
-    outcome: list = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as exc:
-            outcome.append(exc)
-
-    worker = threading.Thread(target=probe, daemon=True)  # name resolution has no timeout of its own
-    worker.start()
-    worker.join(timeout + 0.5)
-    if outcome and outcome[0] is None:
-        return None
-    if outcome:
-        error = outcome[0]
-        why = f": {type(error).__name__}" + (f" ({error.strerror})" if getattr(error, "strerror", None) else "")
-    else:
-        why = f": no answer in {timeout:g} s"
-    return f"{host}:{port} unreachable{why}"
-
-
 def preset_names() -> list[str]:
     return sorted(PRESETS)
 
@@ -685,7 +628,7 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
         spec.origin = (f"{name} planned as preset {preset} (kveval's excerpt of its config.json: no download; give "
                        f"a config.json path for another revision)")
         return spec
-    if not _hub_cached(name):
+    if not hub_cached(name):
         offline = hub_offline()
         if offline:
             raise UsageError(f"cannot read the config of {name!r}: the Hub is out of reach ({offline}) and it is not "
@@ -707,5 +650,5 @@ def load_model_spec(model: "str | dict | ModelSpec | Any") -> ModelSpec:
     return load_model_spec(config)
 
 
-__all__ = ["HUB_PRESETS", "MXFP4_BYTES", "ModelSpec", "PRESETS", "V4Shape", "Weights", "expert_parameters", "gguf_spec", "hub_offline", "load_model_spec",
+__all__ = ["HUB_PRESETS", "MXFP4_BYTES", "ModelSpec", "PRESETS", "V4Shape", "Weights", "expert_parameters", "gguf_spec", "load_model_spec",
            "preset_names", "spec_from_config", "weights_of"]
