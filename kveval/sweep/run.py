@@ -40,6 +40,7 @@ from kveval.runs.records import ItemWriter, atomic_write_text, holds, iter_items
 from kveval.policies.base import PolicyStack
 from kveval.runner.runspec import RunSpec, check_lengths, model_identity, run_dir_for
 from kveval.runs.results import records_from_samples
+from kveval.stats.sequential import CONTINUE
 from kveval.sweep.config import SweepConfig
 from kveval.values import is_whole
 
@@ -217,8 +218,6 @@ class CellRunner:
         """Under ``noise_floor``: the cell's baseline again, items in reverse order at another batch size
         (:func:`noise_floor_batch_size`), into :func:`noise_floor_run` (resumable; no weights load once it is done).
         Whether anything was run."""
-        from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
-
         baseline = [(spec, d) for spec, d in zip(cell.specs, dirs) if spec.policy.is_none]
         if not self.config.noise_floor or not baseline:
             return False
@@ -229,11 +228,7 @@ class CellRunner:
         """The noise floor of the baseline run ``base_dir`` on ``items`` (see :meth:`_noise_floor`)."""
         from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
 
-        floor = noise_floor_run(self.out, base_dir)
-        try:
-            written = {r.id: r.hash for r in iter_items(floor)}
-        except (ResultFileError, OSError):  # not run yet, or a killed writer's half line: evaluate_policies resumes it
-            written = {}
+        written = written_hashes(noise_floor_run(self.out, base_dir))
         if all(written.get(item.id) == item.hash for item in items):
             return False
         model, tokenizer = self._model(model_name)
@@ -315,8 +310,8 @@ class CellRunner:
             started = _started_look(run_dir, plan)
             if started is not None:
                 ran |= self._run_block(cell, [by_id[i] for i in plan.ids_through(started)], [(spec, run_dir)], extra)
-        if config.noise_floor and _started_look(noise_floor_run(self.out, base_dir), plan) is not None:
-            started = _started_look(noise_floor_run(self.out, base_dir), plan)
+        started = _started_look(noise_floor_run(self.out, base_dir), plan) if config.noise_floor else None
+        if started is not None:
             ran |= self._noise_floor_of(cell.model, base_spec, base_dir, [by_id[i] for i in plan.ids_through(started)])
         while open_ and look + 1 < plan.looks:
             look += 1
@@ -334,7 +329,7 @@ class CellRunner:
                 # a run holding later blocks (a killed sweep's, finished above) is judged on them too: decided at a
                 # later look, it is still open at this one
                 later = verdict.sequential["look"] > look + 1
-                if (verdict.sequential["decision"] == CONTINUE_DECISION or later) and look + 1 < plan.looks:
+                if (verdict.sequential["decision"] == CONTINUE or later) and look + 1 < plan.looks:
                     still.append((spec, run_dir))
                 else:
                     decisions[run_dir] = verdict.sequential
@@ -366,10 +361,7 @@ class CellRunner:
         wanted = {item.id: item.hash for item in block}
         missing = []
         for spec, run_dir in runs:
-            try:
-                written = {r.id: r.hash for r in iter_items(run_dir)}
-            except (ResultFileError, OSError):  # not run yet, or a killed writer's half line: resumed below
-                written = {}
+            written = written_hashes(run_dir)
             if any(written.get(i) != h for i, h in wanted.items()):
                 missing.append(spec)
         if not missing:
@@ -379,6 +371,15 @@ class CellRunner:
             evaluate_policies(model, tokenizer, block, [s for s in missing if s.mode == mode], self.out, cell.model,
                               self.config.batch_size, self.config.seed, extra=extra)
         return True
+
+
+def written_hashes(run_dir: Path) -> dict[str, str]:
+    """The prompt hash of every item ``run_dir`` holds, by id; empty where it was not run yet or a killed writer left
+    a half line (the evaluation that resumes it rewrites what is missing)."""
+    try:
+        return {r.id: r.hash for r in iter_items(run_dir)}
+    except (ResultFileError, OSError):
+        return {}
 
 
 def _started_look(run_dir: Path, plan: "LookPlan") -> int | None:
@@ -391,10 +392,6 @@ def _started_look(run_dir: Path, plan: "LookPlan") -> int | None:
     except (ResultFileError, OSError):
         return None
     return next((k for k in range(plan.looks) if len(plan.ids_through(k)) == expected), None)
-
-
-#: A sequential decision that leaves the candidate in the run (:data:`kveval.stats.sequential.CONTINUE`).
-CONTINUE_DECISION = "CONTINUE"
 
 
 def progress_label(cell: Cell) -> str:
