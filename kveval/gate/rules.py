@@ -497,8 +497,8 @@ def _evaluate_sequential(cfg: GateConfig, base, gated: list[str], candidate_dirs
     """:func:`evaluate_gate` under a sequential config: every candidate judged by :func:`judge_sequential`."""
     family = family or seq.family_size(cfg, len(gated), len(candidate_dirs))
     floor = load_run(noise_floor, metric=metric) if noise_floor is not None else None
-    if floor is not None and not floor.info.is_baseline:
-        raise ResultFileError(f"noise floor {floor.path}: runs policy {floor.info.policy}, not the baseline none")
+    if floor is not None:  # refused before any candidate is judged on it
+        check_noise_floor_run(floor)
     verdicts: list[CandidateVerdict] = []
     base_digest = run_digest(base)
     for cand in candidate_dirs:
@@ -518,12 +518,17 @@ def _evaluate_sequential(cfg: GateConfig, base, gated: list[str], candidate_dirs
                       noise_floor_path=str(noise_floor) if noise_floor is not None else None)
 
 
+def check_noise_floor_run(rerun) -> None:
+    """Refuse a noise-floor run that is not an uncompressed (baseline) run (:class:`ResultFileError`)."""
+    if not rerun.info.is_baseline:
+        raise ResultFileError(f"noise floor {rerun.path}: runs policy {rerun.info.policy}, not the baseline none")
+
+
 def noise_floors(base, rerun) -> dict[str, NoiseFloor]:
     """Per task, how the baseline ``base`` differs from ``rerun``, the same baseline run again in another batch
     arrangement: the flips any candidate makes without compressing anything. Refuses a rerun that is not the same
     model's uncompressed run on the same items (:class:`ResultFileError`)."""
-    if not rerun.info.is_baseline:
-        raise ResultFileError(f"noise floor {rerun.path}: runs policy {rerun.info.policy}, not the baseline none")
+    check_noise_floor_run(rerun)
     pairs = pair_runs(base, rerun)
     out: dict[str, NoiseFloor] = {}
     for task in dict.fromkeys(b.task for b, _ in pairs):
