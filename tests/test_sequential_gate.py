@@ -336,3 +336,20 @@ def test_the_caps_spend_the_fail_error_rate_over_the_looks():
     assert spent[0] < 1e-3 < spent[3] and all(a > 0 for a in spent)
     # 5 of 15 right answers turned wrong: over a 10% cap at the fixed alpha, not at the first look's increment
     assert _lower_binomial(5, 15, cfg.alpha) > 0.1 > _lower_binomial(5, 15, spent[0])
+
+
+def test_a_candidate_sitting_over_a_cap_is_not_failed_by_it_at_the_first_look(tmp_path):
+    """The net flip cap at the first look is tested at the spending increment: 20% of answers regressing (10-point cap)
+    shows at the fixed alpha on the first 75 items, not at the first look's; the candidate FAILs at a later look."""
+    from kveval.gate import sequential as seq
+    from kveval.gate.rules import _lower_binomial
+    from kveval.runs.results import load_run
+
+    base, cand = _pair(tmp_path, 300, 0.2, 0.0, seed=3)
+    cfg = _cfg(margin=0.9, max_negative_flip_rate=0.1)  # the margin cannot FAIL it: only the cap can
+    [v] = evaluate_gate(cfg, base, [cand]).candidates
+    first = set(seq.run_order(load_run(base))["passkey"][:75])
+    b, c = ({r.id: r.correct for r in load_run(run).items if r.id in first} for run in (base, cand))
+    lost = sum(b[i] and not c[i] for i in first)
+    assert _lower_binomial(lost, 75, cfg.alpha) > 0.1  # tested at the full alpha, look 1 would FAIL it
+    assert v.status == FAIL and v.sequential["look"] > 1
