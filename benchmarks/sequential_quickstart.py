@@ -4,8 +4,10 @@ Runs the sweep config (default ``configs/quickstart.yaml``) twice into two fresh
 ``sequential: false`` (every candidate runs every item), then with ``sequential: true`` (the gate's design: a
 candidate stops at its first PASS or FAIL), and prints for each candidate its verdict and the items it ran under
 both, then the wall times and their ratio (sequential / fixed-n; the issue asks for at most 0.60 with the same
-verdicts). Both runs load the model themselves, so the times compare like with like; run it on an otherwise idle
-machine and say which one.
+verdicts). Where a candidate ran every item (decided at the last look, or not at all), a third sweep runs the
+baseline and those candidates alone, fixed-n: the floor no look schedule can beat while they need every item, since
+the baseline's shared prefill is paid per item whatever number of candidates remain. All runs load the model
+themselves, so the times compare like with like; run it on an otherwise idle machine and say which one.
 
     python3 benchmarks/sequential_quickstart.py [--config configs/quickstart.yaml] [--keep DIR]
 
@@ -27,9 +29,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _variant(config: Path, folder: Path, sequential: bool) -> Path:
-    """A copy of the sweep config ``config`` in ``folder`` with ``sequential`` set (its gate, where a path, kept
-    pointing at the original's)."""
+def _variant(config: Path, folder: Path, sequential: bool, policies: list[str] | None = None,
+             label: str | None = None) -> Path:
+    """A copy of the sweep config ``config`` in ``folder`` with ``sequential`` set and, where given, only
+    ``policies`` (its gate, where a path, kept pointing at the original's)."""
     from kveval.gate.config import is_gate_name
 
     raw = yaml.safe_load(config.read_text(encoding="utf-8"))
@@ -37,7 +40,9 @@ def _variant(config: Path, folder: Path, sequential: bool) -> Path:
     if isinstance(gate, str) and not is_gate_name(gate):
         raw["gate"] = str((config.parent / gate).resolve())
     raw["sequential"] = sequential
-    path = folder / f"{config.stem}-{'sequential' if sequential else 'fixed'}.yaml"
+    if policies is not None:
+        raw["policies"] = policies
+    path = folder / f"{config.stem}-{label or ('sequential' if sequential else 'fixed')}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
     return path
 
@@ -52,13 +57,25 @@ def _run(config: Path, out: Path) -> tuple[float, int]:
     return time.perf_counter() - start, code
 
 
+def _candidates(out: Path) -> list[dict]:
+    data = json.loads((out / "gate" / "gate.json").read_text())
+    return [c for r in (data["results"] if "results" in data else [data]) for c in r["candidates"]]
+
+
 def _verdicts(out: Path) -> dict[str, tuple[str, int]]:
     """Per candidate (run name): its gate verdict and the items its run holds."""
     from kveval.runs.records import read_items
 
-    data = json.loads((out / "gate" / "gate.json").read_text())
-    results = data["results"] if "results" in data else [data]
-    return {c["name"]: (c["status"], len(read_items(Path(c["path"])))) for r in results for c in r["candidates"]}
+    return {c["name"]: (c["status"], len(read_items(Path(c["path"])))) for c in _candidates(out)}
+
+
+def _ran_every_item(out: Path, fixed: dict[str, tuple[str, int]]) -> list[str]:
+    """The policies (as their runs record them) of the sequential sweep ``out`` whose runs hold as many items as
+    the fixed-n run's (``fixed``: :func:`_verdicts`)."""
+    from kveval.runs.records import read_items
+
+    return [json.loads((Path(c["path"]) / "run.json").read_text())["policy"] for c in _candidates(out)
+            if len(read_items(Path(c["path"]))) == fixed[c["name"]][1]]
 
 
 def compare(config: Path, root: Path) -> dict:
@@ -68,6 +85,10 @@ def compare(config: Path, root: Path) -> dict:
         out = root / label
         seconds, code = _run(_variant(config, root, sequential), out)
         runs[label] = {"seconds": seconds, "exit_code": code, "candidates": _verdicts(out)}
+    full = _ran_every_item(root / "sequential", runs["fixed-n"]["candidates"])
+    if full:
+        seconds, code = _run(_variant(config, root, False, policies=full, label="floor"), root / "floor")
+        runs["floor"] = {"seconds": seconds, "exit_code": code, "policies": full}
     return runs
 
 
@@ -90,6 +111,14 @@ def main(argv=None) -> dict:
     ratio = seq["seconds"] / fixed["seconds"]
     print(f"\nwall time: fixed-n {fixed['seconds']:.1f} s, sequential {seq['seconds']:.1f} s, ratio {ratio:.2f} "
           f"(exit codes {fixed['exit_code']}, {seq['exit_code']})")
+    floor = runs.get("floor")
+    if floor:
+        floor_ratio = floor["seconds"] / fixed["seconds"]
+        print(f"floor: the baseline and {', '.join(floor['policies'])} (every item each), fixed-n, "
+              f"{floor['seconds']:.1f} s, ratio {floor_ratio:.2f}: no look schedule goes below it while "
+              f"{'they need' if len(floor['policies']) > 1 else 'it needs'} every item")
+        return {**runs, "ratio": ratio, "floor_ratio": floor_ratio}
+    print("floor: every candidate stopped before its last item")
     return {**runs, "ratio": ratio}
 
 

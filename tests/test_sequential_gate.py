@@ -320,6 +320,21 @@ def test_the_time_to_verdict_benchmark_runs_both_sweeps_side_by_side(tmp_path, c
     out = capsys.readouterr().out
     assert "| candidate | fixed-n verdict | items | sequential verdict | items | same verdict |" in out
     assert f"ratio {runs['ratio']:.2f}" in out
+    assert "floor" not in runs and "floor: every candidate stopped before its last item" in out
+
+
+def test_the_benchmark_times_the_floor_of_candidates_that_need_every_item(tmp_path, capsys):
+    """A candidate that runs every item sequentially bounds the ratio from below: the benchmark runs the baseline and
+    those candidates alone, fixed-n, and their items are the fixed-n run's."""
+    from benchmarks.sequential_quickstart import main as benchmark
+
+    config = _sweep_config(tmp_path, "")
+    (tmp_path / "gate.yaml").write_text(GATE + "sequential: {looks: [1.0]}\n")  # one look: nobody stops early
+    runs = benchmark(["--config", str(config), "--keep", str(tmp_path / "bench")])
+    assert runs["floor"]["policies"] == ["kivi(bits=4,group=8)", "streaming(sink=1,window=4)"]
+    bench = tmp_path / "bench"
+    assert _written(bench / "floor") == _written(bench / "fixed-n") and len(_written(bench / "floor")) == 3
+    assert 0 < runs["floor_ratio"] and f"ratio {runs['floor_ratio']:.2f}: no look schedule" in capsys.readouterr().out
 
 
 def test_the_caps_spend_the_fail_error_rate_over_the_looks():
