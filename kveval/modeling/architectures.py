@@ -210,16 +210,13 @@ def check_mla_modules(model) -> None:
 
 def cache_widths(config) -> tuple[int, int]:
     """Elements per token per attention layer of what reaches ``Cache.update``: (keys, values), all heads together.
-    DeepSeek V4 stores one K=V tensor per entry: (head_dim, 0)."""
-    if _keys_are_values(config):
-        return config.get_text_config(decoder=True).head_dim, 0
-    mla = mla_dims(config)
-    if mla is not None:
-        return mla.kv_lora_rank, mla.qk_rope_head_dim
+    DeepSeek V4 stores one K=V tensor per entry: (head_dim, 0); MLA one latent and one RoPE key per token."""
+    keys, values = cache_head_dims(config)
+    if _keys_are_values(config) or mla_dims(config) is not None:
+        return keys, values
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return kv_heads * head_dim, kv_heads * head_dim
+    return kv_heads * keys, kv_heads * values
 
 
 def _keys_are_values(config) -> bool:
