@@ -287,7 +287,7 @@ def test_eviction_then_engine_codes_bytes():
     ("vllm(k_scale=0.1,v_scale=0.1)", "add scales=checkpoint"),
     ("vllm(kv_cache_dtype=int8)", "must be one of"),
     ("sglang(kv_scale=-1)", "positive"),
-    ("trtllm(kv_cache_dtype=int4)", "int8 or fp8"),
+    ("trtllm(kv_cache_dtype=int4)", "must be one of int8, fp8"),
 ])
 def test_bad_presets_are_one_line_errors(spec, message):
     with pytest.raises(PolicySpecError, match=message) as info:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Mapping, Sequence
 
 from kveval.errors import PolicySpecError
 from kveval.policies.base import Need, PlannedCoding, QuantizationPolicy
@@ -24,6 +24,20 @@ from kveval.values import is_real
 
 #: NVFP4's block: 16 E2M1 values share an E4M3 scale (vLLM's and SGLang's NVFP4 caches).
 NVFP4_BLOCK = 16
+
+
+def check_engine_choice(name: str, key: str, value, allowed: Sequence[str], unpinned: Mapping[str, str],
+                        kind: str | None = None) -> None:
+    """Refuse ``key=value`` of the policy ``name`` where the engine offers it but kveval does not reproduce it
+    (``unpinned``: value -> why) or where it is not one of ``allowed``. ``kind``: what the values are, where
+    ``allowed`` and ``unpinned`` together are all the engine offers (e.g. "a llama.cpp cache type"), so that the
+    message can say the value is not one."""
+    choices = ", ".join(allowed)
+    if value in unpinned:
+        raise PolicySpecError(f"{name}: {key}={value} is not reproduced ({unpinned[value]}); use one of {choices}")
+    if value not in allowed:
+        raise PolicySpecError(f"{name}: {key}={value!r} is not {kind}; use one of {choices}" if kind else
+                              f"{name}: {key}={value!r} must be one of {choices}")
 
 
 def fp8_format(name: str, value: str, allowed: tuple[str, ...]) -> str:

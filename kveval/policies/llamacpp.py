@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kveval.errors import PolicySpecError
-from kveval.policies.engines import EnginePolicy
+from kveval.policies.engines import EnginePolicy, check_engine_choice
 
 
 LLAMACPP_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -53,13 +53,8 @@ class LlamaCppPolicy(EnginePolicy):
     def __post_init__(self):
         super().__post_init__()
         for key in ("k", "v"):
-            value = getattr(self, key)
-            if value in LLAMACPP_UNPINNED:
-                raise PolicySpecError(f"{self.name}: {key}={value} is not reproduced ({LLAMACPP_UNPINNED[value]}); "
-                                      f"use one of {', '.join(LLAMACPP_TYPES)}")
-            if value not in LLAMACPP_TYPES:
-                raise PolicySpecError(f"{self.name}: {key}={value!r} is not a llama.cpp cache type; use one of "
-                                      f"{', '.join(LLAMACPP_TYPES)}")
+            check_engine_choice(self.name, key, getattr(self, key), LLAMACPP_TYPES, LLAMACPP_UNPINNED,
+                                "a llama.cpp cache type")
 
     def check_head_dim(self, head_dim: int) -> None:
         for key in ("k", "v"):

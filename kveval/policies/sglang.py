@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kveval.errors import PolicySpecError
-from kveval.policies.engines import NVFP4_BLOCK, EnginePolicy, fp8_format, check_positive_scale
+from kveval.policies.engines import (NVFP4_BLOCK, EnginePolicy, check_engine_choice, check_positive_scale,
+                                     fp8_format)
 
 
 #: SGLang 0.5.23's cache dtypes kveval does not reproduce, and why (one line each).
@@ -55,9 +56,7 @@ class SglangPolicy(EnginePolicy):
     def __post_init__(self):
         super().__post_init__()
         dtype = self.kv_cache_dtype
-        if dtype in SGLANG_UNPINNED:
-            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} is not reproduced ({SGLANG_UNPINNED[dtype]}); "
-                                  f"use one of {', '.join(SGLANG_DTYPES)}")
+        check_engine_choice(self.name, "kv_cache_dtype", dtype, SGLANG_DTYPES, SGLANG_UNPINNED)
         if dtype == "fp4_mx_block16":
             self.format = dtype
             if self.kv_scale is not None:

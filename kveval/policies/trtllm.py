@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kveval.errors import PolicySpecError
 from kveval.policies.base import check_calib_tokens
-from kveval.policies.engines import EnginePolicy
+from kveval.policies.engines import EnginePolicy, check_engine_choice
 
 
 #: Why TensorRT-LLM's NVFP4 KV cache is refused (one line).
@@ -47,11 +46,8 @@ class TrtllmPolicy(EnginePolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.kv_cache_dtype == "nvfp4":
-            raise PolicySpecError(f"{self.name}: kv_cache_dtype=nvfp4 is not reproduced ({TRTLLM_NVFP4_UNPINNED}); "
-                                  f"use int8 or fp8")
-        if self.kv_cache_dtype not in ("int8", "fp8"):
-            raise PolicySpecError(f"{self.name}: kv_cache_dtype={self.kv_cache_dtype!r} must be int8 or fp8")
+        check_engine_choice(self.name, "kv_cache_dtype", self.kv_cache_dtype, ("int8", "fp8"),
+                            {"nvfp4": TRTLLM_NVFP4_UNPINNED})
         check_calib_tokens(self.name, self.calib_tokens, None)
 
     def layer_scales(self, model, layer_idx: int) -> tuple[float | None, float | None]:

@@ -10,7 +10,8 @@ from kveval.errors import PolicySpecError, UnsupportedModelError
 from kveval.policies.base import Placement, PlannedCoding, check_calib_tokens
 from kveval.policies.compatibility import cache_shape
 from kveval.policies.ds_records import DS_MLA_DTYPES, INDEXER_KV_DTYPES, RECORDS
-from kveval.policies.engines import NVFP4_BLOCK, EnginePolicy, fp8_format, check_positive_scale
+from kveval.policies.engines import (NVFP4_BLOCK, EnginePolicy, check_engine_choice, check_positive_scale,
+                                     fp8_format)
 from kveval.tensors import turboquant_vllm  # torch-free until a tensor is coded
 
 
@@ -128,12 +129,7 @@ class VllmPolicy(EnginePolicy):
                                       f"token and tile as it writes them; drop scales=, k_scale= and v_scale=")
             check_calib_tokens(self.name, self.calib_tokens, None)
             return
-        if dtype in VLLM_UNPINNED:
-            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype} is not reproduced ({VLLM_UNPINNED[dtype]}); "
-                                  f"use one of {', '.join(VLLM_DTYPES + DS_MLA_DTYPES)}")
-        if dtype not in VLLM_DTYPES:
-            raise PolicySpecError(f"{self.name}: kv_cache_dtype={dtype!r} must be one of "
-                                  f"{', '.join(VLLM_DTYPES + DS_MLA_DTYPES)}")
+        check_engine_choice(self.name, "kv_cache_dtype", dtype, VLLM_DTYPES + DS_MLA_DTYPES, VLLM_UNPINNED)
         self.format = fp8_format(self.name, dtype, VLLM_FP8) if dtype in VLLM_FP8 else dtype
         if self.scales not in ("unit", "dynamic", "checkpoint"):
             raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
