@@ -337,6 +337,25 @@ def test_the_benchmark_times_the_floor_of_candidates_that_need_every_item(tmp_pa
     assert 0 < runs["floor_ratio"] and f"ratio {runs['floor_ratio']:.2f}: no look schedule" in capsys.readouterr().out
 
 
+def test_a_sequential_sweep_finished_fixed_n_keeps_its_verdicts(tmp_path, capsys):
+    """benchmarks/sequential_verdicts.py finishes a copy of a sequential sweep fixed-n: the stopped candidates run the
+    items they skipped, the verdicts are compared, and the sweep itself is not written."""
+    from benchmarks.sequential_verdicts import main as finish
+    from kveval.commands.main import main
+
+    out = tmp_path / "seq"
+    assert main(["sweep", str(_sweep_config(tmp_path)), "--out", str(out), "--quiet"]) == 0
+    before = _written(out)
+    runs = finish([str(_sweep_config(tmp_path)), "--sweep", str(out), "--keep", str(tmp_path / "finish")])
+    assert _written(out) == before and all(len(v) == 16 for v in before.values())
+    finished = _written(tmp_path / "finish" / "seq")
+    assert all(len(v) == 32 for v in finished.values())
+    assert all(set(before[k]) <= set(finished[k]) for k in before)  # the sequential items kept, not rerun
+    assert [(r["sequential"], r["fixed_n"], r["look"], r["items"]) for r in runs["rows"]] == [(PASS, PASS, 2, 16)] * 2
+    assert runs["same"] == 2 and runs["item_runs"] == {"sequential": 48, "fixed_n": 96}
+    assert "2 of 2 verdicts the same" in capsys.readouterr().out
+
+
 def test_the_caps_spend_the_fail_error_rate_over_the_looks():
     """A cap (flips, confusion, KL) is tested at each look at the FAIL spending function's increment: the increments
     sum to alpha (its error rate by the union bound), O'Brien-Fleming spends almost nothing at the first look, and a
