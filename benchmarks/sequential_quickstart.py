@@ -70,12 +70,12 @@ def _verdicts(out: Path) -> dict[str, tuple[str, int]]:
 
 
 def _ran_every_item(out: Path, fixed: dict[str, tuple[str, int]]) -> list[str]:
-    """The policies (as their runs record them) of the sequential sweep ``out`` whose runs hold as many items as
-    the fixed-n run's (``fixed``: :func:`_verdicts`)."""
+    """The policies (as their runs record them, each once: a sweep of several models runs it for each) of the
+    sequential sweep ``out`` whose runs hold as many items as the fixed-n run's (``fixed``: :func:`_verdicts`)."""
     from kveval.runs.records import read_items
 
-    return [json.loads((Path(c["path"]) / "run.json").read_text())["policy"] for c in _candidates(out)
-            if len(read_items(Path(c["path"]))) == fixed[c["name"]][1]]
+    return list(dict.fromkeys(json.loads((Path(c["path"]) / "run.json").read_text())["policy"]
+                              for c in _candidates(out) if len(read_items(Path(c["path"]))) == fixed[c["name"]][1]))
 
 
 def compare(config: Path, root: Path) -> dict:
