@@ -265,6 +265,15 @@ def iter_items(run_dir: str | os.PathLike) -> Iterator[ItemRecord]:
             raise ResultFileError(f"{path}:{number}: corrupt item line ({exc}); delete the run folder and run it again") from exc
 
 
+def written_hashes(run_dir: str | os.PathLike) -> dict[str, str]:
+    """The prompt hash of every item ``run_dir`` holds, by id; empty where it was not run yet or a killed writer left
+    a half line (the evaluation that resumes it rewrites what is missing)."""
+    try:
+        return {r.id: r.hash for r in iter_items(run_dir)}
+    except (ResultFileError, OSError):
+        return {}
+
+
 def read_items(run_dir: str | os.PathLike) -> list[ItemRecord]:
     return list(iter_items(run_dir))
 

@@ -36,33 +36,20 @@ from kveval.probes.sets import ProbeSet
 from kveval.report.leaderboard import build_report
 from kveval.runs.fidelity import read_fidelity
 from kveval.runs.ownership import MANIFEST_FILE
-from kveval.runs.records import ItemWriter, atomic_write_text, holds, iter_items
+from kveval.runs.records import ItemWriter, atomic_write_text, holds, iter_items, written_hashes
 from kveval.policies.base import PolicyStack
 from kveval.runner.runspec import RunSpec, check_lengths, model_identity, run_dir_for
 from kveval.runs.results import records_from_samples
-from kveval.stats.sequential import CONTINUE
 from kveval.sweep.config import SweepConfig
-from kveval.values import is_whole
+from kveval.sweep.layout import NOISE_FLOOR_DIR, noise_floor_batch_size, noise_floor_run
+from kveval.sweep.sequential import run_sequential_cell, sequential_items
 
 if TYPE_CHECKING:
-    from kveval.gate.sequential import LookPlan
     from kveval.sweep.executors import Cell, CellResult, Executor
 
 #: Lock file of a sweep folder: held (flock) by the process running the sweep, naming it.
 LOCK_FILE = ".kveval-sweep.lock"
-#: Where each model's baseline, run a second time in another batch arrangement, goes: ``<out>/noise_floor/runs/...``,
-#: beside ``<out>/runs/`` and never among the runs that are reported and gated as candidates.
-NOISE_FLOOR_DIR = "noise_floor"
 
-
-def noise_floor_batch_size(batch_size: int) -> int:
-    """The noise floor's batch size: another one than the sweep's (half of it, or 2 for a sweep of single items)."""
-    return batch_size // 2 if batch_size > 1 else 2
-
-
-def noise_floor_run(out: Path, baseline_dir: Path) -> Path:
-    """The noise-floor run folder of the baseline run folder ``baseline_dir`` of the sweep folder ``out``."""
-    return Path(out) / NOISE_FLOOR_DIR / Path(baseline_dir).relative_to(out)
 
 @contextmanager
 def sweep_lock(out: Path):
@@ -182,7 +169,8 @@ class CellRunner:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_loaded": None}
 
-    def _model(self, name: str):
+    def model(self, name: str):
+        """The model ``name`` and its tokenizer: loaded once, kept while consecutive cells are of that model."""
         from kveval.runner.models import load_model  # imports torch: kept off rescore's and report's path
 
         if self._loaded is None or self._loaded[0] != name:
@@ -204,9 +192,7 @@ class CellRunner:
 
     def _fidelity(self, model, tokenizer, cell: Cell, items: list, dirs: list[Path]) -> None:
         """``fidelity.jsonl`` for the cell's compressed policies, against the baseline in the cell's mode (resumable)."""
-        from kveval.policies.base import PolicyStack  # imports torch: kept off rescore's and report's path
-        from kveval.runner.fidelity import record_fidelity
-        from kveval.runner.runspec import RunSpec
+        from kveval.runner.fidelity import record_fidelity  # imports torch: kept off rescore's and report's path
 
         candidates = [(spec, d) for spec, d in zip(cell.specs, dirs) if not spec.policy.is_none]
         if candidates:
@@ -222,16 +208,16 @@ class CellRunner:
         if not self.config.noise_floor or not baseline:
             return False
         (spec, base_dir), = baseline
-        return self._noise_floor_of(cell.model, spec, base_dir, items)
+        return self.noise_floor_of(cell.model, spec, base_dir, items)
 
-    def _noise_floor_of(self, model_name: str, spec: "RunSpec", base_dir: Path, items: list) -> bool:
+    def noise_floor_of(self, model_name: str, spec: "RunSpec", base_dir: Path, items: list) -> bool:
         """The noise floor of the baseline run ``base_dir`` on ``items`` (see :meth:`_noise_floor`)."""
         from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
 
         written = written_hashes(noise_floor_run(self.out, base_dir))
         if all(written.get(item.id) == item.hash for item in items):
             return False
-        model, tokenizer = self._model(model_name)
+        model, tokenizer = self.model(model_name)
         size = noise_floor_batch_size(self.config.batch_size)
         evaluate_policies(model, tokenizer, list(reversed(items)), [spec], self.out / NOISE_FLOOR_DIR, model_name,
                           size, self.config.seed,
@@ -252,12 +238,12 @@ class CellRunner:
         loaded = self._loaded is not None and self._loaded[0] == cell.model
         items = sweep_items(config, self._loaded[2] if loaded else load_tokenizer(cell.model))
         if config.sequential is not None:
-            return self._sequential(cell, items)
+            return run_sequential_cell(self, cell, items)
         finished = self._finished(cell, items)
         if finished is not None:  # a resumed sweep loads no weights for the cells that are done
             ran = self._noise_floor(cell, items, finished)
             return CellResult([str(d) for d in finished], already_complete=not ran)
-        model, tokenizer = self._model(cell.model)
+        model, tokenizer = self.model(cell.model)
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -270,128 +256,6 @@ class CellRunner:
             run_lm_eval_tasks(model, tokenizer, list(cell.specs), dirs, config.lm_eval, config.batch_size, config.seed)
         self._noise_floor(cell, items, dirs)
         return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda else None)
-
-
-    def _sequential(self, cell: Cell, items: list) -> CellResult:
-        """A sequential sweep's cell: block by block (:func:`look_plan`), the baseline and the candidates still
-        undecided run the block (one shared prefill), then the gate judges each candidate on the items so far
-        (:func:`kveval.gate.rules.evaluate_gate` under the sequential config); a decided candidate leaves. Every
-        run's ``run.json`` records the look order and, at the end, its decision (``extra.sequential_decision``).
-        Resumed, it replays the same looks on the items written and runs only what is missing (no weights load
-        where nothing is), so it decides as an uninterrupted sweep did."""
-        import torch
-
-        from kveval.gate.rules import evaluate_gate
-        from kveval.gate.sequential import DECISION_KEY, ORDER_KEY, family_size
-        from kveval.gate.verdicts import ERROR
-        from kveval.runs.records import read_run_info, write_run_info
-        from kveval.sweep.executors import CellResult
-
-        config, gate = self.config, self.config.gate
-        identity = model_identity(cell.model)
-        base_spec = RunSpec(PolicyStack(), config.mode, config.kv_dtype)
-        base_dir = run_dir_for(self.out, identity, base_spec.for_model(cell.model))
-        dirs = [run_dir_for(self.out, identity, spec.for_model(cell.model)) for spec in cell.specs]
-        plan = look_plan(config, items)
-        by_id = {item.id: item for item in items}
-        tasks = list(plan.order) if gate.tasks == "all" else [t for t in gate.tasks if t in plan.order]
-        family = family_size(gate, len(tasks), len(config.policies))
-        extra = {"sweep": config.name, "config_hash": config.hash,
-                 ORDER_KEY: {"order": {t: list(ids) for t, ids in plan.order.items()}}}
-        open_ = [(spec, d) for spec, d in zip(cell.specs, dirs) if not spec.policy.is_none]
-        decisions: dict[Path, dict] = {}
-        ran, look = False, -1
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        # A killed sweep left runs part-way through a block they were asked for: finish it first, as the
-        # uninterrupted sweep did, so that every look below is judged on whole blocks.
-        for spec, run_dir in [(base_spec, base_dir)] + open_:
-            started = _started_look(run_dir, plan)
-            if started is not None:
-                ran |= self._run_block(cell, [by_id[i] for i in plan.ids_through(started)], [(spec, run_dir)], extra)
-        started = _started_look(noise_floor_run(self.out, base_dir), plan) if config.noise_floor else None
-        if started is not None:
-            ran |= self._noise_floor_of(cell.model, base_spec, base_dir, [by_id[i] for i in plan.ids_through(started)])
-        while open_ and look + 1 < plan.looks:
-            look += 1
-            block = [by_id[i] for i in plan.ids_through(look)]
-            ran |= self._run_block(cell, block, [(base_spec, base_dir)] + open_, extra)
-            floor = noise_floor_run(self.out, base_dir) if config.noise_floor else None
-            if floor is not None:
-                ran |= self._noise_floor_of(cell.model, base_spec, base_dir, block)
-            result = evaluate_gate(gate, base_dir, [d for _, d in open_], known_tasks=config.families,
-                                   noise_floor=floor, family=family)
-            still = []
-            for (spec, run_dir), verdict in zip(open_, result.candidates):
-                if verdict.status == ERROR:
-                    raise ResultFileError(f"sequential sweep {config.name}: {verdict.error}")
-                # a run holding later blocks (a killed sweep's, finished above) is judged on them too: decided at a
-                # later look, it is still open at this one
-                later = verdict.sequential["look"] > look + 1
-                if (verdict.sequential["decision"] == CONTINUE or later) and look + 1 < plan.looks:
-                    still.append((spec, run_dir))
-                else:
-                    decisions[run_dir] = verdict.sequential
-            open_ = still
-        for run_dir, record in decisions.items():
-            info = read_run_info(run_dir)
-            kept = {k: record[k] for k in ("decision", "look", "looks", "items", "items_total")}
-            if info.extra.get(DECISION_KEY) != kept:
-                info.extra[DECISION_KEY] = kept
-                write_run_info(run_dir, info)
-        if (base_dir / "run.json").is_file() and look >= 0:  # the baseline ran every block its candidates needed
-            info = read_run_info(base_dir)
-            recorded = info.extra.get(DECISION_KEY) or {}
-            needed = max(look + 1, recorded.get("look", 0) if is_whole(recorded.get("look", 0)) else 0)
-            counts = plan.counts(needed - 1)
-            kept = {"decision": "BASELINE", "look": needed, "looks": plan.looks, "items": counts,
-                    "items_total": sum(counts.values())}
-            if recorded != kept:
-                info.extra[DECISION_KEY] = kept
-                write_run_info(base_dir, info)
-        return CellResult([str(d) for d in dirs], torch.cuda.max_memory_allocated() if cuda and ran else None,
-                          already_complete=not ran)
-
-    def _run_block(self, cell: Cell, block: list, runs: list, extra: dict) -> bool:
-        """Run ``block``'s items under every ``(spec, run folder)`` of ``runs`` lacking any (one shared prefill per
-        mode; written items are skipped). Whether anything ran (the weights load only then)."""
-        from kveval.runner.evaluate import evaluate_policies  # imports torch: kept off rescore's and report's path
-
-        wanted = {item.id: item.hash for item in block}
-        missing = []
-        for spec, run_dir in runs:
-            written = written_hashes(run_dir)
-            if any(written.get(i) != h for i, h in wanted.items()):
-                missing.append(spec)
-        if not missing:
-            return False
-        model, tokenizer = self._model(cell.model)
-        for mode in dict.fromkeys(spec.mode for spec in missing):  # one call per mode: the baseline's may differ
-            evaluate_policies(model, tokenizer, block, [s for s in missing if s.mode == mode], self.out, cell.model,
-                              self.config.batch_size, self.config.seed, extra=extra)
-        return True
-
-
-def written_hashes(run_dir: Path) -> dict[str, str]:
-    """The prompt hash of every item ``run_dir`` holds, by id; empty where it was not run yet or a killed writer left
-    a half line (the evaluation that resumes it rewrites what is missing)."""
-    try:
-        return {r.id: r.hash for r in iter_items(run_dir)}
-    except (ResultFileError, OSError):
-        return {}
-
-
-def _started_look(run_dir: Path, plan: "LookPlan") -> int | None:
-    """The look whose blocks ``run_dir`` was last asked for (its ``run.json``'s ``expected_items``), or ``None``
-    where it was never opened or asks for no whole number of blocks."""
-    from kveval.runs.records import read_run_info
-
-    try:
-        expected = read_run_info(run_dir).extra.get("expected_items")
-    except (ResultFileError, OSError):
-        return None
-    return next((k for k in range(plan.looks) if len(plan.ids_through(k)) == expected), None)
 
 
 def progress_label(cell: Cell) -> str:
@@ -437,31 +301,6 @@ def unfinished(config: SweepConfig, spec: "RunSpec", run_dir: Path, items: list)
         if done < len(items):
             return f"holds the fidelity of {done} of {len(items)} items"
     return None
-
-
-def look_plan(config: SweepConfig, items: list) -> "LookPlan":
-    """The looks of a sequential sweep over ``items`` (every task, in :func:`~kveval.gate.sequential.probe_order`)."""
-    from kveval.gate.sequential import LookPlan, probe_order
-
-    gate = config.gate
-    return LookPlan.build(config.sequential, probe_order(items), gate.alpha, gate.alpha, f"sweep {config.name}")
-
-
-def sequential_items(config: SweepConfig, run_dir: Path, items: list) -> list | None:
-    """The items a sequential sweep's run needed: those up to the look its recorded decision names (``None``: it
-    records none, so it is not decided yet)."""
-    from kveval.gate.sequential import DECISION_KEY
-    from kveval.runs.records import read_run_info
-
-    try:
-        record = read_run_info(run_dir).extra.get(DECISION_KEY)
-    except (ResultFileError, OSError):
-        return None
-    if not isinstance(record, dict) or not is_whole(record.get("look")):
-        return None
-    plan = look_plan(config, items)
-    by_id = {item.id: item for item in items}
-    return [by_id[i] for i in plan.ids_through(min(record["look"], plan.looks) - 1)]
 
 
 def sweep_runs(config: SweepConfig, out: Path) -> "list[tuple[str, RunSpec, Path]]":
