@@ -20,7 +20,8 @@ import time
 import torch
 
 from kveval.policies.spec import parse_policy
-from kveval.stores.base import DenseStore, QuantizedStore
+from kveval.stores.base import DenseStore
+from kveval.stores.quantized import QuantizedStore
 
 SPECS = ["none", "quant(bits=8)", "quant(bits=4,group=32)", "kivi(bits=4)", "kivi(bits=2)", "fp8"]
 

@@ -5,7 +5,7 @@ import torch
 
 from kveval.cache.coded_rows import CodedRows, seal_together
 from kveval.errors import UsageError
-from kveval.stores.base import QuantizedSequence, encode
+from kveval.stores.quantized import QuantizedSequence, encode
 from kveval.tensors.quantization import TensorQuant
 
 KV, COMPUTE = torch.bfloat16, torch.float32

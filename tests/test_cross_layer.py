@@ -229,7 +229,8 @@ def test_minicache_merges_the_full_precision_prefill_then_codes_it():
     """MiniCache + KIVI as the paper stacks them: the pair's prefill is merged in full precision (the uncompressed
     prefill's K/V, equal to the bit to a run without any policy), then the directions and retained tokens are coded
     by the quantizer; merging the quantizer's dequantized tokens instead gives other K/V."""
-    from kveval.stores.base import DenseStore, QuantizedStore
+    from kveval.stores.base import DenseStore
+    from kveval.stores.quantized import QuantizedStore
     from kveval.stores.merged import merge_stores
 
     model, spec = _llama4(), "minicache(start=2,retain=0.1)+kivi(bits=4,group=16,residual=4)"

@@ -23,7 +23,7 @@ from kveval.errors import PolicySpecError, UsageError
 from kveval.planner.memory import plan
 from kveval.policies.spec import parse_policy
 from kveval.runner.runspec import RunSpec
-from kveval.stores.base import QuantizedSequence
+from kveval.stores.quantized import QuantizedSequence
 from kveval.tensors.microscaling import FORMATS, decode_kv, encode_kv, nvfp4_global_scale
 from kveval.tensors.quant_format import TensorQuant
 

@@ -161,9 +161,9 @@ def test_kivi2_with_residual():
                                     "quant(bits=2,k_axis=channel,group=64,residual=10,symmetric=true)",
                                     "fp8(axis=channel,group=16,residual=5)"])
 def test_matches_the_real_store(policy):
-    """The planner's bytes equal what kveval.stores.base.QuantizedStore really holds."""
+    """The planner's bytes equal what kveval.stores.quantized.QuantizedStore really holds."""
     torch = pytest.importorskip("torch")
-    from kveval.stores.base import QuantizedStore
+    from kveval.stores.quantized import QuantizedStore
 
     quant = parse_policy(policy).quantization
     heads, tokens, dim = 3, 301, 64

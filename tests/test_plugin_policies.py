@@ -18,7 +18,7 @@ from kveval.planner.memory import plan
 from kveval.policies.base import Placement, PlannedCoding, QuantizationPolicy, RatioSelectionPolicy
 from kveval.policies.registry import POLICIES, register_policy
 from kveval.policies.spec import parse_policy
-from kveval.stores.base import QuantizedSequence, QuantizedStore
+from kveval.stores.quantized import QuantizedSequence, QuantizedStore
 from kveval.tensors.quant_format import TensorQuant
 
 

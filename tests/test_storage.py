@@ -14,11 +14,8 @@ from kveval.cache.compressed import CompressedCache, nominal_bytes_per_token
 from kveval.errors import UsageError
 from kveval.policies.spec import parse_policy
 from kveval.dtypes import checkpoint_kv_dtype, deployment_kv_dtype, parse_kv_dtype
-from kveval.stores.base import (
-    DenseStore,
-    QuantizedStore,
-    TokenStore,
-)
+from kveval.stores.base import DenseStore, TokenStore
+from kveval.stores.quantized import QuantizedStore
 from kveval.stores.lowrank import LowRankStore
 from kveval.tensors.quantization import (
     FP8_FORMATS,

@@ -7,7 +7,7 @@ over rows or heads:
 
 - the new tokens go in after each row's last slot, as ``kv_dtype`` values;
 - quantized rows: tokens that age out of the full-precision residual window
-  are encoded by :func:`kveval.stores.base.encode` exactly as each row's store
+  are encoded by :func:`kveval.stores.quantized.encode` exactly as each row's store
   encodes them (groups per token, or per channel over the same ``group``
   consecutive tokens the store would group) and replaced, in place, by their
   dequantized values; or, held as codes (:class:`~kveval.cache.coded_rows.CodedRows`,

@@ -1,7 +1,7 @@
 """One of K or V of one quantized layer, for a whole batch, held as codes: dequantized only when read.
 
 :class:`CodedRows` is the batched counterpart of
-:class:`~kveval.stores.base.QuantizedSequence` for rows whose every slot is alive
+:class:`~kveval.stores.quantized.QuantizedSequence` for rows whose every slot is alive
 (no eviction inside units): batched decode keeps the layer's codes here and
 dequantizes the layer into a scratch tensor at each step (:meth:`CodedRows.read`),
 so only one layer's dequantized K/V exist at a time instead of a second,
@@ -27,7 +27,7 @@ Layout
 
 Row ``b`` holds ``units[b] * unit + tails[b]`` tokens: its sealed tokens, then its tail,
 in order, exactly as its ``QuantizedSequence`` would after the same appends and seals.
-Every token is encoded once, from ``kv_dtype``, by :func:`kveval.stores.base.encode`; the
+Every token is encoded once, from ``kv_dtype``, by :func:`kveval.stores.quantized.encode`; the
 encodings used (per-group min/max or absolute max, elementwise scaling and
 rounding) do not depend on which other tokens or rows are encoded alongside, so a
 batched seal writes the codes the row's own sequence would write, bit for bit.
@@ -40,7 +40,7 @@ from dataclasses import replace
 import torch
 
 from kveval.errors import UsageError
-from kveval.stores.base import QuantizedSequence, encode
+from kveval.stores.quantized import QuantizedSequence, encode
 from kveval.tensors.batch_buffer import run_targets, slot_range, slot_rows, take_slots, uploaded
 from kveval.tensors.quantization import FP8_FORMATS, QuantizedBlock, dequantize_into
 
@@ -80,7 +80,7 @@ class CodedRows:
         The encoding (bits, axis, group, symmetric, fp8).
     residual : int
         Tokens each row keeps in full precision (the residual window), as in
-        :class:`~kveval.stores.base.QuantizedSequence`.
+        :class:`~kveval.stores.quantized.QuantizedSequence`.
     kv_dtype : torch.dtype
         Dtype of the tail (the cache dtype).
     batch, heads, dim : int

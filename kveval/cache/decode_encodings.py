@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kveval.stores.base import BatchFamily, QuantizedSequence, TokenStore
+from kveval.stores.base import BatchFamily, TokenStore
+from kveval.stores.quantized import QuantizedSequence
 from kveval.tensors.batch_buffer import BatchBuffer, slot_range, uploaded
 from kveval.tensors.quantization import quantized_values
 
@@ -74,7 +75,7 @@ class ResidualWindow:
 
 
 class QuantizedResidual(ResidualWindow):
-    """One of K or V of a quantized layer (:class:`~kveval.stores.base.QuantizedSequence`): its encoding and window."""
+    """One of K or V of a quantized layer (:class:`~kveval.stores.quantized.QuantizedSequence`): its encoding and window."""
 
     def __init__(self, quant, residual: int, unit: int, tails: list[int]):
         super().__init__(residual, unit, tails)

@@ -64,7 +64,7 @@ from kveval.modeling.layer_types import NATIVE_ENTRY_PARTS, NATIVE_STORE_PARTS
 from kveval.policies.base import Need
 from kveval.policies.compatibility import check_policy, indexer_coding, refuse_model_indexer
 from kveval.policies.indexer import index_shares
-from kveval.stores.base import QuantizedSequence
+from kveval.stores.quantized import QuantizedSequence
 from kveval.tensors.scoring_state import ScoringState
 
 def rows_alone(model) -> bool:

@@ -221,7 +221,7 @@ def stream_bytes(tokens: int, heads: int, dim: int, q, residual: int, dtype_byte
 @functools.lru_cache(maxsize=4096)
 def _sliding_slots(context: int, new_tokens: int, window: int, residual: int, unit: int) -> tuple[int, int]:
     """Quantized and full-precision slots of a sliding layer's per-channel stream (``unit``-token groups), as
-    :class:`kveval.stores.base.QuantizedSequence` holds them: the prefill keeps its last ``window - 1`` tokens and
+    :class:`kveval.stores.quantized.QuantizedSequence` holds them: the prefill keeps its last ``window - 1`` tokens and
     seals whole groups past the ``residual`` newest; each decode step appends a token, seals, then drops the
     oldest live one. A group the window cuts keeps its dead slots until all are dead."""
     held = min(context, window - 1)

@@ -572,7 +572,7 @@ class QuantizationPolicy(RepresentationPolicy):
         """How one row of part ``part`` of a model's own cache layer is coded (:mod:`kveval.cache.native_layers`:
         DeepSeek V3.2's indexer keys, V4's compressed entries and their indexer keys): keys alone, ``width`` numbers
         per entry, one entry per ``stride`` tokens; a sequence with the interface of
-        :class:`~kveval.stores.base.QuantizedSequence` (``append``, ``seal``, ``select``, ``materialize``,
+        :class:`~kveval.stores.quantized.QuantizedSequence` (``append``, ``seal``, ``select``, ``materialize``,
         ``length``, ``nbytes``). Quantizers that define no coding of such parts are refused on those models before
         the weights load (:func:`kveval.policies.compatibility.check_policy`), so this default is never reached there."""
         raise PolicySpecError(f"{self.spec()}: codes no part {part!r} of a model's own cache layer")

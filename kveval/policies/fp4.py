@@ -50,7 +50,7 @@ class MicroscalingPolicy(GroupedQuantizationPolicy):
     ``amax / (448 * 6)`` of the tokens held at the first seal (the prefill's K or V of that layer, residual window
     included; torchao's ``per_tensor_amax_to_scale``), so the prefill's largest block gets the E4M3 block scale 448.
     Later tokens reuse it (a larger value saturates its block). Its 4 bytes count once per layer, K and V each, per
-    sequence (:class:`kveval.stores.base.QuantizedSequence`). On a model's own cache layer (DeepSeek V3.2, V4) each
+    sequence (:class:`kveval.stores.quantized.QuantizedSequence`). On a model's own cache layer (DeepSeek V3.2, V4) each
     part (V4's window, CSA/HCA entries, indexer keys; V3.2's latent, RoPE key, indexer keys) is a tensor of its own.
     """
 

@@ -49,7 +49,7 @@ class GroupedQuantizationPolicy(QuantizationPolicy):
     def part_codes(self, model, layer_idx: int, part: str, width: int, kv_dtype, stride: int):
         """K's coding (the parts are keys), its per-token groups fitted to the part's own width, and the residual
         window counted in entries."""
-        from kveval.stores.base import QuantizedSequence
+        from kveval.stores.quantized import QuantizedSequence
 
         return QuantizedSequence(self.key_quant.fitted(width), self.residual_tokens, kv_dtype)
 
@@ -91,8 +91,8 @@ class GroupedQuantizationPolicy(QuantizationPolicy):
         self.group = max(d for d in range(1, min(self.group, width) + 1) if width % d == 0)
 
     def make_store(self, inner, model, layer_idx: int):
-        """A :class:`kveval.stores.base.QuantizedStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
-        from kveval.stores.base import QuantizedStore
+        """A :class:`kveval.stores.quantized.QuantizedStore` in place of ``inner``, the dense store it replaces (same dtypes)."""
+        from kveval.stores.quantized import QuantizedStore
 
         return QuantizedStore(self.key_quant, self.value_quant, self.residual_tokens, inner.kv_dtype, inner.compute_dtype)
 

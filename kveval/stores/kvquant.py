@@ -56,7 +56,8 @@ import torch
 from kveval.calibration.kv import calibration_kv_parts, load_versioned, save_atomic
 from kveval.errors import PolicySpecError, UsageError
 from kveval.modeling.rope import rope_hook
-from kveval.stores.base import BatchFamily, KeysOnlySequence, TokenStore, alive_order, alive_slots
+from kveval.stores.base import BatchFamily, TokenStore, alive_order, alive_slots
+from kveval.stores.quantized import KeysOnlySequence
 from kveval.tensors.quantization import SCALE_DTYPE, pack_bits, unpack_bits
 
 KVQUANT_VERSION = 1  # bump when the calibration procedure changes: old cache files are then ignored
@@ -460,7 +461,7 @@ class KVQuantStore(TokenStore):
     as. :meth:`select` marks slots dead and drops the ones dead in every head; a
     head with fewer live slots than another keeps dead ones as padding (counted
     in :attr:`nbytes`, since the layout really holds them), as
-    :class:`kveval.stores.base.QuantizedSequence` does. Nothing is re-encoded.
+    :class:`kveval.stores.quantized.QuantizedSequence` does. Nothing is re-encoded.
     """
 
     batch_family = BatchFamily.KVQUANT
@@ -608,7 +609,7 @@ class KVQuantPart(KeysOnlySequence):
     """One row's entries of a part of keys alone (``[1, n, width]``: DeepSeek V3.2's indexer keys, V4's compressed
     entries and their indexer keys) held as KVQuant holds keys: a :class:`KVQuantStore` of one "head", per-channel
     ranges and codebook calibrated on the part, sparse outliers, the sink's entries and the ``residual`` newest in
-    the cache dtype. The sequence interface of :class:`~kveval.stores.base.QuantizedSequence` (what
+    the cache dtype. The sequence interface of :class:`~kveval.stores.quantized.QuantizedSequence` (what
     :class:`~kveval.cache.native_layers.PartSequence` holds)."""
 
     def __init__(self, codec: KVQuantCodec, sink: int, residual: int, kv_dtype: torch.dtype, stride: int = 1):

@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kveval.stores.base import BatchFamily, DenseStore, QuantizedStore, TokenStore
+from kveval.stores.base import BatchFamily, DenseStore, TokenStore
+from kveval.stores.quantized import QuantizedStore
 
 
 # --- the store ---------------------------------------------------------------------------------

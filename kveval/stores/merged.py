@@ -16,7 +16,7 @@ directions, the retained slots) are counted in the earlier layer's bytes alone.
 
 Coding: the directions (K's and V's, shared) and each layer's retained tokens are held in stores the stack's
 quantizer makes (``coded(compute_dtype)``: a :class:`~kveval.stores.base.DenseStore` in the cache dtype without one, else e.g. a
-:class:`~kveval.stores.base.QuantizedStore`, with its groups and residual window), each coded once, whole, right
+:class:`~kveval.stores.quantized.QuantizedStore`, with its groups and residual window), each coded once, whole, right
 after the merge, from the full-precision prefill; the magnitudes stay in the cache dtype and the slots in int32.
 Tokens appended after the merge (decoding) are held per layer in one more such store, coded as the quantizer codes
 any layer's decode tokens.
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kveval.lazy import torch
-from kveval.stores.base import DenseStore, TokenStore, _nbytes
+from kveval.stores.base import DenseStore, TokenStore, tensor_nbytes
 
 #: Below this ``sin(omega)`` the SLERP weights are those of the linear interpolation (the directions agree).
 _PARALLEL = 1e-6
@@ -76,8 +76,8 @@ class MergedStream:
 
     @property
     def nbytes(self) -> int:
-        own = _nbytes(self.magnitudes) + _nbytes(self.retained)
-        return own + (_nbytes(self.directions) + _nbytes(self.slots) if self.owns_shared else 0)
+        own = tensor_nbytes(self.magnitudes) + tensor_nbytes(self.retained)
+        return own + (tensor_nbytes(self.directions) + tensor_nbytes(self.slots) if self.owns_shared else 0)
 
 
 def merge_streams(x: "torch.Tensor", y: "torch.Tensor", t: float, r: int,
@@ -159,8 +159,8 @@ class MergedStore(TokenStore):
 
     @property
     def nbytes(self) -> int:
-        own = sum(_nbytes(stream.magnitudes) for stream in (self.k, self.v)) + self.retained.nbytes + self.tail.nbytes
-        shared = sum(_nbytes(stream.slots) for stream in (self.k, self.v)) + self.directions.nbytes
+        own = sum(tensor_nbytes(stream.magnitudes) for stream in (self.k, self.v)) + self.retained.nbytes + self.tail.nbytes
+        shared = sum(tensor_nbytes(stream.slots) for stream in (self.k, self.v)) + self.directions.nbytes
         return own + (shared if self.k.owns_shared else 0)
 
 

@@ -4,7 +4,7 @@ parts of a model's own cache layer, every token coded on arrival as the engine w
 :class:`RecordStore` is an :class:`~kveval.stores.engine.EngineStore` whose coding of K and V is picked by what it is
 handed: an MLA latent with its RoPE key beside it (V3.2: K the latent, V the RoPE key) or K=V entries (V4's window:
 values of width 0). :class:`RecordSequence` holds one row of a part of keys alone (V4's compressed entries, an
-indexer's keys) with the interface of :class:`~kveval.stores.base.QuantizedSequence`.
+indexer's keys) with the interface of :class:`~kveval.stores.quantized.QuantizedSequence`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from kveval.stores.base import KeysOnlySequence
+from kveval.stores.quantized import KeysOnlySequence
 from kveval.stores.engine import EngineCodec, EngineStore
 from kveval.tensors.ds_records import Empty
 

@@ -72,7 +72,7 @@ class QuantizedBlock:
     #: A block-scaled format's name (``nvfp4``, ``mxfp4``, ``mxfp8``), ``None`` for integers and FP8.
     mx: str | None = None
     #: NVFP4's FP32 per-tensor scale (a 0-dim float32 tensor) the blocks were coded against; not counted in
-    #: :attr:`nbytes`: one per sequence and stream, counted there (:class:`kveval.stores.base.QuantizedSequence`).
+    #: :attr:`nbytes`: one per sequence and stream, counted there (:class:`kveval.stores.quantized.QuantizedSequence`).
     global_scale: torch.Tensor | None = None
 
     @property
