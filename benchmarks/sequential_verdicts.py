@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Run as a script only benchmarks/ is on sys.path; the tests import this module as benchmarks.sequential_verdicts, and
+# both find its sibling the same way from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.sequential_quickstart import REPO, _candidates, _run, _variant  # noqa: E402
