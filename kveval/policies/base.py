@@ -14,7 +14,7 @@ parameter has a declared type (its dataclass annotation: ``bool``, ``int``,
 or repeated parameter is one :class:`~kveval.errors.PolicySpecError` line.
 The canonical spec (:attr:`PolicyStack.spec`) parses back to the same stack.
 
-This module is the policy contract in one file (a little over 600 lines): the families' abstract bases, the
+This module is the policy contract in one file (about 700 lines): the families' abstract bases, the
 capabilities they declare and the stack that composes them are read together by anyone adding a policy, and a
 split would send that reader to three files for one interface.
 """
