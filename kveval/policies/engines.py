@@ -40,9 +40,9 @@ def check_engine_choice(name: str, key: str, value, allowed: Sequence[str], unpi
                               f"{name}: {key}={value!r} must be one of {choices}")
 
 
-def fp8_format(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise PolicySpecError(f"{name}: kv_cache_dtype={value!r} must be one of {', '.join(allowed)}")
+def fp8_format(value: str) -> str:
+    """The FP8 format an engine's FP8 cache dtype names (``fp8``, ``fp8_e4m3``: e4m3; ``fp8_e5m2``: e5m2), the value
+    already checked (:func:`check_engine_choice`)."""
     return "e5m2" if value.endswith("e5m2") else "e4m3"
 
 

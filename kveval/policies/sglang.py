@@ -63,7 +63,7 @@ class SglangPolicy(EnginePolicy):
                 raise PolicySpecError(f"{self.name}: kv_cache_dtype=fp4_mx_block16 has no per-tensor scale "
                                       f"(a UE8M0 scale per 16 values); drop kv_scale=")
         else:
-            self.format = fp8_format(self.name, dtype, SGLANG_DTYPES[:2])
+            self.format = fp8_format(dtype)
         check_positive_scale(self.name, "kv_scale", self.kv_scale)
 
     @property

@@ -130,7 +130,7 @@ class VllmPolicy(EnginePolicy):
             check_calib_tokens(self.name, self.calib_tokens, None)
             return
         check_engine_choice(self.name, "kv_cache_dtype", dtype, VLLM_DTYPES + DS_MLA_DTYPES, VLLM_UNPINNED)
-        self.format = fp8_format(self.name, dtype, VLLM_FP8) if dtype in VLLM_FP8 else dtype
+        self.format = fp8_format(dtype) if dtype in VLLM_FP8 else dtype
         if self.scales not in ("unit", "dynamic", "checkpoint"):
             raise PolicySpecError(f"{self.name}: scales={self.scales!r} must be unit, dynamic or checkpoint")
         if dtype in VLLM_TURBOQUANT and self.scales != "unit":
