@@ -78,6 +78,17 @@ def _ran_every_item(out: Path, fixed: dict[str, tuple[str, int]]) -> list[str]:
                               for c in _candidates(out) if len(read_items(Path(c["path"]))) == fixed[c["name"]][1]))
 
 
+def checked_config(ap: argparse.ArgumentParser, config: Path):
+    """The sweep config ``config`` loaded, or the parser's one-line error (exit 2) where it cannot be."""
+    from kveval.errors import KvevalError
+    from kveval.sweep.config import load_config
+
+    try:
+        return load_config(config)
+    except (KvevalError, FileNotFoundError) as exc:
+        ap.error(str(exc))
+
+
 def compare(config: Path, root: Path) -> dict:
     """Run ``config`` fixed-n then sequentially under ``root``; the times, exit codes and per-candidate verdicts."""
     runs = {}
@@ -97,6 +108,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "quickstart.yaml")
     ap.add_argument("--keep", type=Path, help="write both sweeps here (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
+    checked_config(ap, args.config)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

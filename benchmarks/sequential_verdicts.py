@@ -24,7 +24,7 @@ from pathlib import Path
 # both find its sibling the same way from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.sequential_quickstart import REPO, _candidates, _run, _variant  # noqa: E402
+from benchmarks.sequential_quickstart import REPO, _candidates, _run, _variant, checked_config  # noqa: E402
 
 
 def _recorded(sweep: Path) -> dict[str, dict]:
@@ -63,9 +63,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", type=Path, help="its sequential sweep folder (default: results/<the config's name>)")
     ap.add_argument("--keep", type=Path, help="finish the copy here (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
-    from kveval.sweep.config import load_config
-
-    sweep = args.sweep or REPO / "results" / load_config(args.config).name
+    sweep = args.sweep or REPO / "results" / checked_config(ap, args.config).name
     if not (sweep / "manifest.json").is_file() or not _decisions(sweep):
         ap.error(f"{sweep} holds no sequential sweep (no manifest.json recording sequential_decisions); give its "
                  f"folder with --sweep")

@@ -356,6 +356,16 @@ def test_a_sequential_sweep_finished_fixed_n_keeps_its_verdicts(tmp_path, capsys
     assert "2 of 2 verdicts the same" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [["--config", "no-such.yaml"], None])
+def test_the_sequential_benchmarks_refuse_a_missing_config_in_one_line(argv, capsys):
+    from benchmarks.sequential_quickstart import main as time_to_verdict
+    from benchmarks.sequential_verdicts import main as finish
+
+    with pytest.raises(SystemExit) as exit_:
+        (time_to_verdict(argv) if argv else finish(["no-such.yaml"]))
+    assert exit_.value.code == 2 and "no-such.yaml: no such sweep config" in capsys.readouterr().err
+
+
 def test_the_caps_spend_the_fail_error_rate_over_the_looks():
     """A cap (flips, confusion, KL) is tested at each look at the FAIL spending function's increment: the increments
     sum to alpha (its error rate by the union bound), O'Brien-Fleming spends almost nothing at the first look, and a
