@@ -27,8 +27,9 @@ PROBE_KEYS = {"families", "lengths", "depths", "n", "seed", "params"}
 LM_EVAL_KEYS = {"tasks", "limit", "model_args", "metadata"}
 #: Config keys that name where things go or how they are judged, not what is computed: outside the config hash.
 #: ``noise_floor`` adds a run beside the others and changes none of them: asking for it resumes a finished sweep.
-#: ``sequential`` changes how many items a run holds, never an item's result: a fixed-n sweep resumed sequentially
-#: replays its looks on the items it holds, a sequential one resumed fixed-n runs the rest of the items.
+#: ``sequential`` changes how many items a run holds, and an item's answer only as another batch arrangement does (a
+#: near-tie rounded another way, within the noise floor): a fixed-n sweep resumed sequentially replays its looks on
+#: the items it holds, a sequential one resumed fixed-n runs the rest of the items.
 #: ``rank`` only adds the report's ranking of candidates against each other (:mod:`kveval.report.ranking`).
 RESULT_NEUTRAL_KEYS = {"gate", "out", "noise_floor", "sequential", "rank"}
 
